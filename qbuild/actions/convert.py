@@ -1,0 +1,17 @@
+"""convert: an HF checkpoint snapshot -> NxDI-layout text weights (tp-independent) and vision weights."""
+
+from __future__ import annotations
+
+from ..actions import RunContext
+from ..source import locate, read_snapshot
+
+
+def run(ctx: RunContext) -> None:
+    from ..convert import convert_checkpoint
+
+    files = locate(read_snapshot(ctx.inputs["snapshot"]), ctx.context)
+    src = next(iter(files.values())).parent
+    info = convert_checkpoint(src, ctx.out, files=files, dtype=ctx.params["dtype"], fp8=ctx.params["fp8"])
+    if info.get("family") != ctx.params["family"]:
+        raise ValueError(f"checkpoint family {info.get('family')} differs from the planned {ctx.params['family']}")
+    ctx.log(f"converted {info.get('tensors', '?')} tensors")

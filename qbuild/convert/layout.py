@@ -1,0 +1,61 @@
+"""The conversion program of one checkpoint: every Step from HF tensors to NxDI tensors, assembled per layer
+from the rule tables of each concern (norms, attention, deltanet, mlp, moe, embeddings, vision).
+
+The program is a pure function of the family, the dimensions and which tensor names the checkpoint holds (to pick
+the expert storage form per layer, and whether lm_head is stored or tied). Everything tp-dependent is left to shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qbuild.convert import attention, deltanet, embeddings, mlp, moe, norms, vision
+from qbuild.convert.dims import TextDims, VisionDims
+from qbuild.convert.families import Family
+from qbuild.convert.steps import Step
+
+
+@dataclass(frozen=True)
+class Program:
+    text: list[Step]
+    vision: list[Step]
+
+    def sources(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor the checkpoint must hold, with its shape."""
+        return {n: s for step in self.text + self.vision for n, s in zip(step.sources, step.shapes)}
+
+
+def layer_steps(d: TextDims, family: Family, i: int, names) -> list[Step]:
+    hf, nx = f"{family.text_prefix}layers.{i}.", f"layers.{i}."
+    rows = list(norms.LAYER_NORMS)
+    if d.is_full_attention(i):
+        rows += attention.ATTENTION + norms.ATTENTION_NORMS
+    else:
+        rows += deltanet.GROUPED_DELTANET if family.grouped_deltanet else deltanet.DELTANET
+    steps = []
+    if d.is_moe(i):
+        rows += moe.ROUTER_AND_SHARED
+        steps += moe.expert_steps(d, hf, nx, fused=moe.is_fused(names, hf))
+    else:
+        rows += mlp.DENSE_MLP
+    return [row.step(d, hf, nx) for row in rows] + steps
+
+
+def text_program(d: TextDims, family: Family, names) -> list[Step]:
+    steps = embeddings.embedding_steps(d, family, family.text_prefix, names)
+    steps.append(norms.FINAL_NORM.step(d, family.text_prefix, ""))
+    for i in range(d.num_layers):
+        steps += layer_steps(d, family, i, names)
+    return steps
+
+
+def vision_program(v: VisionDims, family: Family) -> list[Step]:
+    prefix = family.vision_prefix
+    steps = [row.step(v, prefix, "") for row in vision.TOP]
+    for i in range(v.depth):
+        steps += [row.step(v, f"{prefix}blocks.{i}.", f"blocks.{i}.") for row in vision.BLOCK]
+    return steps
+
+
+def program(family: Family, d: TextDims, v: VisionDims | None, names) -> Program:
+    return Program(text_program(d, family, names), vision_program(v, family) if v is not None else [])

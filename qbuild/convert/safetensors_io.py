@@ -1,0 +1,192 @@
+"""Reading and writing the safetensors format directly, one tensor at a time.
+
+Layout of a file: 8-byte little-endian header length N, N bytes of JSON
+``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the data,
+offsets relative to the first data byte.
+
+Why not `safetensors.safe_open`: its memory map keeps every page it touched resident (and counted in RSS)
+until the file is closed, so converting a 60 GB checkpoint would show a 60 GB RSS; its checks also raise the
+library's own errors, not ones naming our file and tensor. Here every header is validated against the file size
+before any data is read (so a lying header can never cause an out-of-bounds read), and each tensor is read with
+`os.preadv` straight into a fresh tensor that is freed as soon as its conversion step ends. `os.preadv` releases
+the GIL, so reads of independent steps overlap in threads. Only safetensors are ever read: never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from qbuild.convert.errors import CheckpointError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+
+# A header larger than this is not a plausible checkpoint (the 160 GB Coder-Next index is ~2 MB of JSON).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+# Linux transfers at most 0x7ffff000 bytes per read/write call; larger tensors are moved in pieces.
+_IO_CHUNK = 1 << 30
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file: where its bytes are (absolute file offsets) and what they hold."""
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def read_header(path: Path, label: str | None = None) -> dict[str, Entry]:
+    """The validated tensor entries of the safetensors file at `path`; CheckpointError naming `label` if bad."""
+    label = label or path.name
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(label, f"not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise CheckpointError(label, f"header length {n} exceeds the file size {size} (truncated or corrupt)")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(label, f"cannot read: {e.strerror or e}") from None
+    try:
+        doc = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(label, f"header is not valid JSON ({e.__class__.__name__})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(label, "header is not a JSON object")
+    doc.pop("__metadata__", None)
+    entries = {name: _entry(label, name, spec, 8 + n) for name, spec in doc.items()}
+    _check_extent(label, entries, 8 + n, size)
+    return entries
+
+
+def _entry(label: str, name: str, spec: object, data_start: int) -> Entry:
+    if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
+        raise CheckpointError(label, "header entry lacks dtype, shape or data_offsets", name)
+    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if dtype not in DTYPES:
+        raise CheckpointError(label, f"unsupported dtype {dtype!r}", name)
+    ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and x >= 0 for x in xs)  # noqa: E731
+    if not ints(shape) or not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CheckpointError(label, f"malformed shape {shape!r} or data_offsets {offsets!r}", name)
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    if offsets[1] - offsets[0] != expected:
+        raise CheckpointError(label, f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+                                     f"but {dtype} {tuple(shape)} needs {expected}", name)
+    return Entry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
+
+
+def _check_extent(label: str, entries: dict[str, Entry], data_start: int, size: int) -> None:
+    """Every tensor lies inside the file, and no two tensors share bytes."""
+    last_end, last_name = data_start, None
+    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if e.end > size:
+            raise CheckpointError(label, f"data ends at byte {e.end} but the file has {size} bytes "
+                                         "(truncated or lying header)", e.name)
+        if e.begin < last_end and e.nbytes:
+            raise CheckpointError(label, f"data overlaps tensor {last_name!r}", e.name)
+        if e.nbytes:
+            last_end, last_name = e.end, e.name
+
+
+def read_tensor(fd: int, entry: Entry) -> torch.Tensor:
+    """The tensor `entry` of the open file `fd`, in a fresh buffer of its own."""
+    buf = torch.empty(entry.nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    done = 0
+    while done < entry.nbytes:
+        got = os.preadv(fd, [view[done:done + _IO_CHUNK]], entry.begin + done)
+        if got <= 0:
+            raise OSError(f"short read of {entry.name!r} at byte {entry.begin + done}")
+        done += got
+    return buf.view(entry.torch_dtype).reshape(entry.shape)
+
+
+def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
+    """Write the bytes of `tensor` (made contiguous) at absolute `offset` of the open file `fd`."""
+    t = tensor.detach().contiguous()
+    if t.numel() == 0:
+        return
+    view = memoryview(t.view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:done + _IO_CHUNK], offset + done)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one planned tensor goes: the header entry and the absolute byte offset of its data."""
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class PlannedFile:
+    """A safetensors file whose tensors are all known up front (name, dtype, shape), written in any order.
+
+    The header is written at open, so tensors can be written one at a time, by several threads, each straight
+    to its final offset: nothing is buffered and no second pass copies the data.
+    """
+
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+        rel = 0
+        for name, dtype, shape in specs:
+            n = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [rel, rel + n]}
+            rel += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the reference writer does
+        start = 8 + len(raw)
+        self.path = path
+        self.slots: dict[str, Slot] = {}
+        for name, dtype, shape in specs:
+            begin = header[name]["data_offsets"][0]  # type: ignore[index]
+            self.slots[name] = Slot(name, dtype, tuple(shape), start + begin)
+        self.size = start + rel
+        self._written: set[str] = set()
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self.fd, struct.pack("<Q", len(raw)) + raw, 0)
+        os.ftruncate(self.fd, self.size)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        slot = self.slots[name]
+        assert tensor.dtype == slot.dtype and tuple(tensor.shape) == slot.shape, (name, tensor.dtype, tensor.shape, slot)
+        write_at(self.fd, slot.offset, tensor)
+        self._written.add(name)
+
+    def close(self) -> None:
+        missing = set(self.slots) - self._written
+        os.close(self.fd)
+        assert not missing, f"{self.path.name}: planned tensors never written: {sorted(missing)[:5]}"

@@ -1,0 +1,51 @@
+"""The unit of conversion: a Step turns a few HF tensors into a few NxDI tensors by one rule.
+
+Rule modules declare their key maps as tables of `Row`s (HF suffix and shape, NxDI suffixes, transform) with the
+layer prefix left out; `layout.py` instantiates them per layer into Steps. The same Steps drive validation (their
+sources and shapes are exactly what a checkpoint must hold), the in-memory conversion, the streaming conversion,
+and output planning (run on meta tensors to learn every output's shape and dtype before any data is read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+Shape = tuple[int, ...]
+Transform = Callable[..., tuple[torch.Tensor, ...]]  # (dims, *tensors) -> one tensor per target
+
+
+@dataclass(frozen=True)
+class Step:
+    sources: tuple[str, ...]
+    shapes: tuple[Shape, ...]     # the shape each source must have
+    targets: tuple[str, ...]
+    fn: Callable[..., tuple[torch.Tensor, ...]]  # (*tensors) -> one tensor per target, dims already bound
+    keep_fp32: bool = False       # outputs stay float32 instead of being cast to the target dtype
+
+    def __call__(self, *tensors: torch.Tensor) -> dict[str, torch.Tensor]:
+        outs = self.fn(*tensors)
+        assert len(outs) == len(self.targets), (self.targets, len(outs))
+        return dict(zip(self.targets, outs))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of a key map: HF suffix, its shape as a function of the dims, NxDI suffixes, transform."""
+    source: str
+    shape: Callable[[object], Shape]
+    targets: tuple[str, ...]
+    transform: Transform
+    keep_fp32: bool = False
+
+    def step(self, dims, hf_prefix: str, nx_prefix: str) -> Step:
+        transform = self.transform
+        return Step((hf_prefix + self.source,), (tuple(self.shape(dims)),),
+                    tuple(nx_prefix + t for t in self.targets), lambda *ts: transform(dims, *ts), self.keep_fp32)
+
+
+def same(dims, w: torch.Tensor) -> tuple[torch.Tensor]:
+    """The identity rule: renamed (by the row), otherwise unchanged."""
+    return (w,)

@@ -1,0 +1,195 @@
+"""The engine: walks the plan, runs what is not cached on an executor, and reports each step as an event.
+
+Scheduling respects three limits at once: the dependency order, the number of jobs (-j), and a memory budget
+(each node declares its estimated peak; running nodes never sum past the budget). A node's key is computed when
+its inputs' digests are known; a hit in the store skips it. By default the first failure stops new work (the
+steps already running finish and are kept); with keep_going, only the failed node's dependents are skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from . import actions
+from .errors import BuildError, QbuildError, UserError
+from .job import Job
+from .plan import Node, Plan, key_of, preimage
+from .store import StoreSpec
+from .store.manifest import Manifest
+
+
+class Executor(Protocol):
+    def submit(self, job: Job, node: Node) -> Future: ...
+    def capacity_check(self, node: Node) -> str | None: ...
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class Event:
+    kind: str                  # "cached" | "start" | "built" | "failed" | "skipped"
+    node: Node
+    manifest: Manifest | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class BuildResult:
+    manifests: dict[str, Manifest] = field(default_factory=dict)
+    built: list[str] = field(default_factory=list)
+    cached: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.skipped
+
+
+@dataclass
+class BuildOptions:
+    jobs: int = 1
+    mem_budget: int | None = None       # bytes; None = no limit
+    keep_going: bool = False
+    strict: bool = False                # any node that would have to be built is an error
+
+
+def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor], options: BuildOptions,
+          on_event: Callable[[Event], None] = lambda e: None, only: set[str] | None = None) -> BuildResult:
+    """Build every node of `plan` (or those in `only` and their inputs)."""
+    wanted = _closure(plan, only) if only is not None else set(plan.nodes)
+    waiting = [nid for nid in plan.nodes if nid in wanted]      # not started yet, in topological order
+    result = BuildResult()
+    running: dict[Future, tuple[str, float]] = {}
+    mem_in_use = 0
+    executor: Executor | None = None
+    stop = False
+
+    def fail(nid: str, error: str) -> None:
+        nonlocal stop
+        result.failed[nid] = error
+        on_event(Event("failed", plan.nodes[nid], error=error))
+        for dep in _dependents(plan, nid, waiting):
+            waiting.remove(dep)
+            result.skipped.append(dep)
+            on_event(Event("skipped", plan.nodes[dep], error=f"input {plan.nodes[nid].name} failed"))
+        if not options.keep_going:
+            stop = True
+
+    try:
+        while True:
+            progressed = False
+            for nid in list(waiting):
+                node = plan.nodes[nid]
+                if stop or nid not in waiting or not all(d in result.manifests for d in node.deps.values()):
+                    continue
+                pre = preimage(node, {name: result.manifests[d].digest for name, d in node.deps.items()})
+                key = key_of(pre)
+                hit = store.get_manifest(key)
+                if hit is not None:
+                    waiting.remove(nid)
+                    result.manifests[nid] = hit
+                    result.cached.append(nid)
+                    on_event(Event("cached", node, hit))
+                    progressed = True
+                    continue
+                problem = None
+                if options.strict:
+                    problem = f"{node.name} is not in the store (key {key[:16]}) and --strict forbids building it"
+                elif options.mem_budget is not None and node.est_peak_bytes > options.mem_budget:
+                    problem = (f"{node.name} needs ~{node.est_peak_bytes / 2**30:.1f} GiB, over the memory budget "
+                               f"of {options.mem_budget / 2**30:.1f} GiB (--mem)")
+                else:
+                    if executor is None:
+                        executor = executor_factory()
+                    problem = executor.capacity_check(node)
+                if problem is not None:
+                    waiting.remove(nid)
+                    fail(nid, problem)
+                    progressed = True
+                    continue
+                if len(running) >= options.jobs:
+                    break
+                if options.mem_budget is not None and mem_in_use + node.est_peak_bytes > options.mem_budget:
+                    continue
+                job = Job(node_id=nid, kind=node.kind, name=node.name, key=key, preimage=pre, params=node.params,
+                          inputs={name: result.manifests[d].outputs for name, d in node.deps.items()},
+                          store=spec, entry=actions.get(node.kind).entry, context=node.context)
+                waiting.remove(nid)
+                running[executor.submit(job, node)] = (nid, time.monotonic())
+                mem_in_use += node.est_peak_bytes
+                on_event(Event("start", node))
+                progressed = True
+            if not running:
+                if progressed and not stop:
+                    continue
+                break
+            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+            for fut in done:
+                nid, started = running.pop(fut)
+                mem_in_use -= plan.nodes[nid].est_peak_bytes
+                try:
+                    manifest = fut.result()
+                except QbuildError as e:
+                    fail(nid, str(e))
+                    continue
+                except Exception as e:  # a worker that died (killed, out of memory) or an executor fault
+                    fail(nid, f"{plan.nodes[nid].name}: worker failed: {type(e).__name__}: {e}")
+                    continue
+                result.manifests[nid] = manifest
+                result.built.append(nid)
+                on_event(Event("built", plan.nodes[nid], manifest, seconds=time.monotonic() - started))
+    finally:
+        if executor is not None:
+            executor.shutdown()
+    result.skipped.extend(n for n in waiting if n not in result.skipped)
+    return result
+
+
+def _closure(plan: Plan, only: set[str]) -> set[str]:
+    out: set[str] = set()
+    stack = list(only)
+    while stack:
+        nid = stack.pop()
+        if nid not in out:
+            out.add(nid)
+            stack.extend(plan.nodes[nid].deps.values())
+    return out
+
+
+def _dependents(plan: Plan, nid: str, candidates: list[str]) -> list[str]:
+    out: list[str] = []
+    frontier = {nid}
+    changed = True
+    while changed:
+        changed = False
+        for other in candidates:
+            if other not in out and frontier & set(plan.nodes[other].deps.values()):
+                out.append(other)
+                frontier.add(other)
+                changed = True
+    return out
+
+
+def check_mem_budget(value: str | None) -> int | None:
+    """Parse --mem values like 24G, 512M, 1.5T (bytes); None means no limit."""
+    if value is None:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    v = value.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        if v and v[-1] in units:
+            return int(float(v[:-1]) * units[v[-1]])
+        return int(v)
+    except ValueError:
+        raise UserError(f"--mem: cannot read {value!r}; use a size like 24G or 512M") from None
+
+
+def raise_for(result: BuildResult, plan: Plan) -> None:
+    if result.failed:
+        lines = [f"{plan.nodes[n].name}: {e}" if not e.startswith(plan.nodes[n].name) else e
+                 for n, e in result.failed.items()]
+        raise BuildError("; ".join(lines))

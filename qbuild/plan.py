@@ -1,0 +1,250 @@
+"""The planner: recipes -> a DAG of action nodes with keys, statuses and reasons. Pure over its inputs.
+
+A node's id is structural (its kind, params and the ids of its inputs), so equal work in two recipes is one
+node: the tp4 and tp8 recipes of a model share fetch, convert and reference. A node's key is the content key of
+DESIGN.md, blake3 of {action, action version, params, input digests, toolchain}; it is known once every input's
+output digest is known, that is once the upstream nodes are cached or built.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import actions, arch as archmod
+from .arch import Arch
+from .hashing import StatCache, digest_json
+from .recipe import LoadedRecipe
+from .store.manifest import Manifest
+
+# Files a build needs from a checkpoint; pickled weights (*.bin, *.pt) are never fetched or loaded.
+CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja", "*.model")
+GIB = 1 << 30
+
+
+@dataclass
+class Node:
+    id: str
+    kind: str
+    name: str                       # what a person reads: "compile cte-128", "fetch Qwen/Qwen3.5-2B"
+    params: dict                    # the allow-listed inputs that enter the key
+    deps: dict[str, str]            # input name -> node id
+    est_out_bytes: int
+    est_peak_bytes: int
+    context: dict = field(default_factory=dict)   # where things are on this machine; never in a key
+    recipes: list[str] = field(default_factory=list)
+    needs_device: bool = False
+
+
+@dataclass
+class PlannedRecipe:
+    loaded: LoadedRecipe
+    arch: Arch
+    nodes: dict[str, str]           # role ("fetch", "compile cte-128", "package", ...) -> node id
+    bundle: str                     # id of the package node
+    verify: str                     # id of the verify node
+
+
+@dataclass
+class Plan:
+    nodes: dict[str, Node]          # in a topological order
+    recipes: dict[str, PlannedRecipe]
+
+    def roles(self, node_id: str) -> list[tuple[str, str]]:
+        return [(r, role) for r, pr in self.recipes.items() for role, nid in pr.nodes.items() if nid == node_id]
+
+
+# --- building the graph ---------------------------------------------------------------------------------------
+
+def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params: dict, deps: dict[str, str],
+         out: int, peak: int, context: dict | None = None, needs_device: bool = False) -> str:
+    node_id = digest_json({"kind": kind, "params": params, "deps": deps})[:16]
+    node = nodes.get(node_id)
+    if node is None:
+        node = nodes[node_id] = Node(node_id, kind, name, params, deps, out, peak, dict(context or {}),
+                                     needs_device=needs_device)
+    if recipe not in node.recipes:
+        node.recipes.append(recipe)
+    return node_id
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    seen: set[Path] = set()
+    for pattern in CHECKPOINT_PATTERNS:
+        seen.update(p for p in directory.glob(pattern) if p.is_file() and not p.name.startswith("."))
+    return sorted(seen)
+
+
+def _fetch_params(loaded: LoadedRecipe, stat_cache: StatCache) -> tuple[dict, dict]:
+    """(params, context) of the fetch node. A local dir is identified by its files' digests, never its path."""
+    src = loaded.recipe.model
+    if src.path is not None:
+        files = {p.name: "blake3:" + stat_cache.digest(p) for p in checkpoint_files(loaded.source_dir)}
+        return {"source": "path", "files": files}, {"path": str(loaded.source_dir)}
+    cached = archmod.hf_cached_snapshot(src.hf, src.revision)
+    revision = cached[0] if cached else src.revision
+    return {"source": "hf", "repo": src.hf, "revision": revision}, {"requested_revision": src.revision}
+
+
+def resolve_backend(backend: str) -> str:
+    if backend != "auto":
+        return backend
+    return "neuron" if importlib.util.find_spec("neuronx_distributed_inference") else "inductor"
+
+
+def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) -> dict:
+    """The allow-listed inputs of one compiled graph: architecture, parallelism, shapes, backend and flags.
+
+    Weight values never enter (a compile serves every fine-tune of an architecture). The text graphs do not
+    depend on the vision encoder and the vision graphs do not depend on the text model or on tp.
+    """
+    r = loaded.recipe
+    backend = resolve_backend(r.backend)
+    common = {"graph": graph, "bucket": bucket, "backend": backend, "dtype": r.dtype,
+              "compiler": {"target": r.compiler.target, "lnc": r.compiler.effective_lnc,
+                           "flags": list(r.compiler.flags)} if backend == "neuron" else None}
+    if graph == "vision":
+        return {**common, "vision": archmod.asdict(arch.vision)}
+    text = arch.fingerprint()
+    text.pop("vision")
+    return {**common, "text": text, "tp": r.parallel.tp, "ep": r.parallel.ep,
+            "moe_tp": r.parallel.effective_moe_tp if arch.is_moe else None,
+            "batch_size": r.text.batch_size, "seq_len": r.text.seq_len, "fp8": r.fp8,
+            "moe_backend": archmod.moe_backend(loaded, arch), "fused_qkv": r.fused_qkv,
+            "cte_buckets": r.text.cte_buckets if backend == "neuron" else None}
+
+
+def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
+    emb = arch.vocab_size * arch.hidden_size
+    experts = (arch.num_experts or 0) * 2 * (arch.moe_intermediate_size or 0) * arch.hidden_size
+    return max(emb, experts) * dtype_bytes
+
+
+def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_cache: StatCache) -> PlannedRecipe:
+    r, name = loaded.recipe, loaded.name
+    dbytes = {"bfloat16": 2, "float16": 2, "float32": 4}[r.dtype]
+    weights = archmod.weight_bytes(arch, r.dtype, r.fp8)
+    vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * dbytes
+    big = _largest_tensor_bytes(arch, 4)
+    roles: dict[str, str] = {}
+
+    fparams, fctx = _fetch_params(loaded, stat_cache)
+    label = r.model.hf or Path(r.model.path).name
+    roles["fetch"] = fetch = _add(nodes, name, "fetch", f"fetch {label}", fparams, {},
+                                  archmod.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx)
+    roles["convert"] = convert = _add(
+        nodes, name, "convert", f"convert {arch.family} {r.dtype} fp8={r.fp8}",
+        {"family": arch.family, "dtype": r.dtype, "fp8": r.fp8}, {"snapshot": fetch},
+        weights + vision_bytes, 3 * big + GIB // 2, fctx)
+    moe_tp = r.parallel.effective_moe_tp if arch.is_moe else None
+    pad = 256 if archmod.moe_backend(loaded, arch) == "shard_on_intermediate" and resolve_backend(r.backend) == "neuron" \
+        else None
+    roles["shard"] = shard = _add(
+        nodes, name, "shard", f"shard tp{r.parallel.tp} ep{r.parallel.ep}",
+        {"tp": r.parallel.tp, "ep": r.parallel.ep, "moe_tp": moe_tp, "fused_qkv": r.fused_qkv,
+         "pad_intermediate_to": pad}, {"converted": convert}, weights, 3 * big + GIB // 2)
+
+    backend = resolve_backend(r.backend)
+    graphs = [("cte", b) for b in r.text.cte_buckets] + [("tkg", b) for b in r.text.token_buckets]
+    graphs += [("vision", b) for b in (r.vision.buckets if r.vision else [])]
+    compile_ids = {}
+    for graph, bucket in graphs:
+        params = compile_params(loaded, arch, graph, bucket)
+        on_cpu = backend != "neuron"
+        model_bytes = vision_bytes if graph == "vision" else weights
+        peak = GIB + (model_bytes if on_cpu else 4 * model_bytes // r.parallel.tp + 8 * GIB)
+        role = f"compile {graph}-{bucket}"
+        compile_ids[role] = roles[role] = _add(
+            nodes, name, "compile", f"{role} ({backend})", params, {}, 64 << 20, peak,
+            needs_device=False)
+    deps = {"converted": convert, "shard": shard, **{role.replace(" ", ":"): nid for role, nid in compile_ids.items()}}
+    roles["package"] = package = _add(
+        nodes, name, "package", f"package {name}",
+        {"family": arch.family, "backend": backend, "tp": r.parallel.tp, "ep": r.parallel.ep,
+         "batch_size": r.text.batch_size, "seq_len": r.text.seq_len, "cte_buckets": r.text.cte_buckets,
+         "tkg_buckets": r.text.token_buckets, "vision_buckets": r.vision.buckets if r.vision else [],
+         "dtype": r.dtype}, deps, weights + vision_bytes + len(graphs) * (64 << 20), GIB // 2)
+    v = r.verify
+    roles["reference"] = reference = _add(
+        nodes, name, "reference", f"reference {label}",
+        {"prompts": v.prompts, "new_tokens": v.new_tokens, "image": bool(r.vision and v.image_prompt),
+         "max_bucket": max(r.text.cte_buckets)}, {"snapshot": fetch},
+        4 << 20, 4 * archmod.weight_bytes(arch, "float32", "none") // 4 + vision_bytes * 2 + GIB, fctx)
+    roles["verify"] = verify = _add(
+        nodes, name, "verify", f"verify {name}",
+        {"top1_min": v.top1_min, "token_match_min": v.token_match_min, "max_logit_err": v.max_logit_err},
+        {"bundle": package, "reference": reference}, 1 << 20, 2 * weights + GIB)
+    return PlannedRecipe(loaded, arch, roles, package, verify)
+
+
+def build_plan(recipes: list[LoadedRecipe], stat_cache: StatCache) -> Plan:
+    """Validate each recipe against its architecture and expand all of them into one deduplicated DAG."""
+    nodes: dict[str, Node] = {}
+    planned: dict[str, PlannedRecipe] = {}
+    for loaded in recipes:
+        if loaded.name in planned:
+            from .errors import RecipeError
+            raise RecipeError(f"{loaded.path}: name: recipe name {loaded.name!r} is also used by "
+                              f"{planned[loaded.name].loaded.path}")
+        arch = archmod.load_arch(loaded)
+        archmod.validate(loaded, arch)
+        planned[loaded.name] = plan_recipe(nodes, loaded, arch, stat_cache)
+    return Plan(nodes, planned)
+
+
+# --- keys and statuses ----------------------------------------------------------------------------------------
+
+def preimage(node: Node, input_digests: dict[str, str]) -> dict:
+    spec = actions.get(node.kind)
+    return {"action": node.kind, "version": spec.version, "params": node.params, "inputs": input_digests,
+            "toolchain": spec.toolchain_versions()}
+
+
+def key_of(pre: dict) -> str:
+    return digest_json(pre)
+
+
+@dataclass
+class NodeStatus:
+    status: str                     # "cached" | "build" | "waiting"
+    key: str | None
+    preimage: dict | None
+    manifest: Manifest | None
+    why: str
+
+
+def diff_preimages(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """The dotted fields whose values differ between two preimages, with old -> new for scalars."""
+    out = []
+    for k in sorted(set(old) | set(new)):
+        a, b, path = old.get(k), new.get(k), f"{prefix}{k}"
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += diff_preimages(a, b, path + ".")
+        elif isinstance(a, (dict, list)) or isinstance(b, (dict, list)) or (isinstance(a, str) and len(a) > 24):
+            out.append(f"{path} changed")
+        else:
+            out.append(f"{path}: {a} -> {b}")
+    return out
+
+
+def evaluate(plan: Plan, lookup, locked_preimage) -> dict[str, NodeStatus]:
+    """Status of every node: `lookup(key) -> Manifest | None` reads the store; `locked_preimage(node_id)` the lock."""
+    result: dict[str, NodeStatus] = {}
+    for nid, node in plan.nodes.items():
+        waiting = [name for name, dep in node.deps.items() if result[dep].manifest is None]
+        if waiting:
+            result[nid] = NodeStatus("waiting", None, None, None, f"waits on {', '.join(sorted(waiting))}")
+            continue
+        pre = preimage(node, {name: result[dep].manifest.digest for name, dep in node.deps.items()})
+        key = key_of(pre)
+        manifest = lookup(key)
+        if manifest is not None:
+            result[nid] = NodeStatus("cached", key, pre, manifest, "cached")
+            continue
+        old = locked_preimage(nid, node)
+        why = "no entry" if old is None else ("; ".join(diff_preimages(old, pre)) or "not in the store")
+        result[nid] = NodeStatus("build", key, pre, None, why)
+    return result

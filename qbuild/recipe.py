@@ -1,0 +1,259 @@
+"""Recipes: YAML files that declare what to build, validated by pydantic with errors at file:line:column."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import RecipeError
+
+FP8Policy = Literal["none", "mlp_only", "full"]
+MoEBackend = Literal["shard_on_intermediate", "torch_blockwise", "shard_hidden", "shard_on_block"]
+Backend = Literal["auto", "neuron", "inductor", "export"]
+Target = Literal["trn2", "trn1", "inf2"]
+DType = Literal["bfloat16", "float16", "float32"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSource(_Strict):
+    """Exactly one of `hf` (a hub repo, pinned by `revision`) or `path` (a local checkpoint directory)."""
+
+    hf: str | None = Field(None, pattern=r"^[\w.-]+/[\w.-]+$", description="Hugging Face repo id, org/name")
+    revision: str = Field("main", description="branch, tag or commit sha; resolved to a commit and locked")
+    path: str | None = Field(None, description="local checkpoint directory, relative to the recipe file")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSource":
+        if (self.hf is None) == (self.path is None):
+            raise ValueError("give exactly one of `hf` or `path`")
+        return self
+
+
+class Parallel(_Strict):
+    tp: int = Field(1, ge=1, le=64, description="tensor-parallel degree (ranks)")
+    ep: int = Field(1, ge=1, le=64, description="expert-parallel degree (MoE families)")
+    moe_tp: int | None = Field(None, ge=1, description="MoE tensor-parallel degree; default tp // ep")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Parallel":
+        if self.tp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide tp={self.tp}")
+        if self.moe_tp is not None and self.moe_tp * self.ep != self.tp:
+            raise ValueError(f"moe_tp * ep must equal tp ({self.moe_tp} * {self.ep} != {self.tp})")
+        return self
+
+    @property
+    def effective_moe_tp(self) -> int:
+        return self.moe_tp if self.moe_tp is not None else self.tp // self.ep
+
+
+def _check_buckets(v: list[int]) -> list[int]:
+    if not v:
+        raise ValueError("at least one bucket is needed")
+    if any(b <= 0 for b in v):
+        raise ValueError("buckets must be positive")
+    if len(set(v)) != len(v):
+        raise ValueError(f"buckets must be unique: {v}")
+    if v != sorted(v):
+        raise ValueError(f"buckets must be sorted ascending: {v}")
+    return v
+
+
+class Text(_Strict):
+    batch_size: int = Field(1, ge=1, le=256)
+    seq_len: int = Field(..., ge=1, description="maximum context (prompt + generated tokens)")
+    cte_buckets: list[int] = Field(..., description="context-encoding (prefill) bucket lengths")
+    tkg_buckets: list[int] | None = Field(None, description="token-generation buckets (KV length); default [seq_len]")
+
+    _buckets = field_validator("cte_buckets", "tkg_buckets")(lambda v: v if v is None else _check_buckets(v))
+
+    @model_validator(mode="after")
+    def _within_seq_len(self) -> "Text":
+        for field in ("cte_buckets", "tkg_buckets"):
+            over = [b for b in getattr(self, field) or [] if b > self.seq_len]
+            if over:
+                raise ValueError(f"{field} {over} exceed seq_len {self.seq_len}")
+        return self
+
+    @property
+    def token_buckets(self) -> list[int]:
+        return self.tkg_buckets or [self.seq_len]
+
+
+class Vision(_Strict):
+    buckets: list[int] = Field(..., description="patch-token counts before the 2x2 merge, e.g. 1024, 4096")
+
+    _buckets = field_validator("buckets")(_check_buckets)
+
+
+class Compiler(_Strict):
+    target: Target = "trn2"
+    lnc: int | None = Field(None, ge=1, le=2, description="logical NeuronCore config; default 2 on trn2, else 1")
+    flags: list[str] = Field(default_factory=list, description="extra neuronx-cc flags")
+
+    @property
+    def effective_lnc(self) -> int:
+        return self.lnc if self.lnc is not None else (2 if self.target == "trn2" else 1)
+
+
+class Verify(_Strict):
+    top1_min: float = Field(0.95, ge=0, le=1, description="fraction of prefill positions whose argmax agrees")
+    token_match_min: float = Field(0.9, ge=0, le=1, description="fraction of greedy tokens equal to the reference")
+    max_logit_err: float = Field(0.05, ge=0, description="max |logit - reference| over prefill positions")
+    new_tokens: int = Field(16, ge=1, le=1024, description="greedy tokens generated per prompt")
+    prompts: list[str] | None = Field(None, description="golden prompts; default the shipped set")
+    image_prompt: bool = Field(True, description="VL recipes also check a prompt with a synthetic image")
+
+
+class Recipe(_Strict):
+    """One build configuration: a model, how it is split across ranks, the graphs to compile, and the checks."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: ModelSource
+    parallel: Parallel = Parallel()
+    text: Text
+    vision: Vision | None = None
+    dtype: DType = "bfloat16"
+    fp8: FP8Policy = "none"
+    moe_backend: MoEBackend | None = Field(None, description="MoE families only; default per family")
+    fused_qkv: bool = False
+    compiler: Compiler = Compiler()
+    backend: Backend = "auto"
+    verify: Verify = Verify()
+
+
+class LoadedRecipe(BaseModel):
+    """A validated recipe with where it came from (for relative paths and error messages)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    recipe: Recipe
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    @property
+    def source_dir(self) -> Path | None:
+        p = self.recipe.model.path
+        return None if p is None else (self.path.parent / p).resolve()
+
+
+# --- YAML with positions -------------------------------------------------------------------------------------
+
+Marks = dict[tuple, tuple[Path, int, int]]
+
+
+def _construct(node: yaml.Node, path: tuple, marks: Marks, file: Path) -> Any:
+    marks[path] = (file, node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for k, v in node.value:
+            key = yaml.SafeLoader(k.value).construct_object(k) if not isinstance(k, yaml.ScalarNode) else k.value
+            if key in out:
+                raise RecipeError(f"{file}:{k.start_mark.line + 1}:{k.start_mark.column + 1}: duplicate key {key!r}")
+            marks[path + (key,)] = (file, k.start_mark.line + 1, k.start_mark.column + 1)
+            out[key] = _construct(v, path + (key,), marks, file)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_construct(v, path + (i,), marks, file) for i, v in enumerate(node.value)]
+    loader = yaml.SafeLoader("")
+    return loader.construct_object(node, deep=True)
+
+
+def _read_yaml(file: Path) -> tuple[dict, Marks]:
+    try:
+        text = file.read_text()
+    except OSError as e:
+        raise RecipeError(f"{file}: cannot read recipe: {e.strerror}") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
+        raise RecipeError(f"{where}: invalid YAML: {e.problem}") from None
+    marks: Marks = {}
+    data = {} if node is None else _construct(node, (), marks, file)
+    if not isinstance(data, dict):
+        raise RecipeError(f"{file}:1:1: a recipe must be a mapping of fields")
+    return data, marks
+
+
+def _merge(base: dict, child: dict) -> dict:
+    """Child fields override the base; nested mappings merge; lists are replaced whole."""
+    out = dict(base)
+    for k, v in child.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _load_raw(file: Path, chain: tuple[Path, ...]) -> tuple[dict, Marks]:
+    file = file.resolve()
+    if file in chain:
+        cycle = " -> ".join(p.name for p in chain + (file,))
+        raise RecipeError(f"{chain[-1]}: extends cycle: {cycle}")
+    data, marks = _read_yaml(file)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data, marks
+    if not isinstance(parent, str):
+        f, line, col = marks[("extends",)]
+        raise RecipeError(f"{f}:{line}:{col}: extends: expected a file name")
+    base_file = (file.parent / parent)
+    if not base_file.exists():
+        f, line, col = marks[("extends",)]
+        raise RecipeError(f"{f}:{line}:{col}: extends: {parent} does not exist")
+    base, base_marks = _load_raw(base_file, chain + (file,))
+    merged_marks = dict(base_marks)
+    merged_marks.update(marks)
+    # A relative model path is relative to the file that wrote it, not to the file that extends it.
+    base_model = base.get("model")
+    if isinstance(base_model, dict) and isinstance(base_model.get("path"), str):
+        base = _merge(base, {"model": {"path": str((base_file.parent / base_model["path"]).resolve())}})
+    return _merge(base, data), merged_marks
+
+
+def _locate(marks: Marks, loc: tuple, file: Path) -> str:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in marks:
+            f, line, col = marks[loc[:n]]
+            return f"{f}:{line}:{col}"
+    return f"{file}:1:1"
+
+
+def load_recipe(file: Path | str) -> LoadedRecipe:
+    """Parse, merge `extends`, and validate one recipe file. Raises RecipeError naming file:line:column and field."""
+    file = Path(file)
+    data, marks = _load_raw(file, ())
+    data.setdefault("name", file.stem)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith("function-after")))
+        field = ".".join(str(x) for x in loc) or "(recipe)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        raise RecipeError(f"{_locate(marks, loc, file)}: {field}: {msg}") from None
+    return LoadedRecipe(recipe=recipe, path=file.resolve())
+
+
+def recipe_field_location(loaded: LoadedRecipe, field: str) -> str:
+    """file:line:column of a dotted field in a loaded recipe (for errors found after schema validation)."""
+    _, marks = _load_raw(loaded.path, ())
+    loc = tuple(int(p) if p.isdigit() else p for p in field.split("."))
+    return _locate(marks, loc, loaded.path)
+
+
+def recipe_json_schema() -> dict:
+    schema = Recipe.model_json_schema()
+    schema["properties"]["extends"] = {"type": "string", "description": "a base recipe file this one overrides"}
+    schema["required"] = [r for r in schema.get("required", []) if r != "name"]
+    return schema

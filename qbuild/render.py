@@ -1,0 +1,147 @@
+"""Rendering for the CLI: plan trees, build progress, JSON documents. The only module that prints."""
+
+from __future__ import annotations
+
+import sys
+import time
+from functools import cache
+
+from .engine import BuildResult, Event
+from .plan import NodeStatus, Plan
+
+STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting"}
+STATUS_STYLE = {"cached": "green", "build": "yellow", "waiting": "dim"}
+
+
+@cache
+def console_err():
+    from rich.console import Console
+
+    return Console(stderr=True, highlight=False)
+
+
+@cache
+def console_out():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _label(plan: Plan, nid: str, st: NodeStatus) -> str:
+    from rich.markup import escape
+
+    node = plan.nodes[nid]
+    key = (st.key or "-" * 12)[:12]
+    why = "" if st.status == "cached" else f" ({escape(st.why)})"
+    return (f"[bold]{escape(node.name)}[/]  [dim]{key}[/]  [{STATUS_STYLE[st.status]}]{STATUS_TEXT[st.status]}[/]"
+            f"{why}  [dim]out {human_bytes(node.est_out_bytes)}, peak {human_bytes(node.est_peak_bytes)}[/]")
+
+
+def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
+    """One tree per recipe, rooted at its verify node; each node's children are its inputs."""
+    from rich.tree import Tree
+
+    out = console_out()
+    for name, pr in plan.recipes.items():
+        counts = {s: sum(status[n].status == s for n in set(pr.nodes.values())) for s in STATUS_TEXT}
+        root = Tree(f"[bold cyan]{name}[/] ({pr.loaded.path.name}, {pr.arch.family}, tp{pr.loaded.recipe.parallel.tp}"
+                    f" ep{pr.loaded.recipe.parallel.ep}): {counts['cached']} cached, {counts['build']} to build, "
+                    f"{counts['waiting']} waiting")
+        shown: set[str] = set()
+
+        def add(parent, nid: str) -> None:
+            if nid in shown:
+                parent.add(f"[dim]{plan.nodes[nid].name} (above)[/]")
+                return
+            shown.add(nid)
+            branch = parent.add(_label(plan, nid, status[nid]))
+            for dep in plan.nodes[nid].deps.values():
+                add(branch, dep)
+
+        add(root, pr.verify)
+        out.print(root)
+
+
+def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
+    nodes = []
+    for nid, node in plan.nodes.items():
+        st = status[nid]
+        nodes.append({"id": nid, "kind": node.kind, "name": node.name, "recipes": sorted(node.recipes),
+                      "key": st.key, "deps": dict(sorted(node.deps.items())), "status": st.status, "why": st.why,
+                      "params": node.params, "est_out_bytes": node.est_out_bytes,
+                      "est_peak_bytes": node.est_peak_bytes})
+    recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "nodes": dict(sorted(pr.nodes.items()))}
+               for name, pr in plan.recipes.items()}
+    return {"version": 1, "recipes": recipes, "nodes": nodes}
+
+
+def result_json(plan: Plan, result: BuildResult) -> dict:
+    def names(ids):
+        return sorted(plan.nodes[n].name for n in ids)
+
+    return {"ok": result.ok, "built": names(result.built), "cached": names(result.cached),
+            "failed": {plan.nodes[n].name: e for n, e in sorted(result.failed.items())},
+            "skipped": names(result.skipped),
+            "bundles": {name: result.manifests[pr.bundle].digest if pr.bundle in result.manifests else None
+                        for name, pr in sorted(plan.recipes.items())}}
+
+
+class BuildProgress:
+    """Live progress on a TTY (a spinner per running step); one plain line per event elsewhere."""
+
+    def __init__(self):
+        self.tty = sys.stderr.isatty()
+        self.running: dict[str, float] = {}
+        self._live = None
+        self.started = time.monotonic()
+
+    def __enter__(self) -> "BuildProgress":
+        if self.tty:
+            from rich.live import Live
+
+            self._live = Live(self._render(), console=console_err(), refresh_per_second=8, transient=True)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._live is not None:
+            self._live.__exit__(*exc)
+
+    def _render(self):
+        from rich.spinner import Spinner
+        from rich.table import Table
+
+        table = Table.grid(padding=(0, 1))
+        now = time.monotonic()
+        for name, started in self.running.items():
+            table.add_row(Spinner("dots"), name, f"[dim]{now - started:.0f}s[/]")
+        return table
+
+    def on_event(self, e: Event) -> None:
+        name = e.node.name
+        if e.kind == "start":
+            self.running[name] = time.monotonic()
+        else:
+            self.running.pop(name, None)
+        line = {"start": f"start  {name}", "built": f"built  {name} ({e.seconds:.1f}s)",
+                "failed": f"FAILED {name}: {e.error}", "skipped": f"skip   {name}: {e.error}"}.get(e.kind)
+        if e.kind == "cached":
+            line = None  # quiet when things are fine
+        if line:
+            console_err().print(line, markup=False, highlight=False, soft_wrap=True)
+        if self._live is not None:
+            self._live.update(self._render())
+
+    def summary(self, plan: Plan, result: BuildResult) -> None:
+        took = time.monotonic() - self.started
+        msg = (f"{len(result.built)} built, {len(result.cached)} cached, {len(result.failed)} failed, "
+               f"{len(result.skipped)} skipped in {took:.1f}s")
+        console_err().print(msg, markup=False, highlight=False)

@@ -1,0 +1,222 @@
+"""The local store: a content-addressed blob store plus an action cache of manifests.
+
+Layout under the store root:
+    cas/ab/<blake3>          immutable blobs (read-only files), shared by every manifest that names them
+    ac/ab/<key>.json         one manifest per action key: the key's preimage and the output tree
+    staging/<key>.<nonce>/   an action's scratch space while it runs
+    locks/<key>.lock         held while a key is being built, so concurrent processes build it once
+
+Every write is stage + fsync + rename; a manifest is written only after all its blobs are in place, so a
+process killed at any point leaves either a complete entry or none (plus garbage that `verify`/`gc` clears).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from filelock import FileLock
+
+from ..errors import InfraError
+from ..hashing import digest_file
+from .manifest import Manifest, tree_digest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` so readers see the old file or the new one, never a torn one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _infra(e, path) from None
+    _fsync_dir(path.parent)
+
+
+def _infra(e: OSError, path: Path) -> InfraError:
+    if e.errno == errno.ENOSPC:
+        return InfraError(f"{path}: no space left on device; free space or point --store elsewhere")
+    return InfraError(f"{path}: {e.strerror or e}")
+
+
+class LocalStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.root})"
+
+    # --- paths ---------------------------------------------------------------------------------------------
+    def blob_path(self, digest: str) -> Path:
+        return self.root / "cas" / digest[:2] / digest
+
+    def manifest_path(self, key: str) -> Path:
+        return self.root / "ac" / key[:2] / f"{key}.json"
+
+    # --- action cache --------------------------------------------------------------------------------------
+    def get_manifest(self, key: str) -> Manifest | None:
+        path = self.manifest_path(key)
+        try:
+            doc = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError):
+            # A manifest that cannot be read is treated as absent; the rebuild replaces it atomically.
+            return None
+        return Manifest.from_json(doc)
+
+    def put_manifest(self, manifest: Manifest) -> None:
+        missing = [p for p, o in manifest.outputs.items() if not self.has_blob(o["digest"])]
+        assert not missing, f"manifest {manifest.key} names blobs not in the store: {missing}"
+        atomic_write(self.manifest_path(manifest.key), manifest.to_bytes())
+
+    def commit(self, manifest: Manifest) -> None:
+        """Record a freshly built result (a remote-backed store also publishes it when asked to push)."""
+        self.put_manifest(manifest)
+
+    def manifests(self) -> Iterator[Manifest]:
+        for path in sorted((self.root / "ac").glob("*/*.json")):
+            m = self.get_manifest(path.stem)
+            if m is not None:
+                yield m
+
+    def delete_manifest(self, key: str) -> None:
+        self.manifest_path(key).unlink(missing_ok=True)
+
+    # --- blobs ---------------------------------------------------------------------------------------------
+    def has_blob(self, digest: str) -> bool:
+        return self.blob_path(digest).is_file()
+
+    def put_file(self, src: Path, digest: str | None = None) -> str:
+        """Move `src` into the CAS (it is consumed). Returns its digest."""
+        digest = digest or digest_file(src)
+        dst = self.blob_path(digest)
+        if dst.exists():
+            src.unlink()
+            return digest
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(src, "rb+") as f:
+                os.fsync(f.fileno())
+            os.chmod(src, 0o444)
+            os.replace(src, dst)
+        except OSError as e:
+            raise _infra(e, dst) from None
+        return digest
+
+    def put_blob_from(self, src: Path, digest: str) -> None:
+        """Copy a file whose digest is already known (e.g. downloaded and checked) into the CAS."""
+        if self.has_blob(digest):
+            return
+        tmp = self.staging_dir(f"blob-{digest[:16]}") / "blob"
+        shutil.copyfile(src, tmp)
+        self.put_file(tmp, digest)
+        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+    def ingest_tree(self, directory: Path) -> dict[str, dict]:
+        """Move every file under `directory` into the CAS; returns {relative path: {digest, size}}."""
+        outputs: dict[str, dict] = {}
+        for path in sorted(directory.rglob("*")):
+            if path.is_symlink():
+                raise InfraError(f"{path}: actions may not write symlinks into their outputs")
+            if not path.is_file():
+                continue
+            rel = path.relative_to(directory).as_posix()
+            size = path.stat().st_size
+            outputs[rel] = {"digest": self.put_file(path), "size": size}
+        return outputs
+
+    def materialize(self, outputs: dict[str, dict], dest: Path, *, verify: bool = False) -> None:
+        """Lay out an output tree under `dest` by hardlinking blobs (copying across filesystems)."""
+        for rel, meta in sorted(outputs.items()):
+            target = safe_join(dest, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            blob = self.blob_path(meta["digest"])
+            if verify and digest_file(blob) != meta["digest"]:
+                raise InfraError(f"{blob}: blob of {rel} does not match its digest {meta['digest'][:16]}; "
+                                 "run `qbuild store verify --repair`")
+            if target.exists() or target.is_symlink():
+                target.unlink()
+            try:
+                os.link(blob, target)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                    raise _infra(e, target) from None
+                shutil.copyfile(blob, target)
+
+    # --- staging and locks ---------------------------------------------------------------------------------
+    def staging_dir(self, key: str) -> Path:
+        d = self.root / "staging" / f"{key}.{uuid.uuid4().hex[:12]}"
+        d.mkdir(parents=True)
+        return d
+
+    def clear_staging(self, key: str) -> None:
+        """Remove leftovers of an earlier, killed build of `key` (call while holding its lock)."""
+        for d in (self.root / "staging").glob(f"{key}.*"):
+            shutil.rmtree(d, ignore_errors=True)
+
+    @contextmanager
+    def lock(self, key: str, timeout: float = -1) -> Iterator[None]:
+        path = self.root / "locks" / f"{key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(path), timeout=timeout):
+            yield
+
+    # --- maintenance ---------------------------------------------------------------------------------------
+    def verify(self, repair: bool = False) -> list[str]:
+        """Check every blob's digest and every manifest's blobs; returns one line per problem found."""
+        problems: list[str] = []
+        bad_blobs: set[str] = set()
+        for blob in sorted((self.root / "cas").glob("*/*")):
+            if blob.name.startswith(".") or digest_file(blob) != blob.name:
+                problems.append(f"corrupt blob {blob}")
+                bad_blobs.add(blob.name)
+                if repair:
+                    blob.unlink()
+        for m in self.manifests():
+            missing = [p for p, o in m.outputs.items() if o["digest"] in bad_blobs or not self.has_blob(o["digest"])]
+            if missing:
+                problems.append(f"manifest {m.key[:16]} ({m.kind}) lost {', '.join(missing)}")
+                if repair:
+                    self.delete_manifest(m.key)
+            elif tree_digest(m.outputs) != m.digest:
+                problems.append(f"manifest {m.key[:16]} ({m.kind}) has a wrong tree digest")
+                if repair:
+                    self.delete_manifest(m.key)
+        for d in sorted((self.root / "staging").glob("*")):
+            key = d.name.split(".")[0]
+            try:
+                with self.lock(key, timeout=0):
+                    problems.append(f"orphaned staging {d.name}")
+                    if repair:
+                        shutil.rmtree(d, ignore_errors=True)
+            except TimeoutError:
+                pass  # a live build owns it
+        return problems
+
+
+def safe_join(root: Path, rel: str) -> Path:
+    """`root / rel`, refusing any relative path that would land outside `root`."""
+    p = Path(rel)
+    if p.is_absolute() or ".." in p.parts or rel in ("", "."):
+        raise InfraError(f"refusing path {rel!r}: it would escape {root}")
+    return root / p

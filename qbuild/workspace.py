@@ -1,0 +1,114 @@
+"""A workspace ties the pieces together for one command: recipes, store, lockfile, plan, engine.
+
+The CLI parses flags into a Workspace and renders what its methods return; nothing here prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import lock as lockmod
+from .engine import BuildOptions, BuildResult, Event, build
+from .errors import BuildError, UserError
+from .hashing import StatCache, default_stat_cache
+from .plan import NodeStatus, Plan, build_plan, evaluate
+from .recipe import LoadedRecipe, load_recipe
+from .store import LocalStore, StoreSpec, open_store
+
+RECIPES_DIR = Path("recipes")
+
+
+@dataclass
+class Workspace:
+    store_spec: StoreSpec
+    lock_path: Path = Path("artifacts.lock")
+    root: Path = field(default_factory=Path.cwd)
+    stat_cache: StatCache = field(default_factory=default_stat_cache)
+
+    @property
+    def store(self) -> LocalStore:
+        return open_store(self.store_spec)
+
+    # --- recipes and plans -----------------------------------------------------------------------------------
+    def recipe_files(self, files: list[str], all_: bool) -> list[Path]:
+        if all_:
+            found = sorted((self.root / RECIPES_DIR).glob("*.yaml"))
+            if not found:
+                raise UserError(f"{self.root / RECIPES_DIR}: --all found no recipes (*.yaml)")
+            return found + [Path(f) for f in files]
+        if not files:
+            raise UserError("name at least one recipe file, or pass --all")
+        return [Path(f) for f in files]
+
+    def load(self, files: list[str], all_: bool = False) -> list[LoadedRecipe]:
+        return [load_recipe(f) for f in self.recipe_files(files, all_)]
+
+    def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
+        plan = build_plan(recipes, self.stat_cache)
+        doc = lockmod.read(self.lock_path)
+        status = evaluate(plan, self.store.get_manifest,
+                          lambda nid, node: lockmod.locked_preimage(doc, plan.roles(nid)))
+        return plan, status
+
+    # --- building --------------------------------------------------------------------------------------------
+    def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
+                on_event: Callable[[Event], None] = lambda e: None, frozen: bool = False) -> tuple[Plan, BuildResult]:
+        plan = build_plan(recipes, self.stat_cache)
+        if frozen:
+            self._check_frozen(plan)
+        seen = BuildResult()
+
+        def track(event: Event) -> None:
+            if event.manifest is not None:
+                seen.manifests[event.node.id] = event.manifest
+            # The lock entry of each step is written as soon as it succeeds, so an interrupted run keeps it.
+            if event.kind == "built" and not frozen:
+                self.write_lock(plan, seen)
+            on_event(event)
+
+        result = build(plan, self.store, self.store_spec, executor_factory, options, track)
+        if not frozen:
+            self.write_lock(plan, result)
+        if frozen:
+            new = lockmod.merge(lockmod.read(self.lock_path), *self._lock_entries(plan, result))
+            if lockmod.dumps(new) != lockmod.dumps(lockmod.read(self.lock_path)):
+                raise BuildError(f"{self.lock_path}: --frozen, but this build would change the lockfile; "
+                                 "run `qbuild compile` without --frozen and commit the lockfile")
+        return plan, result
+
+    def _check_frozen(self, plan: Plan) -> None:
+        doc = lockmod.read(self.lock_path)
+        for name in plan.recipes:
+            if name not in doc["recipes"]:
+                raise BuildError(f"{self.lock_path}: --frozen, but recipe {name} is not in the lockfile; "
+                                 "run `qbuild compile` without --frozen and commit the lockfile")
+
+    def _lock_entries(self, plan: Plan, result: BuildResult) -> tuple[dict, dict]:
+        recipes, nodes = {}, {}
+        for name, planned in plan.recipes.items():
+            fetch_manifest = result.manifests.get(planned.nodes["fetch"])
+            model = self._model_entry(planned, fetch_manifest)
+            recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.root)
+            for nid in recipes[name]["nodes"].values():
+                nodes[nid] = lockmod.node_entry(plan.nodes[nid], result.manifests[nid])
+        return recipes, nodes
+
+    def _model_entry(self, planned, fetch_manifest) -> dict:
+        src = planned.loaded.recipe.model
+        model = {"source": f"hf:{src.hf}" if src.hf else "path", "revision": None, "files": {}}
+        if fetch_manifest is not None:
+            import json
+
+            blob = self.store.blob_path(fetch_manifest.outputs["snapshot.json"]["digest"])
+            snap = json.loads(blob.read_text())
+            model["revision"] = snap["revision"]
+            model["files"] = {n: m["digest"] for n, m in sorted(snap["files"].items())}
+        return model
+
+    def write_lock(self, plan: Plan, result: BuildResult) -> bool:
+        return lockmod.update(self.lock_path, *self._lock_entries(plan, result))
+
+    def check_lock(self, recipes: list[str] | None = None) -> list[str]:
+        return lockmod.check(lockmod.read(self.lock_path), self.store, recipes)
