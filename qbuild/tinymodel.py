@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, Mapping
 
 Family = Literal["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 FAMILIES: tuple[Family, ...] = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
@@ -24,6 +24,8 @@ _TEXT = dict(
     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
     linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=96, max_position_embeddings=4096,
 )
+# Head counts that split over 4 tensor-parallel ranks (kv heads then replicate: tp 4 > 2 kv heads).
+TP4_TEXT = dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8)
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 _VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
                num_position_embeddings=64)
@@ -39,11 +41,14 @@ def _special_id(name: str) -> int:
     return VOCAB_SIZE - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(name)
 
 
-def make_config(family: Family, vision: bool):
-    """The transformers config of a tiny model of `family` (vision only for the VL families)."""
+def make_config(family: Family, vision: bool, text_overrides: Mapping[str, Any] | None = None):
+    """The transformers config of a tiny model of `family` (vision only for the VL families).
+
+    `text_overrides` replaces text-model fields, e.g. TP4_TEXT so that every head count divides by 4."""
     import transformers
 
     text = dict(_TEXT, eos_token_id=_special_id("<|endoftext|>"), pad_token_id=_special_id("<|endoftext|>"))
+    text.update(text_overrides or {})
     if family == "qwen3_next":
         if vision:
             raise ValueError("qwen3_next has no vision encoder")
@@ -136,12 +141,13 @@ def _fuse_experts(out: Path) -> None:
 
 
 def write_tiny_checkpoint(out: Path, family: Family, *, seed: int = 0, fused_experts: bool = False,
-                          dtype: str = "float32") -> Path:
+                          dtype: str = "float32", text_overrides: Mapping[str, Any] | None = None) -> Path:
     """Write a seeded tiny checkpoint of `family` (config, safetensors shards + index, tokenizer) into `out`.
 
     The VL families (qwen3_5, qwen3_5_moe) carry a vision encoder, as the published checkpoints do. MoE
     experts are written per expert (as transformers' save_pretrained does) unless `fused_experts`, which
-    writes the fused 3D form of the published Qwen3.5-MoE checkpoints.
+    writes the fused 3D form of the published Qwen3.5-MoE checkpoints. `text_overrides` changes text-model
+    fields (see make_config).
     """
     import torch
 
@@ -150,7 +156,7 @@ def write_tiny_checkpoint(out: Path, family: Family, *, seed: int = 0, fused_exp
     if fused_experts and family == "qwen3_5":
         raise ValueError("fused_experts applies to the MoE families only")
     torch.manual_seed(seed)
-    config = make_config(family, vision=family != "qwen3_next")
+    config = make_config(family, vision=family != "qwen3_next", text_overrides=text_overrides)
     model = _make_model(config)
     _perturb(model, seed)
     model = model.to(getattr(torch, dtype))
