@@ -78,6 +78,10 @@ def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
                       "key": st.key, "deps": dict(sorted(node.deps.items())), "status": st.status, "why": st.why,
                       "params": node.params, "est_out_bytes": node.est_out_bytes,
                       "est_peak_bytes": node.est_peak_bytes})
+        if node.kind == "compile" and node.params.get("backend") == "neuron":
+            from .backends.neuron import neuron_config
+
+            nodes[-1]["neuron_config"] = neuron_config(node.params)
     recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "nodes": dict(sorted(pr.nodes.items()))}
                for name, pr in plan.recipes.items()}
     return {"version": 1, "recipes": recipes, "nodes": nodes}
