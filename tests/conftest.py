@@ -1,0 +1,45 @@
+"""Shared fixtures: an isolated environment per test and tiny checkpoints made once per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(tmp_path, monkeypatch):
+    """No test reads or writes the user's caches, store, or the Hub."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+    monkeypatch.setenv("QBUILD_STORE", str(tmp_path / "store"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("QBUILD_REMOTE", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One seeded tiny checkpoint per family (MoE experts per expert, as save_pretrained writes them)."""
+    from qbuild.tinymodel import FAMILIES, write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {fam: write_tiny_checkpoint(root / fam, fam) for fam in FAMILIES}
+
+
+def qbuild(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False,
+           timeout: float = 900) -> subprocess.CompletedProcess:
+    """Run the real CLI in a subprocess, as a user would."""
+    full_env = dict(os.environ, **(env or {}))
+    proc = subprocess.run([sys.executable, "-m", "qbuild.cli", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"qbuild {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc

@@ -1,0 +1,156 @@
+"""The engine on toy graphs of test-defined actions: ordering, parallelism, memory budget, failures, processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from qbuild.engine import BuildOptions, build
+from qbuild.executors.local import LocalExecutor
+from qbuild.plan import Plan, _add
+from qbuild.store import LocalStore, StoreSpec
+from tests.engine_actions import read_log
+
+GIB = 1 << 30
+
+
+def _graph(log: Path, spec: list[tuple[str, str, list[str], int]], seconds: float = 0.3) -> Plan:
+    """spec: (name, kind, input names, peak GiB) in topological order."""
+    nodes, ids = {}, {}
+    for name, kind, deps, peak in spec:
+        ids[name] = _add(nodes, "toy", kind, name, {"name": name, "log": str(log), "seconds": seconds},
+                         {d: ids[d] for d in deps}, 1, peak * GIB)
+    return Plan(nodes, {})
+
+
+def _run(plan: Plan, root: Path, **opts):
+    store = LocalStore(root)
+    options = BuildOptions(**opts)
+    events = []
+    result = build(plan, store, StoreSpec(local=str(root)), lambda: LocalExecutor(options.jobs), options,
+                   events.append)
+    return result, events
+
+
+def _intervals(log: Path) -> dict[str, tuple[float, float]]:
+    out: dict[str, list[float]] = {}
+    for e in read_log(log):
+        out.setdefault(e["node"], [0.0, 0.0])[0 if e["event"] == "start" else 1] = e["t"]
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def test_builds_in_dependency_order_and_outputs_flow_downstream(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("a", "test-sleep", [], 1), ("b", "test-sleep", ["a"], 1), ("c", "test-sleep", ["a", "b"], 1)],
+                  seconds=0.05)
+    result, _ = _run(plan, tmp_path / "store", jobs=2)
+    assert result.ok and len(result.built) == 3
+    iv = _intervals(log)
+    assert iv["a"][1] <= iv["b"][0] and iv["b"][1] <= iv["c"][0]
+    c = result.manifests[list(plan.nodes)[2]]
+    assert (LocalStore(tmp_path / "store").blob_path(c.outputs["value.txt"]["digest"]).read_text()
+            == "c(a(),b(a()))")
+
+
+def test_second_run_is_all_cached(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("a", "test-sleep", [], 1), ("b", "test-sleep", ["a"], 1)], seconds=0.01)
+    _run(plan, tmp_path / "store")
+    n_events = len(read_log(log))
+    result, events = _run(plan, tmp_path / "store")
+    assert result.built == [] and len(result.cached) == 2
+    assert len(read_log(log)) == n_events  # nothing ran
+
+
+def test_independent_nodes_run_in_parallel(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("a", "test-sleep", [], 1), ("b", "test-sleep", [], 1)], seconds=1.0)
+    result, _ = _run(plan, tmp_path / "store", jobs=2)
+    assert result.ok
+    iv = _intervals(log)
+    assert iv["a"][0] < iv["b"][1] and iv["b"][0] < iv["a"][1], "the two steps did not overlap"
+
+
+def test_memory_budget_is_never_exceeded(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("a", "test-sleep", [], 6), ("b", "test-sleep", [], 6), ("c", "test-sleep", [], 2)],
+                  seconds=0.5)
+    result, _ = _run(plan, tmp_path / "store", jobs=3, mem_budget=10 * GIB)
+    assert result.ok
+    iv = _intervals(log)
+    peaks = {"a": 6, "b": 6, "c": 2}
+    for t in sorted(x for pair in iv.values() for x in pair):
+        in_use = sum(peaks[n] for n, (s, e) in iv.items() if s <= t < e)
+        assert in_use <= 10, f"{in_use} GiB running at once"
+
+
+def test_node_over_budget_fails_clearly(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("huge", "test-sleep", [], 64)])
+    result, _ = _run(plan, tmp_path / "store", mem_budget=8 * GIB)
+    (error,) = result.failed.values()
+    assert "huge needs ~64.0 GiB" in error and "--mem" in error
+
+
+def test_failure_is_not_cached_and_stops_by_default(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("bad", "test-fail", [], 1), ("after", "test-sleep", ["bad"], 1),
+                        ("other", "test-sleep", [], 1)], seconds=0.01)
+    result, _ = _run(plan, tmp_path / "store", jobs=1)
+    assert len(result.failed) == 1 and "failed on purpose" in next(iter(result.failed.values()))
+    assert not result.ok
+    ran = {e["node"] for e in read_log(log)}
+    assert "after" not in ran
+    # Not cached: a second run tries again.
+    before = len([e for e in read_log(log) if e["node"] == "bad"])
+    _run(plan, tmp_path / "store", jobs=1)
+    assert len([e for e in read_log(log) if e["node"] == "bad"]) == before + 1
+    assert not any(m.kind == "test-fail" for m in LocalStore(tmp_path / "store").manifests())
+
+
+def test_keep_going_builds_what_does_not_depend_on_the_failure(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("bad", "test-fail", [], 1), ("after", "test-sleep", ["bad"], 1),
+                        ("x", "test-sleep", [], 1), ("y", "test-sleep", ["x"], 1)], seconds=0.01)
+    result, _ = _run(plan, tmp_path / "store", jobs=1, keep_going=True)
+    names = {plan.nodes[n].name for n in result.built}
+    assert names == {"x", "y"}
+    assert {plan.nodes[n].name for n in result.skipped} == {"after"}
+
+
+def test_strict_fails_on_a_miss_naming_the_node(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("needed", "test-sleep", [], 1)])
+    result, _ = _run(plan, tmp_path / "store", strict=True)
+    (error,) = result.failed.values()
+    assert "needed is not in the store" in error and not read_log(log)
+
+
+_CONCURRENT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from tests.test_engine import _graph, _run
+    log, store = Path(sys.argv[1]), Path(sys.argv[2])
+    plan = _graph(log, [("a", "test-sleep", [], 1), ("b", "test-sleep", ["a"], 1), ("c", "test-sleep", [], 1),
+                        ("d", "test-sleep", ["b", "c"], 1)], seconds=0.3)
+    result, _ = _run(plan, store, jobs=2)
+    print(sorted((n, m.digest) for n, m in result.manifests.items()))
+    sys.exit(0 if result.ok else 1)
+""")
+
+
+@pytest.mark.parametrize("processes", [2, 4])
+def test_concurrent_processes_build_each_node_once(tmp_path, processes):
+    log, store = tmp_path / "log", tmp_path / "store"
+    procs = [subprocess.Popen([sys.executable, "-c", _CONCURRENT, str(log), str(store)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(processes)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert len({o[0] for o in outs}) == 1, "processes saw different results"
+    starts = [e["node"] for e in read_log(log) if e["event"] == "start"]
+    assert sorted(starts) == ["a", "b", "c", "d"], f"nodes built more than once: {starts}"
