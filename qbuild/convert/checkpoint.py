@@ -114,13 +114,13 @@ def _read_tensors(locate: _Locator, files: list[str], weight_map: dict[str, str]
         path = locate(file)
         for name, entry in read_header(path, file).items():
             if name in found:
-                raise CheckpointError(file, f"also stored in {found[name].file}", name)
+                raise CheckpointError(file, f"is also stored in {found[name].file}", name)
             if weight_map is not None and weight_map.get(name) != file:
-                raise CheckpointError(file, f"not listed for this file in {INDEX}", name)
+                raise CheckpointError(file, f"is not listed for this file in {INDEX}", name)
             found[name] = Located(file, path, entry)
     for name, file in sorted((weight_map or {}).items()):
         if name not in found:
-            raise CheckpointError(file, f"listed in {INDEX} but absent from the file", name)
+            raise CheckpointError(file, f"is listed in {INDEX} but absent from the file", name)
     return found
 
 

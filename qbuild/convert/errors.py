@@ -13,8 +13,7 @@ class CheckpointError(ValueError):
     def __init__(self, file: str, message: str, tensor: str | None = None):
         self.file = file
         self.tensor = tensor
-        where = f"{file}: tensor {tensor!r}" if tensor else file
-        super().__init__(f"{where}: {message}")
+        super().__init__(f"{file}: tensor {tensor!r} {message}" if tensor else f"{file}: {message}")
 
 
 class ShardError(ValueError):

@@ -87,16 +87,16 @@ def read_header(path: Path, label: str | None = None) -> dict[str, Entry]:
 
 def _entry(label: str, name: str, spec: object, data_start: int) -> Entry:
     if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
-        raise CheckpointError(label, "header entry lacks dtype, shape or data_offsets", name)
+        raise CheckpointError(label, "has a header entry without dtype, shape or data_offsets", name)
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if dtype not in DTYPES:
-        raise CheckpointError(label, f"unsupported dtype {dtype!r}", name)
+        raise CheckpointError(label, f"has an unsupported dtype {dtype!r}", name)
     ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and x >= 0 for x in xs)  # noqa: E731
     if not ints(shape) or not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
-        raise CheckpointError(label, f"malformed shape {shape!r} or data_offsets {offsets!r}", name)
+        raise CheckpointError(label, f"has a malformed shape {shape!r} or data_offsets {offsets!r}", name)
     expected = math.prod(shape) * DTYPES[dtype].itemsize
     if offsets[1] - offsets[0] != expected:
-        raise CheckpointError(label, f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+        raise CheckpointError(label, f"has data_offsets {offsets} holding {offsets[1] - offsets[0]} bytes, "
                                      f"but {dtype} {tuple(shape)} needs {expected}", name)
     return Entry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
 
@@ -106,10 +106,10 @@ def _check_extent(label: str, entries: dict[str, Entry], data_start: int, size: 
     last_end, last_name = data_start, None
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
         if e.end > size:
-            raise CheckpointError(label, f"data ends at byte {e.end} but the file has {size} bytes "
+            raise CheckpointError(label, f"ends at byte {e.end} but the file has {size} bytes "
                                          "(truncated or lying header)", e.name)
         if e.begin < last_end and e.nbytes:
-            raise CheckpointError(label, f"data overlaps tensor {last_name!r}", e.name)
+            raise CheckpointError(label, f"overlaps tensor {last_name!r}", e.name)
         if e.nbytes:
             last_end, last_name = e.end, e.name
 

@@ -306,6 +306,6 @@ def _converted_tensors(text_dir: Path) -> dict[str, tuple[Path, Entry]]:
     located = {}
     for name, f in weight_map.items():
         if name not in headers[f]:
-            raise CheckpointError(f"text/{f}", "listed in the index but absent from the file", name)
+            raise CheckpointError(f"text/{f}", "is listed in the index but absent from the file", name)
         located[name] = (text_dir / f, headers[f][name])
     return located
