@@ -1,0 +1,193 @@
+"""Sharding per tensor-parallel rank: shapes, and that the ranks' pieces reconstruct the canonical tensors under the
+convention documented in qbuild/convert/shard.py (restated independently here, per tensor kind)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from qbuild.convert import ShardError, convert_checkpoint, convert_state_dict, shard_checkpoint, shard_state_dict
+from qbuild.convert.dims import text_dims
+from qbuild.convert.families import family_of
+from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
+
+COLUMN = re.compile(r".*(self_attn\.(q_proj|output_gate_proj)|linear_attn\.(in_proj_z|in_proj_a|in_proj_b|A_log_weight"
+                    r"|dt_bias_weight))\.weight")
+ROW = re.compile(r".*(self_attn\.o_proj|linear_attn\.out_proj)\.weight")
+KV = re.compile(r".*self_attn\.[kv]_proj\.weight")
+QKV_CHANNELS = re.compile(r".*linear_attn\.(in_proj_qkv|conv1d_weight)\.weight")
+MOE_TP_COLUMN = re.compile(r".*mlp\.(gate_proj|up_proj|shared_gate_proj|shared_up_proj)\.weight")
+MOE_TP_ROW = re.compile(r".*mlp\.(down_proj|shared_down_proj)\.weight")
+GATE_UP = re.compile(r".*expert_mlps\.mlp_op\.gate_up_proj\.weight")
+DOWN = re.compile(r".*expert_mlps\.mlp_op\.down_proj\.weight")
+REPLICATED = re.compile(r"(embed_tokens|lm_head|norm)\.weight|.*(layernorm|linear_attn\.norm|shared_expert_gate"
+                        r"|linear_router)\.weight")
+
+CASES = [  # (tiny variant, tp, ep)
+    ("qwen3_5", 1, 1), ("qwen3_5", 2, 1), ("qwen3_5_tp4", 4, 1),
+    ("qwen3_5_moe", 1, 1), ("qwen3_5_moe", 2, 1), ("qwen3_5_moe", 2, 2),
+    ("qwen3_5_moe_tp4", 4, 1), ("qwen3_5_moe_tp4", 4, 2),
+    ("qwen3_next", 2, 1), ("qwen3_next", 2, 2), ("qwen3_next_tp4", 4, 1), ("qwen3_next_tp4", 4, 2),
+]
+
+
+def _converted(variant: str, fp8: str = "none"):
+    config, hf = hf_state_dict(variant)
+    text, _ = convert_state_dict(config, hf, dtype="float32", fp8=fp8)
+    return config, text_dims(config, family_of(config)), text
+
+
+def check_rank_pieces(name: str, full: torch.Tensor, pieces: list[torch.Tensor], d, tp: int, ep: int) -> None:
+    moe_tp = tp // ep
+    groups = [pieces[g * moe_tp:(g + 1) * moe_tp] for g in range(ep)]
+    if REPLICATED.fullmatch(name):
+        assert all(torch.equal(p, full) for p in pieces)
+    elif COLUMN.fullmatch(name):
+        assert torch.equal(torch.cat(pieces, 0), full) and len({p.shape for p in pieces}) == 1
+    elif ROW.fullmatch(name):
+        assert torch.equal(torch.cat(pieces, 1), full)
+    elif KV.fullmatch(name):
+        heads = full.chunk(d.num_kv_heads)
+        if tp <= d.num_kv_heads:
+            assert torch.equal(torch.cat(pieces, 0), full)
+        else:
+            assert all(torch.equal(p, heads[r * d.num_kv_heads // tp]) for r, p in enumerate(pieces))
+    elif QKV_CHANNELS.fullmatch(name):
+        kq, vq, kd = d.key_dim // tp, d.value_dim // tp, d.key_dim
+        for r, p in enumerate(pieces):
+            assert torch.equal(p[:kq], full[r * kq:(r + 1) * kq])
+            assert torch.equal(p[kq:2 * kq], full[kd + r * kq:kd + (r + 1) * kq])
+            assert torch.equal(p[2 * kq:], full[2 * kd + r * vq:2 * kd + (r + 1) * vq])
+    elif MOE_TP_COLUMN.fullmatch(name):  # split over moe_tp, replicated over ep groups
+        assert all(torch.equal(torch.cat(g, 0), full) for g in groups)
+    elif MOE_TP_ROW.fullmatch(name):
+        assert all(torch.equal(torch.cat(g, 1), full) for g in groups)
+    elif GATE_UP.fullmatch(name):
+        i = full.shape[-1] // 2
+        for k, g in enumerate(groups):
+            mine = full.chunk(ep)[k]
+            assert torch.equal(torch.cat([p[..., :p.shape[-1] // 2] for p in g], -1), mine[..., :i])  # gate
+            assert torch.equal(torch.cat([p[..., p.shape[-1] // 2:] for p in g], -1), mine[..., i:])  # up
+    elif DOWN.fullmatch(name):
+        assert all(torch.equal(torch.cat(g, 1), full.chunk(ep)[k]) for k, g in enumerate(groups))
+    else:
+        raise AssertionError(f"no expectation for {name}")
+
+
+@pytest.mark.parametrize("variant, tp, ep", CASES)
+def test_ranks_reconstruct_the_canonical_tensors(variant, tp, ep):
+    config, d, text = _converted(variant)
+    ranks = shard_state_dict(config, text, tp=tp, ep=ep)
+    assert len(ranks) == tp
+    rank_names = {"rank_util.rank"} | {f"layers.{i}.self_attn.rank_util.rank"
+                                       for i in range(d.num_layers) if d.is_full_attention(i)}
+    for r, rank in enumerate(ranks):
+        assert rank.keys() == text.keys() | rank_names
+        assert all(torch.equal(rank[n], torch.tensor([r], dtype=torch.int32)) for n in rank_names)
+    for name, full in text.items():
+        check_rank_pieces(name, full, [rank[name] for rank in ranks], d, tp, ep)
+
+
+def test_rank_shapes_of_a_moe_layer_at_tp4_ep2():
+    config, d, text = _converted("qwen3_5_moe_tp4")
+    r = shard_state_dict(config, text, tp=4, ep=2)[3]
+    shapes = {n.removeprefix("layers.3."): tuple(t.shape) for n, t in r.items() if n.startswith("layers.3.")}
+    assert shapes["mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight"] == (4, 64, 32)  # E/ep, H, 2*I/moe_tp
+    assert shapes["mlp.moe.expert_mlps.mlp_op.down_proj.weight"] == (4, 16, 64)
+    assert shapes["mlp.shared_gate_proj.weight"] == (16, 64) and shapes["mlp.shared_down_proj.weight"] == (64, 16)
+    assert shapes["self_attn.q_proj.weight"] == (64, 64)  # 8 heads / 4 ranks * 32
+    assert shapes["self_attn.k_proj.weight"] == (32, 64)  # one replicated kv head
+    assert shapes["self_attn.o_proj.weight"] == (64, 64)
+    r0 = shard_state_dict(config, text, tp=4, ep=2)[0]
+    assert r0["layers.0.linear_attn.in_proj_qkv.weight"].shape == (16 + 16 + 32, 64)
+    assert r0["layers.0.linear_attn.conv1d_weight.weight"].shape == (64, 4)
+    assert r0["layers.0.linear_attn.A_log_weight.weight"].shape == (2, 1)
+
+
+def test_fused_qkv_concatenates_each_ranks_query_k_v():
+    config, d, text = _converted("qwen3_5_tp4")
+    plain = shard_state_dict(config, text, tp=4)
+    fused = shard_state_dict(config, text, tp=4, fused_qkv=True)
+    a = "layers.3.self_attn."
+    for p, f in zip(plain, fused):
+        assert torch.equal(f[f"{a}Wqkv.weight"], torch.cat([p[f"{a}q_proj.weight"], p[f"{a}k_proj.weight"],
+                                                            p[f"{a}v_proj.weight"]]))
+        assert not {f"{a}q_proj.weight", f"{a}k_proj.weight", f"{a}v_proj.weight"} & f.keys()
+        assert torch.equal(f[f"{a}output_gate_proj.weight"], p[f"{a}output_gate_proj.weight"])
+
+
+def _expert(x, gate_up, down):
+    """One SwiGLU expert in the NxDI layout: gate_up (H, 2I), down (I, H)."""
+    gate, up = (x @ gate_up).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ down
+
+
+def test_padded_intermediate_keeps_every_experts_output():
+    config, d, text = _converted("qwen3_5_moe_tp4")
+    ranks = shard_state_dict(config, text, tp=4, ep=2, pad_intermediate_to=24)
+    gu, dn = (f"layers.1.mlp.moe.expert_mlps.mlp_op.{p}_proj.weight" for p in ("gate_up", "down"))
+    assert ranks[0][gu].shape == (4, 64, 48) and ranks[0][dn].shape == (4, 24, 64)  # I/moe_tp 16 -> 24
+    x = torch.randn(5, 64)
+    for e in range(8):
+        g, local = divmod(e, 4)
+        full = _expert(x, text[gu][e], text[dn][e])
+        parts = sum(_expert(x, ranks[g * 2 + j][gu][local], ranks[g * 2 + j][dn][local]) for j in range(2))
+        torch.testing.assert_close(parts, full, rtol=1e-5, atol=1e-5)
+        assert ranks[g * 2][gu][local][:, 16:24].abs().sum() == 0  # the gate's padding is zero
+
+
+def test_padding_to_a_multiple_already_met_changes_nothing():
+    config, d, text = _converted("qwen3_5_moe")
+    a = shard_state_dict(config, text, tp=2, pad_intermediate_to=16)
+    b = shard_state_dict(config, text, tp=2)
+    assert all(same_tensors(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("variant, kwargs, match", [
+    ("qwen3_5", dict(tp=3), "attention heads"),
+    ("qwen3_5", dict(tp=4), "DeltaNet"),
+    ("qwen3_5", dict(tp=2, ep=2), "mixture-of-experts"),
+    ("qwen3_5_moe", dict(tp=2, ep=3), "ep must divide tp"),
+    ("qwen3_5_moe_tp4", dict(tp=4, ep=4, pad_intermediate_to=0), "positive"),
+    ("qwen3_5", dict(tp=2, pad_intermediate_to=256), "MoE experts only"),
+])
+def test_impossible_layouts_are_refused(variant, kwargs, match):
+    config, d, text = _converted(variant)
+    with pytest.raises(ShardError, match=match):
+        shard_state_dict(config, text, **kwargs)
+
+
+@pytest.mark.parametrize("variant, tp, ep, fp8, fused_qkv, pad", [
+    ("qwen3_5_moe_tp4", 4, 2, "mlp_only", True, 24),
+    ("qwen3_next", 2, 1, "full", False, None),
+    ("qwen3_5", 2, 1, "none", True, None),
+])
+def test_streaming_shard_matches_in_memory(tmp_path, variant, tp, ep, fp8, fused_qkv, pad):
+    src = tiny(variant)
+    convert_checkpoint(src, tmp_path / "conv", fp8=fp8)
+    report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", tp=tp, ep=ep, fused_qkv=fused_qkv,
+                              pad_intermediate_to=pad, workers=2)
+    config, hf = hf_state_dict(variant)
+    text, _ = convert_state_dict(config, hf, fp8=fp8)
+    want = shard_state_dict(config, text, tp=tp, ep=ep, fused_qkv=fused_qkv, pad_intermediate_to=pad)
+    files = sorted(p.name for p in (tmp_path / "shard" / "weights").iterdir())
+    assert files == sorted(f"tp{r}_sharded_checkpoint.safetensors" for r in range(tp)) == sorted(report["files"])
+    assert report["tp"] == tp and report["ep"] == ep and report["moe_tp"] == tp // ep
+    assert (tmp_path / "shard" / "shard.json").is_file()
+    for r in range(tp):
+        from safetensors.torch import load_file
+
+        got = load_file(tmp_path / "shard" / "weights" / f"tp{r}_sharded_checkpoint.safetensors")
+        assert same_tensors(got, want[r]), r
+
+
+def test_shard_of_a_missing_directory_names_the_file(tmp_path):
+    from qbuild.convert import CheckpointError
+
+    with pytest.raises(CheckpointError, match="config.json"):
+        shard_checkpoint(tmp_path / "nope", tmp_path / "out", tp=2)
+    assert not (tmp_path / "out").exists()
+    assert load_dir(tmp_path) == {}
