@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from ..actions import RunContext
+from ..arch import hf_cache_dir
 from ..errors import InfraError, UserError
 from ..plan import CHECKPOINT_PATTERNS, checkpoint_files
 
@@ -42,12 +43,18 @@ def _local(root: Path, planned: dict[str, str]) -> dict:
     return {"source": "path", "repo": None, "revision": None, "files": files}
 
 
+def _offline() -> bool:
+    # Read at call time: huggingface_hub reads it once at import, which may predate this process's settings.
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
 def _hub(repo: str, revision: str, ctx: RunContext) -> dict:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
-        local = Path(snapshot_download(repo, revision=revision, allow_patterns=list(CHECKPOINT_PATTERNS)))
+        local = Path(snapshot_download(repo, revision=revision, allow_patterns=list(CHECKPOINT_PATTERNS),
+                                        cache_dir=hf_cache_dir(), local_files_only=_offline()))
     except RepositoryNotFoundError:
         raise UserError(f"model.hf: {repo} not found on the Hub (or not visible with the current token)") from None
     except LocalEntryNotFoundError:

@@ -1,0 +1,121 @@
+"""fetch: snapshots from a real HF cache layout (offline) and from local directories, with stat-cached hashing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from qbuild.actions import RunContext
+from qbuild.actions.fetch import run as fetch_run
+from qbuild.arch import hf_cached_snapshot
+from qbuild.errors import InfraError, UserError
+from qbuild.hashing import StatCache, digest_file
+from qbuild.plan import checkpoint_files
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def populate_hf_cache(hub: Path, repo: str, checkpoint: Path, commit: str = COMMIT) -> Path:
+    """Lay `checkpoint` out as huggingface_hub's cache does: blobs named by digest, snapshot symlinks, refs."""
+    repo_dir = hub / ("models--" + repo.replace("/", "--"))
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    snap = repo_dir / "snapshots" / commit
+    snap.mkdir(parents=True, exist_ok=True)
+    for f in checkpoint.iterdir():
+        data = f.read_bytes()
+        if f.suffix == ".safetensors":
+            name = hashlib.sha256(data).hexdigest()  # LFS files: the blob is named by its sha256
+        else:
+            name = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()  # git blob sha1
+        (repo_dir / "blobs").mkdir(exist_ok=True)
+        (repo_dir / "blobs" / name).write_bytes(data)
+        (snap / f.name).symlink_to(Path("../../blobs") / name)
+    return snap
+
+
+def _ctx(tmp: Path, params: dict, context: dict) -> RunContext:
+    out = tmp / "out"
+    out.mkdir()
+    return RunContext(kind="fetch", params=params, inputs={}, out=out, scratch=tmp, context=context, log=lambda m: None)
+
+
+def test_hf_cache_offline_uses_hub_digests(tmp_path, tiny_checkpoints, monkeypatch):
+    hub = tmp_path / "hf-home" / "hub"
+    populate_hf_cache(hub, "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    assert hf_cached_snapshot("tiny-org/tiny-next", "main")[0] == COMMIT
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT},
+               {"requested_revision": "main"})
+    fetch_run(ctx)
+    snap = json.loads((ctx.out / "snapshot.json").read_text())
+    assert snap["revision"] == COMMIT and snap["repo"] == "tiny-org/tiny-next"
+    shard = next(n for n in snap["files"] if n.endswith(".safetensors"))
+    expected = hashlib.sha256((tiny_checkpoints["qwen3_next"] / shard).read_bytes()).hexdigest()
+    assert snap["files"][shard]["digest"] == f"sha256:{expected}"
+    assert snap["files"]["config.json"]["digest"].startswith("git-sha1:")
+
+
+def test_hf_missing_offline_is_one_clear_error(tmp_path):
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/absent", "revision": "main"}, {})
+    with pytest.raises((InfraError, UserError)) as e:
+        fetch_run(ctx)
+    assert "tiny-org/absent" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_hf_token_never_reaches_the_snapshot(tmp_path, tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_supersecrettoken123")
+    hub = tmp_path / "hf-home" / "hub"
+    populate_hf_cache(hub, "tiny-org/tok", tiny_checkpoints["qwen3_next"])
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tok", "revision": COMMIT}, {})
+    fetch_run(ctx)
+    assert "supersecret" not in (ctx.out / "snapshot.json").read_text()
+
+
+def test_local_dir_snapshot_and_change_detection(tmp_path, tiny_checkpoints):
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["qwen3_5"], src)
+    cache = StatCache(tmp_path / "stat.sqlite")
+    files = {p.name: "blake3:" + cache.digest(p) for p in checkpoint_files(src)}
+    ctx = _ctx(tmp_path, {"source": "path", "files": files}, {"path": str(src)})
+    fetch_run(ctx)
+    snap = json.loads((ctx.out / "snapshot.json").read_text())
+    assert {n: m["digest"] for n, m in snap["files"].items()} == files
+    assert "path" not in json.dumps(snap["files"])  # no machine-specific location in the content
+    # A file edited after planning is refused rather than silently used.
+    target = src / "config.json"
+    target.write_text(target.read_text().replace("64", "65", 1))
+    (tmp_path / "again").mkdir()
+    ctx2 = _ctx(tmp_path / "again", {"source": "path", "files": files}, {"path": str(src)})
+    with pytest.raises(UserError, match="config.json"):
+        fetch_run(ctx2)
+
+
+def test_pickled_weights_are_never_part_of_a_snapshot(tmp_path, tiny_checkpoints):
+    import shutil
+
+    src = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["qwen3_next"], src)
+    (src / "pytorch_model.bin").write_bytes(b"not loaded")
+    assert "pytorch_model.bin" not in {p.name for p in checkpoint_files(src)}
+
+
+def test_stat_cache_hashes_an_unchanged_file_once(tmp_path, monkeypatch):
+    f = tmp_path / "big.bin"
+    f.write_bytes(os.urandom(1 << 20))
+    cache = StatCache(tmp_path / "stat.sqlite")
+    calls = []
+    import qbuild.hashing as hashing
+
+    real = hashing.digest_file
+    monkeypatch.setattr(hashing, "digest_file", lambda p: calls.append(p) or real(p))
+    first = cache.digest(f)
+    second = StatCache(tmp_path / "stat.sqlite").digest(f)   # a new process would open it afresh
+    assert first == second == digest_file(f) and len(calls) == 1
+    f.write_bytes(os.urandom(1 << 20))
+    assert cache.digest(f) != first and len(calls) == 2
