@@ -1,0 +1,77 @@
+"""Peak memory of a streaming convert stays a small multiple of the largest tensor, not the checkpoint's size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from qbuild.convert.safetensors_io import PlannedFile
+
+MIB = 1 << 20
+TENSOR_BYTES = 64 * MIB
+# Reading a tensor and writing it (plus a transform's copy) needs ~2 tensors; allow 3 before calling it a leak.
+PEAK_TENSORS = 3
+
+CONFIG = {  # a text-only Qwen3.5 whose 8 big tensors are 64 MiB each in bf16 (512 MiB in all)
+    "model_type": "qwen3_5_text", "hidden_size": 2048, "vocab_size": 16384, "intermediate_size": 16384,
+    "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+    "linear_num_key_heads": 1, "linear_num_value_heads": 1, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4, "tie_word_embeddings": False,
+}
+
+
+def _shapes() -> dict[str, tuple[int, ...]]:
+    h, v, i = 2048, 16384, 16384
+    shapes = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "model.norm.weight": (h,)}
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        shapes.update({f"{p}input_layernorm.weight": (h,), f"{p}post_attention_layernorm.weight": (h,),
+                       f"{p}mlp.gate_proj.weight": (i, h), f"{p}mlp.up_proj.weight": (i, h),
+                       f"{p}mlp.down_proj.weight": (h, i)})
+    a, dn = "model.layers.1.self_attn.", "model.layers.0.linear_attn."
+    shapes.update({f"{a}q_proj.weight": (256, h), f"{a}k_proj.weight": (64, h), f"{a}v_proj.weight": (64, h),
+                   f"{a}o_proj.weight": (h, 128), f"{a}q_norm.weight": (64,), f"{a}k_norm.weight": (64,)})
+    shapes.update({f"{dn}in_proj_qkv.weight": (192, h), f"{dn}in_proj_z.weight": (64, h),
+                   f"{dn}in_proj_a.weight": (1, h), f"{dn}in_proj_b.weight": (1, h),
+                   f"{dn}conv1d.weight": (192, 1, 4), f"{dn}A_log": (1,), f"{dn}dt_bias": (1,),
+                   f"{dn}norm.weight": (64,), f"{dn}out_proj.weight": (h, 64)})
+    return shapes
+
+
+def _write_checkpoint(src) -> None:
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(CONFIG))
+    shapes = _shapes()
+    out = PlannedFile(src / "model.safetensors", [(n, torch.bfloat16, s) for n, s in shapes.items()])
+    block = torch.randn(TENSOR_BYTES // 2, dtype=torch.bfloat16)  # one block reused: the parent stays small
+    for name, shape in shapes.items():
+        n = torch.Size(shape).numel()
+        out.write(name, block[:n].reshape(shape) if n <= block.numel() else torch.zeros(shape, dtype=torch.bfloat16))
+    out.close()
+    assert max(torch.Size(s).numel() * 2 for s in shapes.values()) == TENSOR_BYTES
+
+
+CHILD = textwrap.dedent("""
+    import json, resource, sys
+    from pathlib import Path
+    from qbuild.convert import convert_checkpoint
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    report = convert_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]), workers=1)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"base_kib": base, "peak_kib": peak, "bytes": report["bytes"]}))
+""")
+
+
+def test_peak_rss_growth_is_bounded_by_the_largest_tensor(tmp_path):
+    _write_checkpoint(tmp_path / "src")
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "src"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, check=True)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    growth = (result["peak_kib"] - result["base_kib"]) * 1024
+    assert result["bytes"] > 8 * TENSOR_BYTES  # the whole checkpoint would not fit under the bound
+    assert growth < PEAK_TENSORS * TENSOR_BYTES, f"peak RSS grew {growth / MIB:.0f} MiB"
