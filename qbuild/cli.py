@@ -25,14 +25,26 @@ StoreOpt = typer.Option(None, "--store", help="local store directory [default: $
 LockOpt = typer.Option(Path("artifacts.lock"), "--lock", help="lockfile path")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output on stdout")
 AllOpt = typer.Option(False, "--all", help="every recipe in ./recipes")
+RemoteOpt = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX",
+                         help="remote store to read through [default: $QBUILD_REMOTE, else remote: in ./qbuild.yaml]")
 
 
-def _workspace(store: Optional[Path], lock: Path):
-    from .store import StoreSpec, default_store_path
+def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, push: bool = False,
+               download: bool = True):
+    from .store import StoreSpec, default_store_path, resolve_remote
     from .workspace import Workspace
 
     root = store or default_store_path()
-    return Workspace(StoreSpec(local=str(root.resolve())), lock_path=lock)
+    url = resolve_remote(remote)
+    if push and url is None:
+        raise UserError("--push needs a remote: pass --remote s3://bucket/prefix, set QBUILD_REMOTE, "
+                        "or add remote: to ./qbuild.yaml")
+    if url is not None:
+        from .store.s3 import parse_remote
+
+        parse_remote(url)  # a malformed URL is a one-line error before any work starts
+    spec = StoreSpec(local=str(root.resolve()), remote=url, push=push, download=download)
+    return Workspace(spec, lock_path=lock)
 
 
 def _err(msg: str) -> None:
@@ -45,11 +57,12 @@ def _err(msg: str) -> None:
 
 @app.command()
 def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: bool = AllOpt,
-         json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt) -> None:
-    """Show what would be built and why, as a tree per recipe (offline; downloads nothing)."""
+         json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+         remote: Optional[str] = RemoteOpt) -> None:
+    """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
     from .render import plan_json, plan_tree
 
-    ws = _workspace(store, lock)
+    ws = _workspace(store, lock, remote, download=False)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
     if json_:
         print(json.dumps(plan_json(the_plan, status), indent=1, sort_keys=True))
@@ -65,23 +78,66 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
             mem: Optional[str] = typer.Option(None, "--mem", help="memory budget for concurrent steps, e.g. 20G"),
             keep_going: bool = typer.Option(False, "--keep-going", help="build what does not depend on a failure"),
             frozen: bool = typer.Option(False, "--frozen", help="fail instead of changing the lockfile (CI)"),
-            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt) -> None:
+            strict: bool = typer.Option(False, "--strict", help="fail, naming the step, instead of building anything"),
+            push: bool = typer.Option(False, "--push", help="upload what was built (and anything the remote lacks)"),
+            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+            remote: Optional[str] = RemoteOpt) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
     from .engine import BuildOptions, check_mem_budget, raise_for
     from .executors.local import LocalExecutor
     from .render import BuildProgress, result_json
 
-    ws = _workspace(store, lock)
+    ws = _workspace(store, lock, remote, push=push)
     loaded = ws.load(recipes or [], all_)
     budget = check_mem_budget(mem) if mem else _default_mem()
-    options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going)
+    options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict)
+    _transfer_display(ws, bars=False)
     with BuildProgress() as progress:
         the_plan, result = ws.compile(loaded, options, lambda: LocalExecutor(jobs), progress.on_event, frozen=frozen)
+    pushed = _push_results(ws, result) if push else None
     if json_:
-        print(json.dumps(result_json(the_plan, result), indent=1, sort_keys=True))
+        doc = result_json(the_plan, result)
+        if pushed is not None:
+            doc["pushed"] = _push_json(pushed)
+        print(json.dumps(doc, indent=1, sort_keys=True))
     else:
         progress.summary(the_plan, result)
     raise_for(result, the_plan)
+
+
+def _transfer_display(ws, bars: bool | None = None) -> None:
+    """Route the read-through downloads of a remote-backed store to a progress display on stderr."""
+    if ws.store_spec.remote is None:
+        return
+    from .publish import TransferDisplay
+    from .store.remote import set_progress_factory
+
+    set_progress_factory(lambda: TransferDisplay(bars=bars))
+
+
+def _push_results(ws, result):
+    """After a --push build: everything the build produced or found must be on the remote (the workers pushed what
+    they built; this uploads cached entries the remote lacks, and fails with exit 3 if the remote is gone)."""
+    from .publish import TransferDisplay
+    from .store.remote import push_manifests
+
+    store = ws.store
+    report = push_manifests(store, store.remote, list(result.manifests.values()), TransferDisplay(bars=False))
+    if report.manifests_uploaded:
+        _err(f"pushed {report.manifests_uploaded} entries to {store.remote.url} ({_human(report.bytes_uploaded)})")
+    return report
+
+
+def _push_json(report) -> dict:
+    return {"bytes_uploaded": report.bytes_uploaded, "blobs_uploaded": report.blobs_uploaded,
+            "blobs_present": report.blobs_present, "manifests_uploaded": report.manifests_uploaded,
+            "manifests_present": report.manifests_present, "seconds": round(report.seconds, 3)}
+
+
+def _human(n: int) -> str:
+    from .render import human_bytes
+
+    return human_bytes(n)
 
 
 def _default_mem() -> int:
@@ -94,9 +150,10 @@ def _default_mem() -> int:
 @app.command()
 def explain(target: str = typer.Argument(..., help="a recipe file, or a node id (prefix) / name from `qbuild plan`"),
             recipes: list[str] = typer.Option(None, "--recipe", help="recipes to search for a node (default: --all)"),
-            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt) -> None:
+            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+            remote: Optional[str] = RemoteOpt) -> None:
     """Say why a node (or each node of a recipe) would rebuild: the key fields that changed, or "cached"."""
-    ws = _workspace(store, lock)
+    ws = _workspace(store, lock, remote, download=False)
     if target.endswith((".yaml", ".yml")) or Path(target).is_file():
         loaded = ws.load([target])
         the_plan, status = ws.plan(loaded)
@@ -114,6 +171,99 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
         return
     for row in rows:
         print(f"{row['name']} [{row['id'][:8]}]: {row['why']}")
+
+
+# --- publish, pull, gc -----------------------------------------------------------------------------------------
+
+@app.command()
+def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or files) as in the lockfile"),
+            all_: bool = typer.Option(False, "--all", help="every recipe in the lockfile"),
+            remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
+            lock: Path = LockOpt) -> None:
+    """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
+    from . import lock as lockmod
+    from .publish import TransferDisplay, publish as publish_locked, recipe_names
+
+    ws = _workspace(store, lock, remote)
+    if ws.store_spec.remote is None:
+        raise UserError("publish needs a remote: pass --remote s3://bucket/prefix, set QBUILD_REMOTE, "
+                        "or add remote: to ./qbuild.yaml")
+    doc = lockmod.read(lock)
+    names = recipe_names(doc, lock, recipes or [], all_)
+    st = ws.store
+    report = publish_locked(st, st.remote, doc, lock, names, TransferDisplay())
+    if json_:
+        print(json.dumps({"recipes": names, "remote": st.remote.url, **_push_json(report)}, sort_keys=True))
+        return
+    _err(f"published {', '.join(names)} to {st.remote.url}: {report.blobs_uploaded} blobs uploaded "
+         f"({_human(report.bytes_uploaded)}), {report.blobs_present} already there; {report.manifests_uploaded} "
+         f"manifests written, {report.manifests_present} already there")
+
+
+@app.command()
+def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the lockfile"),
+         to: Path = typer.Option(..., "--to", help="directory to lay the bundle out in (new or empty)"),
+         remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
+         lock: Path = LockOpt) -> None:
+    """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
+    from . import lock as lockmod
+    from .publish import pull_bundle
+
+    ws = _workspace(store, lock, remote)
+    _transfer_display(ws)
+    if not lock.exists():
+        raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
+    manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to)
+    if json_:
+        print(json.dumps({"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
+                          "bytes": manifest.size}, sort_keys=True))
+        return
+    _err(f"{to}: {len(manifest.outputs)} files ({_human(manifest.size)}), bundle {manifest.digest[:16]} verified")
+
+
+@app.command("gc")
+def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what would be removed; remove nothing"),
+           keep_size: str = typer.Option("10G", "--keep-size", metavar="SIZE",
+                                         help="unlocked entries kept locally, most recently used first (e.g. 20G, 0)"),
+           grace: str = typer.Option("1h", "--grace", metavar="AGE",
+                                     help="blobs no manifest names are kept until this old (in-flight builds)"),
+           remote: Optional[str] = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX",
+                                                help="also remove remote entries no given lockfile references "
+                                                     "(only when passed here, never from config)"),
+           locks: list[Path] = typer.Option(None, "--lock", help="lockfiles whose artifacts are kept (repeatable) "
+                                                                 "[default: artifacts.lock]"),
+           json_: bool = JsonOpt, store: Optional[Path] = StoreOpt) -> None:
+    """Remove store entries no lockfile references (beyond --keep-size locally; all of them on --remote)."""
+    from . import lock as lockmod
+    from .publish import gc_local, gc_remote, parse_duration, parse_size
+
+    lock_paths = locks or [Path("artifacts.lock")]
+    missing = [str(p) for p in lock_paths if not p.exists()]
+    if missing:
+        raise UserError(f"{missing[0]}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
+    docs = [lockmod.read(p) for p in lock_paths]
+    budget, grace_s = parse_size(keep_size, "--keep-size"), parse_duration(grace, "--grace")
+    from .store import LocalStore, default_store_path
+
+    reports = [gc_local(LocalStore((store or default_store_path()).resolve()), docs, budget, dry_run=dry_run,
+                        grace_s=grace_s)]
+    if remote:  # deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it
+        from .store.s3 import S3Remote
+
+        reports.append(gc_remote(S3Remote(remote), docs, dry_run=dry_run, grace_s=grace_s))
+    if json_:
+        print(json.dumps([r.to_json() for r in reports], sort_keys=True))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for report in reports:
+        for r in report.removed:
+            label = f" ({r.kind})" if r.kind else ""
+            print(f"{verb} {r.what} {r.name[:16]}{label} {_human(r.size)} [{r.where}]")
+    for report, where in zip(reports, ["local store", remote]):
+        manifests = sum(r.what == "manifest" for r in report.removed)
+        _err(f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests} blobs "
+             f"({_human(report.bytes_freed)}); kept {report.kept_manifests} manifests, {report.kept_blobs} blobs"
+             + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else ""))
 
 
 # --- lock, store, recipe ---------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ from pathlib import Path
 from .local import LocalStore, atomic_write, safe_join
 from .manifest import Manifest, tree_digest
 
-__all__ = ["LocalStore", "Manifest", "StoreSpec", "atomic_write", "default_store_path", "open_store", "safe_join",
-           "tree_digest"]
+__all__ = ["LocalStore", "Manifest", "StoreSpec", "atomic_write", "default_store_path", "open_store", "resolve_remote",
+           "safe_join", "tree_digest"]
+
+CONFIG_FILE = "qbuild.yaml"
 
 
 @dataclass(frozen=True)
@@ -18,8 +20,9 @@ class StoreSpec:
     """Plain data naming a store, so a worker process can open the same one."""
 
     local: str
-    remote: str | None = None
-    push: bool = False
+    remote: str | None = None           # s3://bucket/prefix: read through to it (see store/remote.py)
+    push: bool = False                  # upload every commit to the remote
+    download: bool = True               # False: remote hits are reported, not downloaded (plan, explain)
 
 
 def default_store_path() -> Path:
@@ -30,5 +33,34 @@ def default_store_path() -> Path:
     return Path(base) / "qbuild" / "store"
 
 
+def resolve_remote(flag: str | None, cwd: Path | None = None) -> str | None:
+    """--remote, else $QBUILD_REMOTE, else `remote:` in ./qbuild.yaml, else None (no remote)."""
+    if flag:
+        return flag
+    if os.environ.get("QBUILD_REMOTE"):
+        return os.environ["QBUILD_REMOTE"]
+    config = (cwd or Path.cwd()) / CONFIG_FILE
+    if not config.is_file():
+        return None
+    import yaml
+
+    from ..errors import UserError
+
+    try:
+        doc = yaml.safe_load(config.read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"{config}: unreadable project config: {e}") from None
+    remote = doc.get("remote") if isinstance(doc, dict) else None
+    if remote is not None and not isinstance(remote, str):
+        raise UserError(f"{config}: remote: expected an s3://bucket/prefix string, got {type(remote).__name__}")
+    return remote or None
+
+
 def open_store(spec: StoreSpec) -> LocalStore:
-    return LocalStore(Path(spec.local))
+    """The local store, read-through to spec.remote when one is set (boto3 is imported only then)."""
+    if spec.remote is None:
+        return LocalStore(Path(spec.local))
+    from .remote import RemoteStore
+    from .s3 import S3Remote
+
+    return RemoteStore(Path(spec.local), S3Remote(spec.remote), push=spec.push, download=spec.download)

@@ -1,0 +1,230 @@
+"""A local store backed by a remote one: reads go through to the remote, commits can push to it.
+
+`get_manifest(key)` answers from the local store; on a local miss it reads the remote manifest and, before
+returning it, downloads every blob it names into the local CAS, checking each blob's BLAKE3 digest (a blob that
+does not match is refused, naming the object, and nothing is committed). Only then is the manifest written
+locally, so the local invariant "a manifest's blobs are present" holds for downloaded entries too.
+
+Pushing uploads blobs first and the manifest last with a conditional put, so a reader of the remote never sees
+a manifest whose blobs are missing, and an interrupted push leaves only unreferenced blobs (which the next push
+reuses and `qbuild gc --remote` clears).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Protocol
+
+from ..errors import InfraError
+from ..hashing import digest_file, digest_json
+from .local import LocalStore, safe_join
+from .manifest import Manifest, tree_digest
+from .s3 import TRANSFER_THREADS, S3Remote
+
+
+class Progress(Protocol):
+    """Byte-level progress of one batch of transfers. `advance` is called from worker threads."""
+
+    def begin(self, verb: str, files: int, total_bytes: int) -> None: ...
+    def advance(self, nbytes: int) -> None: ...
+    def file_done(self, name: str) -> None: ...
+    def end(self) -> None: ...
+
+
+class NoProgress:
+    def begin(self, verb: str, files: int, total_bytes: int) -> None:
+        pass
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def file_done(self, name: str) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+@dataclass
+class PushReport:
+    blobs_uploaded: int = 0
+    bytes_uploaded: int = 0
+    blobs_present: int = 0
+    manifests_uploaded: int = 0
+    manifests_present: int = 0
+    seconds: float = 0.0
+    keys: list[str] = field(default_factory=list)     # manifests this push wrote
+
+    def add(self, other: "PushReport") -> None:
+        for f in ("blobs_uploaded", "bytes_uploaded", "blobs_present", "manifests_uploaded", "manifests_present",
+                  "seconds"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        self.keys += other.keys
+
+
+_progress_factory = NoProgress
+
+
+def set_progress_factory(factory) -> None:
+    """What new RemoteStores report read-through downloads to (the CLI sets a display; workers keep silence)."""
+    global _progress_factory
+    _progress_factory = factory
+
+
+class RemoteStore(LocalStore):
+    """LocalStore + S3Remote. `download=False` only peeks (plan, explain); `push=True` uploads every commit."""
+
+    def __init__(self, root: Path, remote: S3Remote, *, push: bool = False, download: bool = True,
+                 progress: Progress | None = None):
+        super().__init__(root)
+        self.remote = remote
+        self.push = push
+        self.download = download
+        self.progress: Progress = progress or _progress_factory()
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.root}, {self.remote.url})"
+
+    # --- read-through ----------------------------------------------------------------------------------------------
+    def get_manifest(self, key: str) -> Manifest | None:
+        local = super().get_manifest(key)
+        if local is not None:
+            return local
+        manifest = self.remote.get_manifest(key)
+        if manifest is None:
+            return None
+        self._check_manifest(key, manifest)
+        if self.download:
+            self.fetch(manifest)
+        return manifest
+
+    def local_manifest(self, key: str) -> Manifest | None:
+        return super().get_manifest(key)
+
+    def _check_manifest(self, key: str, m: Manifest) -> None:
+        where = self.remote.object_url(self.remote.manifest_key(key))
+        if m.key != key or digest_json(m.preimage) != key:
+            raise InfraError(f"{where}: manifest does not belong to key {key[:16]} (its preimage hashes elsewhere); "
+                             "refusing it")
+        if tree_digest(m.outputs) != m.digest:
+            raise InfraError(f"{where}: manifest's tree digest does not match its outputs; refusing it")
+        for rel in m.outputs:
+            safe_join(self.root, rel)
+
+    def fetch(self, manifest: Manifest) -> int:
+        """Download the blobs of `manifest` that are not local, verify each, then record the manifest locally.
+
+        Returns the bytes downloaded. On a digest mismatch nothing of that blob enters the CAS and the
+        manifest is not written."""
+        missing: dict[str, tuple[str, int]] = {}
+        for rel, meta in sorted(manifest.outputs.items()):
+            if not self.has_blob(meta["digest"]):
+                missing.setdefault(meta["digest"], (rel, meta["size"]))
+        if missing:
+            stage = self.staging_dir(f"fetch-{manifest.key[:16]}")
+            try:
+                self._download_all(missing, stage)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+        self.put_manifest(manifest)
+        return sum(size for _, size in missing.values())
+
+    def _download_all(self, missing: dict[str, tuple[str, int]], stage: Path) -> None:
+        self.progress.begin("download", len(missing), sum(s for _, s in missing.values()))
+
+        def one(item: tuple[str, tuple[str, int]]) -> None:
+            digest, (rel, size) = item
+            tmp = stage / digest
+            self.remote.download_blob(digest, tmp, self.progress.advance)
+            got = digest_file(tmp)
+            if got != digest or tmp.stat().st_size != size:
+                tmp.unlink(missing_ok=True)
+                raise InfraError(f"{self.remote.object_url(self.remote.blob_key(digest))}: downloaded blob of {rel} "
+                                 f"does not match its digest (got {got[:16]}, want {digest[:16]}); refusing it")
+            self.put_file(tmp, digest)
+            self.progress.file_done(rel)
+
+        try:
+            _run_all(one, sorted(missing.items()), TRANSFER_THREADS)
+        finally:
+            self.progress.end()
+
+    # --- push ------------------------------------------------------------------------------------------------------
+    def commit(self, manifest: Manifest) -> None:
+        super().commit(manifest)
+        if self.push:
+            push_manifests(self, self.remote, [manifest], self.progress)
+
+
+def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Manifest],
+                   progress: Progress | None = None) -> PushReport:
+    """Upload `manifests` (from `store`) that the remote lacks: missing blobs first, then each manifest with a
+    conditional put. Blob presence is checked in bulk; files go up in parallel, large ones in parallel parts."""
+    progress = progress or NoProgress()
+    start = time.monotonic()
+    report = PushReport()
+    todo = {m.key: m for m in manifests}
+    present = remote.has_manifests(todo)
+    report.manifests_present = len(present)
+    todo = {k: m for k, m in todo.items() if k not in present}
+    blobs: dict[str, tuple[str, int]] = {}
+    for m in todo.values():
+        for rel, meta in sorted(m.outputs.items()):
+            blobs.setdefault(meta["digest"], (rel, meta["size"]))
+    have = remote.has_blobs(blobs)
+    report.blobs_present = len(have)
+    send = {d: v for d, v in blobs.items() if d not in have}
+    for digest, (rel, _) in send.items():
+        if not store.has_blob(digest):
+            raise InfraError(f"{store.blob_path(digest)}: blob of {rel} is missing from the local store; "
+                             "run `qbuild store verify --repair` and rebuild")
+    progress.begin("upload", len(send), sum(s for _, s in send.values()))
+
+    def one(item: tuple[str, tuple[str, int]]) -> None:
+        digest, (rel, _) = item
+        remote.upload_blob(store.blob_path(digest), digest, progress.advance)
+        progress.file_done(rel)
+
+    try:
+        _run_all(one, sorted(send.items(), key=lambda kv: -kv[1][1]), 4)
+    finally:
+        progress.end()
+    report.blobs_uploaded = len(send)
+    report.bytes_uploaded = sum(s for _, s in send.values())
+    for key, m in todo.items():   # blobs are all up: only now may a reader see the manifests
+        if remote.put_manifest(m):
+            report.manifests_uploaded += 1
+            report.keys.append(key)
+        else:
+            report.manifests_present += 1
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _run_all(fn, items: list, threads: int) -> None:
+    """Run fn over items in a thread pool; the first error is raised once the others have stopped."""
+    if not items:
+        return
+    if len(items) == 1:
+        fn(items[0])
+        return
+    failed = threading.Event()
+
+    def guarded(item):
+        if failed.is_set():
+            return
+        try:
+            fn(item)
+        except BaseException:
+            failed.set()
+            raise
+
+    with ThreadPoolExecutor(min(threads, len(items))) as pool:
+        futures = [pool.submit(guarded, item) for item in items]
+    for f in futures:
+        f.result()

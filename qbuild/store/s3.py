@@ -1,0 +1,310 @@
+"""The S3 remote: the same CAS + action-cache layout as the local store, under `s3://bucket/prefix`.
+
+    <prefix>/cas/ab/<blake3>       immutable blobs
+    <prefix>/ac/ab/<key>.json      manifests (the same JSON as the local store), written last and only if absent
+
+boto3 is imported when a remote is first used, never on the planning path of a build without one. Credentials come
+from boto3's standard chain; `QBUILD_S3_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`) points at an
+S3-compatible server. Every failure becomes one InfraError line naming the object, with credentials scrubbed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+from urllib.parse import urlsplit
+
+from ..errors import InfraError, UserError
+from .manifest import Manifest
+
+MULTIPART_THRESHOLD = 64 << 20      # files above this go up and down in parallel parts
+MULTIPART_CHUNK = 32 << 20
+TRANSFER_THREADS = 8                 # parts of one file in flight
+POOL_THREADS = 16                    # HEADs / small objects in flight
+DELETE_BATCH = 1000                  # the most keys one DeleteObjects call takes
+
+Callback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class RemoteObject:
+    name: str                         # digest (cas/) or key (ac/)
+    size: int
+    modified: datetime
+
+
+def parse_remote(url: str) -> tuple[str, str]:
+    """`s3://bucket/some/prefix` -> ("bucket", "some/prefix"); anything else is a UserError naming the value."""
+    parts = urlsplit(url)
+    if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+        raise UserError(f"remote: {url!r} is not an s3://bucket/prefix URL")
+    return parts.netloc, parts.path.strip("/")
+
+
+def endpoint_url() -> str | None:
+    for var in ("QBUILD_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if os.environ.get(var):
+            return os.environ[var]
+    return None
+
+
+class S3Remote:
+    """One bucket/prefix. Thread-safe: boto3 clients may be shared between threads (sessions may not)."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.bucket, self.prefix = parse_remote(url)
+        self._client = None
+        self._session = None
+        self._init_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"S3Remote({self.url})"
+
+    # --- names ---------------------------------------------------------------------------------------------------
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def blob_key(self, digest: str) -> str:
+        return self._key("cas", digest[:2], digest)
+
+    def manifest_key(self, key: str) -> str:
+        return self._key("ac", key[:2], f"{key}.json")
+
+    def object_url(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    # --- the client ----------------------------------------------------------------------------------------------
+    @property
+    def client(self):
+        with self._init_lock:
+            if self._client is None:
+                import boto3
+                from botocore.config import Config
+
+                endpoint = endpoint_url()
+                config = Config(retries={"max_attempts": 4, "mode": "standard"}, connect_timeout=5,
+                                read_timeout=60, max_pool_connections=POOL_THREADS + TRANSFER_THREADS,
+                                s3={"addressing_style": "path"} if endpoint else None)
+                self._session = boto3.session.Session()
+                try:
+                    self._client = self._session.client("s3", endpoint_url=endpoint, config=config)
+                except Exception as e:  # a bad region or endpoint in the environment
+                    raise self.error(e, self.object_url(self._key()))
+            return self._client
+
+    def _transfer_config(self):
+        from boto3.s3.transfer import TransferConfig
+
+        return TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK,
+                              max_concurrency=TRANSFER_THREADS)
+
+    # --- manifests -----------------------------------------------------------------------------------------------
+    def get_manifest(self, key: str) -> Manifest | None:
+        name = self.manifest_key(key)
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
+        except Exception as e:
+            if _status(e) == 404 and _code(e) != "NoSuchBucket":
+                return None
+            raise self.error(e, self.object_url(name)) from None
+        try:
+            manifest = Manifest.from_json(json.loads(body))
+        except (ValueError, KeyError, TypeError) as e:
+            raise InfraError(f"{self.object_url(name)}: unreadable manifest ({type(e).__name__}); "
+                             "delete it or run `qbuild gc --remote`") from None
+        return manifest
+
+    def put_manifest(self, manifest: Manifest) -> bool:
+        """Write a manifest unless one exists (If-None-Match: *). True if this call wrote it."""
+        name = self.manifest_key(manifest.key)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=name, Body=manifest.to_bytes(), IfNoneMatch="*",
+                                   ContentType="application/json")
+        except Exception as e:
+            if _status(e) == 412 or _code(e) in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False  # another writer got there first; manifests of one key are equal by construction
+            raise self.error(e, self.object_url(name)) from None
+        return True
+
+    def has_manifests(self, keys: Iterable[str]) -> set[str]:
+        return self._present({k: self.manifest_key(k) for k in keys})
+
+    # --- blobs ---------------------------------------------------------------------------------------------------
+    def has_blobs(self, digests: Iterable[str]) -> set[str]:
+        """The subset of `digests` the remote holds, checked with HEADs in a thread pool."""
+        return self._present({d: self.blob_key(d) for d in digests})
+
+    def upload_blob(self, path: Path, digest: str, callback: Callback | None = None) -> None:
+        name = self.blob_key(digest)
+        try:
+            self.client.upload_file(str(path), self.bucket, name, Config=self._transfer_config(), Callback=callback)
+        except Exception as e:
+            raise self.error(e, self.object_url(name)) from None
+
+    def download_blob(self, digest: str, dest: Path, callback: Callback | None = None) -> None:
+        name = self.blob_key(digest)
+        try:
+            self.client.download_file(self.bucket, name, str(dest), Config=self._transfer_config(),
+                                      Callback=callback)
+        except Exception as e:
+            if _status(e) == 404:
+                raise InfraError(f"{self.object_url(name)}: blob missing on the remote although a manifest names "
+                                 "it; republish with `qbuild publish`") from None
+            raise self.error(e, self.object_url(name)) from None
+
+    # --- listing and deleting (gc) -------------------------------------------------------------------------------
+    def list_manifests(self) -> Iterator[RemoteObject]:
+        for obj in self._list(self._key("ac") + "/"):
+            name = obj.name.rsplit("/", 1)[-1]
+            if name.endswith(".json"):
+                yield RemoteObject(name[:-len(".json")], obj.size, obj.modified)
+
+    def list_blobs(self) -> Iterator[RemoteObject]:
+        for obj in self._list(self._key("cas") + "/"):
+            yield RemoteObject(obj.name.rsplit("/", 1)[-1], obj.size, obj.modified)
+
+    def delete(self, names: list[str]) -> None:
+        """Delete objects by full key, in batches."""
+        for i in range(0, len(names), DELETE_BATCH):
+            batch = names[i:i + DELETE_BATCH]
+            try:
+                out = self.client.delete_objects(Bucket=self.bucket,
+                                                 Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True})
+            except Exception as e:
+                raise self.error(e, self.object_url(batch[0])) from None
+            if out.get("Errors"):
+                err = out["Errors"][0]
+                raise InfraError(self._scrub(f"{self.object_url(err.get('Key', ''))}: delete failed: "
+                                             f"{err.get('Code')} {err.get('Message', '')}".strip()))
+
+    def _list(self, prefix: str) -> Iterator[RemoteObject]:
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    yield RemoteObject(obj["Key"], obj["Size"], obj["LastModified"])
+        except Exception as e:
+            raise self.error(e, self.object_url(prefix)) from None
+
+    def _present(self, names: dict[str, str]) -> set[str]:
+        if not names:
+            return set()
+
+        def head(item: tuple[str, str]) -> str | None:
+            ident, name = item
+            try:
+                self.client.head_object(Bucket=self.bucket, Key=name)
+            except Exception as e:
+                if _status(e) == 404:
+                    return None
+                raise self.error(e, self.object_url(name)) from None
+            return ident
+
+        self.client  # create the client once, before the threads share it
+        with ThreadPoolExecutor(POOL_THREADS) as pool:
+            return {ident for ident in pool.map(head, sorted(names.items())) if ident is not None}
+
+    # --- errors --------------------------------------------------------------------------------------------------
+    def error(self, e: BaseException, where: str) -> InfraError:
+        """One line naming `where` and what went wrong; never a credential."""
+        return InfraError(self._scrub(f"{where}: {_describe(e, self.bucket)}"))
+
+    def _scrub(self, text: str) -> str:
+        secrets = {os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                                               "AWS_SECURITY_TOKEN")}
+        creds = self._session.get_credentials() if self._session is not None and self._client is not None else None
+        if creds is not None:
+            try:
+                frozen = creds.get_frozen_credentials()
+                secrets |= {frozen.access_key, frozen.secret_key, frozen.token}
+            except Exception:
+                pass  # a refresh that fails now must not hide the original error
+        for s in sorted((s for s in secrets if s and len(s) >= 4), key=len, reverse=True):
+            text = text.replace(s, "***")
+        return text
+
+
+def _status(e: BaseException) -> int | None:
+    resp = getattr(_client_error(e), "response", None) or {}
+    status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if status is None and resp.get("Error", {}).get("Code", "").isdigit():
+        status = int(resp["Error"]["Code"])
+    return status
+
+
+def _code(e: BaseException) -> str | None:
+    resp = getattr(_client_error(e), "response", None) or {}
+    return resp.get("Error", {}).get("Code")
+
+
+def _client_error(e: BaseException) -> BaseException | None:
+    """The botocore ClientError behind `e` (s3transfer wraps them), if any."""
+    from botocore.exceptions import ClientError
+
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, ClientError):
+            return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+_CODES = {
+    "NoSuchBucket": "no such bucket {bucket}",
+    "AccessDenied": "access denied (the credentials need s3:GetObject, s3:PutObject, s3:ListBucket and, for gc, "
+                    "s3:DeleteObject on this bucket and prefix)",
+    "AllAccessDisabled": "access to bucket {bucket} is disabled",
+    "InvalidAccessKeyId": "the AWS access key id was rejected; check the credential chain (AWS_PROFILE, role, env)",
+    "SignatureDoesNotMatch": "the AWS secret key was rejected; check the credential chain",
+    "ExpiredToken": "the AWS session token has expired; refresh the credentials",
+    "InvalidToken": "the AWS session token was rejected; refresh the credentials",
+    "PermanentRedirect": "bucket {bucket} is in another region; set AWS_REGION to its region",
+    "AuthorizationHeaderMalformed": "bucket {bucket} is in another region; set AWS_REGION to its region",
+    "SlowDown": "the server throttled us (SlowDown) beyond the retry budget; try again",
+    "403": "access denied (HTTP 403)",
+    "404": "not found (HTTP 404)",
+}
+
+
+def _describe(e: BaseException, bucket: str) -> str:
+    from botocore import exceptions as bx
+
+    ce = _client_error(e)
+    if ce is not None:
+        code = _code(ce) or str(_status(ce) or "")
+        if code in _CODES:
+            return _CODES[code].format(bucket=bucket)
+        message = ce.response.get("Error", {}).get("Message") or ""
+        return f"{code or 'error'} (HTTP {_status(ce)}){': ' + message if message else ''}"
+    if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)):
+        return "no AWS credentials found (set AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or use a role)"
+    if isinstance(e, bx.CredentialRetrievalError):
+        return "could not obtain AWS credentials from the configured provider"
+    if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ConnectTimeoutError,
+                      bx.ProxyConnectionError)):
+        return f"cannot connect to {_endpoint_host()} (connection refused, closed or timed out)"
+    if isinstance(e, bx.ReadTimeoutError):
+        return f"{_endpoint_host()} stopped answering (read timeout)"
+    if isinstance(e, bx.NoRegionError):
+        return "no AWS region configured; set AWS_REGION"
+    if isinstance(e, bx.BotoCoreError):
+        return f"{type(e).__name__}: {e}"
+    if isinstance(e, OSError):
+        return f"local I/O failed: {e.strerror or e}"
+    return f"{type(e).__name__}: {e}"
+
+
+def _endpoint_host() -> str:
+    """The endpoint without any userinfo (which could hold a secret)."""
+    url = endpoint_url()
+    if not url:
+        return "the S3 endpoint"
+    parts = urlsplit(url)
+    return f"{parts.hostname}:{parts.port}" if parts.port else (parts.hostname or "the S3 endpoint")
