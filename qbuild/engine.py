@@ -18,6 +18,7 @@ from .errors import BuildError, QbuildError, UserError
 from .job import Job
 from .plan import Node, Plan, key_of, preimage
 from .store import StoreSpec
+from .store.local import CorruptBlobError
 from .store.manifest import Manifest
 
 
@@ -29,7 +30,7 @@ class Executor(Protocol):
 
 @dataclass
 class Event:
-    kind: str                  # "cached" | "start" | "built" | "failed" | "skipped"
+    kind: str                  # "cached" | "start" | "built" | "failed" | "skipped" | "corrupt"
     node: Node
     manifest: Manifest | None = None
     error: str | None = None
@@ -61,7 +62,9 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
           on_event: Callable[[Event], None] = lambda e: None, only: set[str] | None = None) -> BuildResult:
     """Build every node of `plan` (or those in `only` and their inputs)."""
     wanted = _closure(plan, only) if only is not None else set(plan.nodes)
-    waiting = [nid for nid in plan.nodes if nid in wanted]      # not started yet, in topological order
+    order = list(plan.nodes)
+    waiting = [nid for nid in order if nid in wanted]           # not started yet, in topological order
+    retries: dict[str, int] = {}
     result = BuildResult()
     running: dict[Future, tuple[str, float]] = {}
     mem_in_use = 0
@@ -133,6 +136,20 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                 mem_in_use -= plan.nodes[nid].est_peak_bytes
                 try:
                     manifest = fut.result()
+                except CorruptBlobError as e:
+                    # An input was corrupt on disk: rebuild whatever produced it, then this node again.
+                    retries[nid] = retries.get(nid, 0) + 1
+                    if retries[nid] > 2:
+                        fail(nid, str(e))
+                        continue
+                    on_event(Event("corrupt", plan.nodes[nid], error=str(e)))
+                    for producer in _closure(plan, set(plan.nodes[nid].deps.values())):
+                        m = result.manifests.get(producer)
+                        if m is not None and any(o["digest"] == e.digest for o in m.outputs.values()):
+                            _requeue(plan, producer, result, waiting)
+                    waiting.append(nid)
+                    waiting.sort(key=order.index)
+                    continue
                 except QbuildError as e:
                     fail(nid, str(e))
                     continue
@@ -147,6 +164,18 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
             executor.shutdown()
     result.skipped.extend(n for n in waiting if n not in result.skipped)
     return result
+
+
+def _requeue(plan: Plan, nid: str, result: BuildResult, waiting: list[str]) -> None:
+    """Forget a finished node's result so the scheduler evaluates it again (its entry is now a miss)."""
+    result.manifests.pop(nid, None)
+    for bucket in (result.cached, result.built):
+        if nid in bucket:
+            bucket.remove(nid)
+    if nid not in waiting:
+        waiting.append(nid)
+        order = list(plan.nodes)
+        waiting.sort(key=order.index)
 
 
 def _closure(plan: Plan, only: set[str]) -> set[str]:

@@ -6,13 +6,14 @@ worker needs nothing but the store to do its part.
 
 from __future__ import annotations
 
+import errno
 import shutil
 import time
 import traceback
 from dataclasses import dataclass, field
 
 from .actions import RunContext
-from .errors import BuildError, QbuildError
+from .errors import BuildError, InfraError, QbuildError
 from .store import StoreSpec, open_store
 from .store.manifest import Manifest
 
@@ -53,7 +54,7 @@ def _build(job: Job, store, stage) -> Manifest:
     ctx.scratch.mkdir()
     for name, outputs in job.inputs.items():
         ctx.inputs[name] = stage / "in" / name
-        store.materialize(outputs, ctx.inputs[name])
+        store.materialize(outputs, ctx.inputs[name], verify=True)
     log_lines: list[str] = []
     ctx.log = log_lines.append
     fn = _load(job.entry)
@@ -62,6 +63,11 @@ def _build(job: Job, store, stage) -> Manifest:
         fn(ctx)
     except QbuildError:
         raise
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise InfraError(f"{job.name}: no space left on device under {store.root}; free space or use --store "
+                             "on a larger disk") from None
+        raise BuildError(f"{job.name}: {type(e).__name__}: {e}") from None
     except Exception as e:
         # An action's own failure is reported as a build error with its last frame, never cached.
         frame = traceback.extract_tb(e.__traceback__)[-1]

@@ -136,7 +136,8 @@ class BuildProgress:
         else:
             self.running.pop(name, None)
         line = {"start": f"start  {name}", "built": f"built  {name} ({e.seconds:.1f}s)",
-                "failed": f"FAILED {name}: {e.error}", "skipped": f"skip   {name}: {e.error}"}.get(e.kind)
+                "failed": f"FAILED {name}: {e.error}",
+                "corrupt": f"CORRUPT input of {name}: {e.error}", "skipped": f"skip   {name}: {e.error}"}.get(e.kind)
         if e.kind == "cached":
             line = None  # quiet when things are fine
         if line:

@@ -34,3 +34,12 @@ def fail(ctx: RunContext) -> None:
 
 def read_log(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+BIG = register(ActionSpec("test-big", "tests.engine_actions:big", ("tests.engine_actions",)))
+
+
+def big(ctx: RunContext) -> None:
+    """Writes more bytes than a small filesystem holds."""
+    with open(ctx.out / "big.bin", "wb") as f:
+        f.write(os.urandom(ctx.params["bytes"]))

@@ -28,6 +28,17 @@ from ..hashing import digest_file
 from .manifest import Manifest, tree_digest
 
 
+class CorruptBlobError(InfraError):
+    """A blob whose bytes no longer match its digest (found on use)."""
+
+    def __init__(self, digest: str, message: str):
+        super().__init__(message)
+        self.digest = digest
+
+    def __reduce__(self):
+        return (CorruptBlobError, (self.digest, str(self)))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -82,7 +93,11 @@ class LocalStore:
         except (OSError, json.JSONDecodeError):
             # A manifest that cannot be read is treated as absent; the rebuild replaces it atomically.
             return None
-        return Manifest.from_json(doc)
+        manifest = Manifest.from_json(doc)
+        # An entry whose blobs are gone (removed as corrupt, or by gc) is a miss, so the node is rebuilt.
+        if not all(self.has_blob(o["digest"]) for o in manifest.outputs.values()):
+            return None
+        return manifest
 
     def put_manifest(self, manifest: Manifest) -> None:
         missing = [p for p, o in manifest.outputs.items() if not self.has_blob(o["digest"])]
@@ -151,9 +166,11 @@ class LocalStore:
             target = safe_join(dest, rel)
             target.parent.mkdir(parents=True, exist_ok=True)
             blob = self.blob_path(meta["digest"])
-            if verify and digest_file(blob) != meta["digest"]:
-                raise InfraError(f"{blob}: blob of {rel} does not match its digest {meta['digest'][:16]}; "
-                                 "run `qbuild store verify --repair`")
+            if verify and (not blob.is_file() or digest_file(blob) != meta["digest"]):
+                # Never serve it: drop the blob so every entry naming it becomes a miss and is rebuilt.
+                blob.unlink(missing_ok=True)
+                raise CorruptBlobError(meta["digest"], f"{rel}: stored blob {meta['digest'][:16]} was corrupt "
+                                                       "and has been removed; it will be rebuilt")
             if target.exists() or target.is_symlink():
                 target.unlink()
             try:
