@@ -300,9 +300,10 @@ class TransferDisplay:
         self._bar = None
         self._task = None
         self.verb, self.files, self.total, self.done, self.started, self._last_line = "", 0, 0, 0, 0.0, 0.0
+        self.files_done = 0
 
     def begin(self, verb: str, files: int, total_bytes: int) -> None:
-        self.verb, self.files, self.total, self.done = verb, files, total_bytes, 0
+        self.verb, self.files, self.total, self.done, self.files_done = verb, files, total_bytes, 0, 0
         self.started = self._last_line = time.monotonic()
         if not files:
             return
@@ -329,13 +330,14 @@ class TransferDisplay:
                 self._line(f"  {self.verb}: {_human(self.done)} of {_human(self.total)} ({self._rate()})")
 
     def file_done(self, name: str) -> None:
-        pass
+        with self._lock:
+            self.files_done += 1
 
     def end(self) -> None:
         if self._bar is not None:
             self._bar.stop()
             self._bar = None
-        if self.files:
+        if self.files and self.files_done == self.files:   # a transfer that failed is reported by its error
             self._line(f"{self.verb}ed {self.files} files, {_human(self.done)} in "
                        f"{time.monotonic() - self.started:.1f}s ({self._rate()})")
 

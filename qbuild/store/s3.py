@@ -89,7 +89,7 @@ class S3Remote:
                 from botocore.config import Config
 
                 endpoint = endpoint_url()
-                config = Config(retries={"max_attempts": 4, "mode": "standard"}, connect_timeout=5,
+                config = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5,
                                 read_timeout=60, max_pool_connections=POOL_THREADS + TRANSFER_THREADS,
                                 s3={"addressing_style": "path"} if endpoint else None)
                 self._session = boto3.session.Session()
@@ -268,7 +268,7 @@ _CODES = {
     "PermanentRedirect": "bucket {bucket} is in another region; set AWS_REGION to its region",
     "AuthorizationHeaderMalformed": "bucket {bucket} is in another region; set AWS_REGION to its region",
     "SlowDown": "the server throttled us (SlowDown) beyond the retry budget; try again",
-    "403": "access denied (HTTP 403)",
+    "403": "access denied (HTTP 403): the credentials were rejected or lack s3:GetObject / s3:ListBucket here",
     "404": "not found (HTTP 404)",
 }
 

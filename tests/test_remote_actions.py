@@ -1,0 +1,81 @@
+"""Test-defined actions for the remote-store tests, and a `qbuild` entry point that registers them.
+
+`python -m tests.test_remote_actions ARGS` is the real CLI with every step after fetch replaced by a small action
+here, so a recipe builds in about a second yet yields a multi-file bundle that depends on every upstream step.
+The registration happens only in that process (and its workers read the entries from their jobs), never in the
+pytest process, so other tests keep the real actions. Nothing here imports pytest: workers import this module.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+MODULE = "tests.test_remote_actions"
+FAKE_KINDS = ("convert", "shard", "compile", "package", "reference", "verify")
+
+
+def blob_bytes(seed: str, n: int) -> bytes:
+    import blake3
+
+    return blake3.blake3(seed.encode()).digest(length=n)
+
+
+def _tree_seed(root: Path) -> str:
+    from qbuild.hashing import digest_file
+
+    return ",".join(f"{p.relative_to(root)}={digest_file(p)}" for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def convert_action(ctx) -> None:
+    seed = _tree_seed(ctx.inputs["snapshot"]) + json.dumps(ctx.params, sort_keys=True)
+    (ctx.out / "weights.safetensors").write_bytes(blob_bytes(seed, 96 << 10))
+    (ctx.out / "config.json").write_text(json.dumps({"family": ctx.params["family"]}))
+
+
+def shard_action(ctx) -> None:
+    seed = _tree_seed(ctx.inputs["converted"])
+    for rank in range(ctx.params["tp"]):
+        (ctx.out / f"tp{rank}_sharded_checkpoint.safetensors").write_bytes(blob_bytes(f"{seed}/{rank}", 64 << 10))
+
+
+def compile_action(ctx) -> None:
+    (ctx.out / "graph.pt2").write_bytes(blob_bytes(json.dumps(ctx.params, sort_keys=True), 24 << 10))
+
+
+def package_action(ctx) -> None:
+    for name, src in sorted(ctx.inputs.items()):
+        if name.startswith("compile:"):
+            dst = ctx.out / "graphs" / f"{name.split(':', 1)[1]}.pt2"
+            dst.parent.mkdir(exist_ok=True)
+            shutil.copyfile(src / "graph.pt2", dst)
+    for shard in sorted(ctx.inputs["shard"].iterdir()):
+        (ctx.out / "weights").mkdir(exist_ok=True)
+        shutil.copyfile(shard, ctx.out / "weights" / shard.name)
+    shutil.copyfile(ctx.inputs["converted"] / "config.json", ctx.out / "config.json")
+    (ctx.out / "neuron_config.json").write_text(json.dumps(ctx.params, sort_keys=True))
+
+
+def reference_action(ctx) -> None:
+    (ctx.out / "reference.json").write_text(json.dumps({"seed": _tree_seed(ctx.inputs["snapshot"])}))
+
+
+def verify_action(ctx) -> None:
+    files = sorted(p.name for p in ctx.inputs["bundle"].rglob("*") if p.is_file())
+    (ctx.out / "report.json").write_text(json.dumps({"ok": True, "files": files}))
+
+
+def register_fake_actions() -> None:
+    from qbuild.actions import ActionSpec, register
+
+    for kind in FAKE_KINDS:
+        register(ActionSpec(kind, f"{MODULE}:{kind}_action", (MODULE,)))
+
+
+
+if __name__ == "__main__":
+    register_fake_actions()
+    from qbuild.cli import main
+
+    main()

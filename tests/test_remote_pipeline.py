@@ -1,0 +1,253 @@
+"""The S3 remote end to end: real CLI processes, the real planner and engine, moto's S3 server on loopback.
+
+The pipeline is the real one (fetch of a local checkpoint, planner, engine, lockfile); every other step is a small
+test-defined action (registered in the CLI process this module starts, never in the pytest process), so a whole
+recipe builds in about a second while producing a multi-file bundle that depends on every upstream step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.s3server import FAKE_CREDENTIALS, s3_env, shared_server
+from tests.test_remote_actions import blob_bytes
+
+REPO = Path(__file__).resolve().parent.parent
+MODULE = "tests.test_remote_actions"     # the CLI with the test actions registered
+
+
+# --- a project on disk and a CLI that runs it ----------------------------------------------------------------------
+
+RECIPE = """name: {name}
+model: {{path: ../model}}
+parallel: {{tp: {tp}}}
+text: {{seq_len: 128, cte_buckets: {buckets}, tkg_buckets: [128]}}
+dtype: float32
+backend: export
+"""
+
+
+def make_project(root: Path) -> Path:
+    """A checkpoint directory (a real Qwen3.5 config, placeholder weights) and two recipes sharing it."""
+    (root / "model").mkdir(parents=True)
+    shutil.copyfile(REPO / "qbuild" / "configs" / "Qwen--Qwen3.5-2B.json", root / "model" / "config.json")
+    (root / "model" / "model.safetensors").write_bytes(blob_bytes("weights", 200 << 10))
+    (root / "recipes").mkdir()
+    write_recipe(root, "alpha", tp=1, buckets=[32, 64])
+    write_recipe(root, "beta", tp=2, buckets=[32])
+    return root
+
+
+def write_recipe(root: Path, name: str, tp: int, buckets: list[int]) -> None:
+    (root / "recipes" / f"{name}.yaml").write_text(RECIPE.format(name=name, tp=tp, buckets=buckets))
+
+
+def run_qbuild(project: Path, *args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`qbuild ARGS` in `project`, with the test actions registered, talking to the loopback S3 server."""
+    full = dict(env if env is not None else base_env())
+    full["PYTHONPATH"] = str(REPO)
+    full.setdefault("XDG_CACHE_HOME", str(project / ".cache"))
+    return subprocess.run([sys.executable, "-m", MODULE, *args], cwd=project, env=full, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def base_env() -> dict:
+    env = s3_env(shared_server().endpoint)
+    env.pop("XDG_CACHE_HOME", None)
+    env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def remote_state(client, bucket: str, prefix: str) -> tuple[dict[str, dict], dict[str, int]]:
+    """(manifests by key, blob sizes by digest) under s3://bucket/prefix, read straight from the server."""
+    manifests, blobs = {}, {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/"):
+        for obj in page.get("Contents", []):
+            rel = obj["Key"][len(prefix) + 1:]
+            if rel.startswith("ac/"):
+                body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+                manifests[rel.rsplit("/", 1)[1].removesuffix(".json")] = json.loads(body)
+            elif rel.startswith("cas/"):
+                blobs[rel.rsplit("/", 1)[1]] = obj["Size"]
+    return manifests, blobs
+
+
+def assert_no_dangling_manifest(client, bucket: str, prefix: str) -> None:
+    """The remote's invariant: every visible manifest's blobs are all there, with their sizes."""
+    manifests, blobs = remote_state(client, bucket, prefix)
+    for key, m in manifests.items():
+        for rel, meta in m["outputs"].items():
+            assert blobs.get(meta["digest"]) == meta["size"], f"manifest {key[:16]} names missing blob of {rel}"
+
+
+def local_keys(store: Path) -> set[str]:
+    return {p.stem for p in (store / "ac").glob("*/*.json")}
+
+
+def local_blobs(store: Path) -> set[str]:
+    return {p.name for p in (store / "cas").glob("*/*")}
+
+
+def lock_keys(lock: Path) -> set[str]:
+    return {n["key"] for n in json.loads(lock.read_text())["nodes"].values()}
+
+
+# --- fixtures ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3():
+    server = shared_server()
+    client = server.client()
+    client.create_bucket(Bucket="qb-pipeline")
+    return client
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A project with both recipes built into its own store, and its lockfile."""
+    root = make_project(tmp_path_factory.mktemp("project"))
+    ok(run_qbuild(root, "compile", "--all", "--store", "store", "--mem", "1T", "-j", "2"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def published(built, s3):
+    """`built`, published under s3://qb-pipeline/shared."""
+    ok(run_qbuild(built, "publish", "--all", "--store", "store", "--remote", "s3://qb-pipeline/shared", "--json"))
+    return "s3://qb-pipeline/shared"
+
+
+# --- tests -----------------------------------------------------------------------------------------------------------
+
+def test_publish_then_pull_into_an_empty_machine(built, s3, tmp_path):
+    remote = "s3://qb-pipeline/roundtrip"
+    first = json.loads(ok(run_qbuild(built, "publish", "--all", "--store", "store", "--remote", remote,
+                                     "--json")).stdout)
+    lock = json.loads((built / "artifacts.lock").read_text())
+    locked_blobs = {o["digest"]: o["size"] for n in lock["nodes"].values() for o in n["outputs"].values()}
+    assert first["bytes_uploaded"] == sum(locked_blobs.values()) and first["manifests_uploaded"] == len(lock["nodes"])
+    assert_no_dangling_manifest(s3, "qb-pipeline", "roundtrip")
+
+    second = json.loads(ok(run_qbuild(built, "publish", "--all", "--store", "store", "--remote", remote,
+                                      "--json")).stdout)
+    assert second["bytes_uploaded"] == 0 and second["blobs_uploaded"] == 0 and second["manifests_uploaded"] == 0
+
+    # A serving host: nothing but the lockfile, an empty store, and the remote.
+    host = tmp_path / "host"
+    host.mkdir()
+    shutil.copyfile(built / "artifacts.lock", host / "artifacts.lock")
+    ok(run_qbuild(host, "pull", "alpha", "--to", "bundle", "--store", "store", "--remote", remote))
+    package = lock["nodes"][lock["recipes"]["alpha"]["nodes"]["package"]]
+    got = {p.relative_to(host / "bundle").as_posix(): p for p in (host / "bundle").rglob("*") if p.is_file()}
+    assert set(got) == set(package["outputs"]) and "weights/tp0_sharded_checkpoint.safetensors" in got
+    from qbuild.hashing import digest_file
+
+    for rel, meta in package["outputs"].items():
+        assert digest_file(got[rel]) == meta["digest"]
+    # Exactly the bundle came down: one manifest, the package's blobs, nothing of the other steps.
+    assert local_keys(host / "store") == {package["key"]}
+    assert local_blobs(host / "store") == {o["digest"] for o in package["outputs"].values()}
+
+
+def test_second_store_reads_through_and_builds_nothing(built, published, tmp_path):
+    project = tmp_path / "clone"
+    shutil.copytree(built, project, ignore=shutil.ignore_patterns("store"))
+    out = json.loads(ok(run_qbuild(project, "compile", "--all", "--strict", "--store", "fresh", "--mem", "1T",
+                                   "--remote", published, "--json")).stdout)
+    assert out["built"] == [] and out["failed"] == {} and len(out["cached"]) > 0
+    assert out["bundles"] == {n: e["bundle"] for n, e in json.loads((built / "artifacts.lock").read_text())
+                              ["recipes"].items()}
+    assert local_keys(project / "fresh") == lock_keys(built / "artifacts.lock")
+    # `plan` with the remote only asks it: everything shows as cached, nothing is downloaded.
+    plan = json.loads(ok(run_qbuild(project, "plan", "--all", "--store", "empty", "--remote", published,
+                                    "--json")).stdout)
+    assert {n["status"] for n in plan["nodes"]} == {"cached"} and not (project / "empty" / "ac").exists()
+    # The project config and the environment name the remote as well as --remote does.
+    (project / "qbuild.yaml").write_text(f"remote: {published}\n")
+    out = json.loads(ok(run_qbuild(project, "compile", "--all", "--strict", "--store", "cfg", "--mem", "1T",
+                                   "--json")).stdout)
+    assert out["built"] == []
+
+
+def test_strict_names_the_node_it_would_have_to_build(built, s3, tmp_path):
+    project = tmp_path / "p"
+    shutil.copytree(built, project, ignore=shutil.ignore_patterns("store"))
+    proc = run_qbuild(project, "compile", "recipes/alpha.yaml", "--strict", "--store", "empty", "--mem", "1T",
+                      "--remote", "s3://qb-pipeline/nothing-here")
+    assert proc.returncode == 1
+    assert "fetch model is not in the store" in proc.stderr and "--strict" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (project / "empty" / "ac").exists()
+
+
+def test_corrupt_blob_on_the_server_is_refused_and_nothing_is_written(built, published, s3, tmp_path):
+    lock = json.loads((built / "artifacts.lock").read_text())
+    package = lock["nodes"][lock["recipes"]["beta"]["nodes"]["package"]]
+    rel, meta = sorted(package["outputs"].items())[-1]
+    prefix = "corrupt"
+    ok(run_qbuild(built, "publish", "beta", "--store", "store", "--remote", f"s3://qb-pipeline/{prefix}"))
+    bad_key = f"{prefix}/cas/{meta['digest'][:2]}/{meta['digest']}"
+    s3.put_object(Bucket="qb-pipeline", Key=bad_key, Body=b"\0" * meta["size"])
+
+    host = tmp_path / "host"
+    host.mkdir()
+    shutil.copyfile(built / "artifacts.lock", host / "artifacts.lock")
+    proc = run_qbuild(host, "pull", "beta", "--to", "bundle", "--store", "store", "--remote",
+                      f"s3://qb-pipeline/{prefix}")
+    assert proc.returncode == 3, proc.stderr
+    assert f"s3://qb-pipeline/{bad_key}" in proc.stderr and rel in proc.stderr and "does not match" in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: s3://") and "Traceback" not in proc.stderr
+    assert not (host / "bundle").exists() and not list(host.glob(".bundle*"))
+    assert package["key"] not in local_keys(host / "store")
+    assert meta["digest"] not in local_blobs(host / "store")
+    # compile through the same remote refuses it too, rather than caching it
+    clone = tmp_path / "clone"
+    shutil.copytree(built, clone, ignore=shutil.ignore_patterns("store"))
+    proc = run_qbuild(clone, "compile", "recipes/beta.yaml", "--store", "s", "--mem", "1T", "--strict",
+                      "--remote", f"s3://qb-pipeline/{prefix}")
+    assert proc.returncode == 3 and "does not match" in proc.stderr
+    assert package["key"] not in local_keys(clone / "s")
+
+
+def test_compile_push_uploads_blobs_before_manifests(built, s3, tmp_path):
+    project = tmp_path / "p"
+    shutil.copytree(built, project, ignore=shutil.ignore_patterns("store", "artifacts.lock"))
+    remote = "s3://qb-pipeline/pushed"
+    ok(run_qbuild(project, "compile", "recipes/alpha.yaml", "--push", "--store", "s", "--mem", "1T",
+                  "--remote", remote))
+    manifests, _ = remote_state(s3, "qb-pipeline", "pushed")
+    assert set(manifests) == lock_keys(project / "artifacts.lock")
+    assert_no_dangling_manifest(s3, "qb-pipeline", "pushed")
+    # entries built earlier without --push are uploaded by the next --push run, even though nothing is built
+    ok(run_qbuild(project, "compile", "recipes/beta.yaml", "--store", "s", "--mem", "1T"))
+    out = json.loads(ok(run_qbuild(project, "compile", "--all", "--push", "--store", "s", "--mem", "1T",
+                                   "--remote", remote, "--json")).stdout)
+    assert out["built"] == [] and out["pushed"]["manifests_uploaded"] > 0
+    manifests, _ = remote_state(s3, "qb-pipeline", "pushed")
+    assert set(manifests) == lock_keys(project / "artifacts.lock")
+    out = json.loads(ok(run_qbuild(project, "compile", "--all", "--push", "--store", "s", "--mem", "1T",
+                                   "--remote", remote, "--json")).stdout)
+    assert out["pushed"]["bytes_uploaded"] == 0 and out["pushed"]["manifests_uploaded"] == 0
+    lock_text = (project / "artifacts.lock").read_text()
+    assert not any(v in lock_text for v in FAKE_CREDENTIALS.values()) and "qb-pipeline" not in lock_text
+
+
+def test_push_without_a_remote_is_a_user_error(built, tmp_path):
+    env = base_env()
+    proc = run_qbuild(built, "compile", "--all", "--push", "--store", str(tmp_path / "s"), env=env)
+    assert proc.returncode == 2 and "--push needs a remote" in proc.stderr
+    proc = run_qbuild(built, "publish", "--all", "--store", "store", "--remote", "https://example.com/x", env=env)
+    assert proc.returncode == 2 and "not an s3://bucket/prefix URL" in proc.stderr
+
