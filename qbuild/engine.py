@@ -157,8 +157,12 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     fail(nid, f"{plan.nodes[nid].name}: worker failed: {type(e).__name__}: {e}")
                     continue
                 result.manifests[nid] = manifest
-                result.built.append(nid)
-                on_event(Event("built", plan.nodes[nid], manifest, seconds=time.monotonic() - started))
+                if manifest.meta.get("reused"):
+                    result.cached.append(nid)
+                    on_event(Event("cached", plan.nodes[nid], manifest))
+                else:
+                    result.built.append(nid)
+                    on_event(Event("built", plan.nodes[nid], manifest, seconds=time.monotonic() - started))
     finally:
         if executor is not None:
             executor.shutdown()

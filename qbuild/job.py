@@ -10,7 +10,7 @@ import errno
 import shutil
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .actions import RunContext
 from .errors import BuildError, InfraError, QbuildError
@@ -38,7 +38,8 @@ def run_job(job: Job) -> Manifest:
     with store.lock(job.key):
         existing = store.get_manifest(job.key)
         if existing is not None:
-            return existing
+            # Another process built it while this one waited for the lock; say so, so it counts as cached.
+            return replace(existing, meta={**existing.meta, "reused": True})
         store.clear_staging(job.key)
         stage = store.staging_dir(job.key)
         try:
