@@ -67,6 +67,10 @@ class Arch:
     rms_norm_eps: float
     tie_word_embeddings: bool
     vision: VisionArch | None
+    # MoE layout fields that change the graph: qwen3_next may skip top-k renormalisation and place dense layers.
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -143,7 +147,10 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
             rope=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope.items())),
             rms_norm_eps=text.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            vision=vision)
+            vision=vision,
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)) if family == "qwen3_next" else True,
+            decoder_sparse_step=(text.get("decoder_sparse_step") or 1) if moe else 1,
+            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()) if moe else ())
     except KeyError as e:
         raise UserError(f"{origin}: missing field {e.args[0]!r} for model_type {family}") from None
 

@@ -334,6 +334,87 @@ def tiny(family: str = typer.Argument(..., help="qwen3_5 | qwen3_5_moe | qwen3_n
     _err(f"wrote a tiny {family} checkpoint to {out}")
 
 
+# --- run, bench ------------------------------------------------------------------------------------------------
+
+def _open_runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[str], stack):
+    """A Runtime for a pulled bundle directory, or for a recipe's locked bundle laid out in a temporary directory."""
+    import tempfile
+
+    from .runtime import Runtime
+
+    if Path(target).is_dir():
+        return Runtime.load(Path(target))
+    from . import lock as lockmod
+    from .publish import pull_bundle
+
+    if not lock.exists():
+        raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
+    ws = _workspace(store, lock, remote)
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="qbuild-run-")))
+    pull_bundle(ws.store, lockmod.read(lock), lock, target, tmp / "bundle")
+    return Runtime.load(tmp / "bundle", verify_digests=False)  # pull checked every digest
+
+
+def _prompt_ids(runtime, prompt: Optional[str], prompt_ids: Optional[str]) -> list[int]:
+    if prompt_ids:
+        try:
+            return [int(x) for x in prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise UserError(f"--prompt-ids: {prompt_ids!r} is not a comma-separated list of token ids") from None
+    if prompt is None:
+        raise UserError("give --prompt TEXT or --prompt-ids 1,2,3")
+    return runtime.encode(prompt)
+
+
+@app.command()
+def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild pull`), or a locked recipe"),
+        prompt: Optional[str] = typer.Option(None, "--prompt", help="prompt text"),
+        prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="prompt token ids, e.g. 1,2,3"),
+        image: Optional[Path] = typer.Option(None, "--image", help="an image file (VL bundles)"),
+        max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="greedy tokens to generate"),
+        json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+        remote: Optional[str] = RemoteOpt) -> None:
+    """Generate greedily with a bundle's compiled graphs; report TTFT and TPOT."""
+    from contextlib import ExitStack
+
+    from .render import generation_json, generation_text
+
+    if image is not None and not image.is_file():
+        raise UserError(f"--image: {image} is not a file")
+    with ExitStack() as stack:
+        runtime = _open_runtime(target, store, lock, remote, stack)
+        gen = runtime.generate(_prompt_ids(runtime, prompt, prompt_ids), max_new_tokens, image=image)
+    if json_:
+        print(json.dumps(generation_json(gen), sort_keys=True))
+    else:
+        generation_text(gen)
+
+
+@app.command()
+def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbuild pull`), or a locked recipe"),
+          repeats: int = typer.Option(5, "--repeats", min=1, help="timed runs per prompt length"),
+          warmup: int = typer.Option(1, "--warmup", min=0, help="untimed runs first"),
+          new_tokens: int = typer.Option(16, "--new-tokens", min=2, help="tokens generated per run"),
+          out: Optional[Path] = typer.Option(None, "--out", help="also write the JSON here"),
+          store: Optional[Path] = StoreOpt, lock: Path = LockOpt, remote: Optional[str] = RemoteOpt) -> None:
+    """Sweep prompt lengths 16, 64, 256, ... up to the largest CTE bucket; print TTFT / TPOT statistics as JSON."""
+    from contextlib import ExitStack
+
+    from .render import bench_table
+    from .runtime.bench import bench as run_bench, to_json
+
+    with ExitStack() as stack:
+        runtime = _open_runtime(target, store, lock, remote, stack)
+        doc = to_json(run_bench(runtime, repeats=repeats, warmup=warmup, new_tokens=new_tokens), runtime.manifest)
+    text = json.dumps(doc, indent=1, sort_keys=True)
+    if out is not None:
+        from .store import atomic_write
+
+        atomic_write(out, (text + "\n").encode())
+    print(text)
+    bench_table(doc)
+
+
 def main() -> None:
     try:
         app(standalone_mode=False)

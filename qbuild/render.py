@@ -150,3 +150,27 @@ class BuildProgress:
         msg = (f"{len(result.built)} built, {len(result.cached)} cached, {len(result.failed)} failed, "
                f"{len(result.skipped)} skipped in {took:.1f}s")
         console_err().print(msg, markup=False, highlight=False)
+
+
+# --- run and bench ---------------------------------------------------------------------------------------------
+
+def generation_json(gen) -> dict:
+    return {"token_ids": gen.token_ids, "text": gen.text, "ttft_ms": round(gen.ttft_ms, 3),
+            "tpot_ms": None if gen.tpot_ms is None else round(gen.tpot_ms, 3), "prompt_tokens": len(gen.prompt_ids),
+            "cte_bucket": gen.cte_bucket}
+
+
+def generation_text(gen) -> None:
+    """The generated text on stdout; the timings on stderr."""
+    print(gen.text)
+    tpot = "-" if gen.tpot_ms is None else f"{gen.tpot_ms:.1f} ms"
+    console_err().print(f"{len(gen.prompt_ids)} prompt tokens (bucket {gen.cte_bucket}), {len(gen.token_ids)} "
+                        f"generated; TTFT {gen.ttft_ms:.1f} ms, TPOT {tpot}", markup=False, highlight=False)
+
+
+def bench_table(doc: dict) -> None:
+    """A human summary of `qbuild bench` on stderr (the JSON goes to stdout)."""
+    for p in doc["points"]:
+        console_err().print(f"prompt {p['prompt_len']:>6} (bucket {p['cte_bucket']}): TTFT {p['ttft_ms']['median']:.1f}"
+                            f" ms median, TPOT {p['tpot_ms']['median']:.2f} ms median, {p['decode_tok_s']:.1f} tok/s",
+                            markup=False, highlight=False)

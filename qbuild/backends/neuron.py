@@ -16,6 +16,7 @@ import importlib.util
 from pathlib import Path
 
 from ..errors import BuildError
+from . import hf_config
 
 # The ports' compiler defaults (nxdi-layout.md section 7); recipe flags are appended after them.
 DEFAULT_COMPILER_ARGS = ("--enable-saturate-infinity", "--enable-mixed-precision-accumulation",
@@ -202,28 +203,3 @@ def _port_classes(params: dict):
         return getattr(mod, model_cls), getattr(mod, config_cls)
     except AttributeError as e:
         raise BuildError(f"backend neuron: port module `{module}` has no {e.name}") from None
-
-
-def hf_config(params: dict) -> dict:
-    """An HF config.json of the architecture in compile params (what NxDI's config loader reads)."""
-    if params["graph"] == "vision":
-        v = params["vision"]
-        return {"model_type": "qwen3_5", "vision_config": {**v, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3}}
-    t = params["text"]
-    text = {"model_type": {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(t["family"], t["family"]),
-            "vocab_size": t["vocab_size"], "hidden_size": t["hidden_size"], "num_hidden_layers": t["num_layers"],
-            "layer_types": list(t["layer_types"]), "num_attention_heads": t["num_heads"],
-            "num_key_value_heads": t["num_kv_heads"], "head_dim": t["head_dim"],
-            "linear_num_key_heads": t["num_k_heads"], "linear_num_value_heads": t["num_v_heads"],
-            "linear_key_head_dim": t["k_head_dim"], "linear_value_head_dim": t["v_head_dim"],
-            "linear_conv_kernel_dim": t["conv_kernel"], "rms_norm_eps": t["rms_norm_eps"],
-            "rope_parameters": t["rope"], "tie_word_embeddings": t["tie_word_embeddings"], "hidden_act": "silu"}
-    if t["intermediate_size"] is not None:
-        text["intermediate_size"] = t["intermediate_size"]
-    if t["num_experts"] is not None:
-        text.update(num_experts=t["num_experts"], num_experts_per_tok=t["num_experts_per_tok"],
-                    moe_intermediate_size=t["moe_intermediate_size"],
-                    shared_expert_intermediate_size=t["shared_intermediate_size"])
-    if t["family"] == "qwen3_next":
-        return text
-    return {"model_type": t["family"], "text_config": text, "tie_word_embeddings": t["tie_word_embeddings"]}

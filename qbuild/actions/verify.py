@@ -1,0 +1,89 @@
+"""verify: run the bundle through the runtime on the reference's prompts and gate the build on agreement.
+
+Metrics, over every prompt: top-1 agreement of the prefill logits at every prompt position, greedy token match
+over the reference's N tokens (position by position, EOS not stopping), and max |logit - reference| over the
+prefill positions. Thresholds come from the recipe's `verify:`; a failure raises BuildError whose message holds
+the per-prompt report, so nothing is cached and the build fails. On success report.json is the output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from ..actions import RunContext
+from ..errors import BuildError
+
+
+@dataclass
+class PromptReport:
+    index: int
+    text: str
+    image: bool
+    tokens: int                 # prompt length
+    top1: float                 # fraction of prompt positions whose argmax agrees
+    max_logit_err: float
+    token_match: float          # fraction of the N greedy tokens equal to the reference
+    first_mismatch: int | None  # index of the first differing greedy token
+    greedy: list[int]
+    reference: list[int]
+
+
+def compare(index: int, record: dict, logits, ref_logits, greedy: list[int]) -> PromptReport:
+    ref = record["greedy"]
+    top1 = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+    err = float((logits.float() - ref_logits.float()).abs().max())
+    same = [a == b for a, b in zip(greedy, ref)] + [False] * (len(ref) - len(greedy))
+    first = next((i for i, s in enumerate(same) if not s), None)
+    return PromptReport(index, record["text"], record["image"], len(record["ids"]), top1, err,
+                        sum(same) / len(ref), first, greedy, ref)
+
+
+def failures(reports: list[PromptReport], params: dict) -> list[str]:
+    positions = sum(r.tokens for r in reports)
+    top1 = sum(r.top1 * r.tokens for r in reports) / positions
+    match = sum(r.token_match for r in reports) / len(reports)
+    err = max(r.max_logit_err for r in reports)
+    out = []
+    if top1 < params["top1_min"]:
+        out.append(f"top-1 agreement {top1:.4f} < top1_min {params['top1_min']}")
+    if match < params["token_match_min"]:
+        out.append(f"greedy token match {match:.4f} < token_match_min {params['token_match_min']}")
+    if err > params["max_logit_err"]:
+        out.append(f"max |logit error| {err:.3g} > max_logit_err {params['max_logit_err']}")
+    return out
+
+
+def _line(r: PromptReport) -> str:
+    where = "" if r.first_mismatch is None else f", first mismatch at token {r.first_mismatch}"
+    return (f"[{r.index}] {r.text[:32]!r}{' +image' if r.image else ''}: top1 {r.top1:.3f}, tokens "
+            f"{round(r.token_match * len(r.reference))}/{len(r.reference)}{where}, max err {r.max_logit_err:.3g}")
+
+
+def run(ctx: RunContext) -> None:
+    from safetensors.torch import load_file
+
+    from ..runtime import Runtime
+
+    ref_dir = ctx.inputs["reference"]
+    reference = json.loads((ref_dir / "reference.json").read_text())
+    ref_logits = load_file(ref_dir / "logits.safetensors")
+    runtime = Runtime.load(ctx.inputs["bundle"])
+    reports = []
+    for i, record in enumerate(reference["prompts"]):
+        image = ref_dir / "image.png" if record["image"] else None
+        text_ids = record["ids"]
+        if image is not None:  # the runtime puts the image tokens in front itself
+            text_ids = record["ids"][record["ids"].index(runtime.config["vision_end_token_id"]) + 1:]
+        gen = runtime.generate(text_ids, len(record["greedy"]), image=image, stop_at_eos=False)
+        if gen.prompt_ids != record["ids"]:
+            raise BuildError(f"verify: prompt {i}: the runtime built prompt ids {gen.prompt_ids[:12]}..., the "
+                             f"reference {record['ids'][:12]}...")
+        reports.append(compare(i, record, gen.prefill_logits, ref_logits[f"prompt{i}"], gen.token_ids))
+    failed = failures(reports, ctx.params)
+    doc = {"ok": not failed, "thresholds": ctx.params, "failures": failed, "prompts": [asdict(r) for r in reports]}
+    if failed:
+        raise BuildError("verify failed: " + "; ".join(failed) + " | per prompt: " + " | ".join(map(_line, reports)))
+    (ctx.out / "report.json").write_text(json.dumps(doc, indent=1, sort_keys=True))
+    for r in reports:
+        ctx.log(_line(r))

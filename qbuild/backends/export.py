@@ -1,0 +1,105 @@
+"""torch.export of one graph of the reference model, with every weight a graph INPUT.
+
+The exported program's signature is `forward(weights, *args)`: `weights` is the flat dict of the model's
+NxDI-named rank tensors (`TextModel.state_dict()`: sharded tensors stacked on a leading rank dim). The model is
+held outside the traced module and called through torch.func.functional_call, so no weight value is captured;
+only architecture-derived constants (rotary frequencies, expert ids) live in the program.
+
+Graphs (B batch_size, S bucket; each graph's model has max_seq_len = its bucket, the host pads the caches):
+    cte:    (weights, tokens, position_ids, seq_lens) -> (logits (B, S, V), state tuple with L = S)
+            tokens are ids (B, S) for text-only families, embeddings (B, S, H) for the VL families (the host
+            embeds and inserts image features); position_ids (B, S), or (3, B, S) with mRoPE.
+    tkg:    (weights, input_ids (B, 1), position_ids, positions (B,), state with L = S) -> (logits (B, 1, V), state)
+    vision: (weights, hidden (S, hidden), mask (1, 1, S, S), cos (S, head_dim), sin (S, head_dim)) -> features
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import hf_config
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Functional(torch.nn.Module):
+    """`forward(weights, *args)` = module(*args) with its parameters and buffers taken from `weights`."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self._module = [module]  # a list, so the module is not registered and none of its tensors is saved
+
+    def forward(self, weights: dict[str, torch.Tensor], *args):
+        return torch.func.functional_call(self._module[0], weights, args)
+
+
+@dataclass
+class Traced:
+    program: torch.export.ExportedProgram
+    signature: dict        # what the runtime needs to call it: input kinds, shapes, dtypes
+    seconds: float
+
+
+def text_model(params: dict, max_seq_len: int):
+    """The reference text model of the architecture in compile params, at this graph's KV length."""
+    from ..modeling import TextConfig, TextModel
+
+    cfg = TextConfig.from_hf(hf_config(params))
+    return TextModel(cfg, tp=params["tp"], ep=params["ep"], dtype=DTYPES[params["dtype"]], max_seq_len=max_seq_len)
+
+
+def text_inputs(model, graph: str, batch: int, bucket: int) -> tuple:
+    """Example inputs of a text graph (values are irrelevant: shapes and dtypes define the program)."""
+    cfg = model.cfg
+    mrope = cfg.mrope_section is not None
+    length = bucket if graph == "cte" else 1
+    positions = torch.zeros((3, batch, length) if mrope else (batch, length), dtype=torch.long)
+    if graph == "cte":
+        tokens = (torch.zeros(batch, bucket, cfg.hidden_size, dtype=model.dtype) if mrope
+                  else torch.zeros(batch, bucket, dtype=torch.long))
+        return tokens, positions, torch.full((batch,), bucket, dtype=torch.long)
+    state = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in model.state_shapes(batch))
+    return torch.zeros(batch, 1, dtype=torch.long), positions, torch.zeros(batch, dtype=torch.long), state
+
+
+def _export(module: torch.nn.Module, weights: dict, args: tuple) -> torch.export.ExportedProgram:
+    with torch.no_grad():
+        return torch.export.export(Functional(module), (weights, *args), strict=False)
+
+
+def export_text(params: dict) -> Traced:
+    from ..modeling import EntryPoint
+
+    graph, bucket, batch = params["graph"], params["bucket"], params["batch_size"]
+    start = time.monotonic()
+    model = text_model(params, max_seq_len=bucket).eval()
+    weights = dict(model.state_dict())
+    args = text_inputs(model, graph, batch, bucket)
+    program = _export(EntryPoint(model, "prefill" if graph == "cte" else "decode"), weights, args)
+    signature = {"graph": graph, "bucket": bucket, "batch_size": batch, "embeds": model.cfg.mrope_section is not None,
+                 "mrope": model.cfg.mrope_section is not None, "max_seq_len": bucket,
+                 "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()},
+                 "state_names": model.state_names(),
+                 "state": [[list(s), str(d).removeprefix("torch.")] for s, d in model.state_shapes(batch)]}
+    return Traced(program, signature, time.monotonic() - start)
+
+
+def export_vision(params: dict) -> Traced:
+    from ..modeling.vision import VisionConfig, VisionEncoder, vision_example_inputs
+
+    start = time.monotonic()
+    cfg = VisionConfig.from_hf(hf_config(params))
+    encoder = VisionEncoder(cfg, dtype=DTYPES[params["dtype"]]).eval()
+    weights = dict(encoder.state_dict())
+    args = vision_example_inputs(cfg, params["bucket"], DTYPES[params["dtype"]])
+    program = _export(encoder, weights, args)
+    signature = {"graph": "vision", "bucket": params["bucket"],
+                 "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()}}
+    return Traced(program, signature, time.monotonic() - start)
+
+
+def export_graph(params: dict) -> Traced:
+    return export_vision(params) if params["graph"] == "vision" else export_text(params)
