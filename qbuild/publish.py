@@ -180,8 +180,9 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
             report.kept_manifests += 1
             continue
         extra = {o["digest"]: o["size"] for o in m.outputs.values() if o["digest"] not in kept_blobs}
-        if sum(extra.values()) <= budget:
-            budget -= sum(extra.values())
+        cost = sum(extra.values()) + path.stat().st_size     # the manifest counts too: --keep-size 0 keeps none
+        if cost <= budget:
+            budget -= cost
             kept_blobs.update(extra)
             report.kept_manifests += 1
         else:
