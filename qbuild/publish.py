@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 from .errors import InfraError, UserError
 from .store.local import LocalStore
@@ -68,7 +68,7 @@ def publish(store: LocalStore, remote: S3Remote, doc: dict, lock_path: Path, nam
     """Upload every locked node of `names` that the remote lacks. Idempotent: a second run uploads nothing."""
     manifests: list[Manifest] = []
     absent: dict[str, tuple[str, str]] = {}
-    for nid, (recipe, role, node) in locked_nodes(doc, lock_path, names).items():
+    for recipe, role, node in locked_nodes(doc, lock_path, names).values():
         m = LocalStore.get_manifest(store, node["key"])
         if m is None:
             absent[node["key"]] = (recipe, role)
@@ -105,9 +105,11 @@ def pull_bundle(store: LocalStore, doc: dict, lock_path: Path, recipe: str, dest
         raise UserError(f"{dest}: exists and is not an empty directory; pull into a new or empty one")
     manifest = store.get_manifest(node["key"])
     if manifest is None:
-        where = f"the local store ({store.root})" + (f" or {store.remote.url}" if isinstance(store, RemoteStore) else "")
-        raise InfraError(f"{name}: bundle {node['key'][:16]} is in neither {where}; "
-                         "publish it with `qbuild publish` or pass --remote")
+        if isinstance(store, RemoteStore):
+            raise InfraError(f"{name}: bundle {node['key'][:16]} is in neither the local store ({store.root}) nor "
+                             f"{store.remote.url}; publish it there with `qbuild publish {name}`")
+        raise InfraError(f"{name}: bundle {node['key'][:16]} is not in the local store ({store.root}); "
+                         "pass --remote s3://bucket/prefix to fetch it")
     if manifest.digest != node["digest"] or manifest.outputs != node["outputs"]:
         raise InfraError(f"{name}: the stored bundle {node['key'][:16]} differs from the one {lock_path} locks "
                          f"(digest {manifest.digest[:16]} vs {node['digest'][:16]}); refusing it")

@@ -8,7 +8,6 @@ recipe builds in about a second while producing a multi-file bundle that depends
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

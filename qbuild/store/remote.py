@@ -18,7 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 from ..errors import InfraError
 from ..hashing import digest_file, digest_json

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 from ..errors import InfraError, UserError
@@ -206,7 +206,7 @@ class S3Remote:
                 raise self.error(e, self.object_url(name)) from None
             return ident
 
-        self.client  # create the client once, before the threads share it
+        _ = self.client  # create the client once, before the threads share it
         with ThreadPoolExecutor(POOL_THREADS) as pool:
             return {ident for ident in pool.map(head, sorted(names.items())) if ident is not None}
 
