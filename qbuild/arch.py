@@ -136,7 +136,9 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
             family=family, vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], num_layers=n,
             layer_types=layer_types, num_heads=text["num_attention_heads"],
             num_kv_heads=text["num_key_value_heads"], head_dim=text["head_dim"],
-            intermediate_size=None if moe else text["intermediate_size"],
+            # An MoE model's dense MLP size matters only where it has dense layers.
+            intermediate_size=text["intermediate_size"] if not moe or text.get("mlp_only_layers")
+            or (text.get("decoder_sparse_step") or 1) > 1 else None,
             num_k_heads=text["linear_num_key_heads"], num_v_heads=text["linear_num_value_heads"],
             k_head_dim=text["linear_key_head_dim"], v_head_dim=text["linear_value_head_dim"],
             conv_kernel=text.get("linear_conv_kernel_dim", 4),

@@ -3,8 +3,8 @@
 Output: reference.json {model_type, transformers, new_tokens, prompts: [{text, ids, greedy, image}]},
 logits.safetensors {"prompt{i}": prefill logits (n, V) float32}, and image.png when the recipe checks an image
 prompt (a synthetic, deterministic picture; its tokens are <|vision_start|> <|image_pad|>... <|vision_end|> text).
-The greedy tokens come from full forward passes over the growing sequence (no cache, no EOS stop), so they are
-exactly argmax of transformers' own logits at every step.
+The greedy tokens are argmax of transformers' own logits at every step (its cached decode, as generate runs it,
+never stopping at EOS).
 """
 
 from __future__ import annotations
@@ -56,20 +56,21 @@ def _processor(src: Path, vision: dict):
 
 
 def _greedy(model, ids: list[int], new_tokens: int, extra: dict, image_token_id: int | None):
-    """(prefill logits (n, V), greedy tokens) of one prompt."""
+    """(prefill logits (n, V), greedy tokens) of one prompt: transformers' own prefill, then its cached decode."""
     import torch
 
-    def forward(seq: list[int]):
-        t = torch.tensor([seq])
-        if extra:  # multimodal: tell transformers which tokens are image tokens (1) for its mRoPE positions
-            extra["mm_token_type_ids"] = (t == image_token_id).int()
-        return model(input_ids=t, use_cache=False, **extra).logits[0].float()
-
+    prompt = torch.tensor([ids])
+    if extra:  # multimodal: tell transformers which tokens are image tokens (1), for its mRoPE positions
+        extra = dict(extra, mm_token_type_ids=(prompt == image_token_id).int())
     with torch.no_grad():
-        prefill = forward(ids)
+        out = model(input_ids=prompt, use_cache=True, **extra)
+        prefill = out.logits[0].float()
         tokens = [int(prefill[-1].argmax())]
+        cache = out.past_key_values
         for _ in range(new_tokens - 1):
-            tokens.append(int(forward(ids + tokens)[-1].argmax()))
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
     return prefill, tokens
 
 

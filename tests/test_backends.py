@@ -1,0 +1,82 @@
+"""Backends: the architecture round-trips through compile params, exported graphs hold no weights, and the
+neuron backend fails with one line where the Neuron SDK is absent."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from qbuild.actions import RunContext
+from qbuild.arch import load_arch
+from qbuild.backends import hf_config
+from qbuild.errors import BuildError
+from qbuild.plan import compile_params
+from qbuild.recipe import load_recipe
+
+
+def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: str = "export", tp: int = 1,
+            ep: int = 1, vision: bool = False) -> dict:
+    f = tmp_path / f"r-{graph}-{bucket}-{backend}.yaml"
+    f.write_text(textwrap.dedent(f"""
+        model: {{path: {checkpoint}}}
+        backend: {backend}
+        dtype: float32
+        parallel: {{tp: {tp}, ep: {ep}}}
+        text: {{seq_len: 64, cte_buckets: [16], tkg_buckets: [64]}}
+    """) + ("vision: {buckets: [64]}\n" if vision else ""))
+    loaded = load_recipe(f)
+    return compile_params(loaded, load_arch(loaded), graph, bucket)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_architecture_round_trips_through_compile_params(tmp_path, tiny_checkpoints, family):
+    """The graph is built from the allow-listed fingerprint alone: it must describe the same model as config.json."""
+    from qbuild.modeling import TextConfig, VisionConfig
+
+    original = json.loads((tiny_checkpoints[family] / "config.json").read_text())
+    params = _params(tmp_path, tiny_checkpoints[family], "cte", 16)
+    rebuilt, real = TextConfig.from_hf(hf_config(params)), TextConfig.from_hf(original)
+    if all(real.is_moe(i) for i in range(real.num_layers)):  # no dense layer: the dense MLP size is unused
+        real = dataclasses.replace(real, intermediate_size=rebuilt.intermediate_size)
+    assert rebuilt == real
+    if family != "qwen3_next":
+        vparams = _params(tmp_path, tiny_checkpoints[family], "vision", 64, vision=True)
+        rebuilt, real = VisionConfig.from_hf(hf_config(vparams)), VisionConfig.from_hf(original)
+        host_only = ("image_token_id", "vision_start_token_id", "rope_theta")  # host side, not in the graph
+        assert {k: v for k, v in vars(rebuilt).items() if k not in host_only} == \
+            {k: v for k, v in vars(real).items() if k not in host_only}
+
+
+def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
+    import torch
+
+    from qbuild.backends.export import export_graph
+
+    params = _params(tmp_path, tiny_checkpoints["qwen3_5_moe"], "tkg", 64, tp=2, ep=2)
+    traced = export_graph(params)
+    program = traced.program
+    assert len(program.state_dict) == 0  # no parameter or buffer is stored in the program
+    constant_bytes = sum(t.numel() * t.element_size() for t in program.constants.values()
+                         if isinstance(t, torch.Tensor))
+    weight_bytes = sum(torch.Size(s).numel() * 4 for s, _ in traced.signature["weights"].values())
+    assert constant_bytes < weight_bytes / 100  # only rotary tables / expert ids, never weights
+    names = [spec.arg.name for spec in program.graph_signature.input_specs]
+    assert any("embed_tokens" in n for n in names) and any("expert_mlps" in n for n in names)
+
+
+def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints):
+    from qbuild.actions.compile import run
+
+    params = _params(tmp_path, tiny_checkpoints["qwen3_next"], "cte", 16, backend="neuron")
+    ctx = RunContext("compile", params, {}, tmp_path / "out", tmp_path / "scratch", log=lambda s: None)
+    ctx.out.mkdir()
+    ctx.scratch.mkdir()
+    with pytest.raises(BuildError) as err:
+        run(ctx)
+    msg = str(err.value)
+    assert "\n" not in msg and "neuronx-distributed-inference" in msg
+    assert not any(ctx.out.iterdir())

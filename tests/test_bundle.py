@@ -1,0 +1,51 @@
+"""The bundle manifest: every file with its digest, checked on load; no path may leave the bundle."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qbuild.bundle import MANIFEST, check_files, read_manifest, write_manifest
+from qbuild.errors import InfraError, UserError
+
+
+def _bundle(tmp_path):
+    root = tmp_path / "b"
+    (root / "weights").mkdir(parents=True)
+    (root / "weights" / "tp0_sharded_checkpoint.safetensors").write_bytes(b"w" * 10)
+    (root / "config.json").write_text("{}")
+    doc = write_manifest(root, {"family": "qwen3_next", "backend": "export", "tp": 1, "ep": 1})
+    return root, doc
+
+
+def test_manifest_lists_every_file_with_digest(tmp_path):
+    root, doc = _bundle(tmp_path)
+    assert set(doc["files"]) == {"config.json", "weights/tp0_sharded_checkpoint.safetensors"}
+    assert doc["files"]["config.json"]["size"] == 2 and len(doc["files"]["config.json"]["digest"]) == 64
+    assert read_manifest(root) == doc
+    check_files(root, doc)
+
+
+def test_corrupt_or_missing_file_is_named(tmp_path):
+    root, doc = _bundle(tmp_path)
+    target = root / "weights" / "tp0_sharded_checkpoint.safetensors"
+    target.write_bytes(b"x" * 10)
+    with pytest.raises(UserError, match="tp0_sharded_checkpoint.safetensors: content does not match"):
+        check_files(root, doc)
+    target.unlink()
+    with pytest.raises(UserError, match="missing or truncated"):
+        check_files(root, doc)
+
+
+def test_paths_cannot_escape_the_bundle(tmp_path):
+    root, doc = _bundle(tmp_path)
+    doc["files"]["../outside"] = {"digest": "0" * 64, "size": 1}
+    (root / MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(InfraError, match="escape"):
+        read_manifest(root)
+
+
+def test_not_a_bundle(tmp_path):
+    with pytest.raises(UserError, match="not a qbuild bundle"):
+        read_manifest(tmp_path)
