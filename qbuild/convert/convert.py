@@ -24,7 +24,7 @@ from qbuild.convert import fp8 as fp8_rules
 from qbuild.convert.checkpoint import TensorInfo, dims_of, open_checkpoint, validate
 from qbuild.convert.fp8 import Fp8Policy
 from qbuild.convert.layout import program
-from qbuild.convert.safetensors_io import DTYPE_NAMES, PlannedFile, read_tensor
+from qbuild.convert.safetensors_io import DTYPE_NAMES, MappedSources, PlannedFile
 from qbuild.convert.steps import Step
 from qbuild.convert.writer import (DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles, meta_specs, run_all,
                                    staged_directory, write_json)
@@ -106,15 +106,19 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
                 vision_out = PlannedFile(tmp / "vision" / "model.safetensors", [s for g in vision_plan for s in g])
 
             def task(step: Step, policy: Fp8Policy, write):
-                def run() -> None:
-                    inputs = [read_tensor(sources.fd(ck.tensors[n].path), ck.tensors[n].entry) for n in step.sources]
-                    write(run_step(step, inputs, torch_dtype, policy, layers))
+                def run() -> None:  # the step's mappings are unmapped when its tensors go out of scope here
+                    mapped = MappedSources()
+                    inputs = [mapped.map(sources.fd(ck.tensors[n].path), ck.tensors[n].entry) for n in step.sources]
+                    write(run_step(step, inputs, torch_dtype, policy, layers), mapped)
                 return run
+
+            def write_vision(outs, mapped):
+                for n, t in outs.items():
+                    vision_out.write(n, t, mapped)
 
             tasks = [task(s, fp8, text_out.write) for s in ck.program.text]
             if vision_out is not None:
-                tasks += [task(s, "none", lambda outs: [vision_out.write(n, t) for n, t in outs.items()])
-                          for s in ck.program.vision]
+                tasks += [task(s, "none", write_vision) for s in ck.program.vision]
             run_all(tasks, workers)
             index = text_out.close()
             if vision_out is not None:

@@ -29,14 +29,31 @@ ROUTER_AND_SHARED = (
 )
 
 
+# Source rows copied per block when transposing. torch's plain permuted copy walks the source with a stride of a
+# whole row for every element and runs ~3x slower on expert-sized bf16 matrices; a block of 32 rows stays in cache.
+_TRANSPOSE_ROWS = 32
+
+
+def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst[..., c, r] = src[..., r, c], copied in blocks of source rows; returns dst."""
+    for r0 in range(0, src.shape[-2], _TRANSPOSE_ROWS):
+        dst[..., r0:r0 + _TRANSPOSE_ROWS].copy_(src[..., r0:r0 + _TRANSPOSE_ROWS, :].transpose(-1, -2))
+    return dst
+
+
+def _transposed(w: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(*w.shape[:-2], w.shape[-1], w.shape[-2], dtype=w.dtype, device=w.device)
+    return copy_transposed(out, w)
+
+
 def gate_up_from_fused(w: torch.Tensor) -> tuple[torch.Tensor]:
     """Fused HF gate_up_proj (E, 2I, H), rows [gate | up] -> (E, H, 2I) with columns [gate^T | up^T]."""
-    return (w.transpose(1, 2).contiguous(),)
+    return (_transposed(w),)
 
 
 def down_from_fused(w: torch.Tensor) -> tuple[torch.Tensor]:
     """Fused HF down_proj (E, H, I) -> (E, I, H)."""
-    return (w.transpose(1, 2).contiguous(),)
+    return (_transposed(w),)
 
 
 def gate_up_from_experts(*gate_up: torch.Tensor) -> tuple[torch.Tensor]:
@@ -45,14 +62,18 @@ def gate_up_from_experts(*gate_up: torch.Tensor) -> tuple[torch.Tensor]:
     i, h = gates[0].shape
     out = torch.empty(len(gates), h, 2 * i, dtype=gates[0].dtype, device=gates[0].device)
     for e, (g, u) in enumerate(zip(gates, ups)):
-        out[e, :, :i] = g.T
-        out[e, :, i:] = u.T
+        copy_transposed(out[e, :, :i], g)
+        copy_transposed(out[e, :, i:], u)
     return (out,)
 
 
 def down_from_experts(*downs: torch.Tensor) -> tuple[torch.Tensor]:
     """Per-expert down_proj, each (H, I) -> (E, I, H)."""
-    return (torch.stack([w.T for w in downs]),)
+    h, i = downs[0].shape
+    out = torch.empty(len(downs), i, h, dtype=downs[0].dtype, device=downs[0].device)
+    for e, w in enumerate(downs):
+        copy_transposed(out[e], w)
+    return (out,)
 
 
 def is_fused(names, hf: str) -> bool:

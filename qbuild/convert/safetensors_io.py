@@ -4,18 +4,23 @@ Layout of a file: 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the data,
 offsets relative to the first data byte.
 
-Why not `safetensors.safe_open`: its memory map keeps every page it touched resident (and counted in RSS)
-until the file is closed, so converting a 60 GB checkpoint would show a 60 GB RSS; its checks also raise the
-library's own errors, not ones naming our file and tensor. Here every header is validated against the file size
-before any data is read (so a lying header can never cause an out-of-bounds read), and each tensor is read with
-`os.preadv` straight into a fresh tensor that is freed as soon as its conversion step ends. `os.preadv` releases
-the GIL, so reads of independent steps overlap in threads. Only safetensors are ever read: never pickle.
+Every header is validated against the file size before any data is touched, so a truncated file or a lying header
+is a CheckpointError naming the file and tensor, never an out-of-bounds read. Only safetensors are ever read: never
+pickle.
+
+Reading maps just one tensor's bytes (`map_tensor`): nothing is copied until a rule needs to, pages come straight
+from the page cache, and the mapping is unmapped as soon as the tensor and its views are dropped, so RSS stays
+bounded by the step in flight. (`safetensors.safe_open` maps whole files and keeps every touched page counted in RSS
+until the file is closed.) Writing goes to precomputed offsets (`PlannedFile`), and an output that is a contiguous
+byte range of a mapped source is copied by the kernel (`copy_file_range`) without passing through user space.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -114,17 +119,34 @@ def _check_extent(label: str, entries: dict[str, Entry], data_start: int, size: 
             last_end, last_name = e.end, e.name
 
 
-def read_tensor(fd: int, entry: Entry) -> torch.Tensor:
-    """The tensor `entry` of the open file `fd`, in a fresh buffer of its own."""
-    buf = torch.empty(entry.nbytes, dtype=torch.uint8)
-    view = memoryview(buf.numpy())
+def map_tensor(fd: int, entry: Entry) -> torch.Tensor:
+    """The tensor `entry` of the open file `fd`, memory-mapped copy-on-write (writes never reach the file).
+
+    The mapping lives exactly as long as the returned tensor and its views. The file must not shrink meanwhile
+    (checkpoint files are immutable snapshots; a file truncated under us would fault like any mapped file)."""
+    if entry.nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.torch_dtype)
+    start = entry.begin - entry.begin % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(fd, entry.end - start, access=mmap.ACCESS_COPY, offset=start)
+    flat = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=entry.begin - start)
+    return flat.view(entry.torch_dtype).reshape(entry.shape)
+
+
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> bool:
+    """Copy bytes file-to-file inside the kernel; False (nothing copied) where the filesystem cannot."""
     done = 0
-    while done < entry.nbytes:
-        got = os.preadv(fd, [view[done:done + _IO_CHUNK]], entry.begin + done)
+    while done < nbytes:
+        try:
+            got = os.copy_file_range(src_fd, dst_fd, min(nbytes - done, _IO_CHUNK), src_offset + done,
+                                     dst_offset + done)
+        except OSError as e:
+            if done == 0 and e.errno in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                return False
+            raise
         if got <= 0:
-            raise OSError(f"short read of {entry.name!r} at byte {entry.begin + done}")
+            raise OSError(f"copy_file_range stopped at byte {src_offset + done}")
         done += got
-    return buf.view(entry.torch_dtype).reshape(entry.shape)
+    return True
 
 
 def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
@@ -180,13 +202,39 @@ class PlannedFile:
         os.pwrite(self.fd, struct.pack("<Q", len(raw)) + raw, 0)
         os.ftruncate(self.fd, self.size)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor, sources: "MappedSources | None" = None) -> None:
+        """Write `tensor` as `name`; when it is a contiguous byte range of one of `sources`, the kernel copies it."""
         slot = self.slots[name]
         assert tensor.dtype == slot.dtype and tuple(tensor.shape) == slot.shape, (name, tensor.dtype, tensor.shape, slot)
-        write_at(self.fd, slot.offset, tensor)
+        origin = sources.origin(tensor) if sources is not None else None
+        if origin is None or not copy_range(*origin[:2], self.fd, slot.offset, slot.nbytes):
+            write_at(self.fd, slot.offset, tensor)
         self._written.add(name)
 
     def close(self) -> None:
         missing = set(self.slots) - self._written
         os.close(self.fd)
         assert not missing, f"{self.path.name}: planned tensors never written: {sorted(missing)[:5]}"
+
+
+class MappedSources:
+    """The mapped input tensors of one step, to recognise outputs that are plain byte ranges of them."""
+
+    def __init__(self):
+        self._spans: list[tuple[int, int, int, int]] = []  # (fd, file offset, address, nbytes)
+
+    def map(self, fd: int, entry: Entry) -> torch.Tensor:
+        t = map_tensor(fd, entry)
+        if entry.nbytes:
+            self._spans.append((fd, entry.begin, t.data_ptr(), entry.nbytes))
+        return t
+
+    def origin(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """(fd, file offset) of `t`'s bytes if `t` is a contiguous view into a mapped source, else None."""
+        if not t.is_contiguous() or t.numel() == 0:
+            return None
+        begin, n = t.data_ptr(), t.numel() * t.element_size()
+        for fd, offset, address, size in self._spans:
+            if address <= begin and begin + n <= address + size:
+                return fd, offset + (begin - address)
+        return None

@@ -40,7 +40,7 @@ from qbuild.convert import attention, deltanet, moe
 from qbuild.convert.checkpoint import dims_of, load_config
 from qbuild.convert.dims import TextDims
 from qbuild.convert.errors import CheckpointError, ShardError
-from qbuild.convert.safetensors_io import Entry, PlannedFile, read_header, read_tensor
+from qbuild.convert.safetensors_io import Entry, MappedSources, PlannedFile, read_header
 from qbuild.convert.writer import SourceFiles, run_all, staged_directory, write_json
 
 FORMAT_VERSION = 1
@@ -272,11 +272,12 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
                      for r in range(tp)]
 
             def task(step: ShardStep):
-                def run() -> None:
-                    inputs = [read_tensor(sources.fd(located[n][0]), located[n][1]) for n in step.sources]
+                def run() -> None:  # replicated and dim-0 slices are byte ranges: the kernel copies them
+                    mapped = MappedSources()
+                    inputs = [mapped.map(sources.fd(located[n][0]), located[n][1]) for n in step.sources]
                     for f, outs in zip(files, step.fn(*inputs)):
                         for n, t in outs.items():
-                            f.write(n, t)
+                            f.write(n, t, mapped)
                 return run
 
             run_all([task(s) for s in steps], workers)

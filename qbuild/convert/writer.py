@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from qbuild.convert.safetensors_io import PlannedFile
+from qbuild.convert.safetensors_io import MappedSources, PlannedFile
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -56,9 +56,9 @@ class ShardedOutput:
         home = {name: f for f in files for name in f.slots}
         return cls(directory, files, home)
 
-    def write(self, outputs: dict[str, torch.Tensor]) -> None:
+    def write(self, outputs: dict[str, torch.Tensor], sources: MappedSources | None = None) -> None:
         for name, t in outputs.items():
-            self.home[name].write(name, t)
+            self.home[name].write(name, t, sources)
 
     def close(self) -> dict:
         """Close every file and write the index; the index document is returned."""

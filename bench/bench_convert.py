@@ -1,0 +1,183 @@
+"""Benchmark: qbuild's streaming convert against `cp` of the same bytes, on a synthetic checkpoint with the real
+Qwen3.5-35B-A3B per-layer shapes (bf16, fused 3D experts E=256 I=512 H=2048, DeltaNet Hk 16 / Hv 32 / 128, gated
+attention 16 heads / 2 kv / 256, vocab 248320 embeddings and head, a one-block vision encoder of the real width).
+
+    .venv/bin/python bench/bench_convert.py [--layers 2] [--workers 2] [--dir /tmp/qbuild-bench] [--keep]
+
+Prints a summary and writes bench/results/convert.json. Timings include a final `sync` so that both commands are
+measured to the disk, not to the page cache (the source is read from the page cache in both cases: it was just
+written). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from qbuild.convert.safetensors_io import PlannedFile  # noqa: E402
+
+H, E, I, SHARED, VOCAB = 2048, 256, 512, 512, 248320
+NH, NKV, D = 16, 2, 256
+HK, HV, DK, DV, K = 16, 32, 128, 128, 4
+VISION = dict(depth=1, hidden_size=1152, intermediate_size=4304, out_hidden_size=2048, num_heads=16,
+              num_position_embeddings=2304, in_channels=3, patch_size=16, temporal_patch_size=2, spatial_merge_size=2)
+
+
+def layer_types(n: int) -> list[str]:
+    return ["full_attention" if (i + 1) % 4 == 0 or i == n - 1 else "linear_attention" for i in range(n)]
+
+
+def config(n: int) -> dict:
+    text = dict(model_type="qwen3_5_moe_text", hidden_size=H, num_hidden_layers=n, layer_types=layer_types(n),
+                num_attention_heads=NH, num_key_value_heads=NKV, head_dim=D, linear_num_key_heads=HK,
+                linear_num_value_heads=HV, linear_key_head_dim=DK, linear_value_head_dim=DV,
+                linear_conv_kernel_dim=K, vocab_size=VOCAB, num_experts=E, num_experts_per_tok=8,
+                moe_intermediate_size=I, shared_expert_intermediate_size=SHARED, tie_word_embeddings=False)
+    return dict(model_type="qwen3_5_moe", text_config=text, vision_config=VISION, tie_word_embeddings=False)
+
+
+def layer_shapes(i: int, kind: str) -> dict[str, tuple[int, ...]]:
+    p = f"model.language_model.layers.{i}."
+    s = {f"{p}input_layernorm.weight": (H,), f"{p}post_attention_layernorm.weight": (H,),
+         f"{p}mlp.gate.weight": (E, H), f"{p}mlp.experts.gate_up_proj": (E, 2 * I, H),
+         f"{p}mlp.experts.down_proj": (E, H, I), f"{p}mlp.shared_expert.gate_proj.weight": (SHARED, H),
+         f"{p}mlp.shared_expert.up_proj.weight": (SHARED, H), f"{p}mlp.shared_expert.down_proj.weight": (H, SHARED),
+         f"{p}mlp.shared_expert_gate.weight": (1, H)}
+    if kind == "full_attention":
+        a = f"{p}self_attn."
+        s.update({f"{a}q_proj.weight": (NH * 2 * D, H), f"{a}k_proj.weight": (NKV * D, H),
+                  f"{a}v_proj.weight": (NKV * D, H), f"{a}o_proj.weight": (H, NH * D),
+                  f"{a}q_norm.weight": (D,), f"{a}k_norm.weight": (D,)})
+    else:
+        a, conv = f"{p}linear_attn.", 2 * HK * DK + HV * DV
+        s.update({f"{a}in_proj_qkv.weight": (conv, H), f"{a}in_proj_z.weight": (HV * DV, H),
+                  f"{a}in_proj_a.weight": (HV, H), f"{a}in_proj_b.weight": (HV, H), f"{a}conv1d.weight": (conv, 1, K),
+                  f"{a}A_log": (HV,), f"{a}dt_bias": (HV,), f"{a}norm.weight": (DV,),
+                  f"{a}out_proj.weight": (H, HV * DV)})
+    return s
+
+
+def vision_shapes() -> dict[str, tuple[int, ...]]:
+    v, h, m = "model.visual.", VISION["hidden_size"], VISION["hidden_size"] * 4
+    s = {f"{v}patch_embed.proj.weight": (h, 3, 2, 16, 16), f"{v}patch_embed.proj.bias": (h,),
+         f"{v}pos_embed.weight": (2304, h), f"{v}merger.norm.weight": (h,), f"{v}merger.norm.bias": (h,),
+         f"{v}merger.linear_fc1.weight": (m, m), f"{v}merger.linear_fc1.bias": (m,),
+         f"{v}merger.linear_fc2.weight": (VISION["out_hidden_size"], m),
+         f"{v}merger.linear_fc2.bias": (VISION["out_hidden_size"],)}
+    b, inter = f"{v}blocks.0.", VISION["intermediate_size"]
+    s.update({f"{b}norm1.weight": (h,), f"{b}norm1.bias": (h,), f"{b}norm2.weight": (h,), f"{b}norm2.bias": (h,),
+              f"{b}attn.qkv.weight": (3 * h, h), f"{b}attn.qkv.bias": (3 * h,), f"{b}attn.proj.weight": (h, h),
+              f"{b}attn.proj.bias": (h,), f"{b}mlp.linear_fc1.weight": (inter, h),
+              f"{b}mlp.linear_fc1.bias": (inter,), f"{b}mlp.linear_fc2.weight": (h, inter),
+              f"{b}mlp.linear_fc2.bias": (h,)})
+    return s
+
+
+def synthesize(src: Path, layers: int) -> tuple[int, int]:
+    """Write the checkpoint (one file per layer, one for embeddings + vision, an index); (bytes, largest tensor)."""
+    src.mkdir(parents=True)
+    (src / "config.json").write_text(json.dumps(config(layers), indent=2))
+    groups = [{"model.language_model.embed_tokens.weight": (VOCAB, H), "lm_head.weight": (VOCAB, H),
+               "model.language_model.norm.weight": (H,), **vision_shapes()}]
+    groups += [layer_shapes(i, kind) for i, kind in enumerate(layer_types(layers))]
+    block = (torch.randn(1 << 26) * 0.02).bfloat16()  # 128 MiB of noise, tiled: generation stays cheap
+    weight_map, total, largest = {}, 0, 0
+    for k, shapes in enumerate(groups):
+        name = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+        f = PlannedFile(src / name, [(n, torch.bfloat16, s) for n, s in shapes.items()])
+        for n, s in shapes.items():
+            numel = torch.Size(s).numel()
+            data = block.repeat(-(-numel // block.numel()))[:numel] if numel > block.numel() else block[:numel]
+            f.write(n, data.reshape(s))
+            weight_map[n] = name
+            total += numel * 2
+            largest = max(largest, numel * 2)
+        f.close()
+    (src / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}))
+    (src / "tokenizer_config.json").write_text("{}")
+    return total, largest
+
+
+CHILD = textwrap.dedent("""
+    import json, resource, sys, time
+    from pathlib import Path
+    from qbuild.convert import convert_checkpoint
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    report = convert_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]), workers=int(sys.argv[3]))
+    t1 = time.perf_counter()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"seconds": t1 - t0, "base_rss": base * 1024, "peak_rss": peak * 1024, "bytes": report["bytes"]}))
+""")
+
+
+def timed(fn) -> tuple[float, float, object]:
+    """(seconds without the final sync, seconds including it, fn's result)."""
+    os.sync()
+    t0 = time.perf_counter()
+    out = fn()
+    t1 = time.perf_counter()
+    os.sync()
+    return t1 - t0, time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (2 -> ~5.2 GB, each more ~1.6 GB)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "convert.json")
+    args = ap.parse_args()
+    root = args.dir or Path(tempfile.mkdtemp(prefix="qbuild-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        t0 = time.perf_counter()
+        total, largest = synthesize(root / "src", args.layers)
+        print(f"synthesised {total / 1e9:.2f} GB ({args.layers} layers) in {time.perf_counter() - t0:.1f} s; "
+              f"largest tensor {largest / 2**20:.0f} MiB", file=sys.stderr)
+        cp_s, cp_sync_s, _ = timed(lambda: subprocess.run(["cp", "-r", str(root / "src"), str(root / "cp")],
+                                                          check=True))
+        shutil.rmtree(root / "cp")
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        cmd = [sys.executable, "-c", CHILD, str(root / "src"), str(root / "conv"), str(args.workers)]
+        qb_s, qb_sync_s, proc = timed(lambda: subprocess.run(cmd, check=True, capture_output=True, text=True, env=env))
+        child = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = {
+            "checkpoint_bytes": total, "layers": args.layers, "workers": args.workers, "largest_tensor_bytes": largest,
+            "cp_seconds": round(cp_sync_s, 2), "cp_seconds_before_sync": round(cp_s, 2),
+            "convert_seconds": round(qb_sync_s, 2), "convert_seconds_before_sync": round(qb_s, 2),
+            "convert_seconds_in_process": round(child["seconds"], 2),
+            "cp_gb_per_s": round(total / cp_sync_s / 1e9, 3), "convert_gb_per_s": round(total / qb_sync_s / 1e9, 3),
+            "throughput_ratio_to_cp": round(cp_sync_s / qb_sync_s, 3),
+            # the same without the child's interpreter + torch import (a build step pays that once, not per model)
+            "throughput_ratio_to_cp_in_process": round(cp_sync_s / child["seconds"], 3),
+            "load_average_1min": round(os.getloadavg()[0], 2),
+            "peak_rss_growth_bytes": child["peak_rss"] - child["base_rss"],
+            "peak_rss_growth_over_largest_tensor": round((child["peak_rss"] - child["base_rss"]) / largest, 2),
+            "converted_bytes": child["bytes"],
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps(result, indent=2))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
