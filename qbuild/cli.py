@@ -74,26 +74,33 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
 
 @app.command()
 def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: bool = AllOpt,
-            jobs: int = typer.Option(1, "-j", "--jobs", min=1, help="steps run at once"),
+            jobs: Optional[int] = typer.Option(None, "-j", "--jobs", min=1,
+                                               help="steps run at once (default: 1 locally, 256 in flight on Ray)"),
             mem: Optional[str] = typer.Option(None, "--mem", help="memory budget for concurrent steps, e.g. 20G"),
             keep_going: bool = typer.Option(False, "--keep-going", help="build what does not depend on a failure"),
             frozen: bool = typer.Option(False, "--frozen", help="fail instead of changing the lockfile (CI)"),
             strict: bool = typer.Option(False, "--strict", help="fail, naming the step, instead of building anything"),
             push: bool = typer.Option(False, "--push", help="upload what was built (and anything the remote lacks)"),
             json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-            remote: Optional[str] = RemoteOpt) -> None:
+            remote: Optional[str] = RemoteOpt,
+            executor: str = typer.Option("local", "--executor", metavar="[local|ray]",
+                                         help="where steps run: a local process pool, or a Ray cluster (needs a "
+                                              "remote; see docs/ray.md)"),
+            address: Optional[str] = typer.Option(None, "--address", metavar="auto|HOST:PORT|ray://HOST:PORT",
+                                                  help="Ray cluster for --executor ray (default: $RAY_ADDRESS, "
+                                                       "else auto: the cluster `ray start` runs on this machine)")) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
     from .engine import BuildOptions, check_mem_budget, raise_for
-    from .executors.local import LocalExecutor
     from .render import BuildProgress, result_json
 
     ws = _workspace(store, lock, remote, push=push)
+    factory, jobs, default_mem = _executor(executor, address, jobs, ws)
     loaded = ws.load(recipes or [], all_)
-    budget = check_mem_budget(mem) if mem else _default_mem()
+    budget = check_mem_budget(mem) if mem else default_mem
     options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict)
     _transfer_display(ws, bars=False)
     with BuildProgress() as progress:
-        the_plan, result = ws.compile(loaded, options, lambda: LocalExecutor(jobs), progress.on_event, frozen=frozen)
+        the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
     if json_:
         doc = result_json(the_plan, result)
@@ -103,6 +110,28 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
     else:
         progress.summary(the_plan, result)
     raise_for(result, the_plan)
+
+
+RAY_JOBS = 256      # steps in flight on a Ray cluster by default; Ray queues them by their declared resources
+
+
+def _executor(name: str, address: Optional[str], jobs: Optional[int], ws):
+    """(executor factory, jobs, default memory budget) for --executor. Ray is imported only when a step runs."""
+    if name == "local":
+        if address is not None:
+            raise UserError("--address: only used with --executor ray")
+        from .executors.local import LocalExecutor
+
+        jobs = jobs or 1
+        return (lambda: LocalExecutor(jobs)), jobs, _default_mem()
+    if name == "ray":
+        from .executors.ray import RayExecutor, require_remote
+
+        require_remote(ws.store_spec)
+        address = address or os.environ.get("RAY_ADDRESS") or "auto"
+        # No default budget: each Ray task reserves its own memory estimate on the worker that runs it.
+        return (lambda: RayExecutor(ws.store_spec, address)), jobs or RAY_JOBS, None
+    raise UserError(f"--executor: {name!r} is not one of local, ray")
 
 
 def _transfer_display(ws, bars: bool | None = None) -> None:
