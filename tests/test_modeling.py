@@ -40,7 +40,7 @@ def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tiny_checkpoints, tmp_path_factory):
     """Per variant: (HF config dict, converted float32 text tensors, the HF model in eval mode, the HF tensors).
     Built lazily, once per module."""
     import transformers
@@ -50,7 +50,8 @@ def checkpoints(tmp_path_factory):
     def get(variant: str):
         if variant not in cache:
             family, _, tp4 = variant.partition("@")
-            path = write_tiny_checkpoint(root / variant, family, text_overrides=TP4_TEXT if tp4 else None)
+            path = (write_tiny_checkpoint(root / variant, family, text_overrides=TP4_TEXT) if tp4
+                    else tiny_checkpoints[family])
             config, tensors = _read(path)
             text, _ = convert_state_dict(config, tensors, dtype="float32")
             auto = transformers.AutoModelForCausalLM if family == "qwen3_next" else transformers.AutoModelForImageTextToText

@@ -21,7 +21,7 @@ from qbuild.modeling.vision import (
     mrope_position_ids,
     vision_example_inputs,
 )
-from qbuild.tinymodel import SPECIAL_TOKENS, VOCAB_SIZE, write_tiny_checkpoint
+from qbuild.tinymodel import SPECIAL_TOKENS, VOCAB_SIZE
 
 # float32: our attention (additive block mask over the whole bucket) sums in a different order than HF's
 # per-image attention, and our decoder's partials differ from HF's summation order.
@@ -35,15 +35,15 @@ PROMPT_BUCKET = 96
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+def vl(tiny_checkpoints):
     """Per VL family: (HF config dict, converted text tensors, converted vision tensors, HF model). Lazy."""
     import transformers
 
-    root, cache = tmp_path_factory.mktemp("vl"), {}
+    cache = {}
 
     def get(family: str):
         if family not in cache:
-            path = write_tiny_checkpoint(root / family, family)
+            path = tiny_checkpoints[family]
             config = json.loads((path / "config.json").read_text())
             tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
             text, vision = convert_state_dict(config, tensors, dtype="float32")
