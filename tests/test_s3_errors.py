@@ -186,3 +186,31 @@ def test_no_remote_means_no_boto3_on_the_planning_path():
     env = {k: v for k, v in os.environ.items() if not k.startswith("QBUILD_REMOTE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_corrupt_local_blob_is_never_uploaded_and_foreign_manifests_are_refused(server, tmp_path, monkeypatch):
+    from qbuild.errors import InfraError
+    from qbuild.store.remote import RemoteStore, push_manifests
+    from qbuild.store.s3 import S3Remote
+
+    for k, v in s3_env(server.endpoint).items():
+        monkeypatch.setenv(k, v)
+    lock = make_locked_store(tmp_path, files=2, size=4096, seed="local-rot")
+    (node,) = lock["nodes"].values()
+    store = LocalStore(tmp_path / "store")
+    meta = min(node["outputs"].values(), key=lambda o: o["digest"])
+    blob = store.blob_path(meta["digest"])
+    blob.chmod(0o644)
+    blob.write_bytes(b"rot" * 1000)
+    remote = S3Remote(f"s3://{BUCKET}/rot")
+    with pytest.raises(InfraError, match="does not match its digest; not uploading it"):
+        push_manifests(store, remote, [store.get_manifest(node["key"])])
+    assert not remote.has_blobs([meta["digest"]]) and not remote.has_manifests([node["key"]])
+
+    # A manifest stored under a key its preimage does not hash to is refused, and nothing is recorded.
+    doc = json.loads(store.manifest_path(node["key"]).read_text())
+    server.client().put_object(Bucket=BUCKET, Key=remote.manifest_key("ab" * 32), Body=json.dumps(doc).encode())
+    reader = RemoteStore(tmp_path / "reader", remote)
+    with pytest.raises(InfraError, match="does not belong to key abababababababab"):
+        reader.get_manifest("ab" * 32)
+    assert not (tmp_path / "reader" / "ac").exists()

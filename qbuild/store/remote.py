@@ -61,12 +61,6 @@ class PushReport:
     seconds: float = 0.0
     keys: list[str] = field(default_factory=list)     # manifests this push wrote
 
-    def add(self, other: "PushReport") -> None:
-        for f in ("blobs_uploaded", "bytes_uploaded", "blobs_present", "manifests_uploaded", "manifests_present",
-                  "seconds"):
-            setattr(self, f, getattr(self, f) + getattr(other, f))
-        self.keys += other.keys
-
 
 _progress_factory = NoProgress
 
@@ -188,7 +182,11 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
 
     def one(item: tuple[str, tuple[str, int]]) -> None:
         digest, (rel, _) = item
-        remote.upload_blob(store.blob_path(digest), digest, progress.advance)
+        path = store.blob_path(digest)
+        if digest_file(path) != digest:   # a blob corrupt on this disk must never become the remote's copy
+            raise InfraError(f"{path}: local blob of {rel} does not match its digest; not uploading it. "
+                             "Run `qbuild store verify --repair` and rebuild")
+        remote.upload_blob(path, digest, progress.advance)
         progress.file_done(rel)
 
     try:
