@@ -205,3 +205,18 @@ def test_moe_names_and_both_storage_forms_agree(variant):
     prefix = VL if variant == "qwen3_5_moe" else TEXT
     gate = per_expert[f"{prefix}layers.1.mlp.experts.5.gate_proj.weight"].bfloat16()
     assert torch.equal(a[f"{p}moe.expert_mlps.mlp_op.gate_up_proj.weight"][5, :, :32], gate.T)
+
+
+def test_qwen3_next_mlp_only_layers_are_dense_and_qwen3_5_moe_is_moe_everywhere():
+    config, hf = hf_state_dict("qwen3_next")
+    config = dict(config, mlp_only_layers=[1])
+    with pytest.raises(CheckpointError, match="'model.layers.1.mlp.gate_proj.weight' is missing"):
+        convert_state_dict(config, hf)
+    hf = {k: v for k, v in hf.items() if not k.startswith("model.layers.1.mlp.")}
+    hf.update({f"model.layers.1.mlp.{p}_proj.weight": torch.randn(96, 64) for p in ("gate", "up")})
+    hf["model.layers.1.mlp.down_proj.weight"] = torch.randn(64, 96)
+    text, _ = convert_state_dict(config, hf)
+    assert "layers.1.mlp.gate_proj.weight" in text and "layers.1.mlp.moe.router.linear_router.weight" not in text
+    vl_config, vl_hf = hf_state_dict("qwen3_5_moe")
+    vl_config["text_config"]["mlp_only_layers"] = [1]  # not a Qwen3.5-MoE field: ignored, as transformers does
+    assert "layers.1.mlp.moe.router.linear_router.weight" in convert_state_dict(vl_config, vl_hf)[0]

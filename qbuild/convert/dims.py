@@ -119,10 +119,12 @@ def text_dims(config: dict, family: Family, label: str = "config.json") -> TextD
     num_heads = f.int("num_attention_heads")
     hidden = f.int("hidden_size")
     moe_layers: frozenset[int] = frozenset()
-    if family.moe:
+    if family.moe and family.sparse_step_fields:
         step = f.int("decoder_sparse_step", 1) or 1
         dense = set(f.get("mlp_only_layers") or [])
         moe_layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    elif family.moe:
+        moe_layers = frozenset(range(num_layers))
     needs_dense = len(moe_layers) < num_layers
     tie = config.get("tie_word_embeddings", section.get("tie_word_embeddings", False))
     pad = section.get("pad_token_id", config.get("pad_token_id"))

@@ -19,6 +19,8 @@ class Family:
     moe: bool                       # routed experts (+ shared expert) instead of a dense MLP
     grouped_deltanet: bool          # Qwen3-Next's per-key-head grouped in_proj_qkvz / in_proj_ba
     zero_pad_embedding: bool        # zero embed_tokens[pad_token_id] (Coder-Next lineage)
+    sparse_step_fields: bool = False  # config's mlp_only_layers / decoder_sparse_step pick dense layers (Qwen3-Next;
+                                      # transformers' Qwen3.5-MoE has no such fields: every layer is MoE)
     dropped_prefixes: tuple[str, ...] = ("mtp.",)  # known tensors the converter deliberately leaves out
 
 
@@ -34,7 +36,7 @@ FAMILIES: dict[str, Family] = {
     "qwen3_5_text": Family("qwen3_5", moe=False, **_VL_TEXT),
     "qwen3_5_moe_text": Family("qwen3_5_moe", moe=True, **_VL_TEXT),
     "qwen3_next": Family("qwen3_next", text_prefix="model.", vision_prefix=None, text_config_key=None, moe=True,
-                         grouped_deltanet=True, zero_pad_embedding=True),
+                         grouped_deltanet=True, zero_pad_embedding=True, sparse_step_fields=True),
 }
 
 
