@@ -101,3 +101,17 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, kwargs, ma
     with pytest.raises(ValueError, match=match):
         convert_checkpoint(tiny("qwen3_5"), tmp_path / "out", **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch, workers):
+    from qbuild.convert import safetensors_io
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors_io, "write_at", disk_full)
+    monkeypatch.setattr(safetensors_io, "copy_range", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        convert_checkpoint(tiny("qwen3_5_moe_fused"), tmp_path / "out", workers=workers)
+    assert list(tmp_path.iterdir()) == []

@@ -119,7 +119,13 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
             tasks = [task(s, fp8, text_out.write) for s in ck.program.text]
             if vision_out is not None:
                 tasks += [task(s, "none", write_vision) for s in ck.program.vision]
-            run_all(tasks, workers)
+            try:
+                run_all(tasks, workers)
+            except BaseException:
+                text_out.discard()
+                if vision_out is not None:
+                    vision_out.discard()
+                raise
             index = text_out.close()
             if vision_out is not None:
                 vision_out.close()

@@ -213,8 +213,14 @@ class PlannedFile:
 
     def close(self) -> None:
         missing = set(self.slots) - self._written
-        os.close(self.fd)
+        self.discard()
         assert not missing, f"{self.path.name}: planned tensors never written: {sorted(missing)[:5]}"
+
+    def discard(self) -> None:
+        """Close without checking completeness (the failure path: the staging directory is removed anyway)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class MappedSources:

@@ -280,7 +280,12 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
                             f.write(n, t, mapped)
                 return run
 
-            run_all([task(s) for s in steps], workers)
+            try:
+                run_all([task(s) for s in steps], workers)
+            except BaseException:
+                for f in files:
+                    f.discard()
+                raise
             for f in files:
                 f.close()
             report = {

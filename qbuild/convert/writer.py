@@ -60,6 +60,10 @@ class ShardedOutput:
         for name, t in outputs.items():
             self.home[name].write(name, t, sources)
 
+    def discard(self) -> None:
+        for f in self.files:
+            f.discard()
+
     def close(self) -> dict:
         """Close every file and write the index; the index document is returned."""
         for f in self.files:
