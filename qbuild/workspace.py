@@ -13,7 +13,7 @@ from . import lock as lockmod
 from .engine import BuildOptions, BuildResult, Event, build
 from .errors import BuildError, UserError
 from .hashing import StatCache, default_stat_cache
-from .plan import NodeStatus, Plan, build_plan, evaluate
+from .plan import NodeStatus, Plan, build_plan, diff_preimages, evaluate, key_of, preimage
 from .recipe import LoadedRecipe, load_recipe
 from .store import LocalStore, StoreSpec, open_store
 
@@ -79,11 +79,22 @@ class Workspace:
         return plan, result
 
     def _check_frozen(self, plan: Plan) -> None:
+        """Fail before building anything if a node's key differs from the lock's (upstream taken as locked)."""
         doc = lockmod.read(self.lock_path)
-        for name in plan.recipes:
-            if name not in doc["recipes"]:
-                raise BuildError(f"{self.lock_path}: --frozen, but recipe {name} is not in the lockfile; "
-                                 "run `qbuild compile` without --frozen and commit the lockfile")
+        digests: dict[str, str] = {}
+        for nid, node in plan.nodes.items():
+            recipe, role = plan.roles(nid)[0]
+            locked_id = doc["recipes"].get(recipe, {}).get("nodes", {}).get(role)
+            locked = doc["nodes"].get(locked_id) if locked_id else None
+            if locked is None:
+                raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} is not in the lockfile; run "
+                                 "`qbuild compile` without --frozen and commit the lockfile")
+            pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()})
+            if key_of(pre) != locked["key"]:
+                changed = "; ".join(diff_preimages(locked["preimage"], pre)) or "key changed"
+                raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} would change ({changed}); run "
+                                 "`qbuild compile` without --frozen and commit the lockfile")
+            digests[nid] = locked["digest"]
 
     def _lock_entries(self, plan: Plan, result: BuildResult) -> tuple[dict, dict]:
         recipes, nodes = {}, {}

@@ -1,0 +1,123 @@
+"""The lockfile and explain, against one real tiny build shared by the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qbuild import lock as lockmod
+from tests.conftest import qbuild
+
+RECIPE = """\
+model: {{path: {path}}}
+text: {{seq_len: 128, cte_buckets: {cte}, tkg_buckets: [128]}}
+dtype: float32
+backend: export
+verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_checkpoints):
+    """A workspace with one tiny recipe built: (dir, recipe, store, lock, env)."""
+    root = tmp_path_factory.mktemp("locked")
+    recipe = root / "lk.yaml"
+    recipe.write_text(RECIPE.format(path=tiny_checkpoints["qwen3_next"], cte="[32]"))
+    env = {"QBUILD_STORE": str(root / "store"), "XDG_CACHE_HOME": str(root / "cache")}
+    qbuild("compile", str(recipe), "--lock", str(root / "artifacts.lock"), "-j", "2", cwd=root, env=env, check=True)
+    return root, recipe, root / "store", root / "artifacts.lock", env
+
+
+def _copy(built, tmp_path) -> tuple[Path, Path, dict]:
+    """A private copy of the built workspace (store and lock), for tests that damage or change it."""
+    root, recipe, store, lock, env = built
+    shutil.copytree(store, tmp_path / "store", symlinks=True)
+    shutil.copy(lock, tmp_path / "artifacts.lock")
+    shutil.copy(recipe, tmp_path / "lk.yaml")
+    return tmp_path / "lk.yaml", tmp_path / "artifacts.lock", {**env, "QBUILD_STORE": str(tmp_path / "store")}
+
+
+def test_lockfile_is_deterministic_sorted_and_round_trips(built):
+    root, recipe, store, lock, env = built
+    text = lock.read_text()
+    doc = lockmod.read(lock)
+    assert lockmod.dumps(doc) == text
+    entry = doc["recipes"]["lk"]
+    assert entry["model"]["source"] == "path" and entry["model"]["files"]["config.json"].startswith("blake3:")
+    assert entry["bundle"] and entry["verified"] is True
+    assert set(entry["nodes"]) == {"fetch", "convert", "shard", "compile cte-32", "compile tkg-128", "package",
+                                   "reference", "verify"}
+    node = doc["nodes"][entry["nodes"]["compile cte-32"]]
+    assert node["preimage"]["params"]["bucket"] == 32 and "torch" in node["preimage"]["toolchain"]
+    assert all(set(o) == {"digest", "size"} for o in node["outputs"].values())
+    # Merging the same entries again changes nothing, byte for byte.
+    assert lockmod.dumps(lockmod.merge(doc, {"lk": entry}, {})) == text
+
+
+def test_noop_and_lock_check(built):
+    root, recipe, store, lock, env = built
+    before = lock.read_text()
+    out = qbuild("compile", str(recipe), "--lock", str(lock), "--json", cwd=root, env=env, check=True)
+    assert json.loads(out.stdout)["built"] == []
+    assert lock.read_text() == before
+    qbuild("lock", "check", "--lock", str(lock), cwd=root, env=env, check=True)
+
+
+def test_lock_check_names_a_corrupt_artifact(built, tmp_path):
+    recipe, lock, env = _copy(built, tmp_path)
+    doc = lockmod.read(lock)
+    node = doc["nodes"][doc["recipes"]["lk"]["nodes"]["compile cte-32"]]
+    rel, meta = sorted(node["outputs"].items())[-1]
+    blob = tmp_path / "store" / "cas" / meta["digest"][:2] / meta["digest"]
+    os.chmod(blob, 0o644)
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 1
+    blob.write_bytes(bytes(data))
+    proc = qbuild("lock", "check", "--lock", str(lock), env=env)
+    assert proc.returncode == 1 and f"compile cte-32: {rel}" in proc.stderr
+
+
+def test_explain_says_cached_or_names_the_changed_field(built, tmp_path):
+    recipe, lock, env = _copy(built, tmp_path)
+    proc = qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True)
+    assert {row["why"] for row in json.loads(proc.stdout)} == {"cached"}
+    recipe.write_text(recipe.read_text().replace("dtype: float32", "dtype: bfloat16"))
+    rows = {r["name"]: r for r in json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json",
+                                                    env=env, check=True).stdout)}
+    compile_row = next(r for n, r in rows.items() if n.startswith("compile cte-32"))
+    assert "params.dtype: float32 -> bfloat16" in compile_row["why"]
+    fetch_row = next(r for n, r in rows.items() if n.startswith("fetch"))
+    assert fetch_row["why"] == "cached"
+    # A node id from `qbuild plan` works too.
+    nid = compile_row["id"]
+    proc = qbuild("explain", nid[:10], "--recipe", str(recipe), "--lock", str(lock), env=env, check=True)
+    assert "params.dtype: float32 -> bfloat16" in proc.stdout
+
+
+def test_explain_names_a_changed_converter_source(built, tmp_path):
+    recipe, lock, env = _copy(built, tmp_path)
+    doc = json.loads(lock.read_text())
+    conv = doc["nodes"][doc["recipes"]["lk"]["nodes"]["convert"]]
+    conv["preimage"]["version"] = "0" * 32   # as if the lock was written by another converter version
+    lock.write_text(lockmod.dumps(doc))
+    shutil.rmtree(tmp_path / "store" / "ac")  # nothing cached, so every node explains itself against the lock
+    rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
+    convert_row = next(r for r in rows if r["name"].startswith("convert"))
+    assert "waits on snapshot" in convert_row["why"]
+    fetch_row = next(r for r in rows if r["name"].startswith("fetch"))
+    assert fetch_row["why"] == "not in the store"
+
+
+def test_frozen_refuses_to_change_the_lockfile(built, tmp_path):
+    recipe, lock, env = _copy(built, tmp_path)
+    ok = qbuild("compile", str(recipe), "--lock", str(lock), "--frozen", env=env)
+    assert ok.returncode == 0, ok.stderr
+    before = lock.read_text()
+    recipe.write_text(recipe.read_text().replace("new_tokens: 4", "new_tokens: 3"))
+    proc = qbuild("compile", str(recipe), "--lock", str(lock), "--frozen", env=env)
+    assert proc.returncode == 1 and "--frozen" in proc.stderr
+    assert lock.read_text() == before
