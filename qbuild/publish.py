@@ -319,9 +319,10 @@ class TransferDisplay:
             self._bar = Bar(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                             TimeRemainingColumn(), console=console_err(), transient=True)
             self._bar.start()
-            self._task = self._bar.add_task(f"{verb} {files} files", total=total_bytes)
+            self._task = self._bar.add_task(f"{verb} {_files(files)}", total=total_bytes)
         else:
-            self._line(f"{verb} {files} files, {_human(total_bytes)}")
+            self._line(f"{verb} {_files(files)}, {_human(total_bytes)}")
+        self.started = self._last_line = time.monotonic()   # the rate counts transfer time, not setup
 
     def advance(self, nbytes: int) -> None:
         with self._lock:
@@ -341,7 +342,7 @@ class TransferDisplay:
             self._bar.stop()
             self._bar = None
         if self.files and self.files_done == self.files:   # a transfer that failed is reported by its error
-            self._line(f"{self.verb}ed {self.files} files, {_human(self.done)} in "
+            self._line(f"{self.verb}ed {_files(self.files)}, {_human(self.done)} in "
                        f"{time.monotonic() - self.started:.1f}s ({self._rate()})")
 
     def _rate(self) -> str:
@@ -352,6 +353,10 @@ class TransferDisplay:
         from .render import console_err
 
         console_err().print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
 
 
 def _human(n: float) -> str:

@@ -130,6 +130,20 @@ class S3Remote:
         except Exception as e:
             if _status(e) == 412 or _code(e) in ("PreconditionFailed", "ConditionalRequestConflict"):
                 return False  # another writer got there first; manifests of one key are equal by construction
+            if _status(e) == 501 or _code(e) == "NotImplemented":
+                return self._put_if_absent_without_condition(name, manifest)
+            raise self.error(e, self.object_url(name)) from None
+        return True
+
+    def _put_if_absent_without_condition(self, name: str, manifest: Manifest) -> bool:
+        """For S3-compatible servers without conditional writes: check, then put (a race only rewrites equal bytes:
+        a manifest is a function of its key's build, and its blobs are already in place)."""
+        if self._present({name: name}):
+            return False
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=name, Body=manifest.to_bytes(),
+                                   ContentType="application/json")
+        except Exception as e:
             raise self.error(e, self.object_url(name)) from None
         return True
 
