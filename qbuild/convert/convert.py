@@ -98,43 +98,50 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
     sources = SourceFiles(sorted({t.path for t in ck.tensors.values()}))
     try:
         with staged_directory(Path(dst)) as tmp:
-            (tmp / "text").mkdir()
-            text_out = ShardedOutput.open(tmp / "text", text_plan, max_shard_bytes)
-            vision_out = None
-            if vision_plan:
-                (tmp / "vision").mkdir()
-                vision_out = PlannedFile(tmp / "vision" / "model.safetensors", [s for g in vision_plan for s in g])
-
-            def task(step: Step, policy: Fp8Policy, write):
-                def run() -> None:  # the step's mappings are unmapped when its tensors go out of scope here
-                    mapped = MappedSources()
-                    inputs = [mapped.map(sources.fd(ck.tensors[n].path), ck.tensors[n].entry) for n in step.sources]
-                    write(run_step(step, inputs, torch_dtype, policy, layers), mapped)
-                return run
-
-            def write_vision(outs, mapped):
-                for n, t in outs.items():
-                    vision_out.write(n, t, mapped)
-
-            tasks = [task(s, fp8, text_out.write) for s in ck.program.text]
-            if vision_out is not None:
-                tasks += [task(s, "none", write_vision) for s in ck.program.vision]
-            try:
-                run_all(tasks, workers)
-            except BaseException:
-                text_out.discard()
-                if vision_out is not None:
-                    vision_out.discard()
-                raise
-            index = text_out.close()
-            if vision_out is not None:
-                vision_out.close()
-            for name, path in sorted(ck.carried.items()):
-                shutil.copyfile(path, tmp / name)
-            report = _report(ck, dtype, fp8, index, text_out, vision_out)
-            write_json(tmp / "convert.json", report)
+            report = _write_converted(tmp, ck, sources, text_plan, vision_plan, torch_dtype, dtype, fp8, workers,
+                                      max_shard_bytes)
     finally:
         sources.close()
+    return report
+
+
+def _write_converted(tmp: Path, ck, sources: SourceFiles, text_plan, vision_plan, torch_dtype: torch.dtype,
+                     dtype: str, fp8: Fp8Policy, workers: int, max_shard_bytes: int) -> dict:
+    """Run every step into the planned files under `tmp`, copy the non-weight files, write convert.json."""
+    (tmp / "text").mkdir()
+    text_out = ShardedOutput.open(tmp / "text", text_plan, max_shard_bytes)
+    vision_out = None
+    if vision_plan:
+        (tmp / "vision").mkdir()
+        vision_out = PlannedFile(tmp / "vision" / "model.safetensors", [s for g in vision_plan for s in g])
+
+    def task(step: Step, policy: Fp8Policy, write):
+        def run() -> None:  # the step's mappings are unmapped when its tensors go out of scope here
+            mapped = MappedSources()
+            inputs = [mapped.map(sources.fd(ck.tensors[n].path), ck.tensors[n].entry) for n in step.sources]
+            write(run_step(step, inputs, torch_dtype, policy, ck.text.num_layers), mapped)
+        return run
+
+    def write_vision(outs, mapped):
+        for n, t in outs.items():
+            vision_out.write(n, t, mapped)
+
+    tasks = [task(s, fp8, text_out.write) for s in ck.program.text]
+    tasks += [task(s, "none", write_vision) for s in ck.program.vision]
+    try:
+        run_all(tasks, workers)
+    except BaseException:
+        text_out.discard()
+        if vision_out is not None:
+            vision_out.discard()
+        raise
+    index = text_out.close()
+    if vision_out is not None:
+        vision_out.close()
+    for name, path in sorted(ck.carried.items()):
+        shutil.copyfile(path, tmp / name)
+    report = _report(ck, dtype, fp8, index, text_out, vision_out)
+    write_json(tmp / "convert.json", report)
     return report
 
 
