@@ -54,7 +54,8 @@ def checkpoints(tiny_checkpoints, tmp_path_factory):
                     else tiny_checkpoints[family])
             config, tensors = _read(path)
             text, _ = convert_state_dict(config, tensors, dtype="float32")
-            auto = transformers.AutoModelForCausalLM if family == "qwen3_next" else transformers.AutoModelForImageTextToText
+            auto = (transformers.AutoModelForCausalLM if family == "qwen3_next"
+                    else transformers.AutoModelForImageTextToText)
             hf = auto.from_pretrained(path, dtype=torch.float32).eval()
             hf.generation_config.eos_token_id = None  # always run all the steps
             _mirror_pad_row_zeroing(hf, text, config)
@@ -212,10 +213,32 @@ def test_load_shards_is_strict(checkpoints):
          {"norm.weight": shards[1]["norm.weight"] + 1}),
         ("tensor rank_util.rank holds ranks [0, 0]", 1, {"rank_util.rank": torch.zeros(1, dtype=torch.int32)}),
         ("FP8 tensor layers.1.mlp.shared_up_proj.weight has no layers.1.mlp.shared_up_proj.scale", 0,
-         {"layers.1.mlp.shared_up_proj.weight": shards[0]["layers.1.mlp.shared_up_proj.weight"].to(torch.float8_e4m3fn)}),
+         {"layers.1.mlp.shared_up_proj.weight": torch.zeros(16, 64, dtype=torch.float8_e4m3fn)}),
     ]
     for message, rank, changes in cases:
         with pytest.raises(ValueError, match=re.escape(message)):
             model.load_shards(_corrupt(shards, rank, changes))
     with pytest.raises(ValueError, match="got 1 rank state dicts for tp=2"):
         model.load_shards(shards[:1])
+
+
+def test_text_config_reads_both_config_forms():
+    """The transformers-5 form (rope_parameters, layer_types) and the older published form (top-level rope_theta
+    and partial_rotary_factor, full_attention_interval) describe the same architecture."""
+    base = dict(model_type="qwen3_next", vocab_size=512, hidden_size=64, num_hidden_layers=8, rms_norm_eps=1e-6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                intermediate_size=96, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[2])
+    new = TextConfig.from_hf(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+                                                         "partial_rotary_factor": 0.25},
+                                  layer_types=["linear_attention"] * 3 + ["full_attention"]
+                                  + ["linear_attention"] * 3 + ["full_attention"]))
+    old = TextConfig.from_hf(dict(base, rope_theta=1e7, partial_rotary_factor=0.25, full_attention_interval=4))
+    assert new == old
+    assert (new.rotary_dim, new.mrope_section, new.norm_topk_prob) == (8, None, False)
+    assert [new.is_moe(i) for i in range(4)] == [True, True, False, True]
+    with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
+        TextConfig.from_hf(dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": 1e7}))
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
+        TextConfig.from_hf(dict(base, model_type="llama"))

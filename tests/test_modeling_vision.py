@@ -65,8 +65,10 @@ def _image_prompt(config: dict, grid: tuple[int, int, int]) -> torch.Tensor:
     """text, <|vision_start|>, one <|image_pad|> per merged token, <|vision_end|>, text."""
     gen = torch.Generator().manual_seed(3)
     num_image = grid[0] * grid[1] * grid[2] // config["vision_config"]["spatial_merge_size"] ** 2
-    return torch.cat([torch.randint(0, TEXT_TOKENS, (5,), generator=gen), torch.tensor([config["vision_start_token_id"]]),
-                      torch.full((num_image,), config["image_token_id"]), torch.tensor([config["vision_end_token_id"]]),
+    return torch.cat([torch.randint(0, TEXT_TOKENS, (5,), generator=gen),
+                      torch.tensor([config["vision_start_token_id"]]),
+                      torch.full((num_image,), config["image_token_id"]),
+                      torch.tensor([config["vision_end_token_id"]]),
                       torch.randint(0, TEXT_TOKENS, (6,), generator=gen)])
 
 

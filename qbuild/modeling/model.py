@@ -242,7 +242,7 @@ class GatedDeltaNet(nn.Module):
         return self.conv1d_weight.weight.flatten(0, 1)
 
     def _gates(self, x_BSH):
-        """-> (g, beta), each (B, S, R*Hv): log-decay g = -exp(A_log) * softplus(a + dt_bias) <= 0, beta = sigmoid(b)."""
+        """-> (g, beta), each (B, S, R*Hv): g = -exp(A_log) * softplus(a + dt_bias) <= 0 (log-decay), sigmoid(b)."""
         a = column_parallel(x_BSH, self.in_proj_a.weight).flatten(2)
         b = column_parallel(x_BSH, self.in_proj_b.weight).flatten(2)
         a_log, dt_bias = self.A_log_weight.weight.flatten(), self.dt_bias_weight.weight.flatten()
@@ -250,7 +250,7 @@ class GatedDeltaNet(nn.Module):
         return g, b.sigmoid()
 
     def _heads(self, mixed_BSRC: torch.Tensor):
-        """Split each rank's conv output into rank-merged heads: q, k (B, S, R*Hk, dk) L2-normalised, v (B, S, R*Hv, dv)."""
+        """Each rank's conv output -> rank-merged heads: q, k (B, S, R*Hk, dk) L2-normalised, v (B, S, R*Hv, dv)."""
         batch, length = mixed_BSRC.shape[:2]
         key_dim = self.key_heads * self.dk
         q, k, v = mixed_BSRC.split([key_dim, key_dim, self.value_heads * self.dv], dim=-1)
@@ -355,7 +355,8 @@ class MoE(nn.Module):
                              f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}")
         self.top_k, self.ep, self.normalize = cfg.num_experts_per_tok, ep, cfg.norm_topk_prob
         self.num_experts, local = cfg.num_experts, cfg.num_experts // ep
-        hidden, inter, shared = cfg.hidden_size, cfg.moe_intermediate_size // moe_tp, cfg.shared_expert_intermediate_size // moe_tp
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size // moe_tp
+        shared = cfg.shared_expert_intermediate_size // moe_tp
         self.moe = nn.Module()
         self.moe.router = nn.Module()
         self.moe.router.linear_router = Weight((cfg.num_experts, hidden), dtype, None)
@@ -407,7 +408,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = Weight((cfg.hidden_size,), torch.float32, None)
         self.post_attention_layernorm = Weight((cfg.hidden_size,), torch.float32, None)
 
-    def _ffn(self, h_BSH: torch.Tensor) -> torch.Tensor:
+    def feed_forward(self, h_BSH: torch.Tensor) -> torch.Tensor:
         return h_BSH + self.mlp(rms_norm(h_BSH, self.post_attention_layernorm.weight, self.eps))
 
 
@@ -489,7 +490,7 @@ class TextModel(nn.Module):
                 out, *layer_state = layer.self_attn.prefill(normed, cos, sin, self.max_seq_len)
             else:
                 out, *layer_state = layer.linear_attn.prefill(normed, valid_BS, seq_lens)
-            h = layer._ffn(h + out)
+            h = layer.feed_forward(h + out)
             state += layer_state
         return self._logits(h), tuple(state)
 
@@ -515,7 +516,7 @@ class TextModel(nn.Module):
                 out, *layer_state = layer.self_attn.decode(normed, cos, sin, positions, first, second)
             else:
                 out, *layer_state = layer.linear_attn.decode(normed, first, second)
-            h = layer._ffn(h + out)
+            h = layer.feed_forward(h + out)
             new_state += layer_state
         return self._logits(h), tuple(new_state)
 

@@ -257,7 +257,8 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | N
                 t, h, w = next(grids)
                 h, w = h // merge, w // merge
                 if t * h * w != j - i:
-                    raise ValueError(f"row {b}: a run of {j - i} image tokens does not match grid {(t, h * merge, w * merge)}")
+                    raise ValueError(f"row {b}: a run of {j - i} image tokens does not match image grid "
+                                     f"{(t, h * merge, w * merge)}")
                 grid = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
                 pieces.append(torch.stack(grid).reshape(3, -1) + start)
                 start += max(h, w)
