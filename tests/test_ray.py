@@ -135,6 +135,17 @@ def test_ray_is_not_imported_on_the_planning_path():
                           timeout=60).returncode == 0
 
 
+def test_ray_cluster_messages_never_reach_stdout(capsys):
+    import ray._private.worker as ray_worker
+
+    rayexec._cluster_messages_to_stderr()
+    rayexec._cluster_messages_to_stderr()      # idempotent: one wrapper, not two
+    ray_worker.print_to_stdstream({"lines": ["Task run_task failed. There are 2 retries remaining"], "pid": "raylet",
+                                   "ip": "127.0.0.1", "is_err": False}, ignore_prefix=False)
+    out, err = capsys.readouterr()
+    assert out == "" and "2 retries remaining" in err
+
+
 # --- a real cluster ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -165,7 +176,7 @@ def _ray_start(args: list[str], env: dict) -> int:
 
 def _end_group(pgid: int) -> None:
     """SIGTERM the group, then SIGKILL what is left after a grace period (Ray's own daemons ignore TERM at times)."""
-    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+    for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:

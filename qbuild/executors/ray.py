@@ -210,6 +210,7 @@ class RayExecutor:
         ray = self._ray = _import_ray()
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
+            _cluster_messages_to_stderr()
             try:
                 # log_to_driver=False: stdout carries data only; an action's lines travel in its manifest.
                 ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False)
@@ -298,6 +299,22 @@ class RayExecutor:
         self._pool.shutdown(wait=not abandoned, cancel_futures=True)
         if self._owns_connection:
             self._ray.shutdown()
+
+
+def _cluster_messages_to_stderr() -> None:
+    """Ray's driver prints cluster messages (a worker died, a task will be retried) on stdout, even with
+    log_to_driver=False; stdout carries data only (--json), so send them to stderr. Ray is pinned to 2.60."""
+    import ray._private.worker as ray_worker
+
+    original = ray_worker.print_to_stdstream
+    if getattr(original, "qbuild_stderr", False):
+        return
+
+    def to_stderr(data, ignore_prefix: bool):
+        return original({**data, "is_err": True}, ignore_prefix)
+
+    to_stderr.qbuild_stderr = True
+    ray_worker.print_to_stdstream = to_stderr
 
 
 def _translate(e: BaseException, name: str) -> BaseException:
