@@ -169,9 +169,12 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
     entries: list[tuple[float, Manifest, Path]] = []
     for path in sorted((store.root / "ac").glob("*/*.json")):
         manifest = _read_manifest(path)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue  # removed meanwhile
         if manifest is None:
             continue  # unreadable: `qbuild store verify --repair` reports and removes it
-        st = path.stat()
         entries.append((max(st.st_atime, st.st_mtime), manifest, path))
     named = {o["digest"] for _, m, _ in entries for o in m.outputs.values()}
     kept_blobs = {o["digest"] for _, m, _ in entries if m.key in locked for o in m.outputs.values()}
@@ -182,7 +185,7 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
             report.kept_manifests += 1
             continue
         extra = {o["digest"]: o["size"] for o in m.outputs.values() if o["digest"] not in kept_blobs}
-        cost = sum(extra.values()) + path.stat().st_size     # the manifest counts too: --keep-size 0 keeps none
+        cost = sum(extra.values()) + len(m.to_bytes())     # the manifest counts too: --keep-size 0 keeps none
         if cost <= budget:
             budget -= cost
             kept_blobs.update(extra)
@@ -190,7 +193,7 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
         else:
             doomed.append((m, path))
     for m, path in doomed:   # manifests first: no reader may find a manifest whose blobs are gone
-        report.removed.append(Removal("local", "manifest", m.key, path.stat().st_size, m.kind))
+        report.removed.append(Removal("local", "manifest", m.key, len(m.to_bytes()), m.kind))
         if not dry_run:
             path.unlink(missing_ok=True)
     now = time.time()
@@ -198,7 +201,10 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
         if blob.name.startswith(".") or blob.name in kept_blobs:
             report.kept_blobs += blob.name in kept_blobs
             continue
-        st = blob.stat()
+        try:
+            st = blob.stat()
+        except FileNotFoundError:
+            continue
         if blob.name not in named and now - st.st_ctime < grace_s:
             report.young_orphans += 1
             continue

@@ -121,11 +121,13 @@ class RemoteStore(LocalStore):
             if not self.has_blob(meta["digest"]):
                 missing.setdefault(meta["digest"], (rel, meta["size"]))
         if missing:
-            stage = self.staging_dir(f"fetch-{manifest.key[:16]}")
-            try:
-                self._download_all(missing, stage)
-            finally:
-                shutil.rmtree(stage, ignore_errors=True)
+            # Held while downloading, so `store verify --repair` sees the staging dir as live, not orphaned.
+            with self.lock(f"fetch-{manifest.key[:16]}"):
+                stage = self.staging_dir(f"fetch-{manifest.key[:16]}")
+                try:
+                    self._download_all(missing, stage)
+                finally:
+                    shutil.rmtree(stage, ignore_errors=True)
         self.put_manifest(manifest)
         return sum(size for _, size in missing.values())
 
