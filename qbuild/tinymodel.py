@@ -52,6 +52,9 @@ def make_config(family: Family, vision: bool, text_overrides: Mapping[str, Any] 
     if family == "qwen3_next":
         if vision:
             raise ValueError("qwen3_next has no vision encoder")
+        # No pad token: the Coder-Next converter zeroes the pad row, and the tiny model's pad would be its EOS,
+        # which it generates, so it would differ from transformers on purpose. The zeroing has its own unit test.
+        text["pad_token_id"] = None
         return transformers.Qwen3NextConfig(**text, **_MOE, norm_topk_prob=True)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
