@@ -158,18 +158,20 @@ def test_tied_embeddings_copy_the_embedding_into_lm_head():
 
 def test_pad_row_is_zeroed_for_qwen3_next_only():
     config, hf = hf_state_dict("qwen3_next")
-    pad = config["pad_token_id"]
-    text, _ = convert_state_dict(config, hf, dtype="float32")
-    embed, src = text["embed_tokens.weight"], hf[f"{TEXT}embed_tokens.weight"]
+    src = hf[f"{TEXT}embed_tokens.weight"]
+    no_pad = {k: v for k, v in config.items() if k != "pad_token_id"}
+    assert torch.equal(convert_state_dict(no_pad, hf, dtype="float32")[0]["embed_tokens.weight"], src)
+    pad = 7
+    text, _ = convert_state_dict(dict(config, pad_token_id=pad), hf, dtype="float32")
+    embed = text["embed_tokens.weight"]
     assert src[pad].abs().sum() > 0 and embed[pad].abs().sum() == 0
     keep = torch.arange(embed.shape[0]) != pad
     assert torch.equal(embed[keep], src[keep])
     assert torch.equal(text["lm_head.weight"], hf["lm_head.weight"])  # the head is untouched
-    config_vl, hf_vl = hf_state_dict("qwen3_5")
+    config_vl, hf_vl = hf_state_dict("qwen3_5")  # main lineage: never zeroed, even with a pad token
+    config_vl["text_config"]["pad_token_id"] = pad
     text_vl, _ = convert_state_dict(config_vl, hf_vl, dtype="float32")
     assert torch.equal(text_vl["embed_tokens.weight"], hf_vl[f"{VL}embed_tokens.weight"])
-    no_pad = {k: v for k, v in config.items() if k != "pad_token_id"}
-    assert torch.equal(convert_state_dict(no_pad, hf, dtype="float32")[0]["embed_tokens.weight"], src)
 
 
 def test_qwen3_next_grouped_projections_become_qkv_z_b_a():
