@@ -24,11 +24,12 @@ class Point:
 
 
 def prompt_lengths(largest: int) -> list[int]:
+    """16, 64, 256, ... below the largest CTE bucket, then the largest bucket itself."""
     lengths, n = [], 16
-    while n <= largest:
+    while n < largest:
         lengths.append(n)
         n *= 4
-    return lengths or [largest]
+    return lengths + [largest]
 
 
 def synthetic_prompt(runtime: Runtime, length: int) -> list[int]:
