@@ -110,10 +110,10 @@ def test_worker_with_other_action_source_refuses_to_build():
     rayexec._check_same_action(Job(**{**job.__dict__, "preimage": {**pre, "version": action.version}}), action)
 
 
-def _cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+def _cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "qbuild.cli", *args], cwd=cwd, env=full, capture_output=True,
-                          text=True, timeout=60)
+                          text=True, timeout=timeout)
 
 
 def test_cli_refuses_ray_without_a_remote_in_one_line(tmp_path):
@@ -364,3 +364,69 @@ def test_pipeline_through_ray_gives_the_local_lockfile(cluster, s3_client_env, t
     # A second run on Ray builds nothing.
     again = json.loads(ok(run_qbuild(project, *ray_args, timeout=BUILD_TIMEOUT_S)).stdout)
     assert again["built"] == [] and again["failed"] == {}
+
+
+REAL_RECIPE = """name: tiny-dense
+model: {{path: {model}}}
+text: {{seq_len: 48, cte_buckets: [32], tkg_buckets: [48]}}
+dtype: float32
+backend: export
+verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
+"""
+
+
+@pytest.mark.slow
+def test_real_tiny_recipe_through_ray_gives_the_local_lockfile(cluster, tmp_path):
+    """Every real action (fetch, convert, shard, export compile, package, reference, verify) on Ray workers."""
+    from qbuild.tinymodel import write_tiny_checkpoint
+
+    model = write_tiny_checkpoint(tmp_path / "model", "qwen3_5")
+    project = tmp_path / "project"
+    (project / "recipes").mkdir(parents=True)
+    (project / "recipes" / "tiny-dense.yaml").write_text(REAL_RECIPE.format(model=model))
+    env = {**s3_env(shared_server().endpoint), "XDG_CACHE_HOME": str(project / ".cache"), "HF_HUB_OFFLINE": "1"}
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        proc = _cli(*args, cwd=project, env=env, timeout=600)
+        assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+        return proc
+
+    run("compile", "--all", "-j", "2", "--store", "local-store", "--lock", "local.lock")
+    out = json.loads(run("compile", "--all", "--executor", "ray", "--address", cluster.address, "--remote",
+                         cluster.remote(f"real-{tmp_path.name}"), "--store", "driver-store", "--lock", "ray.lock",
+                         "--json").stdout)
+    assert out["failed"] == {} and len(out["built"]) == 8
+    local, on_ray = (json.loads((project / f"{n}.lock").read_text()) for n in ("local", "ray"))
+    assert on_ray["recipes"]["tiny-dense"]["verified"]
+    assert {n: e["key"] for n, e in on_ray["nodes"].items() if e["kind"] != "package" and e["kind"] != "verify"} \
+        == {n: e["key"] for n, e in local["nodes"].items() if e["kind"] != "package" and e["kind"] != "verify"}
+    if (project / "ray.lock").read_bytes() != (project / "local.lock").read_bytes():
+        _assert_only_compile_timings_differ(local, on_ray, project / "local-store", project / "driver-store")
+        pytest.xfail("the compile action writes its export time into <graph>.json (qbuild/actions/compile.py), so "
+                     "two builds of one compile key differ there; every other output matched")
+
+
+def _assert_only_compile_timings_differ(local: dict, other: dict, local_store: Path, other_store: Path) -> None:
+    """Compile outputs may differ only in fields named *_seconds; every other node only through its inputs."""
+    from qbuild.plan import diff_preimages
+
+    def blob(store: Path, digest: str) -> dict:
+        return json.loads((store / "cas" / digest[:2] / digest).read_text())
+
+    def untimed(doc: dict) -> dict:
+        return {k: v for k, v in doc.items() if not k.endswith("_seconds")}
+
+    for nid, a in local["nodes"].items():
+        b = other["nodes"][nid]
+        if a == b:
+            continue
+        if a["kind"] == "compile":
+            assert a["key"] == b["key"]
+            for rel, meta in a["outputs"].items():
+                if meta != b["outputs"][rel]:
+                    assert rel.endswith(".json"), f"{a['name']}: {rel} differs"
+                    assert untimed(blob(local_store, meta["digest"])) == \
+                        untimed(blob(other_store, b["outputs"][rel]["digest"])), f"{a['name']}: {rel} differs"
+        else:
+            changed = diff_preimages(a["preimage"], b["preimage"])
+            assert changed and all(c.startswith("inputs.") for c in changed), f"{a['name']}: {changed}"
