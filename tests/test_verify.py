@@ -38,3 +38,10 @@ def test_top1_is_weighted_by_prompt_length():
     bad = torch.eye(1, 10)
     b = compare(1, _record(n=1), bad.flip(1), bad, [1, 2, 3])
     assert failures([a, b], dict(THRESHOLDS, top1_min=0.8, max_logit_err=10)) == []
+
+
+def test_shipped_golden_prompts_are_pinned():
+    from qbuild.actions.reference import golden
+
+    doc = golden()  # raises if prompts.json changed without its pinned digest
+    assert doc["prompts"] and all(isinstance(p, str) and p for p in doc["prompts"]) and doc["image_prompt"]

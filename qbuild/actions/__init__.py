@@ -99,7 +99,7 @@ for _spec in (
     ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.backends", "qbuild.modeling",
                                                   "qbuild.kernels"), ("torch",),
                ("neuronx-cc", "neuronx-distributed-inference", "torch-neuronx")),
-    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package",)),
+    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.bundle")),
     ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference",), ("torch", "transformers")),
     ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.runtime", "qbuild.modeling",
                                                 "qbuild.kernels", "qbuild.backends"), ("torch",)),

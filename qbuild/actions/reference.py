@@ -13,15 +13,24 @@ import json
 from pathlib import Path
 
 from ..actions import RunContext
-from ..errors import UserError
+from ..errors import BuildError, UserError
 from ..source import locate, read_snapshot
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "prompts.json"
+# The shipped prompts are data, not source: pinning their digest here puts them in this action's source hash, so
+# editing prompts.json (and this line with it) rebuilds every reference that uses them.
+GOLDEN_BLAKE3 = "057d2ea072aa66d0d7b28d02d03d97c6cf1065b6c9ab12ee3cff40ad35d98783"
 IMAGE_SIZE = (64, 96)  # (height, width): a 4 x 6 patch grid at patch 16, non-square so rows and columns differ
 
 
 def golden() -> dict:
-    return json.loads(GOLDEN.read_text())
+    from ..hashing import digest_bytes
+
+    data = GOLDEN.read_bytes()
+    if digest_bytes(data) != GOLDEN_BLAKE3:
+        raise BuildError(f"{GOLDEN}: changed without updating GOLDEN_BLAKE3 in qbuild/actions/reference.py to "
+                         f"{digest_bytes(data)} (the references built from it would not rebuild otherwise)")
+    return json.loads(data)
 
 
 def synthetic_image(path: Path) -> None:
