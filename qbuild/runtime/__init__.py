@@ -110,8 +110,9 @@ class Runtime:
 
         if max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
+        images = None
         if image is not None:
-            prompt_ids = self.with_image_tokens(prompt_ids, image)
+            prompt_ids, images = self.with_image_tokens(prompt_ids, image)
         n = len(prompt_ids)
         if n == 0:
             raise UserError("the prompt is empty")
@@ -126,7 +127,7 @@ class Runtime:
             self.graph(f"tkg-{b}")
         with torch.no_grad():
             start = time.perf_counter()
-            logits, state, deltas = self._prefill(prompt_ids, bucket, image)
+            logits, state, deltas = self._prefill(prompt_ids, bucket, images)
             token = int(logits[0, n - 1].argmax())
             ttft = time.perf_counter() - start
             tokens, steps = [token], []
@@ -154,7 +155,8 @@ class Runtime:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _prefill(self, prompt_ids: list[int], bucket: int, image: Path | None):
+    def _prefill(self, prompt_ids: list[int], bucket: int, images: tuple | None):
+        """images: (features (M, H), grid_thw) of the image whose M pad tokens the prompt holds, or None."""
         import torch
 
         n = len(prompt_ids)
@@ -165,27 +167,26 @@ class Runtime:
         if self.cfg.mrope_section is not None:
             from ..modeling.vision import mrope_position_ids
 
-            grid = self._image_grid if image is not None else None
+            grid = images[1] if images is not None else None
             positions, deltas = mrope_position_ids(ids, grid, self._vision_cfg_for_positions(), seq_lens)
         else:
             positions = torch.arange(bucket)[None].expand(self.batch, -1).contiguous()
         if self.embeds:
-            tokens = self._embed(ids, image)
+            tokens = self._embed(ids, images)
         else:
             tokens = ids
         logits, state = self.graph(f"cte-{bucket}")(self.weights, tokens, positions, seq_lens)
         return logits, list(state), deltas
 
-    def _embed(self, ids, image: Path | None):
+    def _embed(self, ids, images: tuple | None):
         import torch.nn.functional as F
 
         table = self.weights["embed_tokens.weight"]
-        if image is None:
+        if images is None:
             return F.embedding(ids, table)
         from ..modeling.vision import embed_with_images
 
-        features = self._image_features
-        per_row = features.repeat(ids.shape[0], 1)
+        per_row = images[0].repeat(ids.shape[0], 1)
         return embed_with_images(table, ids, per_row, self.vision.cfg.image_token_id)
 
     def _attention_slots(self) -> list[int]:
@@ -233,17 +234,17 @@ class Runtime:
 
         return self.vision.cfg if self.vision is not None else VisionConfig.from_hf(self.config)
 
-    def with_image_tokens(self, prompt_ids: list[int], image: Path) -> list[int]:
-        """Encode `image` through the vision graph and return the prompt with its image tokens in front:
-        <|vision_start|> <|image_pad|> x merged tokens <|vision_end|> prompt."""
+    def with_image_tokens(self, prompt_ids: list[int], image: Path) -> tuple[list[int], tuple]:
+        """Encode `image` through the vision graph. Returns the prompt with the image's tokens in front
+        (<|vision_start|> <|image_pad|> x merged tokens <|vision_end|> prompt) and (features, grid_thw)."""
         if self.vision is None:
             raise UserError(f"{self.root}: this bundle has no vision graph; --image needs a VL recipe with "
                             "`vision: {buckets: [...]}`")
         features, grid = self.vision.encode(image, self.vision_buckets, self.graph)
-        self._image_features, self._image_grid = features, grid
         cfg = self.vision.cfg
         vision_end = self.config.get("vision_end_token_id") or self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
-        return [cfg.vision_start_token_id] + [cfg.image_token_id] * features.shape[0] + [vision_end] + list(prompt_ids)
+        ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * features.shape[0] + [vision_end] + list(prompt_ids)
+        return ids, (features, grid)
 
 
 def _tokenizer(root: Path):
