@@ -86,9 +86,10 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
             executor: str = typer.Option("local", "--executor", metavar="[local|ray]",
                                          help="where steps run: a local process pool, or a Ray cluster (needs a "
                                               "remote; see docs/ray.md)"),
-            address: Optional[str] = typer.Option(None, "--address", metavar="auto|HOST:PORT|ray://HOST:PORT",
-                                                  help="Ray cluster for --executor ray (default: $RAY_ADDRESS, "
-                                                       "else auto: the cluster `ray start` runs on this machine)")) -> None:
+            address: Optional[str] = typer.Option(
+                None, "--address", metavar="auto|HOST:PORT|ray://HOST:PORT",
+                help="Ray cluster for --executor ray (default: $RAY_ADDRESS, else auto: the cluster `ray start` "
+                     "runs on this machine)")) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
     from .engine import BuildOptions, check_mem_budget, raise_for
     from .render import BuildProgress, result_json
