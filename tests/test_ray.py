@@ -135,6 +135,26 @@ def test_ray_is_not_imported_on_the_planning_path():
                           timeout=60).returncode == 0
 
 
+def test_no_cluster_at_the_address_fails_fast_in_one_line(tmp_path):
+    """ray.init alone would wait for minutes; the CLI says where it looked, with exit 3 (infrastructure)."""
+    from tests.test_remote_pipeline import make_project, run_qbuild
+
+    client = shared_server().client()
+    if "qb-ray-none" not in {b["Name"] for b in client.list_buckets().get("Buckets", [])}:
+        client.create_bucket(Bucket="qb-ray-none")
+    project = make_project(tmp_path / "project")
+    port = free_port()
+    started = time.monotonic()
+    proc = run_qbuild(project, "compile", "--all", "--executor", "ray", "--address", f"127.0.0.1:{port}",
+                      "--remote", "s3://qb-ray-none/p", "--store", "store", "--mem", "1T", timeout=60)
+    assert proc.returncode == 3 and time.monotonic() - started < 30
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in line and "ray start --head" in line
+    assert "Traceback" not in proc.stderr
+    with pytest.raises(InfraError, match="cannot reach the Ray cluster"):
+        rayexec._check_reachable(f"ray://127.0.0.1:{port}")
+
+
 def test_ray_cluster_messages_never_reach_stdout(capsys):
     import ray._private.worker as ray_worker
 

@@ -35,6 +35,7 @@ from ..store.manifest import Manifest
 MAX_RETRIES = 2
 NEURON_RESOURCE = "neuron_cores"
 NODES_TTL_S = 5.0           # how long a snapshot of the cluster's nodes serves capacity checks
+CONNECT_TIMEOUT_S = 10.0   # to reach the cluster's head before handing over to ray.init
 DRIVER_THREADS = 4         # driver threads that seed inputs and read results back through the remote
 GIB = 1 << 30
 
@@ -203,21 +204,22 @@ class RayExecutor:
     once it finishes, reading its manifest through the driver's store (which checks it on the remote).
     """
 
-    def __init__(self, spec: StoreSpec, address: str | None = "auto"):
+    def __init__(self, spec: StoreSpec, address: str = "auto"):
         from ..store import open_store
 
         require_remote(spec)
+        address = address or "auto"          # never None: ray.init(None) would start a private local cluster
         ray = self._ray = _import_ray()
         self._owns_connection = not ray.is_initialized()
         if self._owns_connection:
+            _check_reachable(address)
             _cluster_messages_to_stderr()
             try:
                 # log_to_driver=False: stdout carries data only; an action's lines travel in its manifest.
                 ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
-                where = address or "the default address"
-                raise InfraError(f"cannot connect to a Ray cluster at {where}: {str(e).splitlines()[0]}; start one "
-                                 "with `ray start --head` or pass --address") from None
+                raise InfraError(f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0]}; start "
+                                 "one with `ray start --head` or pass --address") from None
         self._store = open_store(spec)
         self._task = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=[InfraError])(run_task)
         self._pool = ThreadPoolExecutor(DRIVER_THREADS, thread_name_prefix="qbuild-ray")
@@ -299,6 +301,30 @@ class RayExecutor:
         self._pool.shutdown(wait=not abandoned, cancel_futures=True)
         if self._owns_connection:
             self._ray.shutdown()
+
+
+def _check_reachable(address: str) -> None:
+    """ray.init waits minutes for a cluster that is not there (or a stale `auto` address); fail fast instead."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    hint = "start one with `ray start --head`, or pass --address"
+    if address and address.startswith("ray://"):
+        hostport = address.removeprefix("ray://")
+    else:
+        try:
+            hostport = canonicalize_bootstrap_address(address)
+        except (ConnectionError, ValueError) as e:
+            raise InfraError(f"--address {address}: {str(e).splitlines()[0]}; {hint}") from None
+        if hostport is None:
+            raise InfraError(f"--address {address}: no Ray cluster is running on this machine and $RAY_ADDRESS is "
+                             f"unset; {hint}")
+    host, _, port = hostport.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        where = address if address == hostport else f"{address} ({hostport})"
+        raise InfraError(f"cannot reach the Ray cluster at {where}: {getattr(e, 'strerror', None) or e}; {hint}") \
+            from None
 
 
 def _cluster_messages_to_stderr() -> None:
