@@ -155,6 +155,21 @@ def test_no_cluster_at_the_address_fails_fast_in_one_line(tmp_path):
         rayexec._check_reachable(f"ray://127.0.0.1:{port}")
 
 
+def test_errors_become_one_line_domain_errors():
+    from ray.exceptions import RayTaskError, WorkerCrashedError
+
+    from qbuild.errors import BuildError
+
+    own = BuildError("convert: ValueError: bad tensor (convert.py:10)")
+    assert rayexec._translate(RayTaskError("run_task", "tb", own), "convert") is own
+    infra = InfraError("s3://b/p/cas/ab/x: timed out")
+    assert rayexec._translate(infra, "convert") is infra           # raised while seeding inputs, not by Ray
+    lost = rayexec._translate(WorkerCrashedError(), "convert")
+    assert isinstance(lost, InfraError) and str(lost).startswith("convert: the Ray worker was lost 3 times")
+    bug = rayexec._translate(RayTaskError("run_task", "tb", KeyError("digest")), "convert")
+    assert isinstance(bug, InfraError) and str(bug) == "convert: KeyError: 'digest'"
+
+
 def test_ray_cluster_messages_never_reach_stdout(capsys):
     import ray._private.worker as ray_worker
 

@@ -344,15 +344,16 @@ def _cluster_messages_to_stderr() -> None:
 
 
 def _translate(e: BaseException, name: str) -> BaseException:
-    """A Ray exception as the one-line domain error the engine reports."""
-    from ray.exceptions import RayTaskError, TaskCancelledError
+    """An exception from a task, or from launching it, as the one-line domain error the engine reports."""
+    from ray.exceptions import RayError, RayTaskError, TaskCancelledError
 
     if isinstance(e, RayTaskError):
-        cause = e.cause
-        if isinstance(cause, QbuildError):
-            return cause
-        return InfraError(f"{name}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+        e = e.cause
+    if isinstance(e, QbuildError):
+        return e
+    first = (str(e).strip().splitlines() or [""])[0]
     if isinstance(e, TaskCancelledError):
         return InfraError(f"{name}: the Ray task was cancelled")
-    first = (str(e).strip().splitlines() or [""])[0]
-    return InfraError(f"{name}: the Ray worker was lost {MAX_RETRIES + 1} times ({type(e).__name__}: {first})")
+    if isinstance(e, RayError):   # the worker process or its node died, or was killed for memory
+        return InfraError(f"{name}: the Ray worker was lost {MAX_RETRIES + 1} times ({type(e).__name__}: {first})")
+    return InfraError(f"{name}: {type(e).__name__}: {first}")
