@@ -447,7 +447,8 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
 
 def main() -> None:
     try:
-        app(standalone_mode=False)
+        # Without standalone mode, click returns a command's typer.Exit code instead of raising it.
+        code = app(standalone_mode=False)
     except QbuildError as e:
         if os.environ.get("QBUILD_DEBUG"):
             raise
@@ -465,6 +466,7 @@ def main() -> None:
             e.show()
             sys.exit(2)
         raise
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

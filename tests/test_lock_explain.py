@@ -114,10 +114,11 @@ def test_explain_names_a_changed_converter_source(built, tmp_path):
 
 def test_frozen_refuses_to_change_the_lockfile(built, tmp_path):
     recipe, lock, env = _copy(built, tmp_path)
-    ok = qbuild("compile", str(recipe), "--lock", str(lock), "--frozen", env=env)
+    # Run where the lock was written from (it records recipe paths relative to the working directory).
+    ok = qbuild("compile", "lk.yaml", "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     before = lock.read_text()
     recipe.write_text(recipe.read_text().replace("new_tokens: 4", "new_tokens: 3"))
-    proc = qbuild("compile", str(recipe), "--lock", str(lock), "--frozen", env=env)
-    assert proc.returncode == 1 and "--frozen" in proc.stderr
+    proc = qbuild("compile", "lk.yaml", "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
+    assert proc.returncode == 1 and "--frozen" in proc.stderr and "params.new_tokens: 4 -> 3" in proc.stderr
     assert lock.read_text() == before

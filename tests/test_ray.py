@@ -435,33 +435,4 @@ def test_real_tiny_recipe_through_ray_gives_the_local_lockfile(cluster, tmp_path
     assert on_ray["recipes"]["tiny-dense"]["verified"]
     assert {n: e["key"] for n, e in on_ray["nodes"].items() if e["kind"] != "package" and e["kind"] != "verify"} \
         == {n: e["key"] for n, e in local["nodes"].items() if e["kind"] != "package" and e["kind"] != "verify"}
-    if (project / "ray.lock").read_bytes() != (project / "local.lock").read_bytes():
-        _assert_only_compile_timings_differ(local, on_ray, project / "local-store", project / "driver-store")
-        pytest.xfail("the compile action writes its export time into <graph>.json (qbuild/actions/compile.py), so "
-                     "two builds of one compile key differ there; every other output matched")
-
-
-def _assert_only_compile_timings_differ(local: dict, other: dict, local_store: Path, other_store: Path) -> None:
-    """Compile outputs may differ only in fields named *_seconds; every other node only through its inputs."""
-    from qbuild.plan import diff_preimages
-
-    def blob(store: Path, digest: str) -> dict:
-        return json.loads((store / "cas" / digest[:2] / digest).read_text())
-
-    def untimed(doc: dict) -> dict:
-        return {k: v for k, v in doc.items() if not k.endswith("_seconds")}
-
-    for nid, a in local["nodes"].items():
-        b = other["nodes"][nid]
-        if a == b:
-            continue
-        if a["kind"] == "compile":
-            assert a["key"] == b["key"]
-            for rel, meta in a["outputs"].items():
-                if meta != b["outputs"][rel]:
-                    assert rel.endswith(".json"), f"{a['name']}: {rel} differs"
-                    assert untimed(blob(local_store, meta["digest"])) == \
-                        untimed(blob(other_store, b["outputs"][rel]["digest"])), f"{a['name']}: {rel} differs"
-        else:
-            changed = diff_preimages(a["preimage"], b["preimage"])
-            assert changed and all(c.startswith("inputs.") for c in changed), f"{a['name']}: {changed}"
+    assert (project / "ray.lock").read_bytes() == (project / "local.lock").read_bytes()
