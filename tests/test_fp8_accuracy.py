@@ -1,0 +1,54 @@
+"""FP8 mlp_only keeps the model's predictions: top-1 agreement with the bf16 model on >= 99% of positions.
+
+A random tiny model has a nearly flat output distribution, so its top-1 is decided by noise far below any
+quantisation error. Trained models are confident; the test model is given that property by scaling its token
+embeddings and tying the LM head to them (the residual stream then carries a clear next-token signal), which
+leaves every quantised MLP in the path. The same check with mis-scaled FP8 weights must fail, so it can.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qbuild.convert import convert_state_dict, shard_state_dict
+from qbuild.modeling import TextConfig, TextModel, text_position_ids
+
+MIN_TOP1_AGREEMENT = 0.99
+EMBED_SCALE = 2.0
+PROMPTS, PROMPT_LEN = 8, 48
+
+
+def _confident_checkpoint(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    config = json.loads((path / "config.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    embed = next(n for n in tensors if n.endswith("embed_tokens.weight"))
+    tensors[embed] = tensors[embed] * EMBED_SCALE
+    tensors["lm_head.weight"] = tensors[embed].clone()
+    return config, tensors
+
+
+def _top1(config, tensors, fp8: str, scale_error: float = 1.0) -> torch.Tensor:
+    text, _ = convert_state_dict(config, tensors, dtype="bfloat16", fp8=fp8)
+    text = {n: t * scale_error if n.endswith(".scale") else t for n, t in text.items()}
+    model = TextModel(TextConfig.from_hf(config), tp=2, ep=1, dtype=torch.bfloat16, max_seq_len=PROMPT_LEN)
+    model.load_shards(shard_state_dict(config, text, tp=2))
+    ids = torch.randint(0, 480, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, _ = model.prefill(ids, text_position_ids(PROMPT_LEN, PROMPTS), torch.full((PROMPTS,), PROMPT_LEN))
+    return logits.float().argmax(-1)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_mlp_only_fp8_keeps_top1_on_99_percent_of_positions(tiny_checkpoints, family):
+    config, tensors = _confident_checkpoint(tiny_checkpoints[family])
+    reference = _top1(config, tensors, "none")
+    agreement = (_top1(config, tensors, "mlp_only") == reference).float().mean().item()
+    assert agreement >= MIN_TOP1_AGREEMENT, f"{family}: top-1 agreement {agreement:.4f}"
+    broken = (_top1(config, tensors, "mlp_only", scale_error=1.5) == reference).float().mean().item()
+    assert broken < agreement, f"{family}: mis-scaled FP8 weights went unnoticed ({broken:.4f})"
