@@ -168,8 +168,8 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
     v = r.verify
     roles["reference"] = reference = _add(
         nodes, name, "reference", f"reference {label}",
-        {"prompts": v.prompts, "new_tokens": v.new_tokens, "image": bool(r.vision and v.image_prompt),
-         "max_bucket": max(r.text.cte_buckets)}, {"snapshot": fetch},
+        {"prompts": v.prompts, "new_tokens": v.new_tokens, "image": bool(r.vision and v.image_prompt)},
+        {"snapshot": fetch},
         4 << 20, 4 * archmod.weight_bytes(arch, "float32", "none") // 4 + vision_bytes * 2 + GIB, fctx)
     roles["verify"] = verify = _add(
         nodes, name, "verify", f"verify {name}",

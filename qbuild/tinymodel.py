@@ -70,7 +70,6 @@ def make_config(family: Family, vision: bool, text_overrides: Mapping[str, Any] 
 
 
 def _make_model(config):
-    import torch
     import transformers
 
     if config.model_type == "qwen3_next":

@@ -137,7 +137,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, scale: float
     out_dtype = v.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, initial_state, scale, torch.float32)
     batch, heads, length, dv = v.shape
-    dk = k.shape[-1]
     pad = (-length) % chunk_size
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
