@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
