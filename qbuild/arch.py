@@ -1,5 +1,14 @@
 """Architecture facts read from a checkpoint's config.json, and the recipe checks that depend on them.
 
+This is the one reader of a HF config.json: the planner (Arch, its fingerprint in compile keys), the converter
+(qbuild.convert.dims: TextDims / VisionDims) and the reference model (qbuild.modeling.config: TextConfig /
+VisionConfig) all derive their views from the Arch built here. It reads
+
+- the VL wrappers (qwen3_5, qwen3_5_moe: the text model under `text_config`, the vision encoder under
+  `vision_config`), their text-only exports (qwen3_5_text, qwen3_5_moe_text) and text-only qwen3_next;
+- both the transformers-5 form (`rope_parameters`, `layer_types`) and the older published form (top-level
+  `rope_theta` / `partial_rotary_factor`, `rope_scaling`, `full_attention_interval`).
+
 Planning must work offline and without torch, so this module reads JSON only. The published configs of the
 shipped models are kept in qbuild/configs (named org--name.json) for recipes whose weights are not downloaded.
 """
@@ -8,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .errors import RecipeError, UserError
@@ -16,10 +25,18 @@ from .recipe import LoadedRecipe, recipe_field_location
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next")
+# config.json's model_type -> (family, whether it is a VL wrapper: text under text_config, vision under vision_config)
+MODEL_TYPES = {"qwen3_5": ("qwen3_5", True), "qwen3_5_moe": ("qwen3_5_moe", True),
+               "qwen3_5_text": ("qwen3_5", False), "qwen3_5_moe_text": ("qwen3_5_moe", False),
+               "qwen3_next": ("qwen3_next", False)}
+# The model_type of each family's text model (what a VL wrapper's text_config says).
+TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}
 DEFAULT_MOE_BACKEND = {"qwen3_5_moe": "shard_on_intermediate", "qwen3_next": "shard_on_block"}
 # fp8 "full" quantises attention and DeltaNet projections too; only the dense family has been validated so.
 FP8_POLICIES = {"qwen3_5": ("none", "mlp_only", "full"), "qwen3_5_moe": ("none", "mlp_only"),
                 "qwen3_next": ("none", "mlp_only")}
+ROPE_TYPES = ("default", "mrope")  # "mrope" is the older name of default RoPE with an mrope_section
+VISION_HIDDEN_ACT = "gelu_pytorch_tanh"
 
 _SHIPPED = Path(__file__).parent / "configs"
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -28,8 +45,25 @@ _HBM_PER_RANK_GIB = {("trn2", 2): 24, ("trn2", 1): 12, ("trn1", 1): 16, ("trn1",
                      ("inf2", 2): 32}
 
 
+class ConfigError(UserError, ValueError):
+    """A config.json that qbuild cannot read: one line naming the file (`origin`) and the field.
+
+    `message` is the line without the file, so that the converter can re-raise it as its own CheckpointError.
+    """
+
+    def __init__(self, origin: str, field: str, message: str):
+        self.origin, self.field, self.message = origin, field, message
+        super().__init__(f"{origin}: {message}")
+
+
+def _tuple(value):
+    return tuple(_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 @dataclass(frozen=True)
 class VisionArch:
+    """The vision encoder's graph-shaping fields. All of them enter the vision graphs' compile keys."""
+
     depth: int
     hidden_size: int
     num_heads: int
@@ -39,11 +73,27 @@ class VisionArch:
     temporal_patch_size: int
     spatial_merge_size: int
     num_position_embeddings: int
+    in_channels: int = 3
+
+    @classmethod
+    def from_fingerprint(cls, fp: dict) -> "VisionArch":
+        """The VisionArch whose asdict() is `fp` (compile params' "vision", possibly read back from JSON)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in fp.items() if k in names})
+
+    def to_hf_config(self) -> dict:
+        """This encoder as a transformers-5 vision_config."""
+        return {**asdict(self), "hidden_act": VISION_HIDDEN_ACT}
 
 
 @dataclass(frozen=True)
 class Arch:
-    """The allow-listed fields of a model's config that shape its graphs and weights (never weight values)."""
+    """The allow-listed fields of a model's config that shape its graphs and weights (never weight values).
+
+    The fields after `mlp_only_layers` (HOST_FIELDS) are host-side facts (which token pads, where image features
+    go, the vision rotary base the host computes cos/sin with): they are kept for the converter and the runtime
+    but never enter the fingerprint, so they do not change compile keys.
+    """
 
     family: str
     vocab_size: int
@@ -63,6 +113,7 @@ class Arch:
     num_experts_per_tok: int | None
     moe_intermediate_size: int | None
     shared_intermediate_size: int | None
+    # Normalised: rope_type, rope_theta, partial_rotary_factor (+ mrope_section, mrope_interleaved), sorted.
     rope: tuple[tuple[str, object], ...]
     rms_norm_eps: float
     tie_word_embeddings: bool
@@ -71,10 +122,21 @@ class Arch:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # host-side (HOST_FIELDS): not in the fingerprint
+    pad_token_id: int | None = None
+    image_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_rope_theta: float = 10000.0
+
+    HOST_FIELDS = ("pad_token_id", "image_token_id", "vision_start_token_id", "vision_rope_theta")
 
     @property
     def is_moe(self) -> bool:
         return self.family in MOE_FAMILIES
+
+    @property
+    def text_model_type(self) -> str:
+        return TEXT_MODEL_TYPES[self.family]
 
     @property
     def num_attn_layers(self) -> int:
@@ -84,11 +146,72 @@ class Arch:
     def conv_dim(self) -> int:
         return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer` has a sparse MoE block (else a dense MLP), by HF's rule for each family."""
+        if not self.is_moe or layer in self.mlp_only_layers:
+            return False
+        return (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def moe_layers(self) -> frozenset[int]:
+        return frozenset(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def rope_params(self) -> dict:
+        return dict(self.rope)
+
     def fingerprint(self) -> dict:
-        """The JSON-able allow-list that enters compile keys."""
+        """The JSON-able allow-list that enters compile keys (every field but the host-side ones)."""
         d = asdict(self)
+        for name in self.HOST_FIELDS:
+            del d[name]
         d["rope"] = dict(self.rope)
         return d
+
+    @classmethod
+    def from_fingerprint(cls, fp: dict) -> "Arch":
+        """The Arch whose fingerprint() is `fp` (also after a JSON round trip; "vision" may be absent, as in
+        the text graphs' compile params). Host-side fields take their defaults."""
+        names = {f.name for f in fields(cls)} - set(cls.HOST_FIELDS)
+        d = {k: _tuple(v) for k, v in fp.items() if k in names and k not in ("rope", "vision")}
+        vision = fp.get("vision")
+        return cls(**d, rope=tuple(sorted((k, _tuple(v)) for k, v in fp["rope"].items())),
+                   vision=VisionArch.from_fingerprint(vision) if vision else None)
+
+    def to_hf_config(self) -> dict:
+        """A transformers-5 config.json of this architecture (what NxDI's config loader reads).
+
+        arch_from_config(arch.to_hf_config()) == arch for every fingerprint field.
+        """
+        text = {"model_type": self.text_model_type, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "num_hidden_layers": self.num_layers, "layer_types": list(self.layer_types),
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim, "linear_num_key_heads": self.num_k_heads,
+                "linear_num_value_heads": self.num_v_heads, "linear_key_head_dim": self.k_head_dim,
+                "linear_value_head_dim": self.v_head_dim, "linear_conv_kernel_dim": self.conv_kernel,
+                "rms_norm_eps": self.rms_norm_eps,
+                "rope_parameters": {k: list(v) if isinstance(v, tuple) else v for k, v in self.rope},
+                "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu"}
+        if self.intermediate_size is not None:
+            text["intermediate_size"] = self.intermediate_size
+        if self.is_moe:
+            text.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                        moe_intermediate_size=self.moe_intermediate_size,
+                        shared_expert_intermediate_size=self.shared_intermediate_size,
+                        norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                        mlp_only_layers=list(self.mlp_only_layers))
+        if self.pad_token_id is not None:
+            text["pad_token_id"] = self.pad_token_id
+        if self.family == "qwen3_next":
+            return text
+        config = {"model_type": self.family, "text_config": text, "tie_word_embeddings": self.tie_word_embeddings}
+        if self.vision is not None:
+            config["vision_config"] = {**self.vision.to_hf_config(),
+                                       "rope_parameters": {"rope_type": "axial", "rope_theta": self.vision_rope_theta}}
+        for key in ("image_token_id", "vision_start_token_id"):
+            if getattr(self, key) is not None:
+                config[key] = getattr(self, key)
+        return config
 
     def param_counts(self) -> tuple[int, int]:
         """(parameters outside routed experts, parameters of routed experts) of the text model."""
@@ -107,54 +230,185 @@ class Arch:
         return dense, experts * self.num_layers
 
 
-def _family(config: dict, origin: str) -> str:
-    mt = config.get("model_type")
-    if mt not in FAMILIES:
-        raise UserError(f"{origin}: model_type: unsupported {mt!r}; qbuild builds {', '.join(FAMILIES)}")
-    return mt
+# --- reading config.json -------------------------------------------------------------------------------------
+
+_REQUIRED = object()
+
+
+class _Section:
+    """Typed reads of one config section; errors name the file, the field (with its section) and the model_type.
+
+    A field set to null counts as absent (HF writes null for unset optional fields)."""
+
+    def __init__(self, section: dict, origin: str, where: str, model_type: str):
+        self.section, self.origin, self.where, self.model_type = section, origin, where, model_type
+
+    def fail(self, key: str, what: str) -> ConfigError:
+        return ConfigError(self.origin, self.where + key, f"{self.where}{key} {what}")
+
+    def raw(self, key: str, default=_REQUIRED):
+        value = self.section.get(key)
+        if value is None:
+            if default is _REQUIRED:
+                raise self.fail(key, f"is missing (model_type {self.model_type} needs it)")
+            return default
+        return value
+
+    def int(self, key: str, default=_REQUIRED) -> int:
+        value = self.raw(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self.fail(key, f"must be a non-negative integer, got {value!r}")
+        return value
+
+    def float(self, key: str, default=_REQUIRED, value=None) -> float:
+        value = self.raw(key, default) if value is None else value
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise self.fail(key, f"must be a number, got {value!r}")
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, got {value!r}")
+        return value
+
+    def ints(self, key: str) -> tuple[int, ...]:
+        value = self.raw(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            raise self.fail(key, f"must be a list of integers, got {value!r}")
+        return tuple(value)
+
+    def object(self, key: str) -> dict | None:
+        value = self.section.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self.fail(key, f"must be an object, got {value!r}")
+        return value
+
+    def optional_id(self, key: str, fallback: dict | None = None) -> int | None:
+        value = self.section[key] if key in self.section else (fallback or {}).get(key)
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _layer_types(f: _Section, num_layers: int) -> tuple[str, ...]:
+    types = f.raw("layer_types", None)
+    if types is None:  # the older form (and HF's default): every `full_attention_interval`-th layer is full
+        interval = f.int("full_attention_interval", 4)
+        if interval == 0:
+            raise f.fail("full_attention_interval", "must be a positive integer, got 0")
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if (not isinstance(types, list) or len(types) != num_layers
+            or not all(t in ("full_attention", "linear_attention") for t in types)):
+        raise f.fail("layer_types", f"must list full_attention / linear_attention for each of the {num_layers} "
+                                    "layers")
+    return tuple(types)
+
+
+def _rope(f: _Section) -> tuple[tuple[str, object], ...]:
+    """The normalised rope of either form: rope_parameters (transformers 5), else rope_scaling plus top-level
+    rope_theta / partial_rotary_factor; a key in rope_parameters wins over the same key elsewhere."""
+    params: dict = {}
+    for key in ("rope_scaling", "rope_parameters"):
+        params.update(f.object(key) or {})
+    source = "rope_parameters" if f.section.get("rope_parameters") else "rope_scaling"
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f.origin, f"{f.where}{source}.rope_type", f"{f.where}{source}: rope_type {rope_type!r} "
+                                                                    f"is not supported (only {' / '.join(ROPE_TYPES)})")
+    def number(key: str, default: float) -> float:  # from the rope dict where it has the key, else top level
+        return f.float(f"{source}.{key}" if key in params else key, default, value=params.get(key))
+
+    theta, partial = number("rope_theta", 10000.0), number("partial_rotary_factor", 1.0)
+    rope: dict = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
+    section = params.get("mrope_section")
+    if section:
+        if not isinstance(section, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in section):
+            raise f.fail(f"{source}.mrope_section", f"must be a list of integers, got {section!r}")
+        rope.update(mrope_section=tuple(section), mrope_interleaved=bool(params.get("mrope_interleaved", False)))
+    return tuple(sorted(rope.items()))
+
+
+def _model_type(config: dict, origin: str) -> tuple[str, str, bool]:
+    """(model_type, family, whether it is a VL wrapper) of a config."""
+    if not isinstance(config, dict):
+        raise ConfigError(origin, "", "is not a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(origin, "model_type", f"model_type {model_type!r} is not supported; qbuild builds "
+                                                f"{', '.join(MODEL_TYPES)}")
+    return (model_type, *MODEL_TYPES[model_type])
+
+
+def vision_from_config(config: dict, origin: str = "config.json") -> tuple[VisionArch, dict] | None:
+    """The vision encoder of a VL wrapper (None where the config has no vision_config), and its host-side facts
+    {"vision_rope_theta", "image_token_id", "vision_start_token_id"} (ids None where absent).
+
+    Reads model_type and vision_config only, so that a vision graph's config needs no text_config.
+    """
+    model_type, _, wrapped = _model_type(config, origin)
+    top = _Section(config, origin, "", model_type)
+    section = top.object("vision_config") if wrapped else None
+    if section is None:
+        return None
+    f = _Section(section, origin, "vision_config.", model_type)
+    act = f.raw("hidden_act", VISION_HIDDEN_ACT)
+    if act != VISION_HIDDEN_ACT:
+        raise f.fail("hidden_act", f"{act!r} is not supported (expected {VISION_HIDDEN_ACT})")
+    vision = VisionArch(
+        depth=f.int("depth"), hidden_size=f.int("hidden_size"), num_heads=f.int("num_heads"),
+        intermediate_size=f.int("intermediate_size"), out_hidden_size=f.int("out_hidden_size"),
+        patch_size=f.int("patch_size", 16), temporal_patch_size=f.int("temporal_patch_size", 2),
+        spatial_merge_size=f.int("spatial_merge_size", 2),
+        num_position_embeddings=f.int("num_position_embeddings", 2304), in_channels=f.int("in_channels", 3))
+    rope = f.object("rope_parameters") or {}
+    return vision, {"vision_rope_theta": f.float("rope_parameters.rope_theta", 10000.0, value=rope.get("rope_theta")),
+                    "image_token_id": top.optional_id("image_token_id"),
+                    "vision_start_token_id": top.optional_id("vision_start_token_id")}
 
 
 def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
-    """Normalise a HF config (the VL wrapper or a text-only one) into an Arch. `origin` names it in errors."""
-    family = _family(config, origin)
-    text = config.get("text_config", config) if family != "qwen3_next" else config
-    try:
-        n = text["num_hidden_layers"]
-        layer_types = tuple(text.get("layer_types") or
-                            ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)])
-        rope = text.get("rope_parameters") or {"rope_theta": text.get("rope_theta", 10000.0),
-                                               "partial_rotary_factor": text.get("partial_rotary_factor", 1.0)}
-        vc = config.get("vision_config") if family != "qwen3_next" else None
-        vision = None if not vc else VisionArch(
-            depth=vc["depth"], hidden_size=vc["hidden_size"], num_heads=vc["num_heads"],
-            intermediate_size=vc["intermediate_size"], out_hidden_size=vc["out_hidden_size"],
-            patch_size=vc.get("patch_size", 16), temporal_patch_size=vc.get("temporal_patch_size", 2),
-            spatial_merge_size=vc.get("spatial_merge_size", 2),
-            num_position_embeddings=vc.get("num_position_embeddings", 2304))
-        moe = family in MOE_FAMILIES
-        return Arch(
-            family=family, vocab_size=text["vocab_size"], hidden_size=text["hidden_size"], num_layers=n,
-            layer_types=layer_types, num_heads=text["num_attention_heads"],
-            num_kv_heads=text["num_key_value_heads"], head_dim=text["head_dim"],
-            # An MoE model's dense MLP size matters only where it has dense layers.
-            intermediate_size=text["intermediate_size"] if not moe or text.get("mlp_only_layers")
-            or (text.get("decoder_sparse_step") or 1) > 1 else None,
-            num_k_heads=text["linear_num_key_heads"], num_v_heads=text["linear_num_value_heads"],
-            k_head_dim=text["linear_key_head_dim"], v_head_dim=text["linear_value_head_dim"],
-            conv_kernel=text.get("linear_conv_kernel_dim", 4),
-            num_experts=text["num_experts"] if moe else None,
-            num_experts_per_tok=text["num_experts_per_tok"] if moe else None,
-            moe_intermediate_size=text["moe_intermediate_size"] if moe else None,
-            shared_intermediate_size=text["shared_expert_intermediate_size"] if moe else None,
-            rope=tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rope.items())),
-            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-            vision=vision,
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)) if family == "qwen3_next" else True,
-            decoder_sparse_step=(text.get("decoder_sparse_step") or 1) if moe else 1,
-            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()) if moe else ())
-    except KeyError as e:
-        raise UserError(f"{origin}: missing field {e.args[0]!r} for model_type {family}") from None
+    """Normalise a HF config (a VL wrapper or a text-only one, either config form) into an Arch.
+
+    `origin` names the file in errors: a ConfigError (a UserError) of one line naming it and the field.
+    """
+    model_type, family, wrapped = _model_type(config, origin)
+    top = _Section(config, origin, "", model_type)
+    if wrapped:
+        text = config.get("text_config")
+        if not isinstance(text, dict):
+            raise top.fail("text_config", "is missing or not an object")
+        f = _Section(text, origin, "text_config.", model_type)
+    else:
+        text, f = config, top
+    moe = family in MOE_FAMILIES
+    n = f.int("num_hidden_layers")
+    layer_types = _layer_types(f, n)
+    heads, hidden = f.int("num_attention_heads"), f.int("hidden_size")
+    # Only Qwen3-Next's config places dense layers; transformers' Qwen3.5-MoE has no such fields (all MoE).
+    sparse_fields = family == "qwen3_next"
+    step = (f.int("decoder_sparse_step", 1) or 1) if sparse_fields else 1
+    mlp_only = f.ints("mlp_only_layers") if sparse_fields else ()
+    has_dense = not moe or any(i in mlp_only or (i + 1) % step for i in range(n))
+    vision, host = vision_from_config(config, origin) or (None, {})
+    tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    return Arch(
+        family=family, vocab_size=f.int("vocab_size"), hidden_size=hidden, num_layers=n, layer_types=layer_types,
+        num_heads=heads, num_kv_heads=f.int("num_key_value_heads"),
+        head_dim=f.int("head_dim", hidden // heads if heads else 0),
+        # An MoE model's dense MLP size matters only where it has dense layers.
+        intermediate_size=f.int("intermediate_size") if has_dense else None,
+        num_k_heads=f.int("linear_num_key_heads"), num_v_heads=f.int("linear_num_value_heads"),
+        k_head_dim=f.int("linear_key_head_dim"), v_head_dim=f.int("linear_value_head_dim"),
+        conv_kernel=f.int("linear_conv_kernel_dim", 4),
+        num_experts=f.int("num_experts") if moe else None,
+        num_experts_per_tok=f.int("num_experts_per_tok") if moe else None,
+        moe_intermediate_size=f.int("moe_intermediate_size") if moe else None,
+        shared_intermediate_size=f.int("shared_expert_intermediate_size") if moe else None,
+        rope=_rope(f), rms_norm_eps=f.float("rms_norm_eps", 1e-6), tie_word_embeddings=bool(tie),
+        vision=vision,
+        # qwen3_5_moe always renormalises the top-k weights; qwen3_next only if norm_topk_prob.
+        norm_topk_prob=f.bool("norm_topk_prob", True) if family == "qwen3_next" else True,
+        decoder_sparse_step=step, mlp_only_layers=mlp_only,
+        pad_token_id=f.optional_id("pad_token_id", config), **host)
 
 
 def shipped_config_path(repo: str) -> Path:

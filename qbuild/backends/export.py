@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import hf_config
+from . import text_arch, vision_arch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,7 +47,7 @@ def text_model(params: dict, max_seq_len: int):
     """The reference text model of the architecture in compile params, at this graph's KV length."""
     from ..modeling import TextConfig, TextModel
 
-    cfg = TextConfig.from_hf(hf_config(params))
+    cfg = TextConfig.from_arch(text_arch(params))
     return TextModel(cfg, tp=params["tp"], ep=params["ep"], dtype=DTYPES[params["dtype"]], max_seq_len=max_seq_len)
 
 
@@ -91,7 +91,7 @@ def export_vision(params: dict) -> Traced:
     from ..modeling.vision import VisionConfig, VisionEncoder, vision_example_inputs
 
     start = time.monotonic()
-    cfg = VisionConfig.from_hf(hf_config(params))
+    cfg = VisionConfig.from_vision(vision_arch(params))
     encoder = VisionEncoder(cfg, dtype=DTYPES[params["dtype"]]).eval()
     weights = dict(encoder.state_dict())
     args = vision_example_inputs(cfg, params["bucket"], DTYPES[params["dtype"]])

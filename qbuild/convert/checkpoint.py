@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from qbuild.convert.dims import TextDims, VisionDims, text_dims, vision_dims
+from qbuild.convert.dims import TextDims, VisionDims, arch_of, dims_from_arch
 from qbuild.convert.errors import CheckpointError
 from qbuild.convert.families import Family, family_of
 from qbuild.convert.layout import Program, program
@@ -142,8 +142,7 @@ def validate(found: Mapping[str, TensorInfo], prog: Program, family: Family, mis
 
 def dims_of(config: dict, label: str = "config.json") -> tuple[Family, TextDims, VisionDims | None]:
     family = family_of(config, label)
-    text = text_dims(config, family, label)
-    vision = vision_dims(config, label) if family.vision_prefix else None
+    text, vision = dims_from_arch(arch_of(config, label), family, label)
     return family, text, vision
 
 

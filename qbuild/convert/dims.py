@@ -1,4 +1,6 @@
-"""Model dimensions read from an HF config.json: everything the layout rules need, and nothing else.
+"""Model dimensions of an HF config.json: everything the layout rules need, and nothing else.
+
+A view of qbuild.arch.Arch (the one reader of config.json); its errors become the converter's CheckpointError.
 
 Legend (as in nxdi-layout.md): H hidden, D head_dim, nH / nKV attention / kv heads, Hk / Hv DeltaNet key / value
 heads, dk / dv their head dims, E experts, I expert intermediate, Is shared-expert intermediate.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qbuild.arch import Arch, ConfigError, VisionArch, arch_from_config
 from qbuild.convert.errors import CheckpointError
 from qbuild.convert.families import Family
 
@@ -33,6 +36,16 @@ class TextDims:
     moe_layers: frozenset[int]
     tie_word_embeddings: bool
     pad_token_id: int | None
+
+    @classmethod
+    def from_arch(cls, a: Arch) -> "TextDims":
+        return cls(
+            hidden=a.hidden_size, num_layers=a.num_layers, layer_types=a.layer_types, num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, num_k_heads=a.num_k_heads, num_v_heads=a.num_v_heads,
+            k_head_dim=a.k_head_dim, v_head_dim=a.v_head_dim, conv_kernel=a.conv_kernel, vocab=a.vocab_size,
+            intermediate=a.intermediate_size, num_experts=a.num_experts or 0,
+            moe_intermediate=a.moe_intermediate_size or 0, shared_intermediate=a.shared_intermediate_size or 0,
+            moe_layers=a.moe_layers, tie_word_embeddings=a.tie_word_embeddings, pad_token_id=a.pad_token_id)
 
     @property
     def key_dim(self) -> int:
@@ -73,85 +86,38 @@ class VisionDims:
     patch: int
     merge: int
 
+    @classmethod
+    def from_arch(cls, v: VisionArch) -> "VisionDims":
+        return cls(depth=v.depth, hidden=v.hidden_size, intermediate=v.intermediate_size, out_hidden=v.out_hidden_size,
+                   num_positions=v.num_position_embeddings, in_channels=v.in_channels,
+                   temporal_patch=v.temporal_patch_size, patch=v.patch_size, merge=v.spatial_merge_size)
+
     @property
     def merged_hidden(self) -> int:
         return self.hidden * self.merge ** 2
 
 
-class _Fields:
-    """Typed reads of one config section, failing with the file and field named."""
-
-    def __init__(self, section: dict, where: str, label: str):
-        self.section, self.where, self.label = section, where, label
-
-    def int(self, key: str, default: int | None = None) -> int:
-        value = self.section.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CheckpointError(self.label, f"{self.where}{key} must be a non-negative integer, got {value!r}")
-        return value
-
-    def get(self, key: str, default=None):
-        return self.section.get(key, default)
+def arch_of(config: dict, label: str = "config.json") -> Arch:
+    """arch_from_config, failing with the converter's CheckpointError naming `label` and the field."""
+    try:
+        return arch_from_config(config, label)
+    except ConfigError as e:
+        raise CheckpointError(label, e.message) from None
 
 
-def text_section(config: dict, family: Family, label: str = "config.json") -> dict:
-    if family.text_config_key is None:
-        return config
-    section = config.get(family.text_config_key)
-    if not isinstance(section, dict):
-        raise CheckpointError(label, f"{family.text_config_key} is missing or not an object")
-    return section
+def dims_from_arch(arch: Arch, family: Family, label: str = "config.json") -> tuple[TextDims, VisionDims | None]:
+    """The text dims, and the vision dims where the family keeps a vision encoder."""
+    if family.vision_prefix and arch.vision is None:
+        raise CheckpointError(label, "vision_config is missing or not an object")
+    return TextDims.from_arch(arch), VisionDims.from_arch(arch.vision) if family.vision_prefix else None
 
 
 def text_dims(config: dict, family: Family, label: str = "config.json") -> TextDims:
-    section = text_section(config, family, label)
-    where = f"{family.text_config_key}." if family.text_config_key else ""
-    f = _Fields(section, where, label)
-    num_layers = f.int("num_hidden_layers")
-    layer_types = f.get("layer_types")
-    if layer_types is None:  # HF's default pattern: every 4th layer is full attention
-        interval = f.int("full_attention_interval", 4)
-        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if (not isinstance(layer_types, list) or len(layer_types) != num_layers
-            or not set(layer_types) <= {"full_attention", "linear_attention"}):
-        raise CheckpointError(label, f"{where}layer_types must list full_attention / linear_attention "
-                                     f"for each of the {num_layers} layers")
-    num_heads = f.int("num_attention_heads")
-    hidden = f.int("hidden_size")
-    moe_layers: frozenset[int] = frozenset()
-    if family.moe and family.sparse_step_fields:
-        step = f.int("decoder_sparse_step", 1) or 1
-        dense = set(f.get("mlp_only_layers") or [])
-        moe_layers = frozenset(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    elif family.moe:
-        moe_layers = frozenset(range(num_layers))
-    needs_dense = len(moe_layers) < num_layers
-    tie = config.get("tie_word_embeddings", section.get("tie_word_embeddings", False))
-    pad = section.get("pad_token_id", config.get("pad_token_id"))
-    return TextDims(
-        hidden=hidden, num_layers=num_layers, layer_types=tuple(layer_types),
-        num_heads=num_heads, num_kv_heads=f.int("num_key_value_heads"),
-        head_dim=f.int("head_dim", hidden // max(num_heads, 1)),
-        num_k_heads=f.int("linear_num_key_heads"), num_v_heads=f.int("linear_num_value_heads"),
-        k_head_dim=f.int("linear_key_head_dim"), v_head_dim=f.int("linear_value_head_dim"),
-        conv_kernel=f.int("linear_conv_kernel_dim"), vocab=f.int("vocab_size"),
-        intermediate=f.int("intermediate_size") if needs_dense else None,
-        num_experts=f.int("num_experts") if family.moe else 0,
-        moe_intermediate=f.int("moe_intermediate_size") if family.moe else 0,
-        shared_intermediate=f.int("shared_expert_intermediate_size") if family.moe else 0,
-        moe_layers=moe_layers, tie_word_embeddings=bool(tie),
-        pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None,
-    )
+    return TextDims.from_arch(arch_of(config, label))
 
 
 def vision_dims(config: dict, label: str = "config.json") -> VisionDims:
-    section = config.get("vision_config")
-    if not isinstance(section, dict):
+    arch = arch_of(config, label)
+    if arch.vision is None:
         raise CheckpointError(label, "vision_config is missing or not an object")
-    f = _Fields(section, "vision_config.", label)
-    return VisionDims(
-        depth=f.int("depth"), hidden=f.int("hidden_size"), intermediate=f.int("intermediate_size"),
-        out_hidden=f.int("out_hidden_size"), num_positions=f.int("num_position_embeddings"),
-        in_channels=f.int("in_channels", 3), temporal_patch=f.int("temporal_patch_size", 2),
-        patch=f.int("patch_size", 16), merge=f.int("spatial_merge_size", 2),
-    )
+    return VisionDims.from_arch(arch.vision)

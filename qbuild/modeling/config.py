@@ -1,8 +1,8 @@
-"""The architecture the reference model needs, read from an HF config.json (dict).
+"""The architecture the reference model needs: views of qbuild.arch.Arch, the one reader of config.json.
 
-Handles the VL wrappers (qwen3_5, qwen3_5_moe: the text model under `text_config`, the vision encoder under
-`vision_config`) and text-only qwen3_next, in both the transformers-5 form (`rope_parameters`) and the older
-form (top-level `rope_theta` / `partial_rotary_factor`, `rope_scaling`, `full_attention_interval`).
+`TextConfig.from_hf` / `VisionConfig.from_hf` take an HF config.json dict in any form qbuild.arch reads (the VL
+wrappers, the text-only configs, transformers-5 or older rope fields); the compile path builds them from the
+fingerprint in compile params with `from_arch` (`Arch.from_fingerprint`), without an HF config in between.
 """
 
 from __future__ import annotations
@@ -10,42 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from qbuild.arch import Arch, ConfigError, VisionArch, arch_from_config, vision_from_config
+
 LayerType = Literal["linear_attention", "full_attention"]
-TEXT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
-
-
-def _text_section(config: dict[str, Any]) -> dict[str, Any]:
-    if config.get("model_type") in VL_MODEL_TYPES:
-        if "text_config" not in config:
-            raise ValueError(f"config of model_type {config['model_type']!r} has no text_config")
-        return config["text_config"]
-    return config
-
-
-def _rope(text: dict[str, Any]) -> tuple[float, float, tuple[int, ...] | None, bool]:
-    """(theta, partial rotary factor, mrope section or None, interleaved) from either config form."""
-    params = dict(text.get("rope_scaling") or {})
-    params.update(text.get("rope_parameters") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only default / mrope)")
-    theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
-    partial = float(params.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0)))
-    section = params.get("mrope_section")
-    return theta, partial, tuple(section) if section else None, bool(params.get("mrope_interleaved", False))
-
-
-def _layer_types(text: dict[str, Any]) -> tuple[LayerType, ...]:
-    num_layers = text["num_hidden_layers"]
-    if text.get("layer_types"):
-        types = tuple(text["layer_types"])
-    else:  # older Qwen3-Next configs: every `full_attention_interval`-th layer is full attention
-        interval = text.get("full_attention_interval", 4)
-        types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
-    if len(types) != num_layers or set(types) - {"linear_attention", "full_attention"}:
-        raise ValueError(f"layer_types {types!r} do not describe {num_layers} linear/full attention layers")
-    return types  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -84,32 +51,27 @@ class TextConfig:
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> "TextConfig":
+    def from_hf(cls, config: dict[str, Any], origin: str = "config.json") -> "TextConfig":
         """From an HF config.json dict: a VL wrapper (its text_config is used) or a text config."""
-        text = _text_section(config)
-        model_type = text.get("model_type", "")
-        if model_type not in TEXT_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported (expected one of {TEXT_MODEL_TYPES})")
-        theta, partial, section, interleaved = _rope(text)
-        moe = text.get("num_experts", 0) if model_type != "qwen3_5_text" else 0
+        return cls.from_arch(arch_from_config(config, origin))
+
+    @classmethod
+    def from_arch(cls, a: Arch) -> "TextConfig":
+        rope = a.rope_params
+        moe = a.is_moe
         return cls(
-            model_type=model_type, vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
-            num_layers=text["num_hidden_layers"], layer_types=_layer_types(text), rms_norm_eps=text["rms_norm_eps"],
-            num_attention_heads=text["num_attention_heads"], num_kv_heads=text["num_key_value_heads"],
-            head_dim=text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"],
-            rope_theta=theta, partial_rotary_factor=partial, mrope_section=section, mrope_interleaved=interleaved,
-            num_linear_key_heads=text["linear_num_key_heads"], num_linear_value_heads=text["linear_num_value_heads"],
-            linear_key_head_dim=text["linear_key_head_dim"], linear_value_head_dim=text["linear_value_head_dim"],
-            linear_conv_kernel_dim=text["linear_conv_kernel_dim"],
-            intermediate_size=text.get("intermediate_size", 0),
-            num_experts=moe, num_experts_per_tok=text.get("num_experts_per_tok", 0) if moe else 0,
-            moe_intermediate_size=text.get("moe_intermediate_size", 0) if moe else 0,
-            shared_expert_intermediate_size=text.get("shared_expert_intermediate_size", 0) if moe else 0,
-            # qwen3_5_moe always renormalises the top-k weights; qwen3_next only if norm_topk_prob.
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)) if model_type == "qwen3_next" else True,
-            decoder_sparse_step=text.get("decoder_sparse_step", 1) or 1,
-            mlp_only_layers=tuple(text.get("mlp_only_layers") or ()),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            model_type=a.text_model_type, vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_layers=a.num_layers,
+            layer_types=a.layer_types, rms_norm_eps=a.rms_norm_eps, num_attention_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, rope_theta=rope["rope_theta"],
+            partial_rotary_factor=rope["partial_rotary_factor"], mrope_section=rope.get("mrope_section"),
+            mrope_interleaved=bool(rope.get("mrope_interleaved", False)), num_linear_key_heads=a.num_k_heads,
+            num_linear_value_heads=a.num_v_heads, linear_key_head_dim=a.k_head_dim, linear_value_head_dim=a.v_head_dim,
+            linear_conv_kernel_dim=a.conv_kernel, intermediate_size=a.intermediate_size or 0,
+            num_experts=a.num_experts if moe else 0, num_experts_per_tok=a.num_experts_per_tok if moe else 0,
+            moe_intermediate_size=a.moe_intermediate_size if moe else 0,
+            shared_expert_intermediate_size=a.shared_intermediate_size if moe else 0,
+            norm_topk_prob=a.norm_topk_prob, decoder_sparse_step=a.decoder_sparse_step,
+            mlp_only_layers=a.mlp_only_layers, tie_word_embeddings=a.tie_word_embeddings,
         )
 
     def is_full_attention(self, layer: int) -> bool:
@@ -157,21 +119,39 @@ class VisionConfig:
     vision_start_token_id: int
 
     @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> "VisionConfig":
-        if config.get("model_type") not in VL_MODEL_TYPES or "vision_config" not in config:
-            raise ValueError(f"model_type {config.get('model_type')!r} has no vision encoder")
-        v = config["vision_config"]
-        act = v.get("hidden_act", "gelu_pytorch_tanh")
-        if act != "gelu_pytorch_tanh":
-            raise ValueError(f"vision hidden_act {act!r} is not supported (expected gelu_pytorch_tanh)")
+    def from_hf(cls, config: dict[str, Any], origin: str = "config.json") -> "VisionConfig":
+        """From an HF config.json dict of a VL wrapper (its vision_config and image token ids)."""
+        read = vision_from_config(config, origin)
+        if read is None:
+            raise ConfigError(origin, "vision_config", f"model_type {config.get('model_type')!r} has no vision "
+                                                       "encoder (no vision_config)")
+        vision, host = read
+        for key in ("image_token_id", "vision_start_token_id"):
+            if host[key] is None:
+                raise ConfigError(origin, key, f"{key} is missing (the vision encoder needs it)")
+        return cls.from_vision(vision, rope_theta=host["vision_rope_theta"], image_token_id=host["image_token_id"],
+                               vision_start_token_id=host["vision_start_token_id"])
+
+    @classmethod
+    def from_arch(cls, arch: Arch) -> "VisionConfig":
+        """From an Arch with a vision encoder (image token ids -1 where the Arch has none)."""
+        if arch.vision is None:
+            raise ValueError(f"{arch.family} architecture has no vision encoder")
+        return cls.from_vision(arch.vision, rope_theta=arch.vision_rope_theta,
+                               image_token_id=-1 if arch.image_token_id is None else arch.image_token_id,
+                               vision_start_token_id=-1 if arch.vision_start_token_id is None
+                               else arch.vision_start_token_id)
+
+    @classmethod
+    def from_vision(cls, v: VisionArch, rope_theta: float = 10000.0, image_token_id: int = -1,
+                    vision_start_token_id: int = -1) -> "VisionConfig":
+        """From the vision graph's fingerprint alone: the host-side facts (token ids, rotary base) are defaults."""
         return cls(
-            depth=v["depth"], hidden_size=v["hidden_size"], num_heads=v["num_heads"],
-            intermediate_size=v["intermediate_size"], out_hidden_size=v["out_hidden_size"],
-            in_channels=v.get("in_channels", 3), patch_size=v["patch_size"],
-            temporal_patch_size=v["temporal_patch_size"], spatial_merge_size=v["spatial_merge_size"],
-            num_position_embeddings=v["num_position_embeddings"],
-            rope_theta=float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            image_token_id=config["image_token_id"], vision_start_token_id=config["vision_start_token_id"],
+            depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads, intermediate_size=v.intermediate_size,
+            out_hidden_size=v.out_hidden_size, in_channels=v.in_channels, patch_size=v.patch_size,
+            temporal_patch_size=v.temporal_patch_size, spatial_merge_size=v.spatial_merge_size,
+            num_position_embeddings=v.num_position_embeddings, rope_theta=rope_theta,
+            image_token_id=image_token_id, vision_start_token_id=vision_start_token_id,
         )
 
     @property
