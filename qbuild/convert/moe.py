@@ -41,19 +41,17 @@ def copy_transposed(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst
 
 
-def _transposed(w: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(*w.shape[:-2], w.shape[-1], w.shape[-2], dtype=w.dtype, device=w.device)
-    return copy_transposed(out, w)
-
-
 def gate_up_from_fused(w: torch.Tensor) -> tuple[torch.Tensor]:
-    """Fused HF gate_up_proj (E, 2I, H), rows [gate | up] -> (E, H, 2I) with columns [gate^T | up^T]."""
-    return (_transposed(w),)
+    """Fused HF gate_up_proj (E, 2I, H), rows [gate | up] -> (E, H, 2I) with columns [gate^T | up^T].
+
+    A transposed view, not a copy: the writer lays it out a few experts at a time (safetensors_io.write_at), so
+    the output is never materialised whole."""
+    return (w.transpose(-1, -2),)
 
 
 def down_from_fused(w: torch.Tensor) -> tuple[torch.Tensor]:
-    """Fused HF down_proj (E, H, I) -> (E, I, H)."""
-    return (_transposed(w),)
+    """Fused HF down_proj (E, H, I) -> (E, I, H), as a transposed view (see gate_up_from_fused)."""
+    return (w.transpose(-1, -2),)
 
 
 def gate_up_from_experts(*gate_up: torch.Tensor) -> tuple[torch.Tensor]:
