@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from ..actions import RunContext
 from ..source import locate, read_snapshot
 
@@ -11,7 +13,9 @@ def run(ctx: RunContext) -> None:
 
     files = locate(read_snapshot(ctx.inputs["snapshot"]), ctx.context)
     src = next(iter(files.values())).parent
-    info = convert_checkpoint(src, ctx.out, files=files, dtype=ctx.params["dtype"], fp8=ctx.params["fp8"])
+    # two threads: one step's expert transposes overlap another's kernel copies; each holds one step's inputs
+    info = convert_checkpoint(src, ctx.out, files=files, dtype=ctx.params["dtype"], fp8=ctx.params["fp8"],
+                              workers=min(2, os.cpu_count() or 1))
     if info.get("family") != ctx.params["family"]:
         raise ValueError(f"checkpoint family {info.get('family')} differs from the planned {ctx.params['family']}")
     ctx.log(f"converted {info.get('tensors', '?')} tensors")

@@ -127,8 +127,10 @@ def _write_converted(tmp: Path, ck, sources: SourceFiles, text_plan, vision_plan
         for n, t in outs.items():
             vision_out.write(n, t, mapped)
 
-    tasks = [task(s, fp8, text_out.write) for s in ck.program.text]
-    tasks += [task(s, "none", write_vision) for s in ck.program.vision]
+    steps = [(s, fp8, text_out.write) for s in ck.program.text] + [(s, "none", write_vision) for s in ck.program.vision]
+    if workers > 1:  # biggest first, so the threads finish together instead of one running a last big step alone
+        steps.sort(key=lambda job: -sum(ck.tensors[n].entry.nbytes for n in job[0].sources))
+    tasks = [task(*job) for job in steps]
     try:
         run_all(tasks, workers)
     except BaseException:
