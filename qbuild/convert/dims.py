@@ -113,6 +113,7 @@ def dims_from_arch(arch: Arch, family: Family, label: str = "config.json") -> tu
 
 
 def text_dims(config: dict, family: Family, label: str = "config.json") -> TextDims:
+    """The text dims of a config (`family` is implied by its model_type; kept for callers)."""
     return TextDims.from_arch(arch_of(config, label))
 
 
