@@ -112,16 +112,21 @@ def synthesize(src: Path, layers: int) -> tuple[int, int]:
     return total, largest
 
 
+# RSS from /proc/self/status: VmHWM belongs to this process's own address space, whereas ru_maxrss survives exec and
+# starts at the (large, torch-synthesising) parent's RSS, which hid the converter's peak entirely.
 CHILD = textwrap.dedent("""
-    import json, resource, sys, time
+    import json, sys, time
     from pathlib import Path
     from qbuild.convert import convert_checkpoint
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+    base = status("VmRSS")
     t0 = time.perf_counter()
     report = convert_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]), workers=int(sys.argv[3]))
     t1 = time.perf_counter()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"seconds": t1 - t0, "base_rss": base * 1024, "peak_rss": peak * 1024, "bytes": report["bytes"]}))
+    peak = status("VmHWM")
+    print(json.dumps({"seconds": t1 - t0, "base_rss": base, "peak_rss": peak, "bytes": report["bytes"]}))
 """)
 
 
