@@ -227,7 +227,7 @@ class LocalStore:
                     if repair:
                         shutil.rmtree(d, ignore_errors=True)
             except TimeoutError:
-                pass  # a live build owns it
+                continue  # a live build owns it
         return problems
 
 
