@@ -98,12 +98,22 @@ def result_json(plan: Plan, result: BuildResult) -> dict:
                         for name, pr in sorted(plan.recipes.items())}}
 
 
+class _Rerendered:
+    """A renderable rebuilt at every refresh, so elapsed times tick between events."""
+
+    def __init__(self, build):
+        self._build = build
+
+    def __rich__(self):
+        return self._build()
+
+
 class BuildProgress:
     """Live progress on a TTY (a spinner per running step); one plain line per event elsewhere."""
 
     def __init__(self):
         self.tty = sys.stderr.isatty()
-        self.running: dict[str, float] = {}
+        self.running: dict[str, tuple[float, object]] = {}   # name -> (start time, its spinner)
         self._live = None
         self.started = time.monotonic()
 
@@ -111,7 +121,8 @@ class BuildProgress:
         if self.tty:
             from rich.live import Live
 
-            self._live = Live(self._render(), console=console_err(), refresh_per_second=8, transient=True)
+            self._live = Live(_Rerendered(self._render), console=console_err(), refresh_per_second=8,
+                              transient=True)
             self._live.__enter__()
         return self
 
@@ -120,19 +131,21 @@ class BuildProgress:
             self._live.__exit__(*exc)
 
     def _render(self):
-        from rich.spinner import Spinner
         from rich.table import Table
+        from rich.text import Text
 
         table = Table.grid(padding=(0, 1))
         now = time.monotonic()
-        for name, started in self.running.items():
-            table.add_row(Spinner("dots"), name, f"[dim]{now - started:.0f}s[/]")
+        for name, (started, spinner) in self.running.items():
+            table.add_row(spinner, Text(name), Text(f"{now - started:.0f}s", style="dim"))
         return table
 
     def on_event(self, e: Event) -> None:
         name = e.node.name
         if e.kind == "start":
-            self.running[name] = time.monotonic()
+            from rich.spinner import Spinner
+
+            self.running[name] = (time.monotonic(), Spinner("dots"))
         else:
             self.running.pop(name, None)
         line = {"start": f"start  {name}", "built": f"built  {name} ({e.seconds:.1f}s)",
@@ -143,7 +156,7 @@ class BuildProgress:
         if line:
             console_err().print(line, markup=False, highlight=False, soft_wrap=True)
         if self._live is not None:
-            self._live.update(self._render())
+            self._live.refresh()
 
     def summary(self, plan: Plan, result: BuildResult) -> None:
         took = time.monotonic() - self.started
