@@ -331,15 +331,21 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
 
 
 @recipe_app.command("validate")
-def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")) -> None:
+def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files"), json_: bool = JsonOpt) -> None:
     """Validate recipes against the schema and against their model's architecture."""
     from .arch import load_arch, validate
     from .recipe import load_recipe
 
+    valid = []
     for f in files:
         loaded = load_recipe(f)
-        validate(loaded, load_arch(loaded))
-        _err(f"{f}: ok")
+        arch = load_arch(loaded)
+        validate(loaded, arch)
+        valid.append({"file": str(f), "name": loaded.name, "family": arch.family})
+        if not json_:
+            _err(f"{f}: ok")
+    if json_:
+        print(json.dumps({"ok": True, "recipes": valid}))
 
 
 @recipe_app.command("schema")
@@ -354,14 +360,18 @@ def recipe_schema() -> None:
 def tiny(family: str = typer.Argument(..., help="qwen3_5 | qwen3_5_moe | qwen3_next"),
          out: Path = typer.Argument(..., help="directory to write the checkpoint into"),
          seed: int = typer.Option(0, help="random seed"),
-         fused_experts: bool = typer.Option(False, help="MoE experts in the fused 3D form")) -> None:
+         fused_experts: bool = typer.Option(False, help="MoE experts in the fused 3D form"),
+         json_: bool = JsonOpt) -> None:
     """Write a tiny random checkpoint of a family (seeded, with a tokenizer) for tests and demos."""
     from .tinymodel import FAMILIES, write_tiny_checkpoint
 
     if family not in FAMILIES:
         raise UserError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
     write_tiny_checkpoint(out, family, seed=seed, fused_experts=fused_experts)
-    _err(f"wrote a tiny {family} checkpoint to {out}")
+    if json_:
+        print(json.dumps({"family": family, "path": str(out), "seed": seed, "fused_experts": fused_experts}))
+    else:
+        _err(f"wrote a tiny {family} checkpoint to {out}")
 
 
 # --- run, bench ------------------------------------------------------------------------------------------------
