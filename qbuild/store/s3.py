@@ -234,11 +234,7 @@ class S3Remote:
                                                "AWS_SECURITY_TOKEN")}
         creds = self._session.get_credentials() if self._session is not None and self._client is not None else None
         if creds is not None:
-            try:
-                frozen = creds.get_frozen_credentials()
-                secrets |= {frozen.access_key, frozen.secret_key, frozen.token}
-            except Exception:
-                pass  # a refresh that fails now must not hide the original error
+            secrets |= _frozen_secrets(creds)
         for s in sorted((s for s in secrets if s and len(s) >= 4), key=len, reverse=True):
             text = text.replace(s, "***")
         return text
@@ -322,3 +318,12 @@ def _endpoint_host() -> str:
         return "the S3 endpoint"
     parts = urlsplit(url)
     return f"{parts.hostname}:{parts.port}" if parts.port else (parts.hostname or "the S3 endpoint")
+
+
+def _frozen_secrets(creds) -> set[str]:
+    """The current key, secret and token; empty when refreshing them fails, so the original error still shows."""
+    try:
+        frozen = creds.get_frozen_credentials()
+    except Exception:
+        return set()
+    return {frozen.access_key, frozen.secret_key, frozen.token}
