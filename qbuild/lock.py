@@ -93,9 +93,15 @@ def locked_preimage(doc: dict, roles: list[tuple[str, str]]) -> dict | None:
 
 
 def check(doc: dict, store, recipes: list[str] | None = None) -> list[str]:
-    """Every artifact the lockfile names must be in `store` with the right digest. Returns one line per problem."""
+    """Every artifact the lockfile names must be in `store` with the right digest. Returns one line per problem.
+
+    Blobs in the local store are re-hashed. With a remote-backed store an entry need not be local: its manifest may
+    come from the remote (checked as on every read: key, tree digest, and here the locked digest) and the blobs the
+    local store lacks must exist on the remote (checked by presence, without downloading them; their bytes are
+    checked whenever they are downloaded)."""
     from .hashing import digest_file
 
+    remote = getattr(store, "remote", None)
     problems = []
     names = recipes if recipes is not None else sorted(doc["recipes"])
     for name in names:
@@ -112,8 +118,16 @@ def check(doc: dict, store, recipes: list[str] | None = None) -> list[str]:
             if manifest is None or manifest.digest != node["digest"]:
                 problems.append(f"{name}: {role}: no store entry for key {node['key'][:16]}")
                 continue
+            elsewhere: dict[str, str] = {}
             for rel, meta in sorted(node["outputs"].items()):
                 blob = store.blob_path(meta["digest"])
-                if not blob.is_file() or blob.stat().st_size != meta["size"] or digest_file(blob) != meta["digest"]:
+                if remote is not None and not blob.is_file():
+                    elsewhere.setdefault(meta["digest"], rel)
+                elif not blob.is_file() or blob.stat().st_size != meta["size"] or digest_file(blob) != meta["digest"]:
                     problems.append(f"{name}: {role}: {rel} missing or corrupt in the store")
+            if elsewhere:
+                on_remote = remote.has_blobs(elsewhere)
+                for digest, rel in sorted(elsewhere.items(), key=lambda kv: kv[1]):
+                    if digest not in on_remote:
+                        problems.append(f"{name}: {role}: {rel} is in neither the local store nor {remote.url}")
     return problems

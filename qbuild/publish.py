@@ -93,8 +93,9 @@ def publish(store: LocalStore, remote: S3Remote, doc: dict, lock_path: Path, nam
 def pull_bundle(store: LocalStore, doc: dict, lock_path: Path, recipe: str, dest: Path) -> Manifest:
     """Lay out the locked bundle of `recipe` in `dest` (new or empty), checking every digest first.
 
-    Through a RemoteStore the bundle's blobs are downloaded and verified on the way in; a blob that does not match
-    aborts the pull before anything is written to `dest`."""
+    Through a RemoteStore only the manifest is read at lookup; `materialize` then downloads (ensure_blobs) and
+    verifies exactly the bundle's blobs; a blob that does not match aborts the pull before anything is written to
+    `dest`."""
     name = recipe_names(doc, lock_path, [recipe], False)[0]
     entry = doc["recipes"][name]
     nid = entry["nodes"].get("package")

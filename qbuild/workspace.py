@@ -112,7 +112,9 @@ class Workspace:
         if fetch_manifest is not None:
             import json
 
-            blob = self.store.blob_path(fetch_manifest.outputs["snapshot.json"]["digest"])
+            snapshot = fetch_manifest.outputs["snapshot.json"]
+            self.store.ensure_blobs({"snapshot.json": snapshot})   # a remote hit's blobs come down only on use
+            blob = self.store.blob_path(snapshot["digest"])
             snap = json.loads(blob.read_text())
             model["revision"] = snap["revision"]
             model["files"] = {n: m["digest"] for n, m in sorted(snap["files"].items())}

@@ -347,8 +347,9 @@ def test_worker_killed_mid_task_is_retried_and_never_half_published(cluster, dri
     ids = {plan.nodes[n].name: n for n in plan.nodes}
     store = open_store(spec)
     victim = result.manifests[ids["victim"]]
-    assert store.blob_path(victim.outputs["value.txt"]["digest"]).read_text() == "victim(a())"
     after = result.manifests[ids["after"]]
+    store.ensure_blobs({**victim.outputs, **{f"after/{k}": v for k, v in after.outputs.items()}})   # lazy: on use
+    assert store.blob_path(victim.outputs["value.txt"]["digest"]).read_text() == "victim(a())"
     assert store.blob_path(after.outputs["value.txt"]["digest"]).read_text() == "after(victim(a()))"
     remote = _remote_manifests(s3_client_env, cluster.bucket, prefix)
     assert set(remote) == {m.key for m in result.manifests.values()}
@@ -389,13 +390,15 @@ def test_pipeline_through_ray_gives_the_local_lockfile(cluster, s3_client_env, t
     assert out["failed"] == {} and len(out["built"]) > 0
     assert (project / "ray.lock").read_bytes() == (project / "local.lock").read_bytes()
     # Every locked entry is on the remote, complete; the workers built them in their own stores, and the
-    # driver's store got them through the remote.
+    # driver read them through the remote, downloading only what it needed (the fetch snapshots the lockfile
+    # writer reads), so only those are recorded in its store.
     lock = json.loads((project / "ray.lock").read_text())
     keys = {n["key"] for n in lock["nodes"].values()}
     assert keys <= set(_remote_manifests(s3_client_env, cluster.bucket, prefix))
     built_on_workers = {p.stem for s in cluster.node_stores for p in (s / "ac").glob("*/*.json")}
     assert keys <= built_on_workers
-    assert keys <= {p.stem for p in (project / "driver-store" / "ac").glob("*/*.json")}
+    fetches = {lock["nodes"][e["nodes"]["fetch"]]["key"] for e in lock["recipes"].values()}
+    assert {p.stem for p in (project / "driver-store" / "ac").glob("*/*.json")} == fetches
     # A second run on Ray builds nothing.
     again = json.loads(ok(run_qbuild(project, *ray_args, timeout=BUILD_TIMEOUT_S)).stdout)
     assert again["built"] == [] and again["failed"] == {}

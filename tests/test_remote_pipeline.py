@@ -168,7 +168,12 @@ def test_second_store_reads_through_and_builds_nothing(built, published, tmp_pat
     assert out["built"] == [] and out["failed"] == {} and len(out["cached"]) > 0
     assert out["bundles"] == {n: e["bundle"] for n, e in json.loads((built / "artifacts.lock").read_text())
                               ["recipes"].items()}
-    assert local_keys(project / "fresh") == lock_keys(built / "artifacts.lock")
+    # Lookups download no blobs: only what the lockfile writer reads (each fetch step's snapshot.json) came down,
+    # and only those fully downloaded entries are recorded locally.
+    lock = json.loads((built / "artifacts.lock").read_text())
+    fetches = [lock["nodes"][e["nodes"]["fetch"]] for e in lock["recipes"].values()]
+    assert local_keys(project / "fresh") == {n["key"] for n in fetches}
+    assert local_blobs(project / "fresh") == {o["digest"] for n in fetches for o in n["outputs"].values()}
     # `plan` with the remote only asks it: everything shows as cached, nothing is downloaded.
     plan = json.loads(ok(run_qbuild(project, "plan", "--all", "--store", "empty", "--remote", published,
                                     "--json")).stdout)
@@ -211,13 +216,70 @@ def test_corrupt_blob_on_the_server_is_refused_and_nothing_is_written(built, pub
     assert not (host / "bundle").exists() and not list(host.glob(".bundle*"))
     assert package["key"] not in local_keys(host / "store")
     assert meta["digest"] not in local_blobs(host / "store")
-    # compile through the same remote refuses it too, rather than caching it
+    # A fully cached compile does not need that blob, so it never downloads (nor refuses) it.
     clone = tmp_path / "clone"
     shutil.copytree(built, clone, ignore=shutil.ignore_patterns("store"))
-    proc = run_qbuild(clone, "compile", "recipes/beta.yaml", "--store", "s", "--mem", "1T", "--strict",
+    out = json.loads(ok(run_qbuild(clone, "compile", "recipes/beta.yaml", "--store", "s", "--mem", "1T", "--strict",
+                                   "--remote", f"s3://qb-pipeline/{prefix}", "--json")).stdout)
+    assert out["built"] == [] and meta["digest"] not in local_blobs(clone / "s")
+
+
+def test_corrupt_input_blob_on_the_server_is_refused_by_the_step_that_needs_it(built, s3, tmp_path):
+    """A step that must build downloads its inputs; a corrupt one is refused, naming the object, and nothing of
+    it (blob or manifest) is recorded locally."""
+    lock = json.loads((built / "artifacts.lock").read_text())
+    nodes = {role: lock["nodes"][nid] for role, nid in lock["recipes"]["beta"]["nodes"].items()}
+    convert, shard = nodes["convert"], nodes["shard"]
+    rel, meta = "weights.safetensors", convert["outputs"]["weights.safetensors"]
+    prefix = "corrupt-input"
+    ok(run_qbuild(built, "publish", "beta", "--store", "store", "--remote", f"s3://qb-pipeline/{prefix}"))
+    bad_key = f"{prefix}/cas/{meta['digest'][:2]}/{meta['digest']}"
+    s3.put_object(Bucket="qb-pipeline", Key=bad_key, Body=b"\0" * meta["size"])
+    # shard is not on the remote, so it must build, from the converted weights
+    s3.delete_object(Bucket="qb-pipeline", Key=f"{prefix}/ac/{shard['key'][:2]}/{shard['key']}.json")
+
+    clone = tmp_path / "clone"
+    shutil.copytree(built, clone, ignore=shutil.ignore_patterns("store"))
+    proc = run_qbuild(clone, "compile", "recipes/beta.yaml", "--store", "s", "--mem", "1T",
                       "--remote", f"s3://qb-pipeline/{prefix}")
-    assert proc.returncode == 3 and "does not match" in proc.stderr
-    assert package["key"] not in local_keys(clone / "s")
+    assert proc.returncode == 1, proc.stderr     # a failed step (the engine reports it; exit 3 is for lookups)
+    assert f"s3://qb-pipeline/{bad_key}" in proc.stderr and rel in proc.stderr and "does not match" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert meta["digest"] not in local_blobs(clone / "s")
+    assert not {convert["key"], shard["key"], nodes["package"]["key"]} & local_keys(clone / "s")
+
+
+def test_second_machine_downloads_only_what_it_needs(built, published, tmp_path):
+    """A fresh machine compiling a fully built recipe through the remote writes the same lockfile while downloading
+    only the fetch step's snapshot.json (what the lockfile writer reads); `pull` then fetches exactly the bundle."""
+    lock = json.loads((built / "artifacts.lock").read_text())
+    nodes = {role: lock["nodes"][nid] for role, nid in lock["recipes"]["alpha"]["nodes"].items()}
+    project = tmp_path / "machine"
+    shutil.copytree(built, project, ignore=shutil.ignore_patterns("store", "artifacts.lock"))
+    out = json.loads(ok(run_qbuild(project, "compile", "recipes/alpha.yaml", "--store", "s", "--mem", "1T",
+                                   "--remote", published, "--json")).stdout)
+    assert out["built"] == [] and out["failed"] == {}
+    written = json.loads((project / "artifacts.lock").read_text())
+    assert written["recipes"]["alpha"] == lock["recipes"]["alpha"]
+    assert {nid: written["nodes"][nid] for nid in written["recipes"]["alpha"]["nodes"].values()} == \
+        {nid: lock["nodes"][nid] for nid in lock["recipes"]["alpha"]["nodes"].values()}
+    snapshot = nodes["fetch"]["outputs"]["snapshot.json"]["digest"]
+    assert local_blobs(project / "s") == {snapshot} and local_keys(project / "s") == {nodes["fetch"]["key"]}
+    # `lock check` with the remote: entries not local are checked on the remote, still downloading nothing
+    ok(run_qbuild(project, "lock", "check", "alpha", "--store", "s", env={**base_env(), "QBUILD_REMOTE": published}))
+    assert local_blobs(project / "s") == {snapshot}
+
+    ok(run_qbuild(project, "pull", "alpha", "--to", "bundle", "--store", "s", "--remote", published))
+    package = nodes["package"]
+    assert local_blobs(project / "s") == {snapshot} | {o["digest"] for o in package["outputs"].values()}
+    assert local_keys(project / "s") == {nodes["fetch"]["key"], package["key"]}
+    got = {p.relative_to(project / "bundle").as_posix() for p in (project / "bundle").rglob("*") if p.is_file()}
+    assert got == set(package["outputs"])
+    # a later run hits locally for what came down, and still downloads nothing else
+    out = json.loads(ok(run_qbuild(project, "compile", "recipes/alpha.yaml", "--store", "s", "--mem", "1T",
+                                   "--remote", published, "--json")).stdout)
+    assert out["built"] == [] and local_blobs(project / "s") == \
+        {snapshot} | {o["digest"] for o in package["outputs"].values()}
 
 
 def test_compile_push_uploads_blobs_before_manifests(built, s3, tmp_path):

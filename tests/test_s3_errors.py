@@ -214,3 +214,33 @@ def test_corrupt_local_blob_is_never_uploaded_and_foreign_manifests_are_refused(
     with pytest.raises(InfraError, match="does not belong to key abababababababab"):
         reader.get_manifest("ab" * 32)
     assert not (tmp_path / "reader" / "ac").exists()
+
+
+def test_lookups_download_no_blobs_and_get_each_manifest_once(server, tmp_path, monkeypatch):
+    """A remote hit is checked and returned without its blobs (and kept for the process, so a second lookup, even
+    through another store object, does not GET it again); ensure_blobs downloads them and records the entry."""
+    from qbuild.store.remote import RemoteStore, push_manifests
+    from qbuild.store.s3 import S3Remote
+
+    for k, v in s3_env(server.endpoint).items():
+        monkeypatch.setenv(k, v)
+    lock = make_locked_store(tmp_path, files=3, size=4096, seed="lazy")
+    (node,) = lock["nodes"].values()
+    remote = S3Remote(f"s3://{BUCKET}/lazy")
+    push_manifests(LocalStore(tmp_path / "store"), remote, [LocalStore(tmp_path / "store").get_manifest(node["key"])])
+
+    gets: list[str] = []
+    real_get = S3Remote.get_manifest
+    monkeypatch.setattr(S3Remote, "get_manifest", lambda self, key: gets.append(key) or real_get(self, key))
+    reader_root = tmp_path / "reader"
+    hit = RemoteStore(reader_root, remote).get_manifest(node["key"])
+    assert hit is not None and hit.digest == node["digest"] and gets == [node["key"]]
+    assert not (reader_root / "cas").exists() and not (reader_root / "ac").exists()
+    again = RemoteStore(reader_root, S3Remote(f"s3://{BUCKET}/lazy"))
+    assert again.get_manifest(node["key"]) == hit and gets == [node["key"]]
+
+    again.materialize(hit.outputs, tmp_path / "out", verify=True)
+    assert {p.name for p in (reader_root / "cas").glob("*/*")} == {o["digest"] for o in node["outputs"].values()}
+    assert LocalStore(reader_root).get_manifest(node["key"]) == hit     # recorded once all its blobs are local
+    assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*")
+                  if p.is_file()) == sorted(node["outputs"])

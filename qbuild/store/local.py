@@ -160,8 +160,13 @@ class LocalStore:
             outputs[rel] = {"digest": self.put_file(path), "size": size}
         return outputs
 
+    def ensure_blobs(self, outputs: dict[str, dict]) -> None:
+        """Make the blobs of an output tree local before reading them. A no-op here; a remote-backed store
+        downloads (and checks) the ones it lacks. Call it before reading a blob's bytes through `blob_path`."""
+
     def materialize(self, outputs: dict[str, dict], dest: Path, *, verify: bool = False) -> None:
         """Lay out an output tree under `dest` by hardlinking blobs (copying across filesystems)."""
+        self.ensure_blobs(outputs)
         for rel, meta in sorted(outputs.items()):
             target = safe_join(dest, rel)
             target.parent.mkdir(parents=True, exist_ok=True)

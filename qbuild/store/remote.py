@@ -1,9 +1,15 @@
 """A local store backed by a remote one: reads go through to the remote, commits can push to it.
 
-`get_manifest(key)` answers from the local store; on a local miss it reads the remote manifest and, before
-returning it, downloads every blob it names into the local CAS, checking each blob's BLAKE3 digest (a blob that
-does not match is refused, naming the object, and nothing is committed). Only then is the manifest written
-locally, so the local invariant "a manifest's blobs are present" holds for downloaded entries too.
+`get_manifest(key)` answers from the local store; on a local miss it reads the remote manifest, checks it (its key
+is the hash of its preimage, its tree digest matches its outputs, its paths stay inside a tree) and returns it
+WITHOUT downloading its blobs: deciding that a step is cached costs one small GET, whatever the step's size. The
+checked manifest is kept in memory, so repeated lookups do not GET it again.
+
+Blobs come down lazily, when something needs their bytes: `ensure_blobs(outputs)` (called by `materialize`, so by
+every job laying out its inputs and by `pull`, and by the code that reads a blob directly) downloads the missing
+ones in parallel and checks each blob's BLAKE3 digest (a blob that does not match is refused, naming the object,
+and nothing of it enters the CAS). A remote manifest is written locally only once all its blobs are local, so the
+local invariant "a manifest's blobs are present" holds for downloaded entries too.
 
 Pushing uploads blobs first and the manifest last with a conditional put, so a reader of the remote never sees
 a manifest whose blobs are missing, and an interrupted push leaves only unreferenced blobs (which the next push
@@ -64,6 +70,11 @@ class PushReport:
 
 _progress_factory = NoProgress
 
+# Checked remote manifests not (yet) recorded locally, per (local root, remote URL): kept for the process, since
+# callers open a fresh store object per use.
+_remote_hits: dict[tuple[str, str], dict[str, Manifest]] = {}
+_hits_lock = threading.Lock()
+
 
 def set_progress_factory(factory) -> None:
     """What new RemoteStores report read-through downloads to (the CLI sets a display; workers keep silence)."""
@@ -72,7 +83,8 @@ def set_progress_factory(factory) -> None:
 
 
 class RemoteStore(LocalStore):
-    """LocalStore + S3Remote. `download=False` only peeks (plan, explain); `push=True` uploads every commit."""
+    """LocalStore + S3Remote. `push=True` uploads every commit. Lookups never download blobs (see the module
+    docstring); `download` is kept for callers that only peek (plan, explain) and changes nothing any more."""
 
     def __init__(self, root: Path, remote: S3Remote, *, push: bool = False, download: bool = True,
                  progress: Progress | None = None):
@@ -81,6 +93,8 @@ class RemoteStore(LocalStore):
         self.push = push
         self.download = download
         self.progress: Progress = progress or _progress_factory()
+        with _hits_lock:
+            self._remote_hits = _remote_hits.setdefault((str(self.root), remote.url), {})
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.root}, {self.remote.url})"
@@ -90,12 +104,16 @@ class RemoteStore(LocalStore):
         local = super().get_manifest(key)
         if local is not None:
             return local
-        manifest = self.remote.get_manifest(key)
+        with _hits_lock:
+            manifest = self._remote_hits.get(key)
         if manifest is None:
-            return None
-        self._check_manifest(key, manifest)
-        if self.download:
-            self.fetch(manifest)
+            manifest = self.remote.get_manifest(key)
+            if manifest is None:
+                return None
+            self._check_manifest(key, manifest)
+            with _hits_lock:
+                self._remote_hits[key] = manifest
+        self._record_complete([manifest])   # a worker process may have downloaded its blobs already
         return manifest
 
     def local_manifest(self, key: str) -> Manifest | None:
@@ -111,25 +129,46 @@ class RemoteStore(LocalStore):
         for rel in m.outputs:
             safe_join(self.root, rel)
 
+    def ensure_blobs(self, outputs: dict[str, dict]) -> None:
+        """Download the blobs of `outputs` that are not local, each checked against its digest, then record locally
+        every remote manifest this store has returned whose blobs are now all here."""
+        missing: dict[str, tuple[str, int]] = {}
+        for rel, meta in sorted(outputs.items()):
+            if not self.has_blob(meta["digest"]):
+                missing.setdefault(meta["digest"], (rel, meta["size"]))
+        if missing:
+            name = f"fetch-{digest_json(sorted(missing))[:16]}"
+            # Held while downloading, so `store verify --repair` sees the staging dir as live, not orphaned.
+            with self.lock(name):
+                missing = {d: v for d, v in missing.items() if not self.has_blob(d)}   # another process's?
+                if missing:
+                    stage = self.staging_dir(name)
+                    try:
+                        self._download_all(missing, stage)
+                    finally:
+                        shutil.rmtree(stage, ignore_errors=True)
+        self._record_complete()
+
+    def _record_complete(self, manifests: list[Manifest] | None = None) -> None:
+        """Write locally those of `manifests` (default: every pending remote hit) whose blobs are all local."""
+        with _hits_lock:
+            candidates = list(self._remote_hits.values()) if manifests is None else manifests
+        done = [m for m in candidates if all(self.has_blob(o["digest"]) for o in m.outputs.values())]
+        for m in done:
+            self.put_manifest(m)
+            with _hits_lock:
+                self._remote_hits.pop(m.key, None)
+
     def fetch(self, manifest: Manifest) -> int:
         """Download the blobs of `manifest` that are not local, verify each, then record the manifest locally.
 
         Returns the bytes downloaded. On a digest mismatch nothing of that blob enters the CAS and the
         manifest is not written."""
-        missing: dict[str, tuple[str, int]] = {}
-        for rel, meta in sorted(manifest.outputs.items()):
-            if not self.has_blob(meta["digest"]):
-                missing.setdefault(meta["digest"], (rel, meta["size"]))
-        if missing:
-            # Held while downloading, so `store verify --repair` sees the staging dir as live, not orphaned.
-            with self.lock(f"fetch-{manifest.key[:16]}"):
-                stage = self.staging_dir(f"fetch-{manifest.key[:16]}")
-                try:
-                    self._download_all(missing, stage)
-                finally:
-                    shutil.rmtree(stage, ignore_errors=True)
+        size = sum(meta["size"] for meta in {o["digest"]: o for o in manifest.outputs.values()
+                                             if not self.has_blob(o["digest"])}.values())
+        self.ensure_blobs(manifest.outputs)
         self.put_manifest(manifest)
-        return sum(size for _, size in missing.values())
+        return size
 
     def _download_all(self, missing: dict[str, tuple[str, int]], stage: Path) -> None:
         self.progress.begin("download", len(missing), sum(s for _, s in missing.values()))
