@@ -29,7 +29,8 @@ from qbuild.executors import ray as rayexec
 from qbuild.plan import Node, Plan, _add
 from qbuild.store import StoreSpec
 from tests.s3server import free_port, s3_env, shared_server
-from tests.test_ray_actions import read_log
+from tests.engine_actions import read_log
+import tests.test_ray_actions  # noqa: F401  registers the ray-* actions the driver plans
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30

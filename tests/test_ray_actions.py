@@ -71,7 +71,3 @@ def crash_once(ctx: RunContext) -> None:
 def fail(ctx: RunContext) -> None:
     _record(ctx, "start")
     raise RuntimeError(f"{ctx.params['name']} failed on purpose")
-
-
-def read_log(log: Path) -> list[dict]:
-    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
