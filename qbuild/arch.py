@@ -90,7 +90,7 @@ class VisionArch:
 class Arch:
     """The allow-listed fields of a model's config that shape its graphs and weights (never weight values).
 
-    The fields after `mlp_only_layers` (HOST_FIELDS) are host-side facts (which token pads, where image features
+    The fields after `max_position_embeddings` (HOST_FIELDS) are host-side facts (which token pads, where image features
     go, the vision rotary base the host computes cos/sin with): they are kept for the converter and the runtime
     but never enter the fingerprint, so they do not change compile keys.
     """
@@ -122,13 +122,16 @@ class Arch:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # The positions the model was trained for; NxDI's configs require it (get_required_attributes of both ports).
+    max_position_embeddings: int | None = None
     # host-side (HOST_FIELDS): not in the fingerprint
     pad_token_id: int | None = None
     image_token_id: int | None = None
     vision_start_token_id: int | None = None
     vision_rope_theta: float = 10000.0
+    eos_token_id: int | None = None
 
-    HOST_FIELDS = ("pad_token_id", "image_token_id", "vision_start_token_id", "vision_rope_theta")
+    HOST_FIELDS = ("pad_token_id", "image_token_id", "vision_start_token_id", "vision_rope_theta", "eos_token_id")
 
     @property
     def is_moe(self) -> bool:
@@ -200,6 +203,8 @@ class Arch:
                         shared_expert_intermediate_size=self.shared_intermediate_size,
                         norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
                         mlp_only_layers=list(self.mlp_only_layers))
+        if self.max_position_embeddings is not None:
+            text["max_position_embeddings"] = self.max_position_embeddings
         if self.pad_token_id is not None:
             text["pad_token_id"] = self.pad_token_id
         if self.family == "qwen3_next":
@@ -408,7 +413,9 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
         # qwen3_5_moe always renormalises the top-k weights; qwen3_next only if norm_topk_prob.
         norm_topk_prob=f.bool("norm_topk_prob", True) if family == "qwen3_next" else True,
         decoder_sparse_step=step, mlp_only_layers=mlp_only,
-        pad_token_id=f.optional_id("pad_token_id", config), **host)
+        max_position_embeddings=f.int("max_position_embeddings") if text.get("max_position_embeddings") is not None
+        else None,
+        pad_token_id=f.optional_id("pad_token_id", config), eos_token_id=f.optional_id("eos_token_id", config), **host)
 
 
 def shipped_config_path(repo: str) -> Path:
@@ -514,6 +521,43 @@ def validate(loaded: LoadedRecipe, arch: Arch) -> None:
         _fail(loaded, "parallel.tp", f"needs ~{est / 2**30:.1f} GiB per rank (weights + KV cache + DeltaNet "
                                      f"state), over the {limit} GiB of a {r.compiler.target} LNC"
                                      f"{r.compiler.effective_lnc} rank; raise tp")
+    if r.backend == "neuron":
+        _validate_neuron(loaded, arch)
+
+
+# The lineages whose public port serves each family (qbuild.ports; nxdi-api.md section 1): the moe lineage's module
+# is written for the MoE text model only, and the main lineage's for the Qwen3.5 model types.
+_PORT_LINEAGES = {"qwen3_5": ("main",), "qwen3_5_moe": ("main", "moe"), "qwen3_next": ("moe",)}
+
+
+def _validate_neuron(loaded: LoadedRecipe, arch: Arch) -> None:
+    """The checks that only a neuron build needs: a port that can serve the recipe, and a pinned toolchain."""
+    from .ports import LINEAGES, lineage_for
+
+    r = loaded.recipe
+    lineage = lineage_for(arch.family, r.port.lineage)
+    if lineage.name not in _PORT_LINEAGES[arch.family]:
+        _fail(loaded, "port.lineage", f"the {lineage.name} lineage has no port for {arch.family}; use "
+                                      f"{' or '.join(_PORT_LINEAGES[arch.family])}")
+    if r.port.path is None and r.port.module is None:
+        _fail(loaded, "port", "a neuron build runs an NxDI contrib port: set port.path (the port directory, e.g. a "
+                              "checkout of contrib/models/<Port>) or port.module")
+    if r.fp8 == "full":
+        _fail(loaded, "fp8", "a neuron build makes the FP8 port's mlp_only configuration (PR 173); full is for the "
+                             "CPU backends")
+    if r.vision is not None and LINEAGES[lineage.name].vision_module is None:
+        _fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use main")
+    if lineage.name == "main" and r.parallel.ep > 1:
+        # contrib/models/Qwen3.5-35B-A3B README: moe_ep_degree > 1 raises NotImplementedError in selective-loading
+        # decode (nxdi-api.md section 1).
+        _fail(loaded, "parallel.ep", "the main-lineage port does not support expert parallelism in decode; use ep: 1")
+    if lineage.name == "moe" and arch.is_moe and r.parallel.moe_tp is not None:
+        _fail(loaded, "parallel.moe_tp", "the moe-lineage port sets moe_tp_degree = tp and runs tp * ep ranks; "
+                                         "leave moe_tp unset")
+    for dist, version in r.toolchain.pins().items():
+        if version is None:
+            _fail(loaded, "toolchain", f"a neuron build pins the Neuron SDK: set toolchain.{dist.replace('-', '_')} "
+                                       "(see recipes/bases/trn2.yaml)")
 
 
 def moe_backend(loaded: LoadedRecipe, arch: Arch) -> str | None:

@@ -25,12 +25,15 @@ StoreOpt = typer.Option(None, "--store", help="local store directory [default: $
 LockOpt = typer.Option(Path("artifacts.lock"), "--lock", help="lockfile path")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output on stdout")
 AllOpt = typer.Option(False, "--all", help="every recipe in ./recipes")
+BackendOpt = typer.Option(None, "--backend", metavar="[neuron|inductor|export]",
+                          help="build on this backend instead of the recipe's (e.g. a CPU proof of a neuron recipe; "
+                               "locked as <name>@<backend>)")
 RemoteOpt = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX",
                          help="remote store to read through [default: $QBUILD_REMOTE, else remote: in ./qbuild.yaml]")
 
 
 def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, push: bool = False,
-               download: bool = True):
+               download: bool = True, backend: Optional[str] = None):
     from .store import StoreSpec, default_store_path, resolve_remote
     from .workspace import Workspace
 
@@ -43,8 +46,10 @@ def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, 
         from .store.s3 import parse_remote
 
         parse_remote(url)  # a malformed URL is a one-line error before any work starts
+    if backend is not None and backend not in ("neuron", "inductor", "export"):
+        raise UserError(f"--backend: {backend!r} is not one of neuron, inductor, export")
     spec = StoreSpec(local=str(root.resolve()), remote=url, push=push, download=download)
-    return Workspace(spec, lock_path=lock)
+    return Workspace(spec, lock_path=lock, backend=backend)
 
 
 def _err(msg: str) -> None:
@@ -58,11 +63,11 @@ def _err(msg: str) -> None:
 @app.command()
 def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: bool = AllOpt,
          json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-         remote: Optional[str] = RemoteOpt) -> None:
+         remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt) -> None:
     """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
     from .render import plan_json, plan_tree
 
-    ws = _workspace(store, lock, remote, download=False)
+    ws = _workspace(store, lock, remote, download=False, backend=backend)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
     if json_:
         print(json.dumps(plan_json(the_plan, status), indent=1, sort_keys=True))
@@ -81,8 +86,11 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
             frozen: bool = typer.Option(False, "--frozen", help="fail instead of changing the lockfile (CI)"),
             strict: bool = typer.Option(False, "--strict", help="fail, naming the step, instead of building anything"),
             push: bool = typer.Option(False, "--push", help="upload what was built (and anything the remote lacks)"),
+            skip_device: bool = typer.Option(False, "--skip-device",
+                                             help="leave steps that need a Neuron device (verifying a neuron bundle) "
+                                                  "unbuilt on a host without one, instead of failing"),
             json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-            remote: Optional[str] = RemoteOpt,
+            remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt,
             executor: str = typer.Option("local", "--executor", metavar="[local|ray]",
                                          help="where steps run: a local process pool, or a Ray cluster (needs a "
                                               "remote; see docs/ray.md)"),
@@ -94,11 +102,12 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
     from .engine import BuildOptions, check_mem_budget, raise_for
     from .render import BuildProgress, result_json
 
-    ws = _workspace(store, lock, remote, push=push)
+    ws = _workspace(store, lock, remote, push=push, backend=backend)
     factory, jobs, default_mem = _executor(executor, address, jobs, ws)
     loaded = ws.load(recipes or [], all_)
     budget = check_mem_budget(mem) if mem else default_mem
-    options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict)
+    options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict,
+                           skip_device=skip_device)
     _transfer_display(ws, bars=False)
     with BuildProgress() as progress:
         the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
@@ -181,9 +190,9 @@ def _default_mem() -> int:
 def explain(target: str = typer.Argument(..., help="a recipe file, or a node id (prefix) / name from `qbuild plan`"),
             recipes: list[str] = typer.Option(None, "--recipe", help="recipes to search for a node (default: --all)"),
             json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-            remote: Optional[str] = RemoteOpt) -> None:
+            remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt) -> None:
     """Say why a node (or each node of a recipe) would rebuild: the key fields that changed, or "cached"."""
-    ws = _workspace(store, lock, remote, download=False)
+    ws = _workspace(store, lock, remote, download=False, backend=backend)
     if target.endswith((".yaml", ".yml")) or Path(target).is_file():
         loaded = ws.load([target])
         the_plan, status = ws.plan(loaded)
@@ -244,11 +253,31 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
     manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to)
+    serve = _serve_instructions(to)
     if json_:
-        print(json.dumps({"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
-                          "bytes": manifest.size}, sort_keys=True))
+        doc = {"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
+               "bytes": manifest.size}
+        if serve is not None:
+            doc["serve"] = serve
+        print(json.dumps(doc, sort_keys=True))
         return
     _err(f"{to}: {len(manifest.outputs)} files ({_human(manifest.size)}), bundle {manifest.digest[:16]} verified")
+    if serve is not None:
+        from .render import serve_text
+
+        serve_text(serve)
+
+
+def _serve_instructions(bundle: Path) -> dict | None:
+    """How to serve a pulled neuron bundle with vLLM (None for CPU bundles)."""
+    from .bundle import read_manifest
+
+    doc = read_manifest(bundle)
+    if doc["backend"] != "neuron":
+        return None
+    from .backends.neuron import serve_instructions
+
+    return serve_instructions(bundle.resolve(), doc)
 
 
 @app.command("gc")

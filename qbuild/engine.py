@@ -44,6 +44,7 @@ class BuildResult:
     cached: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)   # device steps left unbuilt (--skip-device), and dependents
 
     @property
     def ok(self) -> bool:
@@ -56,6 +57,7 @@ class BuildOptions:
     mem_budget: int | None = None       # bytes; None = no limit
     keep_going: bool = False
     strict: bool = False                # any node that would have to be built is an error
+    skip_device: bool = False           # a device step no worker can run is left unbuilt instead of failing
 
 
 def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor], options: BuildOptions,
@@ -81,6 +83,14 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
             on_event(Event("skipped", plan.nodes[dep], error=f"input {plan.nodes[nid].name} failed"))
         if not options.keep_going:
             stop = True
+
+    def defer(nid: str, why: str) -> None:
+        result.deferred.append(nid)
+        on_event(Event("skipped", plan.nodes[nid], error=f"left unbuilt (--skip-device): {why}"))
+        for dep in _dependents(plan, nid, waiting):
+            waiting.remove(dep)
+            result.deferred.append(dep)
+            on_event(Event("skipped", plan.nodes[dep], error=f"input {plan.nodes[nid].name} left unbuilt"))
 
     try:
         while True:
@@ -109,6 +119,11 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     if executor is None:
                         executor = executor_factory()
                     problem = executor.capacity_check(node)
+                if problem is not None and node.needs_device and options.skip_device:
+                    waiting.remove(nid)
+                    defer(nid, problem)
+                    progressed = True
+                    continue
                 if problem is not None:
                     waiting.remove(nid)
                     fail(nid, problem)

@@ -50,7 +50,7 @@ def run_job(job: Job) -> Manifest:
 
 def _build(job: Job, store, stage) -> Manifest:
     ctx = RunContext(kind=job.kind, params=job.params, inputs={}, out=stage / "out", scratch=stage / "tmp",
-                     context=job.context)
+                     context=job.context, store=job.store)
     ctx.out.mkdir()
     ctx.scratch.mkdir()
     for name, outputs in job.inputs.items():

@@ -8,11 +8,10 @@ output digest is known, that is once the upstream nodes are cached or built.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import actions, arch as archmod
+from . import actions, arch as archmod, ports
 from .arch import Arch
 from .hashing import StatCache, digest_json
 from .recipe import LoadedRecipe
@@ -34,7 +33,12 @@ class Node:
     est_peak_bytes: int
     context: dict = field(default_factory=dict)   # where things are on this machine; never in a key
     recipes: list[str] = field(default_factory=list)
-    needs_device: bool = False
+    neuron_cores: int = 0           # NeuronCores the step runs on (verifying a neuron bundle); 0: any host
+    neffs: int = 0                  # NEFFs a neuron compile produces (one per bucket of each submodel)
+
+    @property
+    def needs_device(self) -> bool:
+        return self.neuron_cores > 0
 
 
 @dataclass
@@ -58,12 +62,12 @@ class Plan:
 # --- building the graph ---------------------------------------------------------------------------------------
 
 def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params: dict, deps: dict[str, str],
-         out: int, peak: int, context: dict | None = None, needs_device: bool = False) -> str:
+         out: int, peak: int, context: dict | None = None, neuron_cores: int = 0, neffs: int = 0) -> str:
     node_id = digest_json({"kind": kind, "params": params, "deps": deps})[:16]
     node = nodes.get(node_id)
     if node is None:
         node = nodes[node_id] = Node(node_id, kind, name, params, deps, out, peak, dict(context or {}),
-                                     needs_device=needs_device)
+                                     neuron_cores=neuron_cores, neffs=neffs)
     if recipe not in node.recipes:
         node.recipes.append(recipe)
     return node_id
@@ -87,23 +91,26 @@ def _fetch_params(loaded: LoadedRecipe, stat_cache: StatCache) -> tuple[dict, di
     return {"source": "hf", "repo": src.hf, "revision": revision}, {"requested_revision": src.revision}
 
 
-def resolve_backend(backend: str) -> str:
-    if backend != "auto":
-        return backend
-    return "neuron" if importlib.util.find_spec("neuronx_distributed_inference") else "inductor"
+def _port_params(loaded: LoadedRecipe, stat_cache: StatCache) -> tuple[dict, dict, str]:
+    """(params, context, label) of the port node: the port is identified by its source files' digests."""
+    port_dir = loaded.port_dir
+    written = loaded.recipe.port.path or loaded.recipe.port.module
+    if port_dir is None or not port_dir.is_dir():
+        # Planned anyway, so `plan` shows the whole graph; building it fails with one line saying where to put it.
+        return {"missing": written}, {}, f"port {written} (not found)"
+    files = {p.relative_to(port_dir).as_posix(): "blake3:" + stat_cache.digest(p)
+             for p in ports.source_files(port_dir)}
+    return {"files": files}, {"path": str(port_dir)}, f"port {port_dir.name}"
 
 
 def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) -> dict:
-    """The allow-listed inputs of one compiled graph: architecture, parallelism, shapes, backend and flags.
+    """The allow-listed inputs of one CPU-compiled graph: architecture, parallelism, shapes and backend.
 
     Weight values never enter (a compile serves every fine-tune of an architecture). The text graphs do not
     depend on the vision encoder and the vision graphs do not depend on the text model or on tp.
     """
     r = loaded.recipe
-    backend = resolve_backend(r.backend)
-    common = {"graph": graph, "bucket": bucket, "backend": backend, "dtype": r.dtype,
-              "compiler": {"target": r.compiler.target, "lnc": r.compiler.effective_lnc,
-                           "flags": list(r.compiler.flags)} if backend == "neuron" else None}
+    common = {"graph": graph, "bucket": bucket, "backend": r.backend, "dtype": r.dtype}
     if graph == "vision":
         return {**common, "vision": archmod.asdict(arch.vision)}
     text = arch.fingerprint()
@@ -111,8 +118,41 @@ def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) ->
     return {**common, "text": text, "tp": r.parallel.tp, "ep": r.parallel.ep,
             "moe_tp": r.parallel.effective_moe_tp if arch.is_moe else None,
             "batch_size": r.text.batch_size, "seq_len": r.text.seq_len, "fp8": r.fp8,
-            "moe_backend": archmod.moe_backend(loaded, arch), "fused_qkv": r.fused_qkv,
-            "cte_buckets": r.text.cte_buckets if backend == "neuron" else None}
+            "moe_backend": archmod.moe_backend(loaded, arch), "fused_qkv": r.fused_qkv}
+
+
+def neuron_text_params(loaded: LoadedRecipe, arch: Arch) -> dict:
+    """The allow-listed inputs of a recipe's ONE neuron text compile (NxDI builds every CTE and TKG bucket of both
+    submodels in one compile(): nxdi-api.md section 2). The toolchain is the recipe's pin, never what is installed,
+    so every machine plans the same key."""
+    from .backends.neuron import nxd_parallel
+
+    r = loaded.recipe
+    text = arch.fingerprint()
+    text.pop("vision")
+    lineage = ports.lineage_for(arch.family, r.port.lineage)
+    return {"graph": "text", "backend": "neuron", "lineage": lineage.name, "text": text,
+            "parallel": nxd_parallel(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
+            "batch_size": r.text.batch_size, "seq_len": r.text.seq_len,
+            "cte_buckets": list(r.text.cte_buckets), "tkg_buckets": list(r.text.token_buckets),
+            "dtype": r.dtype, "fp8": r.fp8, "moe_backend": archmod.moe_backend(loaded, arch),
+            "fused_qkv": r.fused_qkv, "compiler": _compiler(r), "toolchain": r.toolchain.pins(),
+            "port_env": dict(sorted(r.port.env.items())),
+            # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
+            "pad_token_id": arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id}
+
+
+def neuron_vision_params(loaded: LoadedRecipe, arch: Arch, bucket: int) -> dict:
+    """One traced vision encoder at one patch bucket (its weights are inlined: the node depends on them)."""
+    r = loaded.recipe
+    lineage = ports.lineage_for(arch.family, r.port.lineage)
+    return {"graph": "vision", "bucket": bucket, "backend": "neuron", "lineage": lineage.name,
+            "vision": archmod.asdict(arch.vision), "dtype": r.dtype, "compiler": _compiler(r),
+            "toolchain": r.toolchain.pins(), "port_env": dict(sorted(r.port.env.items()))}
+
+
+def _compiler(r) -> dict:
+    return {"target": r.compiler.target, "lnc": r.compiler.effective_lnc, "flags": list(r.compiler.flags)}
 
 
 def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
@@ -123,6 +163,7 @@ def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
 
 def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_cache: StatCache) -> PlannedRecipe:
     r, name = loaded.recipe, loaded.name
+    neuron = r.backend == "neuron"
     dbytes = {"bfloat16": 2, "float16": 2, "float32": 4}[r.dtype]
     weights = archmod.weight_bytes(arch, r.dtype, r.fp8)
     vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * dbytes
@@ -137,44 +178,72 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
         nodes, name, "convert", f"convert {arch.family} {r.dtype} fp8={r.fp8}",
         {"family": arch.family, "dtype": r.dtype, "fp8": r.fp8}, {"snapshot": fetch},
         weights + vision_bytes, 3 * big + GIB // 2, fctx)
-    moe_tp = r.parallel.effective_moe_tp if arch.is_moe else None
-    pad = 256 if archmod.moe_backend(loaded, arch) == "shard_on_intermediate" and resolve_backend(r.backend) == "neuron" \
-        else None
-    roles["shard"] = shard = _add(
-        nodes, name, "shard", f"shard tp{r.parallel.tp} ep{r.parallel.ep}",
-        {"tp": r.parallel.tp, "ep": r.parallel.ep, "moe_tp": moe_tp, "fused_qkv": r.fused_qkv,
-         "pad_intermediate_to": pad}, {"converted": convert}, weights, 3 * big + GIB // 2)
+    port_dep: dict[str, str] = {}
+    if neuron:
+        pparams, pctx, plabel = _port_params(loaded, stat_cache)
+        roles["port"] = _add(nodes, name, "port", plabel, pparams, {}, 1 << 20, GIB // 4, pctx)
+        port_dep = {"port": roles["port"]}
 
-    backend = resolve_backend(r.backend)
-    graphs = [("cte", b) for b in r.text.cte_buckets] + [("tkg", b) for b in r.text.token_buckets]
-    graphs += [("vision", b) for b in (r.vision.buckets if r.vision else [])]
+    if neuron:
+        lineage = ports.lineage_for(arch.family, r.port.lineage)
+        par = neuron_text_params(loaded, arch)["parallel"]
+        shard_params = {"layout": lineage.shard_layout, "tp": par["world_size"], "ep": par["moe_ep_degree"],
+                        "moe_tp": par["moe_tp_degree"] if arch.is_moe else None, "fused_qkv": r.fused_qkv,
+                        "pad_intermediate_to": None, "dtype": r.dtype}
+        ranks = par["world_size"]
+    else:
+        shard_params = {"layout": "cpu", "tp": r.parallel.tp, "ep": r.parallel.ep,
+                        "moe_tp": r.parallel.effective_moe_tp if arch.is_moe else None, "fused_qkv": r.fused_qkv,
+                        "pad_intermediate_to": None}
+        ranks = r.parallel.tp
+    roles["shard"] = shard = _add(
+        nodes, name, "shard", f"shard {shard_params['layout']} tp{r.parallel.tp} ep{r.parallel.ep}", shard_params,
+        {"converted": convert, **port_dep}, weights, 3 * big + GIB // 2)
+
     compile_ids = {}
-    for graph, bucket in graphs:
-        params = compile_params(loaded, arch, graph, bucket)
-        on_cpu = backend != "neuron"
-        model_bytes = vision_bytes if graph == "vision" else weights
-        peak = GIB + (model_bytes if on_cpu else 4 * model_bytes // r.parallel.tp + 8 * GIB)
-        role = f"compile {graph}-{bucket}"
-        compile_ids[role] = roles[role] = _add(
-            nodes, name, "compile", f"{role} ({backend})", params, {}, 64 << 20, peak,
-            needs_device=False)
-    deps = {"converted": convert, "shard": shard, **{role.replace(" ", ":"): nid for role, nid in compile_ids.items()}}
+    if neuron:
+        params = neuron_text_params(loaded, arch)
+        neffs = len(params["cte_buckets"]) + len(params["tkg_buckets"])
+        # neuronx-cc runs on any host with the SDK: CPUs and memory, no device.
+        compile_ids["compile text"] = _add(
+            nodes, name, "compile", f"compile text ({neffs} NEFFs, neuron)", params, port_dep,
+            64 << 20, 4 * weights // ranks + 8 * GIB, neffs=neffs)
+        for b in (r.vision.buckets if r.vision else []):
+            compile_ids[f"compile vision-{b}"] = _add(
+                nodes, name, "compile", f"compile vision-{b} (neuron)", neuron_vision_params(loaded, arch, b),
+                {**port_dep, "converted": convert}, 64 << 20, 4 * vision_bytes + 8 * GIB, neffs=1)
+    else:
+        graphs = [("cte", b) for b in r.text.cte_buckets] + [("tkg", b) for b in r.text.token_buckets]
+        graphs += [("vision", b) for b in (r.vision.buckets if r.vision else [])]
+        for graph, bucket in graphs:
+            model_bytes = vision_bytes if graph == "vision" else weights
+            compile_ids[f"compile {graph}-{bucket}"] = _add(
+                nodes, name, "compile", f"compile {graph}-{bucket} ({r.backend})",
+                compile_params(loaded, arch, graph, bucket), {}, 64 << 20, GIB + model_bytes)
+    roles.update(compile_ids)
+    deps = {"converted": convert, "shard": shard, **port_dep,
+            **{role.replace(" ", ":"): nid for role, nid in compile_ids.items()}}
+    package_params = {"family": arch.family, "backend": r.backend, "tp": r.parallel.tp, "ep": r.parallel.ep,
+                      "ranks": ranks, "batch_size": r.text.batch_size, "seq_len": r.text.seq_len,
+                      "cte_buckets": r.text.cte_buckets, "tkg_buckets": r.text.token_buckets,
+                      "vision_buckets": r.vision.buckets if r.vision else [], "dtype": r.dtype}
+    if neuron:
+        package_params.update(lineage=lineage.name, fp8=r.fp8)
     roles["package"] = package = _add(
-        nodes, name, "package", f"package {name}",
-        {"family": arch.family, "backend": backend, "tp": r.parallel.tp, "ep": r.parallel.ep,
-         "batch_size": r.text.batch_size, "seq_len": r.text.seq_len, "cte_buckets": r.text.cte_buckets,
-         "tkg_buckets": r.text.token_buckets, "vision_buckets": r.vision.buckets if r.vision else [],
-         "dtype": r.dtype}, deps, weights + vision_bytes + len(graphs) * (64 << 20), GIB // 2)
+        nodes, name, "package", f"package {name}", package_params, deps,
+        weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2)
     v = r.verify
     roles["reference"] = reference = _add(
         nodes, name, "reference", f"reference {label}",
         {"prompts": v.prompts, "new_tokens": v.new_tokens, "image": bool(r.vision and v.image_prompt)},
         {"snapshot": fetch},
         4 << 20, 4 * archmod.weight_bytes(arch, "float32", "none") // 4 + vision_bytes * 2 + GIB, fctx)
+    # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
     roles["verify"] = verify = _add(
         nodes, name, "verify", f"verify {name}",
         {"top1_min": v.top1_min, "token_match_min": v.token_match_min, "max_logit_err": v.max_logit_err},
-        {"bundle": package, "reference": reference}, 1 << 20, 2 * weights + GIB)
+        {"bundle": package, "reference": reference, **port_dep}, 1 << 20, 2 * weights + GIB,
+        neuron_cores=ranks if neuron else 0)
     return PlannedRecipe(loaded, arch, roles, package, verify)
 
 
@@ -197,8 +266,10 @@ def build_plan(recipes: list[LoadedRecipe], stat_cache: StatCache) -> Plan:
 
 def preimage(node: Node, input_digests: dict[str, str]) -> dict:
     spec = actions.get(node.kind)
+    # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
+    toolchain = node.params["toolchain"] if "toolchain" in node.params else spec.toolchain_versions()
     return {"action": node.kind, "version": spec.version, "params": node.params, "inputs": input_digests,
-            "toolchain": spec.toolchain_versions()}
+            "toolchain": toolchain}
 
 
 def key_of(pre: dict) -> str:
@@ -246,5 +317,11 @@ def evaluate(plan: Plan, lookup, locked_preimage) -> dict[str, NodeStatus]:
             continue
         old = locked_preimage(nid, node)
         why = "no entry" if old is None else ("; ".join(diff_preimages(old, pre)) or "not in the store")
+        if old is not None and node.kind == "compile" and node.params.get("graph") == "text" \
+                and node.params.get("backend") == "neuron":
+            from .backends.neuron import neff_reuse
+
+            reuse = neff_reuse(old["params"], pre["params"])
+            why += f"; {reuse}" if reuse else ""
         result[nid] = NodeStatus("build", key, pre, None, why)
     return result

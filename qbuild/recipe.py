@@ -12,7 +12,8 @@ from .errors import RecipeError
 
 FP8Policy = Literal["none", "mlp_only", "full"]
 MoEBackend = Literal["shard_on_intermediate", "torch_blockwise", "shard_hidden", "shard_on_block"]
-Backend = Literal["auto", "neuron", "inductor", "export"]
+Backend = Literal["neuron", "inductor", "export"]
+Lineage = Literal["main", "moe"]
 Target = Literal["trn2", "trn1", "inf2"]
 DType = Literal["bfloat16", "float16", "float32"]
 
@@ -102,6 +103,37 @@ class Compiler(_Strict):
         return self.lnc if self.lnc is not None else (2 if self.target == "trn2" else 1)
 
 
+class Port(_Strict):
+    """The NxDI contrib port a neuron build runs (qbuild.ports): its lineage and where its source lives."""
+
+    lineage: Lineage | None = Field(None, description="main | moe; default per family (Coder-Next: moe)")
+    path: str | None = Field(None, description="the port directory (holds src/), relative to the recipe file")
+    module: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*$",
+                               description="an importable package whose directory is the port directory")
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="the port's own switches (e.g. QWEN36_DELTANET_CTE_IMPL), read while "
+                                            "tracing; part of the compile key")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "Port":
+        if self.path is not None and self.module is not None:
+            raise ValueError("give at most one of `path` or `module`")
+        return self
+
+
+class Toolchain(_Strict):
+    """The Neuron SDK versions a neuron build is keyed on and must run with (pinned, never probed)."""
+
+    neuronx_cc: str | None = Field(None, description="neuronx-cc version, e.g. 2.26.6360.0")
+    neuronx_distributed: str | None = Field(None, description="neuronx-distributed (NxD) version")
+    neuronx_distributed_inference: str | None = Field(None, description="neuronx-distributed-inference version")
+    torch_neuronx: str | None = Field(None, description="torch-neuronx version")
+
+    def pins(self) -> dict[str, str | None]:
+        """{distribution name: pinned version}."""
+        return {name.replace("_", "-"): getattr(self, name) for name in type(self).model_fields}
+
+
 class Verify(_Strict):
     top1_min: float = Field(0.95, ge=0, le=1, description="fraction of prefill positions whose argmax agrees")
     token_match_min: float = Field(0.9, ge=0, le=1, description="fraction of greedy tokens equal to the reference")
@@ -124,7 +156,9 @@ class Recipe(_Strict):
     moe_backend: MoEBackend | None = Field(None, description="MoE families only; default per family")
     fused_qkv: bool = False
     compiler: Compiler = Compiler()
-    backend: Backend = "auto"
+    backend: Backend = Field("neuron", description="neuron, or a CPU backend (inductor, export) that proves every stage")
+    port: Port = Port()
+    toolchain: Toolchain = Toolchain()
     verify: Verify = Verify()
 
 
@@ -143,6 +177,26 @@ class LoadedRecipe(BaseModel):
     def source_dir(self) -> Path | None:
         p = self.recipe.model.path
         return None if p is None else (self.path.parent / p).resolve()
+
+    def with_backend(self, backend: str | None) -> "LoadedRecipe":
+        """This recipe built on another backend (`--backend`, e.g. a CPU proof of a neuron recipe). Its artifacts
+        are another build's, so it is locked under its own name, `<name>@<backend>`."""
+        if backend is None or backend == self.recipe.backend:
+            return self
+        recipe = self.recipe.model_copy(update={"backend": backend, "name": f"{self.recipe.name}@{backend}"})
+        return LoadedRecipe(recipe=recipe, path=self.path)
+
+    @property
+    def port_dir(self) -> Path | None:
+        """The port directory named by `port.path` or `port.module` (None where neither is given or importable)."""
+        port = self.recipe.port
+        if port.path is not None:
+            return (self.path.parent / port.path).resolve()
+        if port.module is not None:
+            from .ports import module_dir
+
+            return module_dir(port.module)
+        return None
 
 
 # --- YAML with positions -------------------------------------------------------------------------------------
@@ -213,9 +267,10 @@ def _load_raw(file: Path, chain: tuple[Path, ...]) -> tuple[dict, Marks]:
     merged_marks = dict(base_marks)
     merged_marks.update(marks)
     # A relative model path is relative to the file that wrote it, not to the file that extends it.
-    base_model = base.get("model")
-    if isinstance(base_model, dict) and isinstance(base_model.get("path"), str):
-        base = _merge(base, {"model": {"path": str((base_file.parent / base_model["path"]).resolve())}})
+    for section in ("model", "port"):
+        value = base.get(section)
+        if isinstance(value, dict) and isinstance(value.get("path"), str):
+            base = _merge(base, {section: {"path": str((base_file.parent / value["path"]).resolve())}})
     return _merge(base, data), merged_marks
 
 

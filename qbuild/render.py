@@ -77,14 +77,40 @@ def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
         nodes.append({"id": nid, "kind": node.kind, "name": node.name, "recipes": sorted(node.recipes),
                       "key": st.key, "deps": dict(sorted(node.deps.items())), "status": st.status, "why": st.why,
                       "params": node.params, "est_out_bytes": node.est_out_bytes,
-                      "est_peak_bytes": node.est_peak_bytes})
+                      "est_peak_bytes": node.est_peak_bytes, "neuron_cores": node.neuron_cores})
         if node.kind == "compile" and node.params.get("backend") == "neuron":
+            nodes[-1]["neffs"] = node.neffs
             from .backends.neuron import neuron_config
 
             nodes[-1]["neuron_config"] = neuron_config(node.params)
-    recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "nodes": dict(sorted(pr.nodes.items()))}
+    recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "backend": pr.loaded.recipe.backend,
+                      "port": _port_json(pr), "nodes": dict(sorted(pr.nodes.items()))}
                for name, pr in plan.recipes.items()}
     return {"version": 1, "recipes": recipes, "nodes": nodes}
+
+
+def _port_json(pr) -> dict | None:
+    """The port a neuron recipe resolves to: lineage, module and class names, and where its source is found."""
+    r = pr.loaded.recipe
+    if r.backend != "neuron":
+        return None
+    from .ports import lineage_for
+
+    lineage = lineage_for(pr.arch.family, r.port.lineage)
+    where = pr.loaded.port_dir
+    return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
+            "config_class": lineage.config_class, "vision_module": lineage.vision_module,
+            "path": str(where) if where else None, "found": bool(where and where.is_dir())}
+
+
+def serve_text(serve: dict) -> None:
+    """The lines that serve a pulled neuron bundle with vLLM: data, so on stdout."""
+    import shlex
+
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(serve["env"].items()))
+    print("# register the port's class with NxDI in every vLLM process (e.g. from a sitecustomize.py):")
+    print(f"#   {serve['register']}")
+    print(f"{env} {shlex.join(serve['command'])}")
 
 
 def result_json(plan: Plan, result: BuildResult) -> dict:
@@ -93,7 +119,7 @@ def result_json(plan: Plan, result: BuildResult) -> dict:
 
     return {"ok": result.ok, "built": names(result.built), "cached": names(result.cached),
             "failed": {plan.nodes[n].name: e for n, e in sorted(result.failed.items())},
-            "skipped": names(result.skipped),
+            "skipped": names(result.skipped), "deferred": names(result.deferred),
             "bundles": {name: result.manifests[pr.bundle].digest if pr.bundle in result.manifests else None
                         for name, pr in sorted(plan.recipes.items())}}
 
@@ -162,6 +188,8 @@ class BuildProgress:
         took = time.monotonic() - self.started
         msg = (f"{len(result.built)} built, {len(result.cached)} cached, {len(result.failed)} failed, "
                f"{len(result.skipped)} skipped in {took:.1f}s")
+        if result.deferred:
+            msg += f"; {len(result.deferred)} left unbuilt (--skip-device)"
         console_err().print(msg, markup=False, highlight=False)
 
 

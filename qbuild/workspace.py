@@ -26,6 +26,7 @@ class Workspace:
     lock_path: Path = Path("artifacts.lock")
     root: Path = field(default_factory=Path.cwd)
     stat_cache: StatCache = field(default_factory=default_stat_cache)
+    backend: str | None = None      # --backend: build every recipe on this backend instead of its own
 
     @property
     def store(self) -> LocalStore:
@@ -43,7 +44,7 @@ class Workspace:
         return [Path(f) for f in files]
 
     def load(self, files: list[str], all_: bool = False) -> list[LoadedRecipe]:
-        return [load_recipe(f) for f in self.recipe_files(files, all_)]
+        return [load_recipe(f).with_backend(self.backend) for f in self.recipe_files(files, all_)]
 
     def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
         plan = build_plan(recipes, self.stat_cache)

@@ -126,7 +126,15 @@ def test_plan_never_imports_torch_and_plans_shipped_recipes_offline(tmp_path):
     assert set(plan["recipes"]) == {"2b-tp8", "27b-tp4", "35b-a3b-tp8", "36-27b-fp8-128k", "coder-next-tp8-ep4"}
     # The 27B and 3.6-27B recipes differ in weights only through the model source.
     kinds = {n["kind"] for n in plan["nodes"]}
-    assert kinds == {"fetch", "convert", "shard", "compile", "package", "reference", "verify"}
+    assert kinds == {"fetch", "port", "convert", "shard", "compile", "package", "reference", "verify"}
+    # Every shipped recipe is a neuron build: one text compile with every bucket, one vision compile per bucket.
+    by_id = {n["id"]: n for n in plan["nodes"]}
+    for name, entry in plan["recipes"].items():
+        assert entry["backend"] == "neuron" and entry["port"]["lineage"] in ("main", "moe"), name
+        compiles = [by_id[nid] for role, nid in entry["nodes"].items() if role.startswith("compile")]
+        text = [n for n in compiles if n["params"]["graph"] == "text"]
+        assert len(text) == 1, name
+        assert text[0]["neffs"] == len(text[0]["params"]["cte_buckets"]) + len(text[0]["params"]["tkg_buckets"])
 
 
 def test_plan_tree_names_status_and_why(tmp_path, tiny_checkpoints):

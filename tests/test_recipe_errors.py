@@ -30,6 +30,15 @@ def _checkpoint(root: Path, repo: str, **overrides) -> Path:
     return d
 
 
+NEURON_BASE = """\
+text:
+  seq_len: 512
+  cte_buckets: [128, 512]
+backend: neuron
+toolchain: {neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492, neuronx_distributed_inference: 0.10.18399,
+            torch_neuronx: 2.9.0.2}
+"""
+
 CASES = {
     # name: (recipe text, the field the message must name)
     "yaml-syntax": ("model: {hf: Qwen/Qwen3.5-2B\ntext: [", "invalid YAML"),
@@ -61,6 +70,24 @@ CASES = {
     "bad-name": ("name: 'bad name!'\nmodel: {hf: Qwen/Qwen3.5-2B}\n" + BASE, "name"),
     "duplicate-key": ("model: {hf: Qwen/Qwen3.5-2B}\ndtype: float32\n" + BASE, "duplicate key"),
     "bad-target": ("model: {hf: Qwen/Qwen3.5-2B}\ncompiler: {target: trn9}\n" + BASE, "compiler.target"),
+    # neuron builds: a port that serves the recipe and a pinned SDK
+    "backend-auto-is-gone": ("model: {hf: Qwen/Qwen3.5-2B}\n" + BASE.replace("export", "auto"), "backend"),
+    "neuron-without-port": ("model: {hf: Qwen/Qwen3.5-2B}\n" + NEURON_BASE, "port"),
+    "neuron-without-pins": ("model: {hf: Qwen/Qwen3.5-2B}\nport: {path: ./p}\n" + NEURON_BASE.split("toolchain")[0],
+                            "toolchain"),
+    "moe-lineage-for-dense": ("model: {hf: Qwen/Qwen3.5-2B}\nport: {lineage: moe, path: ./p}\n" + NEURON_BASE,
+                              "port.lineage"),
+    "main-lineage-for-coder-next": ("model: {hf: Qwen/Qwen3-Coder-Next}\nparallel: {tp: 8}\n"
+                                    "port: {lineage: main, path: ./p}\n" + NEURON_BASE, "port.lineage"),
+    "main-lineage-with-ep": ("model: {hf: Qwen/Qwen3.5-35B-A3B}\nparallel: {tp: 8, ep: 2}\nport: {path: ./p}\n"
+                             + NEURON_BASE, "parallel.ep"),
+    "moe-lineage-with-moe-tp": ("model: {hf: Qwen/Qwen3-Coder-Next}\nparallel: {tp: 8, ep: 2, moe_tp: 4}\n"
+                                "port: {path: ./p}\n" + NEURON_BASE, "parallel.moe_tp"),
+    "moe-lineage-with-vision": ("model: {hf: Qwen/Qwen3.5-35B-A3B}\nparallel: {tp: 8}\nvision: {buckets: [1024]}\n"
+                                "port: {lineage: moe, path: ./p}\n" + NEURON_BASE, "vision"),
+    "neuron-fp8-full": ("model: {hf: Qwen/Qwen3.5-27B}\nparallel: {tp: 8}\nfp8: full\nport: {path: ./p}\n"
+                        + NEURON_BASE, "fp8"),
+    "port-path-and-module": ("model: {hf: Qwen/Qwen3.5-2B}\nport: {path: ./p, module: x}\n" + NEURON_BASE, "port"),
 }
 
 

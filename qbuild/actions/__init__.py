@@ -14,9 +14,12 @@ import importlib.util
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..hashing import digest_bytes
+
+if TYPE_CHECKING:
+    from ..store import StoreSpec
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class RunContext:
     scratch: Path
     context: dict = field(default_factory=dict)   # non-key facts, e.g. where a local checkpoint lives
     log: Callable[[str], None] = print
+    store: "StoreSpec | None" = None               # the store the job builds into (e.g. for the Neuron compile cache)
 
 
 def _source_files(name: str) -> list[Path]:
@@ -94,12 +98,13 @@ def get(kind: str) -> ActionSpec:
 
 for _spec in (
     ActionSpec("fetch", f"{_SRC}.fetch:run", (f"{_SRC}.fetch",), ("huggingface_hub",)),
+    ActionSpec("port", f"{_SRC}.port:run", (f"{_SRC}.port",)),
     ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.convert"), ("safetensors", "torch")),
     ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.convert"), ("safetensors", "torch")),
+    # A neuron compile pins its toolchain in its params (the recipe's `toolchain`), which then replaces these.
     ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.backends", "qbuild.modeling",
-                                                  "qbuild.kernels"), ("torch",),
-               ("neuronx-cc", "neuronx-distributed-inference", "torch-neuronx")),
-    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.bundle")),
+                                                  "qbuild.kernels", "qbuild.ports"), ("torch",)),
+    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.bundle", "qbuild.backends.neuron")),
     ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference",), ("torch", "transformers")),
     ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.runtime", "qbuild.modeling",
                                                 "qbuild.kernels", "qbuild.backends"), ("torch",)),

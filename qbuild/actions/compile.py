@@ -1,9 +1,12 @@
-"""compile: one graph (a submodel at a bucket) of an architecture, on one backend. Reads no weights at all.
+"""compile: a recipe's compiled graphs on one backend.
 
-Output (CPU backends): <graph>-<bucket>.pt2 (torch.export program or AOTInductor package; weights are graph
-inputs) and <graph>-<bucket>.json (its call signature). Timings go to the log, never into outputs, so
-the same key gives byte-identical artifacts on any machine or executor. Neuron: NxDI's compiled artifacts and
-neuron_config.json under <graph>-<bucket>/.
+CPU backends (export, inductor): one graph, a submodel at one bucket, with no weights at all: <graph>-<bucket>.pt2
+(torch.export program or AOTInductor package; weights are graph inputs) and <graph>-<bucket>.json (its call
+signature). Timings go to the log, never into outputs, so the same key gives byte-identical artifacts on any machine.
+
+Neuron: the text node is NxDI's compiled directory of the whole text model (model.pt with every CTE and TKG bucket,
+NxDI's neuron_config.json, metaneff/); a vision node is one traced encoder, vision_encoder_<bucket>.pt, with the
+vision weights inlined (its input `converted`).
 """
 
 from __future__ import annotations
@@ -16,16 +19,14 @@ from ..backends import graph_file
 
 def run(ctx: RunContext) -> None:
     p = ctx.params
-    name = f"{p['graph']}-{p['bucket']}"
     if p["backend"] == "neuron":
-        from ..backends.neuron import compile_graph
-
-        compile_graph(p, ctx.out / name, ctx.scratch, ctx.log)
+        _neuron(ctx)
         return
     import torch
 
     from ..backends.export import export_graph
 
+    name = f"{p['graph']}-{p['bucket']}"
     traced = export_graph(p)
     signature = dict(traced.signature, backend=p["backend"])
     target = ctx.out / graph_file(p["graph"], p["bucket"])
@@ -39,3 +40,15 @@ def run(ctx: RunContext) -> None:
         raise ValueError(f"unknown backend {p['backend']!r}")
     (ctx.out / f"{name}.json").write_text(json.dumps(signature, indent=1, sort_keys=True))
     ctx.log(f"{name}: exported in {traced.seconds:.1f}s")
+
+
+def _neuron(ctx: RunContext) -> None:
+    from ..backends import neuron
+
+    p = ctx.params
+    cache = neuron.compile_cache_url(ctx.store)
+    if p["graph"] == "vision":
+        neuron.compile_vision(p, ctx.inputs["port"], ctx.inputs["converted"] / "vision" / "model.safetensors",
+                              ctx.out, ctx.scratch, cache, ctx.log)
+    else:
+        neuron.compile_text(p, ctx.inputs["port"], ctx.out, ctx.scratch, cache, ctx.log)

@@ -1,31 +1,34 @@
-"""The Neuron backend: recipe compile params -> an NxDI NeuronConfig, and the compile through the Neuron SDK.
+"""The Neuron backend: a recipe's compile params -> the NxDI port's configuration, and the compile through the SDK.
 
-`neuron_config(params)` is a pure function (no torch, no SDK): it is what `qbuild plan --json` shows for each
-compile node and what the unit tests pin against the configurations the public NxDI ports used (models.md).
-`compile_graph` is the real path; it needs neuronx_distributed_inference + torch_neuronx and, where they do not
-import, fails with one line naming the missing package.
+Facts about NxDI, NxD and the ports come from their public source; shared/reference/nxdi-api.md cites each one
+(NxDI main @ 4bcdc54, models/config.py @ c63afe0; NxD @ fbac349; the Qwen3.5 ports on main @ 4bcdc54, Coder-Next
+PR 170 @ 753c7f5, Qwen3.6-27B FP8 PR 173 @ 03db3ef). Where the code below depends on one, the comment names it.
 
-Each compile node builds one submodel at one bucket (context encoding at a CTE bucket, token generation at a TKG
-bucket, or the vision encoder at a patch bucket); the package step merges the per-node configs into the bundle's
-neuron_config.json with every bucket (`bundle_neuron_config`).
+- `neuron_config(params)` is pure (no torch, no SDK): `qbuild plan --json` shows it and the tests pin it.
+- `compile_text` runs ONE NxDI `compile()` for a recipe: NxDI always builds both submodels with every CTE and TKG
+  bucket into one `model.pt` (application_base.py); per-bucket reuse is the Neuron compile cache's job.
+- `compile_vision` traces the port's `CPUVisionModel` with the real vision weights, one bucket per node
+  (contrib/models/Qwen3.5-35B-A3B/test/integration/compile_vision_encoder.py @ 4bcdc54).
+Where the SDK does not import, the real paths fail with one line naming the missing package.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import json
+import os
+import shutil
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from ..errors import BuildError
-from . import hf_config
+from ..ports import LINEAGES, VISION_COMPILER_ARGS, Lineage
 
-# The ports' compiler defaults (nxdi-layout.md section 7); recipe flags are appended after them.
-DEFAULT_COMPILER_ARGS = ("--enable-saturate-infinity", "--enable-mixed-precision-accumulation",
-                         "--model-type transformer", "-O1", "--auto-cast=none")
-FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}
-SUBMODEL = {"cte": "context_encoding_model", "tkg": "token_generation_model", "vision": "vision_encoder"}
-# NxDI's BlockwiseMatmulConfig per MoE backend. shard_hidden is NxDI's default LNC=2 blockwise kernel
-# (_call_shard_hidden_kernel): it is selected by turning every alternative off explicitly, so a changed NxDI
-# default cannot silently switch the kernel.
+FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}   # PR 173 qwen36_27b_compile_fp8.py
+# NxDI's BlockwiseMatmulConfig per MoE backend (nxdi-api.md section 3). shard_hidden is NxD's LNC=2 default kernel
+# (_call_shard_hidden_kernel): it is selected by turning every alternative off, so a changed default cannot switch it.
 BLOCKWISE = {
     "shard_on_intermediate": {"use_shard_on_intermediate_dynamic_while": True},
     "torch_blockwise": {"use_torch_block_wise": True},
@@ -34,172 +37,365 @@ BLOCKWISE = {
     "shard_on_block": {"block_size": 128, "use_shard_on_block_dynamic_while": True,
                        "block_sharding_strategy": "PING_PONG"},
 }
-ROUTER = {"dtype": "float32", "act_fn": "softmax"}
 REQUIRED_PACKAGES = (("neuronx_distributed_inference", "neuronx-distributed-inference"),
+                     ("neuronx_distributed", "neuronx-distributed"),
                      ("torch_neuronx", "torch-neuronx"))
-
-# FP8 policy, as qbuild.convert.fp8 applies it (layer-relative NxDI module names; kept torch-free here).
-_MLP_MODULES = {"dense": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-                "moe": ("mlp.moe.expert_mlps.mlp_op.gate_up_proj", "mlp.moe.expert_mlps.mlp_op.down_proj",
-                        "mlp.shared_gate_proj", "mlp.shared_up_proj", "mlp.shared_down_proj")}
-_MOE_FLOAT_MODULES = ("mlp.moe.router.linear_router", "mlp.shared_expert_gate")
-_ATTN_QUANTISED = ("self_attn.q_proj", "self_attn.output_gate_proj", "self_attn.k_proj", "self_attn.v_proj",
-                   "self_attn.o_proj")
-_DELTANET_QUANTISED = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.out_proj")
-_DELTANET_FLOAT = ("linear_attn.in_proj_a", "linear_attn.in_proj_b")
-
-
-def compiler_args(flags: list[str] | tuple[str, ...]) -> str:
-    return " ".join((*DEFAULT_COMPILER_ARGS, *flags))
-
-
-def _layer_modules(text: dict, layer: int, fused_qkv: bool) -> list[tuple[str, bool]]:
-    """(module, quantisable under "full") of one layer's linear modules; MLP modules are handled separately."""
-    if text["layer_types"][layer] == "full_attention":
-        attn = [m for m in _ATTN_QUANTISED if not (fused_qkv and m.split(".")[1] in ("q_proj", "k_proj", "v_proj"))]
-        if fused_qkv:
-            attn.insert(0, "self_attn.Wqkv")
-        return [(m, True) for m in attn]
-    return [(m, True) for m in _DELTANET_QUANTISED] + [(m, False) for m in _DELTANET_FLOAT]
+# FP8 mlp_only as PR 173 builds it (`_mlp_only_modules_to_not_convert`): WHOLE modules, each with and without the
+# `model.` prefix, because NxD matches them as substrings of module paths (`self_attn.q_proj` would match nothing:
+# the real path is `self_attn.qkv_proj.q_proj`).
+_FP8_KEEP_TOP = ("embed_tokens", "lm_head", "norm", "rotary_emb")
+_FP8_KEEP_LAYER = ("self_attn", "linear_attn", "input_layernorm", "post_attention_layernorm")
+# PR 173 `_FP8_WLO_SKIP_PATTERNS`.
+FP8_SKIP_LAYOUT_OPTIMIZATION = (r".*\.scale$", r".*\.weight_scale$", r".*linear_attn\.conv1d_weight\.weight$")
+# Switches the ports read while tracing (contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py @ 4bcdc54 reads
+# QWEN36_*, USE_NKI*, DELTANET_*, ...; the Coder-Next script sets NEURON_CC_FLAGS). A compile sees only the
+# recipe's `port.env`, never the host's, so the compiled graph is a function of its key.
+PORT_ENV_PREFIXES = ("QWEN36_", "USE_NKI", "DELTANET_", "USE_PYTORCH_CHUNK", "USE_NEWTON_RMSNORM",
+                     "USE_PYTHON_RMSNORM", "NEURON_CC_FLAGS")
+QBUILD_RECORD = "qbuild-neuron.json"   # qbuild's own record; NxDI's neuron_config.json is never touched
 
 
-def modules_to_not_convert(text: dict, policy: str, fused_qkv: bool) -> list[str]:
-    """Every linear module of the text model that stays in the compute dtype under an FP8 policy."""
-    moe = text["num_experts"] is not None
-    n = text["num_layers"]
-    keep = ["lm_head"]
-    for i in range(n):
-        for module, quantisable in _layer_modules(text, i, fused_qkv):
-            if not (policy == "full" and quantisable):
-                keep.append(f"layers.{i}.{module}")
-        if policy == "mlp_only" and i in (0, n - 1):
-            keep += [f"layers.{i}.{m}" for m in _MLP_MODULES["moe" if moe else "dense"]]
-        if moe:
-            keep += [f"layers.{i}.{m}" for m in _MOE_FLOAT_MODULES]
+# --- the pure translation ----------------------------------------------------------------------------------------
+
+def nxd_parallel(lineage: str, is_moe: bool, tp: int, ep: int) -> dict:
+    """NxDI's parallel degrees for a recipe's tp/ep, and the number of ranks (shard files, NeuronCores).
+
+    NxDI: world_size = tp_degree * pp_degree * ep_degree (models/config.py). The moe lineage runs expert parallelism
+    the way Coder-Next validated it: ep_degree = moe_ep_degree = ep, moe_tp_degree = tp (PR 170 README), so ep
+    multiplies the ranks. The main lineage has no EP (qbuild.arch refuses ep > 1 there): moe_tp_degree = tp.
+    """
+    if lineage == "moe" and is_moe and ep > 1:
+        return {"tp_degree": tp, "ep_degree": ep, "moe_tp_degree": tp, "moe_ep_degree": ep, "world_size": tp * ep}
+    return {"tp_degree": tp, "ep_degree": 1, "moe_tp_degree": tp if is_moe else None,
+            "moe_ep_degree": 1 if is_moe else None, "world_size": tp}
+
+
+def modules_to_not_convert(num_layers: int) -> list[str]:
+    """FP8 mlp_only: every module but the MLPs of layers 1..L-2 stays in the model dtype (PR 173)."""
+    keep = []
+    for name in _FP8_KEEP_TOP:
+        keep += [name, f"model.{name}"]
+    for i in range(num_layers):
+        for prefix in ("layers", "model.layers"):
+            keep += [f"{prefix}.{i}.{m}" for m in _FP8_KEEP_LAYER]
+    for i in (0, num_layers - 1):
+        keep += [f"layers.{i}.mlp", f"model.layers.{i}.mlp"]
     return keep
 
 
-def _text_config(p: dict) -> tuple[str, dict]:
-    text, cte = p["text"], p["cte_buckets"] or [p["bucket"]]
+def compiler_args(lineage: Lineage, compiler: dict) -> str:
+    """What the app's get_compiler_args() returns: the port's own arguments, the target and LNC (which NxDI adds only
+    when get_compiler_args() returns None: model_wrapper.py), then the recipe's flags."""
+    return " ".join((*lineage.compiler_args, f"--target={compiler['target']}", f"--lnc={compiler['lnc']}",
+                     *compiler["flags"]))
+
+
+def _text_neuron_config(p: dict) -> tuple[str, dict, dict]:
+    """(NeuronConfig class, constructor kwargs, attributes set after construction) of a text compile."""
+    text, par = p["text"], p["parallel"]
     cfg = {
-        "tp_degree": p["tp"], "batch_size": p["batch_size"], "max_batch_size": p["batch_size"],
+        "tp_degree": par["tp_degree"], "batch_size": p["batch_size"], "max_batch_size": p["batch_size"],
         "ctx_batch_size": p["batch_size"], "tkg_batch_size": p["batch_size"],
-        "seq_len": p["seq_len"], "n_positions": p["seq_len"], "max_context_length": max(cte),
-        "torch_dtype": p["dtype"], "logical_nc_config": p["compiler"]["lnc"], "target": p["compiler"]["target"],
-        "fused_qkv": p["fused_qkv"], "enable_bucketing": True, "save_sharded_checkpoint": True,
-        "skip_sharding": True,  # qbuild's shard step writes the per-rank weights
+        "seq_len": p["seq_len"], "max_length": p["seq_len"], "max_context_length": max(p["cte_buckets"]),
+        "torch_dtype": p["dtype"], "logical_nc_config": p["compiler"]["lnc"], "fused_qkv": p["fused_qkv"],
+        # Both lists explicit: with one left None NxDI generates powers of two up to the max (autobucketing.py).
+        "enable_bucketing": True, "context_encoding_buckets": list(p["cte_buckets"]),
+        "token_generation_buckets": list(p["tkg_buckets"]),
+        # qbuild's shard step writes weights/ in NxD's format; load() reads them from there.
+        "save_sharded_checkpoint": True, "skip_sharding": True,
     }
-    if p["graph"] == "cte":
-        cfg["context_encoding_buckets"] = [p["bucket"]]
-    else:
-        cfg["token_generation_buckets"] = [p["bucket"]]
+    if par["ep_degree"] > 1:
+        cfg["ep_degree"] = par["ep_degree"]
+    attributes: dict = {}
     if p["fp8"] != "none":
-        cfg.update(quantized=True, quantization_type="per_channel_symmetric", quantization_dtype="f8e4m3",
-                   modules_to_not_convert=modules_to_not_convert(text, p["fp8"], p["fused_qkv"]))
+        cfg.update(quantized=True, quantized_checkpoints_path="weights", quantization_type="per_channel_symmetric",
+                   quantization_dtype="f8e4m3", kv_cache_quant=False, quantized_mlp_kernel_enabled=False,
+                   activation_quantization_type=None,
+                   modules_to_not_convert=modules_to_not_convert(text["num_layers"]),
+                   weights_to_skip_layout_optimization=list(FP8_SKIP_LAYOUT_OPTIMIZATION))
     if text["num_experts"] is None:
-        return "NeuronConfig", cfg
-    cfg.update(moe_tp_degree=p["moe_tp"], moe_ep_degree=p["ep"], router_config=dict(ROUTER),
-               normalize_top_k_affinities=True, blockwise_matmul_config=dict(BLOCKWISE[p["moe_backend"]]))
-    return "MoENeuronConfig", cfg
-
-
-def _vision_config(p: dict) -> dict:
-    # The vision encoder is compiled unsharded (the ports' default): one traced module per patch bucket.
-    return {"tp_degree": 1, "batch_size": 1, "torch_dtype": p["dtype"], "logical_nc_config": p["compiler"]["lnc"],
-            "target": p["compiler"]["target"], "buckets": [p["bucket"]]}
+        return "NeuronConfig", cfg, attributes
+    cfg.update(moe_tp_degree=par["moe_tp_degree"], moe_ep_degree=par["moe_ep_degree"],
+               blockwise_matmul_config=dict(BLOCKWISE[p["moe_backend"]], logical_nc_config=p["compiler"]["lnc"]))
+    # Router in fp32 with softmax, set as attributes after construction as the ports do (run_text_smoke.py @ 4bcdc54;
+    # the moe lineage's config sets them itself). MoENeuronConfig has no normalize_top_k_affinities argument.
+    attributes = {"router_config.dtype": "float32", "router_config.act_fn": "softmax"}
+    return "MoENeuronConfig", cfg, attributes
 
 
 def neuron_config(params: dict) -> dict:
-    """The NxDI configuration of one compile node, from its planned params (pure; no torch, no SDK).
+    """The NxDI configuration of one neuron compile node, from its planned params (pure; no torch, no SDK)."""
+    lineage = LINEAGES[params["lineage"]]
+    if params["graph"] == "vision":
+        return {"lineage": lineage.name, "module": lineage.vision_module, "model_class": "CPUVisionModel",
+                "bucket": params["bucket"], "file": vision_file(params["bucket"]),
+                "compiler_args": " ".join((*VISION_COMPILER_ARGS, f"--target={params['compiler']['target']}",
+                                           f"--lnc={params['compiler']['lnc']}", *params["compiler"]["flags"])),
+                "env": dict(params["port_env"]), "neffs": 1}
+    cls, cfg, attributes = _text_neuron_config(params)
+    env = dict(FP8_ENV) if params["fp8"] != "none" else {}
+    env.update(params["port_env"])
+    env.update(NEURON_PLATFORM_TARGET_OVERRIDE=params["compiler"]["target"],
+               NEURON_LOGICAL_NC_CONFIG=str(params["compiler"]["lnc"]))
+    return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
+            "config_class": lineage.config_class, "neuron_config_class": cls, "neuron_config": cfg,
+            "attributes": attributes, "compiler_args": compiler_args(lineage, params["compiler"]), "env": env,
+            "buckets": {"context_encoding": cfg["context_encoding_buckets"],
+                        "token_generation": cfg["token_generation_buckets"]},
+            "neffs": len(cfg["context_encoding_buckets"]) + len(cfg["token_generation_buckets"]),
+            "ranks": params["parallel"]["world_size"]}
 
-    Returns {"config_class", "neuron_config" (the NeuronConfig / MoENeuronConfig fields), "submodel", "bucket",
-    "compiler_args", "env"}.
+
+def vision_file(bucket: int) -> str:
+    """The name the port's NeuronQwen35VisionModelWrapper.load_compiled(dir) globs for (vision_encoder_<bucket>.pt)."""
+    return f"vision_encoder_{bucket}.pt"
+
+
+def neff_reuse(old: dict, new: dict) -> str | None:
+    """What the Neuron compile cache will reuse when a text compile's only change is its bucket lists (else None).
+
+    Each bucket's NEFF is cached under a hash of its HLO and flags (NxD trace/model_builder.py get_hash_module @
+    fbac349), and every bucket's HLO carries the weight layout chosen by token-generation bucket 0, the priority
+    model (model_builder.py _add_layout_optimization_to_remaining_hlo): so buckets added or removed cost one NEFF
+    each, unless token-generation bucket 0 itself changed, which recompiles everything.
     """
-    p = params
-    if p["compiler"] is None:
-        raise ValueError(f"compile params of backend {p['backend']!r} carry no Neuron compiler settings")
-    if p["graph"] == "vision":
-        cls, cfg = "NeuronConfig", _vision_config(p)
-    else:
-        cls, cfg = _text_config(p)
-    fp8 = p.get("fp8", "none") != "none" and p["graph"] != "vision"
-    return {"config_class": cls, "neuron_config": cfg, "submodel": SUBMODEL[p["graph"]], "bucket": p["bucket"],
-            "compiler_args": compiler_args(p["compiler"]["flags"]), "env": dict(FP8_ENV) if fp8 else {}}
+    rest = ("cte_buckets", "tkg_buckets")
+    if {k: v for k, v in old.items() if k not in rest} != {k: v for k, v in new.items() if k not in rest}:
+        return None
+    if old["tkg_buckets"][0] != new["tkg_buckets"][0]:
+        return (f"token-generation bucket 0 changed ({old['tkg_buckets'][0]} -> {new['tkg_buckets'][0]}): its weight "
+                f"layout feeds every bucket, so all {len(new['cte_buckets']) + len(new['tkg_buckets'])} NEFFs recompile")
+    added = [f"cte-{b}" for b in new["cte_buckets"] if b not in old["cte_buckets"]]
+    added += [f"tkg-{b}" for b in new["tkg_buckets"] if b not in old["tkg_buckets"]]
+    kept = len(new["cte_buckets"]) + len(new["tkg_buckets"]) - len(added)
+    return (f"{len(added)} new NEFF{'s' if len(added) != 1 else ''} ({', '.join(added) or 'none'}), {kept} reused from "
+            "the Neuron compile cache")
 
 
-def bundle_neuron_config(node_configs: list[dict]) -> dict:
-    """Merge the per-node configs of one recipe into the bundle's neuron_config.json (every bucket, sorted)."""
-    text = [c for c in node_configs if c["submodel"] != "vision_encoder"]
-    if not text:
-        raise ValueError("a bundle needs at least one text graph")
-    merged = {k: v for k, v in text[0]["neuron_config"].items()
-              if k not in ("context_encoding_buckets", "token_generation_buckets")}
-    merged["context_encoding_buckets"] = sorted(c["bucket"] for c in text if c["submodel"] == SUBMODEL["cte"])
-    merged["token_generation_buckets"] = sorted(c["bucket"] for c in text if c["submodel"] == SUBMODEL["tkg"])
-    vision = sorted(c["bucket"] for c in node_configs if c["submodel"] == "vision_encoder")
-    return {"config_class": text[0]["config_class"], "neuron_config": merged, "vision_buckets": vision,
-            "compiler_args": text[0]["compiler_args"], "env": text[0]["env"]}
-
-
-# --- the real compile (Neuron SDK) -----------------------------------------------------------------------------
+# --- the real compile (Neuron SDK) --------------------------------------------------------------------------------
 
 def require_sdk() -> None:
     """Raise one line naming the first Neuron SDK package that does not import here."""
     for module, dist in REQUIRED_PACKAGES:
         if importlib.util.find_spec(module) is None:
             raise BuildError(f"backend neuron: the Neuron SDK is not installed here ({dist} / `import {module}` "
-                             "failed); build on a Neuron host, or set `backend: inductor` in the recipe")
+                             "failed); build on a Neuron host, or pass --backend inductor for a CPU proof")
 
 
-def compile_graph(params: dict, out: Path, scratch: Path, log) -> dict:
-    """Compile one submodel x bucket with NxDI into `out` (nxdi-layout.md section 7). Returns the node config.
+def _matches(installed: str, pin: str) -> bool:
+    # Wheels carry a local suffix (0.10.18399+ed62453e: NxDI setup.py get_version @ c63afe0); a pin may name a
+    # prefix of the release (2.25.3371 for 2.25.3371.0).
+    public = installed.split("+", 1)[0]
+    return public == pin or public.startswith(pin + ".")
 
-    The NEFF takes its weights as inputs, so the compile needs the architecture only: an HF config.json is
-    written from the allow-listed fingerprint in `params` (never from a checkpoint), and the family's NxDI port
-    (QBUILD_NXDI_PORT="module:ModelClass:ConfigClass", else the ports' names) builds the application.
+
+def check_toolchain(pins: dict) -> None:
+    """Raise one line where an installed SDK package differs from the recipe's pin (keys are made from the pins)."""
+    for dist, pin in sorted(pins.items()):
+        try:
+            installed = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            raise BuildError(f"backend neuron: {dist} is not installed here; the recipe pins {dist} {pin}") from None
+        if not _matches(installed, pin):
+            raise BuildError(f"backend neuron: {dist} {installed} is installed, the recipe pins {pin} (toolchain."
+                             f"{dist.replace('-', '_')}); use the pinned SDK or change the pin")
+
+
+def compile_cache_url(store) -> str:
+    """The Neuron persistent compile cache a build uses: a qbuild-owned folder of the store, or the remote's prefix
+    (NEURON_COMPILE_CACHE_URL accepts s3:// URLs: aws-neuron-sdk neuron-caching.rst @ 539a73c5)."""
+    if store is None:
+        raise BuildError("backend neuron: no store to keep the Neuron compile cache in")
+    if store.remote:
+        return store.remote.rstrip("/") + "/neuron-compile-cache"
+    return str(Path(store.local) / "neuron-compile-cache")
+
+
+def work_dir(params: dict) -> Path:
+    """BASE_COMPILE_WORK_DIR of a compile: the same absolute path on every host and every run of an architecture.
+
+    trace() wipes it (model_builder.py @ fbac349), so concurrent compiles each need their own; and NxD hashes a
+    `--logfile=<absolute work dir>/...` flag into every NEFF's compile-cache key, so a path that changed with the
+    buckets would make every bucket miss. The folder is therefore named by the params without the bucket lists,
+    and held under a file lock while a compile uses it.
     """
+    from ..hashing import digest_json
+
+    stable = {k: v for k, v in params.items() if k not in ("cte_buckets", "tkg_buckets")}
+    root = Path(os.environ.get("QBUILD_NEURON_WORKDIR", "/tmp/qbuild-nxd"))
+    return root / f"{params['graph']}-{digest_json(stable)[:16]}"
+
+
+@contextmanager
+def _locked(path: Path):
+    from filelock import FileLock
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        yield path
+
+
+def _run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
+    """Run one SDK operation in a fresh interpreter (qbuild.backends.neuron_sdk), so that the environment NxD reads at
+    import (NEURON_LOGICAL_NC_CONFIG, BASE_COMPILE_WORK_DIR, ...) and the port on sys.path are this node's alone."""
+    import subprocess
+
+    cwd.mkdir(parents=True, exist_ok=True)
+    req = cwd / f"{op}-request.json"
+    res = cwd / f"{op}-result.json"
+    req.write_text(json.dumps(request, indent=1, sort_keys=True))
+    base = {k: v for k, v in os.environ.items() if not k.startswith(PORT_ENV_PREFIXES)}
+    proc = subprocess.run([sys.executable, "-m", "qbuild.backends.neuron_sdk", op, str(req), str(res)],
+                          cwd=cwd, env={**base, **env}, capture_output=True, text=True)
+    for line in (proc.stdout + proc.stderr).splitlines()[-200:]:
+        log(line)
+    if proc.returncode != 0:
+        last = next((line for line in reversed(proc.stderr.splitlines()) if line.strip()), "no output")
+        raise BuildError(f"backend neuron: {op} failed: {last.removeprefix('error: ')}")
+    return json.loads(res.read_text())
+
+
+def compile_text(params: dict, port: Path, out: Path, scratch: Path, cache_url: str, log) -> dict:
+    """ONE NxDI compile of a recipe's text model: `out` becomes NxDI's compiled directory (model.pt and NxDI's own
+    neuron_config.json), plus metaneff/ (each NEFF's expected weights) and qbuild-neuron.json."""
     require_sdk()
-    import json
-    import os
-
+    check_toolchain(params["toolchain"])
     cfg = neuron_config(params)
-    os.environ.update(cfg["env"])
-    os.environ["NEURON_CC_FLAGS"] = cfg["compiler_args"]
-    from neuronx_distributed_inference.models import config as nxdi_config
-    from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
-
-    model_dir = scratch / "model"
+    lineage = LINEAGES[params["lineage"]]
+    model_dir = scratch / "hf"
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(hf_config(params), indent=1, sort_keys=True))
-    nc = getattr(nxdi_config, cfg["config_class"])(**cfg["neuron_config"])
-    model_cls, config_cls = _port_classes(params)
-    app = model_cls(str(model_dir), config_cls(nc, load_config=load_pretrained_config(str(model_dir))))
-    out.mkdir(parents=True, exist_ok=True)
-    app.compile(str(out))
-    (out / "neuron_config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
-    log(f"neuron: compiled {cfg['submodel']} bucket {cfg['bucket']}")
+    (model_dir / "config.json").write_text(json.dumps(inference_kwargs(params), indent=1, sort_keys=True))
+    with _locked(work_dir(params)) as wd:
+        env = {**cfg["env"], "BASE_COMPILE_WORK_DIR": f"{wd}/", "NEURON_COMPILE_CACHE_URL": cache_url}
+        _run_sdk("text", {"config": cfg, "kwargs": inference_kwargs(params), "port": str(lineage.module_dir(port)),
+                          "model_dir": str(model_dir), "out": str(out), "work_dir": str(wd)}, env, scratch, log)
+    write_record(out, {"params": params, "config": cfg})
+    log(f"neuron: compiled {cfg['neffs']} NEFFs into model.pt ({cfg['app_class']})")
     return cfg
 
 
-# The public ports' module and class names, per family and submodel.
-_PORTS = {("qwen3_5", "text"): "modeling_qwen35:NeuronQwen35ForCausalLM:Qwen35InferenceConfig",
-          ("qwen3_5_moe", "text"): "modeling_qwen35:NeuronQwen35ForCausalLM:Qwen35InferenceConfig",
-          ("qwen3_next", "text"): "modeling_qwen3_next:NeuronQwen3NextForCausalLM:Qwen3NextInferenceConfig",
-          ("vision", "vision"): "modeling_qwen35_vision:NeuronQwen35VisionModel:Qwen35VisionInferenceConfig"}
+def compile_vision(params: dict, port: Path, weights: Path, out: Path, scratch: Path, cache_url: str, log) -> dict:
+    """Trace the port's CPUVisionModel at one patch bucket with the real weights inlined -> vision_encoder_<b>.pt."""
+    require_sdk()
+    check_toolchain(params["toolchain"])
+    cfg = neuron_config(params)
+    lineage = LINEAGES[params["lineage"]]
+    with _locked(work_dir(params)) as wd:
+        _run_sdk("vision", {"config": cfg, "vision": params["vision"], "dtype": params["dtype"],
+                            "module": lineage.vision_module, "port": str(lineage.module_dir(port)),
+                            "weights": str(weights), "out": str(out / cfg["file"]), "work_dir": str(wd)},
+                 {**cfg["env"], "NEURON_COMPILE_CACHE_URL": cache_url,
+                  "NEURON_PLATFORM_TARGET_OVERRIDE": params["compiler"]["target"]}, scratch, log)
+    write_record(out, {"params": params, "config": cfg}, name=f"qbuild-vision-{params['bucket']}.json")
+    log(f"neuron: traced the vision encoder at bucket {params['bucket']}")
+    return cfg
 
 
-def _port_classes(params: dict):
-    import importlib
-    import os
+def inference_kwargs(params: dict) -> dict:
+    """The port InferenceConfig's kwargs: the text config FLATTENED (NxDI's load_pretrained_config leaves text_config
+    nested, and both ports require the text fields at the top: get_required_attributes of Qwen35InferenceConfig and
+    Qwen35MoeInferenceConfig), with the RoPE fields and pad token the ports' scripts add (run_text_smoke.py @ 4bcdc54)."""
+    from ..arch import Arch
 
-    key = ("vision", "vision") if params["graph"] == "vision" else (params["text"]["family"], "text")
-    spec = os.environ.get("QBUILD_NXDI_PORT") or _PORTS[key]
-    module, model_cls, config_cls = spec.split(":")
-    if importlib.util.find_spec(module) is None:
-        raise BuildError(f"backend neuron: the NxDI port module `{module}` is not importable; put the port's src/ "
-                         "on PYTHONPATH or set QBUILD_NXDI_PORT=module:ModelClass:ConfigClass")
-    mod = importlib.import_module(module)
-    try:
-        return getattr(mod, model_cls), getattr(mod, config_cls)
-    except AttributeError as e:
-        raise BuildError(f"backend neuron: port module `{module}` has no {e.name}") from None
+    arch = Arch.from_fingerprint(params["text"])
+    hf = arch.to_hf_config()
+    text = dict(hf.get("text_config", hf))
+    rope = text.get("rope_parameters", {})
+    for key in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+        if key in rope:
+            text[key] = rope[key]
+    text["pad_token_id"] = params["pad_token_id"]
+    if params["lineage"] == "main":
+        text["use_hybrid_cache_manager"] = False
+    return text
+
+
+def write_record(out: Path, doc: dict, name: str = QBUILD_RECORD) -> None:
+    (out / name).write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n")
+
+
+# --- checking shards against what the compiled model expects -------------------------------------------------------
+
+def expected_weights(compiled: Path) -> dict[str, tuple[int, ...]] | None:
+    """{checkpoint key: per-rank shape} of the compiled model's INPUT_WEIGHT inputs, read from the metaneff.pb files
+    the compile kept (torch_neuronx.proto.metaneff_pb2.MetaNeff; NxD trace/hlo_utils.py get_input_order @ fbac349).
+    None where torch_neuronx is not installed (the check runs on hosts with the SDK)."""
+    if importlib.util.find_spec("torch_neuronx") is None:
+        return None
+    from torch_neuronx.proto import metaneff_pb2
+
+    expected: dict[str, tuple[int, ...]] = {}
+    for path in sorted((compiled / "metaneff").rglob("*.pb")):
+        meta = metaneff_pb2.MetaNeff()
+        meta.ParseFromString(path.read_bytes())
+        for tensor in meta.input_tensors:
+            if tensor.type == metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT:
+                expected[tensor.checkpoint_key.decode()] = tuple(tensor.shape)
+    return expected
+
+
+def check_shards(expected: dict[str, tuple[int, ...]], shard: Path) -> None:
+    """Raise one line naming the first weight the compiled model expects that a rank's shard lacks or shapes
+    differently (every rank holds the same names and per-rank shapes)."""
+    from ..convert.safetensors_io import read_header
+
+    header = read_header(shard, shard.name)
+    extra = sorted(set(header) - set(expected))
+    if extra:
+        raise BuildError(f"{shard.name}: {extra[0]}: the shard holds it and the compiled model takes no such weight")
+    for name, shape in sorted(expected.items()):
+        entry = header.get(name)
+        if entry is None:
+            raise BuildError(f"{shard.name}: {name}: the compiled model expects it and the shard has no such tensor")
+        if tuple(entry.shape) != shape:
+            raise BuildError(f"{shard.name}: {name}: shape {list(entry.shape)}, the compiled model expects "
+                             f"{list(shape)}")
+
+
+# --- running a bundle (verify) -------------------------------------------------------------------------------------
+
+def run_bundle(bundle: Path, port: Path, prompts: list[list[int]], new_tokens: int, scratch: Path, log):
+    """Load a neuron bundle with its port's class on this host's NeuronCores and generate greedily on each prompt.
+    Returns (greedy tokens per prompt, {"prompt<i>": first-step logits (1, V)})."""
+    from safetensors.torch import load_file
+
+    require_sdk()
+    record = json.loads((bundle / QBUILD_RECORD).read_text())
+    cfg, params = record["config"], record["params"]
+    lineage = LINEAGES[cfg["lineage"]]
+    logits = scratch / "logits.safetensors"
+    res = _run_sdk("verify", {"port": str(lineage.module_dir(port)), "module": lineage.text_module,
+                              "app_class": lineage.app_class, "bundle": str(bundle), "prompts": prompts,
+                              "new_tokens": new_tokens, "pad_token_id": params["pad_token_id"] or 0,
+                              "logits": str(logits)},
+                   cfg["env"], scratch, log)
+    return res["greedy"], load_file(logits)
+
+
+# --- serving a pulled bundle with vLLM ----------------------------------------------------------------------------
+
+def serve_instructions(bundle: Path, manifest: dict) -> dict:
+    """The environment and command line that serve a pulled neuron bundle with vLLM's Neuron plugin.
+
+    vllm-neuron loads a precompiled directory only through NEURON_COMPILED_ARTIFACTS (otherwise it recompiles
+    under <model>/neuron-compiled-artifacts: vllm_neuron/worker/neuronx_distributed_model_loader.py @ a5ef7c8, and
+    the NxDI vLLM user guide), builds its config from --model's config.json, and finds the model class in NxDI's
+    MODEL_TYPES under the lower-cased architecture name before "For" (the Coder-Next port registers itself so:
+    vllm/register_model.py, PR 170). The values must match the compiled config: overrides are ignored on load.
+    """
+    record = json.loads((bundle / QBUILD_RECORD).read_text())
+    lineage = LINEAGES[record["config"]["lineage"]]
+    config = json.loads((bundle / "config.json").read_text())
+    arch = (config.get("architectures") or ["?For"])[0]
+    model_type = arch.split("For", 1)[0].lower()
+    env = {"NEURON_COMPILED_ARTIFACTS": str(bundle), "VLLM_PLUGINS": "neuron",
+           "VLLM_NEURON_FRAMEWORK": "neuronx-distributed-inference",
+           "PYTHONPATH": str(lineage.module_dir(bundle / "port")), **record["config"]["env"]}
+    batch = manifest["batch_size"]
+    command = ["vllm", "serve", str(bundle), "--tensor-parallel-size", str(manifest["ranks"]),
+               "--max-model-len", str(manifest["seq_len"]), "--max-num-seqs", str(batch),
+               "--num-gpu-blocks-override", str(batch)]
+    register = (f"from neuronx_distributed_inference.utils.constants import MODEL_TYPES; "
+                f"from {lineage.text_module} import {lineage.app_class}; "
+                f"MODEL_TYPES[{model_type!r}] = {{'causal-lm': {lineage.app_class}}}")
+    return {"env": env, "command": command, "register": register}

@@ -6,6 +6,7 @@ down, and so heavy imports (torch) happen once per worker, never in the planning
 
 from __future__ import annotations
 
+import glob
 import multiprocessing
 from concurrent.futures import Future, ProcessPoolExecutor
 
@@ -23,7 +24,15 @@ class LocalExecutor:
         return self._pool.submit(run_job, job)
 
     def capacity_check(self, node: Node) -> str | None:
+        if node.needs_device and not neuron_devices():
+            return (f"{node.name} runs on {node.neuron_cores} NeuronCores and this host has no Neuron device; "
+                    "run it on a trn host, or pass --skip-device to leave it unbuilt")
         return None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def neuron_devices() -> list[str]:
+    """The Neuron devices of this host (the driver's /dev/neuron<N> nodes)."""
+    return sorted(glob.glob("/dev/neuron[0-9]*"))

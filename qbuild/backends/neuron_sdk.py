@@ -1,0 +1,154 @@
+"""The part of the neuron backend that runs inside the Neuron SDK, one operation per fresh interpreter.
+
+    python -m qbuild.backends.neuron_sdk {text|vision|verify} REQUEST.json RESULT.json
+
+qbuild.backends.neuron prepares each request (pure data: the NxDI configuration, the flattened text config, the port
+directory) and sets the environment NxD reads at import; this module only calls the SDK and the port with it. Every
+call is the one the public ports make (cited per function); nothing here is imported by the planner.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _port_module(port: str, module: str):
+    # Main-lineage ports import `src.*` (the port directory on sys.path), moe-lineage ports import flat (src/ on it);
+    # the caller passes the directory each lineage needs (qbuild.ports.Lineage.module_dir).
+    sys.path.insert(0, port)
+    return importlib.import_module(module)
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def compile_text(req: dict) -> dict:
+    """One NxDI compile() with every CTE and TKG bucket -> <out>/model.pt and NxDI's <out>/neuron_config.json.
+
+    As contrib/models/Qwen3.5-35B-A3B/test/integration/run_text_smoke.py @ 4bcdc54 builds it: the NeuronConfig
+    (MoENeuronConfig for MoE), the router set to fp32 softmax as attributes, the port's InferenceConfig from the
+    flattened text fields, then `App(model_path, config).compile(out)`. The app is subclassed only to return the
+    recipe's compiler arguments from get_compiler_args(), which NxDI's ModelWrapper uses verbatim (model_wrapper.py
+    @ ef2731e).
+    """
+    from neuronx_distributed_inference.models.config import MoENeuronConfig, NeuronConfig
+
+    cfg = req["config"]
+    module = _port_module(req["port"], cfg["module"])
+    app_cls, config_cls = getattr(module, cfg["app_class"]), getattr(module, cfg["config_class"])
+    nc = (MoENeuronConfig if cfg["neuron_config_class"] == "MoENeuronConfig" else NeuronConfig)(**cfg["neuron_config"])
+    for dotted, value in cfg["attributes"].items():
+        owner, attr = dotted.rsplit(".", 1)
+        setattr(getattr(nc, owner), attr, _torch_dtype(value) if attr == "dtype" else value)
+    config = config_cls(neuron_config=nc, **req["kwargs"])
+    args = cfg["compiler_args"]
+
+    class App(app_cls):
+        def get_compiler_args(self):
+            return args
+
+    App.__name__ = App.__qualname__ = app_cls.__name__
+    app = App(req["model_dir"], config=config)
+    app.compile(req["out"])
+    _keep_metaneff(Path(req["work_dir"]), Path(req["out"]) / "metaneff")
+    return {"neffs": cfg["neffs"]}
+
+
+def _keep_metaneff(work_dir: Path, dst: Path) -> None:
+    """Copy each bucket's metaneff.pb (<work dir>/<tag>/_tp0_bk<i>/metaneff.pb: NxD model_builder.py @ fbac349)
+    before the next compile wipes the work dir: they name the weights the compiled model takes."""
+    for src in sorted(work_dir.glob("*/_tp0_bk*/metaneff.pb")):
+        target = dst / src.parent.parent.name / f"{src.parent.name}.pb"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, target)
+
+
+def compile_vision(req: dict) -> dict:
+    """torch_neuronx.trace of the port's CPUVisionModel at one bucket, weights inlined, saved with torch.jit.save.
+
+    As contrib/models/Qwen3.5-35B-A3B/test/integration/compile_vision_encoder.py @ 4bcdc54: example inputs
+    (hidden (S, hidden), mask (1, 1, S, S), cos and sin (S, head_dim)) in the model dtype. qbuild's converted vision
+    weights carry CPUVisionModel's own names (qbuild/convert/vision.py), so they load strictly; the patch and position
+    embeddings run on the host and stay out.
+    """
+    import torch
+    import torch_neuronx
+    from safetensors.torch import load_file
+
+    cfg, v = req["config"], req["vision"]
+    module = _port_module(req["port"], req["module"])
+    model = module.CPUVisionModel(SimpleNamespace(**v))
+    state = {k: t for k, t in load_file(req["weights"]).items() if not k.startswith(("patch_embed.", "pos_embed."))}
+    model.load_state_dict(state, strict=True)
+    dtype = _torch_dtype(req["dtype"])
+    model = model.to(dtype).eval()
+    s, hidden = cfg["bucket"], v["hidden_size"]
+    head_dim = hidden // v["num_heads"]
+    example = (torch.zeros((s, hidden), dtype=dtype), torch.zeros((1, 1, s, s), dtype=dtype),
+               torch.zeros((s, head_dim), dtype=dtype), torch.zeros((s, head_dim), dtype=dtype))
+    traced = torch_neuronx.trace(model, example, compiler_workdir=req["work_dir"],
+                                 compiler_args=cfg["compiler_args"].split())
+    Path(req["out"]).parent.mkdir(parents=True, exist_ok=True)
+    torch.jit.save(traced, req["out"])
+    return {"bucket": s}
+
+
+def verify(req: dict) -> dict:
+    """Load a bundle as NxDI's compiled directory and generate greedily on every prompt.
+
+    `App(dir).load(dir)` then `HuggingFaceGenerationAdapter(app).generate(...)` as the ports' run_text_smoke.py does;
+    scores come from generate's output_scores, the way NxDI's own accuracy check reads them (utils/accuracy.py
+    @ 4bcdc54). Returns the greedy tokens; the first step's logits are written beside the result.
+    """
+    import torch
+    from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    module = _port_module(req["port"], req["module"])
+    app = getattr(module, req["app_class"])(req["bundle"])
+    app.load(req["bundle"])
+    adapter = HuggingFaceGenerationAdapter(app)
+    n = req["new_tokens"]
+    gc = GenerationConfig(do_sample=False, pad_token_id=req["pad_token_id"], eos_token_id=None)
+    greedy, logits = [], {}
+    for i, ids in enumerate(req["prompts"]):
+        input_ids = torch.tensor([ids], dtype=torch.long)
+        out = adapter.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                               generation_config=gc)
+        greedy.append(out.sequences[0, len(ids):].tolist())
+        logits[f"prompt{i}"] = out.scores[0][0].float().unsqueeze(0).contiguous()
+    save_file(logits, req["logits"])
+    return {"greedy": greedy}
+
+
+OPS = {"text": compile_text, "vision": compile_vision, "verify": verify}
+
+
+def main(argv: list[str]) -> int:
+    op, request, result = argv
+    try:
+        out = OPS[op](json.loads(Path(request).read_text()))
+    except Exception as e:  # the parent reports the last stderr line as one line; the full log goes to the action log
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    Path(result).write_text(json.dumps(out, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

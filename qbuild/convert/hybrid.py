@@ -1,0 +1,30 @@
+"""The zero DeltaNet checkpoint banks the Qwen3.6-27B port's model takes as weights (prefix caching of the hybrid
+layers), which NxD's sharding never writes, so the port adds them to every shard after compile.
+
+Read from PR 173 @ 03db3ef, contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py
+(`_ensure_hybrid_checkpoint_weights`): per DeltaNet layer (numbered by its ordinal among the DeltaNet layers, not its
+layer number), `hybrid_gdn_checkpoint_cache.recurrent_slots.<i>` (slots, Hv/tp, dk, dv) in float32 and
+`hybrid_gdn_checkpoint_cache.conv_slots.<i>` (slots, conv_dim/tp, K - 1) in the model dtype, with
+slots = max_gdn_checkpoint_slots (8, Qwen35InferenceConfig's default).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_GDN_CHECKPOINT_SLOTS = 8
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def gdn_checkpoint_banks(arch, tp: int, dtype: str, slots: int = MAX_GDN_CHECKPOINT_SLOTS) -> dict[str, torch.Tensor]:
+    """{name: zeros} of one rank (every rank holds the same shapes)."""
+    local_v, local_k = arch.num_v_heads // tp, arch.num_k_heads // tp
+    conv_dim = 2 * local_k * arch.k_head_dim + local_v * arch.v_head_dim
+    gdn = [i for i, t in enumerate(arch.layer_types) if t == "linear_attention"]
+    out = {}
+    for idx in range(len(gdn)):
+        out[f"hybrid_gdn_checkpoint_cache.recurrent_slots.{idx}"] = torch.zeros(
+            (slots, local_v, arch.k_head_dim, arch.v_head_dim), dtype=torch.float32)
+        out[f"hybrid_gdn_checkpoint_cache.conv_slots.{idx}"] = torch.zeros(
+            (slots, conv_dim, arch.conv_kernel - 1), dtype=_DTYPES[dtype])
+    return out
