@@ -70,9 +70,19 @@ def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
 
 def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints):
     from qbuild.actions.compile import run
+    from qbuild.plan import neuron_text_params
+    from qbuild.store import StoreSpec
 
-    params = _params(tmp_path, tiny_checkpoints["qwen3_next"], "cte", 16, backend="neuron")
-    ctx = RunContext("compile", params, {}, tmp_path / "out", tmp_path / "scratch", log=lambda s: None)
+    f = tmp_path / "next.yaml"
+    f.write_text(f"model: {{path: {tiny_checkpoints['qwen3_next']}}}\nbackend: neuron\nport: {{path: ./port}}\n"
+                 "toolchain: {neuronx_cc: 2.25.3371, neuronx_distributed: 0.19.28492,\n"
+                 "            neuronx_distributed_inference: 0.10.17970, torch_neuronx: 2.9.0.2}\n"
+                 "text: {seq_len: 64, cte_buckets: [16]}\n")
+    loaded = load_recipe(f)
+    params = neuron_text_params(loaded, load_arch(loaded))
+    (tmp_path / "port").mkdir()
+    ctx = RunContext("compile", params, {"port": tmp_path / "port"}, tmp_path / "out", tmp_path / "scratch",
+                     log=lambda s: None, store=StoreSpec(local=str(tmp_path / "store")))
     ctx.out.mkdir()
     ctx.scratch.mkdir()
     with pytest.raises(BuildError) as err:

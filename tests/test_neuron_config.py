@@ -1,4 +1,5 @@
-"""The recipe -> NxDI NeuronConfig translation, pinned against the configurations of the public ports (models.md)."""
+"""The recipe -> NxDI configuration translation, pinned against the public ports' configurations (models.md,
+nxdi-api.md sections 1-3) and the facts read from NxDI's source (nxdi-api.md)."""
 
 from __future__ import annotations
 
@@ -11,119 +12,124 @@ from pathlib import Path
 import pytest
 
 from qbuild.arch import load_arch
-from qbuild.backends.neuron import (
-    DEFAULT_COMPILER_ARGS,
-    bundle_neuron_config,
-    compiler_args,
-    modules_to_not_convert,
-    neuron_config,
-)
-from qbuild.plan import compile_params
+from qbuild.backends.neuron import modules_to_not_convert, neff_reuse, neuron_config, nxd_parallel
+from qbuild.plan import neuron_text_params, neuron_vision_params
 from qbuild.recipe import load_recipe
 
-PORT_COMPILER_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer "
-                      "-O1 --auto-cast=none")
+# What each lineage's get_compiler_args() returns (nxdi-api.md section 1).
+MAIN_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
+             "--auto-cast=none")
+MOE_ARGS = MAIN_ARGS + " --internal-enable-dge-levels vector_dynamic_offsets"
+PINS = """toolchain: {neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492,
+            neuronx_distributed_inference: 0.10.18399, torch_neuronx: 2.9.0.2}
+"""
 
 
 def _recipe(tmp_path: Path, name: str, body: str):
     f = tmp_path / f"{name}.yaml"
-    f.write_text(textwrap.dedent(body))
+    f.write_text(textwrap.dedent(body) + "backend: neuron\nport: {path: ./port}\n" + PINS)
     loaded = load_recipe(f)
     return loaded, load_arch(loaded)
 
 
-def _configs(tmp_path, name, body) -> dict[str, dict]:
+def _text(tmp_path, name, body) -> dict:
     loaded, arch = _recipe(tmp_path, name, body)
-    r = loaded.recipe
-    graphs = [("cte", b) for b in r.text.cte_buckets] + [("tkg", b) for b in r.text.token_buckets]
-    graphs += [("vision", b) for b in (r.vision.buckets if r.vision else [])]
-    return {f"{g}-{b}": neuron_config(compile_params(loaded, arch, g, b)) for g, b in graphs}
+    return neuron_config(neuron_text_params(loaded, arch))
 
 
-def test_35b_a3b_tp8_shard_on_intermediate(tmp_path):
-    cfgs = _configs(tmp_path, "a3b", """
+def test_35b_a3b_tp8_one_compile_with_every_bucket(tmp_path):
+    cfg = _text(tmp_path, "a3b", """
         model: {hf: Qwen/Qwen3.5-35B-A3B}
-        backend: neuron
+        parallel: {tp: 8}
+        text: {seq_len: 512, cte_buckets: [128, 512]}
+    """)
+    assert (cfg["lineage"], cfg["module"], cfg["app_class"], cfg["config_class"]) == \
+        ("main", "src.modeling_qwen35", "NeuronQwen35ForCausalLM", "Qwen35InferenceConfig")
+    assert cfg["neuron_config_class"] == "MoENeuronConfig"
+    nc = cfg["neuron_config"]
+    # One compile builds both submodels with both explicit lists: NxDI never auto-generates a list here.
+    assert nc["enable_bucketing"] is True
+    assert nc["context_encoding_buckets"] == [128, 512] and nc["token_generation_buckets"] == [512]
+    assert cfg["neffs"] == 3 and cfg["ranks"] == 8
+    assert nc["tp_degree"] == 8 and nc["moe_tp_degree"] == 8 and nc["moe_ep_degree"] == 1
+    assert "ep_degree" not in nc
+    assert nc["batch_size"] == 1 and nc["seq_len"] == 512 and nc["torch_dtype"] == "bfloat16"
+    assert nc["max_context_length"] == 512 and nc["logical_nc_config"] == 2
+    assert nc["blockwise_matmul_config"] == {"use_shard_on_intermediate_dynamic_while": True, "logical_nc_config": 2}
+    # Router settings are attributes set after construction; normalize_top_k_affinities is no constructor field.
+    assert cfg["attributes"] == {"router_config.dtype": "float32", "router_config.act_fn": "softmax"}
+    assert "normalize_top_k_affinities" not in nc and "router_config" not in nc
+    # qbuild writes the shards; load() reads weights/ when save_sharded_checkpoint is set.
+    assert nc["save_sharded_checkpoint"] is True and nc["skip_sharding"] is True
+    assert "quantized" not in nc
+    assert cfg["compiler_args"] == MAIN_ARGS + " --target=trn2 --lnc=2"
+    assert cfg["env"] == {"NEURON_PLATFORM_TARGET_OVERRIDE": "trn2", "NEURON_LOGICAL_NC_CONFIG": "2"}
+
+
+def test_vision_is_one_traced_encoder_per_bucket(tmp_path):
+    loaded, arch = _recipe(tmp_path, "vl", """
+        model: {hf: Qwen/Qwen3.5-35B-A3B}
         parallel: {tp: 8}
         text: {seq_len: 512, cte_buckets: [512]}
         vision: {buckets: [1024, 4096]}
     """)
-    cte = cfgs["cte-512"]
-    assert cte["config_class"] == "MoENeuronConfig" and cte["submodel"] == "context_encoding_model"
-    nc = cte["neuron_config"]
-    assert nc["tp_degree"] == 8 and nc["moe_tp_degree"] == 8 and nc["moe_ep_degree"] == 1
-    assert nc["batch_size"] == 1 and nc["seq_len"] == 512 and nc["torch_dtype"] == "bfloat16"
-    assert nc["logical_nc_config"] == 2 and nc["context_encoding_buckets"] == [512]
-    assert nc["blockwise_matmul_config"] == {"use_shard_on_intermediate_dynamic_while": True}
-    assert nc["router_config"] == {"dtype": "float32", "act_fn": "softmax"}
-    assert nc["normalize_top_k_affinities"] is True
-    assert "quantized" not in nc and cte["env"] == {}
-    assert cte["compiler_args"] == PORT_COMPILER_ARGS
-    assert cfgs["tkg-512"]["neuron_config"]["token_generation_buckets"] == [512]
-    vis = cfgs["vision-4096"]
-    assert vis["submodel"] == "vision_encoder" and vis["neuron_config"]["buckets"] == [4096]
+    cfg = neuron_config(neuron_vision_params(loaded, arch, 4096))
+    assert cfg["module"] == "src.modeling_qwen35_vision" and cfg["model_class"] == "CPUVisionModel"
+    assert cfg["file"] == "vision_encoder_4096.pt" and cfg["neffs"] == 1
+    assert cfg["compiler_args"].startswith("--model-type=transformer --auto-cast=none -O1 "
+                                           "--enable-mixed-precision-accumulation")
 
 
-def test_coder_next_tp8_ep4_shard_on_block_fused_qkv(tmp_path):
-    cfgs = _configs(tmp_path, "next", """
+def test_coder_next_is_the_moe_lineage_with_ep_multiplying_the_ranks(tmp_path):
+    cfg = _text(tmp_path, "next", """
         model: {hf: Qwen/Qwen3-Coder-Next}
-        backend: neuron
-        parallel: {tp: 8, ep: 4, moe_tp: 2}
+        parallel: {tp: 8, ep: 4}
         fused_qkv: true
-        text: {seq_len: 1024, cte_buckets: [32]}
+        text: {seq_len: 1024, cte_buckets: [128]}
+        moe_backend: shard_on_block
     """)
-    nc = cfgs["cte-32"]["neuron_config"]
-    assert nc["tp_degree"] == 8 and nc["moe_ep_degree"] == 4 and nc["moe_tp_degree"] == 2
+    assert (cfg["module"], cfg["app_class"], cfg["config_class"]) == \
+        ("modeling_qwen35_moe", "NeuronQwen35MoeForCausalLM", "Qwen35MoeInferenceConfig")
+    nc = cfg["neuron_config"]
+    # Coder-Next's validated EP: ep_degree = moe_ep_degree, moe_tp_degree = tp (world = tp * ep).
+    assert nc["tp_degree"] == 8 and nc["ep_degree"] == 4 and nc["moe_ep_degree"] == 4 and nc["moe_tp_degree"] == 8
+    assert cfg["ranks"] == 32
     assert nc["fused_qkv"] is True
     assert nc["blockwise_matmul_config"] == {"block_size": 128, "use_shard_on_block_dynamic_while": True,
-                                             "block_sharding_strategy": "PING_PONG"}
-    assert nc["max_context_length"] == 32 and nc["seq_len"] == 1024
-    assert cfgs["tkg-1024"]["neuron_config"]["token_generation_buckets"] == [1024]
+                                             "block_sharding_strategy": "PING_PONG", "logical_nc_config": 2}
+    assert cfg["compiler_args"] == MOE_ARGS + " --target=trn2 --lnc=2"
 
 
-def test_36_27b_fp8_mlp_only_128k(tmp_path):
-    cfgs = _configs(tmp_path, "long", """
+def test_36_27b_fp8_mlp_only_as_the_fp8_port(tmp_path):
+    cfg = _text(tmp_path, "long", """
         model: {hf: Qwen/Qwen3.6-27B}
-        backend: neuron
         parallel: {tp: 4}
         fp8: mlp_only
-        text: {seq_len: 131072, cte_buckets: [512]}
+        text: {seq_len: 131072, cte_buckets: [512], tkg_buckets: [131072]}
         compiler: {target: trn2, flags: ["--internal-hlo2tensorizer-options=--verify-hlo=true"]}
     """)
-    cte, tkg = cfgs["cte-512"], cfgs["tkg-131072"]
-    nc = cte["neuron_config"]
-    assert cte["config_class"] == "NeuronConfig"
-    assert nc["tp_degree"] == 4 and nc["logical_nc_config"] == 2 and nc["seq_len"] == 131072
-    assert nc["context_encoding_buckets"] == [512] and nc["max_context_length"] == 512
-    assert tkg["neuron_config"]["token_generation_buckets"] == [131072]
-    assert nc["quantized"] is True and nc["quantization_type"] == "per_channel_symmetric"
-    assert nc["quantization_dtype"] == "f8e4m3"
-    assert cte["env"] == {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}
+    nc = cfg["neuron_config"]
+    assert cfg["neuron_config_class"] == "NeuronConfig"
+    assert nc["quantized"] is True and nc["quantized_checkpoints_path"]
+    assert nc["quantization_type"] == "per_channel_symmetric" and nc["quantization_dtype"] == "f8e4m3"
+    assert nc["kv_cache_quant"] is False
+    assert nc["weights_to_skip_layout_optimization"] == [r".*\.scale$", r".*\.weight_scale$",
+                                                         r".*linear_attn\.conv1d_weight\.weight$"]
     keep = set(nc["modules_to_not_convert"])
-    # mlp_only: the MLPs of layers 1..62 are FP8; the first and last layer's MLP, attention, DeltaNet, lm_head not.
-    assert {"lm_head", "layers.0.mlp.gate_proj", "layers.63.mlp.down_proj", "layers.3.self_attn.o_proj",
-            "layers.0.linear_attn.in_proj_qkv", "layers.1.linear_attn.in_proj_a"} <= keep
-    assert "layers.1.mlp.gate_proj" not in keep and "layers.62.mlp.up_proj" not in keep
-    assert cte["compiler_args"] == PORT_COMPILER_ARGS + " --internal-hlo2tensorizer-options=--verify-hlo=true"
+    # Whole modules, with and without the model. prefix; q_proj-style paths would match nothing in NxD.
+    assert {"layers.3.self_attn", "model.layers.3.self_attn", "layers.0.linear_attn", "layers.0.mlp",
+            "layers.63.mlp", "lm_head", "embed_tokens", "norm"} <= keep
+    assert "layers.1.mlp" not in keep and not any(m.endswith("q_proj") for m in keep)
+    assert cfg["env"]["XLA_HANDLE_SPECIAL_SCALAR"] == "1" and cfg["env"]["UNSAFE_FP8FNCAST"] == "1"
+    assert cfg["compiler_args"].endswith("--lnc=2 --internal-hlo2tensorizer-options=--verify-hlo=true")
+    assert nc["max_context_length"] == 512 and nc["token_generation_buckets"] == [131072]
     assert "moe_tp_degree" not in nc and "blockwise_matmul_config" not in nc
 
 
-def test_2b_tp8(tmp_path):
-    cfgs = _configs(tmp_path, "small", """
-        model: {hf: Qwen/Qwen3.5-2B}
-        backend: neuron
-        parallel: {tp: 8}
-        text: {seq_len: 512, cte_buckets: [128, 512]}
-        vision: {buckets: [1024, 4096]}
-    """)
-    nc = cfgs["cte-128"]["neuron_config"]
-    assert nc["tp_degree"] == 8 and nc["seq_len"] == 512 and nc["batch_size"] == 1
-    assert nc["max_context_length"] == 512 and nc["context_encoding_buckets"] == [128]
-    assert nc["logical_nc_config"] == 2 and nc["fused_qkv"] is False and "quantized" not in nc
-    merged = bundle_neuron_config(list(cfgs.values()))
-    assert merged["neuron_config"]["context_encoding_buckets"] == [128, 512]
-    assert merged["neuron_config"]["token_generation_buckets"] == [512]
-    assert merged["vision_buckets"] == [1024, 4096]
+def test_mlp_only_keeps_first_and_last_mlp():
+    keep = modules_to_not_convert(4)
+    assert "layers.0.mlp" in keep and "model.layers.3.mlp" in keep
+    assert "layers.1.mlp" not in keep and "layers.2.mlp" not in keep
 
 
 @pytest.mark.parametrize("backend,expected", [
@@ -132,42 +138,52 @@ def test_2b_tp8(tmp_path):
                       "use_shard_on_block_dynamic_while": False}),
 ])
 def test_other_moe_backends(tmp_path, backend, expected):
-    cfgs = _configs(tmp_path, backend, f"""
+    cfg = _text(tmp_path, backend, f"""
         model: {{hf: Qwen/Qwen3.5-35B-A3B}}
-        backend: neuron
         moe_backend: {backend}
         parallel: {{tp: 8}}
         text: {{seq_len: 512, cte_buckets: [512]}}
     """)
-    assert cfgs["cte-512"]["neuron_config"]["blockwise_matmul_config"] == expected
+    assert cfg["neuron_config"]["blockwise_matmul_config"] == {**expected, "logical_nc_config": 2}
 
 
-def test_fp8_full_and_fused_qkv_module_names():
-    text = {"num_layers": 4, "num_experts": None,
-            "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
-    full = modules_to_not_convert(text, "full", fused_qkv=True)
-    assert "layers.0.linear_attn.in_proj_b" in full and "layers.0.linear_attn.in_proj_qkv" not in full
-    assert not any("Wqkv" in m or "mlp." in m for m in full)
-    mlp_only = modules_to_not_convert(text, "mlp_only", fused_qkv=True)
-    assert "layers.3.self_attn.Wqkv" in mlp_only and "layers.3.self_attn.q_proj" not in mlp_only
-    assert compiler_args([]) == " ".join(DEFAULT_COMPILER_ARGS)
+def test_parallel_degrees_per_lineage():
+    assert nxd_parallel("main", True, 8, 1)["world_size"] == 8
+    assert nxd_parallel("moe", True, 8, 2) == {"tp_degree": 8, "ep_degree": 2, "moe_tp_degree": 8,
+                                                "moe_ep_degree": 2, "world_size": 16}
+    assert nxd_parallel("main", False, 4, 1)["moe_tp_degree"] is None
+
+
+def test_neff_reuse_says_what_adding_a_bucket_costs():
+    base = {"graph": "text", "cte_buckets": [128, 512], "tkg_buckets": [512], "tp": 8}
+    assert neff_reuse(base, {**base, "cte_buckets": [128, 256, 512]}) == \
+        "1 new NEFF (cte-256), 3 reused from the Neuron compile cache"
+    assert neff_reuse(base, {**base, "tp": 4}) is None
+    assert "all 3 NEFFs recompile" in neff_reuse(base, {**base, "tkg_buckets": [256]})
 
 
 def test_pure_function_imports_without_torch():
-    code = ("import sys, qbuild.backends.neuron as n; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print(n.compiler_args([]))")
+    code = ("import sys, qbuild.backends.neuron as n, qbuild.plan; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(n.nxd_parallel('main', False, 2, 1))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
 
-def test_plan_json_shows_neuron_config(tmp_path):
+def test_plan_json_shows_lineage_neffs_and_config(tmp_path):
     from tests.conftest import qbuild
 
     f = tmp_path / "a3b.yaml"
-    f.write_text("model: {hf: Qwen/Qwen3.5-35B-A3B}\nbackend: neuron\nparallel: {tp: 8}\n"
-                 "text: {seq_len: 512, cte_buckets: [512]}\n")
+    f.write_text("model: {hf: Qwen/Qwen3.5-35B-A3B}\nbackend: neuron\nparallel: {tp: 8}\nport: {path: ./port}\n"
+                 "text: {seq_len: 512, cte_buckets: [128, 512]}\nvision: {buckets: [1024]}\n" + PINS)
     proc = qbuild("plan", str(f), "--json", cwd=tmp_path, check=True)
-    nodes = json.loads(proc.stdout)["nodes"]
-    compiles = [n for n in nodes if n["kind"] == "compile"]
-    assert compiles and all(n["neuron_config"]["neuron_config"]["tp_degree"] == 8 for n in compiles)
-    assert all("neuron_config" not in n for n in nodes if n["kind"] != "compile")
+    doc = json.loads(proc.stdout)
+    port = doc["recipes"]["a3b"]["port"]
+    assert (port["lineage"], port["app_class"], port["found"]) == ("main", "NeuronQwen35ForCausalLM", False)
+    compiles = [n for n in doc["nodes"] if n["kind"] == "compile"]
+    text = [n for n in compiles if n["params"]["graph"] == "text"]
+    vision = [n for n in compiles if n["params"]["graph"] == "vision"]
+    assert len(text) == 1 and text[0]["neffs"] == 3 and text[0]["neuron_config"]["neuron_config"]["tp_degree"] == 8
+    assert len(vision) == 1 and set(vision[0]["deps"]) == {"port", "converted"}
+    verify = next(n for n in doc["nodes"] if n["kind"] == "verify")
+    assert verify["neuron_cores"] == 8
+    assert all(n["neuron_cores"] == 0 for n in doc["nodes"] if n["kind"] != "verify")

@@ -56,7 +56,8 @@ def task_resources(node: Node) -> TaskResources:
     """The Ray resources of one node's task, from the node's own estimates."""
     # Node has no CPU field yet; a planner that wants more than one core per step sets `num_cpus` on it.
     cpus = max(1, int(getattr(node, "num_cpus", 1)))
-    custom = {NEURON_RESOURCE: float(getattr(node, "neuron_cores", 1))} if node.needs_device else {}
+    # Only the steps that run on NeuronCores (verifying a neuron bundle) ask for them; a neuron compile needs none.
+    custom = {NEURON_RESOURCE: float(node.neuron_cores)} if node.needs_device else {}
     return TaskResources(cpus, max(0, int(node.est_peak_bytes)), custom)
 
 
