@@ -2,7 +2,10 @@
 
 Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json.
 
-Rank convention (world size = tp):
+Layouts: "cpu" (below) is the one qbuild's CPU reference model reads; "nxd-main" and "nxd-moe" are the files NxD's
+ModelBuilder.shard_checkpoint writes for the two port lineages, with NxD's names, splits and dtypes (nxd.py).
+
+Rank convention of the "cpu" layout (world size = tp):
 - Attention: q heads (q_proj, output_gate_proj) split contiguously; k/v heads split contiguously when tp <= nKV,
   else rank r holds kv head r * nKV // tp (replicated); o_proj split on its input dim; q/k_layernorm replicated.
   With fused_qkv, each rank's Wqkv = cat(its q, its k, its v) and the separate q/k/v keys are dropped.
@@ -30,38 +33,21 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Literal, Mapping
 
 import torch
 
-from qbuild.convert import attention, deltanet, moe
+from qbuild.convert import attention, deltanet, moe, nxd
 from qbuild.convert.checkpoint import dims_of, load_config
+from qbuild.convert.convert import DTYPES
 from qbuild.convert.dims import TextDims
 from qbuild.convert.errors import CheckpointError, ShardError
+from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, replicate, row
 from qbuild.convert.safetensors_io import Entry, MappedSources, PlannedFile, read_header
 from qbuild.convert.writer import SourceFiles, run_all, staged_directory, write_json
 
 FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    tp: int
-    ep: int = 1
-    fused_qkv: bool = False
-    pad_intermediate_to: int | None = None
-
-    @property
-    def moe_tp(self) -> int:
-        return self.tp // self.ep
-
-    def group(self, rank: int) -> int:
-        return rank // self.moe_tp
-
-    def moe_rank(self, rank: int) -> int:
-        return rank % self.moe_tp
 
 
 def check_layout(d: TextDims, p: ParallelLayout) -> None:
@@ -87,22 +73,6 @@ def check_layout(d: TextDims, p: ParallelLayout) -> None:
     if p.pad_intermediate_to is not None:
         need(d.moe, "pad_intermediate_to applies to MoE experts only")
         need(p.pad_intermediate_to >= 1, "pad_intermediate_to must be a positive integer")
-
-
-# Placements: a canonical tensor -> one tensor per rank.
-Placement = Callable[[torch.Tensor, TextDims, ParallelLayout], list[torch.Tensor]]
-
-
-def replicate(t, d, p):
-    return [t] * p.tp
-
-
-def column(t, d, p):
-    return list(t.chunk(p.tp, dim=0))
-
-
-def row(t, d, p):
-    return list(t.chunk(p.tp, dim=1))
 
 
 def kv_heads(t, d, p):
@@ -187,12 +157,6 @@ def placement_of(name: str, label: str) -> Placement:
     return chosen
 
 
-@dataclass(frozen=True)
-class ShardStep:
-    sources: tuple[str, ...]
-    fn: Callable[..., list[dict[str, torch.Tensor]]]  # (*tensors) -> per rank {name: tensor}
-
-
 def _single(name: str, place: Placement, d: TextDims, p: ParallelLayout) -> ShardStep:
     return ShardStep((name,), lambda t: [{name: x} for x in place(t, d, p)])
 
@@ -234,31 +198,54 @@ def shard_program(d: TextDims, names, p: ParallelLayout, label: str) -> list[Sha
     return steps
 
 
+Layout = Literal["cpu", "nxd-main", "nxd-moe"]
+LAYOUTS: tuple[str, ...] = ("cpu", nxd.NXD_MAIN, nxd.NXD_MOE)
+
+
+def layout_program(d: TextDims, names, p: ParallelLayout, layout: Layout, dtype: str | None,
+                   label: str) -> list[ShardStep]:
+    """The checked shard program of `layout`: ShardError for an unknown layout, a missing or unknown dtype (the
+    model dtype, required by the nxd layouts; the cpu layout keeps the converted dtypes) or an impossible split."""
+    if layout not in LAYOUTS:
+        raise ShardError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ShardError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if layout == "cpu":
+        check_layout(d, p)
+        return shard_program(d, names, p, label)
+    if dtype is None:
+        raise ShardError(f"layout {layout} needs dtype, the model dtype NxD casts every weight to")
+    lineage = nxd.LINEAGES[layout]
+    nxd.check_nxd_layout(d, p, lineage)
+    return nxd.nxd_program(d, names, p, lineage, DTYPES[dtype], label)
+
+
 def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int, ep: int = 1,
-                     fused_qkv: bool = False, pad_intermediate_to: int | None = None) -> list[dict[str, torch.Tensor]]:
+                     fused_qkv: bool = False, pad_intermediate_to: int | None = None, layout: Layout = "cpu",
+                     dtype: str | None = None) -> list[dict[str, torch.Tensor]]:
     """Converted NxDI text tensors -> one {name: tensor} per rank, in memory (same rules as shard_checkpoint)."""
     _, d, _ = dims_of(config, "config")
     p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to)
-    check_layout(d, p)
     ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    for step in shard_program(d, list(text), p, "<state dict>"):
+    for step in layout_program(d, list(text), p, layout, dtype, "<state dict>"):
         for r, outs in enumerate(step.fn(*(text[n] for n in step.sources))):
             ranks[r].update({n: t.clone() for n, t in outs.items()})
     return ranks
 
 
 def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_qkv: bool = False,
-                     pad_intermediate_to: int | None = None, workers: int = 1) -> dict:
+                     pad_intermediate_to: int | None = None, workers: int = 1, layout: Layout = "cpu",
+                     dtype: str | None = None) -> dict:
     """A convert_checkpoint output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < tp) and
-    dst/shard.json (returned). Streams one canonical tensor (or q/k/v trio) at a time; dst appears only when done."""
+    dst/shard.json (returned). Streams one canonical tensor (or q/k/v trio) at a time; dst appears only when done.
+    `layout` picks the rules (module docstring); `dtype` is the model dtype, required by the nxd layouts."""
     converted = Path(converted)
     config = load_config(converted / "config.json")
     _, d, _ = dims_of(config)
     p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to)
-    check_layout(d, p)
     located = _converted_tensors(converted / "text")
     label = "text/model.safetensors.index.json"
-    steps = shard_program(d, list(located), p, label)
+    steps = layout_program(d, list(located), p, layout, dtype, label)
     plans: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[] for _ in range(tp)]
     for step in steps:
         metas = [torch.empty(located[n][1].shape, dtype=located[n][1].torch_dtype, device="meta") for n in step.sources]
@@ -289,8 +276,8 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
             for f in files:
                 f.close()
             report = {
-                "format": FORMAT_VERSION, "tp": tp, "ep": ep, "moe_tp": p.moe_tp, "fused_qkv": fused_qkv,
-                "pad_intermediate_to": pad_intermediate_to,
+                "format": FORMAT_VERSION, "layout": layout, "dtype": dtype, "tp": tp, "ep": ep, "moe_tp": p.moe_tp,
+                "fused_qkv": fused_qkv, "pad_intermediate_to": pad_intermediate_to,
                 "files": [f.path.name for f in files],
                 "tensors_per_rank": len(plans[0]),
                 "bytes_per_rank": [sum(s.nbytes for s in f.slots.values()) for f in files],
