@@ -108,6 +108,8 @@ def _text_neuron_config(p: dict) -> tuple[str, dict, dict]:
         cfg["ep_degree"] = par["ep_degree"]
     attributes: dict = {}
     if p["fp8"] != "none":
+        # NeuronConfig asserts a path when quantized (config.py @ c63afe0); with skip_sharding nothing reads it at
+        # compile, and load() reads weights/ (save_sharded_checkpoint): it names the bundle's own FP8 shards.
         cfg.update(quantized=True, quantized_checkpoints_path="weights", quantization_type="per_channel_symmetric",
                    quantization_dtype="f8e4m3", kv_cache_quant=False, quantized_mlp_kernel_enabled=False,
                    activation_quantization_type=None,
