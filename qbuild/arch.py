@@ -545,6 +545,10 @@ def _validate_neuron(loaded: LoadedRecipe, arch: Arch) -> None:
     if r.fp8 == "full":
         _fail(loaded, "fp8", "a neuron build makes the FP8 port's mlp_only configuration (PR 173); full is for the "
                              "CPU backends")
+    if r.fp8 != "none" and arch.is_moe:
+        # The FP8 port is dense; NxD reads per-expert scales only as expert_wise_per_channel_symmetric, which no
+        # public port configures.
+        _fail(loaded, "fp8", f"no public NxDI port builds FP8 experts; {arch.family} builds with fp8: none on neuron")
     if r.vision is not None and LINEAGES[lineage.name].vision_module is None:
         _fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use main")
     if lineage.name == "main" and r.parallel.ep > 1:

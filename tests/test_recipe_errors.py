@@ -87,6 +87,8 @@ CASES = {
                                 "port: {lineage: moe, path: ./p}\n" + NEURON_BASE, "vision"),
     "neuron-fp8-full": ("model: {hf: Qwen/Qwen3.5-27B}\nparallel: {tp: 8}\nfp8: full\nport: {path: ./p}\n"
                         + NEURON_BASE, "fp8"),
+    "neuron-fp8-moe": ("model: {hf: Qwen/Qwen3.5-35B-A3B}\nparallel: {tp: 8}\nfp8: mlp_only\nport: {path: ./p}\n"
+                       + NEURON_BASE, "fp8"),
     "port-path-and-module": ("model: {hf: Qwen/Qwen3.5-2B}\nport: {path: ./p, module: x}\n" + NEURON_BASE, "port"),
 }
 
