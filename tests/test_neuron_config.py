@@ -219,3 +219,13 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     report = json.loads((tmp_path / "out" / "shard.json").read_text())
     assert report["files"] == [f"tp{r}_sharded_checkpoint.safetensors" for r in range(4)]
     assert report["dense_tp"] == 2
+
+
+def test_dense_main_lineage_shard_has_no_expert_parallelism(tmp_path, tiny_checkpoints):
+    params = _shard_params(tmp_path, "dense", f"""
+        model: {{path: {tiny_checkpoints["qwen3_5"]}}}
+        parallel: {{tp: 2}}
+        text: {{seq_len: 128, cte_buckets: [128]}}
+    """)
+    # nxd_parallel gives a dense model no moe_ep_degree; the shard step still needs ep 1.
+    assert (params["layout"], params["tp"], params["ep"], params["dense_tp"]) == ("nxd-main", 2, 1, 2)
