@@ -187,7 +187,11 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
     if neuron:
         lineage = ports.lineage_for(arch.family, r.port.lineage)
         par = neuron_text_params(loaded, arch)["parallel"]
-        shard_params = {"layout": lineage.shard_layout, "tp": par["world_size"], "ep": par["moe_ep_degree"],
+        # One file per rank of NxD's world; every non-expert layer is split over tp_degree (dense_tp), which is
+        # smaller than the world where ep_degree > 1 (qbuild.convert.nxd). A dense model has no moe_ep_degree
+        # (None), and its shard step takes ep 1.
+        shard_params = {"layout": lineage.shard_layout, "tp": par["world_size"],
+                        "ep": par["moe_ep_degree"] if arch.is_moe else 1, "dense_tp": par["tp_degree"],
                         "moe_tp": par["moe_tp_degree"] if arch.is_moe else None, "fused_qkv": r.fused_qkv,
                         "pad_intermediate_to": None, "dtype": r.dtype}
         ranks = par["world_size"]

@@ -187,3 +187,45 @@ def test_plan_json_shows_lineage_neffs_and_config(tmp_path):
     verify = next(n for n in doc["nodes"] if n["kind"] == "verify")
     assert verify["neuron_cores"] == 8
     assert all(n["neuron_cores"] == 0 for n in doc["nodes"] if n["kind"] != "verify")
+
+
+def _shard_params(tmp_path, name: str, body: str) -> dict:
+    from qbuild.hashing import StatCache
+    from qbuild.plan import build_plan
+
+    loaded, _ = _recipe(tmp_path, name, body)
+    plan = build_plan([loaded], StatCache(tmp_path / "stat.db"))
+    return plan.nodes[plan.recipes[name].nodes["shard"]].params
+
+
+def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path, tiny_checkpoints):
+    params = _shard_params(tmp_path, "next", f"""
+        model: {{path: {tiny_checkpoints["qwen3_next"]}}}
+        parallel: {{tp: 2, ep: 2}}
+        text: {{seq_len: 128, cte_buckets: [128]}}
+    """)
+    # NxDI's world is tp_degree * ep_degree = 4 rank files; non-expert layers split over tp_degree 2; experts over
+    # moe_ep_degree 2 groups of moe_tp_degree 2.
+    assert params["layout"] == "nxd-moe"
+    assert (params["tp"], params["ep"], params["dense_tp"], params["moe_tp"]) == (4, 2, 2, 2)
+    # The shard action runs those params as planned: 4 rank files, attention split over 2.
+    from qbuild.actions import RunContext
+    from qbuild.actions.shard import run
+    from qbuild.convert import convert_checkpoint
+
+    convert_checkpoint(tiny_checkpoints["qwen3_next"], tmp_path / "conv", dtype="bfloat16")
+    (tmp_path / "out").mkdir()
+    run(RunContext("shard", params, {"converted": tmp_path / "conv"}, tmp_path / "out", tmp_path))
+    report = json.loads((tmp_path / "out" / "shard.json").read_text())
+    assert report["files"] == [f"tp{r}_sharded_checkpoint.safetensors" for r in range(4)]
+    assert report["dense_tp"] == 2
+
+
+def test_dense_main_lineage_shard_has_no_expert_parallelism(tmp_path, tiny_checkpoints):
+    params = _shard_params(tmp_path, "dense", f"""
+        model: {{path: {tiny_checkpoints["qwen3_5"]}}}
+        parallel: {{tp: 2}}
+        text: {{seq_len: 128, cte_buckets: [128]}}
+    """)
+    # nxd_parallel gives a dense model no moe_ep_degree; the shard step still needs ep 1.
+    assert (params["layout"], params["tp"], params["ep"], params["dense_tp"]) == ("nxd-main", 2, 1, 2)

@@ -117,18 +117,26 @@ def per_rank(slots: list, tp: int) -> list[list]:
     return [slots[r * n:(r + 1) * n] for r in range(tp)]
 
 
-def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool = False) -> list[dict]:
+def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool = False,
+             dense_tp: int | None = None) -> list[dict]:
+    """What NxD writes for `tp` ranks. Every non-expert parallel layer is split over dense_tp ranks (NxDI's
+    tp_degree; default tp) and rank r holds its slice r % dense_tp; experts go by (r // moe_tp, r % moe_tp)."""
     ref = Ref(config, hf)
     main = lineage == "nxd-main"
     moe_tp = tp // ep
+    dtp = dense_tp or tp
     H, D = ref.H, ref.D
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
 
     def put(name, pieces):
+        """`pieces`: one tensor per rank of the world, one per rank of the dense_tp group, or one for every rank."""
         for r in range(tp):
-            out[r][name] = pieces[r] if isinstance(pieces, list) else pieces
+            if isinstance(pieces, list):
+                out[r][name] = pieces[r] if len(pieces) == tp else pieces[r % dtp]
+            else:
+                out[r][name] = pieces
 
-    def split(t, dim, n=tp):
+    def split(t, dim, n=dtp):
         return list(t.chunk(n, dim=dim))
 
     embed = ref.w("embed_tokens.weight").clone()
@@ -137,7 +145,7 @@ def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool
     put("embed_tokens.weight", split(embed, 1))
     put("lm_head.weight", split(ref.w("lm_head.weight"), 0))
     put("norm.weight", ref.w("norm.weight") + 1)
-    put("rank_util.rank", [torch.tensor([r], dtype=torch.int32) for r in range(tp)])
+    put("rank_util.rank", [torch.tensor([r % dtp], dtype=torch.int32) for r in range(tp)])
     for i in range(ref.L):
         p = f"layers.{i}."
         put(p + "input_layernorm.weight", ref.w(p + "input_layernorm.weight") + 1)
@@ -146,9 +154,9 @@ def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool
             a = p + "self_attn."
             q_gate = ref.w(a + "q_proj.weight").reshape(ref.nh, 2 * D, H)
             q, gate = q_gate[:, :D].reshape(-1, H), q_gate[:, D:].reshape(-1, H)
-            qs = [heads(q, s, D, 0) for s in per_rank(q_slots(ref.nh, ref.nkv, tp), tp)]
-            ks = [heads(ref.w(a + "k_proj.weight"), s, D, 0) for s in per_rank(kv_slots(ref.nh, ref.nkv, tp), tp)]
-            vs = [heads(ref.w(a + "v_proj.weight"), s, D, 0) for s in per_rank(kv_slots(ref.nh, ref.nkv, tp), tp)]
+            qs = [heads(q, s, D, 0) for s in per_rank(q_slots(ref.nh, ref.nkv, dtp), dtp)]
+            ks = [heads(ref.w(a + "k_proj.weight"), s, D, 0) for s in per_rank(kv_slots(ref.nh, ref.nkv, dtp), dtp)]
+            vs = [heads(ref.w(a + "v_proj.weight"), s, D, 0) for s in per_rank(kv_slots(ref.nh, ref.nkv, dtp), dtp)]
             if fused:
                 put(a + "qkv_proj.Wqkv.weight", [torch.cat(x) for x in zip(qs, ks, vs)])
             else:
@@ -156,18 +164,18 @@ def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool
                 put(a + "qkv_proj.k_proj.weight", ks)
                 put(a + "qkv_proj.v_proj.weight", vs)
             put(a + "o_proj.o_proj.weight", [heads(ref.w(a + "o_proj.weight"), s, D, 1)
-                                             for s in per_rank(q_slots(ref.nh, ref.nkv, tp), tp)])
+                                             for s in per_rank(q_slots(ref.nh, ref.nkv, dtp), dtp)])
             put(a + "output_gate_proj.weight", split(gate, 0))
             put(a + "q_layernorm.weight", ref.w(a + "q_norm.weight") + 1)
             put(a + "k_layernorm.weight", ref.w(a + "k_norm.weight") + 1)
-            put(a + "rank_util.rank", [torch.tensor([r], dtype=torch.int32) for r in range(tp)])
+            put(a + "rank_util.rank", [torch.tensor([r % dtp], dtype=torch.int32) for r in range(tp)])
         else:
             la, dn = p + "linear_attn.", ref.deltanet(i)
             conv, key_dim = ref.w(la + "conv1d.weight"), ref.hk * ref.dk
             if main:  # rank r: its key heads' Q, its key heads' K, its value heads' V
-                kq, vq = key_dim // tp, ref.hv * ref.dv // tp
+                kq, vq = key_dim // dtp, ref.hv * ref.dv // dtp
                 chans = [[*range(r * kq, (r + 1) * kq), *range(key_dim + r * kq, key_dim + (r + 1) * kq),
-                          *range(2 * key_dim + r * vq, 2 * key_dim + (r + 1) * vq)] for r in range(tp)]
+                          *range(2 * key_dim + r * vq, 2 * key_dim + (r + 1) * vq)] for r in range(dtp)]
                 put(la + "in_proj_qkv.weight", [dn["qkv"][c] for c in chans])
                 put(la + "conv1d_weight.weight", [conv[c, 0] for c in chans])
                 for x in ("z", "a", "b"):
@@ -212,11 +220,12 @@ def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool
     return [{k: v.to(MODEL_DTYPE) if v.is_floating_point() else v for k, v in rank.items()} for rank in out]
 
 
-def sharded(variant: str, lineage: str, tp: int, ep: int, fused: bool = False, fp8: str = "none"):
+def sharded(variant: str, lineage: str, tp: int, ep: int, fused: bool = False, fp8: str = "none",
+            dense_tp: int | None = None):
     config, hf = checkpoint(variant)
     text, _ = convert_state_dict(config, hf, dtype="float32", fp8=fp8)
     return config, hf, text, shard_state_dict(config, text, tp=tp, ep=ep, fused_qkv=fused, layout=lineage,
-                                              dtype="bfloat16")
+                                              dtype="bfloat16", dense_tp=dense_tp)
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -247,6 +256,91 @@ def test_ranks_are_what_nxd_writes(variant, lineage, tp, ep, fused):
     assert len(ranks) == tp
     for r in range(tp):
         assert_same(ranks[r], want[r])
+
+
+# NxD's EP world (NxDI world_size = tp_degree * ep_degree): the shard step's tp is the world, dense_tp is tp_degree.
+EP_WORLD_CASES = [  # (variant, lineage, dense_tp, ep, fused_qkv); world = dense_tp * ep
+    ("qwen3_next", "nxd-moe", 2, 2, False), ("qwen3_next", "nxd-moe", 1, 2, True),
+    # 12 q heads over 2 kv heads: over tp_degree 4, kv replicated 2 -> 4 and q unpadded (over the world of 8 it
+    # would be kv 2 -> 8 and q padded to 16).
+    ("tp8_next", "nxd-moe", 4, 2, False),
+    # The main port's tensor-parallel DeltaNet (2 key heads) splits over tp_degree 2; over the world of 4 it could not.
+    ("qwen3_5_moe", "nxd-main", 2, 2, True),
+]
+
+
+@pytest.mark.parametrize("variant, lineage, dense_tp, ep, fused", EP_WORLD_CASES)
+def test_ep_world_ranks_are_what_nxd_writes(variant, lineage, dense_tp, ep, fused):
+    world = dense_tp * ep
+    config, hf, _, ranks = sharded(variant, lineage, world, ep, fused, dense_tp=dense_tp)
+    want = expected(config, hf, lineage, world, ep, fused, dense_tp=dense_tp)
+    assert len(ranks) == world
+    for r in range(world):
+        assert_same(ranks[r], want[r])
+
+
+def test_ep_world_tp2_ep2_moe_lineage():
+    """Coder-Next's EP shape at tp_degree 2, ep_degree = moe_ep_degree 2, moe_tp_degree 2: world 4."""
+    config, hf, _, ranks = sharded("qwen3_next", "nxd-moe", 4, 2, dense_tp=2)
+    ref = Ref(config, hf)
+    bf = lambda t: t.to(MODEL_DTYPE)  # noqa: E731
+    assert len(ranks) == 4
+    a = "layers.3.self_attn."  # the full-attention layer: 4 q heads, 2 kv heads, head_dim 32
+    q = ref.w(a + "q_proj.weight").reshape(4, 64, 64)
+    for r, rank in enumerate(ranks):
+        j = r % 2  # this rank's slice of every non-expert parallel layer
+        # Split over the dense_tp group, not the world: NxD's shard_children takes rank % num_partitions.
+        assert torch.equal(rank["embed_tokens.weight"], bf(ref.w("embed_tokens.weight")[:, 32 * j:32 * j + 32]))
+        assert torch.equal(rank["lm_head.weight"], bf(ref.w("lm_head.weight")[256 * j:256 * j + 256]))
+        assert torch.equal(rank[a + "qkv_proj.q_proj.weight"], bf(q[2 * j:2 * j + 2, :32].reshape(64, 64)))
+        assert torch.equal(rank[a + "output_gate_proj.weight"], bf(q[2 * j:2 * j + 2, 32:].reshape(64, 64)))
+        # 2 kv heads over 2 ranks: split, one head each (over 4 ranks they would be replicated to 4).
+        assert torch.equal(rank[a + "qkv_proj.k_proj.weight"], bf(ref.w(a + "k_proj.weight")[32 * j:32 * j + 32]))
+        assert torch.equal(rank[a + "o_proj.o_proj.weight"], bf(ref.w(a + "o_proj.weight")[:, 64 * j:64 * j + 64]))
+        # The shared expert runs over the full tp group, which is dense_tp ranks.
+        sg = "layers.0.mlp.shared_experts.shared_experts."
+        assert torch.equal(rank[sg + "gate_proj.weight"],
+                           bf(ref.w("layers.0.mlp.shared_expert.gate_proj.weight")[16 * j:16 * j + 16]))
+        assert torch.equal(rank[sg + "down_proj.weight"],
+                           bf(ref.w("layers.0.mlp.shared_expert.down_proj.weight")[:, 16 * j:16 * j + 16]))
+        # rank_util is SPMDRank(world_size=tp_degree); the experts' spmd_rank is over the whole world.
+        assert rank["rank_util.rank"].tolist() == [j] and rank[a + "rank_util.rank"].tolist() == [j]
+        assert rank["layers.0.mlp.expert_mlps.spmd_rank.rank"].tolist() == [r]
+        # Experts: expert-parallel rank r // 2 holds experts [4g, 4g + 4), each cut to intermediate slice r % 2.
+        g = r // 2
+        idx = rank["layers.0.mlp.expert_mlps.spmd_rank.local_expert_indices"]
+        assert idx.dtype == torch.int32 and idx.tolist() == [[4 * g, 4 * g + 1, 4 * g + 2, 4 * g + 3]]
+        gates, ups, downs = ref.experts(0)
+        gu = rank["layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight"]
+        dn = rank["layers.0.mlp.expert_mlps.mlp_op.down_proj.weight"]
+        assert gu.shape == (4, 64, 32) and dn.shape == (4, 16, 64)
+        for n, e in enumerate(range(4 * g, 4 * g + 4)):
+            assert torch.equal(gu[n, :, :16], bf(gates[e][16 * j:16 * j + 16].T))
+            assert torch.equal(gu[n, :, 16:], bf(ups[e][16 * j:16 * j + 16].T))
+            assert torch.equal(dn[n], bf(downs[e][:, 16 * j:16 * j + 16].T))
+    # Each expert-parallel copy of the dense_tp group holds the same non-expert tensors.
+    for name in ranks[0]:
+        if ".expert_mlps." not in name:
+            assert torch.equal(ranks[0][name], ranks[2][name]) and torch.equal(ranks[1][name], ranks[3][name]), name
+
+
+def test_ep_world_tp1_ep2_moe_lineage():
+    """tp_degree 1, ep_degree 2: world 2, nothing but the experts split."""
+    config, hf, _, ranks = sharded("qwen3_next", "nxd-moe", 2, 2, dense_tp=1)
+    _, _, downs = Ref(config, hf).experts(1)
+    assert len(ranks) == 2
+    for r, rank in enumerate(ranks):
+        assert rank["embed_tokens.weight"].shape == (512, 64) and rank["lm_head.weight"].shape == (512, 64)
+        assert rank["layers.3.self_attn.qkv_proj.k_proj.weight"].shape == (64, 64)  # both kv heads
+        assert rank["layers.1.mlp.shared_experts.shared_experts.up_proj.weight"].shape == (32, 64)
+        assert rank["rank_util.rank"].tolist() == [0] and rank["layers.3.self_attn.rank_util.rank"].tolist() == [0]
+        assert rank["layers.1.mlp.expert_mlps.spmd_rank.rank"].tolist() == [r]
+        mine = [4 * r + e for e in range(4)]
+        assert rank["layers.1.mlp.expert_mlps.spmd_rank.local_expert_indices"].tolist() == [mine]
+        # moe_tp 1: whole experts, expert-parallel rank r holds experts [4r, 4r + 4).
+        assert torch.equal(rank["layers.1.mlp.expert_mlps.mlp_op.down_proj.weight"],
+                           torch.stack([downs[e].T for e in mine]).to(MODEL_DTYPE))
+    assert all(torch.equal(ranks[0][n], ranks[1][n]) for n in ranks[0] if ".expert_mlps." not in n)
 
 
 def test_kv_heads_replicate_to_tp8_and_q_heads_pad_after_each_group():
@@ -389,6 +483,13 @@ def _config(variant: str, text: dict | None = None) -> dict:
 
 @pytest.mark.parametrize("config, kwargs, match", [
     (("qwen3_5_moe",), dict(tp=2, pad_intermediate_to=256), "pad_intermediate_to"),
+    # NxD's ep_degree (tp / dense_tp = 4) would differ from moe_ep_degree (ep = 2).
+    (("qwen3_next",), dict(tp=4, ep=2, dense_tp=1, layout="nxd-moe"), "dense_tp must be tp .* or tp / ep"),
+    (("qwen3_5_moe",), dict(tp=2, ep=2, dense_tp=1, layout="cpu"), "dense_tp applies to the nxd layouts"),
+    # Attention is split over dense_tp 2, where 3 kv heads need CONVERT_TO_MHA, which NxD mis-sizes (over the
+    # world of 6 they would replicate evenly).
+    (("qwen3_next", dict(num_attention_heads=6, num_key_value_heads=3, num_experts=6)),
+     dict(tp=6, ep=3, dense_tp=2, layout="nxd-moe"), "CONVERT_TO_MHA"),
     (("qwen3_5",), dict(tp=2, layout="nxd-moe"), "routed experts"),
     (("qwen3_5",), dict(tp=4), "DeltaNet"),
     (("qwen3_5", dict(num_attention_heads=6, num_key_value_heads=3)), dict(tp=2), "CONVERT_TO_MHA"),
@@ -402,18 +503,25 @@ def test_impossible_nxd_layouts_are_refused(config, kwargs, match):
         shard_state_dict(_config(*config), {}, **{"layout": "nxd-main", "dtype": "bfloat16", **kwargs})
 
 
-@pytest.mark.parametrize("variant, lineage, tp, ep, fused, fp8", [
-    ("qwen3_5_moe_tp4", "nxd-main", 4, 2, True, "mlp_only"),
-    ("qwen3_5_moe", "nxd-moe", 2, 2, True, "none"),
+@pytest.mark.parametrize("variant, lineage, tp, ep, fused, fp8, dense_tp", [
+    ("qwen3_5_moe_tp4", "nxd-main", 4, 2, True, "mlp_only", None),
+    ("qwen3_5_moe", "nxd-moe", 2, 2, True, "none", None),
+    ("qwen3_next", "nxd-moe", 4, 2, False, "none", 2),
+    ("qwen3_next", "nxd-moe", 2, 2, True, "none", 1),
 ])
-def test_streaming_shard_matches_in_memory(tmp_path, variant, lineage, tp, ep, fused, fp8):
+def test_streaming_shard_matches_in_memory(tmp_path, variant, lineage, tp, ep, fused, fp8, dense_tp):
     convert_checkpoint(tiny(variant), tmp_path / "conv", dtype="bfloat16", fp8=fp8)
     report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", tp=tp, ep=ep, fused_qkv=fused, workers=2,
-                              layout=lineage, dtype="bfloat16")
+                              layout=lineage, dtype="bfloat16", dense_tp=dense_tp)
     assert report["layout"] == lineage and json.loads((tmp_path / "shard" / "shard.json").read_text()) == report
+    assert report["dense_tp"] == (dense_tp or tp)
+    # One file per rank of the world, named by global rank (NxD model_builder.py shard_weights_with_cache).
+    names = sorted(f.name for f in (tmp_path / "shard" / "weights").iterdir())
+    assert names == sorted(f"tp{r}_sharded_checkpoint.safetensors" for r in range(tp)) == sorted(report["files"])
     config, hf = checkpoint(variant)
     text, _ = convert_state_dict(config, hf, dtype="bfloat16", fp8=fp8)
-    want = shard_state_dict(config, text, tp=tp, ep=ep, fused_qkv=fused, layout=lineage, dtype="bfloat16")
+    want = shard_state_dict(config, text, tp=tp, ep=ep, fused_qkv=fused, layout=lineage, dtype="bfloat16",
+                            dense_tp=dense_tp)
     from safetensors.torch import load_file
 
     for r in range(tp):
@@ -424,7 +532,7 @@ def test_streaming_shard_matches_in_memory(tmp_path, variant, lineage, tp, ep, f
 def test_cpu_layout_is_the_default(tmp_path):
     convert_checkpoint(tiny("qwen3_5"), tmp_path / "conv", dtype="bfloat16")
     report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", tp=2, dtype="bfloat16")
-    assert report["layout"] == "cpu"
+    assert report["layout"] == "cpu" and "dense_tp" not in report  # the cpu layout's shard.json is unchanged
     from safetensors.torch import load_file
 
     got = load_file(tmp_path / "shard" / "weights" / "tp0_sharded_checkpoint.safetensors")

@@ -11,4 +11,4 @@ def run(ctx: RunContext) -> None:
     p = ctx.params
     shard_checkpoint(ctx.inputs["converted"], ctx.out, tp=p["tp"], ep=p["ep"], fused_qkv=p["fused_qkv"],
                      pad_intermediate_to=p["pad_intermediate_to"], layout=p.get("layout", "cpu"),
-                     dtype=p.get("dtype"))
+                     dtype=p.get("dtype"), dense_tp=p.get("dense_tp"))

@@ -16,10 +16,25 @@ Ports:
   (nn.Linear / nn.Conv1d / nn.Parameter); MoE directly under `mlp.`; shared expert wrapped in
   SigmoidGatedSharedExperts around NxD's SharedExperts.
 
-Ranks: `tp` is NxD's world size with ep_degree 1 (one file per rank); with ep > 1 the experts use NxD's MoE process
-groups of moe_tp_degree = tp / ep and moe_ep_degree = ep (NxD modules/moe/moe_process_group.py), so rank r is
-moe-tp rank r % moe_tp of expert-parallel rank r // moe_tp (NxD parallel_layers/parallel_state.py
-ascending_ring_PG_group: tp ranks contiguous, ep groups strided).
+Ranks: `tp` is the number of ranks, NxD's world size: ModelBuilder.shard_checkpoint writes one
+tp{r}_sharded_checkpoint.safetensors for each r < world_size (NxD trace/model_builder.py shard_checkpoint /
+shard_weights_with_cache), and NxDI sets world_size = tp_degree * pp_degree * ep_degree (NxDI models/config.py:384).
+`dense_tp` is NxDI's tp_degree, so NxD's ep_degree is tp / dense_tp. Two worlds are modelled:
+- ep_degree 1 (dense_tp = tp): the experts use NxD's MoE process groups of moe_tp_degree = tp / ep and
+  moe_ep_degree = ep inside the one tp group (NxD modules/moe/moe_process_group.py);
+- NxD's EP world (dense_tp = tp / ep, ep_degree = moe_ep_degree = ep, moe_tp_degree = dense_tp), the one
+  configuration a public port validated (Coder-Next README @ 753c7f5: tp_degree 8, ep_degree = moe_ep_degree 4,
+  moe_tp_degree 8, 32 ranks).
+In both, rank r is moe-tp rank r % moe_tp of expert-parallel rank r // moe_tp: initialize_model_parallel makes each
+tensor-parallel group a block of contiguous ranks and strides the expert-parallel groups by its size (NxD
+parallel_layers/parallel_state.py ascending_ring_PG_group), and the MoE groups are built the same way from
+(moe_tp, moe_ep). Every other NxD parallel layer (attention, embed_tokens, lm_head, the shared expert, the main
+port's DeltaNet and dense MLP) has num_partitions = the size of its tensor-parallel group,
+get_tensor_model_parallel_group() of dense_tp ranks (NxD parallel_layers/layers.py, modules/moe/shared_experts.py:128),
+and shard_children gives rank r slice `rank % num_partitions` (NxD trace/trace.py:801): split over dense_tp and
+identical in every copy. The GQA head counts follow that group too (NxDI modules/attention/attention_base.py:197
+tp_degree = tensor_model_parallel_group.size()), as does the main port's DeltaNet reorder (modeling_qwen35.py
+_reorder_deltanet_qkv_for_tp reads neuron_config.tp_degree).
 
 The expert intermediate is never padded here: ExpertMLPsV2 / Experts build gate_up as (E_local, H, 2I/moe_tp) from
 config.intermediate_size (NxD modules/moe/experts.py, expert_mlps_v2.py preshard_hook pads nothing), the main port sets
@@ -166,6 +181,17 @@ def vector_replicated(t, d, p):
     return replicate(t.reshape(-1), d, p)
 
 
+def over_dense_tp(place: Placement) -> Placement:
+    """`place` over NxD's tensor-parallel group, the dense_tp ranks every non-expert parallel layer is split over, with
+    rank r holding slice r % dense_tp: shard_children's partition_rank = rank % num_partitions (NxD trace/trace.py:801)
+    with num_partitions = tensor_parallel_group.size() (NxD parallel_layers/layers.py). So each expert-parallel copy
+    of the group holds the same slices. `place` sees a layout of dense_tp ranks and nothing of the experts."""
+    def placed(t, d, p):
+        pieces = place(t, d, ParallelLayout(p.dense_tp))
+        return [pieces[p.dense_rank(r)] for r in range(p.tp)]
+    return placed
+
+
 # --- Rule tables -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -173,6 +199,8 @@ class Rule:
     target: str                     # the NxD parameter name of the weight (the scale is the same module's `.scale`)
     weight: Placement
     scale: Placement | None = None  # None: the module is never an FP8 one in this lineage
+    experts: bool = False           # an ExpertMLPsV2 parameter: placed over all tp ranks by expert group and moe_tp
+                                    # slice; every other rule's placements go through over_dense_tp
 
     @property
     def scale_target(self) -> str:
@@ -217,8 +245,8 @@ MAIN_RULES: dict[str, Rule] = {
     "mlp.up_proj": Rule("mlp.up_proj.weight", column, column),
     "mlp.down_proj": Rule("mlp.down_proj.weight", row, replicate),
     "mlp.moe.router.linear_router": Rule("mlp.moe.router.linear_router.weight", replicate),
-    moe.GATE_UP: Rule(f"{moe.GATE_UP}.weight", experts_gate_up, experts_gate_up),
-    moe.DOWN: Rule(f"{moe.DOWN}.weight", experts_down, experts_only),
+    moe.GATE_UP: Rule(f"{moe.GATE_UP}.weight", experts_gate_up, experts_gate_up, experts=True),
+    moe.DOWN: Rule(f"{moe.DOWN}.weight", experts_down, experts_only, experts=True),
     "mlp.shared_gate_proj": Rule("mlp.shared_gate_proj.weight", column, column),
     "mlp.shared_up_proj": Rule("mlp.shared_up_proj.weight", column, column),
     "mlp.shared_down_proj": Rule("mlp.shared_down_proj.weight", row, replicate),
@@ -242,8 +270,9 @@ MOE_RULES: dict[str, Rule] = {
     "linear_attn.norm": Rule("linear_attn.norm.weight", replicate),
     "linear_attn.out_proj": Rule("linear_attn.out_proj.weight", replicate),
     "mlp.moe.router.linear_router": Rule("mlp.router.linear_router.weight", replicate),
-    moe.GATE_UP: Rule("mlp.expert_mlps.mlp_op.gate_up_proj.weight", experts_gate_up, experts_gate_up),
-    moe.DOWN: Rule("mlp.expert_mlps.mlp_op.down_proj.weight", experts_down, experts_only),
+    moe.GATE_UP: Rule("mlp.expert_mlps.mlp_op.gate_up_proj.weight", experts_gate_up, experts_gate_up,
+                         experts=True),
+    moe.DOWN: Rule("mlp.expert_mlps.mlp_op.down_proj.weight", experts_down, experts_only, experts=True),
     "mlp.shared_gate_proj": Rule("mlp.shared_experts.shared_experts.gate_proj.weight", column, column),
     "mlp.shared_up_proj": Rule("mlp.shared_experts.shared_experts.up_proj.weight", column, column),
     "mlp.shared_down_proj": Rule("mlp.shared_experts.shared_experts.down_proj.weight", row, replicate),
@@ -273,9 +302,14 @@ def check_nxd_layout(d: TextDims, p: ParallelLayout, lineage: Lineage) -> None:
     """ShardError unless NxD can shard a model with dims `d` under `p` for this port lineage."""
     def need(ok: bool, why: str) -> None:
         if not ok:
-            raise ShardError(f"{lineage.name} tp={p.tp} ep={p.ep}: {why}")
+            raise ShardError(f"{lineage.name} tp={p.tp} ep={p.ep} dense_tp={p.dense_tp}: {why}")
 
     need(p.tp >= 1 and p.ep >= 1 and p.tp % p.ep == 0, "tp and ep must be positive and ep must divide tp")
+    # The two worlds of the module docstring. Any other dense_tp would make NxD's ep_degree (tp / dense_tp) differ
+    # from moe_ep_degree (ep), which no port runs (Coder-Next README @ 753c7f5: "moe_ep_degree=4, # Must match
+    # ep_degree").
+    need(p.dense_tp in (p.tp, p.tp // p.ep),
+         "dense_tp must be tp (NxD ep_degree 1) or tp / ep (NxD's EP world: ep_degree = moe_ep_degree = ep)")
     need(p.ep == 1 or d.moe, "ep > 1 needs a mixture-of-experts model")
     need(p.pad_intermediate_to is None, "pad_intermediate_to is a cpu-layout option: NxD's ExpertMLPsV2 shards the "
                                         "unpadded expert intermediate, so a padded shard would not load")
@@ -285,22 +319,24 @@ def check_nxd_layout(d: TextDims, p: ParallelLayout, lineage: Lineage) -> None:
          "the port builds every layer of a mixture-of-experts model as MoE, but this model has dense layers")
     need(lineage.name != NXD_MOE or not d.tie_word_embeddings,
          "the Coder-Next port has no tied-embedding support (update_state_dict_for_tied_weights)")
-    need(d.hidden % p.tp == 0 and d.vocab % p.tp == 0,
-         f"embed_tokens splits hidden {d.hidden} and lm_head vocab {d.vocab}: both must divide by tp")
-    need(d.num_heads * d.head_dim % p.tp == 0, f"output_gate_proj rows {d.num_heads * d.head_dim} must divide by tp")
-    need(gqa_supported(d, p.tp), f"{d.num_kv_heads} kv heads with tp % kv != 0: NxD's CONVERT_TO_MHA mis-sizes the "
-                                 "replicated k/v of a GQA model (gqa.py maybe_pad_tail)")
+    # Every non-expert parallel layer is split over the dense_tp group (over_dense_tp).
+    need(d.hidden % p.dense_tp == 0 and d.vocab % p.dense_tp == 0,
+         f"embed_tokens splits hidden {d.hidden} and lm_head vocab {d.vocab}: both must divide by dense_tp")
+    need(d.num_heads * d.head_dim % p.dense_tp == 0,
+         f"output_gate_proj rows {d.num_heads * d.head_dim} must divide by dense_tp")
+    need(gqa_supported(d, p.dense_tp), f"{d.num_kv_heads} kv heads with dense_tp % kv != 0: NxD's CONVERT_TO_MHA "
+                                       "mis-sizes the replicated k/v of a GQA model (gqa.py maybe_pad_tail)")
     if lineage.tensor_parallel_deltanet and "linear_attention" in d.layer_types:
-        need(d.num_k_heads % p.tp == 0 and d.num_v_heads % p.tp == 0,
-             f"DeltaNet key/value heads ({d.num_k_heads}/{d.num_v_heads}) must both be divisible by tp")
+        need(d.num_k_heads % p.dense_tp == 0 and d.num_v_heads % p.dense_tp == 0,
+             f"DeltaNet key/value heads ({d.num_k_heads}/{d.num_v_heads}) must both be divisible by dense_tp")
     if not d.moe and d.intermediate is not None:
-        need(d.intermediate % p.tp == 0, f"dense intermediate {d.intermediate} does not split into {p.tp}")
+        need(d.intermediate % p.dense_tp == 0, f"dense intermediate {d.intermediate} does not split into {p.dense_tp}")
     if d.moe:
         need(d.num_experts % p.ep == 0, f"{d.num_experts} experts do not split into {p.ep} groups")
         need(d.moe_intermediate % p.moe_tp == 0, f"expert intermediate {d.moe_intermediate} must divide by "
                                                  f"moe_tp {p.moe_tp}")
-        need(d.shared_intermediate % p.tp == 0, f"shared-expert intermediate {d.shared_intermediate} must divide "
-                                                f"by tp (it is split over the full tp group)")
+        need(d.shared_intermediate % p.dense_tp == 0, f"shared-expert intermediate {d.shared_intermediate} must "
+                                                      f"divide by dense_tp (it is split over the full tp group)")
 
 
 # --- The program -------------------------------------------------------------------------------------------------
@@ -318,11 +354,17 @@ def cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _rank_tensors(d: TextDims, p: ParallelLayout, lineage: Lineage) -> ShardStep:
-    """SPMDRank parameters (NxD parallel_layers/layers.py): `rank` (1,) int32 partitioned over the world, so rank r
-    holds [r]. The ports' converters write `rank_util.rank` and `layers.N.self_attn.rank_util.rank` (full-attention
-    layers); ExpertMLPsV2.preshard_hook writes `spmd_rank.rank` (enable_spmd_rank = parallelize_token_to_block_mapping,
-    True by default in NxD modules/moe/moe_configs.py) and, with EP, `spmd_rank.local_expert_indices`: each rank's
-    expert-parallel group's experts, (1, E/ep) (expert_mlps_v2.py create_spmd_ranks)."""
+    """SPMDRank parameters (NxD parallel_layers/layers.py:1543): `rank` (1,) int32 with num_partitions = the SPMDRank's
+    world_size, so rank r holds [r % world_size] (trace.py:801).
+    - The ports' converters write `rank_util.rank` and `layers.N.self_attn.rank_util.rank` (full-attention layers) as
+      arange(tp_degree) (Coder-Next modeling_qwen35_moe.py:2369 / 2429 @ 753c7f5, 35B-A3B modeling_qwen35.py:6449 /
+      6664 @ 4bcdc54), for SPMDRank(world_size=tp_degree) (NxDI models/model_base.py:94,
+      modules/attention/attention_base.py:195): rank r holds [r % dense_tp].
+    - ExpertMLPsV2.preshard_hook writes `spmd_rank.rank` as arange(world size) for SPMDRank(world_size=
+      get_world_group().size()) (NxD expert_mlps_v2.py:123 / create_spmd_ranks:1511): rank r holds [r], the global
+      rank (enable_spmd_rank = parallelize_token_to_block_mapping, True by default in NxD modules/moe/moe_configs.py).
+      When the MoE expert-parallel group is larger than 1 it adds `spmd_rank.local_expert_indices`: each rank's
+      expert-parallel group's experts, (1, E/ep) (expert_mlps_v2.py:138, create_spmd_ranks:1514)."""
     names = ["rank_util.rank"] + [f"layers.{i}.self_attn.rank_util.rank"
                                   for i in range(d.num_layers) if d.is_full_attention(i)]
     experts = [f"layers.{i}.{lineage.expert_mlps}.spmd_rank." for i in range(d.num_layers) if d.is_moe(i)]
@@ -331,7 +373,7 @@ def _rank_tensors(d: TextDims, p: ParallelLayout, lineage: Lineage) -> ShardStep
     def fn() -> list[dict[str, torch.Tensor]]:
         out = []
         for r in range(p.tp):
-            rank = {n: torch.tensor([r], dtype=torch.int32) for n in names}
+            rank = {n: torch.tensor([p.dense_rank(r)], dtype=torch.int32) for n in names}
             for e in experts:
                 rank[f"{e}rank"] = torch.tensor([r], dtype=torch.int32)
                 if p.ep > 1:
@@ -352,9 +394,9 @@ def _rule(name: str, lineage: Lineage, label: str) -> tuple[str, Placement]:
     module, _, kind = rest.rpartition(".")
     rule = lineage.rules.get(module)
     if rule is not None and kind == "weight":
-        return prefix + rule.target, rule.weight
+        return prefix + rule.target, rule.weight if rule.experts else over_dense_tp(rule.weight)
     if rule is not None and kind == "scale" and rule.scale is not None:
-        return prefix + rule.scale_target, rule.scale
+        return prefix + rule.scale_target, rule.scale if rule.experts else over_dense_tp(rule.scale)
     raise CheckpointError(label, f"has no {lineage.name} shard rule (the port has no such parameter, or keeps it "
                                  "in a module NxD does not quantise)", name)
 
@@ -371,15 +413,18 @@ def _single(name: str, target: str, place: Placement, d: TextDims, p: ParallelLa
 
 def _fused_qkv(layer: int, kind: str, d: TextDims, p: ParallelLayout, dtype: torch.dtype) -> ShardStep:
     """GroupQueryAttention_QKV with fused_qkv: each rank's Wqkv is [Q_r | K_r | V_r] of the padded / replicated heads
-    (gqa.py preshard_hook, then trace.py create_local_weight_qkv)."""
+    (gqa.py preshard_hook, then trace.py create_local_weight_qkv), over the dense_tp group like every attention
+    layer (over_dense_tp)."""
     base = f"layers.{layer}.self_attn."
     names = tuple(f"{base}{x}_proj.{kind}" for x in "qkv")
     target = f"{base}qkv_proj.Wqkv.{kind}"
+    group = ParallelLayout(p.dense_tp)
 
     def fn(q, k, v):
         q, k, v = (cast(target, x, dtype) for x in (q, k, v))
-        parts = zip(q_heads(q, d, p), kv_heads(k, d, p), kv_heads(v, d, p))
-        return [{target: attention.fuse_qkv(*qkv)} for qkv in parts]
+        parts = zip(q_heads(q, d, group), kv_heads(k, d, group), kv_heads(v, d, group))
+        fused = [attention.fuse_qkv(*qkv) for qkv in parts]
+        return [{target: fused[p.dense_rank(r)]} for r in range(p.tp)]
     return ShardStep(names, fn)
 
 

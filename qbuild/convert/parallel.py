@@ -13,10 +13,19 @@ from qbuild.convert.dims import TextDims
 
 @dataclass(frozen=True)
 class ParallelLayout:
+    """`tp` is the number of ranks (one file each), `ep` the expert-parallel degree (moe_tp = tp // ep ranks per
+    expert group). `dense_tp` is the tensor-parallel degree of every non-expert parallel layer (NxDI's tp_degree):
+    None means tp, the only value the cpu layout takes; the nxd layouts also take tp // ep, NxD's EP world, where
+    those layers are split over dense_tp ranks and repeated for each of the tp // dense_tp copies (nxd.py)."""
     tp: int
     ep: int = 1
     fused_qkv: bool = False
     pad_intermediate_to: int | None = None
+    dense_tp: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dense_tp is None:
+            object.__setattr__(self, "dense_tp", self.tp)
 
     @property
     def moe_tp(self) -> int:
@@ -27,6 +36,10 @@ class ParallelLayout:
 
     def moe_rank(self, rank: int) -> int:
         return rank % self.moe_tp
+
+    def dense_rank(self, rank: int) -> int:
+        """The slice of a non-expert parallel layer that `rank` holds: its rank in its contiguous dense_tp group."""
+        return rank % self.dense_tp
 
 
 @dataclass(frozen=True)

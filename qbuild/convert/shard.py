@@ -3,7 +3,8 @@
 Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json.
 
 Layouts: "cpu" (below) is the one qbuild's CPU reference model reads; "nxd-main" and "nxd-moe" are the files NxD's
-ModelBuilder.shard_checkpoint writes for the two port lineages, with NxD's names, splits and dtypes (nxd.py).
+ModelBuilder.shard_checkpoint writes for the two port lineages, with NxD's names, splits and dtypes (nxd.py). Only the
+nxd layouts take `dense_tp` (NxDI's tp_degree, when it differs from the number of ranks tp: NxD's EP world).
 
 Rank convention of the "cpu" layout (world size = tp):
 - Attention: q heads (q_proj, output_gate_proj) split contiguously; k/v heads split contiguously when tp <= nKV,
@@ -211,6 +212,9 @@ def layout_program(d: TextDims, names, p: ParallelLayout, layout: Layout, dtype:
     if dtype is not None and dtype not in DTYPES:
         raise ShardError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if layout == "cpu":
+        if p.dense_tp != p.tp:
+            raise ShardError(f"tp={p.tp} dense_tp={p.dense_tp}: dense_tp applies to the nxd layouts; the cpu layout "
+                             "splits every non-expert layer over tp")
         check_layout(d, p)
         return shard_program(d, names, p, label)
     if dtype is None:
@@ -222,10 +226,10 @@ def layout_program(d: TextDims, names, p: ParallelLayout, layout: Layout, dtype:
 
 def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int, ep: int = 1,
                      fused_qkv: bool = False, pad_intermediate_to: int | None = None, layout: Layout = "cpu",
-                     dtype: str | None = None) -> list[dict[str, torch.Tensor]]:
+                     dtype: str | None = None, dense_tp: int | None = None) -> list[dict[str, torch.Tensor]]:
     """Converted NxDI text tensors -> one {name: tensor} per rank, in memory (same rules as shard_checkpoint)."""
     _, d, _ = dims_of(config, "config")
-    p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to)
+    p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
     ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for step in layout_program(d, list(text), p, layout, dtype, "<state dict>"):
         for r, outs in enumerate(step.fn(*(text[n] for n in step.sources))):
@@ -235,14 +239,15 @@ def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int,
 
 def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_qkv: bool = False,
                      pad_intermediate_to: int | None = None, workers: int = 1, layout: Layout = "cpu",
-                     dtype: str | None = None) -> dict:
+                     dtype: str | None = None, dense_tp: int | None = None) -> dict:
     """A convert_checkpoint output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < tp) and
     dst/shard.json (returned). Streams one canonical tensor (or q/k/v trio) at a time; dst appears only when done.
-    `layout` picks the rules (module docstring); `dtype` is the model dtype, required by the nxd layouts."""
+    `layout` picks the rules (module docstring); `dtype` is the model dtype, required by the nxd layouts; `dense_tp`
+    (nxd layouts only, default tp) is the tensor-parallel degree of every non-expert layer (nxd.py)."""
     converted = Path(converted)
     config = load_config(converted / "config.json")
     _, d, _ = dims_of(config)
-    p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to)
+    p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
     located = _converted_tensors(converted / "text")
     label = "text/model.safetensors.index.json"
     steps = layout_program(d, list(located), p, layout, dtype, label)
@@ -282,6 +287,8 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
                 "tensors_per_rank": len(plans[0]),
                 "bytes_per_rank": [sum(s.nbytes for s in f.slots.values()) for f in files],
             }
+            if layout != "cpu":  # the cpu layout's shard.json, and so its output digest, stays as it was
+                report["dense_tp"] = p.dense_tp
             write_json(tmp / "shard.json", report)
     finally:
         sources.close()
