@@ -5,7 +5,7 @@ QBUILD := $(VENV)/bin/qbuild
 DEMO   := .qbuild
 export QBUILD_STORE ?= $(CURDIR)/$(DEMO)/store
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test neuron-check bench clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,11 @@ demo: install $(DEMO)/tiny/qwen3_5/config.json $(DEMO)/tiny/qwen3_5_moe/config.j
 
 test: install
 	$(PY) -m pytest -n 2 --durations=15 -q
+
+# On a Trainium host with the Neuron SDK in the interpreter that runs it (e.g. make neuron-check PY=/opt/<sdk venv>/bin/
+# python) and QBUILD_TEST_PORTS naming the port checkouts: the tiny families compiled, run and checked on the device.
+neuron-check:
+	$(PY) -m pytest -n 0 -q -rs tests/test_neuron_sdk.py
 
 bench: install
 	$(PY) bench/run.py

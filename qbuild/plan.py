@@ -8,12 +8,13 @@ output digest is known, that is once the upstream nodes are cached or built.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import actions, arch as archmod, ports
 from .arch import Arch
-from .hashing import StatCache, digest_json
+from .hashing import StatCache, canonical_json, digest_json
 from .recipe import LoadedRecipe
 from .store.manifest import Manifest
 
@@ -289,6 +290,11 @@ class NodeStatus:
     why: str
 
 
+def as_locked(pre: dict) -> dict:
+    """A preimage as the lockfile holds it (read back from JSON: tuples are lists), to compare with a locked one."""
+    return json.loads(canonical_json(pre))
+
+
 def diff_preimages(old: dict, new: dict, prefix: str = "") -> list[str]:
     """The dotted fields whose values differ between two preimages, with old -> new for scalars."""
     out = []
@@ -320,12 +326,13 @@ def evaluate(plan: Plan, lookup, locked_preimage) -> dict[str, NodeStatus]:
             result[nid] = NodeStatus("cached", key, pre, manifest, "cached")
             continue
         old = locked_preimage(nid, node)
-        why = "no entry" if old is None else ("; ".join(diff_preimages(old, pre)) or "not in the store")
+        new = as_locked(pre)
+        why = "no entry" if old is None else ("; ".join(diff_preimages(old, new)) or "not in the store")
         if old is not None and node.kind == "compile" and node.params.get("graph") == "text" \
                 and node.params.get("backend") == "neuron":
             from .backends.neuron import neff_reuse
 
-            reuse = neff_reuse(old["params"], pre["params"])
+            reuse = neff_reuse(old["params"], new["params"])
             why += f"; {reuse}" if reuse else ""
         result[nid] = NodeStatus("build", key, pre, None, why)
     return result

@@ -13,7 +13,7 @@ from . import lock as lockmod
 from .engine import BuildOptions, BuildResult, Event, build
 from .errors import BuildError, UserError
 from .hashing import StatCache, default_stat_cache
-from .plan import NodeStatus, Plan, build_plan, diff_preimages, evaluate, key_of, preimage
+from .plan import NodeStatus, Plan, as_locked, build_plan, diff_preimages, evaluate, key_of, preimage
 from .recipe import LoadedRecipe, load_recipe
 from .store import LocalStore, StoreSpec, open_store
 
@@ -92,7 +92,7 @@ class Workspace:
                                  "`qbuild compile` without --frozen and commit the lockfile")
             pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()})
             if key_of(pre) != locked["key"]:
-                changed = "; ".join(diff_preimages(locked["preimage"], pre)) or "key changed"
+                changed = "; ".join(diff_preimages(locked["preimage"], as_locked(pre))) or "key changed"
                 raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} would change ({changed}); run "
                                  "`qbuild compile` without --frozen and commit the lockfile")
             digests[nid] = locked["digest"]

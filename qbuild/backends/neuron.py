@@ -159,7 +159,9 @@ def neff_reuse(old: dict, new: dict) -> str | None:
     Each bucket's NEFF is cached under a hash of its HLO and flags (NxD trace/model_builder.py get_hash_module @
     fbac349), and every bucket's HLO carries the weight layout chosen by token-generation bucket 0, the priority
     model (model_builder.py _add_layout_optimization_to_remaining_hlo): so buckets added or removed cost one NEFF
-    each, unless token-generation bucket 0 itself changed, which recompiles everything.
+    each, unless token-generation bucket 0 itself changed, which recompiles everything. The flags hashed include
+    `--logfile=<work dir>/<tag>/_tp0_bk<i>/log-neuron-cc.txt` (model_builder.py L643-644, L721-722): a bucket keeps
+    its NEFF only at the same index of its list, so a bucket inserted before others recompiles those after it.
     """
     rest = ("cte_buckets", "tkg_buckets")
     if {k: v for k, v in old.items() if k not in rest} != {k: v for k, v in new.items() if k not in rest}:
@@ -167,8 +169,8 @@ def neff_reuse(old: dict, new: dict) -> str | None:
     if old["tkg_buckets"][0] != new["tkg_buckets"][0]:
         return (f"token-generation bucket 0 changed ({old['tkg_buckets'][0]} -> {new['tkg_buckets'][0]}): its weight "
                 f"layout feeds every bucket, so all {len(new['cte_buckets']) + len(new['tkg_buckets'])} NEFFs recompile")
-    added = [f"cte-{b}" for b in new["cte_buckets"] if b not in old["cte_buckets"]]
-    added += [f"tkg-{b}" for b in new["tkg_buckets"] if b not in old["tkg_buckets"]]
+    added = [f"cte-{b}" for i, b in enumerate(new["cte_buckets"]) if old["cte_buckets"][i:i + 1] != [b]]
+    added += [f"tkg-{b}" for i, b in enumerate(new["tkg_buckets"]) if old["tkg_buckets"][i:i + 1] != [b]]
     kept = len(new["cte_buckets"]) + len(new["tkg_buckets"]) - len(added)
     return (f"{len(added)} new NEFF{'s' if len(added) != 1 else ''} ({', '.join(added) or 'none'}), {kept} reused from "
             "the Neuron compile cache")

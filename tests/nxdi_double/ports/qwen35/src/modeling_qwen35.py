@@ -1,0 +1,217 @@
+"""Fake of the main-lineage port module contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py (NxDI main @ 4bcdc54;
+the 2B, 27B and 3.6-27B ports share these parts), for the NxDI contract double.
+
+It keeps what qbuild depends on (nxdi-port-facts.md section 2): the `src.` imports, Qwen35InferenceConfig's required
+attributes and MoE detection, get_neuron_config_cls() returning NeuronConfig even for MoE, the app's
+get_compiler_args(), the QWEN36_* switches read while tracing, and, in NeuronQwen35Model.rank_weights, the weights
+the compiled model takes per rank under NxD's names (nxdi-api.md section 4). Defaults the real config fills in for
+missing fields (DeltaNet head counts, layer_types) are left out: a field qbuild forgot fails validation here instead
+of silently taking the 35B's value.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from neuronx_distributed_inference._nxd import (
+    Weight,
+    column,
+    expert_dispatch,
+    experts,
+    parallel_embedding,
+    replicated,
+    row,
+    split,
+    tp_rank,
+)
+from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
+from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
+from neuronx_distributed_inference.models.model_wrapper import CONTEXT_ENCODING_MODEL_TAG
+from neuronx_distributed_inference.modules.attention.gqa import attention_weights
+
+from src.hybrid_apc import init_hybrid_apc_scheduler_bridge
+
+
+class Qwen35InferenceConfig(InferenceConfig):
+    def __init__(self, neuron_config=None, fused_spec_config=None, load_config=None, metadata=None, **kwargs):
+        # l.2165ff: MoE detection and the MoE fields, set before InferenceConfig assigns the kwargs.
+        is_moe = str(kwargs.get("model_type", "")) == "qwen3_5_moe_text" or \
+            ("num_experts" in kwargs and "moe_intermediate_size" in kwargs)
+        kwargs["_is_moe"] = is_moe
+        if is_moe:
+            kwargs.setdefault("num_local_experts", kwargs.get("num_experts"))
+            kwargs.setdefault("n_shared_experts", 1)
+            kwargs.setdefault("intermediate_size", kwargs.get("moe_intermediate_size"))
+        super().__init__(neuron_config, fused_spec_config=fused_spec_config, load_config=load_config,
+                         metadata=metadata, **kwargs)
+
+    def get_required_attributes(self) -> list[str]:   # l.2423
+        return ["head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
+                "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                "vocab_size",
+                # DeltaNet-specific
+                "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "layer_types"]
+
+    @classmethod
+    def get_neuron_config_cls(cls):
+        # l.2446: "callers construct NeuronConfig explicitly, so we return the correct default for the common (dense)
+        # case here" -- so a saved MoE config reads back as a plain NeuronConfig (its MoE keys are dropped).
+        return NeuronConfig
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, **kwargs) -> "Qwen35InferenceConfig":
+        """l.2169: the HF config.json with text_config flattened (no pad_token_id, no mrope_section)."""
+        neuron_config = kwargs.pop("neuron_config", None)
+        if neuron_config is None:
+            neuron_config = NeuronConfig(tp_degree=1, batch_size=1, seq_len=128, save_sharded_checkpoint=True)
+        with open(os.path.join(model_path, "config.json")) as handle:
+            config_dict = json.load(handle)
+        text_config = config_dict.get("text_config", config_dict)
+        rope_parameters = text_config.get("rope_parameters") or {}
+        inference_config = dict(text_config)
+        inference_config.setdefault("_name_or_path", model_path)
+        inference_config.setdefault("model_type", text_config.get("model_type", "qwen3_5_text"))
+        inference_config.setdefault("architectures", config_dict.get("architectures", []))
+        inference_config.setdefault("tie_word_embeddings", config_dict.get("tie_word_embeddings", False))
+        if "moe_intermediate_size" in text_config and "intermediate_size" not in inference_config:
+            inference_config["intermediate_size"] = text_config["moe_intermediate_size"]
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key not in inference_config and key in rope_parameters:
+                inference_config[key] = rope_parameters[key]
+        inference_config.update(kwargs)
+        return cls(neuron_config=neuron_config, **inference_config)
+
+
+def _dtype(config) -> str:
+    return str(config.neuron_config.torch_dtype).split(".")[1]
+
+
+class NeuronQwen35Model:
+    """The traced model (NeuronQwen35Model in the port), reduced to what the double needs from it."""
+
+    @staticmethod
+    def rank_weights(config) -> dict[str, Weight]:
+        """{shard key: per-rank Weight} of the compiled model: the module's state dict after the port's
+        convert_hf_to_neuron_state_dict and NxD's preshard hooks (nxdi-api.md section 4, main lineage)."""
+        nc = config.neuron_config
+        if nc.quantized:
+            raise NotImplementedError("the contract double does not model the FP8 port's quantized weights")
+        tp, dt, h = nc.tp_degree, _dtype(config), config.hidden_size
+        out = {"embed_tokens.weight": parallel_embedding(config.vocab_size, h, tp, dt),
+               "lm_head.weight": column(config.vocab_size, h, tp, dt),
+               "norm.weight": replicated((h,), dt),
+               "rank_util.rank": tp_rank()}
+        mixed = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
+        if config._is_moe and mixed:
+            raise NotImplementedError("dense layers inside an MoE model are not in the facts the double is built from")
+        for i, kind in enumerate(config.layer_types):
+            p = f"layers.{i}"
+            out[f"{p}.input_layernorm.weight"] = replicated((h,), dt)
+            out[f"{p}.post_attention_layernorm.weight"] = replicated((h,), dt)
+            if kind == "full_attention":
+                out.update(_attention(f"{p}.self_attn", config, tp, dt))
+            elif kind == "linear_attention":
+                out.update(_deltanet(f"{p}.linear_attn", config, tp, dt))
+            else:
+                raise ValueError(f"layer_types[{i}]: {kind!r}")
+            out.update(_moe(f"{p}.mlp", config, tp, dt) if config._is_moe else _mlp(f"{p}.mlp", config, tp, dt))
+        return out
+
+    @staticmethod
+    def trace(config, tag: str, bucket: int, tokens: int, seq_len: int) -> dict:
+        """What tracing one bucket reads besides the config: the DeltaNet prefill switch (l.1126) and NxD's expert
+        dispatch. Returned into the bucket's "HLO", so a changed switch changes the compile-cache key."""
+        cte_impl = os.environ.get("QWEN36_DELTANET_CTE_IMPL", "current").lower()
+        if cte_impl not in ("legacy", "legacy_direct", "direct", "current", "optimized"):
+            raise ValueError(f"QWEN36_DELTANET_CTE_IMPL={cte_impl!r}")
+        chunk = int(os.environ.get("QWEN36_DELTANET_CHUNK_SIZE", "128"))
+        if chunk not in (64, 128) or (cte_impl in ("legacy", "legacy_direct", "direct") and chunk != 128):
+            raise ValueError(f"QWEN36_DELTANET_CHUNK_SIZE={chunk} with QWEN36_DELTANET_CTE_IMPL={cte_impl}")
+        traced = {"deltanet_cte_impl": cte_impl if tag == CONTEXT_ENCODING_MODEL_TAG else None}
+        if config._is_moe:
+            traced["experts"] = expert_dispatch(config.neuron_config, tokens, config.num_experts_per_tok,
+                                                config.num_experts, seq_len)
+        return traced
+
+
+def _attention(prefix: str, config, tp: int, dt: str) -> dict:
+    """Gated GQA: q/k/v/o as NxDI's GQA shards them, the output gate as a plain ColumnParallelLinear (dim 0,
+    unpadded), the q/k norms renamed to q_layernorm / k_layernorm, and the layer's own rank tensor."""
+    heads, d, h = config.num_attention_heads, config.head_dim, config.hidden_size
+    out = attention_weights(prefix, tp, heads, config.num_key_value_heads, d, h, dt, config.neuron_config.fused_qkv)
+    out[f"{prefix}.output_gate_proj.weight"] = column(heads * d, h, tp, dt)
+    out[f"{prefix}.q_layernorm.weight"] = replicated((d,), dt)
+    out[f"{prefix}.k_layernorm.weight"] = replicated((d,), dt)
+    out[f"{prefix}.rank_util.rank"] = tp_rank()
+    return out
+
+
+def _deltanet(prefix: str, config, tp: int, dt: str) -> dict:
+    """Tensor-parallel DeltaNet: in_proj_qkv (conv_dim/tp, H) and conv1d_weight (conv_dim/tp, K) per rank,
+    in_proj_z (Vd/tp, H), in_proj_a/b (Hv/tp, H), A_log / dt_bias (Hv/tp, 1), out_proj on dim 1, norm (head_v_dim,)."""
+    h, hk, hv = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv, k = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
+    split(hk, tp, "DeltaNet key heads")
+    hv_rank = split(hv, tp, "DeltaNet value heads")
+    conv_dim = 2 * hk * dk + hv * dv
+    return {f"{prefix}.in_proj_qkv.weight": column(conv_dim, h, tp, dt),
+            f"{prefix}.in_proj_z.weight": column(hv * dv, h, tp, dt),
+            f"{prefix}.in_proj_a.weight": column(hv, h, tp, dt),
+            f"{prefix}.in_proj_b.weight": column(hv, h, tp, dt),
+            f"{prefix}.conv1d_weight.weight": Weight((conv_dim // tp, k), dt),
+            f"{prefix}.A_log_weight.weight": Weight((hv_rank, 1), dt),
+            f"{prefix}.dt_bias_weight.weight": Weight((hv_rank, 1), dt),
+            f"{prefix}.out_proj.weight": row(h, hv * dv, tp, dt),
+            f"{prefix}.norm.weight": replicated((dv,), dt)}
+
+
+def _mlp(prefix: str, config, tp: int, dt: str) -> dict:
+    h, i = config.hidden_size, config.intermediate_size
+    return {f"{prefix}.gate_proj.weight": column(i, h, tp, dt),
+            f"{prefix}.up_proj.weight": column(i, h, tp, dt),
+            f"{prefix}.down_proj.weight": row(h, i, tp, dt)}
+
+
+def _moe(prefix: str, config, tp: int, dt: str) -> dict:
+    """Router replicated; experts under `mlp.moe.expert_mlps`; the shared expert split across the FULL tp group;
+    shared_expert_gate (1, H) replicated (section 4, main lineage)."""
+    h, e, shared = config.hidden_size, config.num_experts, config.shared_expert_intermediate_size
+    out = {f"{prefix}.moe.router.linear_router.weight": replicated((e, h), dt)}
+    out.update(experts(f"{prefix}.moe.expert_mlps", config.neuron_config, e, h, config.moe_intermediate_size, dt))
+    out[f"{prefix}.shared_gate_proj.weight"] = column(shared, h, tp, dt)
+    out[f"{prefix}.shared_up_proj.weight"] = column(shared, h, tp, dt)
+    out[f"{prefix}.shared_down_proj.weight"] = row(h, shared, tp, dt)
+    out[f"{prefix}.shared_expert_gate.weight"] = replicated((1, h), dt)
+    return out
+
+
+class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):   # l.7491
+    _model_cls = NeuronQwen35Model
+
+    def __init__(self, model_path, config=None, neuron_config=None):
+        super().__init__(model_path, config=config, neuron_config=neuron_config)
+        init_hybrid_apc_scheduler_bridge(self)
+
+    @classmethod
+    def get_config_cls(cls):
+        return Qwen35InferenceConfig
+
+    def enable_token_generation(self, enable_wlt_optimization: bool = True):
+        disable_wlo = bool(getattr(self.config, "disable_token_generation_wlo", False)) or \
+            os.environ.get("QWEN36_DISABLE_TOKEN_GENERATION_WLO") == "1"
+        super().enable_token_generation(enable_wlt_optimization=not disable_wlo)
+
+    def get_compiler_args(self):   # 35B l.8366 (the 2B and PR 173 copies are identical)
+        if self.compile_tag == CONTEXT_ENCODING_MODEL_TAG:
+            optimization_level = "-O1"
+        else:
+            optimization_level = "-O1"
+        compiler_args = (
+            "--enable-saturate-infinity "
+            "--enable-mixed-precision-accumulation "
+            f"--model-type transformer {optimization_level} "
+            "--auto-cast=none "
+        )
+        return compiler_args

@@ -1,0 +1,1 @@
+"""Contract double: the NxDI model classes and their configuration."""

@@ -1,0 +1,1 @@
+"""Contract double: NxDI modules the fake ports use."""

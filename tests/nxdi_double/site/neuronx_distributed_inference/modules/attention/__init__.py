@@ -1,0 +1,1 @@
+"""Contract double: NxDI attention modules."""

@@ -1,0 +1,73 @@
+"""Contract double of NxDI utils/hf_adapter.py (@ ef2731e): HuggingFaceGenerationAdapter.
+
+Called as NxDI's own accuracy check calls it (nxdi-core-facts.md section 9, utils/accuracy.py L631-655):
+`generate(input_ids=..., attention_mask=..., max_new_tokens=n, min_new_tokens=n, do_sample=False,
+return_dict_in_generate=True, output_scores=True, generation_config=gc)` -> `.sequences` [B, prompt + n] and
+`.scores`, a tuple of n [B, V] tensors. The double cannot run the model, so its tokens are a fixed function of the
+prompt (next = (sum of the sequence so far) % V) and its scores a one-hot of that token: tests can check plumbing and
+thresholds, never accuracy. It refuses what the compiled model could not do: generating before load(), a prompt longer
+than the largest context-encoding bucket, or a total length beyond the largest token-generation bucket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from neuronx_distributed_inference._double import record
+
+_GENERATE_KWARGS = {"max_new_tokens", "min_new_tokens", "do_sample", "return_dict_in_generate", "output_scores"}
+
+
+@dataclass
+class GenerateOutput:
+    sequences: torch.Tensor
+    scores: tuple[torch.Tensor, ...] | None
+
+
+class HuggingFaceGenerationAdapter:
+    def __init__(self, model, input_start_offsets=None, capture_draft_logits=False):
+        self.neuron_model = model
+        self.input_start_offsets = input_start_offsets
+        record("HuggingFaceGenerationAdapter", model=type(model).__name__)
+
+    def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+        unknown = sorted(set(kwargs) - _GENERATE_KWARGS)
+        if unknown:
+            raise TypeError(f"generate: the double does not model {unknown}")
+        model = self.neuron_model
+        if not getattr(model, "is_loaded", False):
+            raise RuntimeError("generate: the model was not loaded (call load(compiled_model_path) first)")
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError("generate: input_ids must be a [batch, tokens] tensor")
+        model.reset()
+        nc = model.neuron_config
+        n = kwargs.get("max_new_tokens") or getattr(generation_config, "max_new_tokens", None)
+        if not n:
+            raise ValueError("generate: the double needs max_new_tokens (it does not model max_length-driven stops)")
+        largest = {s.tag: max(s.buckets) for s in model.submodels}
+        if input_ids.shape[1] > largest["context_encoding_model"]:
+            raise ValueError(f"generate: a {input_ids.shape[1]}-token prompt exceeds the largest context-encoding "
+                             f"bucket {largest['context_encoding_model']}")
+        total = input_ids.shape[1] + n
+        if total > min(nc.max_length, largest["token_generation_model"]):
+            raise ValueError(f"generate: {input_ids.shape[1]} + {n} tokens exceed the largest token-generation bucket "
+                             f"{largest['token_generation_model']} (max_length {nc.max_length})")
+        if attention_mask is not None and attention_mask.shape != input_ids.shape:
+            raise ValueError("generate: attention_mask must have input_ids' shape")
+        vocab = model.config.vocab_size
+        sequences, scores = input_ids.clone(), []
+        for _ in range(n):
+            nxt = sequences.sum(dim=1) % vocab
+            step = torch.zeros(sequences.shape[0], vocab, dtype=torch.float32)
+            step[torch.arange(sequences.shape[0]), nxt] = 1.0
+            scores.append(step)
+            sequences = torch.cat([sequences, nxt.unsqueeze(1)], dim=1)
+        record("generate", prompt_tokens=list(input_ids.shape), new_tokens=n,
+               kwargs={k: v for k, v in sorted(kwargs.items())},
+               generation_config={k: getattr(generation_config, k, None)
+                                  for k in ("do_sample", "pad_token_id", "eos_token_id", "top_k")})
+        if not kwargs.get("return_dict_in_generate"):
+            return sequences
+        return GenerateOutput(sequences, tuple(scores) if kwargs.get("output_scores") else None)

@@ -1,0 +1,1 @@
+"""Contract double of torch_neuronx.proto (the metaneff message NxD reads)."""

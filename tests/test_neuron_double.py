@@ -1,0 +1,593 @@
+"""The neuron backend end to end through the CLI, against the NxDI contract double (tests/nxdi_double).
+
+The Neuron SDK does not install on a CPU host. The double plays its public surface (NeuronConfig, the application's
+compile and load, the metaneff, torch_neuronx.trace, the HF generation adapter) strictly, records every call in
+$NXDI_DOUBLE_LOG, and ships two fake ports, one per lineage. These tests build tiny checkpoints with `backend: neuron`
+and `--skip-device` (verify needs NeuronCores) and assert what reached the SDK: the configuration, the environment, the
+compiler arguments, the compile cache, and that the bundle loads as NxDI's compiled directory.
+
+Tests that need the packaged bundle depend on the shard step writing NxD's per-rank format; until it does, packaging
+refuses the shards (the double's metaneff names NxD's keys) and those tests are expected failures, narrowly: only a
+ShardLayoutPending raised from that exact refusal counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, qbuild
+from tests.nxdi_double import MAIN_PORT, MOE_PORT, ROOT, SITE, metadata_overlay, read_log
+
+TOOLCHAIN = yaml.safe_load((REPO / "recipes/bases/trn2.yaml").read_text())["toolchain"]
+RECIPE_FLAG = "--enable-fast-loading-neuron-binaries"    # any recipe flag: it must reach get_compiler_args()
+PORT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
+             "--auto-cast=none")    # contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py get_compiler_args @ 4bcdc54
+MOE_PORT_ARGS = PORT_ARGS + " --internal-enable-dge-levels vector_dynamic_offsets"   # Coder-Next PR 170 @ 753c7f5
+# The messages with which the bundle step refuses shards that are not in the layout the compiled model takes
+# (qbuild.backends.neuron.check_shards).
+SHARD_REFUSALS = ("the shard holds it and the compiled model takes no such weight",
+                  "the compiled model expects it and the shard has no such tensor", ", the compiled model expects [")
+
+
+class ShardLayoutPending(AssertionError):
+    """The build failed only because packaging refused CPU-layout shards: NxD's format lands with the shard step."""
+
+
+pending_shards = pytest.mark.xfail(
+    raises=ShardLayoutPending, strict=False,
+    reason="the shard step does not write NxD's per-rank layout yet (it lands separately), so packaging refuses the "
+           "shards the compiled model does not take")
+
+
+def _pythonpath(sdk: bool = True, overlay: tuple[Path, ...] = ()) -> str:
+    """The CLI's PYTHONPATH: version overlays, the double's site (when the SDK should be there), this checkout."""
+    parts = [*overlay, SITE] if sdk else []
+    return os.pathsep.join(str(p) for p in (*parts, REPO))
+
+
+def write_recipe(path: Path, checkpoint: Path, port_dir: Path, **changes) -> Path:
+    """A tiny neuron recipe (JSON is YAML): the shipped toolchain pins, tp 2, tiny buckets, thresholds that pass any
+    output (the double cannot compute), short prompts that fit the buckets. `changes` replace top-level fields;
+    a `text` or `port` mapping is merged."""
+    doc = {"model": {"path": str(checkpoint)}, "backend": "neuron", "port": {"path": str(port_dir)},
+           "parallel": {"tp": 2}, "dtype": "bfloat16",
+           "text": {"batch_size": 1, "seq_len": 128, "cte_buckets": [32, 64], "tkg_buckets": [64]},
+           "compiler": {"target": "trn2", "lnc": 2, "flags": [RECIPE_FLAG]}, "toolchain": TOOLCHAIN,
+           "verify": {"top1_min": 0, "token_match_min": 0, "max_logit_err": 1e9, "new_tokens": 4,
+                      "prompts": ["Hello world", "The quick brown fox"], "image_prompt": False}}
+    for key, value in changes.items():
+        doc[key] = {**doc[key], **value} if key in ("text", "port") else value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+@dataclass
+class Build:
+    """One store with its lockfile, the double's log and the Neuron work-dir root; `cli` runs qbuild against them."""
+
+    root: Path
+    recipe: Path | None = None       # the recipe the fixture built, its result document and stderr
+    result: dict | None = None
+    stderr: str = ""
+
+    @property
+    def store(self) -> Path:
+        return self.root / "store"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "artifacts.lock"
+
+    @property
+    def log(self) -> Path:
+        return self.root / "nxdi-double.jsonl"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "nxd-work"
+
+    def env(self, sdk: bool = True, overlay: tuple[Path, ...] = (), **extra) -> dict:
+        return {"PYTHONPATH": _pythonpath(sdk, overlay), "NXDI_DOUBLE_LOG": str(self.log),
+                "QBUILD_NEURON_WORKDIR": str(self.work), "HF_HUB_OFFLINE": "1", "HF_HOME": str(self.root / "hf"),
+                "XDG_CACHE_HOME": str(self.root / "xdg"), **extra}
+
+    def cli(self, *args: str, lock: Path | None = None, sdk: bool = True, overlay: tuple[Path, ...] = (),
+            **extra) -> subprocess.CompletedProcess:
+        return qbuild(*args, "--store", str(self.store), "--lock", str(lock or self.lock),
+                      env=self.env(sdk, overlay, **extra))
+
+    def compile(self, recipe: Path, *flags: str, lock: Path | None = None, **kw) -> tuple[dict, str]:
+        """`qbuild compile --skip-device --json`: (the result document, stderr)."""
+        proc = self.cli("compile", str(recipe), "--skip-device", "--json", "-j", "2", *flags, lock=lock, **kw)
+        assert proc.stdout.strip(), f"no result (exit {proc.returncode}):\n{proc.stderr}"
+        return json.loads(proc.stdout), proc.stderr
+
+    def calls(self, name: str) -> list[dict]:
+        return [c for c in read_log(self.log) if c["call"] == name]
+
+    def cache_entries(self) -> list[Path]:
+        return sorted((self.store / "neuron-compile-cache").glob("neuronxcc-*/MODULE_*"))
+
+    def node_outputs(self, recipe: str, role: str, dest: Path) -> Path:
+        """A locked node's outputs laid out in `dest` (hardlinks from the store)."""
+        from qbuild.store.local import LocalStore
+
+        doc = json.loads(self.lock.read_text())
+        outputs = doc["nodes"][doc["recipes"][recipe]["nodes"][role]]["outputs"]
+        LocalStore(self.store).materialize(outputs, dest)
+        return dest
+
+
+def compiled(result: dict, stderr: str = "") -> None:
+    """The text compile of a build succeeded (built now or found in the store)."""
+    names = [n for n in result["built"] + result["cached"] if n.startswith("compile text")]
+    assert len(names) == 1, f"no text compile: {json.dumps(result, indent=1)}\n{stderr}"
+
+
+def require_bundle(result: dict, stderr: str = "") -> None:
+    """The build packaged its bundle; ShardLayoutPending where packaging refused only the shard layout."""
+    failed = result["failed"]
+    if not failed:
+        return
+    refusals = [e for n, e in failed.items() if n.startswith("package ") and any(m in e for m in SHARD_REFUSALS)]
+    if refusals and len(failed) == 1:
+        raise ShardLayoutPending(refusals[0])
+    raise AssertionError(f"build failed: {json.dumps(failed, indent=1)}\n{stderr}")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory, tiny_checkpoints):
+    """The tiny Qwen3.5 (main lineage) built once with the double: text buckets cte [32, 64] / tkg [64], vision 64."""
+    build = Build(tmp_path_factory.mktemp("neuron-dense"))
+    build.recipe = write_recipe(build.root / "recipes" / "dense.yaml", tiny_checkpoints["qwen3_5"], MAIN_PORT,
+                                vision={"buckets": [64]})
+    build.result, build.stderr = build.compile(build.recipe)
+    compiled(build.result, build.stderr)
+    return build
+
+
+def _compile_call(build: Build, index: int = 0) -> dict:
+    calls = build.calls("compile")
+    assert calls, "the double recorded no compile"
+    return calls[index]
+
+
+# --- the text compile ------------------------------------------------------------------------------------------
+
+def test_one_compile_builds_every_bucket_of_both_submodels(dense):
+    """One NxDI compile per text bundle, with bucketing on and both lists explicit (never auto-generated), every
+    bucket compiled, token-generation bucket 0 first; sharding skipped inside compile (qbuild's shard step writes
+    weights/)."""
+    assert len(dense.calls("compile")) == 1
+    configs = [c for c in dense.calls("NeuronConfig") if not c["load_path"]]
+    assert len(configs) == 1 and configs[0]["cls"] == "NeuronConfig"
+    kwargs = configs[0]["kwargs"]
+    assert kwargs["enable_bucketing"] is True
+    assert kwargs["context_encoding_buckets"] == [32, 64] and kwargs["token_generation_buckets"] == [64]
+    assert kwargs["max_context_length"] == 64 and kwargs["max_length"] == 128 and kwargs["seq_len"] == 128
+    assert kwargs["tp_degree"] == 2 and kwargs["torch_dtype"] == "bfloat16" and kwargs["logical_nc_config"] == 2
+    assert kwargs["save_sharded_checkpoint"] is True and kwargs["skip_sharding"] is True
+    call = _compile_call(dense)
+    subs = {s["tag"]: s for s in call["submodels"]}
+    assert subs["context_encoding_model"]["buckets"] == [32, 64]
+    assert subs["token_generation_model"]["buckets"] == [64]
+    assert not any(s["auto_buckets"] for s in subs.values())
+    order = [(n["tag"], n["bucket"]) for n in call["neffs"]]
+    assert order == [("token_generation_model", 64), ("context_encoding_model", 32), ("context_encoding_model", 64)]
+    assert [c["skipped"] for c in dense.calls("shard_weights")] == ["skip_sharding"]
+    # The vision encoder: one torch_neuronx.trace of the port's CPUVisionModel per bucket, weights in the model dtype.
+    (trace,) = dense.calls("torch_neuronx.trace")
+    assert trace["module"] == "src.modeling_qwen35_vision.CPUVisionModel"
+    assert [i["shape"] for i in trace["example_inputs"]] == [[64, 32], [1, 1, 64, 64], [64, 16], [64, 16]]
+    assert trace["parameter_dtypes"] == ["bfloat16"]
+
+
+def test_compile_environment(dense):
+    """What the compile subprocess saw: its own absolute work dir under QBUILD_NEURON_WORKDIR, the store's compile
+    cache, LNC and target set before NxDI was imported, and the port directory (not src/) first on sys.path."""
+    call = _compile_call(dense)
+    env = call["env"]
+    work_dir = Path(env["BASE_COMPILE_WORK_DIR"])
+    assert work_dir.is_absolute() and work_dir.parent == dense.work
+    assert env["NEURON_COMPILE_CACHE_URL"] == str(dense.store.resolve() / "neuron-compile-cache")
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and env["NEURON_PLATFORM_TARGET_OVERRIDE"] == "trn2"
+    (init,) = dense.calls("app_init")
+    port_module = Path(init["files"]["src.modeling_qwen35.NeuronQwen35ForCausalLM"])
+    assert port_module.parent.parent == Path(call["sys_path"][0]) and port_module.name == "modeling_qwen35.py"
+    assert Path(call["cwd"]) != work_dir and not Path(call["cwd"]).is_relative_to(work_dir)
+    entries = {Path(n["cache_entry"]) for n in call["neffs"]}
+    assert len(entries) == 3 and entries <= set(dense.cache_entries())
+
+
+def test_recipe_compiler_args_reach_get_compiler_args(dense):
+    """get_compiler_args() answers with the lineage's arguments, --target and --lnc (NxDI adds neither when the app
+    returns its own) and the recipe's flags, for both submodels; the flags NxD hashes carry the absolute logfile."""
+    answers = {c["tag"]: c["returned"] for c in dense.calls("get_compiler_args")}
+    expected = f"{PORT_ARGS} --target=trn2 --lnc=2 {RECIPE_FLAG}"
+    assert answers == {"context_encoding_model": expected, "token_generation_model": expected}
+    call = _compile_call(dense)
+    assert "src.modeling_qwen35.NeuronQwen35ForCausalLM" in (dense.calls("app_init")[0]["mro"])
+    for neff in call["neffs"]:
+        assert neff["flags"].startswith(expected)
+        assert f"--logfile={neff['dir']}/log-neuron-cc.txt" in neff["flags"]
+
+
+@pending_shards
+def test_neuron_config_json_survives_into_the_bundle(dense, tmp_path):
+    """NxDI's neuron_config.json (what load() reads back) reaches the bundle byte for byte; qbuild keeps its own record
+    beside it as qbuild-neuron.json."""
+    require_bundle(dense.result, dense.stderr)
+    bundle = tmp_path / "bundle"
+    pulled = dense.cli("pull", "dense", "--to", str(bundle))
+    assert pulled.returncode == 0, pulled.stderr
+    compiled_dir = dense.node_outputs("dense", "compile text", tmp_path / "compiled")
+    assert (bundle / "neuron_config.json").read_bytes() == (compiled_dir / "neuron_config.json").read_bytes()
+    saved = json.loads((bundle / "neuron_config.json").read_text())
+    assert saved["neuron_config"]["context_encoding_buckets"] == [32, 64] and "params" not in saved
+    record = json.loads((bundle / "qbuild-neuron.json").read_text())
+    assert record["config"]["app_class"] == "NeuronQwen35ForCausalLM" and record["params"]["graph"] == "text"
+
+
+@pytest.mark.slow
+def test_concurrent_builds_get_distinct_work_dirs(dense, tmp_path):
+    """Two CLI processes compiling at the same time (the double holds both inside trace until both arrived) use two
+    work dirs and two working directories: trace() wipes its work dir, and NxD writes temp HLOs into the cwd."""
+    recipes = [write_recipe(tmp_path / "conc-a.yaml", Path(json.loads(dense.recipe.read_text())["model"]["path"]),
+                            MAIN_PORT, fused_qkv=True),
+               write_recipe(tmp_path / "conc-b.yaml", Path(json.loads(dense.recipe.read_text())["model"]["path"]),
+                            MAIN_PORT, port={"env": {"QWEN36_DELTANET_CTE_IMPL": "legacy_direct"}})]
+    log = tmp_path / "concurrent.jsonl"
+    env = dict(os.environ, **dense.env(NXDI_DOUBLE_LOG=str(log), NXDI_DOUBLE_BARRIER=f"{tmp_path / 'barrier'}:2"))
+    procs = [subprocess.Popen([sys.executable, "-m", "qbuild.cli", "compile", str(r), "--skip-device", "--json",
+                               "--store", str(dense.store), "--lock", str(tmp_path / f"{r.stem}.lock")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in recipes]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for (out, err) in outs:
+        assert out.strip(), err
+        compiled(json.loads(out), err)
+    calls = [c for c in read_log(log) if c["call"] == "compile"]
+    assert len(calls) == 2 and calls[0]["pid"] != calls[1]["pid"]
+    assert calls[0]["env"]["BASE_COMPILE_WORK_DIR"] != calls[1]["env"]["BASE_COMPILE_WORK_DIR"]
+    assert calls[0]["cwd"] != calls[1]["cwd"]
+    # The port's switch reached the trace of the recipe that set it, and only that one.
+    by_fused = {c["config"]["neuron_config"]["fused_qkv"]: c for c in calls}
+    assert by_fused[False]["env"]["QWEN36_DELTANET_CTE_IMPL"] == "legacy_direct"
+    assert "QWEN36_DELTANET_CTE_IMPL" not in by_fused[True]["env"]
+
+
+def test_adding_a_bucket_compiles_one_neff(dense, tmp_path):
+    """Adding a token-generation bucket after the others keeps the work dir and the compile cache: the next compile
+    finds the three NEFFs it had and adds exactly one, as `qbuild explain` says beforehand (and says "3 new" when
+    an inserted bucket shifts others)."""
+    lock = tmp_path / "artifacts.lock"
+    shutil.copyfile(dense.lock, lock)
+    checkpoint = Path(json.loads(dense.recipe.read_text())["model"]["path"])
+    recipe = write_recipe(tmp_path / "dense.yaml", checkpoint, MAIN_PORT, vision={"buckets": [64]},
+                          text={"tkg_buckets": [64, 128]})
+    explained = dense.cli("explain", str(recipe), lock=lock)
+    assert explained.returncode == 0, explained.stderr
+    (line,) = [ln for ln in explained.stdout.splitlines() if ln.startswith("compile text")]
+    assert "1 new NEFF (tkg-128), 3 reused from the Neuron compile cache" in line, explained.stdout
+    before = dense.cache_entries()
+    log = tmp_path / "log.jsonl"
+    result, stderr = dense.compile(recipe, lock=lock, NXDI_DOUBLE_LOG=str(log))
+    compiled(result, stderr)
+    assert len(dense.cache_entries()) == len(before) + 1
+    first = _compile_call(dense)
+    (second,) = [c for c in read_log(log) if c["call"] == "compile"]
+    assert second["env"]["NEURON_COMPILE_CACHE_URL"] == first["env"]["NEURON_COMPILE_CACHE_URL"]
+    assert second["env"]["BASE_COMPILE_WORK_DIR"] == first["env"]["BASE_COMPILE_WORK_DIR"]
+    misses = [(n["tag"], n["bucket"]) for n in second["neffs"] if not n["hit"]]
+    assert misses == [("token_generation_model", 128)] and len(second["neffs"]) == 4
+    # A bucket inserted BEFORE others moves them to another _tp0_bk<i>, hence another --logfile in their hashed flags:
+    # those recompile too, and explain says so.
+    recipe = write_recipe(tmp_path / "dense.yaml", checkpoint, MAIN_PORT, vision={"buckets": [64]},
+                          text={"cte_buckets": [16, 32, 64], "tkg_buckets": [64, 128]})
+    explained = dense.cli("explain", str(recipe), lock=lock)
+    (line,) = [ln for ln in explained.stdout.splitlines() if ln.startswith("compile text")]
+    assert "3 new NEFFs (cte-16, cte-32, cte-64), 2 reused from the Neuron compile cache" in line, explained.stdout
+    before = dense.cache_entries()
+    result, stderr = dense.compile(recipe, lock=lock, NXDI_DOUBLE_LOG=str(log))
+    compiled(result, stderr)
+    assert len(dense.cache_entries()) == len(before) + 3
+    third = [c for c in read_log(log) if c["call"] == "compile"][-1]
+    assert sorted((n["tag"], n["bucket"]) for n in third["neffs"] if not n["hit"]) == \
+        [("context_encoding_model", 16), ("context_encoding_model", 32), ("context_encoding_model", 64)]
+
+
+@pending_shards
+def test_bundle_loads_with_the_port_class(dense, tmp_path):
+    """`App(dir).load(dir)` with the port's class from the bundle's own copy of the port: NxDI's load reads every
+    rank's weights/tp{r}_sharded_checkpoint.safetensors and takes them only in the names and shapes it compiled."""
+    require_bundle(dense.result, dense.stderr)
+    bundle = tmp_path / "bundle"
+    assert dense.cli("pull", "dense", "--to", str(bundle)).returncode == 0
+    record = json.loads((bundle / "qbuild-neuron.json").read_text())
+    script = ("import sys; sys.path.insert(0, sys.argv[2]); from src.modeling_qwen35 import NeuronQwen35ForCausalLM; "
+              "m = NeuronQwen35ForCausalLM(sys.argv[1]); m.load(sys.argv[1])")
+    proc = subprocess.run([sys.executable, "-c", script, str(bundle), str(bundle / "port")], capture_output=True,
+                          text=True, env=dict(os.environ, **dense.env(NXDI_DOUBLE_LOG=str(tmp_path / "load.jsonl")),
+                                              **record["config"]["env"]))
+    assert proc.returncode == 0, proc.stderr
+    (load,) = [c for c in read_log(tmp_path / "load.jsonl") if c["call"] == "load"]
+    assert load["ranks"] == [0, 1]
+
+
+# --- the moe lineage ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
+    """A tiny Qwen3-Next (Coder-Next's family) resolves the moe lineage: src/ on sys.path, the flat module's
+    NeuronQwen35MoeForCausalLM with a MoENeuronConfig, the router forced to fp32 softmax, shard-on-block experts, the
+    lineage's DGE flag, fused QKV. tp 2 and ep 1, as PR 170's scripts run it."""
+    build = Build(tmp_path)
+    recipe = write_recipe(tmp_path / "next.yaml", tiny_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
+                          moe_backend="shard_on_block", port={"lineage": "moe"})
+    result, stderr = build.compile(recipe)
+    compiled(result, stderr)
+    (init,) = build.calls("app_init")
+    assert "modeling_qwen35_moe.NeuronQwen35MoeForCausalLM" in init["mro"]
+    assert init["config_cls"] == "Qwen35MoeInferenceConfig" and init["neuron_config_cls"] == "MoENeuronConfig"
+    port_module = Path(init["files"]["modeling_qwen35_moe.NeuronQwen35MoeForCausalLM"])
+    assert port_module.parent == Path(init["sys_path"][0]) and port_module.parent.name == "src"
+    (config,) = [c for c in build.calls("NeuronConfig") if not c["load_path"]]
+    assert config["cls"] == "MoENeuronConfig"
+    assert config["kwargs"]["blockwise_matmul_config"] == {"block_size": 128, "use_shard_on_block_dynamic_while": True,
+                                                           "block_sharding_strategy": "PING_PONG",
+                                                           "logical_nc_config": 2}
+    assert config["kwargs"]["moe_tp_degree"] == 2 and config["kwargs"]["moe_ep_degree"] == 1
+    call = _compile_call(build)
+    nc = call["config"]["neuron_config"]
+    assert nc["router_config"] == {"act_fn": "softmax", "dtype": "float32"} and nc["fused_qkv"] is True
+    assert {c["returned"] for c in build.calls("get_compiler_args")} == {f"{MOE_PORT_ARGS} --target=trn2 --lnc=2 "
+                                                                         f"{RECIPE_FLAG}"}
+
+
+# --- the toolchain -----------------------------------------------------------------------------------------------
+
+def test_mismatching_toolchain_fails_compile_naming_both_versions(dense, tmp_path):
+    installed = "0.9.17334+0f1e2d3c"
+    overlay = metadata_overlay(tmp_path / "overlay", {"neuronx-distributed-inference": installed})
+    lock = tmp_path / "artifacts.lock"
+    shutil.copyfile(dense.lock, lock)
+    checkpoint = Path(json.loads(dense.recipe.read_text())["model"]["path"])
+    recipe = write_recipe(tmp_path / "sdk.yaml", checkpoint, MAIN_PORT, text={"cte_buckets": [16, 64]})
+    proc = dense.cli("compile", str(recipe), "--skip-device", lock=lock, overlay=(overlay,),
+                     NXDI_DOUBLE_LOG=str(tmp_path / "log.jsonl"))
+    assert proc.returncode == 1, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if installed in ln]
+    assert lines and all(TOOLCHAIN["neuronx_distributed_inference"] in ln for ln in lines), proc.stderr
+    assert not [c for c in read_log(tmp_path / "log.jsonl") if c["call"] == "compile"]
+
+
+def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
+    """recipes/35b-a3b-tp8.yaml (its port pointed at the fake) plans offline to the same keys whether or not the SDK
+    is importable: keys are made from the pins, never from what is installed. Without the SDK its compile fails with
+    one line naming the missing package, and the exit code of a failed step."""
+    recipe = tmp_path / "35b-a3b-tp8.yaml"
+    doc = yaml.safe_load((REPO / "recipes/35b-a3b-tp8.yaml").read_text())
+    doc["extends"] = str(REPO / "recipes/bases/trn2.yaml")
+    doc["port"]["path"] = str(MAIN_PORT)
+    recipe.write_text(yaml.safe_dump(doc))
+    build = Build(tmp_path)
+    plans = []
+    for sdk in (True, False):
+        proc = build.cli("plan", str(recipe), "--json", sdk=sdk)
+        assert proc.returncode == 0, proc.stderr
+        plans.append({n["id"]: (n["key"], n["status"]) for n in json.loads(proc.stdout)["nodes"]})
+    assert plans[0] == plans[1]
+    proc = build.cli("compile", str(recipe), "--keep-going", "--skip-device", "--mem", "1T", sdk=False)
+    assert proc.returncode == 1
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("FAILED compile text")]
+    assert "neuronx-distributed-inference" in line and "not installed" in line
+
+
+# --- running the bundle ------------------------------------------------------------------------------------------
+
+@pending_shards
+def test_skip_device_leaves_verify_unbuilt(dense):
+    """On a host without NeuronCores, --skip-device leaves verify unbuilt and says so; without it, the verify step is
+    refused in one line."""
+    require_bundle(dense.result, dense.stderr)
+    skipped = dense.cli("compile", str(dense.recipe), "--skip-device")
+    assert skipped.returncode == 0, skipped.stderr
+    assert "1 left unbuilt (--skip-device)" in skipped.stderr.splitlines()[-1]
+    refused = dense.cli("compile", str(dense.recipe))
+    assert refused.returncode == 1
+    (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("FAILED verify dense")]
+    assert "NeuronCores" in line and "--skip-device" in line
+
+
+@pending_shards
+def test_pull_prints_the_vllm_command(dense, tmp_path):
+    require_bundle(dense.result, dense.stderr)
+    bundle = tmp_path / "serve"
+    proc = dense.cli("pull", "dense", "--to", str(bundle))
+    assert proc.returncode == 0, proc.stderr
+    command = [ln for ln in proc.stdout.splitlines() if not ln.startswith("#")]
+    assert len(command) == 1, proc.stdout
+    assert f"NEURON_COMPILED_ARTIFACTS={bundle.resolve()}" in command[0]
+    assert "vllm serve" in command[0] and "--tensor-parallel-size 2" in command[0]
+    assert "MODEL_TYPES" in proc.stdout and "NeuronQwen35ForCausalLM" in proc.stdout
+
+
+@pending_shards
+def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
+    """qbuild.actions.verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
+    with the port's class (config read back from neuron_config.json) and generate() runs once per text prompt the
+    way NxDI's accuracy check calls it; thresholds of 0 pass whatever the double returns."""
+    from qbuild.actions import RunContext
+    from qbuild.actions import verify
+
+    require_bundle(dense.result, dense.stderr)
+    inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "reference", "port")}
+    log = tmp_path / "verify.jsonl"
+    for key, value in dense.env(NXDI_DOUBLE_LOG=str(log)).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(SITE))
+    out = tmp_path / "out"
+    out.mkdir()
+    params = {"top1_min": 0.0, "token_match_min": 0.0, "max_logit_err": 1e9}
+    verify.run(RunContext("verify", params, {"bundle": inputs["package"], "reference": inputs["reference"],
+                                             "port": inputs["port"]}, out, tmp_path / "scratch", log=lambda s: None))
+    assert json.loads((out / "report.json").read_text())["ok"] is True
+    calls = read_log(log)
+    (init,) = [c for c in calls if c["call"] == "app_init"]
+    assert init["config_from_json"] is True and init["cls"] == "NeuronQwen35ForCausalLM"
+    (load,) = [c for c in calls if c["call"] == "load"]
+    assert load["ranks"] == [0, 1]
+    generates = [c for c in calls if c["call"] == "generate"]
+    assert len(generates) == 2
+    for g in generates:
+        assert g["kwargs"] == {"do_sample": False, "max_new_tokens": 4, "min_new_tokens": 4,
+                               "output_scores": True, "return_dict_in_generate": True}
+
+
+# --- the double itself ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def sdk(monkeypatch):
+    """The double importable in this process for one test, then forgotten (qbuild decides whether the SDK is
+    installed with importlib.util.find_spec, which would otherwise find the imported modules for later tests)."""
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    monkeypatch.syspath_prepend(str(SITE))
+    yield
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).resolve().is_relative_to(ROOT):
+            del sys.modules[name]
+
+
+def test_double_rejects_what_nxdi_would_silently_drop(sdk):
+    import torch
+    from neuronx_distributed_inference.models.config import MoENeuronConfig, NeuronConfig
+
+    with pytest.raises(TypeError, match="normalize_top_k_affinities"):
+        MoENeuronConfig(tp_degree=2, normalize_top_k_affinities=True)
+    with pytest.raises(AssertionError, match="quantized_checkpoints_path is required"):
+        NeuronConfig(quantized=True)
+    with pytest.raises(ValueError, match="use_shard_on_intermediate"):
+        MoENeuronConfig(blockwise_matmul_config={"use_shard_on_intermediate": True})
+    nc = MoENeuronConfig(tp_degree=2, ep_degree=2, torch_dtype="bfloat16", moe_tp_degree=2, moe_ep_degree=2)
+    assert nc.torch_dtype is torch.bfloat16 and nc.world_size == 4 and nc.normalize_top_k_affinities is True
+    assert nc.router_config.dtype is torch.float32 and nc.router_config.act_fn == "softmax"
+
+
+def test_double_load_reads_back_what_save_wrote(sdk, tmp_path, monkeypatch):
+    """InferenceConfig.save writes to_dict as NxDI does; load reads it back, dropping (as NxDI does) what is not a
+    constructor argument, and through the main port's NeuronConfig even for an MoE config."""
+    monkeypatch.syspath_prepend(str(MAIN_PORT))
+    from neuronx_distributed_inference.models.config import MoENeuronConfig
+    from src.modeling_qwen35 import Qwen35InferenceConfig
+
+    with pytest.raises(AssertionError, match="Config must define"):
+        Qwen35InferenceConfig(MoENeuronConfig(tp_degree=2), hidden_size=64)
+    fields = dict(head_dim=32, hidden_act="silu", hidden_size=64, max_position_embeddings=4096, num_attention_heads=4,
+                  num_hidden_layers=4, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=512,
+                  linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                  linear_conv_kernel_dim=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                  model_type="qwen3_5_moe_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=32)
+    config = Qwen35InferenceConfig(MoENeuronConfig(tp_degree=2, moe_tp_degree=2), **fields)
+    config.save(str(tmp_path))
+    text = (tmp_path / "neuron_config.json").read_text()
+    assert text.endswith("}\n") and json.loads(text)["neuron_config"]["torch_dtype"] == "bfloat16"
+    back = Qwen35InferenceConfig.load(str(tmp_path))
+    assert type(back.neuron_config).__name__ == "NeuronConfig" and not hasattr(back.neuron_config, "moe_tp_degree")
+    assert back.neuron_config.tp_degree == 2 and back.intermediate_size == 32 and back._is_moe is True
+
+
+def test_double_metaneff_and_expert_parallel_weights(sdk, monkeypatch):
+    """The metaneff round-trips with bytes checkpoint keys; with moe_ep 2 each rank holds its own contiguous experts,
+    rank_util carries r % tp and spmd_rank the global rank; token generation under EP fails in the trace as NxD's
+    selective loading does."""
+    from neuronx_distributed_inference._nxd import rank_value
+    from neuronx_distributed_inference.models.config import MoENeuronConfig
+    from torch_neuronx.proto import metaneff_pb2
+
+    meta = metaneff_pb2.MetaNeff()
+    meta.input_tensors.add(name=b"w", shape=[4, 64], data_type=14, checkpoint_key=b"layers.0.mlp.gate_proj.weight",
+                           type=metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT)
+    back = metaneff_pb2.MetaNeff()
+    back.ParseFromString(meta.SerializeToString())
+    (t,) = back.input_tensors
+    assert t.type == metaneff_pb2.MetaTensor.Type.INPUT_WEIGHT
+    assert t.checkpoint_key.decode() == "layers.0.mlp.gate_proj.weight"
+    assert list(t.shape) == [4, 64]
+
+    monkeypatch.syspath_prepend(str(MOE_PORT / "src"))
+    from modeling_qwen35_moe import NeuronQwen35MoeModel, Qwen35MoeInferenceConfig
+
+    nc = MoENeuronConfig(tp_degree=2, ep_degree=2, moe_tp_degree=2, moe_ep_degree=2,
+                         blockwise_matmul_config={"block_size": 128})
+    config = Qwen35MoeInferenceConfig(
+        nc, head_dim=32, hidden_act="silu", hidden_size=64, max_position_embeddings=4096, moe_intermediate_size=32,
+        num_attention_heads=4, num_experts=8, num_experts_per_tok=2, num_hidden_layers=1, num_key_value_heads=2,
+        rms_norm_eps=1e-6, rope_theta=1e4, vocab_size=512, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, layer_types=["full_attention"],
+        shared_expert_intermediate_size=32)
+    weights = NeuronQwen35MoeModel.rank_weights(config)
+    assert weights["layers.0.mlp.expert_mlps.mlp_op.gate_up_proj.weight"].shape == (4, 64, 32)
+    assert weights["layers.0.mlp.expert_mlps.mlp_op.down_proj.weight"].shape == (4, 16, 64)
+    indices = weights["layers.0.mlp.expert_mlps.spmd_rank.local_expert_indices"]
+    assert [rank_value(indices, r, 2) for r in range(4)] == [[[0, 1, 2, 3]]] * 2 + [[[4, 5, 6, 7]]] * 2
+    assert [rank_value(weights["rank_util.rank"], r, 2) for r in range(4)] == [[0], [1], [0], [1]]
+    assert rank_value(weights["layers.0.mlp.expert_mlps.spmd_rank.rank"], 3, 2) == [3]
+    assert NeuronQwen35MoeModel.trace(config, "context_encoding_model", 64, 64, 64) == {"experts": "forward_blockwise"}
+    with pytest.raises(NotImplementedError, match="Selective Loading with Expert parallelism"):
+        NeuronQwen35MoeModel.trace(config, "token_generation_model", 64, 1, 1)
+
+
+def test_double_load_names_the_first_wrong_tensor(sdk, tmp_path, monkeypatch):
+    """The double's compile refuses to run without its own work dir or to shard a checkpoint; its load fails on the
+    first shard tensor the compiled model does not take as it is."""
+    import torch
+    from neuronx_distributed_inference._double import DoubleRefusal
+    from neuronx_distributed_inference.models.config import NeuronConfig
+    from safetensors.torch import save_file
+
+    monkeypatch.syspath_prepend(str(MAIN_PORT))
+    from src.modeling_qwen35 import NeuronQwen35ForCausalLM, NeuronQwen35Model, Qwen35InferenceConfig
+
+    fields = dict(head_dim=32, hidden_act="silu", hidden_size=64, intermediate_size=96, max_position_embeddings=4096,
+                  num_attention_heads=4, num_hidden_layers=1, num_key_value_heads=2, rms_norm_eps=1e-6,
+                  rope_theta=1e4, vocab_size=512, linear_num_value_heads=4, linear_num_key_heads=2,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                  layer_types=["full_attention"])
+    monkeypatch.delenv("BASE_COMPILE_WORK_DIR", raising=False)
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(tmp_path / "cache"))
+    nc = NeuronConfig(tp_degree=2, seq_len=128, enable_bucketing=True, context_encoding_buckets=[32],
+                      token_generation_buckets=[128], save_sharded_checkpoint=True)
+    app = NeuronQwen35ForCausalLM(str(tmp_path / "hf"), config=Qwen35InferenceConfig(nc, **fields))
+    out = tmp_path / "compiled"
+    out.mkdir()
+    with pytest.raises(DoubleRefusal, match="BASE_COMPILE_WORK_DIR"):
+        app.compile(str(out))
+    monkeypatch.setenv("BASE_COMPILE_WORK_DIR", str(tmp_path / "work"))
+    with pytest.raises(DoubleRefusal, match="would shard the checkpoint"):
+        app.compile(str(out))
+    assert (out / "model.pt").is_file()       # sharding comes last, after model.pt
+    weights = NeuronQwen35Model.rank_weights(app.config)
+    (out / "weights").mkdir()
+    for rank in range(2):
+        tensors = {name: torch.full(w.shape, rank, dtype=torch.int32) if w.value else
+                   torch.zeros(w.shape, dtype=getattr(torch, w.dtype)) for name, w in weights.items()}
+        if rank == 1:
+            tensors["layers.0.self_attn.qkv_proj.k_proj.weight"] = torch.zeros(64, 64, dtype=torch.bfloat16)
+        save_file(tensors, out / "weights" / f"tp{rank}_sharded_checkpoint.safetensors")
+    loaded = NeuronQwen35ForCausalLM(str(out))
+    with pytest.raises(RuntimeError, match=r"tp1_sharded_checkpoint.safetensors: layers.0.self_attn.qkv_proj.k_proj."
+                                           r"weight: shape \[64, 64\], the compiled model takes \[32, 64\]"):
+        loaded.load(str(out))
