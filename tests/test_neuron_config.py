@@ -156,8 +156,11 @@ def test_parallel_degrees_per_lineage():
 
 def test_neff_reuse_says_what_adding_a_bucket_costs():
     base = {"graph": "text", "cte_buckets": [128, 512], "tkg_buckets": [512], "tp": 8}
+    assert neff_reuse(base, {**base, "cte_buckets": [128, 512, 1024]}) == \
+        "1 new NEFF (cte-1024), 3 reused from the Neuron compile cache"
+    # NxD hashes each bucket's work-dir path (_tp0_bk<i>) into its key: an inserted bucket shifts those after it.
     assert neff_reuse(base, {**base, "cte_buckets": [128, 256, 512]}) == \
-        "1 new NEFF (cte-256), 3 reused from the Neuron compile cache"
+        "2 new NEFFs (cte-256, cte-512), 2 reused from the Neuron compile cache"
     assert neff_reuse(base, {**base, "tp": 4}) is None
     assert "all 3 NEFFs recompile" in neff_reuse(base, {**base, "tkg_buckets": [256]})
 

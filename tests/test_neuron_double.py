@@ -5,10 +5,8 @@ compile and load, the metaneff, torch_neuronx.trace, the HF generation adapter) 
 $NXDI_DOUBLE_LOG, and ships two fake ports, one per lineage. These tests build tiny checkpoints with `backend: neuron`
 and `--skip-device` (verify needs NeuronCores) and assert what reached the SDK: the configuration, the environment, the
 compiler arguments, the compile cache, and that the bundle loads as NxDI's compiled directory.
-
-Tests that need the packaged bundle depend on the shard step writing NxD's per-rank format; until it does, packaging
-refuses the shards (the double's metaneff names NxD's keys) and those tests are expected failures, narrowly: only a
-ShardLayoutPending raised from that exact refusal counts.
+Packaging checks every shard against the weights the double's metaneff names (NxD's keys and per-rank shapes, derived
+by the fake ports from nxdi-api.md section 4), so a bundle that packages carries shards in NxD's exact format.
 """
 
 from __future__ import annotations
@@ -32,22 +30,6 @@ RECIPE_FLAG = "--enable-fast-loading-neuron-binaries"    # any recipe flag: it m
 PORT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
              "--auto-cast=none")    # contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py get_compiler_args @ 4bcdc54
 MOE_PORT_ARGS = PORT_ARGS + " --internal-enable-dge-levels vector_dynamic_offsets"   # Coder-Next PR 170 @ 753c7f5
-# The messages with which the bundle step refuses shards that are not in the layout the compiled model takes
-# (qbuild.backends.neuron.check_shards).
-SHARD_REFUSALS = ("the shard holds it and the compiled model takes no such weight",
-                  "the compiled model expects it and the shard has no such tensor", ", the compiled model expects [")
-
-
-class ShardLayoutPending(AssertionError):
-    """The build failed only because packaging refused CPU-layout shards: NxD's format lands with the shard step."""
-
-
-pending_shards = pytest.mark.xfail(
-    raises=ShardLayoutPending, strict=False,
-    reason="the shard step does not write NxD's per-rank layout yet (it lands separately), so packaging refuses the "
-           "shards the compiled model does not take")
-
-
 def _pythonpath(sdk: bool = True, overlay: tuple[Path, ...] = ()) -> str:
     """The CLI's PYTHONPATH: version overlays, the double's site (when the SDK should be there), this checkout."""
     parts = [*overlay, SITE] if sdk else []
@@ -135,14 +117,8 @@ def compiled(result: dict, stderr: str = "") -> None:
 
 
 def require_bundle(result: dict, stderr: str = "") -> None:
-    """The build packaged its bundle; ShardLayoutPending where packaging refused only the shard layout."""
-    failed = result["failed"]
-    if not failed:
-        return
-    refusals = [e for n, e in failed.items() if n.startswith("package ") and any(m in e for m in SHARD_REFUSALS)]
-    if refusals and len(failed) == 1:
-        raise ShardLayoutPending(refusals[0])
-    raise AssertionError(f"build failed: {json.dumps(failed, indent=1)}\n{stderr}")
+    """The build packaged its bundle (packaging refuses shards the compiled model does not take)."""
+    assert not result["failed"], f"build failed: {json.dumps(result['failed'], indent=1)}\n{stderr}"
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +198,6 @@ def test_recipe_compiler_args_reach_get_compiler_args(dense):
         assert f"--logfile={neff['dir']}/log-neuron-cc.txt" in neff["flags"]
 
 
-@pending_shards
 def test_neuron_config_json_survives_into_the_bundle(dense, tmp_path):
     """NxDI's neuron_config.json (what load() reads back) reaches the bundle byte for byte; qbuild keeps its own record
     beside it as qbuild-neuron.json."""
@@ -306,7 +281,6 @@ def test_adding_a_bucket_compiles_one_neff(dense, tmp_path):
         [("context_encoding_model", 16), ("context_encoding_model", 32), ("context_encoding_model", 64)]
 
 
-@pending_shards
 def test_bundle_loads_with_the_port_class(dense, tmp_path):
     """`App(dir).load(dir)` with the port's class from the bundle's own copy of the port: NxDI's load reads every
     rank's weights/tp{r}_sharded_checkpoint.safetensors and takes them only in the names and shapes it compiled."""
@@ -395,7 +369,6 @@ def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
 
 # --- running the bundle ------------------------------------------------------------------------------------------
 
-@pending_shards
 def test_skip_device_leaves_verify_unbuilt(dense):
     """On a host without NeuronCores, --skip-device leaves verify unbuilt and says so; without it, the verify step is
     refused in one line."""
@@ -409,7 +382,6 @@ def test_skip_device_leaves_verify_unbuilt(dense):
     assert "NeuronCores" in line and "--skip-device" in line
 
 
-@pending_shards
 def test_pull_prints_the_vllm_command(dense, tmp_path):
     require_bundle(dense.result, dense.stderr)
     bundle = tmp_path / "serve"
@@ -422,7 +394,6 @@ def test_pull_prints_the_vllm_command(dense, tmp_path):
     assert "MODEL_TYPES" in proc.stdout and "NeuronQwen35ForCausalLM" in proc.stdout
 
 
-@pending_shards
 def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     """qbuild.actions.verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
     with the port's class (config read back from neuron_config.json) and generate() runs once per text prompt the
