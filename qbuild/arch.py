@@ -551,13 +551,12 @@ def _validate_neuron(loaded: LoadedRecipe, arch: Arch) -> None:
         _fail(loaded, "fp8", f"no public NxDI port builds FP8 experts; {arch.family} builds with fp8: none on neuron")
     if r.vision is not None and LINEAGES[lineage.name].vision_module is None:
         _fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use main")
-    if lineage.name == "main" and r.parallel.ep > 1:
-        # contrib/models/Qwen3.5-35B-A3B README: moe_ep_degree > 1 raises NotImplementedError in selective-loading
-        # decode (nxdi-api.md section 1).
-        _fail(loaded, "parallel.ep", "the main-lineage port does not support expert parallelism in decode; use ep: 1")
-    if lineage.name == "moe" and arch.is_moe and r.parallel.moe_tp is not None:
-        _fail(loaded, "parallel.moe_tp", "the moe-lineage port sets moe_tp_degree = tp and runs tp * ep ranks; "
-                                         "leave moe_tp unset")
+    if r.parallel.ep > 1:
+        # NxD's ExpertMLPsV2 raises NotImplementedError for EP in selective-loading decode (expert_mlps_v2.py @
+        # fbac349; Qwen3.5-35B-A3B README). Coder-Next's README works around it with a patch of
+        # ExpertMLPsV2.forward that is in no public commit of the port (PR 170 @ 753c7f5).
+        _fail(loaded, "parallel.ep", f"no public {lineage.name}-lineage port runs expert parallelism in decode "
+                                     "(NxD raises NotImplementedError without an unpublished patch); use ep: 1")
     for dist, version in r.toolchain.pins().items():
         if version is None:
             _fail(loaded, "toolchain", f"a neuron build pins the Neuron SDK: set toolchain.{dist.replace('-', '_')} "

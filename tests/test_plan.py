@@ -123,7 +123,7 @@ def test_plan_never_imports_torch_and_plans_shipped_recipes_offline(tmp_path):
     heavy, _, doc = proc.stdout.partition("\n")
     assert heavy == "[]", heavy
     plan = json.loads(doc)
-    assert set(plan["recipes"]) == {"2b-tp8", "27b-tp4", "35b-a3b-tp8", "36-27b-fp8-128k", "coder-next-tp8-ep4"}
+    assert set(plan["recipes"]) == {"2b-tp8", "27b-tp4", "35b-a3b-tp8", "36-27b-fp8-128k", "coder-next-tp8"}
     # The 27B and 3.6-27B recipes differ in weights only through the model source.
     kinds = {n["kind"] for n in plan["nodes"]}
     assert kinds == {"fetch", "port", "convert", "shard", "compile", "package", "reference", "verify"}

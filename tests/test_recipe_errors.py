@@ -81,8 +81,8 @@ CASES = {
                                     "port: {lineage: main, path: ./p}\n" + NEURON_BASE, "port.lineage"),
     "main-lineage-with-ep": ("model: {hf: Qwen/Qwen3.5-35B-A3B}\nparallel: {tp: 8, ep: 2}\nport: {path: ./p}\n"
                              + NEURON_BASE, "parallel.ep"),
-    "moe-lineage-with-moe-tp": ("model: {hf: Qwen/Qwen3-Coder-Next}\nparallel: {tp: 8, ep: 2, moe_tp: 4}\n"
-                                "port: {path: ./p}\n" + NEURON_BASE, "parallel.moe_tp"),
+    "moe-lineage-with-ep": ("model: {hf: Qwen/Qwen3-Coder-Next}\nparallel: {tp: 8, ep: 2}\n"
+                            "port: {path: ./p}\n" + NEURON_BASE, "parallel.ep"),
     "moe-lineage-with-vision": ("model: {hf: Qwen/Qwen3.5-35B-A3B}\nparallel: {tp: 8}\nvision: {buckets: [1024]}\n"
                                 "port: {lineage: moe, path: ./p}\n" + NEURON_BASE, "vision"),
     "neuron-fp8-full": ("model: {hf: Qwen/Qwen3.5-27B}\nparallel: {tp: 8}\nfp8: full\nport: {path: ./p}\n"
