@@ -23,6 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
+from . import jsonio
 from .errors import UserError
 from .hashing import digest_file
 from .store import safe_join
@@ -53,7 +54,7 @@ def file_entries(root: Path) -> dict[str, dict]:
 def write_manifest(root: Path, meta: dict) -> dict:
     """Write bundle.json for the files now under `root`; returns the manifest."""
     doc = {"format": FORMAT, **meta, "files": file_entries(root)}
-    (root / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    (root / MANIFEST).write_text(jsonio.dumps(doc, indent=1, sort_keys=True) + "\n")
     return doc
 
 

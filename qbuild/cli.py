@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from . import jsonio
 from .errors import QbuildError, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -65,7 +65,7 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
     ws = _workspace(store, lock, remote, download=False)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
     if json_:
-        print(json.dumps(plan_json(the_plan, status), indent=1, sort_keys=True))
+        print(jsonio.dumps(plan_json(the_plan, status), indent=1, sort_keys=True))
     else:
         plan_tree(the_plan, status)
 
@@ -107,7 +107,7 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
         doc = result_json(the_plan, result)
         if pushed is not None:
             doc["pushed"] = _push_json(pushed)
-        print(json.dumps(doc, indent=1, sort_keys=True))
+        print(jsonio.dumps(doc, indent=1, sort_keys=True))
     else:
         progress.summary(the_plan, result)
     raise_for(result, the_plan)
@@ -197,7 +197,7 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
     rows = [{"id": nid, "name": the_plan.nodes[nid].name, "status": status[nid].status, "why": status[nid].why}
             for nid in dict.fromkeys(chosen)]
     if json_:
-        print(json.dumps(rows, indent=1))
+        print(jsonio.dumps(rows, indent=1))
         return
     for row in rows:
         print(f"{row['name']} [{row['id'][:8]}]: {row['why']}")
@@ -223,7 +223,7 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
     st = ws.store
     report = publish_locked(st, st.remote, doc, lock, names, TransferDisplay())
     if json_:
-        print(json.dumps({"recipes": names, "remote": st.remote.url, **_push_json(report)}, sort_keys=True))
+        print(jsonio.dumps({"recipes": names, "remote": st.remote.url, **_push_json(report)}, sort_keys=True))
         return
     _err(f"published {', '.join(names)} to {st.remote.url}: {report.blobs_uploaded} blobs uploaded "
          f"({_human(report.bytes_uploaded)}), {report.blobs_present} already there; {report.manifests_uploaded} "
@@ -245,7 +245,7 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
     manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to)
     if json_:
-        print(json.dumps({"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
+        print(jsonio.dumps({"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
                           "bytes": manifest.size}, sort_keys=True))
         return
     _err(f"{to}: {len(manifest.outputs)} files ({_human(manifest.size)}), bundle {manifest.digest[:16]} verified")
@@ -282,7 +282,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 
         reports.append(gc_remote(S3Remote(remote), docs, dry_run=dry_run, grace_s=grace_s))
     if json_:
-        print(json.dumps([r.to_json() for r in reports], sort_keys=True))
+        print(jsonio.dumps([r.to_json() for r in reports], sort_keys=True))
         return
     verb = "would remove" if dry_run else "removed"
     for report in reports:
@@ -307,7 +307,7 @@ def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names (def
         raise UserError(f"{lock}: no lockfile; run `qbuild compile` first")
     problems = ws.check_lock(recipes or None)
     if json_:
-        print(json.dumps({"ok": not problems, "problems": problems}))
+        print(jsonio.dumps({"ok": not problems, "problems": problems}))
     for p in problems:
         _err(p)
     if problems:
@@ -323,7 +323,7 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
     ws = _workspace(store, Path("artifacts.lock"))
     problems = ws.store.verify(repair=repair)
     if json_:
-        print(json.dumps({"ok": not problems, "problems": problems, "repaired": repair}))
+        print(jsonio.dumps({"ok": not problems, "problems": problems, "repaired": repair}))
     for p in problems:
         _err(("repaired: " if repair else "") + p)
     if problems and not repair:
@@ -345,7 +345,7 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
         if not json_:
             _err(f"{f}: ok")
     if json_:
-        print(json.dumps({"ok": True, "recipes": valid}))
+        print(jsonio.dumps({"ok": True, "recipes": valid}))
 
 
 @recipe_app.command("schema")
@@ -353,25 +353,41 @@ def recipe_schema() -> None:
     """Print the recipe JSON Schema (for editors)."""
     from .recipe import recipe_json_schema
 
-    print(json.dumps(recipe_json_schema(), indent=1, sort_keys=True))
+    print(jsonio.dumps(recipe_json_schema(), indent=1, sort_keys=True))
 
 
 @app.command()
 def tiny(family: str = typer.Argument(..., help="qwen3_5 | qwen3_5_moe | qwen3_next"),
-         out: Path = typer.Argument(..., help="directory to write the checkpoint into"),
+         out: Path = typer.Argument(..., help="directory to write the checkpoint into (new or empty)"),
          seed: int = typer.Option(0, help="random seed"),
          fused_experts: bool = typer.Option(False, help="MoE experts in the fused 3D form"),
+         force: bool = typer.Option(False, "--force", help="replace what a non-empty directory holds"),
          json_: bool = JsonOpt) -> None:
     """Write a tiny random checkpoint of a family (seeded, with a tokenizer) for tests and demos."""
-    from .tinymodel import FAMILIES, write_tiny_checkpoint
+    from .tinymodel import FAMILIES, install_tiny_checkpoint
 
     if family not in FAMILIES:
         raise UserError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
-    write_tiny_checkpoint(out, family, seed=seed, fused_experts=fused_experts)
+    _check_new_dir(out, "the checkpoint directory", None if force else "pass --force to replace what it holds")
+    install_tiny_checkpoint(out, family, replace=force, seed=seed, fused_experts=fused_experts)
     if json_:
-        print(json.dumps({"family": family, "path": str(out), "seed": seed, "fused_experts": fused_experts}))
+        print(jsonio.dumps({"family": family, "path": str(out), "seed": seed, "fused_experts": fused_experts}))
     else:
         _err(f"wrote a tiny {family} checkpoint to {out}")
+
+
+def _check_new_dir(path: Path, what: str, if_not_empty: str | None) -> None:
+    """Refuse, before any work, a directory a command would create or fill when it cannot be one: it or a parent is
+    a file, or it already holds something (then `if_not_empty` says what to do; None allows it)."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{path}: {what} would be under {parent}, which is not a directory")
+            break
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path}: {what} exists and is not a directory")
+    if if_not_empty is not None and path.is_dir() and any(path.iterdir()):
+        raise UserError(f"{path}: {what} is not empty; {if_not_empty}")
 
 
 # --- run, bench ------------------------------------------------------------------------------------------------
@@ -425,7 +441,7 @@ def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild
         runtime = _open_runtime(target, store, lock, remote, stack)
         gen = runtime.generate(_prompt_ids(runtime, prompt, prompt_ids), max_new_tokens, image=image)
     if json_:
-        print(json.dumps(generation_json(gen), sort_keys=True))
+        print(jsonio.dumps(generation_json(gen), sort_keys=True))
     else:
         generation_text(gen)
 
@@ -446,7 +462,7 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
     with ExitStack() as stack:
         runtime = _open_runtime(target, store, lock, remote, stack)
         doc = to_json(run_bench(runtime, repeats=repeats, warmup=warmup, new_tokens=new_tokens), runtime.manifest)
-    text = json.dumps(doc, indent=1, sort_keys=True)
+    text = jsonio.dumps(doc, indent=1, sort_keys=True)
     if out is not None:
         from .store import atomic_write
 
@@ -459,24 +475,36 @@ def main() -> None:
     try:
         # Without standalone mode, click returns a command's typer.Exit code instead of raising it.
         code = app(standalone_mode=False)
-    except QbuildError as e:
-        if os.environ.get("QBUILD_DEBUG"):
-            raise
-        _err(f"error: {e}")
-        sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        _err("aborted")
-        sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(2)
-        raise
+    except Exception as e:
+        code = _exit_code(e)
+    if code == 130:
+        # typer turns KeyboardInterrupt into Exit(130) and, outside standalone mode, returns it without a word;
+        # no qbuild command exits 130 itself.
+        _err("interrupted")
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _exit_code(e: Exception) -> int:
+    """The one mapping from an exception to a line on stderr and an exit code. Anything unknown is a bug: it raises,
+    with its traceback."""
+    from typer.exceptions import TyperException
+
+    if isinstance(e, QbuildError):
+        if os.environ.get("QBUILD_DEBUG"):
+            raise e
+        _err(f"error: {e}")
+        return e.exit_code
+    if isinstance(e, typer.Exit):
+        return e.exit_code
+    if isinstance(e, typer.Abort):   # click raises it on EOF at a prompt
+        _err("aborted")
+        return 130
+    # click's usage errors (unknown flag or command, missing or out-of-range value), from the copy of click that
+    # typer vendors (they are not click.ClickException): the usage line, the help hint and one error line.
+    if isinstance(e, TyperException) and hasattr(e, "show"):
+        e.show()
+        return 2
+    raise e
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from . import jsonio
 from .errors import UserError
 from .store.local import atomic_write
 from .store.manifest import Manifest
@@ -41,7 +42,7 @@ def read(path: Path) -> dict:
 
 
 def dumps(doc: dict) -> str:
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    return jsonio.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
 def node_entry(node, manifest: Manifest) -> dict:

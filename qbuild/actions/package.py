@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .. import jsonio
 from ..actions import RunContext
 from ..bundle import link_or_copy, write_manifest
 
@@ -44,7 +45,7 @@ def run(ctx: RunContext) -> None:
         from ..backends.neuron import bundle_neuron_config
 
         (ctx.out / "neuron_config.json").write_text(
-            json.dumps(bundle_neuron_config(node_configs), indent=1, sort_keys=True))
+            jsonio.dumps(bundle_neuron_config(node_configs), indent=1, sort_keys=True))
     meta = {"family": p["family"], "backend": p["backend"], "tp": p["tp"], "ep": p["ep"],
             "batch_size": p["batch_size"], "seq_len": p["seq_len"], "dtype": p["dtype"],
             "buckets": {"cte": p["cte_buckets"], "tkg": p["tkg_buckets"], "vision": p["vision_buckets"]},

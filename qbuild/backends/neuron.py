@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+from .. import jsonio
 from ..errors import BuildError
 from . import hf_config
 
@@ -159,7 +160,6 @@ def compile_graph(params: dict, out: Path, scratch: Path, log) -> dict:
     (QBUILD_NXDI_PORT="module:ModelClass:ConfigClass", else the ports' names) builds the application.
     """
     require_sdk()
-    import json
     import os
 
     cfg = neuron_config(params)
@@ -170,13 +170,13 @@ def compile_graph(params: dict, out: Path, scratch: Path, log) -> dict:
 
     model_dir = scratch / "model"
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(hf_config(params), indent=1, sort_keys=True))
+    (model_dir / "config.json").write_text(jsonio.dumps(hf_config(params), indent=1, sort_keys=True))
     nc = getattr(nxdi_config, cfg["config_class"])(**cfg["neuron_config"])
     model_cls, config_cls = _port_classes(params)
     app = model_cls(str(model_dir), config_cls(nc, load_config=load_pretrained_config(str(model_dir))))
     out.mkdir(parents=True, exist_ok=True)
     app.compile(str(out))
-    (out / "neuron_config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
+    (out / "neuron_config.json").write_text(jsonio.dumps(cfg, indent=1, sort_keys=True))
     log(f"neuron: compiled {cfg['submodel']} bucket {cfg['bucket']}")
     return cfg
 
