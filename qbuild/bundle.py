@@ -76,9 +76,13 @@ def read_manifest(root: Path) -> dict:
 
 def check_files(root: Path, doc: dict, *, digests: bool = True) -> None:
     """Every file the manifest names is present with its size (and digest); raises UserError naming the first."""
+    changed = "changed since the bundle was made; pull it again (`qbuild pull RECIPE --to DIR`)"
     for rel, meta in sorted(doc["files"].items()):
         path = safe_join(root, rel)
-        if not path.is_file() or path.stat().st_size != meta["size"]:
-            raise UserError(f"{path}: missing or truncated (bundle.json says {meta['size']} bytes)")
+        if not path.is_file():
+            raise UserError(f"{path}: missing (bundle.json lists it)")
+        size = path.stat().st_size
+        if size != meta["size"]:
+            raise UserError(f"{path}: {size} bytes where bundle.json says {meta['size']}: {changed}")
         if digests and digest_file(path) != meta["digest"]:
-            raise UserError(f"{path}: content does not match its digest in bundle.json")
+            raise UserError(f"{path}: content does not match its digest in bundle.json: {changed}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -94,10 +96,11 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
     from .engine import BuildOptions, check_mem_budget, raise_for
     from .render import BuildProgress, result_json
 
+    explicit_budget = check_mem_budget(mem)
     ws = _workspace(store, lock, remote, push=push)
     factory, jobs, default_mem = _executor(executor, address, jobs, ws)
     loaded = ws.load(recipes or [], all_)
-    budget = check_mem_budget(mem) if mem else default_mem
+    budget = explicit_budget if mem is not None else default_mem
     options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict)
     _transfer_display(ws, bars=False)
     with BuildProgress() as progress:
@@ -160,7 +163,8 @@ def _push_results(ws, result):
 
 def _push_json(report) -> dict:
     return {"bytes_uploaded": report.bytes_uploaded, "blobs_uploaded": report.blobs_uploaded,
-            "blobs_present": report.blobs_present, "manifests_uploaded": report.manifests_uploaded,
+            "blobs_present": report.blobs_present, "blobs_repaired": report.blobs_repaired,
+            "manifests_uploaded": report.manifests_uploaded,
             "manifests_present": report.manifests_present, "seconds": round(report.seconds, 3)}
 
 
@@ -208,6 +212,9 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
 @app.command()
 def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or files) as in the lockfile"),
             all_: bool = typer.Option(False, "--all", help="every recipe in the lockfile"),
+            verify_remote: bool = typer.Option(False, "--verify-remote",
+                                               help="read back every blob the remote has for these recipes, check "
+                                                    "its digest, and upload again any missing or corrupt one"),
             remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
             lock: Path = LockOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
@@ -221,13 +228,15 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
     doc = lockmod.read(lock)
     names = recipe_names(doc, lock, recipes or [], all_)
     st = ws.store
-    report = publish_locked(st, st.remote, doc, lock, names, TransferDisplay())
+    report = publish_locked(st, st.remote, doc, lock, names, TransferDisplay(), verify_remote=verify_remote)
     if json_:
         print(jsonio.dumps({"recipes": names, "remote": st.remote.url, **_push_json(report)}, sort_keys=True))
         return
+    repaired = f", {report.blobs_repaired} of them replacing missing or corrupt remote copies" \
+        if report.blobs_repaired else ""
     _err(f"published {', '.join(names)} to {st.remote.url}: {report.blobs_uploaded} blobs uploaded "
-         f"({_human(report.bytes_uploaded)}), {report.blobs_present} already there; {report.manifests_uploaded} "
-         f"manifests written, {report.manifests_present} already there")
+         f"({_human(report.bytes_uploaded)}{repaired}), {report.blobs_present} already there; "
+         f"{report.manifests_uploaded} manifests written, {report.manifests_present} already there")
 
 
 @app.command()
@@ -239,11 +248,14 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
     from . import lock as lockmod
     from .publish import pull_bundle
 
+    _check_new_dir(to, "the --to directory", "pull into a new or empty one")
     ws = _workspace(store, lock, remote)
     _transfer_display(ws)
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
-    manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to)
+    # Root ignores the read-only bit that protects the store's blobs, so a root-owned bundle must not share their
+    # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
+    manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to, share=os.geteuid() != 0)
     if json_:
         print(jsonio.dumps({"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
                           "bytes": manifest.size}, sort_keys=True))
@@ -267,6 +279,10 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     from . import lock as lockmod
     from .publish import gc_local, gc_remote, parse_duration, parse_size
 
+    if remote is not None:
+        from .store.s3 import parse_remote
+
+        parse_remote(remote)   # a bad URL is refused before the local store is touched
     lock_paths = locks or [Path("artifacts.lock")]
     missing = [str(p) for p in lock_paths if not p.exists()]
     if missing:
@@ -277,7 +293,8 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 
     reports = [gc_local(LocalStore((store or default_store_path()).resolve()), docs, budget, dry_run=dry_run,
                         grace_s=grace_s)]
-    if remote:  # deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it
+    # Deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it.
+    if remote is not None:
         from .store.s3 import S3Remote
 
         reports.append(gc_remote(S3Remote(remote), docs, dry_run=dry_run, grace_s=grace_s))
@@ -299,13 +316,17 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 # --- lock, store, recipe ---------------------------------------------------------------------------------------
 
 @lock_app.command("check")
-def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names (default: every locked recipe)"),
+def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names or files (default: every locked one)"),
                store: Optional[Path] = StoreOpt, lock: Path = LockOpt, json_: bool = JsonOpt) -> None:
     """Verify that every artifact the lockfile names is in the store with the right digest."""
+    from . import lock as lockmod
+
     ws = _workspace(store, lock)
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; run `qbuild compile` first")
-    problems = ws.check_lock(recipes or None)
+    doc = lockmod.read(lock)
+    names = [lockmod.resolve_recipe(doc, lock, r) for r in recipes] if recipes else None
+    problems = ws.check_lock(names)
     if json_:
         print(jsonio.dumps({"ok": not problems, "problems": problems}))
     for p in problems:
@@ -392,34 +413,53 @@ def _check_new_dir(path: Path, what: str, if_not_empty: str | None) -> None:
 
 # --- run, bench ------------------------------------------------------------------------------------------------
 
-def _open_runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[str], stack):
-    """A Runtime for a pulled bundle directory, or for a recipe's locked bundle laid out in a temporary directory."""
+@contextmanager
+def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[str]) -> Iterator:
+    """A Runtime for a pulled bundle directory, or for a recipe's locked bundle laid out in a temporary directory.
+    Errors about the latter name the recipe, never the temporary directory the user did not choose."""
     import tempfile
 
     from .runtime import Runtime
 
     if Path(target).is_dir():
-        return Runtime.load(Path(target))
+        yield Runtime.load(Path(target))
+        return
     from . import lock as lockmod
     from .publish import pull_bundle
 
     if not lock.exists():
         raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
     ws = _workspace(store, lock, remote)
-    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="qbuild-run-")))
-    pull_bundle(ws.store, lockmod.read(lock), lock, target, tmp / "bundle")
-    return Runtime.load(tmp / "bundle", verify_digests=False)  # pull checked every digest
+    with tempfile.TemporaryDirectory(prefix="qbuild-run-") as tmp:
+        bundle = Path(tmp) / "bundle"
+        try:
+            # Hardlinks are fine here: nothing writes to this layout, and it is removed afterwards.
+            pull_bundle(ws.store, lockmod.read(lock), lock, target, bundle, share=True)
+            yield Runtime.load(bundle, verify_digests=False)  # pull checked every digest
+        except QbuildError as e:
+            e.args = (str(e).replace(str(bundle), f"{target} (its locked bundle)"),)
+            raise
+
+
+def _check_prompt_flags(prompt: Optional[str], prompt_ids: Optional[str]) -> None:
+    if prompt is not None and prompt_ids is not None:
+        raise UserError("--prompt and --prompt-ids: give one of them, not both")
+    if prompt is None and prompt_ids is None:
+        raise UserError("give --prompt TEXT or --prompt-ids 1,2,3")
 
 
 def _prompt_ids(runtime, prompt: Optional[str], prompt_ids: Optional[str]) -> list[int]:
-    if prompt_ids:
-        try:
-            return [int(x) for x in prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise UserError(f"--prompt-ids: {prompt_ids!r} is not a comma-separated list of token ids") from None
-    if prompt is None:
-        raise UserError("give --prompt TEXT or --prompt-ids 1,2,3")
-    return runtime.encode(prompt)
+    if prompt_ids is None:
+        return runtime.encode(prompt)
+    try:
+        ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--prompt-ids: {prompt_ids!r} is not a comma-separated list of token ids") from None
+    vocab = runtime.cfg.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:   # an id outside the embedding table would fail deep inside the graph
+        raise UserError(f"--prompt-ids: token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})")
+    return ids
 
 
 @app.command()
@@ -431,14 +471,12 @@ def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild
         json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
         remote: Optional[str] = RemoteOpt) -> None:
     """Generate greedily with a bundle's compiled graphs; report TTFT and TPOT."""
-    from contextlib import ExitStack
-
     from .render import generation_json, generation_text
 
+    _check_prompt_flags(prompt, prompt_ids)
     if image is not None and not image.is_file():
         raise UserError(f"--image: {image} is not a file")
-    with ExitStack() as stack:
-        runtime = _open_runtime(target, store, lock, remote, stack)
+    with _runtime(target, store, lock, remote) as runtime:
         gen = runtime.generate(_prompt_ids(runtime, prompt, prompt_ids), max_new_tokens, image=image)
     if json_:
         print(jsonio.dumps(generation_json(gen), sort_keys=True))
@@ -454,13 +492,10 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
           out: Optional[Path] = typer.Option(None, "--out", help="also write the JSON here"),
           store: Optional[Path] = StoreOpt, lock: Path = LockOpt, remote: Optional[str] = RemoteOpt) -> None:
     """Sweep prompt lengths 16, 64, 256, ... up to the largest CTE bucket; print TTFT / TPOT statistics as JSON."""
-    from contextlib import ExitStack
-
     from .render import bench_table
     from .runtime.bench import bench as run_bench, to_json
 
-    with ExitStack() as stack:
-        runtime = _open_runtime(target, store, lock, remote, stack)
+    with _runtime(target, store, lock, remote) as runtime:
         doc = to_json(run_bench(runtime, repeats=repeats, warmup=warmup, new_tokens=new_tokens), runtime.manifest)
     text = jsonio.dumps(doc, indent=1, sort_keys=True)
     if out is not None:

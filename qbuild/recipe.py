@@ -18,7 +18,8 @@ DType = Literal["bfloat16", "float16", "float32"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: `tp: true`, `tp: 1.0` or `seq_len: "512"` are errors, not silently coerced to 1 or 512.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelSource(_Strict):

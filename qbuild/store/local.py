@@ -164,8 +164,11 @@ class LocalStore:
         """Make the blobs of an output tree local before reading them. A no-op here; a remote-backed store
         downloads (and checks) the ones it lacks. Call it before reading a blob's bytes through `blob_path`."""
 
-    def materialize(self, outputs: dict[str, dict], dest: Path, *, verify: bool = False) -> None:
-        """Lay out an output tree under `dest` by hardlinking blobs (copying across filesystems)."""
+    def materialize(self, outputs: dict[str, dict], dest: Path, *, verify: bool = False,
+                    share: bool = True) -> None:
+        """Lay out an output tree under `dest`: with `share`, by hardlinking blobs (copying across filesystems), so
+        the files ARE the store's read-only blobs; without, as files that share no inode with the store (a reflink
+        where the filesystem supports one, else a copy), for a writer the read-only bit does not stop (root)."""
         self.ensure_blobs(outputs)
         for rel, meta in sorted(outputs.items()):
             target = safe_join(dest, rel)
@@ -178,6 +181,9 @@ class LocalStore:
                                                        "and has been removed; it will be rebuilt")
             if target.exists() or target.is_symlink():
                 target.unlink()
+            if not share:
+                clone_or_copy(blob, target)
+                continue
             try:
                 os.link(blob, target)
             except OSError as e:
@@ -243,6 +249,26 @@ class LocalStore:
             except TimeoutError:
                 continue  # a live build owns it
         return problems
+
+
+FICLONE = 0x40049409   # linux/fs.h: make dst share src's extents, copy-on-write (btrfs, XFS, bcachefs)
+
+
+def clone_or_copy(src: Path, dst: Path) -> None:
+    """A copy of `src` at `dst` that shares no inode with it: a reflink where the filesystem supports one (instant,
+    no extra space), else a byte copy."""
+    try:
+        import fcntl
+
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        return
+    except OSError:
+        pass   # not supported here (ext4, tmpfs, across filesystems): copy
+    try:
+        shutil.copyfile(src, dst)
+    except OSError as e:
+        raise _infra(e, dst) from None
 
 
 def safe_join(root: Path, rel: str) -> Path:
