@@ -258,7 +258,8 @@ def test_a_checkpoint_rewritten_with_its_old_mtime_is_rebuilt_and_relocked(proje
     _rewrite_keeping_times(weights, bytes(reversed(weights.read_bytes())))
     out = json.loads(ok(cli(project, "compile", "recipes/alpha.yaml", "--mem", "1T", "--json")).stdout)
     assert any(n.startswith("fetch") for n in out["built"]), out["built"]
-    assert lock_doc(project)["recipes"]["alpha"]["model"]["files"]["model.safetensors"] == digest_file(weights)
+    assert lock_doc(project)["recipes"]["alpha"]["model"]["files"]["model.safetensors"] == \
+        "blake3:" + digest_file(weights)
 
 
 # --- 4. store verify finds lost blobs and unreadable manifests ------------------------------------------------------
