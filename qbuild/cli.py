@@ -389,7 +389,7 @@ def tiny(family: str = typer.Argument(..., help="qwen3_5 | qwen3_5_moe | qwen3_n
 
     if family not in FAMILIES:
         raise UserError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
-    _check_new_dir(out, "the checkpoint directory", None if force else "pass --force to replace what it holds")
+    _check_new_dir(out, "the checkpoint directory", None)   # install refuses a non-empty one unless replace
     install_tiny_checkpoint(out, family, replace=force, seed=seed, fused_experts=fused_experts)
     if json_:
         print(jsonio.dumps({"family": family, "path": str(out), "seed": seed, "fused_experts": fused_experts}))

@@ -348,6 +348,14 @@ def test_a_bad_remote_url_is_refused_before_anything_is_written(project, remote)
 
 
 def test_gc_with_an_empty_remote_is_refused_before_the_local_store_is_touched(project):
+    from qbuild.store import LocalStore, Manifest
+
+    # An entry no lockfile names: what `gc --keep-size 0` would remove, were it allowed to start.
+    store = LocalStore(project / "store")
+    stray = project / "stray"
+    stray.mkdir()
+    (stray / "out.bin").write_bytes(b"unlocked")
+    store.put_manifest(Manifest("f" * 64, "verify", {}, store.ingest_tree(stray)))
     before = state(project / "store")
     one_line(cli(project, "gc", "--keep-size", "0", "--remote", ""), 2, "remote: ''")
     assert state(project / "store") == before
