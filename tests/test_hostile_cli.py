@@ -493,6 +493,20 @@ def test_integer_recipe_fields_take_integers_only(project, value):
     assert state(project / "store", project / "artifacts.lock") == before
 
 
+@pytest.mark.parametrize("field, value, needle", [
+    ("verify", "{max_logit_err: .nan}", "finite number"),
+    ("verify", "{max_logit_err: .inf}", "finite number"),
+    ("verify", "{top1_min: true}", "got true/false"),
+    ("fused_qkv", "1", "valid boolean"),
+])
+def test_recipe_numbers_and_flags_are_not_coerced(project, field, value, needle):
+    f = project / "recipes" / "alpha.yaml"
+    f.write_text(f.read_text() + f"{field}: {value}\n")
+    before = state(project / "store", project / "artifacts.lock")
+    one_line(cli(project, "compile", "recipes/alpha.yaml", "--mem", "1T"), 2, "alpha.yaml:7:", field, needle)
+    assert state(project / "store", project / "artifacts.lock") == before
+
+
 def test_prompt_and_prompt_ids_together_are_refused(project):
     one_line(cli(project, "run", "alpha", "--prompt", "hi", "--prompt-ids", "1,2"), 2, "--prompt and --prompt-ids")
     one_line(cli(project, "run", "alpha"), 2, "give --prompt TEXT or --prompt-ids")
