@@ -7,8 +7,8 @@
 
 A recipe's `recipe` path is relative to the lockfile's directory (absolute when the file lies outside it), and
 recipe names are unique per lockfile. A node's preimage holds its params, input digests, action version and
-toolchain versions, so `qbuild explain` can name the field that changed. The serialiser is a pure function; writes go through an atomic rename under
-a file lock, and merge with what other processes wrote meanwhile.
+toolchain versions, so `qbuild explain` can name the field that changed. The serialiser is a pure function; writes
+go through an atomic rename under a file lock, and merge with what other processes wrote meanwhile.
 """
 
 from __future__ import annotations

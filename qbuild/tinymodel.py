@@ -172,7 +172,6 @@ def write_tiny_checkpoint(out: Path, family: Family, *, seed: int = 0, fused_exp
     return out
 
 
-
 def install_tiny_checkpoint(out: Path, family: Family, *, replace: bool = False, seed: int = 0,
                             fused_experts: bool = False) -> Path:
     """write_tiny_checkpoint into a staging directory beside `out`, then move it into place, so a failed or
@@ -184,7 +183,7 @@ def install_tiny_checkpoint(out: Path, family: Family, *, replace: bool = False,
 
     out = out.absolute()
     if out.is_dir() and any(out.iterdir()) and not replace:
-        raise UserError(f"{out}: is not empty; pass --force to replace what it holds")
+        raise UserError(f"{out}: not empty; pass --force to replace what it holds")
     stage = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
     try:
@@ -194,5 +193,5 @@ def install_tiny_checkpoint(out: Path, family: Family, *, replace: bool = False,
         stage.rename(out)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)   # only once the new checkpoint is in place
     return out
