@@ -23,6 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
+from . import jsonio
 from .errors import UserError
 from .hashing import digest_file
 from .store import safe_join
@@ -53,7 +54,7 @@ def file_entries(root: Path) -> dict[str, dict]:
 def write_manifest(root: Path, meta: dict) -> dict:
     """Write bundle.json for the files now under `root`; returns the manifest."""
     doc = {"format": FORMAT, **meta, "files": file_entries(root)}
-    (root / MANIFEST).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    (root / MANIFEST).write_text(jsonio.dumps(doc, indent=1, sort_keys=True) + "\n")
     return doc
 
 
@@ -75,9 +76,13 @@ def read_manifest(root: Path) -> dict:
 
 def check_files(root: Path, doc: dict, *, digests: bool = True) -> None:
     """Every file the manifest names is present with its size (and digest); raises UserError naming the first."""
+    changed = "changed since the bundle was made; pull it again (`qbuild pull RECIPE --to DIR`)"
     for rel, meta in sorted(doc["files"].items()):
         path = safe_join(root, rel)
-        if not path.is_file() or path.stat().st_size != meta["size"]:
-            raise UserError(f"{path}: missing or truncated (bundle.json says {meta['size']} bytes)")
+        if not path.is_file():
+            raise UserError(f"{path}: missing (bundle.json lists it)")
+        size = path.stat().st_size
+        if size != meta["size"]:
+            raise UserError(f"{path}: {size} bytes where bundle.json says {meta['size']}: {changed}")
         if digests and digest_file(path) != meta["digest"]:
-            raise UserError(f"{path}: content does not match its digest in bundle.json")
+            raise UserError(f"{path}: content does not match its digest in bundle.json: {changed}")

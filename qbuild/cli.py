@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from . import jsonio
 from .errors import QbuildError, UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -70,7 +72,7 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
     ws = _workspace(store, lock, remote, download=False, backend=backend)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
     if json_:
-        print(json.dumps(plan_json(the_plan, status), indent=1, sort_keys=True))
+        print(jsonio.dumps(plan_json(the_plan, status), indent=1, sort_keys=True))
     else:
         plan_tree(the_plan, status)
 
@@ -102,10 +104,11 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
     from .engine import BuildOptions, check_mem_budget, raise_for
     from .render import BuildProgress, result_json
 
+    explicit_budget = check_mem_budget(mem)
     ws = _workspace(store, lock, remote, push=push, backend=backend)
     factory, jobs, default_mem = _executor(executor, address, jobs, ws)
     loaded = ws.load(recipes or [], all_)
-    budget = check_mem_budget(mem) if mem else default_mem
+    budget = explicit_budget if mem is not None else default_mem
     options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict,
                            skip_device=skip_device)
     _transfer_display(ws, bars=False)
@@ -116,7 +119,7 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
         doc = result_json(the_plan, result)
         if pushed is not None:
             doc["pushed"] = _push_json(pushed)
-        print(json.dumps(doc, indent=1, sort_keys=True))
+        print(jsonio.dumps(doc, indent=1, sort_keys=True))
     else:
         progress.summary(the_plan, result)
     raise_for(result, the_plan)
@@ -169,7 +172,8 @@ def _push_results(ws, result):
 
 def _push_json(report) -> dict:
     return {"bytes_uploaded": report.bytes_uploaded, "blobs_uploaded": report.blobs_uploaded,
-            "blobs_present": report.blobs_present, "manifests_uploaded": report.manifests_uploaded,
+            "blobs_present": report.blobs_present, "blobs_repaired": report.blobs_repaired,
+            "manifests_uploaded": report.manifests_uploaded,
             "manifests_present": report.manifests_present, "seconds": round(report.seconds, 3)}
 
 
@@ -206,7 +210,7 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
     rows = [{"id": nid, "name": the_plan.nodes[nid].name, "status": status[nid].status, "why": status[nid].why}
             for nid in dict.fromkeys(chosen)]
     if json_:
-        print(json.dumps(rows, indent=1))
+        print(jsonio.dumps(rows, indent=1))
         return
     for row in rows:
         print(f"{row['name']} [{row['id'][:8]}]: {row['why']}")
@@ -217,6 +221,9 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
 @app.command()
 def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or files) as in the lockfile"),
             all_: bool = typer.Option(False, "--all", help="every recipe in the lockfile"),
+            verify_remote: bool = typer.Option(False, "--verify-remote",
+                                               help="read back every blob the remote has for these recipes, check "
+                                                    "its digest, and upload again any missing or corrupt one"),
             remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
             lock: Path = LockOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
@@ -230,13 +237,15 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
     doc = lockmod.read(lock)
     names = recipe_names(doc, lock, recipes or [], all_)
     st = ws.store
-    report = publish_locked(st, st.remote, doc, lock, names, TransferDisplay())
+    report = publish_locked(st, st.remote, doc, lock, names, TransferDisplay(), verify_remote=verify_remote)
     if json_:
-        print(json.dumps({"recipes": names, "remote": st.remote.url, **_push_json(report)}, sort_keys=True))
+        print(jsonio.dumps({"recipes": names, "remote": st.remote.url, **_push_json(report)}, sort_keys=True))
         return
+    repaired = f", {report.blobs_repaired} of them replacing missing or corrupt remote copies" \
+        if report.blobs_repaired else ""
     _err(f"published {', '.join(names)} to {st.remote.url}: {report.blobs_uploaded} blobs uploaded "
-         f"({_human(report.bytes_uploaded)}), {report.blobs_present} already there; {report.manifests_uploaded} "
-         f"manifests written, {report.manifests_present} already there")
+         f"({_human(report.bytes_uploaded)}{repaired}), {report.blobs_present} already there; "
+         f"{report.manifests_uploaded} manifests written, {report.manifests_present} already there")
 
 
 @app.command()
@@ -248,18 +257,21 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
     from . import lock as lockmod
     from .publish import pull_bundle
 
+    _check_new_dir(to, "the --to directory", "pull into a new or empty one")
     ws = _workspace(store, lock, remote)
     _transfer_display(ws)
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
-    manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to)
+    # Root ignores the read-only bit that protects the store's blobs, so a root-owned bundle must not share their
+    # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
+    manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to, share=os.geteuid() != 0)
     serve = _serve_instructions(to)
     if json_:
         doc = {"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
                "bytes": manifest.size}
         if serve is not None:
             doc["serve"] = serve
-        print(json.dumps(doc, sort_keys=True))
+        print(jsonio.dumps(doc, sort_keys=True))
         return
     _err(f"{to}: {len(manifest.outputs)} files ({_human(manifest.size)}), bundle {manifest.digest[:16]} verified")
     if serve is not None:
@@ -296,6 +308,10 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     from . import lock as lockmod
     from .publish import gc_local, gc_remote, parse_duration, parse_size
 
+    if remote is not None:
+        from .store.s3 import parse_remote
+
+        parse_remote(remote)   # a bad URL is refused before the local store is touched
     lock_paths = locks or [Path("artifacts.lock")]
     missing = [str(p) for p in lock_paths if not p.exists()]
     if missing:
@@ -306,12 +322,13 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 
     reports = [gc_local(LocalStore((store or default_store_path()).resolve()), docs, budget, dry_run=dry_run,
                         grace_s=grace_s)]
-    if remote:  # deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it
+    # Deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it.
+    if remote is not None:
         from .store.s3 import S3Remote
 
         reports.append(gc_remote(S3Remote(remote), docs, dry_run=dry_run, grace_s=grace_s))
     if json_:
-        print(json.dumps([r.to_json() for r in reports], sort_keys=True))
+        print(jsonio.dumps([r.to_json() for r in reports], sort_keys=True))
         return
     verb = "would remove" if dry_run else "removed"
     for report in reports:
@@ -328,15 +345,19 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 # --- lock, store, recipe ---------------------------------------------------------------------------------------
 
 @lock_app.command("check")
-def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names (default: every locked recipe)"),
+def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names or files (default: every locked one)"),
                store: Optional[Path] = StoreOpt, lock: Path = LockOpt, json_: bool = JsonOpt) -> None:
     """Verify that every artifact the lockfile names is in the store with the right digest."""
+    from . import lock as lockmod
+
     ws = _workspace(store, lock)
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; run `qbuild compile` first")
-    problems = ws.check_lock(recipes or None)
+    doc = lockmod.read(lock)
+    names = [lockmod.resolve_recipe(doc, lock, r) for r in recipes] if recipes else None
+    problems = ws.check_lock(names)
     if json_:
-        print(json.dumps({"ok": not problems, "problems": problems}))
+        print(jsonio.dumps({"ok": not problems, "problems": problems}))
     for p in problems:
         _err(p)
     if problems:
@@ -352,7 +373,7 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
     ws = _workspace(store, Path("artifacts.lock"))
     problems = ws.store.verify(repair=repair)
     if json_:
-        print(json.dumps({"ok": not problems, "problems": problems, "repaired": repair}))
+        print(jsonio.dumps({"ok": not problems, "problems": problems, "repaired": repair}))
     for p in problems:
         _err(("repaired: " if repair else "") + p)
     if problems and not repair:
@@ -374,7 +395,7 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
         if not json_:
             _err(f"{f}: ok")
     if json_:
-        print(json.dumps({"ok": True, "recipes": valid}))
+        print(jsonio.dumps({"ok": True, "recipes": valid}))
 
 
 @recipe_app.command("schema")
@@ -382,57 +403,92 @@ def recipe_schema() -> None:
     """Print the recipe JSON Schema (for editors)."""
     from .recipe import recipe_json_schema
 
-    print(json.dumps(recipe_json_schema(), indent=1, sort_keys=True))
+    print(jsonio.dumps(recipe_json_schema(), indent=1, sort_keys=True))
 
 
 @app.command()
 def tiny(family: str = typer.Argument(..., help="qwen3_5 | qwen3_5_moe | qwen3_next"),
-         out: Path = typer.Argument(..., help="directory to write the checkpoint into"),
+         out: Path = typer.Argument(..., help="directory to write the checkpoint into (new or empty)"),
          seed: int = typer.Option(0, help="random seed"),
          fused_experts: bool = typer.Option(False, help="MoE experts in the fused 3D form"),
+         force: bool = typer.Option(False, "--force", help="replace what a non-empty directory holds"),
          json_: bool = JsonOpt) -> None:
     """Write a tiny random checkpoint of a family (seeded, with a tokenizer) for tests and demos."""
-    from .tinymodel import FAMILIES, write_tiny_checkpoint
+    from .tinymodel import FAMILIES, install_tiny_checkpoint
 
     if family not in FAMILIES:
         raise UserError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
-    write_tiny_checkpoint(out, family, seed=seed, fused_experts=fused_experts)
+    _check_new_dir(out, "the checkpoint directory", None)   # install refuses a non-empty one unless replace
+    install_tiny_checkpoint(out, family, replace=force, seed=seed, fused_experts=fused_experts)
     if json_:
-        print(json.dumps({"family": family, "path": str(out), "seed": seed, "fused_experts": fused_experts}))
+        print(jsonio.dumps({"family": family, "path": str(out), "seed": seed, "fused_experts": fused_experts}))
     else:
         _err(f"wrote a tiny {family} checkpoint to {out}")
 
 
+def _check_new_dir(path: Path, what: str, if_not_empty: str | None) -> None:
+    """Refuse, before any work, a directory a command would create or fill when it cannot be one: it or a parent is
+    a file, or it already holds something (then `if_not_empty` says what to do; None allows it)."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{path}: {what} would be under {parent}, which is not a directory")
+            break
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{path}: {what} exists and is not a directory")
+    if if_not_empty is not None and path.is_dir() and any(path.iterdir()):
+        raise UserError(f"{path}: {what} is not empty; {if_not_empty}")
+
+
 # --- run, bench ------------------------------------------------------------------------------------------------
 
-def _open_runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[str], stack):
-    """A Runtime for a pulled bundle directory, or for a recipe's locked bundle laid out in a temporary directory."""
+@contextmanager
+def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[str]) -> Iterator:
+    """A Runtime for a pulled bundle directory, or for a recipe's locked bundle laid out in a temporary directory.
+    Errors about the latter name the recipe, never the temporary directory the user did not choose."""
     import tempfile
 
     from .runtime import Runtime
 
     if Path(target).is_dir():
-        return Runtime.load(Path(target))
+        yield Runtime.load(Path(target))
+        return
     from . import lock as lockmod
     from .publish import pull_bundle
 
     if not lock.exists():
         raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
     ws = _workspace(store, lock, remote)
-    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="qbuild-run-")))
-    pull_bundle(ws.store, lockmod.read(lock), lock, target, tmp / "bundle")
-    return Runtime.load(tmp / "bundle", verify_digests=False)  # pull checked every digest
+    with tempfile.TemporaryDirectory(prefix="qbuild-run-") as tmp:
+        bundle = Path(tmp) / "bundle"
+        try:
+            # Hardlinks are fine here: nothing writes to this layout, and it is removed afterwards.
+            pull_bundle(ws.store, lockmod.read(lock), lock, target, bundle, share=True)
+            yield Runtime.load(bundle, verify_digests=False)  # pull checked every digest
+        except QbuildError as e:
+            e.args = (str(e).replace(str(bundle), f"{target} (its locked bundle)"),)
+            raise
+
+
+def _check_prompt_flags(prompt: Optional[str], prompt_ids: Optional[str]) -> None:
+    if prompt is not None and prompt_ids is not None:
+        raise UserError("--prompt and --prompt-ids: give one of them, not both")
+    if prompt is None and prompt_ids is None:
+        raise UserError("give --prompt TEXT or --prompt-ids 1,2,3")
 
 
 def _prompt_ids(runtime, prompt: Optional[str], prompt_ids: Optional[str]) -> list[int]:
-    if prompt_ids:
-        try:
-            return [int(x) for x in prompt_ids.split(",") if x.strip()]
-        except ValueError:
-            raise UserError(f"--prompt-ids: {prompt_ids!r} is not a comma-separated list of token ids") from None
-    if prompt is None:
-        raise UserError("give --prompt TEXT or --prompt-ids 1,2,3")
-    return runtime.encode(prompt)
+    if prompt_ids is None:
+        return runtime.encode(prompt)
+    try:
+        ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--prompt-ids: {prompt_ids!r} is not a comma-separated list of token ids") from None
+    vocab = runtime.cfg.vocab_size
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:   # an id outside the embedding table would fail deep inside the graph
+        raise UserError(f"--prompt-ids: token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})")
+    return ids
 
 
 @app.command()
@@ -444,17 +500,15 @@ def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild
         json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
         remote: Optional[str] = RemoteOpt) -> None:
     """Generate greedily with a bundle's compiled graphs; report TTFT and TPOT."""
-    from contextlib import ExitStack
-
     from .render import generation_json, generation_text
 
+    _check_prompt_flags(prompt, prompt_ids)
     if image is not None and not image.is_file():
         raise UserError(f"--image: {image} is not a file")
-    with ExitStack() as stack:
-        runtime = _open_runtime(target, store, lock, remote, stack)
+    with _runtime(target, store, lock, remote) as runtime:
         gen = runtime.generate(_prompt_ids(runtime, prompt, prompt_ids), max_new_tokens, image=image)
     if json_:
-        print(json.dumps(generation_json(gen), sort_keys=True))
+        print(jsonio.dumps(generation_json(gen), sort_keys=True))
     else:
         generation_text(gen)
 
@@ -467,15 +521,12 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
           out: Optional[Path] = typer.Option(None, "--out", help="also write the JSON here"),
           store: Optional[Path] = StoreOpt, lock: Path = LockOpt, remote: Optional[str] = RemoteOpt) -> None:
     """Sweep prompt lengths 16, 64, 256, ... up to the largest CTE bucket; print TTFT / TPOT statistics as JSON."""
-    from contextlib import ExitStack
-
     from .render import bench_table
     from .runtime.bench import bench as run_bench, to_json
 
-    with ExitStack() as stack:
-        runtime = _open_runtime(target, store, lock, remote, stack)
+    with _runtime(target, store, lock, remote) as runtime:
         doc = to_json(run_bench(runtime, repeats=repeats, warmup=warmup, new_tokens=new_tokens), runtime.manifest)
-    text = json.dumps(doc, indent=1, sort_keys=True)
+    text = jsonio.dumps(doc, indent=1, sort_keys=True)
     if out is not None:
         from .store import atomic_write
 
@@ -488,24 +539,36 @@ def main() -> None:
     try:
         # Without standalone mode, click returns a command's typer.Exit code instead of raising it.
         code = app(standalone_mode=False)
-    except QbuildError as e:
-        if os.environ.get("QBUILD_DEBUG"):
-            raise
-        _err(f"error: {e}")
-        sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        _err("aborted")
-        sys.exit(130)
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(2)
-        raise
+    except Exception as e:
+        code = _exit_code(e)
+    if code == 130:
+        # typer turns KeyboardInterrupt into Exit(130) and, outside standalone mode, returns it without a word;
+        # no qbuild command exits 130 itself.
+        _err("interrupted")
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _exit_code(e: Exception) -> int:
+    """The one mapping from an exception to a line on stderr and an exit code. Anything unknown is a bug: it raises,
+    with its traceback."""
+    from typer.exceptions import TyperException
+
+    if isinstance(e, QbuildError):
+        if os.environ.get("QBUILD_DEBUG"):
+            raise e
+        _err(f"error: {e}")
+        return e.exit_code
+    if isinstance(e, typer.Exit):
+        return e.exit_code
+    if isinstance(e, typer.Abort):   # click raises it on EOF at a prompt
+        _err("aborted")
+        return 130
+    # click's usage errors (unknown flag or command, missing or out-of-range value), from the copy of click that
+    # typer vendors (they are not click.ClickException): the usage line, the help hint and one error line.
+    if isinstance(e, TyperException) and hasattr(e, "show"):
+        e.show()
+        return 2
+    raise e
 
 
 if __name__ == "__main__":

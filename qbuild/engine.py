@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from . import actions
-from .errors import BuildError, QbuildError, UserError
+from .errors import BuildError, QbuildError
 from .job import Job
 from .plan import Node, Plan, key_of, preimage
 from .store import StoreSpec
 from .store.local import CorruptBlobError
 from .store.manifest import Manifest
+from .units import parse_size
 
 
 class Executor(Protocol):
@@ -223,17 +224,11 @@ def _dependents(plan: Plan, nid: str, candidates: list[str]) -> list[str]:
 
 
 def check_mem_budget(value: str | None) -> int | None:
-    """Parse --mem values like 24G, 512M, 1.5T (bytes); None means no limit."""
+    """Parse --mem values like 24G, 512M, 1.5T (bytes; see units.parse_size); None means no limit. A budget of 0
+    could run nothing, so it is refused."""
     if value is None:
         return None
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    v = value.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        if v and v[-1] in units:
-            return int(float(v[:-1]) * units[v[-1]])
-        return int(v)
-    except ValueError:
-        raise UserError(f"--mem: cannot read {value!r}; use a size like 24G or 512M") from None
+    return parse_size(value, "--mem", allow_zero=False)
 
 
 def raise_for(result: BuildResult, plan: Plan) -> None:

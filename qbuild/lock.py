@@ -5,9 +5,10 @@
                         "bundle": tree digest of the package output, "verified": bool}},
      "nodes": {node id: {"kind", "name", "key", "preimage", "digest", "outputs": {path: {digest, size}}}}}
 
-A node's preimage holds its params, input digests, action version and toolchain versions, so `qbuild explain`
-can name the field that changed. The serialiser is a pure function; writes go through an atomic rename under
-a file lock, and merge with what other processes wrote meanwhile.
+A recipe's `recipe` path is relative to the lockfile's directory (absolute when the file lies outside it), and
+recipe names are unique per lockfile. A node's preimage holds its params, input digests, action version and
+toolchain versions, so `qbuild explain` can name the field that changed. The serialiser is a pure function; writes
+go through an atomic rename under a file lock, and merge with what other processes wrote meanwhile.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from . import jsonio
 from .errors import UserError
 from .store.local import atomic_write
 from .store.manifest import Manifest
@@ -41,7 +43,7 @@ def read(path: Path) -> dict:
 
 
 def dumps(doc: dict) -> str:
-    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+    return jsonio.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
 def node_entry(node, manifest: Manifest) -> dict:
@@ -49,10 +51,12 @@ def node_entry(node, manifest: Manifest) -> dict:
             "digest": manifest.digest, "outputs": manifest.outputs}
 
 
-def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], cwd: Path) -> dict:
-    """The lock entry of one recipe, given the manifests of the nodes built so far."""
+def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], lock_path: Path) -> dict:
+    """The lock entry of one recipe, given the manifests of the nodes built so far. The recipe file is recorded
+    relative to the lockfile's directory (absolute when outside it), so it names the same file from any working
+    directory."""
     try:
-        recipe_path = planned.loaded.path.relative_to(cwd).as_posix()
+        recipe_path = planned.loaded.path.relative_to(lock_path.parent.resolve()).as_posix()
     except ValueError:
         recipe_path = planned.loaded.path.as_posix()
     bundle = manifests.get(planned.bundle)
@@ -81,6 +85,38 @@ def update(path: Path, recipes: dict[str, dict], nodes: dict[str, dict]) -> bool
             return False
         atomic_write(path, dumps(new).encode())
         return True
+
+
+def recipe_file(entry: dict, lock_path: Path) -> Path:
+    """The recipe file a lock entry recorded (relative to the lockfile's directory, or absolute)."""
+    return (lock_path.parent.resolve() / entry["recipe"]).resolve()
+
+
+def resolve_recipe(doc: dict, lock_path: Path, arg: str) -> str:
+    """The locked recipe a command-line argument names: a recipe name, or a recipe file written any way `compile`
+    accepts it (relative to the working directory, absolute, through ../), matched by the file it resolves to.
+    Every command that takes a recipe of the lockfile (publish, pull, run, bench, lock check) resolves it here."""
+    if arg in doc["recipes"]:
+        return arg
+    target = Path(arg).resolve()
+    for name, entry in sorted(doc["recipes"].items()):
+        if recipe_file(entry, lock_path) == target:
+            return name
+    known = ", ".join(sorted(doc["recipes"])) or "none"
+    raise UserError(f"{lock_path}: recipe {arg!r} is not in the lockfile (locked: {known})")
+
+
+def check_unique_names(doc: dict, lock_path: Path, recipes: list[tuple[str, Path]]) -> None:
+    """Recipe names are unique per lockfile: refuse (name, file) pairs whose name the lock holds for another file
+    that still exists (a recipe that moved may take its entry over)."""
+    for name, path in recipes:
+        entry = doc["recipes"].get(name)
+        if entry is None:
+            continue
+        locked = recipe_file(entry, lock_path)
+        if locked != path.resolve() and locked.is_file():
+            raise UserError(f"{path}: recipe name {name!r} is already locked in {lock_path} for {locked}; recipe "
+                            "names must be unique per lockfile: rename one (its name: field)")
 
 
 def locked_preimage(doc: dict, roles: list[tuple[str, str]]) -> dict | None:

@@ -20,10 +20,12 @@ from pathlib import Path
 from collections.abc import Iterable
 
 from .errors import InfraError, UserError
+from .lock import resolve_recipe
 from .store.local import LocalStore
 from .store.manifest import Manifest
 from .store.remote import NoProgress, Progress, PushReport, RemoteStore, push_manifests
 from .store.s3 import S3Remote
+from .units import parse_duration, parse_size
 
 ORPHAN_GRACE_S = 3600.0   # a blob no manifest names may belong to a push or build still in flight
 
@@ -31,22 +33,14 @@ ORPHAN_GRACE_S = 3600.0   # a blob no manifest names may belong to a push or bui
 # --- choosing locked nodes -----------------------------------------------------------------------------------------
 
 def recipe_names(doc: dict, lock_path: Path, recipes: list[str], all_: bool) -> list[str]:
-    """Lock entries named by recipe name or recipe file (as recorded in the lock); --all takes every one."""
+    """Lock entries named by recipe name or recipe file (see lock.resolve_recipe); --all takes every one."""
     if all_:
         if not doc["recipes"]:
             raise UserError(f"{lock_path}: --all, but the lockfile names no recipes; run `qbuild compile` first")
         return sorted(doc["recipes"])
     if not recipes:
         raise UserError("name at least one recipe (as in the lockfile), or pass --all")
-    by_file = {Path(e["recipe"]).as_posix(): name for name, e in doc["recipes"].items()}
-    out = []
-    for r in recipes:
-        name = r if r in doc["recipes"] else by_file.get(Path(r).as_posix())
-        if name is None:
-            known = ", ".join(sorted(doc["recipes"])) or "none"
-            raise UserError(f"{lock_path}: recipe {r!r} is not in the lockfile (locked: {known})")
-        out.append(name)
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(resolve_recipe(doc, lock_path, r) for r in recipes))
 
 
 def locked_nodes(doc: dict, lock_path: Path, names: list[str]) -> dict[str, tuple[str, str, dict]]:
@@ -64,8 +58,9 @@ def locked_nodes(doc: dict, lock_path: Path, names: list[str]) -> dict[str, tupl
 # --- publish -------------------------------------------------------------------------------------------------------
 
 def publish(store: LocalStore, remote: S3Remote, doc: dict, lock_path: Path, names: list[str],
-            progress: Progress | None = None) -> PushReport:
-    """Upload every locked node of `names` that the remote lacks. Idempotent: a second run uploads nothing."""
+            progress: Progress | None = None, *, verify_remote: bool = False) -> PushReport:
+    """Upload every locked node of `names` that the remote lacks. Idempotent: a second run uploads nothing.
+    `verify_remote` reads back every blob the remote has for them and re-uploads the ones that do not match."""
     manifests: list[Manifest] = []
     absent: dict[str, tuple[str, str]] = {}
     for recipe, role, node in locked_nodes(doc, lock_path, names).values():
@@ -83,15 +78,16 @@ def publish(store: LocalStore, remote: S3Remote, doc: dict, lock_path: Path, nam
             if key not in on_remote:
                 raise UserError(f"{recipe}: {role} (key {key[:16]}) is in neither the local store ({store.root}) "
                                 f"nor {remote.url}; run `qbuild compile` for it first")
-    report = push_manifests(store, remote, manifests, progress)
+    report = push_manifests(store, remote, manifests, progress, verify_remote=verify_remote)
     report.manifests_present += len(absent)
     return report
 
 
 # --- pull ----------------------------------------------------------------------------------------------------------
 
-def pull_bundle(store: LocalStore, doc: dict, lock_path: Path, recipe: str, dest: Path) -> Manifest:
-    """Lay out the locked bundle of `recipe` in `dest` (new or empty), checking every digest first.
+def pull_bundle(store: LocalStore, doc: dict, lock_path: Path, recipe: str, dest: Path, *, share: bool) -> Manifest:
+    """Lay out the locked bundle of `recipe` in `dest` (new or empty), checking every digest first. With `share` the
+    files are the store's own read-only blobs (hardlinks); without, they share no inode with it (see materialize).
 
     Through a RemoteStore only the manifest is read at lookup; `materialize` then downloads (ensure_blobs) and
     verifies exactly the bundle's blobs; a blob that does not match aborts the pull before anything is written to
@@ -116,7 +112,7 @@ def pull_bundle(store: LocalStore, doc: dict, lock_path: Path, recipe: str, dest
                          f"(digest {manifest.digest[:16]} vs {node['digest'][:16]}); refusing it")
     stage = dest.parent / f".{dest.name}.partial-{uuid.uuid4().hex[:8]}"
     try:
-        store.materialize(manifest.outputs, stage, verify=True)
+        store.materialize(manifest.outputs, stage, verify=True, share=share)
         if dest.exists():
             dest.rmdir()
         os.replace(stage, dest)
@@ -268,32 +264,6 @@ def _read_manifest(path: Path) -> Manifest | None:
             return Manifest.from_json(json.loads(f.read()))
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-def parse_size(value: str, flag: str) -> int:
-    """Sizes like 20G, 512M, 1.5T, 0 (bytes)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    v = value.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        n = float(v[:-1]) * units[v[-1]] if v and v[-1] in units else float(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise UserError(f"{flag}: cannot read {value!r}; use a size like 20G, 512M or 0")
-    return int(n)
-
-
-def parse_duration(value: str, flag: str) -> float:
-    """Durations like 90s, 10m, 1h, 2d, 0 (seconds)."""
-    units = {"S": 1, "M": 60, "H": 3600, "D": 86400}
-    v = value.strip().upper()
-    try:
-        n = float(v[:-1]) * units[v[-1]] if v and v[-1] in units else float(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise UserError(f"{flag}: cannot read {value!r}; use a duration like 1h, 10m or 0")
-    return n
 
 
 # --- progress on stderr ----------------------------------------------------------------------------------------------

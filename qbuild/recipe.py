@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt,
+                      ValidationError, field_validator, model_validator)
 
 from .errors import RecipeError
 
@@ -16,6 +17,18 @@ Backend = Literal["neuron", "inductor", "export"]
 Lineage = Literal["main", "moe"]
 Target = Literal["trn2", "trn1", "inf2"]
 DType = Literal["bfloat16", "float16", "float32"]
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got true/false")
+    return value
+
+
+# Integers and booleans are strict: `tp: true`, `tp: 1.0`, `seq_len: "512"` or `fused_qkv: 1` are errors, never
+# coerced. Numbers take ints and numeric strings (PyYAML reads `1e-3`, without a dot, as a string), but neither
+# booleans nor NaN or infinity (a threshold of .nan or .inf would make its check meaningless).
+Number = Annotated[FiniteFloat, BeforeValidator(_not_a_bool)]
 
 
 class _Strict(BaseModel):
@@ -37,9 +50,9 @@ class ModelSource(_Strict):
 
 
 class Parallel(_Strict):
-    tp: int = Field(1, ge=1, le=64, description="tensor-parallel degree (ranks)")
-    ep: int = Field(1, ge=1, le=64, description="expert-parallel degree (MoE families)")
-    moe_tp: int | None = Field(None, ge=1, description="MoE tensor-parallel degree; default tp // ep")
+    tp: StrictInt = Field(1, ge=1, le=64, description="tensor-parallel degree (ranks)")
+    ep: StrictInt = Field(1, ge=1, le=64, description="expert-parallel degree (MoE families)")
+    moe_tp: StrictInt | None = Field(None, ge=1, description="MoE tensor-parallel degree; default tp // ep")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Parallel":
@@ -67,10 +80,11 @@ def _check_buckets(v: list[int]) -> list[int]:
 
 
 class Text(_Strict):
-    batch_size: int = Field(1, ge=1, le=256)
-    seq_len: int = Field(..., ge=1, description="maximum context (prompt + generated tokens)")
-    cte_buckets: list[int] = Field(..., description="context-encoding (prefill) bucket lengths")
-    tkg_buckets: list[int] | None = Field(None, description="token-generation buckets (KV length); default [seq_len]")
+    batch_size: StrictInt = Field(1, ge=1, le=256)
+    seq_len: StrictInt = Field(..., ge=1, description="maximum context (prompt + generated tokens)")
+    cte_buckets: list[StrictInt] = Field(..., description="context-encoding (prefill) bucket lengths")
+    tkg_buckets: list[StrictInt] | None = Field(None, description="token-generation buckets (KV length); default "
+                                                                  "[seq_len]")
 
     _buckets = field_validator("cte_buckets", "tkg_buckets")(lambda v: v if v is None else _check_buckets(v))
 
@@ -88,14 +102,15 @@ class Text(_Strict):
 
 
 class Vision(_Strict):
-    buckets: list[int] = Field(..., description="patch-token counts before the 2x2 merge, e.g. 1024, 4096")
+    buckets: list[StrictInt] = Field(..., description="patch-token counts before the 2x2 merge, e.g. 1024, 4096")
 
     _buckets = field_validator("buckets")(_check_buckets)
 
 
 class Compiler(_Strict):
     target: Target = "trn2"
-    lnc: int | None = Field(None, ge=1, le=2, description="logical NeuronCore config; default 2 on trn2, else 1")
+    lnc: StrictInt | None = Field(None, ge=1, le=2,
+                                  description="logical NeuronCore config; default 2 on trn2, else 1")
     flags: list[str] = Field(default_factory=list, description="extra neuronx-cc flags")
 
     @property
@@ -135,12 +150,12 @@ class Toolchain(_Strict):
 
 
 class Verify(_Strict):
-    top1_min: float = Field(0.95, ge=0, le=1, description="fraction of prefill positions whose argmax agrees")
-    token_match_min: float = Field(0.9, ge=0, le=1, description="fraction of greedy tokens equal to the reference")
-    max_logit_err: float = Field(0.05, ge=0, description="max |logit - reference| over prefill positions")
-    new_tokens: int = Field(16, ge=1, le=1024, description="greedy tokens generated per prompt")
+    top1_min: Number = Field(0.95, ge=0, le=1, description="fraction of prefill positions whose argmax agrees")
+    token_match_min: Number = Field(0.9, ge=0, le=1, description="fraction of greedy tokens equal to the reference")
+    max_logit_err: Number = Field(0.05, ge=0, description="max |logit - reference| over prefill positions")
+    new_tokens: StrictInt = Field(16, ge=1, le=1024, description="greedy tokens generated per prompt")
     prompts: list[str] | None = Field(None, description="golden prompts; default the shipped set")
-    image_prompt: bool = Field(True, description="VL recipes also check a prompt with a synthetic image")
+    image_prompt: StrictBool = Field(True, description="VL recipes also check a prompt with a synthetic image")
 
 
 class Recipe(_Strict):
@@ -154,7 +169,7 @@ class Recipe(_Strict):
     dtype: DType = "bfloat16"
     fp8: FP8Policy = "none"
     moe_backend: MoEBackend | None = Field(None, description="MoE families only; default per family")
-    fused_qkv: bool = False
+    fused_qkv: StrictBool = False
     compiler: Compiler = Compiler()
     backend: Backend = Field("neuron", description="neuron, or a CPU backend (inductor, export) that proves every stage")
     port: Port = Port()

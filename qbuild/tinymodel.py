@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
+from . import jsonio
+
 Family = Literal["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 FAMILIES: tuple[Family, ...] = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
@@ -139,7 +141,7 @@ def _fuse_experts(out: Path) -> None:
     if index.exists():
         doc = json.loads(index.read_text())
         doc["weight_map"] = dict(sorted(weight_map.items()))
-        index.write_text(json.dumps(doc, indent=2))
+        index.write_text(jsonio.dumps(doc, indent=2))
 
 
 def write_tiny_checkpoint(out: Path, family: Family, *, seed: int = 0, fused_experts: bool = False,
@@ -169,3 +171,27 @@ def write_tiny_checkpoint(out: Path, family: Family, *, seed: int = 0, fused_exp
     _write_tokenizer(out)
     return out
 
+
+def install_tiny_checkpoint(out: Path, family: Family, *, replace: bool = False, seed: int = 0,
+                            fused_experts: bool = False) -> Path:
+    """write_tiny_checkpoint into a staging directory beside `out`, then move it into place, so a failed or
+    interrupted run leaves `out` as it was. A non-empty `out` is an error unless `replace`, which removes it."""
+    import shutil
+    import uuid
+
+    from .errors import UserError
+
+    out = out.absolute()
+    if out.is_dir() and any(out.iterdir()) and not replace:
+        raise UserError(f"{out}: not empty; pass --force to replace what it holds")
+    stage = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        write_tiny_checkpoint(stage, family, seed=seed, fused_experts=fused_experts)
+        if out.exists():
+            out.rename(old)
+        stage.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)   # only once the new checkpoint is in place
+    return out

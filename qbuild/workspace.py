@@ -56,6 +56,9 @@ class Workspace:
     # --- building --------------------------------------------------------------------------------------------
     def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
                 on_event: Callable[[Event], None] = lambda e: None, frozen: bool = False) -> tuple[Plan, BuildResult]:
+        # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
+        lockmod.check_unique_names(lockmod.read(self.lock_path), self.lock_path,
+                                   [(r.name, r.path) for r in recipes])
         plan = build_plan(recipes, self.stat_cache)
         if frozen:
             self._check_frozen(plan)
@@ -102,7 +105,7 @@ class Workspace:
         for name, planned in plan.recipes.items():
             fetch_manifest = result.manifests.get(planned.nodes["fetch"])
             model = self._model_entry(planned, fetch_manifest)
-            recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.root)
+            recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.lock_path)
             for nid in recipes[name]["nodes"].values():
                 nodes[nid] = lockmod.node_entry(plan.nodes[nid], result.manifests[nid])
         return recipes, nodes

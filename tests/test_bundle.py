@@ -33,8 +33,11 @@ def test_corrupt_or_missing_file_is_named(tmp_path):
     target.write_bytes(b"x" * 10)
     with pytest.raises(UserError, match="tp0_sharded_checkpoint.safetensors: content does not match"):
         check_files(root, doc)
+    target.write_bytes(b"x" * 12)   # longer, not "truncated": the message says what it found
+    with pytest.raises(UserError, match="safetensors: 12 bytes where bundle.json says 10: changed since"):
+        check_files(root, doc, digests=False)
     target.unlink()
-    with pytest.raises(UserError, match="missing or truncated"):
+    with pytest.raises(UserError, match="safetensors: missing"):
         check_files(root, doc)
 
 

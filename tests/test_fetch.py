@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,8 @@ def test_pickled_weights_are_never_part_of_a_snapshot(tmp_path, tiny_checkpoints
 def test_stat_cache_hashes_an_unchanged_file_once(tmp_path, monkeypatch):
     f = tmp_path / "big.bin"
     f.write_bytes(os.urandom(1 << 20))
+    hour_ago = time.time_ns() - 3600 * 10**9
+    os.utime(f, ns=(hour_ago, hour_ago))   # older than the racy window, so the cache may answer for it
     cache = StatCache(tmp_path / "stat.sqlite")
     calls = []
     import qbuild.hashing as hashing
@@ -119,3 +122,5 @@ def test_stat_cache_hashes_an_unchanged_file_once(tmp_path, monkeypatch):
     assert first == second == digest_file(f) and len(calls) == 1
     f.write_bytes(os.urandom(1 << 20))
     assert cache.digest(f) != first and len(calls) == 2
+    # A file just modified is hashed every time (its timestamp may not have ticked since a rewrite).
+    assert cache.digest(f) == digest_file(f) and len(calls) == 3

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qbuild import lock as lockmod
-from tests.conftest import qbuild
+from tests.conftest import REPO, qbuild
 
 RECIPE = """\
 model: {{path: {path}}}
@@ -27,7 +27,9 @@ def built(tmp_path_factory, tiny_checkpoints):
     root = tmp_path_factory.mktemp("locked")
     recipe = root / "lk.yaml"
     recipe.write_text(RECIPE.format(path=tiny_checkpoints["qwen3_next"], cte="[32]"))
-    env = {"QBUILD_STORE": str(root / "store"), "XDG_CACHE_HOME": str(root / "cache")}
+    # PYTHONPATH too: this module fixture runs before the per-test environment is set up, and without it the CLI
+    # would import an installed qbuild instead of this tree's.
+    env = {"QBUILD_STORE": str(root / "store"), "XDG_CACHE_HOME": str(root / "cache"), "PYTHONPATH": str(REPO)}
     qbuild("compile", str(recipe), "--lock", str(root / "artifacts.lock"), "-j", "2", cwd=root, env=env, check=True)
     return root, recipe, root / "store", root / "artifacts.lock", env
 

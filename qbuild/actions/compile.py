@@ -11,8 +11,7 @@ vision weights inlined (its input `converted`).
 
 from __future__ import annotations
 
-import json
-
+from .. import jsonio
 from ..actions import RunContext
 from ..backends import graph_file
 
@@ -38,7 +37,7 @@ def run(ctx: RunContext) -> None:
         ctx.log(f"{name}: AOTInductor {package(traced.program, target, ctx.scratch):.1f}s")
     else:
         raise ValueError(f"unknown backend {p['backend']!r}")
-    (ctx.out / f"{name}.json").write_text(json.dumps(signature, indent=1, sort_keys=True))
+    (ctx.out / f"{name}.json").write_text(jsonio.dumps(signature, indent=1, sort_keys=True))
     ctx.log(f"{name}: exported in {traced.seconds:.1f}s")
 
 

@@ -7,10 +7,10 @@ is hashed twice. Local files carry the BLAKE3 digests the planner computed.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
+from .. import jsonio
 from ..actions import RunContext
 from ..arch import hf_cache_dir
 from ..errors import InfraError, UserError
@@ -23,7 +23,7 @@ def run(ctx: RunContext) -> None:
         snapshot = _local(Path(ctx.context["path"]), p["files"])
     else:
         snapshot = _hub(p["repo"], ctx.context.get("requested_revision", p["revision"]), ctx)
-    (ctx.out / "snapshot.json").write_text(json.dumps(snapshot, indent=1, sort_keys=True))
+    (ctx.out / "snapshot.json").write_text(jsonio.dumps(snapshot, indent=1, sort_keys=True))
 
 
 def _local(root: Path, planned: dict[str, str]) -> dict:

@@ -10,6 +10,7 @@ import json
 import os
 from pathlib import Path
 
+from .. import jsonio
 from ..actions import RunContext
 from ..bundle import link_or_copy, write_manifest
 
@@ -101,7 +102,7 @@ def _fp8_port_steps(ctx: RunContext, shards: list[Path]) -> None:
     # NxDI serialises the QuantizationType defaults as nested objects that KVQuantizationConfig cannot read back.
     if isinstance(kv, dict) and kv.get("direct_cast", True):
         nc["kv_quant_config"] = {"direct_cast": True}
-        _replace(config_path, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        _replace(config_path, (jsonio.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _add_tensors(shard: Path, extra: dict) -> None:

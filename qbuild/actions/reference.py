@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .. import jsonio
 from ..actions import RunContext
 from ..errors import BuildError
 from ..source import locate, read_snapshot
@@ -111,7 +112,7 @@ def run(ctx: RunContext) -> None:
     save_file(logits, ctx.out / "logits.safetensors")
     doc = {"model_type": config["model_type"], "transformers": transformers.__version__,
            "new_tokens": p["new_tokens"], "prompts": records}
-    (ctx.out / "reference.json").write_text(json.dumps(doc, indent=1, sort_keys=True))
+    (ctx.out / "reference.json").write_text(jsonio.dumps(doc, indent=1, sort_keys=True))
 
 
 def _image_prompt(src: Path, config: dict, tokenizer, image: Path, text_ids: list[int]):

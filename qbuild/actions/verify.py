@@ -4,13 +4,18 @@ Metrics, over every prompt: top-1 agreement of the prefill logits at every promp
 over the reference's N tokens (position by position, EOS not stopping), and max |logit - reference| over the
 prefill positions. Thresholds come from the recipe's `verify:`; a failure raises BuildError whose message holds
 the per-prompt report, so nothing is cached and the build fails. On success report.json is the output.
+
+A NaN or infinite logit (in the bundle's output or in the reference's) fails the gate: NaN compares false with every
+threshold, so without an explicit check a model of NaN weights would pass with `max_logit_err: NaN`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, replace
 
+from .. import jsonio
 from ..actions import RunContext
 from ..errors import BuildError
 
@@ -27,6 +32,8 @@ class PromptReport:
     first_mismatch: int | None  # index of the first differing greedy token
     greedy: list[int]
     reference: list[int]
+    nonfinite: int = 0          # prefill logits of the bundle that are NaN or infinite
+    ref_nonfinite: int = 0      # the same in the reference's logits (the checkpoint itself is not finite)
 
 
 def compare(index: int, record: dict, logits, ref_logits, greedy: list[int]) -> PromptReport:
@@ -35,8 +42,10 @@ def compare(index: int, record: dict, logits, ref_logits, greedy: list[int]) -> 
     err = float((logits.float() - ref_logits.float()).abs().max())
     same = [a == b for a, b in zip(greedy, ref)] + [False] * (len(ref) - len(greedy))
     first = next((i for i, s in enumerate(same) if not s), None)
+    nonfinite = int((~logits.isfinite()).sum())
+    ref_nonfinite = int((~ref_logits.isfinite()).sum())
     return PromptReport(index, record["text"], record["image"], len(record["ids"]), top1, err,
-                        sum(same) / len(ref), first, greedy, ref)
+                        sum(same) / len(ref), first, greedy, ref, nonfinite, ref_nonfinite)
 
 
 def failures(reports: list[PromptReport], params: dict) -> list[str]:
@@ -45,11 +54,18 @@ def failures(reports: list[PromptReport], params: dict) -> list[str]:
     match = sum(r.token_match for r in reports) / len(reports)
     err = max(r.max_logit_err for r in reports)
     out = []
-    if top1 < params["top1_min"]:
+    ref_bad = sum(r.ref_nonfinite for r in reports)
+    if ref_bad:
+        out.append(f"the reference's logits hold {ref_bad} NaN/inf values: the checkpoint's weights are not finite")
+    bad = sum(r.nonfinite for r in reports)
+    if bad:
+        out.append(f"{bad} of the bundle's prefill logits are NaN or infinite")
+    # Written as `not (value within bound)` so that a NaN metric fails instead of passing every comparison.
+    if not top1 >= params["top1_min"]:
         out.append(f"top-1 agreement {top1:.4f} < top1_min {params['top1_min']}")
-    if match < params["token_match_min"]:
+    if not match >= params["token_match_min"]:
         out.append(f"greedy token match {match:.4f} < token_match_min {params['token_match_min']}")
-    if err > params["max_logit_err"]:
+    if not (math.isfinite(err) and err <= params["max_logit_err"]):
         out.append(f"max |logit error| {err:.3g} > max_logit_err {params['max_logit_err']}")
     return out
 
@@ -74,7 +90,7 @@ def run(ctx: RunContext) -> None:
     doc = {"ok": not failed, "thresholds": ctx.params, "failures": failed, "prompts": [asdict(r) for r in reports]}
     if failed:
         raise BuildError("verify failed: " + "; ".join(failed) + " | per prompt: " + " | ".join(map(_line, reports)))
-    (ctx.out / "report.json").write_text(json.dumps(doc, indent=1, sort_keys=True))
+    (ctx.out / "report.json").write_text(jsonio.dumps(doc, indent=1, sort_keys=True))
     for r in reports:
         ctx.log(_line(r))
 

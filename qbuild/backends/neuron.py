@@ -23,6 +23,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from .. import jsonio
 from ..errors import BuildError
 from ..ports import LINEAGES, VISION_COMPILER_ARGS, Lineage
 
@@ -247,7 +248,7 @@ def _run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
     cwd.mkdir(parents=True, exist_ok=True)
     req = cwd / f"{op}-request.json"
     res = cwd / f"{op}-result.json"
-    req.write_text(json.dumps(request, indent=1, sort_keys=True))
+    req.write_text(jsonio.dumps(request, indent=1, sort_keys=True))
     base = {k: v for k, v in os.environ.items() if not k.startswith(PORT_ENV_PREFIXES)}
     proc = subprocess.run([sys.executable, "-m", "qbuild.backends.neuron_sdk", op, str(req), str(res)],
                           cwd=cwd, env={**base, **env}, capture_output=True, text=True)
@@ -268,7 +269,7 @@ def compile_text(params: dict, port: Path, out: Path, scratch: Path, cache_url: 
     lineage = LINEAGES[params["lineage"]]
     model_dir = scratch / "hf"
     model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps(inference_kwargs(params), indent=1, sort_keys=True))
+    (model_dir / "config.json").write_text(jsonio.dumps(inference_kwargs(params), indent=1, sort_keys=True))
     with _locked(work_dir(params)) as wd:
         env = {**cfg["env"], "BASE_COMPILE_WORK_DIR": f"{wd}/", "NEURON_COMPILE_CACHE_URL": cache_url}
         _run_sdk("text", {"config": cfg, "kwargs": inference_kwargs(params), "port": str(lineage.module_dir(port)),
@@ -315,7 +316,7 @@ def inference_kwargs(params: dict) -> dict:
 
 
 def write_record(out: Path, doc: dict, name: str = QBUILD_RECORD) -> None:
-    (out / name).write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n")
+    (out / name).write_text(jsonio.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 
 # --- checking shards against what the compiled model expects -------------------------------------------------------

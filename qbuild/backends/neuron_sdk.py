@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from qbuild import jsonio
+
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
@@ -146,7 +148,7 @@ def main(argv: list[str]) -> int:
         traceback.print_exc()
         print(f"error: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
-    Path(result).write_text(json.dumps(out, sort_keys=True))
+    Path(result).write_text(jsonio.dumps(out, sort_keys=True))
     return 0
 
 

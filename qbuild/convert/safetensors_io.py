@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from qbuild import jsonio
 from qbuild.convert.errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -233,7 +234,7 @@ class PlannedFile:
             n = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [rel, rel + n]}
             rel += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw = jsonio.dumps(header, compact=True).encode()
         raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the reference writer does
         start = 8 + len(raw)
         self.path = path

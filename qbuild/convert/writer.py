@@ -7,7 +7,6 @@ at their planned offsets (safetensors_io.PlannedFile). A step's outputs never st
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -19,6 +18,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from qbuild import jsonio
 from qbuild.convert.safetensors_io import MappedSources, PlannedFile
 
 Spec = tuple[str, torch.dtype, tuple[int, ...]]
@@ -76,7 +76,7 @@ class ShardedOutput:
 
 
 def write_json(path: Path, doc: dict) -> None:
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    path.write_text(jsonio.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 def run_all(tasks: Sequence[Callable[[], None]], workers: int) -> None:

@@ -45,16 +45,18 @@ class Runtime:
     # --- loading ---------------------------------------------------------------------------------------------
     @classmethod
     def load(cls, root: Path, *, verify_digests: bool = True) -> "Runtime":
+        root = Path(root)
+        # The bundle is checked before torch is imported, so a bad one is refused at once.
+        manifest = read_manifest(root)
+        if manifest["backend"] == "neuron":
+            raise UserError(f"{root}: a neuron bundle runs on a Neuron host through NxDI, not on this runtime")
+        check_files(root, manifest, digests=verify_digests)
+
         import torch
         from safetensors.torch import load_file
 
         from ..modeling import TextConfig, TextModel
 
-        root = Path(root)
-        manifest = read_manifest(root)
-        if manifest["backend"] == "neuron":
-            raise UserError(f"{root}: a neuron bundle runs on a Neuron host through NxDI, not on this runtime")
-        check_files(root, manifest, digests=verify_digests)
         config = json.loads((root / "config.json").read_text())
         text_cfg = TextConfig.from_hf(config)
         dtype = getattr(torch, manifest["dtype"])

@@ -35,8 +35,8 @@ def default_store_path() -> Path:
 
 def resolve_remote(flag: str | None, cwd: Path | None = None) -> str | None:
     """--remote, else $QBUILD_REMOTE, else `remote:` in ./qbuild.yaml, else None (no remote)."""
-    if flag:
-        return flag
+    if flag is not None:
+        return flag   # even when empty: `--remote ''` is an error (parse_remote), never "no remote"
     if os.environ.get("QBUILD_REMOTE"):
         return os.environ["QBUILD_REMOTE"]
     config = (cwd or Path.cwd()) / CONFIG_FILE

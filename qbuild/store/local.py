@@ -164,8 +164,11 @@ class LocalStore:
         """Make the blobs of an output tree local before reading them. A no-op here; a remote-backed store
         downloads (and checks) the ones it lacks. Call it before reading a blob's bytes through `blob_path`."""
 
-    def materialize(self, outputs: dict[str, dict], dest: Path, *, verify: bool = False) -> None:
-        """Lay out an output tree under `dest` by hardlinking blobs (copying across filesystems)."""
+    def materialize(self, outputs: dict[str, dict], dest: Path, *, verify: bool = False,
+                    share: bool = True) -> None:
+        """Lay out an output tree under `dest`: with `share`, by hardlinking blobs (copying across filesystems), so
+        the files ARE the store's read-only blobs; without, as files that share no inode with the store (a reflink
+        where the filesystem supports one, else a copy), for a writer the read-only bit does not stop (root)."""
         self.ensure_blobs(outputs)
         for rel, meta in sorted(outputs.items()):
             target = safe_join(dest, rel)
@@ -178,6 +181,9 @@ class LocalStore:
                                                        "and has been removed; it will be rebuilt")
             if target.exists() or target.is_symlink():
                 target.unlink()
+            if not share:
+                clone_or_copy(blob, target)
+                continue
             try:
                 os.link(blob, target)
             except OSError as e:
@@ -214,16 +220,25 @@ class LocalStore:
                 bad_blobs.add(blob.name)
                 if repair:
                     blob.unlink()
-        for m in self.manifests():
+        # Every manifest file, read directly: `manifests()` skips entries whose blobs are gone, which are exactly
+        # the ones to report (and, with --repair, to drop so that they are rebuilt).
+        for path in sorted((self.root / "ac").glob("*/*.json")):
+            try:
+                m = Manifest.from_json(json.loads(path.read_bytes()))
+            except (OSError, ValueError, KeyError, TypeError):
+                problems.append(f"unreadable manifest {path}")
+                if repair:
+                    path.unlink(missing_ok=True)
+                continue
             missing = [p for p, o in m.outputs.items() if o["digest"] in bad_blobs or not self.has_blob(o["digest"])]
             if missing:
                 problems.append(f"manifest {m.key[:16]} ({m.kind}) lost {', '.join(missing)}")
                 if repair:
-                    self.delete_manifest(m.key)
+                    path.unlink(missing_ok=True)
             elif tree_digest(m.outputs) != m.digest:
                 problems.append(f"manifest {m.key[:16]} ({m.kind}) has a wrong tree digest")
                 if repair:
-                    self.delete_manifest(m.key)
+                    path.unlink(missing_ok=True)
         for d in sorted((self.root / "staging").glob("*")):
             key = d.name.split(".")[0]
             try:
@@ -234,6 +249,26 @@ class LocalStore:
             except TimeoutError:
                 continue  # a live build owns it
         return problems
+
+
+FICLONE = 0x40049409   # linux/fs.h: make dst share src's extents, copy-on-write (btrfs, XFS, bcachefs)
+
+
+def clone_or_copy(src: Path, dst: Path) -> None:
+    """A copy of `src` at `dst` that shares no inode with it: a reflink where the filesystem supports one (instant,
+    no extra space), else a byte copy."""
+    try:
+        import fcntl
+
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+        return
+    except OSError:
+        pass   # not supported here (ext4, tmpfs, across filesystems): copy
+    try:
+        shutil.copyfile(src, dst)
+    except OSError as e:
+        raise _infra(e, dst) from None
 
 
 def safe_join(root: Path, rel: str) -> Path:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
+from .. import jsonio
 from ..hashing import digest_json
 
 
@@ -35,7 +35,7 @@ class Manifest:
                 "digest": self.digest, "meta": self.meta}
 
     def to_bytes(self) -> bytes:
-        return json.dumps(self.to_json(), sort_keys=True, indent=1).encode()
+        return jsonio.dumps(self.to_json(), sort_keys=True, indent=1).encode()
 
     @classmethod
     def from_json(cls, doc: dict) -> "Manifest":

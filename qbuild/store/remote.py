@@ -62,6 +62,7 @@ class PushReport:
     blobs_uploaded: int = 0
     bytes_uploaded: int = 0
     blobs_present: int = 0
+    blobs_repaired: int = 0         # on the remote but missing or not matching their digest: uploaded again
     manifests_uploaded: int = 0
     manifests_present: int = 0
     seconds: float = 0.0
@@ -181,7 +182,8 @@ class RemoteStore(LocalStore):
             if got != digest or tmp.stat().st_size != size:
                 tmp.unlink(missing_ok=True)
                 raise InfraError(f"{self.remote.object_url(self.remote.blob_key(digest))}: downloaded blob of {rel} "
-                                 f"does not match its digest (got {got[:16]}, want {digest[:16]}); refusing it")
+                                 f"does not match its digest (got {got[:16]}, want {digest[:16]}); refusing it; "
+                                 f"{self.remote.repair_hint()}")
             self.put_file(tmp, digest)
             self.progress.file_done(rel)
 
@@ -198,21 +200,31 @@ class RemoteStore(LocalStore):
 
 
 def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Manifest],
-                   progress: Progress | None = None) -> PushReport:
+                   progress: Progress | None = None, *, verify_remote: bool = False) -> PushReport:
     """Upload `manifests` (from `store`) that the remote lacks: missing blobs first, then each manifest with a
-    conditional put. Blob presence is checked in bulk; files go up in parallel, large ones in parallel parts."""
+    conditional put. Blob presence is checked in bulk; files go up in parallel, large ones in parallel parts.
+
+    A blob counts as present when the remote has an object of its name. With `verify_remote` every blob of every
+    given manifest (on the remote already or not) is read back and hashed instead, and one that is missing or whose
+    bytes do not match is uploaded again: the repair for a remote object corrupted after it was written."""
     progress = progress or NoProgress()
     start = time.monotonic()
     report = PushReport()
     todo = {m.key: m for m in manifests}
     present = remote.has_manifests(todo)
     report.manifests_present = len(present)
+    checked = todo if verify_remote else {k: m for k, m in todo.items() if k not in present}
     todo = {k: m for k, m in todo.items() if k not in present}
     blobs: dict[str, tuple[str, int]] = {}
-    for m in todo.values():
+    for m in checked.values():
         for rel, meta in sorted(m.outputs.items()):
             blobs.setdefault(meta["digest"], (rel, meta["size"]))
     have = remote.has_blobs(blobs)
+    if verify_remote:
+        sound = _remote_blobs_matching(remote, {d: blobs[d] for d in have}, progress)
+        named_remotely = {o["digest"] for k, m in checked.items() if k in present for o in m.outputs.values()}
+        report.blobs_repaired = len((have - sound) | (named_remotely - have))
+        have = sound
     report.blobs_present = len(have)
     send = {d: v for d, v in blobs.items() if d not in have}
     for digest, (rel, _) in send.items():
@@ -244,6 +256,26 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
             report.manifests_present += 1
     report.seconds = time.monotonic() - start
     return report
+
+
+def _remote_blobs_matching(remote: S3Remote, blobs: dict[str, tuple[str, int]], progress: Progress) -> set[str]:
+    """The subset of `blobs` (digest -> (path, size)) whose bytes on the remote hash to their digest."""
+    sound: set[str] = set()
+    lock = threading.Lock()
+    progress.begin("check", len(blobs), sum(size for _, size in blobs.values()))
+
+    def one(item: tuple[str, tuple[str, int]]) -> None:
+        digest, (rel, _) = item
+        if remote.blob_digest(digest, progress.advance) == digest:
+            with lock:
+                sound.add(digest)
+        progress.file_done(rel)
+
+    try:
+        _run_all(one, sorted(blobs.items()), TRANSFER_THREADS)
+    finally:
+        progress.end()
+    return sound
 
 
 def _run_all(fn, items: list, threads: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,12 +40,28 @@ class RemoteObject:
     modified: datetime
 
 
+# S3's bucket naming rules (S3-compatible servers follow them too), checked up front so that a typo is one exit-2
+# line naming the value instead of a remote error once work has started.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_IP_ADDRESS = re.compile(r"\d+\.\d+\.\d+\.\d+")
+
+
 def parse_remote(url: str) -> tuple[str, str]:
     """`s3://bucket/some/prefix` -> ("bucket", "some/prefix"); anything else is a UserError naming the value."""
-    parts = urlsplit(url)
-    if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+    try:
+        parts = urlsplit(url)
+    except ValueError:   # e.g. an unbalanced "[" in the host
+        parts = None
+    if parts is None or parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
         raise UserError(f"remote: {url!r} is not an s3://bucket/prefix URL")
-    return parts.netloc, parts.path.strip("/")
+    bucket = parts.netloc
+    if "@" in bucket:   # never echo it: the part before "@" would be a credential
+        raise UserError("remote: the URL carries credentials (user@ or user:password@); remove them and use the AWS "
+                        "credential chain (AWS_PROFILE, environment, role)")
+    if not _BUCKET.fullmatch(bucket) or ".." in bucket or _IP_ADDRESS.fullmatch(bucket):
+        raise UserError(f"remote: {url!r}: {bucket!r} is not a valid S3 bucket name (3-63 lowercase letters, digits, "
+                        "dots and hyphens, starting and ending with a letter or digit)")
+    return bucket, parts.path.strip("/")
 
 
 def endpoint_url() -> str | None:
@@ -170,8 +187,33 @@ class S3Remote:
         except Exception as e:
             if _status(e) == 404:
                 raise InfraError(f"{self.object_url(name)}: blob missing on the remote although a manifest names "
-                                 "it; republish with `qbuild publish`") from None
+                                 f"it; {self.repair_hint()}") from None
             raise self.error(e, self.object_url(name)) from None
+
+    def blob_digest(self, digest: str, callback: Callback | None = None) -> str | None:
+        """BLAKE3 of the bytes the remote holds for blob `digest`, streamed (nothing is written locally); None when
+        the remote lacks it."""
+        import blake3
+
+        name = self.blob_key(digest)
+        hasher = blake3.blake3()
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=name)["Body"]
+            for chunk in body.iter_chunks(1 << 20):
+                hasher.update(chunk)
+                if callback is not None:
+                    callback(len(chunk))
+        except Exception as e:
+            if _status(e) == 404 and _code(e) != "NoSuchBucket":
+                return None
+            raise self.error(e, self.object_url(name)) from None
+        return hasher.hexdigest()
+
+    def repair_hint(self) -> str:
+        """What to run about a blob that is missing or corrupt here: a publish that checks the remote's bytes
+        re-uploads it from a store that holds it."""
+        return (f"repair the remote from a machine whose store holds it: `qbuild publish --all --verify-remote "
+                f"--remote {self.url}`")
 
     # --- listing and deleting (gc) -------------------------------------------------------------------------------
     def list_manifests(self) -> Iterator[RemoteObject]:
