@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import RecipeError
+from .errors import RecipeError, UserError
 
 FP8Policy = Literal["none", "mlp_only", "full"]
 MoEBackend = Literal["shard_on_intermediate", "torch_blockwise", "shard_hidden", "shard_on_block"]
@@ -155,7 +157,10 @@ def _construct(node: yaml.Node, path: tuple, marks: Marks, file: Path) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for k, v in node.value:
-            key = yaml.SafeLoader(k.value).construct_object(k) if not isinstance(k, yaml.ScalarNode) else k.value
+            if not isinstance(k, yaml.ScalarNode):
+                raise RecipeError(f"{file}:{k.start_mark.line + 1}:{k.start_mark.column + 1}: a key must be a plain "
+                                  "name, not a list or mapping")
+            key = k.value
             if key in out:
                 raise RecipeError(f"{file}:{k.start_mark.line + 1}:{k.start_mark.column + 1}: duplicate key {key!r}")
             marks[path + (key,)] = (file, k.start_mark.line + 1, k.start_mark.column + 1)
@@ -167,19 +172,73 @@ def _construct(node: yaml.Node, path: tuple, marks: Marks, file: Path) -> Any:
     return loader.construct_object(node, deep=True)
 
 
-def _read_yaml(file: Path) -> tuple[dict, Marks]:
+# Recipes are a few KiB; the cap keeps `extends: /dev/zero`-like mistakes from reading without end.
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def read_small_file(path: Path, limit: int, what: str) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes; UserError naming `path` otherwise.
+
+    The file is opened non-blocking so that a FIFO or a device answers at once instead of hanging, and is checked
+    to be a regular file on the open descriptor (no window between the check and the read).
+    """
     try:
-        text = file.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
-        raise RecipeError(f"{file}: cannot read recipe: {e.strerror}") from None
+        raise UserError(f"{path}: cannot read {what}: {e.strerror}") from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UserError(f"{path}: {what} must be a regular file")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 16, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise UserError(f"{path}: cannot read {what}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise UserError(f"{path}: {what} is larger than {limit >> 10} KiB")
+    return b"".join(chunks)
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases: a handful of nested aliases expands to billions of nodes (a YAML bomb), and
+    recipes share settings through `extends:` instead."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise RecipeError(f"{self.name}:{mark.line + 1}:{mark.column + 1}: YAML aliases (*name) are not "
+                              "supported in recipes; share settings with `extends:`")
+        return super().compose_node(parent, index)
+
+
+def _read_yaml(file: Path) -> tuple[dict, Marks]:
+    raw = read_small_file(file, MAX_RECIPE_BYTES, "a recipe")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{file}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x})") from None
+    loader = _NoAliasLoader(text)
+    loader.name = str(file)
+    try:
+        node = loader.get_single_node()
+        marks: Marks = {}
+        data = {} if node is None else _construct(node, (), marks, file)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
         raise RecipeError(f"{where}: invalid YAML: {e.problem}") from None
-    marks: Marks = {}
-    data = {} if node is None else _construct(node, (), marks, file)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{file}: invalid YAML: {e}") from None
+    except RecursionError:
+        raise RecipeError(f"{file}: invalid YAML: nested too deeply") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise RecipeError(f"{file}:1:1: a recipe must be a mapping of fields")
     return data, marks
@@ -206,9 +265,11 @@ def _load_raw(file: Path, chain: tuple[Path, ...]) -> tuple[dict, Marks]:
         f, line, col = marks[("extends",)]
         raise RecipeError(f"{f}:{line}:{col}: extends: expected a file name")
     base_file = (file.parent / parent)
+    f, line, col = marks[("extends",)]
     if not base_file.exists():
-        f, line, col = marks[("extends",)]
         raise RecipeError(f"{f}:{line}:{col}: extends: {parent} does not exist")
+    if not base_file.is_file():   # a FIFO would block the read, a device would never end
+        raise RecipeError(f"{f}:{line}:{col}: extends: {parent} is not a regular file")
     base, base_marks = _load_raw(base_file, chain + (file,))
     merged_marks = dict(base_marks)
     merged_marks.update(marks)
