@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import signal
-import sys
 import threading
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -18,16 +16,15 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from ..job import Job, run_job
 from ..plan import Node
 
-PR_SET_PDEATHSIG = 1            # linux/prctl.h
-PARENT_POLL_S = 0.5             # where there is no parent-death signal: how often a worker checks its parent
+DRIVER_POLL_S = 0.25     # how often a worker checks that its driver is alive
 
 
 class LocalExecutor:
     def __init__(self, jobs: int):
-        # spawn: workers start from a clean interpreter, never from a driver holding threads or locks, and are the
-        # driver's own children, so they can die with it (a forkserver's workers hold the forkserver open).
-        self._pool = ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=die_with_parent, initargs=(os.getpid(),))
+        # forkserver: workers start from a clean interpreter, never from a driver holding threads or locks.
+        self._pool = ProcessPoolExecutor(max_workers=max(1, jobs),
+                                         mp_context=multiprocessing.get_context("forkserver"),
+                                         initializer=watch_driver, initargs=(os.getpid(),))
 
     def submit(self, job: Job, node: Node) -> Future:
         return self._pool.submit(run_job, job)
@@ -39,24 +36,40 @@ class LocalExecutor:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def die_with_parent(parent: int) -> None:
-    """End this process as soon as its parent, the driver of pid `parent`, ends: Linux delivers SIGKILL on the
-    parent's death (prctl PR_SET_PDEATHSIG); elsewhere a thread polls for the parent. A worker whose driver died
-    while it was starting exits here."""
-    if os.getppid() != parent:
+def watch_driver(driver: int) -> None:
+    """Worker initializer: exit as soon as the driver (process `driver`) is gone.
+
+    A forkserver's workers are the forkserver's children, and each holds the pipe that would tell the forkserver
+    the driver died, so neither a parent-death signal nor that pipe ends them: a thread watches the driver itself.
+    """
+    identity = _process_identity(driver)
+    if identity is None:   # the driver died while this worker was starting
         os._exit(1)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0:
-            if os.getppid() != parent:   # the parent died before the signal was armed
-                os._exit(1)
-            return
-    threading.Thread(target=_watch_parent, args=(parent,), name="qbuild-parent-watch", daemon=True).start()
+    threading.Thread(target=_watch, args=(driver, identity), name="qbuild-driver-watch", daemon=True).start()
 
 
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_S)
+def _watch(driver: int, identity: str) -> None:
+    while _process_identity(driver) == identity:
+        time.sleep(DRIVER_POLL_S)
     os._exit(1)
+
+
+def _process_identity(pid: int) -> str | None:
+    """Something that stays the same while process `pid` lives and differs once it is gone: its start time on
+    Linux (a reused pid starts later; a killed process awaiting its parent's wait is a zombie, state Z, and counts
+    as gone), else just its existence. None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()   # the name before ")" may hold spaces
+        return None if fields[0] == b"Z" else fields[19].decode()    # field 3 is the state, field 22 the start time
+    except FileNotFoundError:
+        return None
+    except OSError:   # no /proc here
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass
+    return "alive"
