@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from .errors import RecipeError, UserError
-from .recipe import LoadedRecipe, read_small_file, recipe_field_location
+from .recipe import LoadedRecipe, recipe_field_location
+from .userfile import read_small_file
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next")

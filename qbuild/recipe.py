@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import stat
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import RecipeError, UserError
+from .errors import RecipeError
+from .userfile import read_small_file
 
 FP8Policy = Literal["none", "mlp_only", "full"]
 MoEBackend = Literal["shard_on_intermediate", "torch_blockwise", "shard_hidden", "shard_on_block"]
@@ -174,35 +173,6 @@ def _construct(node: yaml.Node, path: tuple, marks: Marks, file: Path) -> Any:
 
 # Recipes are a few KiB; the cap keeps `extends: /dev/zero`-like mistakes from reading without end.
 MAX_RECIPE_BYTES = 1 << 20
-
-
-def read_small_file(path: Path, limit: int, what: str) -> bytes:
-    """The bytes of a regular file of at most `limit` bytes; UserError naming `path` otherwise.
-
-    The file is opened non-blocking so that a FIFO or a device answers at once instead of hanging, and is checked
-    to be a regular file on the open descriptor (no window between the check and the read).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as e:
-        raise UserError(f"{path}: cannot read {what}: {e.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise UserError(f"{path}: {what} must be a regular file")
-        chunks, size = [], 0
-        while size <= limit:
-            chunk = os.read(fd, min(1 << 16, limit + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as e:
-        raise UserError(f"{path}: cannot read {what}: {e.strerror}") from None
-    finally:
-        os.close(fd)
-    if size > limit:
-        raise UserError(f"{path}: {what} is larger than {limit >> 10} KiB")
-    return b"".join(chunks)
 
 
 class _NoAliasLoader(yaml.SafeLoader):

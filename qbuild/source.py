@@ -15,7 +15,8 @@ from typing import Mapping
 from .arch import hf_cached_snapshot
 from .errors import UserError
 from .hashing import default_stat_cache
-from .recipe import LoadedRecipe, read_small_file
+from .recipe import LoadedRecipe
+from .userfile import read_small_file
 
 # A published Qwen tokenizer.json is ~11 MiB; the cap only stops a device or a runaway file.
 MAX_TOKENIZER_BYTES = 256 << 20

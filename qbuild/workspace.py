@@ -118,7 +118,8 @@ class Workspace:
         for name, planned in plan.recipes.items():
             fetch_manifest = result.manifests.get(planned.nodes["fetch"])
             model = self._model_entry(planned, fetch_manifest)
-            recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.root)
+            recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.root,
+                                                 result.failed.get(planned.verify))
             for nid in recipes[name]["nodes"].values():
                 nodes[nid] = lockmod.node_entry(plan.nodes[nid], result.manifests[nid])
         return recipes, nodes

@@ -106,7 +106,7 @@ class LocalStore:
         assert not missing, f"manifest {manifest.key} names blobs not in the store: {missing}"
         path = self.manifest_path(manifest.key)
         if path.exists() and not path.is_file():
-            _discard(path)   # a directory in its place would make every commit of this key fail
+            discard_path(path)   # a directory in its place would make every commit of this key fail
         atomic_write(path, manifest.to_bytes())
 
     def commit(self, manifest: Manifest) -> None:
@@ -135,7 +135,7 @@ class LocalStore:
             return digest
         try:
             if dst.exists() or dst.is_symlink():
-                _discard(dst)   # a directory or a dangling link squats the blob's name: the blob replaces it
+                discard_path(dst)   # a directory or a dangling link squats the blob's name: the blob replaces it
             dst.parent.mkdir(parents=True, exist_ok=True)
             with open(src, "rb+") as f:
                 os.fsync(f.fileno())
@@ -180,7 +180,7 @@ class LocalStore:
             blob = self.blob_path(meta["digest"])
             if verify and (not blob.is_file() or digest_file(blob) != meta["digest"]):
                 # Never serve it: drop the blob so every entry naming it becomes a miss and is rebuilt.
-                _discard(blob)
+                discard_path(blob)
                 raise CorruptBlobError(meta["digest"], f"{rel}: stored blob {meta['digest'][:16]} was corrupt "
                                                        "and has been removed; it will be rebuilt")
             if target.exists() or target.is_symlink():
@@ -251,7 +251,7 @@ class LocalStore:
         return problems
 
 
-def _discard(path: Path) -> None:
+def discard_path(path: Path) -> None:
     """Remove whatever is at `path` (a file, a link, or a directory someone put where a blob belongs)."""
     try:
         if path.is_dir() and not path.is_symlink():
