@@ -337,7 +337,7 @@ def built(tiny_checkpoints, tmp_path_factory):
     write_recipe(root, "unverified", ck, prompts=["Hi there"], max_logit_err=1e-12)
     # conftest's per-test isolation is not in force yet while a module fixture is set up: the same, by hand
     caches = tmp_path_factory.mktemp("built-caches")
-    env = {"QBUILD_STORE": str(root / "store"), "PYTHONPATH": str(REPO), "XDG_CACHE_HOME": str(caches / "xdg"),
+    env = {"QBUILD_STORE": str(root / "store"), "XDG_CACHE_HOME": str(caches / "xdg"),
            "HF_HOME": str(caches / "hf"), "HF_HUB_CACHE": "", "HF_HUB_OFFLINE": "1", "QBUILD_REMOTE": ""}
     quiet = qbuild("compile", "ok.yaml", "-j", "2", cwd=root, env=env, timeout=600)
     assert quiet.returncode == 0, quiet.stderr
