@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .errors import RecipeError, UserError
 from .recipe import LoadedRecipe, recipe_field_location
+from .userfile import read_small_file
 
 FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next")
@@ -36,6 +37,14 @@ DEFAULT_MOE_BACKEND = {"qwen3_5_moe": "shard_on_intermediate", "qwen3_next": "sh
 FP8_POLICIES = {"qwen3_5": ("none", "mlp_only", "full"), "qwen3_5_moe": ("none", "mlp_only"),
                 "qwen3_next": ("none", "mlp_only")}
 ROPE_TYPES = ("default", "mrope")  # "mrope" is the older name of default RoPE with an mrope_section
+# transformers' Qwen3.5 text rotary (both VL families) always interleaves the (t, h, w) frequencies and takes
+# mrope_section from rope_parameters with this default; Qwen3-Next's is plain RoPE and ignores mrope keys.
+MROPE_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+DEFAULT_MROPE_SECTION = (11, 11, 10)
+# Config fields holding token ids (eos_token_id may list several). Each indexes the embedding.
+TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
+                   "eos_token_id", "bos_token_id", "pad_token_id")
+MAX_CONFIG_BYTES = 4 << 20   # a config.json is a few KiB
 VISION_HIDDEN_ACT = "gelu_pytorch_tanh"
 
 _SHIPPED = Path(__file__).parent / "configs"
@@ -308,9 +317,10 @@ def _layer_types(f: _Section, num_layers: int) -> tuple[str, ...]:
     return tuple(types)
 
 
-def _rope(f: _Section) -> tuple[tuple[str, object], ...]:
+def _rope(f: _Section, family: str) -> tuple[tuple[str, object], ...]:
     """The normalised rope of either form: rope_parameters (transformers 5), else rope_scaling plus top-level
-    rope_theta / partial_rotary_factor; a key in rope_parameters wins over the same key elsewhere."""
+    rope_theta / partial_rotary_factor; a key in rope_parameters wins over the same key elsewhere. mRoPE follows
+    transformers: interleaved with a default section for MROPE_FAMILIES, absent for the others."""
     params: dict = {}
     for key in ("rope_scaling", "rope_parameters"):
         params.update(f.object(key) or {})
@@ -324,12 +334,27 @@ def _rope(f: _Section) -> tuple[tuple[str, object], ...]:
 
     theta, partial = number("rope_theta", 10000.0), number("partial_rotary_factor", 1.0)
     rope: dict = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
-    section = params.get("mrope_section")
-    if section:
-        if not isinstance(section, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in section):
-            raise f.fail(f"{source}.mrope_section", f"must be a list of integers, got {section!r}")
-        rope.update(mrope_section=tuple(section), mrope_interleaved=bool(params.get("mrope_interleaved", False)))
+    if family not in MROPE_FAMILIES:
+        return tuple(sorted(rope.items()))
+    section = params.get("mrope_section") or list(DEFAULT_MROPE_SECTION)
+    if (not isinstance(section, list) or len(section) != 3
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in section)):
+        raise f.fail(f"{source}.mrope_section", f"must be a list of 3 non-negative integers, got {section!r}")
+    if params.get("mrope_interleaved", True) is not True:
+        raise f.fail(f"{source}.mrope_interleaved", f"is {params['mrope_interleaved']!r}, but transformers' "
+                                                    f"{family} always interleaves mRoPE; set it to true or remove it")
+    rope.update(mrope_section=tuple(section), mrope_interleaved=True)
     return tuple(sorted(rope.items()))
+
+
+def _check_token_ids(sections: list[_Section], vocab_size: int) -> None:
+    """Every token id a config names must index the vocabulary (an id past it fails deep in a build)."""
+    for f in sections:
+        for key in TOKEN_ID_FIELDS:
+            value = f.section.get(key)
+            for token in value if isinstance(value, list) else [] if value is None else [value]:
+                if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
+                    raise f.fail(key, f"is {value!r}; token ids must be integers below vocab_size {vocab_size}")
 
 
 def _model_type(config: dict, origin: str) -> tuple[str, str, bool]:
@@ -395,8 +420,13 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
     has_dense = not moe or any(i in mlp_only or (i + 1) % step for i in range(n))
     vision, host = vision_from_config(config, origin) or (None, {})
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    vocab_size = f.int("vocab_size")
+    _check_token_ids([top, f] if wrapped else [f], vocab_size)
+    max_positions = f.raw("max_position_embeddings", None)
+    if max_positions is not None:
+        max_positions = f.int("max_position_embeddings")
     return Arch(
-        family=family, vocab_size=f.int("vocab_size"), hidden_size=hidden, num_layers=n, layer_types=layer_types,
+        family=family, vocab_size=vocab_size, hidden_size=hidden, num_layers=n, layer_types=layer_types,
         num_heads=heads, num_kv_heads=f.int("num_key_value_heads"),
         head_dim=f.int("head_dim", hidden // heads if heads else 0),
         # An MoE model's dense MLP size matters only where it has dense layers.
@@ -408,13 +438,12 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
         num_experts_per_tok=f.int("num_experts_per_tok") if moe else None,
         moe_intermediate_size=f.int("moe_intermediate_size") if moe else None,
         shared_intermediate_size=f.int("shared_expert_intermediate_size") if moe else None,
-        rope=_rope(f), rms_norm_eps=f.float("rms_norm_eps", 1e-6), tie_word_embeddings=bool(tie),
+        rope=_rope(f, family), rms_norm_eps=f.float("rms_norm_eps", 1e-6), tie_word_embeddings=bool(tie),
         vision=vision,
         # qwen3_5_moe always renormalises the top-k weights; qwen3_next only if norm_topk_prob.
         norm_topk_prob=f.bool("norm_topk_prob", True) if family == "qwen3_next" else True,
         decoder_sparse_step=step, mlp_only_layers=mlp_only,
-        max_position_embeddings=f.int("max_position_embeddings") if text.get("max_position_embeddings") is not None
-        else None,
+        max_position_embeddings=max_positions,
         pad_token_id=f.optional_id("pad_token_id", config), eos_token_id=f.optional_id("eos_token_id", config), **host)
 
 
@@ -459,9 +488,10 @@ def config_for(loaded: LoadedRecipe) -> tuple[dict, str]:
         if not cfg.exists():
             raise RecipeError(f"{recipe_field_location(loaded, 'model.hf')}: model.hf: {src.hf} is neither in the "
                               f"HF cache nor a shipped config; download it first or use `path:`")
+    raw = read_small_file(cfg, MAX_CONFIG_BYTES, "config.json")
     try:
-        return json.loads(cfg.read_text()), str(cfg)
-    except (OSError, json.JSONDecodeError) as e:
+        return json.loads(raw), str(cfg)
+    except ValueError as e:   # invalid JSON or not UTF-8
         raise UserError(f"{cfg}: cannot read config.json ({where}): {e}") from None
 
 
@@ -515,6 +545,9 @@ def validate(loaded: LoadedRecipe, arch: Arch) -> None:
             if b % merge:
                 _fail(loaded, f"vision.buckets.{i}", f"{b} patch tokens is not a multiple of {merge} "
                                                      "(the 2x2 spatial merge)")
+    if arch.max_position_embeddings is not None and r.text.seq_len > arch.max_position_embeddings:
+        _fail(loaded, "text.seq_len", f"{r.text.seq_len} exceeds the model's max_position_embeddings "
+                                      f"{arch.max_position_embeddings}")
     est = rank_memory_bytes(loaded, arch)
     limit = _HBM_PER_RANK_GIB.get((r.compiler.target, r.compiler.effective_lnc))
     if limit is not None and est > limit << 30:

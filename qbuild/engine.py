@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from . import actions
-from .errors import BuildError, QbuildError
+from .errors import BuildError, InfraError, QbuildError, UserError
 from .job import Job
 from .plan import Node, Plan, key_of, preimage
 from .store import StoreSpec
@@ -36,6 +36,7 @@ class Event:
     manifest: Manifest | None = None
     error: str | None = None
     seconds: float = 0.0
+    output: list[str] | None = None    # what the step's libraries printed (built or failed steps)
 
 
 @dataclass
@@ -44,6 +45,7 @@ class BuildResult:
     built: list[str] = field(default_factory=list)
     cached: list[str] = field(default_factory=list)
     failed: dict[str, str] = field(default_factory=dict)
+    failed_codes: dict[str, int] = field(default_factory=dict)   # failed node -> the exit code its error maps to
     skipped: list[str] = field(default_factory=list)
     deferred: list[str] = field(default_factory=list)   # device steps left unbuilt (--skip-device), and dependents
 
@@ -74,10 +76,11 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
     executor: Executor | None = None
     stop = False
 
-    def fail(nid: str, error: str) -> None:
+    def fail(nid: str, error: str, code: int = BuildError.exit_code, output: list[str] | None = None) -> None:
         nonlocal stop
         result.failed[nid] = error
-        on_event(Event("failed", plan.nodes[nid], error=error))
+        result.failed_codes[nid] = code
+        on_event(Event("failed", plan.nodes[nid], error=error, output=output))
         for dep in _dependents(plan, nid, waiting):
             waiting.remove(dep)
             result.skipped.append(dep)
@@ -118,6 +121,7 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                                f"of {options.mem_budget / 2**30:.1f} GiB (--mem)")
                 else:
                     if executor is None:
+                        store.check_writable()   # a read-only or unusable store fails here, before any step runs
                         executor = executor_factory()
                     problem = executor.capacity_check(node)
                 if problem is not None and node.needs_device and options.skip_device:
@@ -156,7 +160,7 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     # An input was corrupt on disk: rebuild whatever produced it, then this node again.
                     retries[nid] = retries.get(nid, 0) + 1
                     if retries[nid] > 2:
-                        fail(nid, str(e))
+                        fail(nid, str(e), e.exit_code)
                         continue
                     on_event(Event("corrupt", plan.nodes[nid], error=str(e)))
                     for producer in _closure(plan, set(plan.nodes[nid].deps.values())):
@@ -167,7 +171,7 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     waiting.sort(key=order.index)
                     continue
                 except QbuildError as e:
-                    fail(nid, str(e))
+                    fail(nid, str(e), e.exit_code, getattr(e, "output", None))
                     continue
                 except Exception as e:  # a worker that died (killed, out of memory) or an executor fault
                     fail(nid, f"{plan.nodes[nid].name}: worker failed: {type(e).__name__}: {e}")
@@ -178,7 +182,8 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     on_event(Event("cached", plan.nodes[nid], manifest))
                 else:
                     result.built.append(nid)
-                    on_event(Event("built", plan.nodes[nid], manifest, seconds=time.monotonic() - started))
+                    on_event(Event("built", plan.nodes[nid], manifest, seconds=time.monotonic() - started,
+                                   output=manifest.meta.get("output")))
     finally:
         if executor is not None:
             executor.shutdown()
@@ -232,7 +237,12 @@ def check_mem_budget(value: str | None) -> int | None:
 
 
 def raise_for(result: BuildResult, plan: Plan) -> None:
+    """Raise the build's failures as one error: infrastructure (exit 3) if any step failed for want of a disk or a
+    remote, bad input (exit 2) if every failure was one, else a failed build (exit 1)."""
     if result.failed:
         lines = [f"{plan.nodes[n].name}: {e}" if not e.startswith(plan.nodes[n].name) else e
                  for n, e in result.failed.items()]
-        raise BuildError("; ".join(lines))
+        codes = set(result.failed_codes.values())
+        error = InfraError if InfraError.exit_code in codes else UserError if codes == {UserError.exit_code} \
+            else BuildError
+        raise error("; ".join(lines))

@@ -7,15 +7,28 @@ worker needs nothing but the store to do its part.
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+import sys
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator
 
 from .actions import RunContext
 from .errors import BuildError, InfraError, QbuildError
 from .store import StoreSpec, open_store
 from .store.manifest import Manifest
+
+# What a step's libraries print (warnings, progress bars, compiler chatter) is kept, this much of its end, in the
+# manifest (meta "output") or on the step's error (`output`); `qbuild compile -v` shows it.
+OUTPUT_LINES = 100
+OUTPUT_LINE_CHARS = 300
+# Below this much free space where a step writes, its failure is reported as a full disk: libraries such as
+# torch's zip writer say so in their own words, without an errno.
+LOW_SPACE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -58,27 +71,86 @@ def _build(job: Job, store, stage) -> Manifest:
         store.materialize(outputs, ctx.inputs[name], verify=True)
     log_lines: list[str] = []
     ctx.log = log_lines.append
-    fn = _load(job.entry)
     start = time.monotonic()
+    output_file = stage / "output.log"
     try:
-        fn(ctx)
-    except QbuildError:
-        raise
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise InfraError(f"{job.name}: no space left on device under {store.root}; free space or use --store "
-                             "on a larger disk") from None
-        raise BuildError(f"{job.name}: {type(e).__name__}: {e}") from None
+        with _captured_output(output_file):
+            _load(job.entry)(ctx)
     except Exception as e:
-        # An action's own failure is reported as a build error with its last frame, never cached.
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        raise BuildError(f"{job.name}: {type(e).__name__}: {e} ({frame.filename.split('/')[-1]}:{frame.lineno})") \
-            from None
+        error = _step_error(job, store, stage, e)
+        error.output = _tail(output_file)
+        raise error from None
     outputs = store.ingest_tree(ctx.out)
     manifest = Manifest(key=job.key, kind=job.kind, preimage=job.preimage, outputs=outputs,
-                        meta={"seconds": round(time.monotonic() - start, 3), "log": log_lines[-50:]})
+                        meta={"seconds": round(time.monotonic() - start, 3), "log": log_lines[-50:],
+                              "output": _tail(output_file)})
     store.commit(manifest)
     return manifest
+
+
+def _step_error(job: Job, store, stage: Path, e: Exception) -> QbuildError:
+    """The one-line domain error of an action's failure (never cached): the action's own domain error, else a full
+    disk (infrastructure), else a build error naming the action's last frame."""
+    if isinstance(e, QbuildError):
+        return e
+    if _out_of_space(e, stage):
+        return InfraError(f"{job.name}: no space left on device under {store.root}; free space or use --store on "
+                          "a larger disk")
+    if isinstance(e, OSError):
+        return BuildError(f"{job.name}: {type(e).__name__}: {e}")
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return BuildError(f"{job.name}: {type(e).__name__}: {e} ({frame.filename.split('/')[-1]}:{frame.lineno})")
+
+
+def _out_of_space(e: BaseException, where: Path) -> bool:
+    """Whether a failure is the disk filling up: ENOSPC / EDQUOT anywhere in the exception's chain, or almost no
+    free space left where the step was writing (checked before its partial outputs are removed)."""
+    seen: BaseException | None = e
+    for _ in range(16):
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < LOW_SPACE_BYTES
+
+
+@contextmanager
+def _captured_output(path: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so C libraries and subprocesses too) to
+    `path` while a step runs: a build's own output stays its progress lines."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _tail(path: Path) -> list[str]:
+    """The last OUTPUT_LINES lines of a step's output, each as a terminal would leave it (progress bars redraw with
+    carriage returns: the text after the last one)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - OUTPUT_LINES * OUTPUT_LINE_CHARS * 4))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+    return [line[:OUTPUT_LINE_CHARS] for line in lines if line][-OUTPUT_LINES:]
 
 
 def _load(entry: str):

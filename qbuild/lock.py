@@ -2,28 +2,34 @@
 
     {"version": 1,
      "recipes": {name: {"recipe": path, "model": {source, revision, files}, "nodes": {role: node id},
-                        "bundle": tree digest of the package output, "verified": bool}},
+                        "bundle": tree digest of the package output, "verified": bool,
+                        "verify_failure": why the last verify failed (only when it did)}},
      "nodes": {node id: {"kind", "name", "key", "preimage", "digest", "outputs": {path: {digest, size}}}}}
 
 A recipe's `recipe` path is relative to the lockfile's directory (absolute when the file lies outside it), and
 recipe names are unique per lockfile. A node's preimage holds its params, input digests, action version and
 toolchain versions, so `qbuild explain` can name the field that changed. The serialiser is a pure function; writes
-go through an atomic rename under a file lock, and merge with what other processes wrote meanwhile.
+go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes wrote
+meanwhile.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+from contextlib import contextmanager
 from pathlib import Path
-
-from filelock import FileLock
+from typing import Iterator
 
 from . import jsonio
-from .errors import UserError
+from .errors import InfraError, UserError
 from .store.local import atomic_write
 from .store.manifest import Manifest
+from .userfile import read_small_file
 
 LOCK_VERSION = 1
+MAX_LOCK_BYTES = 256 << 20   # a lockfile of every shipped recipe is a few hundred KiB
 
 
 def empty() -> dict:
@@ -31,12 +37,14 @@ def empty() -> dict:
 
 
 def read(path: Path) -> dict:
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
+    if not path.exists() and not path.is_symlink():
         return empty()
-    except (OSError, json.JSONDecodeError) as e:
+    try:
+        doc = json.loads(read_small_file(path, MAX_LOCK_BYTES, "the lockfile"))
+    except ValueError as e:   # invalid JSON or not UTF-8
         raise UserError(f"{path}: unreadable lockfile: {e}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{path}: not a lockfile (expected a JSON object)")
     if doc.get("version") != LOCK_VERSION:
         raise UserError(f"{path}: lockfile version {doc.get('version')!r}; this qbuild reads {LOCK_VERSION}")
     return doc
@@ -51,19 +59,23 @@ def node_entry(node, manifest: Manifest) -> dict:
             "digest": manifest.digest, "outputs": manifest.outputs}
 
 
-def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], lock_path: Path) -> dict:
-    """The lock entry of one recipe, given the manifests of the nodes built so far. The recipe file is recorded
-    relative to the lockfile's directory (absolute when outside it), so it names the same file from any working
-    directory."""
+def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], lock_path: Path,
+                 verify_failure: str | None = None) -> dict:
+    """The lock entry of one recipe, given the manifests of the nodes built so far (and why its verify failed). The
+    recipe file is recorded relative to the lockfile's directory (absolute when outside it), so it names the same
+    file from any working directory."""
     try:
         recipe_path = planned.loaded.path.relative_to(lock_path.parent.resolve()).as_posix()
     except ValueError:
         recipe_path = planned.loaded.path.as_posix()
     bundle = manifests.get(planned.bundle)
-    return {"recipe": recipe_path, "model": model,
-            "nodes": {role: nid for role, nid in sorted(planned.nodes.items()) if nid in manifests},
-            "bundle": bundle.digest if bundle else None,
-            "verified": planned.verify in manifests}
+    entry = {"recipe": recipe_path, "model": model,
+             "nodes": {role: nid for role, nid in sorted(planned.nodes.items()) if nid in manifests},
+             "bundle": bundle.digest if bundle else None,
+             "verified": planned.verify in manifests}
+    if verify_failure is not None and planned.verify not in manifests:
+        entry["verify_failure"] = verify_failure   # what `qbuild pull` names when it refuses the bundle
+    return entry
 
 
 def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
@@ -78,7 +90,7 @@ def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
 
 def update(path: Path, recipes: dict[str, dict], nodes: dict[str, dict]) -> bool:
     """Merge entries into the lockfile on disk atomically; returns whether its content changed."""
-    with FileLock(str(path) + ".flock"):
+    with _directory_locked(path.parent):
         old = read(path)
         new = merge(old, recipes, nodes)
         if dumps(new) == dumps(old) and path.exists():
@@ -117,6 +129,22 @@ def check_unique_names(doc: dict, lock_path: Path, recipes: list[tuple[str, Path
         if locked != path.resolve() and locked.is_file():
             raise UserError(f"{path}: recipe name {name!r} is already locked in {lock_path} for {locked}; recipe "
                             "names must be unique per lockfile: rename one (its name: field)")
+
+
+@contextmanager
+def _directory_locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive flock of `directory` itself: it serialises the writers of the lockfiles in it and, unlike a
+    lock file beside artifacts.lock, leaves nothing in the working tree (the kernel drops it with the process)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as e:
+        raise InfraError(f"{directory}: cannot lock the lockfile's directory: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def locked_preimage(doc: dict, roles: list[tuple[str, str]]) -> dict | None:

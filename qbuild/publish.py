@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from .errors import InfraError, UserError
 from .lock import resolve_recipe
-from .store.local import LocalStore
+from .store.local import LocalStore, discard_path
 from .store.manifest import Manifest
 from .store.remote import NoProgress, Progress, PushReport, RemoteStore, push_manifests
 from .store.s3 import S3Remote
@@ -85,9 +85,11 @@ def publish(store: LocalStore, remote: S3Remote, doc: dict, lock_path: Path, nam
 
 # --- pull ----------------------------------------------------------------------------------------------------------
 
-def pull_bundle(store: LocalStore, doc: dict, lock_path: Path, recipe: str, dest: Path, *, share: bool) -> Manifest:
+def pull_bundle(store: LocalStore, doc: dict, lock_path: Path, recipe: str, dest: Path, *, share: bool,
+                allow_unverified: bool = False) -> Manifest:
     """Lay out the locked bundle of `recipe` in `dest` (new or empty), checking every digest first. With `share` the
     files are the store's own read-only blobs (hardlinks); without, they share no inode with it (see materialize).
+    A bundle whose verify did not pass is refused unless `allow_unverified`.
 
     Through a RemoteStore only the manifest is read at lookup; `materialize` then downloads (ensure_blobs) and
     verifies exactly the bundle's blobs; a blob that does not match aborts the pull before anything is written to
@@ -98,6 +100,10 @@ def pull_bundle(store: LocalStore, doc: dict, lock_path: Path, recipe: str, dest
     node = doc["nodes"].get(nid) if nid else None
     if node is None:
         raise UserError(f"{lock_path}: {name} has no locked bundle (its package step has not been built)")
+    if not entry.get("verified") and not allow_unverified:
+        why = entry.get("verify_failure") or "its verify step has not run"
+        raise UserError(f"{lock_path}: {name}: the bundle is not verified ({why}); refusing to lay it out. Fix the "
+                        "recipe and rebuild, or pass --allow-unverified")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"{dest}: exists and is not an empty directory; pull into a new or empty one")
     manifest = store.get_manifest(node["key"])
@@ -192,7 +198,7 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
     for m, path in doomed:   # manifests first: no reader may find a manifest whose blobs are gone
         report.removed.append(Removal("local", "manifest", m.key, len(m.to_bytes()), m.kind))
         if not dry_run:
-            path.unlink(missing_ok=True)
+            discard_path(path)   # a read-only store stops here, before any blob goes: exit 3, nothing lost
     now = time.time()
     for blob in sorted((store.root / "cas").glob("*/*")):
         if blob.name.startswith(".") or blob.name in kept_blobs:
@@ -207,7 +213,7 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
             continue
         report.removed.append(Removal("local", "blob", blob.name, st.st_size))
         if not dry_run:
-            blob.unlink(missing_ok=True)
+            discard_path(blob)
     return report
 
 

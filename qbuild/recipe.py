@@ -10,6 +10,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat
                       ValidationError, field_validator, model_validator)
 
 from .errors import RecipeError
+from .userfile import read_small_file
 
 FP8Policy = Literal["none", "mlp_only", "full"]
 MoEBackend = Literal["shard_on_intermediate", "torch_blockwise", "shard_hidden", "shard_on_block"]
@@ -224,7 +225,10 @@ def _construct(node: yaml.Node, path: tuple, marks: Marks, file: Path) -> Any:
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for k, v in node.value:
-            key = yaml.SafeLoader(k.value).construct_object(k) if not isinstance(k, yaml.ScalarNode) else k.value
+            if not isinstance(k, yaml.ScalarNode):
+                raise RecipeError(f"{file}:{k.start_mark.line + 1}:{k.start_mark.column + 1}: a key must be a plain "
+                                  "name, not a list or mapping")
+            key = k.value
             if key in out:
                 raise RecipeError(f"{file}:{k.start_mark.line + 1}:{k.start_mark.column + 1}: duplicate key {key!r}")
             marks[path + (key,)] = (file, k.start_mark.line + 1, k.start_mark.column + 1)
@@ -236,19 +240,44 @@ def _construct(node: yaml.Node, path: tuple, marks: Marks, file: Path) -> Any:
     return loader.construct_object(node, deep=True)
 
 
+# Recipes are a few KiB; the cap keeps `extends: /dev/zero`-like mistakes from reading without end.
+MAX_RECIPE_BYTES = 1 << 20
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases: a handful of nested aliases expands to billions of nodes (a YAML bomb), and
+    recipes share settings through `extends:` instead."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise RecipeError(f"{self.name}:{mark.line + 1}:{mark.column + 1}: YAML aliases (*name) are not "
+                              "supported in recipes; share settings with `extends:`")
+        return super().compose_node(parent, index)
+
+
 def _read_yaml(file: Path) -> tuple[dict, Marks]:
+    raw = read_small_file(file, MAX_RECIPE_BYTES, "a recipe")
     try:
-        text = file.read_text()
-    except OSError as e:
-        raise RecipeError(f"{file}: cannot read recipe: {e.strerror}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{file}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x})") from None
+    loader = _NoAliasLoader(text)
+    loader.name = str(file)
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        node = loader.get_single_node()
+        marks: Marks = {}
+        data = {} if node is None else _construct(node, (), marks, file)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark
         where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
         raise RecipeError(f"{where}: invalid YAML: {e.problem}") from None
-    marks: Marks = {}
-    data = {} if node is None else _construct(node, (), marks, file)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{file}: invalid YAML: {e}") from None
+    except RecursionError:
+        raise RecipeError(f"{file}: invalid YAML: nested too deeply") from None
+    finally:
+        loader.dispose()
     if not isinstance(data, dict):
         raise RecipeError(f"{file}:1:1: a recipe must be a mapping of fields")
     return data, marks
@@ -275,9 +304,11 @@ def _load_raw(file: Path, chain: tuple[Path, ...]) -> tuple[dict, Marks]:
         f, line, col = marks[("extends",)]
         raise RecipeError(f"{f}:{line}:{col}: extends: expected a file name")
     base_file = (file.parent / parent)
+    f, line, col = marks[("extends",)]
     if not base_file.exists():
-        f, line, col = marks[("extends",)]
         raise RecipeError(f"{f}:{line}:{col}: extends: {parent} does not exist")
+    if not base_file.is_file():   # a FIFO would block the read, a device would never end
+        raise RecipeError(f"{f}:{line}:{col}: extends: {parent} is not a regular file")
     base, base_marks = _load_raw(base_file, chain + (file,))
     merged_marks = dict(base_marks)
     merged_marks.update(marks)

@@ -137,8 +137,9 @@ class _Rerendered:
 class BuildProgress:
     """Live progress on a TTY (a spinner per running step); one plain line per event elsewhere."""
 
-    def __init__(self):
+    def __init__(self, verbose: bool = False):
         self.tty = sys.stderr.isatty()
+        self.verbose = verbose        # also print what each built or failed step's libraries printed
         self.running: dict[str, tuple[float, object]] = {}   # name -> (start time, its spinner)
         self._live = None
         self.started = time.monotonic()
@@ -181,6 +182,9 @@ class BuildProgress:
             line = None  # quiet when things are fine
         if line:
             console_err().print(line, markup=False, highlight=False, soft_wrap=True)
+        if self.verbose and e.output:
+            console_err().print("\n".join(f"  | {text}" for text in e.output), markup=False, highlight=False,
+                                soft_wrap=True)
         if self._live is not None:
             self._live.refresh()
 

@@ -62,6 +62,7 @@ class Workspace:
         plan = build_plan(recipes, self.stat_cache)
         if frozen:
             self._check_frozen(plan)
+        self._check_sources(plan)
         seen = BuildResult()
 
         def track(event: Event) -> None:
@@ -100,12 +101,29 @@ class Workspace:
                                  "`qbuild compile` without --frozen and commit the lockfile")
             digests[nid] = locked["digest"]
 
+    def _check_sources(self, plan: Plan) -> None:
+        """Check each checkpoint whose fetch step will run before any step starts, so that a bad checkpoint is
+        one line, exit 2, with nothing in the store or the lock. A cached fetch was checked when it ran; a hub model
+        not downloaded yet is checked by its fetch step."""
+        from .source import check_checkpoint, source_directory
+
+        checked: set[str] = set()
+        for planned in plan.recipes.values():
+            nid = planned.nodes["fetch"]
+            if nid in checked or self.store.get_manifest(key_of(preimage(plan.nodes[nid], {}))) is not None:
+                continue
+            checked.add(nid)
+            directory = source_directory(planned.loaded)
+            if directory is not None:
+                check_checkpoint(directory)
+
     def _lock_entries(self, plan: Plan, result: BuildResult) -> tuple[dict, dict]:
         recipes, nodes = {}, {}
         for name, planned in plan.recipes.items():
             fetch_manifest = result.manifests.get(planned.nodes["fetch"])
             model = self._model_entry(planned, fetch_manifest)
-            recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.lock_path)
+            recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.lock_path,
+                                                 result.failed.get(planned.verify))
             for nid in recipes[name]["nodes"].values():
                 nodes[nid] = lockmod.node_entry(plan.nodes[nid], result.manifests[nid])
         return recipes, nodes

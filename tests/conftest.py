@@ -38,6 +38,9 @@ def qbuild(*args: str, cwd: Path | None = None, env: dict | None = None, check: 
            timeout: float = 900) -> subprocess.CompletedProcess:
     """Run the real CLI in a subprocess, as a user would."""
     full_env = dict(os.environ, **(env or {}))
+    # Module- and session-scoped fixtures run before isolated_env sets PYTHONPATH: without this they would run
+    # whichever qbuild the venv has installed instead of this checkout's.
+    full_env["PYTHONPATH"] = str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-m", "qbuild.cli", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
     if check and proc.returncode != 0:

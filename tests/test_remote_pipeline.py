@@ -242,7 +242,7 @@ def test_corrupt_input_blob_on_the_server_is_refused_by_the_step_that_needs_it(b
     shutil.copytree(built, clone, ignore=shutil.ignore_patterns("store"))
     proc = run_qbuild(clone, "compile", "recipes/beta.yaml", "--store", "s", "--mem", "1T",
                       "--remote", f"s3://qb-pipeline/{prefix}")
-    assert proc.returncode == 1, proc.stderr     # a failed step (the engine reports it; exit 3 is for lookups)
+    assert proc.returncode == 3, proc.stderr     # the remote's fault, met by the step that downloads its input
     assert f"s3://qb-pipeline/{bad_key}" in proc.stderr and rel in proc.stderr and "does not match" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert meta["digest"] not in local_blobs(clone / "s")

@@ -39,7 +39,7 @@ def make_locked_store(root: Path, files: int, size: int, seed: str = "bundle") -
     lock = {"version": 1, "nodes": {"n" + m.key[:15]: node},
             "recipes": {seed: {"recipe": f"recipes/{seed}.yaml", "model": {"source": "path", "revision": None,
                                                                            "files": {}},
-                               "nodes": {"package": "n" + m.key[:15]}, "bundle": m.digest, "verified": False}}}
+                               "nodes": {"package": "n" + m.key[:15]}, "bundle": m.digest, "verified": True}}}
     (root / "artifacts.lock").write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")
     return lock
 

@@ -15,6 +15,7 @@ from ..actions import RunContext
 from ..arch import hf_cache_dir
 from ..errors import InfraError, UserError
 from ..plan import CHECKPOINT_PATTERNS, checkpoint_files
+from ..source import check_checkpoint
 
 
 def run(ctx: RunContext) -> None:
@@ -72,5 +73,7 @@ def _hub(repo: str, revision: str, ctx: RunContext) -> dict:
         files[path.name] = {"digest": f"{algo}:{blob}", "size": path.stat().st_size}
     if not any(n.endswith(".safetensors") for n in files):
         raise UserError(f"model.hf: {repo}@{revision} has no safetensors weights (pickled weights are never loaded)")
+    # A download the planner could not check yet is checked before its snapshot is recorded.
+    check_checkpoint(local, {name: local / name for name in files})
     ctx.log(f"fetched {repo}@{local.name[:12]}: {len(files)} files")
     return {"source": "hf", "repo": repo, "revision": local.name, "files": files}

@@ -9,6 +9,7 @@ Validation (every failure is a CheckpointError naming the file, and the tensor w
 - every safetensors header sane: parsable, entries well-formed, data inside the file (so a truncated file or a lying
   header is caught here and no read can ever go out of bounds), no overlaps;
 - the index and the files agree (every named file exists, every listed tensor is in its file, nothing unlisted);
+- config.json's vocab_size equals the rows of the embedding and of lm_head;
 - every tensor the conversion program needs is present, with its shape and a floating-point dtype;
 - nothing unexpected, except known-dropped tensors (mtp.*).
 """
@@ -124,6 +125,16 @@ def _read_tensors(locate: _Locator, files: list[str], weight_map: dict[str, str]
     return found
 
 
+def check_vocab(tensors: Mapping[str, Located], family: Family, text: TextDims) -> None:
+    """config.json's vocab_size against the rows of the embedding and lm_head. Checked before the tensor shapes, so
+    that a config that lies about its vocabulary is blamed rather than the tensor."""
+    for name in (f"{family.text_prefix}embed_tokens.weight", "lm_head.weight"):
+        found = tensors.get(name)
+        if found is not None and found.entry.shape and found.entry.shape[0] != text.vocab:
+            raise CheckpointError("config.json", f"vocab_size {text.vocab} does not match the {found.entry.shape[0]} "
+                                                 f"rows of tensor {name!r} in {found.file}")
+
+
 def validate(found: Mapping[str, TensorInfo], prog: Program, family: Family, missing_label: str) -> None:
     """Raise CheckpointError for the first missing, misshapen, non-float or unexpected tensor."""
     expected = prog.sources()
@@ -153,6 +164,7 @@ def open_checkpoint(src: Path, files: Mapping[str, Path] | None = None) -> Check
     family, text, vision = dims_of(config)
     names, weight_map = _weight_files(locate)
     tensors = _read_tensors(locate, names, weight_map)
+    check_vocab(tensors, family, text)
     prog = program(family, text, vision, tensors)
     infos = {n: TensorInfo(t.file, t.entry.dtype, t.entry.shape) for n, t in tensors.items()}
     validate(infos, prog, family, INDEX if weight_map is not None else names[0])

@@ -104,13 +104,15 @@ def mrope_axes(cfg: TextConfig) -> list[int]:
     """Which position row (0 t, 1 h, 2 w) drives each rotary frequency. Plain RoPE: all from row 0.
 
     Interleaved mRoPE (Qwen3.5): frequency j follows h if j % 3 == 1 and j < 3*section[1], w if j % 3 == 2 and
-    j < 3*section[2], else t. Non-interleaved (Qwen2-VL style): contiguous runs of section[0], [1], [2].
+    j < 3*section[2], else t. As in transformers, the section need not sum to the frequency count there (its
+    default [11, 11, 10] is applied to every head size). Non-interleaved (Qwen2-VL style): contiguous runs of
+    section[0], [1], [2], which must cover every frequency.
     """
     num_freqs = cfg.rotary_dim // 2
     section = cfg.mrope_section
     if section is None:
         return [0] * num_freqs
-    if sum(section) != num_freqs or len(section) != 3:
+    if len(section) != 3 or (not cfg.mrope_interleaved and sum(section) != num_freqs):
         raise ValueError(f"mrope_section {section} must be 3 numbers summing to rotary_dim/2 = {num_freqs}")
     if not cfg.mrope_interleaved:
         return [axis for axis, n in enumerate(section) for _ in range(n)]

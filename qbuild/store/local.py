@@ -72,6 +72,9 @@ def _infra(e: OSError, path: Path) -> InfraError:
 class LocalStore:
     def __init__(self, root: Path):
         self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise InfraError(f"{self.root}: the store is not a directory; point --store (or QBUILD_STORE) at a "
+                             "directory")
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root})"
@@ -86,14 +89,13 @@ class LocalStore:
     # --- action cache --------------------------------------------------------------------------------------
     def get_manifest(self, key: str) -> Manifest | None:
         path = self.manifest_path(key)
-        try:
-            doc = json.loads(path.read_bytes())
-        except FileNotFoundError:
+        if not path.is_file():   # absent, or something else in its place (a FIFO would block the read)
             return None
-        except (OSError, json.JSONDecodeError):
+        try:
+            manifest = Manifest.from_json(json.loads(path.read_bytes()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             # A manifest that cannot be read is treated as absent; the rebuild replaces it atomically.
             return None
-        manifest = Manifest.from_json(doc)
         # An entry whose blobs are gone (removed as corrupt, or by gc) is a miss, so the node is rebuilt.
         if not all(self.has_blob(o["digest"]) for o in manifest.outputs.values()):
             return None
@@ -102,7 +104,10 @@ class LocalStore:
     def put_manifest(self, manifest: Manifest) -> None:
         missing = [p for p, o in manifest.outputs.items() if not self.has_blob(o["digest"])]
         assert not missing, f"manifest {manifest.key} names blobs not in the store: {missing}"
-        atomic_write(self.manifest_path(manifest.key), manifest.to_bytes())
+        path = self.manifest_path(manifest.key)
+        if path.exists() and not path.is_file():
+            discard_path(path)   # a directory in its place would make every commit of this key fail
+        atomic_write(path, manifest.to_bytes())
 
     def commit(self, manifest: Manifest) -> None:
         """Record a freshly built result (a remote-backed store also publishes it when asked to push)."""
@@ -125,11 +130,13 @@ class LocalStore:
         """Move `src` into the CAS (it is consumed). Returns its digest."""
         digest = digest or digest_file(src)
         dst = self.blob_path(digest)
-        if dst.exists():
+        if dst.is_file():
             src.unlink()
             return digest
-        dst.parent.mkdir(parents=True, exist_ok=True)
         try:
+            if dst.exists() or dst.is_symlink():
+                discard_path(dst)   # a directory or a dangling link squats the blob's name: the blob replaces it
+            dst.parent.mkdir(parents=True, exist_ok=True)
             with open(src, "rb+") as f:
                 os.fsync(f.fileno())
             os.chmod(src, 0o444)
@@ -176,7 +183,7 @@ class LocalStore:
             blob = self.blob_path(meta["digest"])
             if verify and (not blob.is_file() or digest_file(blob) != meta["digest"]):
                 # Never serve it: drop the blob so every entry naming it becomes a miss and is rebuilt.
-                blob.unlink(missing_ok=True)
+                discard_path(blob)
                 raise CorruptBlobError(meta["digest"], f"{rel}: stored blob {meta['digest'][:16]} was corrupt "
                                                        "and has been removed; it will be rebuilt")
             if target.exists() or target.is_symlink():
@@ -192,6 +199,14 @@ class LocalStore:
                 shutil.copyfile(blob, target)
 
     # --- staging and locks ---------------------------------------------------------------------------------
+    def check_writable(self) -> None:
+        """Raise InfraError unless new entries can be written here (called before a build starts any step)."""
+        try:
+            self.staging_dir("write-check").rmdir()
+        except OSError as e:
+            raise InfraError(f"{self.root}: cannot write to the store ({e.strerror or e}); use a writable --store") \
+                from None
+
     def staging_dir(self, key: str) -> Path:
         d = self.root / "staging" / f"{key}.{uuid.uuid4().hex[:12]}"
         d.mkdir(parents=True)
@@ -269,6 +284,17 @@ def clone_or_copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
     except OSError as e:
         raise _infra(e, dst) from None
+
+
+def discard_path(path: Path) -> None:
+    """Remove whatever is at `path` (a file, a link, or a directory someone put where a blob belongs)."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        raise _infra(e, path) from None
 
 
 def safe_join(root: Path, rel: str) -> Path:

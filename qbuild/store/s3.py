@@ -29,6 +29,14 @@ MULTIPART_CHUNK = 32 << 20
 TRANSFER_THREADS = 8                 # parts of one file in flight
 POOL_THREADS = 16                    # HEADs / small objects in flight
 DELETE_BATCH = 1000                  # the most keys one DeleteObjects call takes
+# A remote that accepts connections and never answers fails in about ATTEMPTS * READ_TIMEOUT_S (~15 s), not
+# botocore's 4 x 60 s. S3 sends its first byte within a second, CompleteMultipartUpload included (it answers at once
+# and keeps the connection alive while it works); retries back off by a fraction of a second for errors other
+# than throttling.
+CONNECT_TIMEOUT_S = 4
+READ_TIMEOUT_S = 5
+ATTEMPTS = 3                         # per request, the first included
+DOWNLOAD_ATTEMPTS = 2                # a blob download whose stream breaks is started again once
 
 Callback = Callable[[int], None]
 
@@ -106,8 +114,9 @@ class S3Remote:
                 from botocore.config import Config
 
                 endpoint = endpoint_url()
-                config = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5,
-                                read_timeout=60, max_pool_connections=POOL_THREADS + TRANSFER_THREADS,
+                config = Config(retries={"total_max_attempts": ATTEMPTS, "mode": "standard"},
+                                connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
+                                max_pool_connections=POOL_THREADS + TRANSFER_THREADS,
                                 s3={"addressing_style": "path"} if endpoint else None)
                 self._session = boto3.session.Session()
                 try:
@@ -120,7 +129,7 @@ class S3Remote:
         from boto3.s3.transfer import TransferConfig
 
         return TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK,
-                              max_concurrency=TRANSFER_THREADS)
+                              max_concurrency=TRANSFER_THREADS, num_download_attempts=DOWNLOAD_ATTEMPTS)
 
     # --- manifests -----------------------------------------------------------------------------------------------
     def get_manifest(self, key: str) -> Manifest | None:
