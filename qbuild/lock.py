@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from filelock import FileLock
-
 from .errors import UserError
 from .store.local import atomic_write
 from .store.manifest import Manifest
@@ -74,6 +72,8 @@ def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
 
 def update(path: Path, recipes: dict[str, dict], nodes: dict[str, dict]) -> bool:
     """Merge entries into the lockfile on disk atomically; returns whether its content changed."""
+    from filelock import FileLock   # only writers take the lock; readers (plan, check) never load it
+
     with FileLock(str(path) + ".flock"):
         old = read(path)
         new = merge(old, recipes, nodes)

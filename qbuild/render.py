@@ -1,13 +1,21 @@
-"""Rendering for the CLI: plan trees, build progress, JSON documents. The only module that prints."""
+"""Rendering for the CLI: plan trees, build progress, JSON documents. The only module that prints.
+
+It imports neither the planner nor the engine (their types are only annotations here), and rich only when it draws
+something rich must draw: the plan cache's fast path renders cached plans with these same functions.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
 from functools import cache
 
-from .engine import BuildResult, Event
-from .plan import NodeStatus, Plan
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without loading typing, which a cached answer does not need
+if TYPE_CHECKING:
+    from .engine import BuildResult, Event
+    from .plan import NodeStatus, Plan
 
 STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting"}
 STATUS_STYLE = {"cached": "green", "build": "yellow", "waiting": "dim"}
@@ -25,6 +33,37 @@ def console_out():
     from rich.console import Console
 
     return Console(highlight=False)
+
+
+# A line rich would print unchanged: no emoji codes (":"), markup ("["), tabs or control characters to rewrite.
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ,.()-_/+%")
+
+
+def _rich_width() -> int:
+    """The width rich's Console gives itself (rich.console.Console.size, off Windows and Jupyter)."""
+    width = None
+    for fd in (0, 1, 2):
+        try:
+            width = os.get_terminal_size(fd)[0]
+            break
+        except (AttributeError, ValueError, OSError):
+            continue
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and columns.isdigit():
+        width = int(columns)
+    return width or 80
+
+
+def print_err_line(msg: str) -> None:
+    """`msg` on stderr exactly as console_err().print(msg, markup=False, highlight=False) prints it, without
+    importing rich where that is plain text: not a terminal, nothing to rewrite, no wrapping."""
+    plain = (not sys.stderr.isatty() and "FORCE_COLOR" not in os.environ and "TTY_COMPATIBLE" not in os.environ
+             and set(msg) <= _PLAIN and len(msg) < _rich_width())
+    if plain:
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+    else:
+        console_err().print(msg, markup=False, highlight=False)
 
 
 def human_bytes(n: int) -> str:
@@ -70,6 +109,14 @@ def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
         out.print(root)
 
 
+def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool) -> None:
+    """`qbuild plan`'s output: the JSON document on stdout, or the trees."""
+    if as_json:
+        print(json.dumps(plan_json(plan, status), indent=1, sort_keys=True))
+    else:
+        plan_tree(plan, status)
+
+
 def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
     nodes = []
     for nid, node in plan.nodes.items():
@@ -85,6 +132,15 @@ def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
     recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "nodes": dict(sorted(pr.nodes.items()))}
                for name, pr in plan.recipes.items()}
     return {"version": 1, "recipes": recipes, "nodes": nodes}
+
+
+def print_build_result(plan: Plan, result: BuildResult, progress: BuildProgress, as_json: bool,
+                       extra: dict | None = None) -> None:
+    """`qbuild compile`'s output: the result document (with `extra` entries) on stdout, or the summary line."""
+    if as_json:
+        print(json.dumps({**result_json(plan, result), **(extra or {})}, indent=1, sort_keys=True))
+    else:
+        progress.summary(plan, result)
 
 
 def result_json(plan: Plan, result: BuildResult) -> dict:
@@ -160,9 +216,8 @@ class BuildProgress:
 
     def summary(self, plan: Plan, result: BuildResult) -> None:
         took = time.monotonic() - self.started
-        msg = (f"{len(result.built)} built, {len(result.cached)} cached, {len(result.failed)} failed, "
-               f"{len(result.skipped)} skipped in {took:.1f}s")
-        console_err().print(msg, markup=False, highlight=False)
+        print_err_line(f"{len(result.built)} built, {len(result.cached)} cached, {len(result.failed)} failed, "
+                       f"{len(result.skipped)} skipped in {took:.1f}s")
 
 
 # --- run and bench ---------------------------------------------------------------------------------------------
