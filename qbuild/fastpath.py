@@ -3,9 +3,11 @@
 cli.py calls `answer_and_exit(__name__)` before it imports typer. When this process is the qbuild command line,
 its arguments are a plan or compile this module reads exactly as the full command line would, and the plan cache
 (qbuild.plancache) holds an answer whose inputs are all unchanged, the answer is printed by the renderers the full
-path uses and the process exits. Anything else returns: another command, a flag not read here (the full command
-line reports usage errors), a remote, a miss. The full path then records a fresh answer (`remember_plan`,
-`remember_compile`) for the next run.
+path uses and the process exits. A plan the cache cannot answer is planned here in full, still without typer (the
+largest import of `qbuild plan` after the planner's own). Anything else returns: another command, a flag not read
+here (the full command line reports usage errors), a remote, a compile that misses, a plan that fails (the full
+command line runs it again and reports the error its own way). The full path records a fresh answer
+(`remember_plan`, `remember_compile`) for the next run.
 
 Nothing here imports pydantic, typer, rich, yaml, torch or boto3 on the way to a cached answer (rich only where
 stderr or stdout is a terminal, to draw exactly what the full path draws there).
@@ -100,7 +102,7 @@ def answer(argv: list[str]) -> int | None:
                                values.get("--store"))
     cached = plancache.load(_store_root(values.get("--store")), inv, _dists_at_start)
     if cached is None:
-        return None
+        return _plan_in_full(recipes, "--all" in flags, "--json" in flags, values) if command == "plan" else None
     from . import render
 
     if command == "plan":
@@ -122,6 +124,30 @@ def _store_root(flag: str | None):
         return Path(os.environ["QBUILD_STORE"]).resolve()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return (Path(base) / "qbuild" / "store").resolve()
+
+
+def _plan_in_full(recipes: list[str], all_: bool, as_json: bool, values: dict[str, str]) -> int | None:
+    """`qbuild plan` as cli.plan runs it, for a local store. None where the full command line must run it: a remote
+    is configured, or planning raised (it wrote nothing a second run could trip over, and the command line reports
+    errors its own way)."""
+    if os.environ.get("QBUILD_REMOTE") or os.path.exists("qbuild.yaml"):
+        return None
+    from pathlib import Path
+
+    from .render import print_plan
+    from .store import StoreSpec, default_store_path
+    from .workspace import Workspace
+
+    store, lock = values.get("--store"), Path(values.get("--lock", "artifacts.lock"))
+    root = Path(store) if store else default_store_path()
+    ws = Workspace(StoreSpec(local=str(root.resolve()), download=False), lock_path=lock)
+    try:
+        plan, status = ws.plan(ws.load(recipes, all_))
+    except Exception:
+        return None
+    print_plan(plan, status, as_json)
+    remember_plan(ws, recipes, all_, lock, store, plan, status)
+    return 0
 
 
 def _print_noop_build(plan, manifests: dict, as_json: bool) -> None:
