@@ -201,7 +201,7 @@ def _remember(ws, command, recipes, all_, lock, store, plan, answer, add_manifes
     from .errors import InfraError
 
     try:
-        inputs = plancache.planning_inputs(plan, ws.lock_path, all_, ws.root)
+        inputs = plancache.planning_inputs(plan, ws.recipe_files(recipes, all_), ws.lock_path, all_, ws.root)
         add_manifests(inputs)
         inv = plancache.invocation(command, recipes, all_, lock, store)
         return plancache.save(ws.store_spec.local, inv, answer, inputs, STARTED_NS, _dists_at_start)

@@ -3,14 +3,17 @@
 When none of those inputs changed since a `qbuild plan` (or a no-op `qbuild compile`) recorded its answer, the
 recorded answer is the answer. The inputs, each checked on every use:
 
-- the invocation: command, working directory, recipe arguments, --all, --lock, the interpreter and sys.path;
-- the environment variables that enter a key, a status or where something lives (ENV_PREFIXES, ENV_NAMES);
+- the invocation: command, working directory, recipe arguments, --all, --lock, --store, the interpreter, sys.path;
+- the environment variables that enter a key, a status or where something lives (ENV_PREFIXES, ENV_NAMES), kept
+  as a digest so that no value (a token) is written to disk;
 - the qbuild source: a content digest over every file of the package (stat signatures first, content on a change);
 - the installed distributions (their versions enter keys): the metadata entries of every sys.path directory;
 - files by stat signature (size, mtime_ns, ctime_ns, inode, device, mode), or their absence: the recipes and every
   base in their `extends` chains, the lockfile, ./qbuild.yaml, the HF cache refs and config.json a recipe resolved
   through, the manifests the statuses were read from, and each local checkpoint file. Small text files also carry
-  a content digest, so a file rewritten with the same bytes still matches;
+  a content digest, so a file rewritten with the same bytes still matches. Paths are kept both as named and as
+  resolved, and the stat of a named path follows its symlinks, so retargeting a link (a `current` checkpoint)
+  is a change;
 - directory listings: ./recipes for --all, each local checkpoint directory, the HF cache dirs a model resolved in;
 - the blobs of every cached entry (a manifest whose blobs are gone is a miss for the planner).
 
@@ -40,8 +43,8 @@ RACY_NS = 1_000_000_000
 # Variables that enter a key, a status or where something lives: the store and remote (QBUILD_*), the HF cache
 # (HF_HOME, HF_HUB_CACHE), the stat cache and default store (XDG_CACHE_HOME, HOME), where Python finds qbuild and the
 # toolchain (PYTHONPATH). A prefix takes in variables added later under it.
-ENV_PREFIXES = ("QBUILD_", "HF_", "HUGGINGFACE_", "XDG_")
-ENV_NAMES = ("HOME", "PYTHONPATH", "PYTHONHOME")
+ENV_PREFIXES = ("QBUILD_", "HF_", "HUGGINGFACE_")
+ENV_NAMES = ("XDG_CACHE_HOME", "HOME", "PYTHONPATH", "PYTHONHOME")
 SWITCH = "QBUILD_PLAN_CACHE"        # "off": neither use nor record the cache (it changes no answer, so no key)
 SOURCE_ROOT = Path(__file__).resolve().parent
 
@@ -71,9 +74,12 @@ def entry_path(store_root: str | os.PathLike, inv: dict) -> Path:
     return Path(store_root) / CACHE_DIR / f"{name}.json"
 
 
-def environment() -> dict[str, str]:
-    return {k: v for k, v in sorted(os.environ.items())
-            if (k.startswith(ENV_PREFIXES) or k in ENV_NAMES) and k != SWITCH}
+def environment() -> str:
+    """A digest of the variables planning depends on (some, like HF_TOKEN, are secrets: only the digest is kept)."""
+    from blake3 import blake3
+
+    env = {k: v for k, v in sorted(os.environ.items()) if (k.startswith(ENV_PREFIXES) or k in ENV_NAMES) and k != SWITCH}
+    return blake3(json.dumps(env).encode()).hexdigest(length=16)
 
 
 # --- stat signatures, digests and the source --------------------------------------------------------------------
@@ -216,9 +222,9 @@ class Inputs:
         self.dirs.add(os.path.abspath(path))
 
 
-def planning_inputs(plan, lock_path, all_: bool, root: Path | None = None) -> Inputs:
-    """Every file and directory that building `plan` read (recipes, bases, checkpoints, the HF cache, the lock;
-    with --all, the recipes directory)."""
+def planning_inputs(plan, recipe_files: list[Path], lock_path, all_: bool, root: Path | None = None) -> Inputs:
+    """Every file and directory that building `plan` from `recipe_files` (as the command line named them) read:
+    recipes and bases, checkpoints, the HF cache, the lock, ./qbuild.yaml, and with --all the recipes directory."""
     from .arch import hf_cache_dir, hf_cached_snapshot
     from .plan import checkpoint_files
     from .workspace import RECIPES_DIR
@@ -229,9 +235,13 @@ def planning_inputs(plan, lock_path, all_: bool, root: Path | None = None) -> In
         inputs.dir(root / RECIPES_DIR)
     inputs.file(lock_path, digest=True)
     inputs.file(root / "qbuild.yaml", digest=True)
+    for f in recipe_files:
+        files, model_dirs = recipe_chain(root / f)
+        for path in files:
+            inputs.file(path, digest=True)
+        for path in model_dirs:
+            inputs.file(path, digest=False)   # a directory: its stat follows links to the one planning listed
     for pr in plan.recipes.values():
-        for f in extends_chain(pr.loaded.path):
-            inputs.file(f, digest=True)
         model = pr.loaded.recipe.model
         if model.path is not None:
             inputs.dir(pr.loaded.source_dir)
@@ -249,23 +259,34 @@ def planning_inputs(plan, lock_path, all_: bool, root: Path | None = None) -> In
     return inputs
 
 
-def extends_chain(path: Path) -> list[Path]:
-    """A recipe file and the bases it extends, resolved as qbuild.recipe resolves them (relative to each file)."""
+def recipe_chain(path: Path) -> tuple[list[Path], list[Path]]:
+    """The files qbuild.recipe reads for a recipe, along its `extends` chain, each as named and as resolved; and the
+    checkpoint directories (`model: {path: ...}`) those files name, relative to each as qbuild.recipe takes them."""
     import yaml
 
-    chain: list[Path] = []
-    file = Path(path).resolve()
-    while file not in chain:
-        chain.append(file)
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)   # the files parsed once already; only faster here
+    files: list[Path] = []
+    model_dirs: list[Path] = []
+    named = Path(os.path.abspath(path))
+    while True:
+        file = named.resolve()
+        if file in files:
+            break
+        files += [named, file]
         try:
-            doc = yaml.safe_load(file.read_text())
+            doc = yaml.load(file.read_text(), Loader=loader)
         except (OSError, yaml.YAMLError) as e:
             raise Uncacheable(f"{file}: {e}") from None
-        parent = doc.get("extends") if isinstance(doc, dict) else None
+        if not isinstance(doc, dict):
+            break
+        model = doc.get("model")
+        if isinstance(model, dict) and isinstance(model.get("path"), str):
+            model_dirs += [named.parent / model["path"], file.parent / model["path"]]
+        parent = doc.get("extends")
         if not isinstance(parent, str):
             break
-        file = (file.parent / parent).resolve()
-    return chain
+        named = file.parent / parent
+    return files, model_dirs
 
 
 def add_manifest(inputs: Inputs, store, key: str, manifest) -> None:
@@ -304,6 +325,9 @@ def save(store_root, inv: dict, answer: dict, inputs: Inputs, started_ns: int, d
 
     dists = distributions()
     if dists_at_start is not None and dists != dists_at_start:
+        return False
+    # Timestamps first: a file changed since the command started (the usual case right after an edit) ends it here.
+    if any(_racy(signature(path), path, started_ns) for path in inputs.files):
         return False
     files = []
     for path, digest in sorted(inputs.files.items()):

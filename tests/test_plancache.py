@@ -309,6 +309,38 @@ def test_unchanged_bytes_and_unrelated_files_still_hit(ws_dir, short_window, mon
     assert lookup("plan", [], True) is not None
 
 
+def test_retargeted_links_invalidate(ws_dir, short_window, monkeypatch):
+    """A recipe or a checkpoint directory reached through a symlink: pointing the link elsewhere is a change."""
+    shutil.copytree("ck/qwen3_5", "ck/qwen3_5-v2")
+    Path("ck/qwen3_5-v2/generation_config.json").write_text("{}")
+    os.symlink("qwen3_5", "ck/current")
+    Path("variants").mkdir()
+    Path("variants/a.yaml").write_text(DENSE.replace("../ck/qwen3_5", "../ck/current").replace("bases/", "../recipes/bases/"))
+    Path("variants/b.yaml").write_text(Path("variants/a.yaml").read_text() + "verify: {new_tokens: 5}\n")
+    os.symlink("../variants/a.yaml", "recipes/linked.yaml")
+    Path("recipes/dense.yaml").unlink()
+    for retarget in (lambda: _relink("recipes/linked.yaml", "../variants/b.yaml"),
+                     lambda: _relink("ck/current", "qwen3_5-v2")):
+        settle()
+        assert record_plan([], True, monkeypatch)
+        assert lookup("plan", [], True) is not None
+        retarget()
+        assert lookup("plan", [], True) is None
+        ws, plan, status = full_plan([], True)    # and the full path does see something else
+        assert as_json(plan, status) != as_json(*_recorded_answer())
+
+
+def _relink(link: str, target: str) -> None:
+    os.unlink(link)
+    os.symlink(target, link)
+
+
+def _recorded_answer():
+    inv = plancache.invocation("plan", [], True, LOCK, None)
+    entry = plancache.decode(plancache.entry_path(fastpath._store_root(None), inv).read_bytes())
+    return entry["answer"]["plan"], entry["answer"]["status"]
+
+
 def test_a_change_during_planning_is_not_recorded(ws_dir, short_window, monkeypatch):
     settle()
     monkeypatch.setattr(fastpath, "STARTED_NS", time.time_ns())
