@@ -69,8 +69,8 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
 
     ws = _workspace(store, lock, remote, download=False)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
-    print_plan(the_plan, status, json_)
-    fastpath.remember_plan(ws, recipes or [], all_, lock, store, the_plan, status)
+    trees = print_plan(the_plan, status, json_)
+    fastpath.remember_plan(ws, recipes or [], all_, json_, lock, store, the_plan, status, trees)
 
 
 # --- compile ---------------------------------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
         the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
     print_build_result(the_plan, result, progress, json_, {"pushed": _push_json(pushed)} if pushed is not None else None)
-    fastpath.remember_compile(ws, recipes or [], all_, lock, store, the_plan, result)
+    fastpath.remember_compile(ws, recipes or [], all_, json_, lock, store, the_plan, result)
     raise_for(result, the_plan)
 
 

@@ -9,8 +9,9 @@ here (the full command line reports usage errors), a remote, a compile that miss
 command line runs it again and reports the error its own way). The full path records a fresh answer
 (`remember_plan`, `remember_compile`) for the next run.
 
-Nothing here imports pydantic, typer, rich, yaml, torch or boto3 on the way to a cached answer (rich only where
-stderr or stdout is a terminal, to draw exactly what the full path draws there).
+Nothing here imports pydantic, typer, rich, yaml, torch or boto3 on the way to a cached answer: a plan's trees are
+replayed as the text rich printed for the same width and encoding, and rich is loaded only to draw on a terminal
+(or at a width not seen before), exactly as the full path draws there.
 """
 
 from __future__ import annotations
@@ -98,15 +99,15 @@ def answer(argv: list[str]) -> int | None:
         return None
     command, recipes, flags, values = parsed
     _dists_at_start = plancache.distributions()
-    inv = plancache.invocation(command, recipes, "--all" in flags, values.get("--lock", "artifacts.lock"),
-                               values.get("--store"))
+    inv = plancache.invocation(command, recipes, "--all" in flags, "--json" in flags,
+                               values.get("--lock", "artifacts.lock"), values.get("--store"))
     cached = plancache.load(_store_root(values.get("--store")), inv, _dists_at_start)
     if cached is None:
         return _plan_in_full(recipes, "--all" in flags, "--json" in flags, values) if command == "plan" else None
     from . import render
 
     if command == "plan":
-        render.print_plan(cached["plan"], cached["status"], "--json" in flags)
+        render.print_plan(cached["plan"], cached["status"], "--json" in flags, cached.get("trees"))
     else:
         _print_noop_build(cached["plan"], cached["manifests"], "--json" in flags)
     return 0
@@ -145,8 +146,8 @@ def _plan_in_full(recipes: list[str], all_: bool, as_json: bool, values: dict[st
         plan, status = ws.plan(ws.load(recipes, all_))
     except Exception:
         return None
-    print_plan(plan, status, as_json)
-    remember_plan(ws, recipes, all_, lock, store, plan, status)
+    trees = print_plan(plan, status, as_json)
+    remember_plan(ws, recipes, all_, as_json, lock, store, plan, status, trees)
     return 0
 
 
@@ -165,8 +166,10 @@ def _print_noop_build(plan, manifests: dict, as_json: bool) -> None:
 
 # --- recording, from the full path --------------------------------------------------------------------------------
 
-def remember_plan(ws, recipes: list[str], all_: bool, lock, store, plan, status: dict) -> bool:
-    """Record what `qbuild plan` answered, with its inputs; returns whether an entry was written."""
+def remember_plan(ws, recipes: list[str], all_: bool, as_json: bool, lock, store, plan, status: dict,
+                  trees: dict[str, str] | None = None) -> bool:
+    """Record what `qbuild plan` answered, with its inputs (and the trees it printed as plain text, which depend on
+    nothing else: the same plan at the same width prints the same); returns whether an entry was written."""
     if not _recordable(ws):
         return False
     store_obj = ws.store
@@ -176,10 +179,11 @@ def remember_plan(ws, recipes: list[str], all_: bool, lock, store, plan, status:
             if st.key is not None:
                 plancache.add_manifest(inputs, store_obj, st.key, st.manifest)
 
-    return _remember(ws, "plan", recipes, all_, lock, store, plan, {"plan": plan, "status": status}, manifests)
+    answer = {"plan": plan, "status": status, "trees": trees or {}}
+    return _remember(ws, "plan", recipes, all_, as_json, lock, store, plan, answer, manifests)
 
 
-def remember_compile(ws, recipes: list[str], all_: bool, lock, store, plan, result) -> bool:
+def remember_compile(ws, recipes: list[str], all_: bool, as_json: bool, lock, store, plan, result) -> bool:
     """Record a compile that built nothing and left the lockfile as it was (a later run sees it unchanged)."""
     if not _recordable(ws) or result.built or not result.ok or set(result.manifests) != set(plan.nodes):
         return False
@@ -190,20 +194,20 @@ def remember_compile(ws, recipes: list[str], all_: bool, lock, store, plan, resu
             plancache.add_manifest(inputs, store_obj, m.key, m)
 
     answer = {"plan": plan, "manifests": result.manifests}
-    return _remember(ws, "compile", recipes, all_, lock, store, plan, answer, manifests)
+    return _remember(ws, "compile", recipes, all_, as_json, lock, store, plan, answer, manifests)
 
 
 def _recordable(ws) -> bool:
     return plancache.enabled() and ws.store_spec.remote is None
 
 
-def _remember(ws, command, recipes, all_, lock, store, plan, answer, add_manifests) -> bool:
+def _remember(ws, command, recipes, all_, as_json, lock, store, plan, answer, add_manifests) -> bool:
     from .errors import InfraError
 
     try:
         inputs = plancache.planning_inputs(plan, ws.recipe_files(recipes, all_), ws.lock_path, all_, ws.root)
         add_manifests(inputs)
-        inv = plancache.invocation(command, recipes, all_, lock, store)
+        inv = plancache.invocation(command, recipes, all_, as_json, lock, store)
         return plancache.save(ws.store_spec.local, inv, answer, inputs, STARTED_NS, _dists_at_start)
     except (plancache.Uncacheable, OSError, InfraError):
         return False     # the answer stands; the next run plans in full again

@@ -59,12 +59,13 @@ def enabled() -> bool:
 
 # --- the invocation and where its entry lives ---------------------------------------------------------------------
 
-def invocation(command: str, recipes: list[str], all_: bool, lock: str | os.PathLike,
+def invocation(command: str, recipes: list[str], all_: bool, as_json: bool, lock: str | os.PathLike,
                store: str | os.PathLike | None) -> dict:
-    """What selects an entry: the same command line in the same directory with the same interpreter."""
+    """What selects an entry: the same command line in the same directory with the same interpreter. (--json has
+    an entry of its own, so that a plan's trees are kept with the plan they print.)"""
     return {"format": FORMAT, "command": command, "cwd": os.getcwd(), "recipes": list(recipes), "all": bool(all_),
-            "lock": str(Path(lock)), "store": None if store is None else str(Path(store)), "python": sys.version,
-            "executable": sys.executable, "sys_path": list(sys.path)}
+            "json": bool(as_json), "lock": str(Path(lock)), "store": None if store is None else str(Path(store)),
+            "python": sys.version, "executable": sys.executable, "sys_path": list(sys.path)}
 
 
 def entry_path(store_root: str | os.PathLike, inv: dict) -> Path:

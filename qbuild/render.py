@@ -54,11 +54,18 @@ def _rich_width() -> int:
     return width or 80
 
 
+def plain_text_context(stream) -> str | None:
+    """What rich's output to `stream` depends on when it is plain text (no terminal, none forced): the width and
+    the encoding (tree guides are ASCII off UTF-8). None where rich would write escape codes."""
+    if stream.isatty() or "FORCE_COLOR" in os.environ or "TTY_COMPATIBLE" in os.environ:
+        return None
+    return f"{_rich_width()}:{(getattr(stream, 'encoding', None) or 'utf-8').lower()}"
+
+
 def print_err_line(msg: str) -> None:
     """`msg` on stderr exactly as console_err().print(msg, markup=False, highlight=False) prints it, without
     importing rich where that is plain text: not a terminal, nothing to rewrite, no wrapping."""
-    plain = (not sys.stderr.isatty() and "FORCE_COLOR" not in os.environ and "TTY_COMPATIBLE" not in os.environ
-             and set(msg) <= _PLAIN and len(msg) < _rich_width())
+    plain = plain_text_context(sys.stderr) is not None and set(msg) <= _PLAIN and len(msg) < _rich_width()
     if plain:
         sys.stderr.write(msg + "\n")
         sys.stderr.flush()
@@ -84,11 +91,20 @@ def _label(plan: Plan, nid: str, st: NodeStatus) -> str:
             f"{why}  [dim]out {human_bytes(node.est_out_bytes)}, peak {human_bytes(node.est_peak_bytes)}[/]")
 
 
-def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
-    """One tree per recipe, rooted at its verify node; each node's children are its inputs."""
+def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> str:
+    """One tree per recipe, rooted at its verify node; each node's children are its inputs. Returns what it
+    printed (rendered as printing it would, then written at once)."""
     from rich.tree import Tree
 
     out = console_out()
+    with out.capture() as captured:
+        _print_trees(out, Tree, plan, status)
+    text = captured.get()
+    sys.stdout.write(text)
+    return text
+
+
+def _print_trees(out, Tree, plan: Plan, status: dict[str, NodeStatus]) -> None:
     for name, pr in plan.recipes.items():
         counts = {s: sum(status[n].status == s for n in set(pr.nodes.values())) for s in STATUS_TEXT}
         root = Tree(f"[bold cyan]{name}[/] ({pr.loaded.path.name}, {pr.arch.family}, tp{pr.loaded.recipe.parallel.tp}"
@@ -109,12 +125,21 @@ def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
         out.print(root)
 
 
-def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool) -> None:
-    """`qbuild plan`'s output: the JSON document on stdout, or the trees."""
+def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool, replay: dict[str, str] | None = None) \
+        -> dict[str, str]:
+    """`qbuild plan`'s output: the JSON document on stdout, or the trees.
+
+    Trees printed as plain text are returned as {plain_text_context: text}; given back as `replay` for the same
+    plan and statuses, a matching one is written as is, without loading rich."""
     if as_json:
         print(json.dumps(plan_json(plan, status), indent=1, sort_keys=True))
-    else:
-        plan_tree(plan, status)
+        return {}
+    context = plain_text_context(sys.stdout)
+    if context is not None and replay and context in replay:
+        sys.stdout.write(replay[context])
+        return {context: replay[context]}
+    text = plan_tree(plan, status)
+    return {} if context is None else {context: text}
 
 
 def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
