@@ -98,6 +98,7 @@ def answer(argv: list[str]) -> int | None:
     if parsed is None or not plancache.enabled():
         return None
     command, recipes, flags, values = parsed
+    plancache.start_recording()       # what this command reads from here on is what its answer depends on
     _dists_at_start = plancache.distributions()
     inv = plancache.invocation(command, recipes, "--all" in flags, "--json" in flags,
                                values.get("--lock", "artifacts.lock"), values.get("--store"))
@@ -202,11 +203,16 @@ def _recordable(ws) -> bool:
 
 
 def _remember(ws, command, recipes, all_, as_json, lock, store, plan, answer, add_manifests) -> bool:
+    """Record the answer, if this process noted what it read from its start (plancache.start_recording)."""
     from .errors import InfraError
 
+    reads = plancache.stop_recording()
+    if reads is None:
+        return False
     try:
         inputs = plancache.planning_inputs(plan, ws.recipe_files(recipes, all_), ws.lock_path, all_, ws.root)
         add_manifests(inputs)
+        plancache.add_reads(inputs, reads, ws.store_spec.local)
         inv = plancache.invocation(command, recipes, all_, as_json, lock, store)
         return plancache.save(ws.store_spec.local, inv, answer, inputs, STARTED_NS, _dists_at_start)
     except (plancache.Uncacheable, OSError, InfraError):

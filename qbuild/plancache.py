@@ -15,7 +15,11 @@ recorded answer is the answer. The inputs, each checked on every use:
   resolved, and the stat of a named path follows its symlinks, so retargeting a link (a `current` checkpoint)
   is a change;
 - directory listings: ./recipes for --all, each local checkpoint directory, the HF cache dirs a model resolved in;
-- the blobs of every cached entry (a manifest whose blobs are gone is a miss for the planner).
+- the blobs of every cached entry (a manifest whose blobs are gone is a miss for the planner);
+- and every other file the command opened for reading, and every directory it listed, while it planned: an audit
+  hook (PEP 578) notes them from the start of the command, so an input the planner starts reading later (a port's
+  sources, say) is a witness without a change here. Python's own files and installed packages are left to the
+  distributions above, qbuild's to the source digest.
 
 Any difference is a miss, and the caller plans in full. A timestamp only tells changes apart once the clock has
 moved past it, so a file changed less than RACY_NS before the recording command started (or during it) makes that
@@ -205,6 +209,66 @@ def decode(text: str | bytes):
 
 
 # --- what planning read -------------------------------------------------------------------------------------------
+
+_reads: tuple[set[str], set[str]] | None = None     # (files opened for reading, directories listed) while recording
+_hooked = False
+
+
+def start_recording() -> None:
+    """Note, from now on, every file this process opens for reading and every directory it lists."""
+    global _reads, _hooked
+    if not _hooked:
+        sys.addaudithook(_audit)     # audit hooks cannot be removed: one for the process, idle when not recording
+        _hooked = True
+    _reads = (set(), set())
+
+
+def stop_recording() -> tuple[set[str], set[str]] | None:
+    """What was read since start_recording() (absolute paths), or None if nothing was recording."""
+    global _reads
+    reads, _reads = _reads, None
+    if reads is None:
+        return None
+    return {os.path.abspath(f) for f in reads[0]}, {os.path.abspath(d) for d in reads[1]}
+
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+
+def _audit(event: str, args: tuple) -> None:
+    reads = _reads
+    if reads is None or event not in ("open", "os.listdir", "os.scandir"):
+        return
+    try:        # an audit hook that raises would fail the operation it audits
+        path = args[0]
+        if isinstance(path, int):
+            return
+        path = "." if path is None else os.fsdecode(path)
+        if event == "open":
+            mode, flags = args[1], args[2]
+            if not ((mode and any(c in mode for c in "wax+")) or (flags or 0) & _WRITE_FLAGS):
+                reads[0].add(path)
+        else:
+            reads[1].add(path)
+    except Exception:
+        pass
+
+
+def add_reads(inputs: "Inputs", reads: tuple[set[str], set[str]], store_root) -> None:
+    """Add what the command read to `inputs`, but for what other witnesses cover (qbuild's source, the interpreter
+    and installed packages, the sys.path directories), the plan cache's own entries, and kernel pseudo-files."""
+    skip = tuple(os.path.join(p, "") for p in {str(SOURCE_ROOT), sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                sys.base_exec_prefix, str(Path(store_root) / CACHE_DIR),
+                                                "/proc", "/sys", "/dev"})
+    sys_path = {os.path.abspath(p or ".") for p in sys.path}
+    files, dirs = reads
+    for f in files:
+        if not f.startswith(skip) and f not in inputs.absent and f"{os.sep}__pycache__{os.sep}" not in f:
+            inputs.file(f, digest=False)
+    for d in dirs:
+        if not os.path.join(d, "").startswith(skip) and d not in sys_path:
+            inputs.dir(d)
+
 
 class Inputs:
     """The inputs of one answer, gathered after planning from what it produced."""

@@ -117,13 +117,19 @@ def settle() -> None:
     time.sleep(2 * RACY_TEST_NS / 1e9)
 
 
+def begin(monkeypatch) -> None:
+    """What the command line does when it starts: the time, and noting what the command reads from then on."""
+    monkeypatch.setattr(fastpath, "STARTED_NS", time.time_ns())
+    plancache.start_recording()
+
+
 def full_plan(recipes: list[str], all_: bool):
     ws = workspace()
     return ws, *ws.plan(ws.load(recipes, all_))
 
 
 def record_plan(recipes: list[str], all_: bool, monkeypatch) -> bool:
-    monkeypatch.setattr(fastpath, "STARTED_NS", time.time_ns())
+    begin(monkeypatch)
     ws, plan, status = full_plan(recipes, all_)
     return fastpath.remember_plan(ws, recipes, all_, True, LOCK, None, plan, status)
 
@@ -309,6 +315,30 @@ def test_unchanged_bytes_and_unrelated_files_still_hit(ws_dir, short_window, mon
     assert lookup("plan", [], True) is not None
 
 
+@pytest.mark.parametrize("change", ["file edited", "file added to a listed directory"])
+def test_an_input_the_planner_starts_reading_is_witnessed(ws_dir, short_window, monkeypatch, change):
+    """What planning reads is noted as it reads it: a planner that starts reading a new input (here a port's sources,
+    folded into compile params) needs no change to the cache for an edit of that input to be a miss."""
+    from qbuild import plan as planmod
+
+    Path("port").mkdir()
+    Path("port/model.py").write_text("v = 1\n")
+    original = planmod.compile_params
+
+    def with_port(*args):
+        return {**original(*args), "port": [Path("port/model.py").read_text(), sorted(os.listdir("port"))]}
+
+    monkeypatch.setattr(planmod, "compile_params", with_port)
+    settle()
+    assert record_plan([], True, monkeypatch)
+    assert lookup("plan", [], True) is not None
+    if change == "file edited":
+        Path("port/model.py").write_text("v = 2\n")
+    else:
+        Path("port/other.py").write_text("")
+    assert lookup("plan", [], True) is None
+
+
 def test_retargeted_links_invalidate(ws_dir, short_window, monkeypatch):
     """A recipe or a checkpoint directory reached through a symlink: pointing the link elsewhere is a change."""
     shutil.copytree("ck/qwen3_5", "ck/qwen3_5-v2")
@@ -343,7 +373,7 @@ def _recorded_answer():
 
 def test_a_change_during_planning_is_not_recorded(ws_dir, short_window, monkeypatch):
     settle()
-    monkeypatch.setattr(fastpath, "STARTED_NS", time.time_ns())
+    begin(monkeypatch)
     ws, plan, status = full_plan([], True)
     _edit_recipe()                                          # after planning read it, before the entry is written
     assert not fastpath.remember_plan(ws, [], True, True, LOCK, None, plan, status)
@@ -356,11 +386,11 @@ def test_compile_entry_needs_a_current_lockfile(ws_dir, short_window, monkeypatc
     plan, _ = ws.plan(ws.load([], all_=True))
     fake_build(ws, plan)
     settle()
-    monkeypatch.setattr(fastpath, "STARTED_NS", time.time_ns())
+    begin(monkeypatch)
     plan, result = ws.compile(ws.load([], all_=True), BuildOptions(), no_executor)   # writes the lockfile
     assert not fastpath.remember_compile(ws, [], True, True, LOCK, None, plan, result)
     settle()
-    monkeypatch.setattr(fastpath, "STARTED_NS", time.time_ns())
+    begin(monkeypatch)
     plan, result = ws.compile(ws.load([], all_=True), BuildOptions(), no_executor)   # a no-op
     assert fastpath.remember_compile(ws, [], True, True, LOCK, None, plan, result)
     assert lookup("compile", [], True) is not None
@@ -464,7 +494,7 @@ def test_random_edits_never_give_a_wrong_answer(ws_dir, short_window, monkeypatc
         recipes, all_ = cases[step // 10 % 2]
         cached = lookup("plan", recipes, all_)
         cached_compile = lookup("compile", recipes, all_)
-        monkeypatch.setattr(fastpath, "STARTED_NS", time.time_ns())
+        begin(monkeypatch)
         try:
             ws, plan, status = full_plan(recipes, all_)
         except Exception:          # an invalid edit: the full path reports it, the cache must not answer
@@ -489,7 +519,7 @@ def test_random_edits_never_give_a_wrong_answer(ws_dir, short_window, monkeypatc
                 assert {n: m.digest for n, m in cached_compile["manifests"].items()} == \
                     {n: m.digest for n, m in result.manifests.items()}, f"step {step} ({kind})"
             settle()
-            monkeypatch.setattr(fastpath, "STARTED_NS", time.time_ns())
+            begin(monkeypatch)
             c_plan, result = ws.compile(ws.load(recipes, all_), BuildOptions(), no_executor)
             fastpath.remember_compile(ws, recipes, all_, True, LOCK, None, c_plan, result)
     assert counts["hit"] >= 40 and counts["miss"] >= 40 and counts["compile hit"] >= 5, counts
