@@ -100,9 +100,13 @@ def answer(argv: list[str]) -> int | None:
     command, recipes, flags, values = parsed
     plancache.start_recording()       # what this command reads from here on is what its answer depends on
     _dists_at_start = plancache.distributions()
-    inv = plancache.invocation(command, recipes, "--all" in flags, "--json" in flags,
-                               values.get("--lock", "artifacts.lock"), values.get("--store"))
-    cached = plancache.load(_store_root(values.get("--store")), inv, _dists_at_start)
+    try:
+        inv = plancache.invocation(command, recipes, "--all" in flags, "--json" in flags,
+                                   values.get("--lock", "artifacts.lock"), values.get("--store"))
+        root = _store_root(values.get("--store"))
+    except OSError:
+        return None         # no working directory, say: the full command line reports it
+    cached = plancache.load(root, inv, _dists_at_start)
     if cached is None:
         return _plan_in_full(recipes, "--all" in flags, "--json" in flags, values) if command == "plan" else None
     from . import render
@@ -185,7 +189,8 @@ def remember_plan(ws, recipes: list[str], all_: bool, as_json: bool, lock, store
 
 
 def remember_compile(ws, recipes: list[str], all_: bool, as_json: bool, lock, store, plan, result) -> bool:
-    """Record a compile that built nothing and left the lockfile as it was (a later run sees it unchanged)."""
+    """Record a compile that built nothing. Its lockfile is then current: had this run rewritten it, the file's new
+    timestamp keeps the entry from being written, and the next no-op records it."""
     if not _recordable(ws) or result.built or not result.ok or set(result.manifests) != set(plan.nodes):
         return False
     store_obj = ws.store
