@@ -1,6 +1,7 @@
 """qbuild benchmarks. Every figure is a ratio to a baseline measured in the same run, on the same bytes.
 
-    python bench/run.py [--only plan,noop,hashing,restore,scheduling,convert] [--size-gb 2] [--out bench/results]
+    python bench/run.py [--only plan,plan_scale,noop,hashing,restore,scheduling,convert] [--size-gb 2]
+                        [--out bench/results]
 
 Prints a table, then each goal next to its measured value, and writes bench/results/summary.json. The no-op
 benchmark installs DVC into bench/.dvc-venv the first time, to compare against `dvc repro` and `dvc status` of an
@@ -110,7 +111,7 @@ _LAYOUTS = {"dense": ["parallel: {tp: 1}", "parallel: {tp: 2}", "parallel: {tp: 
 
 def bench_plan_scale(args) -> dict:
     """`qbuild plan --all --json` of 10, 30 and 100 generated recipes (20 models x 5 parallel layouts): the first
-    plan (nothing cached) and the next one (inputs unchanged). Cost per node should stay flat."""
+    plan (nothing cached) and the next one (inputs unchanged). Cost per node must not grow with n."""
     work = Path(args.work) / "scale"
     shutil.rmtree(work, ignore_errors=True)
     models = _scale_models(work / "hf" / "hub")
