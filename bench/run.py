@@ -1,9 +1,15 @@
 """qbuild benchmarks. Every figure is a ratio to a baseline measured in the same run, on the same bytes.
 
-    python bench/run.py [--only plan,noop,hashing,restore,scheduling,convert] [--size-gb 2] [--out bench/results]
+    python bench/run.py [--only plan,plan_scale,noop,hashing,restore,scheduling,convert] [--size-gb 2]
+                        [--out bench/results]
 
-Prints a table and writes bench/results/summary.json. The no-op benchmark installs DVC into bench/.dvc-venv
-the first time, to compare against `dvc repro` and `dvc status` of an equivalent pipeline.
+Prints a table, then each goal next to its measured value, and writes bench/results/summary.json. The no-op
+benchmark installs DVC into bench/.dvc-venv the first time, to compare against `dvc repro` and `dvc status` of an
+equivalent pipeline.
+
+Commands run this checkout's qbuild (PYTHONPATH), not whichever checkout the venv's `qbuild` script was installed
+from, and with bytecode caching on, as for any installed package: PYTHONDONTWRITEBYTECODE in the caller's
+environment would otherwise make every run recompile qbuild's modules.
 """
 
 from __future__ import annotations
@@ -21,43 +27,142 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))   # in-process imports (tiny checkpoints, the scheduling bench) use this checkout too
 VENV_BIN = Path(sys.executable).parent
 QBUILD = str(VENV_BIN / "qbuild")
 
 
-def timed(cmd: list[str], repeat: int = 5, **kw) -> float:
-    """Median wall time of a command (seconds)."""
+def timed(cmd: list[str], repeat: int = 5, before=None, **kw) -> float:
+    """Median wall time of a command (seconds); `before(i)`, if given, runs untimed before the i-th run."""
     times = []
-    for _ in range(repeat):
+    for i in range(repeat):
+        if before is not None:
+            before(i)
         t = time.perf_counter()
         subprocess.run(cmd, check=True, capture_output=True, **kw)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
+def bench_env(**extra: str) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(filter(None, [str(REPO),
+                                                                                          os.environ.get("PYTHONPATH")])))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env.update(extra)
+    return env
+
+
+def warm_up(cmd: list[str], **kw) -> None:
+    """Untimed runs first: the first writes bytecode; inputs written less than a second before a run are not
+    trusted by the plan cache (their timestamps could still change unseen), so the last one waits that long."""
+    subprocess.run(cmd, check=True, capture_output=True, **kw)
+    time.sleep(1.1)
+    subprocess.run(cmd, check=True, capture_output=True, **kw)
+
+
 def bench_plan(args) -> dict:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    baseline = timed([sys.executable, "-c", "pass"], env=env, cwd=REPO)
-    plan = timed([QBUILD, "plan", "--all", "--json"], env=env, cwd=REPO)
-    return {"qbuild_plan_all_s": plan, "python_pass_s": baseline, "ratio": plan / baseline}
+    """`qbuild plan --all` of the shipped recipes: unchanged, and right after one recipe is edited."""
+    work = Path(args.work) / "plan"
+    shutil.rmtree(work, ignore_errors=True)
+    env = bench_env(QBUILD_STORE=str(work / "store"), XDG_CACHE_HOME=str(work / "cache"))
+    baseline = timed([sys.executable, "-c", "pass"], env=env, cwd=REPO, repeat=11)
+    ws = work / "ws"
+    shutil.copytree(REPO / "recipes", ws / "recipes")
+    plan = [QBUILD, "plan", "--all", "--json"]
+    warm_up(plan, env=env, cwd=ws)
+    unchanged = timed(plan, env=env, cwd=ws, repeat=11)
+    tree = timed([QBUILD, "plan", "--all"], env=env, cwd=ws, repeat=11)
+    edited_file = ws / "recipes" / "2b-tp8.yaml"
+    original = edited_file.read_text()
+
+    def edit(i: int) -> None:  # a real change every time: the reference and verify nodes get new keys
+        edited_file.write_text(original + f"verify: {{new_tokens: {40 + i}}}\n")
+
+    edited = timed(plan, env=env, cwd=ws, repeat=5, before=edit)
+    return {"python_pass_s": baseline, "plan_all_json_s": unchanged, "plan_all_tree_s": tree,
+            "plan_all_after_edit_s": edited, "ratio_unchanged": unchanged / baseline,
+            "ratio_tree_unchanged": tree / baseline, "ratio_after_edit": edited / baseline}
 
 
-def _tiny_workspace(root: Path) -> tuple[Path, list[str], dict]:
-    """Tiny checkpoints + recipes built once into a store; returns (cwd, recipe files, env)."""
+def _scale_models(hub: Path) -> list[tuple[str, str]]:
+    """20 models in an HF cache (config.json only: planning never reads weights): 10 dense, 10 MoE, told apart by
+    their vocabulary size so that every one has its own compile keys. Returns (repo, family kind) pairs."""
+    models = []
+    for i in range(20):
+        kind, base = ("dense", "Qwen--Qwen3.5-2B") if i < 10 else ("moe", "Qwen--Qwen3.5-35B-A3B")
+        config = json.loads((REPO / "qbuild" / "configs" / f"{base}.json").read_text())
+        config["text_config"]["vocab_size"] += 128 * i
+        repo, commit = f"bench/m{i:02d}", f"{i:040x}"
+        repo_dir = hub / ("models--" + repo.replace("/", "--"))
+        (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+        (repo_dir / "refs" / "main").write_text(commit)
+        (repo_dir / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (repo_dir / "snapshots" / commit / "config.json").write_text(json.dumps(config))
+        models.append((repo, kind))
+    return models
+
+
+# Five parallel layouts per model, each valid for its family (heads, experts, per-rank memory).
+_LAYOUTS = {"dense": ["parallel: {tp: 1}", "parallel: {tp: 2}", "parallel: {tp: 4}", "parallel: {tp: 8}",
+                      "parallel: {tp: 8}\nfused_qkv: true"],
+            "moe": ["parallel: {tp: 4}", "parallel: {tp: 8, ep: 1}", "parallel: {tp: 8, ep: 2}",
+                    "parallel: {tp: 8, ep: 4}", "parallel: {tp: 8, ep: 8}"]}
+
+
+def bench_plan_scale(args) -> dict:
+    """`qbuild plan --all --json` of 10, 30 and 100 generated recipes (20 models x 5 parallel layouts): the first
+    plan (nothing cached) and the next one (inputs unchanged). Cost per node must not grow with n."""
+    work = Path(args.work) / "scale"
+    shutil.rmtree(work, ignore_errors=True)
+    models = _scale_models(work / "hf" / "hub")
+    recipes = []
+    for repo, kind in models:
+        for j, layout in enumerate(_LAYOUTS[kind]):
+            recipes.append((f"{repo.split('/')[1]}-l{j}", f"model: {{hf: {repo}, revision: main}}\n"
+                                                          f"{layout}\n"
+                                                          "text: {seq_len: 512, cte_buckets: [128, 512]}\n"
+                                                          "backend: inductor\n"))
+    out = {}
+    for n in (10, 30, 100):
+        ws = work / f"n{n}"
+        (ws / "recipes").mkdir(parents=True)
+        # Ordered by layout, then model: 10 recipes are 10 models, 100 are every model in every layout.
+        for name, text in sorted(recipes, key=lambda r: (r[0][-1], r[0]))[:n]:
+            (ws / "recipes" / f"{name}.yaml").write_text(text)
+        base = dict(HF_HUB_CACHE=str(work / "hf" / "hub"), XDG_CACHE_HOME=str(ws / "cache"))
+        plan = [QBUILD, "plan", "--all", "--json"]
+        env = bench_env(**base, QBUILD_STORE=str(ws / "store"))
+        warm_up(plan, env=env, cwd=ws)
+        nodes = len(json.loads(subprocess.run(plan, env=env, cwd=ws, check=True, capture_output=True,
+                                              text=True).stdout)["nodes"])
+        cold = []
+        for i in range(3):  # a store of its own each time: no plan cache, nothing built
+            env_i = bench_env(**base, QBUILD_STORE=str(ws / f"store-cold-{i}"))
+            t = time.perf_counter()
+            subprocess.run(plan, env=env_i, cwd=ws, check=True, capture_output=True)
+            cold.append(time.perf_counter() - t)
+        cached = timed(plan, env=env, cwd=ws, repeat=5)
+        first = statistics.median(cold)
+        out[f"n{n}"] = {"recipes": n, "nodes": nodes, "first_plan_s": first, "cached_plan_s": cached,
+                        "first_plan_ms_per_node": 1000 * first / nodes}
+    return out
+
+
+def _tiny_workspace(root: Path) -> tuple[Path, dict]:
+    """Tiny checkpoints + recipes (./recipes/*.yaml) built once into a store; returns (cwd, env)."""
     from qbuild.tinymodel import write_tiny_checkpoint
 
-    recipes = []
+    (root / "recipes").mkdir(exist_ok=True)
     for fam in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         ck = root / "tiny" / fam
         if not ck.exists():
             write_tiny_checkpoint(ck, fam)
-        f = root / f"{fam}.yaml"
+        f = root / "recipes" / f"{fam}.yaml"
         f.write_text(f"model: {{path: {ck}}}\ntext: {{seq_len: 128, cte_buckets: [32, 64]}}\n"
                      "dtype: float32\nbackend: export\n")
-        recipes.append(str(f))
-    env = dict(os.environ, QBUILD_STORE=str(root / "store"), XDG_CACHE_HOME=str(root / "cache"))
-    subprocess.run([QBUILD, "compile", *recipes, "-j", "2"], check=True, cwd=root, env=env, capture_output=True)
-    return root, recipes, env
+    env = bench_env(QBUILD_STORE=str(root / "store"), XDG_CACHE_HOME=str(root / "cache"))
+    subprocess.run([QBUILD, "compile", "--all", "-j", "2"], check=True, cwd=root, env=env, capture_output=True)
+    return root, env
 
 
 def _dvc_pipeline(root: Path, plan_doc: dict) -> Path:
@@ -91,10 +196,15 @@ def _dvc_bin(root: Path) -> Path:
 def bench_noop(args) -> dict:
     root = Path(args.work) / "noop"
     root.mkdir(parents=True, exist_ok=True)
-    cwd, recipes, env = _tiny_workspace(root)
-    noop = timed([QBUILD, "compile", *recipes], env=env, cwd=cwd)
-    out = {"qbuild_noop_s": noop}
-    plan_doc = json.loads(subprocess.run([QBUILD, "plan", "--json", *recipes], env=env, cwd=cwd, check=True,
+    cwd, env = _tiny_workspace(root)
+    compile_all = [QBUILD, "compile", "--all"]
+    warm_up(compile_all, env=env, cwd=cwd)
+    baseline = timed([sys.executable, "-c", "pass"], env=env, cwd=cwd, repeat=11)
+    noop = timed(compile_all, env=env, cwd=cwd, repeat=11)
+    frozen = timed(compile_all + ["--frozen"], env=env, cwd=cwd, repeat=5)
+    out = {"qbuild_noop_s": noop, "qbuild_noop_frozen_s": frozen, "python_pass_s": baseline,
+           "ratio_vs_python": noop / baseline}
+    plan_doc = json.loads(subprocess.run([QBUILD, "plan", "--all", "--json"], env=env, cwd=cwd, check=True,
                                          capture_output=True, text=True).stdout)
     out["stages"] = len(plan_doc["nodes"])
     try:
@@ -109,7 +219,7 @@ def bench_noop(args) -> dict:
     repro = timed([str(dvc), "repro", "-q"], cwd=d, repeat=3)
     status = timed([str(dvc), "status", "-q"], cwd=d, repeat=3)
     out.update({"dvc_repro_noop_s": repro, "dvc_status_s": status, "ratio_vs_dvc_repro": noop / repro,
-                "ratio_vs_dvc_status": noop / status})
+                "ratio_vs_dvc_status": noop / status, "speedup_vs_dvc_repro": repro / noop})
     return out
 
 
@@ -173,7 +283,6 @@ def bench_restore(args) -> dict:
 
 
 def bench_scheduling(args) -> dict:
-    sys.path.insert(0, str(REPO))
     from qbuild.engine import BuildOptions, build
     from qbuild.executors.local import LocalExecutor
     from qbuild.plan import Plan, _add
@@ -207,8 +316,31 @@ def bench_convert(args) -> dict:
     return json.loads(out.read_text())
 
 
-BENCHES = {"plan": bench_plan, "noop": bench_noop, "hashing": bench_hashing, "restore": bench_restore,
+BENCHES = {"plan": bench_plan, "plan_scale": bench_plan_scale, "noop": bench_noop, "hashing": bench_hashing, "restore": bench_restore,
            "scheduling": bench_scheduling, "convert": bench_convert}
+
+
+# The targets of issue 12: (benchmark, figure, comparison, bound, what it says).
+GOALS = [
+    ("plan", "ratio_unchanged", "<=", 3.0, "plan --all --json, unchanged, x python -c pass"),
+    ("plan", "ratio_after_edit", "<=", 6.0, "plan --all --json after one recipe edit, x python -c pass"),
+    ("plan_scale", ("n100", "first_plan_s"), "<", 2.0, "plan --all --json of 100 recipes, first plan, seconds"),
+    ("noop", "ratio_vs_python", "<=", 3.0, "no-op compile --all, x python -c pass"),
+    ("noop", "speedup_vs_dvc_repro", ">=", 10.0, "no-op compile --all, times faster than dvc repro"),
+]
+
+
+def print_goals(results: dict) -> None:
+    print("== goals")
+    for bench, figure, op, bound, what in GOALS:
+        value = results.get(bench, {})
+        for part in (figure if isinstance(figure, tuple) else (figure,)):
+            value = value.get(part) if isinstance(value, dict) else None
+        if not isinstance(value, (int, float)):
+            print(f"   {what:62s} not measured")
+            continue
+        met = value <= bound if op == "<=" else value < bound if op == "<" else value >= bound
+        print(f"   {what:62s} {value:7.2f} (goal {op} {bound:g}) {'met' if met else 'MISSED'}")
 
 
 def main() -> None:
@@ -229,6 +361,7 @@ def main() -> None:
             results[name] = {"error": f"{type(e).__name__}: {e}"}
         for k, v in results[name].items():
             print(f"   {k:28s} {v:.4f}" if isinstance(v, float) else f"   {k:28s} {v}")
+    print_goals(results)
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     print(f"wrote {Path(args.out) / 'summary.json'}")
 

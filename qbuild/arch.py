@@ -174,9 +174,10 @@ class Arch:
 
     def fingerprint(self) -> dict:
         """The JSON-able allow-list that enters compile keys (every field but the host-side ones)."""
-        d = asdict(self)
-        for name in self.HOST_FIELDS:
-            del d[name]
+        # Field by field, not asdict(self): the values are immutable (numbers, strings, tuples), so only the vision
+        # encoder needs converting, and the planner asks once per compiled graph (asdict was most of its time).
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.HOST_FIELDS}
+        d["vision"] = None if self.vision is None else asdict(self.vision)
         d["rope"] = dict(self.rope)
         return d
 

@@ -9,10 +9,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-import typer
+from . import fastpath
 
-from . import jsonio
-from .errors import QbuildError, UserError
+# A plan or no-op compile whose inputs are all unchanged is answered from the plan cache here, before typer loads.
+fastpath.answer_and_exit(__name__)
+
+import typer  # noqa: E402
+
+from . import jsonio  # noqa: E402
+from .errors import QbuildError, UserError  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build, verify and publish compiled Qwen3.5 / Qwen3-Next artifacts from YAML recipes.")
@@ -67,14 +72,12 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
          json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
          remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt) -> None:
     """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
-    from .render import plan_json, plan_tree
+    from .render import print_plan
 
     ws = _workspace(store, lock, remote, download=False, backend=backend)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
-    if json_:
-        print(jsonio.dumps(plan_json(the_plan, status), indent=1, sort_keys=True))
-    else:
-        plan_tree(the_plan, status)
+    trees = print_plan(the_plan, status, json_)
+    fastpath.remember_plan(ws, recipes or [], all_, json_, lock, store, the_plan, status, trees)
 
 
 # --- compile ---------------------------------------------------------------------------------------------------
@@ -104,7 +107,7 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
                      "runs on this machine)")) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
     from .engine import BuildOptions, check_mem_budget, raise_for
-    from .render import BuildProgress, result_json
+    from .render import BuildProgress, print_build_result
 
     explicit_budget = check_mem_budget(mem)
     ws = _workspace(store, lock, remote, push=push, backend=backend)
@@ -117,13 +120,8 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
     with BuildProgress(verbose=verbose) as progress:
         the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
-    if json_:
-        doc = result_json(the_plan, result)
-        if pushed is not None:
-            doc["pushed"] = _push_json(pushed)
-        print(jsonio.dumps(doc, indent=1, sort_keys=True))
-    else:
-        progress.summary(the_plan, result)
+    print_build_result(the_plan, result, progress, json_, {"pushed": _push_json(pushed)} if pushed is not None else None)
+    fastpath.remember_compile(ws, recipes or [], all_, json_, lock, store, the_plan, result)
     raise_for(result, the_plan)
 
 

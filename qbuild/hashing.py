@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -61,6 +60,8 @@ class StatCache:
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
+            import sqlite3   # only where a file is digested; a cached plan never opens the stat cache
+
             self.path.parent.mkdir(parents=True, exist_ok=True)
             db = sqlite3.connect(self.path, timeout=30)
             db.execute("PRAGMA journal_mode=WAL")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
 
 
-def dumps(obj: Any, *, indent: int | None = None, sort_keys: bool = False, compact: bool = False,
+
+def dumps(obj: object, *, indent: int | None = None, sort_keys: bool = False, compact: bool = False,
           ensure_ascii: bool = True) -> str:
     """json.dumps with allow_nan=False; `compact` drops the spaces after separators."""
     try:
@@ -25,7 +25,7 @@ def dumps(obj: Any, *, indent: int | None = None, sort_keys: bool = False, compa
         raise ValueError(f"refusing to write a non-finite number as JSON at {where}") from None
 
 
-def _non_finite_path(obj: Any, path: str) -> str | None:
+def _non_finite_path(obj: object, path: str) -> str | None:
     """The JSON path of the first NaN or infinity in `obj` (a value or a key), or None."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return f"{path} ({obj})"

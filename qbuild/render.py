@@ -1,13 +1,22 @@
-"""Rendering for the CLI: plan trees, build progress, JSON documents. The only module that prints."""
+"""Rendering for the CLI: plan trees, build progress, JSON documents. The only module that prints.
+
+It imports neither the planner nor the engine (their types are only annotations here), and rich only when it draws
+something rich must draw: the plan cache's fast path renders cached plans with these same functions.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from functools import cache
 
-from .engine import BuildResult, Event
-from .plan import NodeStatus, Plan
+from . import jsonio
+
+TYPE_CHECKING = False   # typing.TYPE_CHECKING without loading typing, which a cached answer does not need
+if TYPE_CHECKING:
+    from .engine import BuildResult, Event
+    from .plan import NodeStatus, Plan
 
 STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting"}
 STATUS_STYLE = {"cached": "green", "build": "yellow", "waiting": "dim"}
@@ -25,6 +34,44 @@ def console_out():
     from rich.console import Console
 
     return Console(highlight=False)
+
+
+# A line rich would print unchanged: no emoji codes (":"), markup ("["), tabs or control characters to rewrite.
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ,.()-_/+%")
+
+
+def _rich_width() -> int:
+    """The width rich's Console gives itself (rich.console.Console.size, off Windows and Jupyter)."""
+    width = None
+    for fd in (0, 1, 2):
+        try:
+            width = os.get_terminal_size(fd)[0]
+            break
+        except (AttributeError, ValueError, OSError):
+            continue
+    columns = os.environ.get("COLUMNS")
+    if columns is not None and columns.isdigit():
+        width = int(columns)
+    return width or 80
+
+
+def plain_text_context(stream) -> str | None:
+    """What rich's output to `stream` depends on when it is plain text (no terminal, none forced): the width and
+    the encoding (tree guides are ASCII off UTF-8). None where rich would write escape codes."""
+    if stream.isatty() or "FORCE_COLOR" in os.environ or "TTY_COMPATIBLE" in os.environ:
+        return None
+    return f"{_rich_width()}:{(getattr(stream, 'encoding', None) or 'utf-8').lower()}"
+
+
+def print_err_line(msg: str) -> None:
+    """`msg` on stderr exactly as console_err().print(msg, markup=False, highlight=False) prints it, without
+    importing rich where that is plain text: not a terminal, nothing to rewrite, no wrapping."""
+    plain = plain_text_context(sys.stderr) is not None and set(msg) <= _PLAIN and len(msg) < _rich_width()
+    if plain:
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+    else:
+        console_err().print(msg, markup=False, highlight=False)
 
 
 def human_bytes(n: int) -> str:
@@ -45,11 +92,20 @@ def _label(plan: Plan, nid: str, st: NodeStatus) -> str:
             f"{why}  [dim]out {human_bytes(node.est_out_bytes)}, peak {human_bytes(node.est_peak_bytes)}[/]")
 
 
-def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
-    """One tree per recipe, rooted at its verify node; each node's children are its inputs."""
+def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> str:
+    """One tree per recipe, rooted at its verify node; each node's children are its inputs. Returns what it
+    printed (rendered as printing it would, then written at once)."""
     from rich.tree import Tree
 
     out = console_out()
+    with out.capture() as captured:
+        _print_trees(out, Tree, plan, status)
+    text = captured.get()
+    sys.stdout.write(text)
+    return text
+
+
+def _print_trees(out, Tree, plan: Plan, status: dict[str, NodeStatus]) -> None:
     for name, pr in plan.recipes.items():
         counts = {s: sum(status[n].status == s for n in set(pr.nodes.values())) for s in STATUS_TEXT}
         root = Tree(f"[bold cyan]{name}[/] ({pr.loaded.path.name}, {pr.arch.family}, tp{pr.loaded.recipe.parallel.tp}"
@@ -68,6 +124,23 @@ def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
 
         add(root, pr.verify)
         out.print(root)
+
+
+def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool, replay: dict[str, str] | None = None) \
+        -> dict[str, str]:
+    """`qbuild plan`'s output: the JSON document on stdout, or the trees.
+
+    Trees printed as plain text are returned as {plain_text_context: text}; given back as `replay` for the same
+    plan and statuses, a matching one is written as is, without loading rich."""
+    if as_json:
+        print(jsonio.dumps(plan_json(plan, status), indent=1, sort_keys=True))
+        return {}
+    context = plain_text_context(sys.stdout)
+    if context is not None and replay and context in replay:
+        sys.stdout.write(replay[context])
+        return {context: replay[context]}
+    text = plan_tree(plan, status)
+    return {} if context is None else {context: text}
 
 
 def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
@@ -111,6 +184,15 @@ def serve_text(serve: dict) -> None:
     print("# register the port's class with NxDI in every vLLM process (e.g. from a sitecustomize.py):")
     print(f"#   {serve['register']}")
     print(f"{env} {shlex.join(serve['command'])}")
+
+
+def print_build_result(plan: Plan, result: BuildResult, progress: BuildProgress, as_json: bool,
+                       extra: dict | None = None) -> None:
+    """`qbuild compile`'s output: the result document (with `extra` entries) on stdout, or the summary line."""
+    if as_json:
+        print(jsonio.dumps({**result_json(plan, result), **(extra or {})}, indent=1, sort_keys=True))
+    else:
+        progress.summary(plan, result)
 
 
 def result_json(plan: Plan, result: BuildResult) -> dict:
@@ -194,7 +276,7 @@ class BuildProgress:
                f"{len(result.skipped)} skipped in {took:.1f}s")
         if result.deferred:
             msg += f"; {len(result.deferred)} left unbuilt (--skip-device)"
-        console_err().print(msg, markup=False, highlight=False)
+        print_err_line(msg)
 
 
 # --- run and bench ---------------------------------------------------------------------------------------------

@@ -20,6 +20,15 @@ from .store import LocalStore, StoreSpec, open_store
 RECIPES_DIR = Path("recipes")
 
 
+def roles_by_node(plan: Plan) -> dict[str, list[tuple[str, str]]]:
+    """plan.roles(node) for every node at once: asking per node costs recipes x roles each, quadratic in all."""
+    roles: dict[str, list[tuple[str, str]]] = {}
+    for name, pr in plan.recipes.items():
+        for role, nid in pr.nodes.items():
+            roles.setdefault(nid, []).append((name, role))
+    return roles
+
+
 @dataclass
 class Workspace:
     store_spec: StoreSpec
@@ -49,8 +58,9 @@ class Workspace:
     def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
         plan = build_plan(recipes, self.stat_cache)
         doc = lockmod.read(self.lock_path)
+        roles = roles_by_node(plan)
         status = evaluate(plan, self.store.get_manifest,
-                          lambda nid, node: lockmod.locked_preimage(doc, plan.roles(nid)))
+                          lambda nid, node: lockmod.locked_preimage(doc, roles.get(nid, [])))
         return plan, status
 
     # --- building --------------------------------------------------------------------------------------------
@@ -87,8 +97,9 @@ class Workspace:
         """Fail before building anything if a node's key differs from the lock's (upstream taken as locked)."""
         doc = lockmod.read(self.lock_path)
         digests: dict[str, str] = {}
+        roles = roles_by_node(plan)
         for nid, node in plan.nodes.items():
-            recipe, role = plan.roles(nid)[0]
+            recipe, role = roles[nid][0]
             locked_id = doc["recipes"].get(recipe, {}).get("nodes", {}).get(role)
             locked = doc["nodes"].get(locked_id) if locked_id else None
             if locked is None:

@@ -21,8 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from filelock import FileLock
-
 from ..errors import InfraError
 from ..hashing import digest_file
 from .manifest import Manifest, tree_digest
@@ -219,6 +217,8 @@ class LocalStore:
 
     @contextmanager
     def lock(self, key: str, timeout: float = -1) -> Iterator[None]:
+        from filelock import FileLock   # only builds take locks; planning never loads it
+
         path = self.root / "locks" / f"{key}.lock"
         path.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(str(path), timeout=timeout):
