@@ -585,7 +585,7 @@ def _actionlint() -> str | None:
 def test_publish_workflow_passes_actionlint():
     exe = _actionlint()
     if exe is None:
-        pytest.skip("actionlint not found (pip install -e '.[lint]' where GitHub is reachable)")
+        pytest.skip("actionlint not found (the test extra installs it: pip install -e '.[test]')")
     proc = subprocess.run([exe, "-no-color", ".github/workflows/publish.yml"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
