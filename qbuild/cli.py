@@ -285,14 +285,12 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
 
 def _serve_instructions(bundle: Path) -> dict | None:
     """How to serve a pulled neuron bundle with vLLM (None for CPU bundles)."""
+    from .backends.neuron import QBUILD_RECORD, serve_instructions
     from .bundle import read_manifest
 
-    doc = read_manifest(bundle)
-    if doc["backend"] != "neuron":
+    if not (bundle / QBUILD_RECORD).is_file():
         return None
-    from .backends.neuron import serve_instructions
-
-    return serve_instructions(bundle.resolve(), doc)
+    return serve_instructions(bundle.resolve(), read_manifest(bundle))
 
 
 @app.command("gc")

@@ -161,7 +161,8 @@ def _print_noop_build(plan, manifests: dict, as_json: bool) -> None:
     order, then the result."""
     from .render import BuildProgress, print_build_result
 
-    result = SimpleNamespace(manifests=manifests, built=[], cached=list(plan.nodes), failed={}, skipped=[], ok=True)
+    result = SimpleNamespace(manifests=manifests, built=[], cached=list(plan.nodes), failed={}, skipped=[],
+                             deferred=[], ok=True)
     with BuildProgress() as progress:
         for nid, node in plan.nodes.items():
             progress.on_event(SimpleNamespace(kind="cached", node=node, manifest=manifests[nid], error=None,

@@ -202,7 +202,8 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
                         "pad_intermediate_to": None}
         ranks = r.parallel.tp
     roles["shard"] = shard = _add(
-        nodes, name, "shard", f"shard {shard_params['layout']} tp{r.parallel.tp} ep{r.parallel.ep}", shard_params,
+        nodes, name, "shard", f"shard {'' if not neuron else shard_params['layout'] + ' '}tp{r.parallel.tp} "
+                              f"ep{r.parallel.ep}", shard_params,
         {"converted": convert, **port_dep}, weights, 3 * big + GIB // 2)
 
     compile_ids = {}

@@ -201,11 +201,35 @@ def test_tiny_force_replaces_the_directory_whole(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]     # no staging left behind
 
 
+SLOW_TORCH = """\
+import os, pathlib, sys, time
+
+
+class _SlowTorch:
+    # Holds `import torch` until the test interrupts it, so SIGINT lands inside the command, never after it.
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            pathlib.Path(os.environ["QBUILD_TEST_READY"]).touch()
+            time.sleep(60)
+        return None
+
+
+sys.meta_path.insert(0, _SlowTorch())
+"""
+
+
 def test_sigint_exits_130_with_one_line_and_writes_nothing(tmp_path):
-    out = tmp_path / "ckpt"
+    out, hook, ready = tmp_path / "ckpt", tmp_path / "hook", tmp_path / "ready"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_TORCH)
+    env = env_for(tmp_path)
+    env.update(PYTHONPATH=f"{hook}{os.pathsep}{env['PYTHONPATH']}", QBUILD_TEST_READY=str(ready))
     proc = subprocess.Popen([sys.executable, "-m", MODULE, "tiny", "qwen3_next", str(out)], cwd=tmp_path,
-                            env=env_for(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)     # inside the torch import or the write: either way interrupted
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), "the command never reached its torch import"
     proc.send_signal(signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and stderr.strip() == "interrupted" and "Traceback" not in stderr + stdout

@@ -203,7 +203,7 @@ def test_neuron_config_json_survives_into_the_bundle(dense, tmp_path):
     beside it as qbuild-neuron.json."""
     require_bundle(dense.result, dense.stderr)
     bundle = tmp_path / "bundle"
-    pulled = dense.cli("pull", "dense", "--to", str(bundle))
+    pulled = dense.cli("pull", "dense", "--to", str(bundle), "--allow-unverified")
     assert pulled.returncode == 0, pulled.stderr
     compiled_dir = dense.node_outputs("dense", "compile text", tmp_path / "compiled")
     assert (bundle / "neuron_config.json").read_bytes() == (compiled_dir / "neuron_config.json").read_bytes()
@@ -286,7 +286,7 @@ def test_bundle_loads_with_the_port_class(dense, tmp_path):
     rank's weights/tp{r}_sharded_checkpoint.safetensors and takes them only in the names and shapes it compiled."""
     require_bundle(dense.result, dense.stderr)
     bundle = tmp_path / "bundle"
-    assert dense.cli("pull", "dense", "--to", str(bundle)).returncode == 0
+    assert dense.cli("pull", "dense", "--to", str(bundle), "--allow-unverified").returncode == 0
     record = json.loads((bundle / "qbuild-neuron.json").read_text())
     script = ("import sys; sys.path.insert(0, sys.argv[2]); from src.modeling_qwen35 import NeuronQwen35ForCausalLM; "
               "m = NeuronQwen35ForCausalLM(sys.argv[1]); m.load(sys.argv[1])")
@@ -362,7 +362,8 @@ def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
         plans.append({n["id"]: (n["key"], n["status"]) for n in json.loads(proc.stdout)["nodes"]})
     assert plans[0] == plans[1]
     proc = build.cli("compile", str(recipe), "--keep-going", "--skip-device", "--mem", "1T", sdk=False)
-    assert proc.returncode == 1
+    # Offline, the Hub fetch fails too (infrastructure, exit 3); what matters is the compile's own line.
+    assert proc.returncode in (1, 3)
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("FAILED compile text")]
     assert "neuronx-distributed-inference" in line and "not installed" in line
 
@@ -385,7 +386,7 @@ def test_skip_device_leaves_verify_unbuilt(dense):
 def test_pull_prints_the_vllm_command(dense, tmp_path):
     require_bundle(dense.result, dense.stderr)
     bundle = tmp_path / "serve"
-    proc = dense.cli("pull", "dense", "--to", str(bundle))
+    proc = dense.cli("pull", "dense", "--to", str(bundle), "--allow-unverified")
     assert proc.returncode == 0, proc.stderr
     command = [ln for ln in proc.stdout.splitlines() if not ln.startswith("#")]
     assert len(command) == 1, proc.stdout

@@ -52,7 +52,7 @@ import torch
 from qbuild.convert import attention, deltanet, embeddings, moe
 from qbuild.convert.dims import TextDims
 from qbuild.convert.errors import CheckpointError, ShardError
-from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, replicate, row
+from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
 
 NXD_MAIN = "nxd-main"
 NXD_MOE = "nxd-moe"
@@ -432,20 +432,12 @@ def nxd_program(d: TextDims, names, p: ParallelLayout, lineage: Lineage, dtype: 
                 label: str) -> list[ShardStep]:
     steps = [_rank_tensors(d, p, lineage)]
     fused: set[str] = set()
-    if p.fused_qkv:
-        for i in (i for i in range(d.num_layers) if d.is_full_attention(i)):
-            for kind in ("weight", "scale"):
-                trio = [f"layers.{i}.self_attn.{x}_proj.{kind}" for x in "qkv"]
-                present = [n for n in trio if n in names]
-                if not present:
-                    continue
-                if len(present) < 3:
-                    raise CheckpointError(label, "is needed to fuse Wqkv", next(n for n in trio if n not in names))
-                if kind == "scale" and not lineage.fuses_qkv_scales:
-                    raise CheckpointError(label, f"is an FP8 scale, but the {lineage.name} port's converter fuses "
-                                                 "Wqkv without its scales", present[0])
-                steps.append(_fused_qkv(i, kind, d, p, dtype))
-                fused.update(trio)
+    for i, kind, trio in (qkv_trios(d, names, label) if p.fused_qkv else []):
+        if kind == "scale" and not lineage.fuses_qkv_scales:
+            raise CheckpointError(label, f"is an FP8 scale, but the {lineage.name} port's converter fuses Wqkv "
+                                         "without its scales", trio[0])
+        steps.append(_fused_qkv(i, kind, d, p, dtype))
+        fused.update(trio)
     for name in names:
         if name not in fused:
             steps.append(_single(name, *_rule(name, lineage, label), d, p, dtype))

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from qbuild.convert.dims import TextDims
+from qbuild.convert.errors import CheckpointError
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,18 @@ def column(t, d, p):
 
 def row(t, d, p):
     return list(t.chunk(p.tp, dim=1))
+
+
+def qkv_trios(d: TextDims, names, label: str) -> list[tuple[int, str, list[str]]]:
+    """(layer, "weight" | "scale", [q, k, v names]) of every q/k/v trio the converted tensors hold, to be fused into
+    one Wqkv; CheckpointError naming the missing member of a partial trio."""
+    out = []
+    for i in (i for i in range(d.num_layers) if d.is_full_attention(i)):
+        for kind in ("weight", "scale"):
+            trio = [f"layers.{i}.self_attn.{x}_proj.{kind}" for x in "qkv"]
+            present = [n for n in trio if n in names]
+            if present and len(present) < 3:
+                raise CheckpointError(label, "is needed to fuse Wqkv", next(n for n in trio if n not in names))
+            if present:
+                out.append((i, kind, trio))
+    return out

@@ -44,7 +44,7 @@ from qbuild.convert.checkpoint import dims_of, load_config
 from qbuild.convert.convert import DTYPES
 from qbuild.convert.dims import TextDims
 from qbuild.convert.errors import CheckpointError, ShardError
-from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, replicate, row
+from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
 from qbuild.convert.safetensors_io import Entry, MappedSources, PlannedFile, read_header
 from qbuild.convert.writer import SourceFiles, run_all, staged_directory, write_json
 
@@ -182,17 +182,9 @@ def _rank_util(d: TextDims, p: ParallelLayout) -> ShardStep:
 def shard_program(d: TextDims, names, p: ParallelLayout, label: str) -> list[ShardStep]:
     steps = [_rank_util(d, p)]
     fused: set[str] = set()
-    if p.fused_qkv:
-        for i in (i for i in range(d.num_layers) if d.is_full_attention(i)):
-            for kind in ("weight", "scale"):
-                trio = [f"layers.{i}.self_attn.{x}_proj.{kind}" for x in "qkv"]
-                present = [n for n in trio if n in names]
-                if present and len(present) < 3:
-                    missing = next(n for n in trio if n not in names)
-                    raise CheckpointError(label, "is needed to fuse Wqkv", missing)
-                if present:
-                    steps.append(_fused_qkv(i, kind, d, p))
-                    fused.update(trio)
+    for i, kind, trio in (qkv_trios(d, names, label) if p.fused_qkv else []):
+        steps.append(_fused_qkv(i, kind, d, p))
+        fused.update(trio)
     for name in names:
         if name not in fused:
             steps.append(_single(name, placement_of(name, label), d, p))
