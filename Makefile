@@ -5,7 +5,7 @@ QBUILD := $(VENV)/bin/qbuild
 DEMO   := .qbuild
 export QBUILD_STORE ?= $(CURDIR)/$(DEMO)/store
 
-.PHONY: install demo test neuron-check bench clean
+.PHONY: install demo test lock-check neuron-check bench clean
 
 install: $(VENV)/.installed
 
@@ -28,6 +28,12 @@ demo: install $(DEMO)/tiny/qwen3_5/config.json $(DEMO)/tiny/qwen3_5_moe/config.j
 
 test: install
 	$(PY) -m pytest -n 2 --durations=15 -q
+
+# The committed artifacts.lock names the tiny recipes' artifacts: a clean machine rebuilds them from nothing (fresh
+# checkpoints, an empty store) to exactly what it locks, or this fails naming the first step that would differ.
+lock-check: install
+	for f in qwen3_5 qwen3_5_moe qwen3_next; do $(QBUILD) tiny $$f $(DEMO)/tiny/$$f --force; done
+	QBUILD_STORE=$$(mktemp -d) $(QBUILD) compile recipes/tiny/*.yaml --frozen -j 2
 
 # On a Trainium host with the Neuron SDK in the interpreter that runs it (e.g. make neuron-check PY=/opt/<sdk venv>/bin/
 # python) and QBUILD_TEST_PORTS naming the port checkouts: the tiny families compiled, run and checked on the device.

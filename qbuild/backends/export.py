@@ -65,6 +65,12 @@ def text_inputs(model, graph: str, batch: int, bucket: int) -> tuple:
     return torch.zeros(batch, 1, dtype=torch.long), positions, torch.zeros(batch, dtype=torch.long), state
 
 
+def _example_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Zeros of the module's parameter shapes: torch.export.save keeps the example inputs in the program, so random
+    initial values would make two compiles of one key differ byte for byte."""
+    return {k: torch.zeros_like(v) for k, v in module.state_dict().items()}
+
+
 def _export(module: torch.nn.Module, weights: dict, args: tuple) -> torch.export.ExportedProgram:
     with torch.no_grad():
         return torch.export.export(Functional(module), (weights, *args), strict=False)
@@ -76,7 +82,7 @@ def export_text(params: dict) -> Traced:
     graph, bucket, batch = params["graph"], params["bucket"], params["batch_size"]
     start = time.monotonic()
     model = text_model(params, max_seq_len=bucket).eval()
-    weights = dict(model.state_dict())
+    weights = _example_weights(model)
     args = text_inputs(model, graph, batch, bucket)
     program = _export(EntryPoint(model, "prefill" if graph == "cte" else "decode"), weights, args)
     signature = {"graph": graph, "bucket": bucket, "batch_size": batch, "embeds": model.cfg.mrope_section is not None,
@@ -93,7 +99,7 @@ def export_vision(params: dict) -> Traced:
     start = time.monotonic()
     cfg = VisionConfig.from_vision(vision_arch(params))
     encoder = VisionEncoder(cfg, dtype=DTYPES[params["dtype"]]).eval()
-    weights = dict(encoder.state_dict())
+    weights = _example_weights(encoder)
     args = vision_example_inputs(cfg, params["bucket"], DTYPES[params["dtype"]])
     program = _export(encoder, weights, args)
     signature = {"graph": "vision", "bucket": params["bucket"],
