@@ -392,6 +392,12 @@ def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_p
     blob.unlink()
     (blob / "squatter").mkdir(parents=True)
     env = {"QBUILD_STORE": str(store)}
+    # store verify names the squatter (no traceback); --repair drops it and the entries that lost it.
+    proc = qbuild("store", "verify", cwd=project, env=env)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and f"corrupt blob {blob}" in proc.stdout + \
+        proc.stderr, proc.stdout + proc.stderr
+    assert qbuild("store", "verify", "--repair", cwd=project, env=env).returncode in (0, 1)
+    assert not blob.exists()
     proc = qbuild("compile", "ok.yaml", "--json", cwd=project, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert blob.is_file() and "shard tp1 ep1" in json.loads(proc.stdout)["built"]

@@ -230,20 +230,23 @@ class LocalStore:
         problems: list[str] = []
         bad_blobs: set[str] = set()
         for blob in sorted((self.root / "cas").glob("*/*")):
-            if blob.name.startswith(".") or digest_file(blob) != blob.name:
+            # Anything but a regular file (a directory, a FIFO someone put there) is as corrupt as wrong bytes.
+            if blob.name.startswith(".") or not blob.is_file() or blob.is_symlink() or digest_file(blob) != blob.name:
                 problems.append(f"corrupt blob {blob}")
                 bad_blobs.add(blob.name)
                 if repair:
-                    blob.unlink()
+                    discard_path(blob)
         # Every manifest file, read directly: `manifests()` skips entries whose blobs are gone, which are exactly
         # the ones to report (and, with --repair, to drop so that they are rebuilt).
         for path in sorted((self.root / "ac").glob("*/*.json")):
             try:
+                if not path.is_file():
+                    raise OSError("not a regular file")
                 m = Manifest.from_json(json.loads(path.read_bytes()))
             except (OSError, ValueError, KeyError, TypeError):
                 problems.append(f"unreadable manifest {path}")
                 if repair:
-                    path.unlink(missing_ok=True)
+                    discard_path(path)
                 continue
             missing = [p for p, o in m.outputs.items() if o["digest"] in bad_blobs or not self.has_blob(o["digest"])]
             if missing:
