@@ -586,11 +586,11 @@ def _validate_neuron(loaded: LoadedRecipe, arch: Arch) -> None:
     if r.vision is not None and LINEAGES[lineage.name].vision_module is None:
         _fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use main")
     if r.parallel.ep > 1:
-        # NxD's ExpertMLPsV2 raises NotImplementedError for EP in selective-loading decode (expert_mlps_v2.py @
+        # NxD's ExpertMLPsV2 refuses EP in selective-loading decode (it raises) (expert_mlps_v2.py @
         # fbac349; Qwen3.5-35B-A3B README). Coder-Next's README works around it with a patch of
         # ExpertMLPsV2.forward that is in no public commit of the port (PR 170 @ 753c7f5).
         _fail(loaded, "parallel.ep", f"no public {lineage.name}-lineage port runs expert parallelism in decode "
-                                     "(NxD raises NotImplementedError without an unpublished patch); use ep: 1")
+                                     "(NxD refuses it without an unpublished patch); use ep: 1")
     for dist, version in r.toolchain.pins().items():
         if version is None:
             _fail(loaded, "toolchain", f"a neuron build pins the Neuron SDK: set toolchain.{dist.replace('-', '_')} "

@@ -272,17 +272,23 @@ class LocalStore:
 FICLONE = 0x40049409   # linux/fs.h: make dst share src's extents, copy-on-write (btrfs, XFS, bcachefs)
 
 
+def _reflink(src: Path, dst: Path) -> bool:
+    """Whether `dst` now shares `src`'s extents; False where the filesystem cannot (ext4, tmpfs, across devices)."""
+    import fcntl
+
+    try:
+        with open(src, "rb") as s, open(dst, "wb") as d:
+            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+    except OSError:
+        return False
+    return True
+
+
 def clone_or_copy(src: Path, dst: Path) -> None:
     """A copy of `src` at `dst` that shares no inode with it: a reflink where the filesystem supports one (instant,
     no extra space), else a byte copy."""
-    try:
-        import fcntl
-
-        with open(src, "rb") as s, open(dst, "wb") as d:
-            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
+    if _reflink(src, dst):
         return
-    except OSError:
-        pass   # not supported here (ext4, tmpfs, across filesystems): copy
     try:
         shutil.copyfile(src, dst)
     except OSError as e:
