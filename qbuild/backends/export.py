@@ -73,7 +73,12 @@ def _example_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _export(module: torch.nn.Module, weights: dict, args: tuple) -> torch.export.ExportedProgram:
     with torch.no_grad():
-        return torch.export.export(Functional(module), (weights, *args), strict=False)
+        program = torch.export.export(Functional(module), (weights, *args), strict=False)
+    # Each node's stack trace names the absolute path of the source that made it; a compile must be the same bytes
+    # in every checkout and on every machine.
+    for node in program.graph.nodes:
+        node.meta.pop("stack_trace", None)
+    return program
 
 
 def export_text(params: dict) -> Traced:
