@@ -20,6 +20,7 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .dtypes import DTYPE_BYTES
 from .errors import RecipeError, UserError
 from .recipe import LoadedRecipe, recipe_field_location
 from .userfile import read_small_file
@@ -48,7 +49,6 @@ MAX_CONFIG_BYTES = 4 << 20   # a config.json is a few KiB
 VISION_HIDDEN_ACT = "gelu_pytorch_tanh"
 
 _SHIPPED = Path(__file__).parent / "configs"
-_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 # Device memory one rank (one logical NeuronCore) can use, by target and LNC.
 _HBM_PER_RANK_GIB = {("trn2", 2): 24, ("trn2", 1): 12, ("trn1", 1): 16, ("trn1", 2): 32, ("inf2", 1): 16,
                      ("inf2", 2): 32}
@@ -605,7 +605,7 @@ def moe_backend(loaded: LoadedRecipe, arch: Arch) -> str | None:
 
 def weight_bytes(arch: Arch, dtype: str, fp8: str) -> int:
     dense, experts = arch.param_counts()
-    b = _DTYPE_BYTES[dtype]
+    b = DTYPE_BYTES[dtype]
     # FP8 stores one byte per quantised weight; experts are the MLP weights of the MoE families.
     mlp_bytes = 1 if fp8 != "none" else b
     if arch.is_moe:
@@ -617,7 +617,7 @@ def weight_bytes(arch: Arch, dtype: str, fp8: str) -> int:
 def rank_memory_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
     """Estimated device memory of one rank: its weight shard, its KV cache and its DeltaNet state."""
     r = loaded.recipe
-    tp, b = r.parallel.tp, _DTYPE_BYTES[r.dtype]
+    tp, b = r.parallel.tp, DTYPE_BYTES[r.dtype]
     weights = weight_bytes(arch, r.dtype, r.fp8) // tp
     kv_heads = max(1, arch.num_kv_heads // tp)
     kv = 2 * r.text.batch_size * r.text.seq_len * kv_heads * arch.head_dim * b * arch.num_attn_layers

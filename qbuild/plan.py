@@ -14,6 +14,7 @@ from pathlib import Path
 
 from . import actions, arch as archmod, ports
 from .arch import Arch
+from .dtypes import DTYPE_BYTES
 from .hashing import StatCache, canonical_json, digest_json
 from .recipe import LoadedRecipe
 from .store.manifest import Manifest
@@ -165,7 +166,7 @@ def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
 def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_cache: StatCache) -> PlannedRecipe:
     r, name = loaded.recipe, loaded.name
     neuron = r.backend == "neuron"
-    dbytes = {"bfloat16": 2, "float16": 2, "float32": 4}[r.dtype]
+    dbytes = DTYPE_BYTES[r.dtype]
     weights = archmod.weight_bytes(arch, r.dtype, r.fp8)
     vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * dbytes
     big = _largest_tensor_bytes(arch, 4)

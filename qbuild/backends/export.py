@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..dtypes import torch_dtype
 from . import text_arch, vision_arch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Functional(torch.nn.Module):
@@ -48,7 +48,7 @@ def text_model(params: dict, max_seq_len: int):
     from ..modeling import TextConfig, TextModel
 
     cfg = TextConfig.from_arch(text_arch(params))
-    return TextModel(cfg, tp=params["tp"], ep=params["ep"], dtype=DTYPES[params["dtype"]], max_seq_len=max_seq_len)
+    return TextModel(cfg, tp=params["tp"], ep=params["ep"], dtype=torch_dtype(params["dtype"]), max_seq_len=max_seq_len)
 
 
 def text_inputs(model, graph: str, batch: int, bucket: int) -> tuple:
@@ -103,9 +103,9 @@ def export_vision(params: dict) -> Traced:
 
     start = time.monotonic()
     cfg = VisionConfig.from_vision(vision_arch(params))
-    encoder = VisionEncoder(cfg, dtype=DTYPES[params["dtype"]]).eval()
+    encoder = VisionEncoder(cfg, dtype=torch_dtype(params["dtype"])).eval()
     weights = _example_weights(encoder)
-    args = vision_example_inputs(cfg, params["bucket"], DTYPES[params["dtype"]])
+    args = vision_example_inputs(cfg, params["bucket"], torch_dtype(params["dtype"]))
     program = _export(encoder, weights, args)
     signature = {"graph": "vision", "bucket": params["bucket"],
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()}}

@@ -17,8 +17,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from qbuild import jsonio
+from qbuild.dtypes import torch_dtype
 
-DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
 
 def _port_module(port: str, module: str):
@@ -26,12 +26,6 @@ def _port_module(port: str, module: str):
     # the caller passes the directory each lineage needs (qbuild.ports.Lineage.module_dir).
     sys.path.insert(0, port)
     return importlib.import_module(module)
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, DTYPES[name])
 
 
 def compile_text(req: dict) -> dict:
@@ -51,7 +45,7 @@ def compile_text(req: dict) -> dict:
     nc = (MoENeuronConfig if cfg["neuron_config_class"] == "MoENeuronConfig" else NeuronConfig)(**cfg["neuron_config"])
     for dotted, value in cfg["attributes"].items():
         owner, attr = dotted.rsplit(".", 1)
-        setattr(getattr(nc, owner), attr, _torch_dtype(value) if attr == "dtype" else value)
+        setattr(getattr(nc, owner), attr, torch_dtype(value) if attr == "dtype" else value)
     config = config_cls(neuron_config=nc, **req["kwargs"])
     args = cfg["compiler_args"]
 
@@ -92,7 +86,7 @@ def compile_vision(req: dict) -> dict:
     model = module.CPUVisionModel(SimpleNamespace(**v))
     state = {k: t for k, t in load_file(req["weights"]).items() if not k.startswith(("patch_embed.", "pos_embed."))}
     model.load_state_dict(state, strict=True)
-    dtype = _torch_dtype(req["dtype"])
+    dtype = torch_dtype(req["dtype"])
     model = model.to(dtype).eval()
     s, hidden = cfg["bucket"], v["hidden_size"]
     head_dim = hidden // v["num_heads"]

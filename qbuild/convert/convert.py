@@ -23,20 +23,14 @@ import torch
 from qbuild.convert import fp8 as fp8_rules
 from qbuild.convert.checkpoint import TensorInfo, dims_of, open_checkpoint, validate
 from qbuild.convert.fp8 import Fp8Policy
+from qbuild.dtypes import torch_dtype as dtype_of
 from qbuild.convert.layout import program
 from qbuild.convert.safetensors_io import DTYPE_NAMES, MappedSources, PlannedFile, contiguous
 from qbuild.convert.steps import Step
 from qbuild.convert.writer import (DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles, meta_specs, run_all,
                                    staged_directory, write_json)
 
-DTYPES: dict[str, torch.dtype] = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 FORMAT_VERSION = 1
-
-
-def target_dtype(dtype: str) -> torch.dtype:
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
 
 
 def check_policy(fp8: str) -> None:
@@ -61,7 +55,7 @@ def convert_state_dict(config: dict, tensors: Mapping[str, torch.Tensor], *, dty
                        fp8: Fp8Policy = "none") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """HF config dict + HF state dict -> (NxDI text tensors, vision tensors), in memory. Same rules and validation
     as convert_checkpoint; for tests and small models."""
-    torch_dtype = target_dtype(dtype)
+    torch_dtype = dtype_of(dtype)
     check_policy(fp8)
     family, d, v = dims_of(config, "config")
     prog = program(family, d, v, tensors.keys())
@@ -86,7 +80,7 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
     `files` maps checkpoint file names to their real paths (e.g. HF cache blobs). The whole checkpoint is validated
     before anything is written; output is staged beside `dst` and renamed into place, so on any error `dst` is not
     created. `workers` > 1 runs independent steps in threads. Returns the convert.json document."""
-    torch_dtype = target_dtype(dtype)
+    torch_dtype = dtype_of(dtype)
     check_policy(fp8)
     ck = open_checkpoint(Path(src), files)
     layers = ck.text.num_layers

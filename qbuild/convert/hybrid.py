@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from qbuild.dtypes import torch_dtype
+
 MAX_GDN_CHECKPOINT_SLOTS = 8
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def gdn_checkpoint_banks(arch, tp: int, dtype: str, slots: int = MAX_GDN_CHECKPOINT_SLOTS) -> dict[str, torch.Tensor]:
@@ -26,5 +27,5 @@ def gdn_checkpoint_banks(arch, tp: int, dtype: str, slots: int = MAX_GDN_CHECKPO
         out[f"hybrid_gdn_checkpoint_cache.recurrent_slots.{idx}"] = torch.zeros(
             (slots, local_v, arch.k_head_dim, arch.v_head_dim), dtype=torch.float32)
         out[f"hybrid_gdn_checkpoint_cache.conv_slots.{idx}"] = torch.zeros(
-            (slots, conv_dim, arch.conv_kernel - 1), dtype=_DTYPES[dtype])
+            (slots, conv_dim, arch.conv_kernel - 1), dtype=torch_dtype(dtype))
     return out

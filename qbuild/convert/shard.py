@@ -41,7 +41,7 @@ import torch
 
 from qbuild.convert import attention, deltanet, moe, nxd
 from qbuild.convert.checkpoint import dims_of, load_config
-from qbuild.convert.convert import DTYPES
+from qbuild.dtypes import DTYPES, torch_dtype
 from qbuild.convert.dims import TextDims
 from qbuild.convert.errors import CheckpointError, ShardError
 from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
@@ -213,7 +213,7 @@ def layout_program(d: TextDims, names, p: ParallelLayout, layout: Layout, dtype:
         raise ShardError(f"layout {layout} needs dtype, the model dtype NxD casts every weight to")
     lineage = nxd.LINEAGES[layout]
     nxd.check_nxd_layout(d, p, lineage)
-    return nxd.nxd_program(d, names, p, lineage, DTYPES[dtype], label)
+    return nxd.nxd_program(d, names, p, lineage, torch_dtype(dtype), label)
 
 
 def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int, ep: int = 1,

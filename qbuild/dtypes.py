@@ -1,0 +1,15 @@
+"""The model dtypes a recipe may name: their sizes (planning, without torch) and their torch types (the steps)."""
+
+from __future__ import annotations
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES = tuple(DTYPE_BYTES)
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a recipe dtype name; imports torch, so only steps call it."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    import torch
+
+    return getattr(torch, name)
