@@ -384,7 +384,8 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
 @recipe_app.command("validate")
 def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files"), json_: bool = JsonOpt) -> None:
     """Validate recipes against the schema and against their model's architecture."""
-    from .arch import load_arch, validate
+    from .checks import validate
+    from .source import load_arch
     from .recipe import load_recipe
 
     valid = []
@@ -415,7 +416,8 @@ def tiny(family: str = typer.Argument(..., help="qwen3_5 | qwen3_5_moe | qwen3_n
          force: bool = typer.Option(False, "--force", help="replace what a non-empty directory holds"),
          json_: bool = JsonOpt) -> None:
     """Write a tiny random checkpoint of a family (seeded, with a tokenizer) for tests and demos."""
-    from .tinymodel import FAMILIES, install_tiny_checkpoint
+    from .families import FAMILIES
+    from .tinymodel import install_tiny_checkpoint
 
     if family not in FAMILIES:
         raise UserError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")

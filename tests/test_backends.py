@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from qbuild.actions import RunContext
-from qbuild.arch import load_arch
 from qbuild.backends import hf_config
 from qbuild.errors import BuildError
 from qbuild.plan import compile_params
 from qbuild.recipe import load_recipe
+from qbuild.source import load_arch
 
 
 def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: str = "export", tp: int = 1,

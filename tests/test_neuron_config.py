@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.arch import load_arch
 from qbuild.backends.neuron import modules_to_not_convert, neff_reuse, neuron_config, nxd_parallel
 from qbuild.plan import neuron_text_params, neuron_vision_params
 from qbuild.recipe import load_recipe
+from qbuild.source import load_arch
 
 # What each lineage's get_compiler_args() returns (nxdi-api.md section 1).
 MAIN_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.arch import shipped_config_path
+from qbuild.source import shipped_config_path
 from tests.conftest import qbuild
 
 BASE = """\

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .. import jsonio
 from ..errors import BuildError
-from ..ports import LINEAGES, VISION_COMPILER_ARGS, Lineage
+from ..families import LINEAGES, VISION_COMPILER_ARGS, Lineage, fp8_mlp_layers
 
 FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}   # PR 173 qwen36_27b_compile_fp8.py
 # NxDI's BlockwiseMatmulConfig per MoE backend (nxdi-api.md section 3). shard_hidden is NxD's LNC=2 default kernel
@@ -63,7 +63,7 @@ def nxd_parallel(lineage: str, is_moe: bool, tp: int, ep: int) -> dict:
 
     NxDI: world_size = tp_degree * pp_degree * ep_degree (models/config.py). The moe lineage runs expert parallelism
     the way Coder-Next validated it: ep_degree = moe_ep_degree = ep, moe_tp_degree = tp (PR 170 README), so ep
-    multiplies the ranks. The main lineage has no EP (qbuild.arch refuses ep > 1 there): moe_tp_degree = tp.
+    multiplies the ranks. The main lineage has no EP (qbuild.checks refuses ep > 1 there): moe_tp_degree = tp.
     """
     if lineage == "moe" and is_moe and ep > 1:
         return {"tp_degree": tp, "ep_degree": ep, "moe_tp_degree": tp, "moe_ep_degree": ep, "world_size": tp * ep}
@@ -72,15 +72,17 @@ def nxd_parallel(lineage: str, is_moe: bool, tp: int, ep: int) -> dict:
 
 
 def modules_to_not_convert(num_layers: int) -> list[str]:
-    """FP8 mlp_only: every module but the MLPs of layers 1..L-2 stays in the model dtype (PR 173)."""
+    """FP8 mlp_only: every module but the MLPs that mlp_only quantises stays in the model dtype (PR 173)."""
     keep = []
     for name in _FP8_KEEP_TOP:
         keep += [name, f"model.{name}"]
     for i in range(num_layers):
         for prefix in ("layers", "model.layers"):
             keep += [f"{prefix}.{i}.{m}" for m in _FP8_KEEP_LAYER]
-    for i in (0, num_layers - 1):
-        keep += [f"layers.{i}.mlp", f"model.layers.{i}.mlp"]
+    quantised = fp8_mlp_layers("mlp_only", num_layers)
+    for i in range(num_layers):
+        if i not in quantised:
+            keep += [f"layers.{i}.mlp", f"model.layers.{i}.mlp"]
     return keep
 
 

@@ -23,9 +23,9 @@ from typing import Mapping
 
 from qbuild.convert.dims import TextDims, VisionDims, arch_of, dims_from_arch
 from qbuild.convert.errors import CheckpointError
-from qbuild.convert.families import Family, family_of
 from qbuild.convert.layout import Program, program
 from qbuild.convert.safetensors_io import FLOAT_DTYPES, Entry, read_header
+from qbuild.families import MODEL_TYPES, ModelType
 
 INDEX = "model.safetensors.index.json"
 # Other weight formats are never loaded (they are pickles); their presence alone is not an error.
@@ -53,7 +53,7 @@ class Located:
 @dataclass(frozen=True)
 class Checkpoint:
     config: dict
-    family: Family
+    model_type: ModelType
     text: TextDims
     vision: VisionDims | None
     program: Program
@@ -85,6 +85,15 @@ def load_config(path: Path, label: str = "config.json") -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(label, "is not a JSON object")
     return config
+
+
+def model_type_of(config: dict, label: str = "config.json") -> ModelType:
+    """The model type of an HF config dict (it alone decides the family); CheckpointError naming `label` for an
+    unknown one."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(label, f"unknown model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    return MODEL_TYPES[model_type]
 
 
 def _weight_files(locate: _Locator) -> tuple[list[str], dict[str, str] | None]:
@@ -125,17 +134,17 @@ def _read_tensors(locate: _Locator, files: list[str], weight_map: dict[str, str]
     return found
 
 
-def check_vocab(tensors: Mapping[str, Located], family: Family, text: TextDims) -> None:
+def check_vocab(tensors: Mapping[str, Located], model_type: ModelType, text: TextDims) -> None:
     """config.json's vocab_size against the rows of the embedding and lm_head. Checked before the tensor shapes, so
     that a config that lies about its vocabulary is blamed rather than the tensor."""
-    for name in (f"{family.text_prefix}embed_tokens.weight", "lm_head.weight"):
+    for name in (f"{model_type.text_prefix}embed_tokens.weight", "lm_head.weight"):
         found = tensors.get(name)
         if found is not None and found.entry.shape and found.entry.shape[0] != text.vocab:
             raise CheckpointError("config.json", f"vocab_size {text.vocab} does not match the {found.entry.shape[0]} "
                                                  f"rows of tensor {name!r} in {found.file}")
 
 
-def validate(found: Mapping[str, TensorInfo], prog: Program, family: Family, missing_label: str) -> None:
+def validate(found: Mapping[str, TensorInfo], prog: Program, model_type: ModelType, missing_label: str) -> None:
     """Raise CheckpointError for the first missing, misshapen, non-float or unexpected tensor."""
     expected = prog.sources()
     for name, shape in expected.items():
@@ -147,27 +156,28 @@ def validate(found: Mapping[str, TensorInfo], prog: Program, family: Family, mis
         if tuple(info.shape) != tuple(shape):
             raise CheckpointError(info.file, f"has shape {tuple(info.shape)}, expected {tuple(shape)}", name)
     for name, info in sorted(found.items()):
-        if name not in expected and not name.startswith(family.dropped_prefixes):
-            raise CheckpointError(info.file, f"is not part of a {family.name} checkpoint of this config", name)
+        if name not in expected and not name.startswith(model_type.dropped_prefixes):
+            raise CheckpointError(info.file, f"is not part of a {model_type.family.name} checkpoint of this config",
+                                  name)
 
 
-def dims_of(config: dict, label: str = "config.json") -> tuple[Family, TextDims, VisionDims | None]:
-    family = family_of(config, label)
-    text, vision = dims_from_arch(arch_of(config, label), family, label)
-    return family, text, vision
+def dims_of(config: dict, label: str = "config.json") -> tuple[ModelType, TextDims, VisionDims | None]:
+    model_type = model_type_of(config, label)
+    text, vision = dims_from_arch(arch_of(config, label), model_type, label)
+    return model_type, text, vision
 
 
 def open_checkpoint(src: Path, files: Mapping[str, Path] | None = None) -> Checkpoint:
     """Read and validate the checkpoint at `src` (headers only: no tensor data is read)."""
     locate = _Locator(src, files)
     config = load_config(locate("config.json"))
-    family, text, vision = dims_of(config)
+    model_type, text, vision = dims_of(config)
     names, weight_map = _weight_files(locate)
     tensors = _read_tensors(locate, names, weight_map)
-    check_vocab(tensors, family, text)
-    prog = program(family, text, vision, tensors)
+    check_vocab(tensors, model_type, text)
+    prog = program(model_type, text, vision, tensors)
     infos = {n: TensorInfo(t.file, t.entry.dtype, t.entry.shape) for n, t in tensors.items()}
-    validate(infos, prog, family, INDEX if weight_map is not None else names[0])
+    validate(infos, prog, model_type, INDEX if weight_map is not None else names[0])
     carried = {n: locate(n) for n in locate.names()
                if n.endswith(_CARRIED_SUFFIXES) and n != INDEX and locate(n).is_file()}
-    return Checkpoint(config, family, text, vision, prog, tensors, carried)
+    return Checkpoint(config, model_type, text, vision, prog, tensors, carried)

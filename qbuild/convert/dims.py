@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from qbuild.arch import Arch, ConfigError, VisionArch, arch_from_config
 from qbuild.convert.errors import CheckpointError
-from qbuild.convert.families import Family
+from qbuild.families import ModelType
 
 
 @dataclass(frozen=True)
@@ -105,14 +105,14 @@ def arch_of(config: dict, label: str = "config.json") -> Arch:
         raise CheckpointError(label, e.message) from None
 
 
-def dims_from_arch(arch: Arch, family: Family, label: str = "config.json") -> tuple[TextDims, VisionDims | None]:
+def dims_from_arch(arch: Arch, family: ModelType, label: str = "config.json") -> tuple[TextDims, VisionDims | None]:
     """The text dims, and the vision dims where the family keeps a vision encoder."""
     if family.vision_prefix and arch.vision is None:
         raise CheckpointError(label, "vision_config is missing or not an object")
     return TextDims.from_arch(arch), VisionDims.from_arch(arch.vision) if family.vision_prefix else None
 
 
-def text_dims(config: dict, family: Family, label: str = "config.json") -> TextDims:
+def text_dims(config: dict, family: ModelType, label: str = "config.json") -> TextDims:
     """The text dims of a config (`family` is implied by its model_type; kept for callers)."""
     return TextDims.from_arch(arch_of(config, label))
 
