@@ -194,9 +194,10 @@ class Arch:
             text["max_position_embeddings"] = self.max_position_embeddings
         if self.pad_token_id is not None:
             text["pad_token_id"] = self.pad_token_id
-        if self.family == "qwen3_next":
+        wrapper = FAMILIES[self.family].vl_model_type
+        if wrapper is None:
             return text
-        config = {"model_type": self.family, "text_config": text, "tie_word_embeddings": self.tie_word_embeddings}
+        config = {"model_type": wrapper, "text_config": text, "tie_word_embeddings": self.tie_word_embeddings}
         if self.vision is not None:
             config["vision_config"] = {**self.vision.to_hf_config(),
                                        "rope_parameters": {"rope_type": "axial", "rope_theta": self.vision_rope_theta}}
