@@ -18,6 +18,7 @@ import typer  # noqa: E402
 
 from . import jsonio  # noqa: E402
 from .errors import QbuildError, UserError  # noqa: E402
+from .families import FAMILIES  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build, verify and publish compiled Qwen3.5 / Qwen3-Next artifacts from YAML recipes.")
@@ -409,14 +410,13 @@ def recipe_schema() -> None:
 
 
 @app.command()
-def tiny(family: str = typer.Argument(..., help="qwen3_5 | qwen3_5_moe | qwen3_next"),
+def tiny(family: str = typer.Argument(..., help=" | ".join(FAMILIES)),
          out: Path = typer.Argument(..., help="directory to write the checkpoint into (new or empty)"),
          seed: int = typer.Option(0, help="random seed"),
          fused_experts: bool = typer.Option(False, help="MoE experts in the fused 3D form"),
          force: bool = typer.Option(False, "--force", help="replace what a non-empty directory holds"),
          json_: bool = JsonOpt) -> None:
     """Write a tiny random checkpoint of a family (seeded, with a tokenizer) for tests and demos."""
-    from .families import FAMILIES
     from .tinymodel import install_tiny_checkpoint
 
     if family not in FAMILIES:
