@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-DTYPES = tuple(DTYPE_BYTES)
+from typing import Literal, get_args
+
+DType = Literal["bfloat16", "float16", "float32"]
+# Which weights a build stores as float8 (e4m3); the others keep the model dtype.
+FP8Policy = Literal["none", "mlp_only", "full"]
+
+DTYPE_BYTES: dict[DType, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES: tuple[DType, ...] = get_args(DType)
 
 
 def torch_dtype(name: str):

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt,
                       ValidationError, field_validator, model_validator)
 
+from .backends import Backend, MoEBackend, Target
+from .dtypes import DType, FP8Policy
 from .errors import RecipeError
+from .ports import LineageName
 from .userfile import read_small_file
-
-FP8Policy = Literal["none", "mlp_only", "full"]
-MoEBackend = Literal["shard_on_intermediate", "torch_blockwise", "shard_hidden", "shard_on_block"]
-Backend = Literal["neuron", "inductor", "export"]
-Lineage = Literal["main", "moe"]
-Target = Literal["trn2", "trn1", "inf2"]
-DType = Literal["bfloat16", "float16", "float32"]
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -122,7 +118,7 @@ class Compiler(_Strict):
 class Port(_Strict):
     """The NxDI contrib port a neuron build runs (qbuild.ports): its lineage and where its source lives."""
 
-    lineage: Lineage | None = Field(None, description="main | moe; default per family (Coder-Next: moe)")
+    lineage: LineageName | None = Field(None, description="main | moe; default per family (Coder-Next: moe)")
     path: str | None = Field(None, description="the port directory (holds src/), relative to the recipe file")
     module: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*$",
                                description="an importable package whose directory is the port directory")

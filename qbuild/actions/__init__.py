@@ -102,11 +102,12 @@ for _spec in (
     ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.convert"), ("safetensors", "torch")),
     ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.convert"), ("safetensors", "torch")),
     # A neuron compile pins its toolchain in its params (the recipe's `toolchain`), which then replaces these.
-    ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.backends", "qbuild.modeling",
-                                                  "qbuild.kernels", "qbuild.ports"), ("torch",)),
-    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.bundle", "qbuild.backends.neuron")),
+    ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.params", "qbuild.backends",
+                                                  "qbuild.modeling", "qbuild.kernels", "qbuild.ports"), ("torch",)),
+    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.params", "qbuild.bundle",
+                                                  "qbuild.backends.neuron")),
     ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference",), ("torch", "transformers")),
-    ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.runtime", "qbuild.modeling",
-                                                "qbuild.kernels", "qbuild.backends"), ("torch",)),
+    ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.params", "qbuild.runtime",
+                                                "qbuild.modeling", "qbuild.kernels", "qbuild.backends"), ("torch",)),
 ):
     register(_spec)
