@@ -242,7 +242,6 @@ def work_dir(params: NeuronCompile) -> Path:
     """
     from ..hashing import digest_json
 
-    # Named by the params as planned (the JSON of the key), so a folder keeps its name across qbuild versions.
     stable = {k: v for k, v in to_json(params).items() if k not in ("cte_buckets", "tkg_buckets")}
     root = Path(os.environ.get("QBUILD_NEURON_WORKDIR", "/tmp/qbuild-nxd"))
     return root / f"{params.graph}-{digest_json(stable)[:16]}"
