@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, FiniteFloat, StrictBool,
                       StrictInt, Tag, ValidationError, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from .dtypes import DTYPES
+from .backends import Backend, Target
+from .dtypes import DType
 from .errors import RecipeError
 from .families import FP8Policy, LineageName, MoEBackend
 from .userfile import read_small_file
-
-Backend = Literal["neuron", "inductor", "export"]
-Target = Literal["trn2", "trn1", "inf2"]
-DType = Literal[DTYPES]
 
 
 def _not_a_bool(value: Any) -> Any:

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 
 from qbuild.actions import RunContext
-from qbuild.backends import hf_config
 from qbuild.errors import BuildError
+from qbuild.params import CompileParams, parse_compile
 from qbuild.plan import compile_params
 from qbuild.recipe import load_recipe
 from qbuild.source import load_arch
 
 
 def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: str = "export", tp: int = 1,
-            ep: int = 1, vision: bool = False) -> dict:
+            ep: int = 1, vision: bool = False) -> CompileParams:
     f = tmp_path / f"r-{graph}-{bucket}-{backend}.yaml"
     f.write_text(textwrap.dedent(f"""
         model: {{path: {checkpoint}}}
@@ -29,7 +29,7 @@ def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: 
         text: {{seq_len: 64, cte_buckets: [16], tkg_buckets: [64]}}
     """) + ("vision: {buckets: [64]}\n" if vision else ""))
     loaded = load_recipe(f)
-    return compile_params(loaded, load_arch(loaded), graph, bucket)
+    return parse_compile(compile_params(loaded, load_arch(loaded), graph, bucket))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
@@ -39,13 +39,13 @@ def test_architecture_round_trips_through_compile_params(tmp_path, tiny_checkpoi
 
     original = json.loads((tiny_checkpoints[family] / "config.json").read_text())
     params = _params(tmp_path, tiny_checkpoints[family], "cte", 16)
-    rebuilt, real = TextConfig.from_hf(hf_config(params)), TextConfig.from_hf(original)
+    rebuilt, real = TextConfig.from_arch(params.text), TextConfig.from_hf(original)
     if all(real.is_moe(i) for i in range(real.num_layers)):  # no dense layer: the dense MLP size is unused
         real = dataclasses.replace(real, intermediate_size=rebuilt.intermediate_size)
     assert rebuilt == real
     if family != "qwen3_next":
         vparams = _params(tmp_path, tiny_checkpoints[family], "vision", 64, vision=True)
-        rebuilt, real = VisionConfig.from_hf(hf_config(vparams)), VisionConfig.from_hf(original)
+        rebuilt, real = VisionConfig.from_vision(vparams.vision), VisionConfig.from_hf(original)
         host_only = ("image_token_id", "vision_start_token_id", "rope_theta")  # host side, not in the graph
         assert {k: v for k, v in vars(rebuilt).items() if k not in host_only} == \
             {k: v for k, v in vars(real).items() if k not in host_only}

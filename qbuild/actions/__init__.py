@@ -104,13 +104,15 @@ for _spec in (
     ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.convert", "qbuild.families"),
                ("safetensors", "torch")),
     # A neuron compile pins its toolchain in its params (the recipe's `toolchain`), which then replaces these.
-    ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.backends", "qbuild.modeling",
-                                                  "qbuild.kernels", "qbuild.ports", "qbuild.families"), ("torch",)),
-    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.bundle", "qbuild.backends.neuron",
-                                                  "qbuild.families")),
+    ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.params", "qbuild.backends",
+                                                  "qbuild.modeling", "qbuild.kernels", "qbuild.ports",
+                                                  "qbuild.families"), ("torch",)),
+    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.params", "qbuild.bundle",
+                                                  "qbuild.backends.neuron", "qbuild.families")),
     ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference", "qbuild.families"),
                ("torch", "transformers")),
-    ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.runtime", "qbuild.modeling",
-                                                "qbuild.kernels", "qbuild.backends", "qbuild.families"), ("torch",)),
+    ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.params", "qbuild.runtime",
+                                                "qbuild.modeling", "qbuild.kernels", "qbuild.backends",
+                                                "qbuild.families"), ("torch",)),
 ):
     register(_spec)

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dtypes import torch_dtype
-from . import text_arch, vision_arch
-
+from ..params import CpuTextCompile, CpuVisionCompile
 
 
 class Functional(torch.nn.Module):
@@ -43,12 +42,12 @@ class Traced:
     seconds: float
 
 
-def text_model(params: dict, max_seq_len: int):
+def text_model(params: CpuTextCompile, max_seq_len: int):
     """The reference text model of the architecture in compile params, at this graph's KV length."""
     from ..modeling import TextConfig, TextModel
 
-    cfg = TextConfig.from_arch(text_arch(params))
-    return TextModel(cfg, tp=params["tp"], ep=params["ep"], dtype=torch_dtype(params["dtype"]), max_seq_len=max_seq_len)
+    cfg = TextConfig.from_arch(params.text)
+    return TextModel(cfg, tp=params.tp, ep=params.ep, dtype=torch_dtype(params.dtype), max_seq_len=max_seq_len)
 
 
 def text_inputs(model, graph: str, batch: int, bucket: int) -> tuple:
@@ -81,10 +80,10 @@ def _export(module: torch.nn.Module, weights: dict, args: tuple) -> torch.export
     return program
 
 
-def export_text(params: dict) -> Traced:
+def export_text(params: CpuTextCompile) -> Traced:
     from ..modeling import EntryPoint
 
-    graph, bucket, batch = params["graph"], params["bucket"], params["batch_size"]
+    graph, bucket, batch = params.graph, params.bucket, params.batch_size
     start = time.monotonic()
     model = text_model(params, max_seq_len=bucket).eval()
     weights = _example_weights(model)
@@ -98,19 +97,20 @@ def export_text(params: dict) -> Traced:
     return Traced(program, signature, time.monotonic() - start)
 
 
-def export_vision(params: dict) -> Traced:
+def export_vision(params: CpuVisionCompile) -> Traced:
     from ..modeling.vision import VisionConfig, VisionEncoder, vision_example_inputs
 
     start = time.monotonic()
-    cfg = VisionConfig.from_vision(vision_arch(params))
-    encoder = VisionEncoder(cfg, dtype=torch_dtype(params["dtype"])).eval()
+    cfg = VisionConfig.from_vision(params.vision)
+    dtype = torch_dtype(params.dtype)
+    encoder = VisionEncoder(cfg, dtype=dtype).eval()
     weights = _example_weights(encoder)
-    args = vision_example_inputs(cfg, params["bucket"], torch_dtype(params["dtype"]))
+    args = vision_example_inputs(cfg, params.bucket, dtype)
     program = _export(encoder, weights, args)
-    signature = {"graph": "vision", "bucket": params["bucket"],
+    signature = {"graph": "vision", "bucket": params.bucket,
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()}}
     return Traced(program, signature, time.monotonic() - start)
 
 
-def export_graph(params: dict) -> Traced:
-    return export_vision(params) if params["graph"] == "vision" else export_text(params)
+def export_graph(params: CpuTextCompile | CpuVisionCompile) -> Traced:
+    return export_vision(params) if isinstance(params, CpuVisionCompile) else export_text(params)
