@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.arch import Arch, VisionArch, load_arch
+from qbuild.arch import Arch, VisionArch
+from qbuild.source import load_arch
 from qbuild.hashing import StatCache, canonical_json
 from qbuild.params import (CpuTextCompile, CpuVisionCompile, NeuronPackageParams, NeuronTextCompile,
                            NeuronVisionCompile, PackageParams, ParamsError, VerifyParams, parse_compile,

@@ -19,7 +19,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from contextlib import contextmanager
 from dataclasses import asdict, replace
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from .. import jsonio
 from ..errors import BuildError
-from ..families import LINEAGES, VISION_COMPILER_ARGS, Lineage, fp8_mlp_layers
+from ..families import LINEAGES, VISION_COMPILER_ARGS, fp8_mlp_layers
 from ..params import (CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile, ParamsError,
                       parse_compile, to_json)
 
