@@ -292,7 +292,7 @@ def planning_inputs(plan, recipe_files: list[Path], lock_path, all_: bool, root:
     """Every file and directory that building `plan` from `recipe_files` (as the command line named them) read:
     recipes and bases, checkpoints, the HF cache, the lock, ./qbuild.yaml, and with --all the recipes directory."""
     from .arch import hf_cache_dir, hf_cached_snapshot
-    from .plan import checkpoint_files
+    from .source import checkpoint_files
     from .workspace import RECIPES_DIR
 
     root = Path(root or os.getcwd())

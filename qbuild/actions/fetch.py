@@ -14,8 +14,7 @@ from .. import jsonio
 from ..actions import RunContext
 from ..arch import hf_cache_dir
 from ..errors import InfraError, UserError
-from ..plan import CHECKPOINT_PATTERNS, checkpoint_files
-from ..source import check_checkpoint
+from ..source import CHECKPOINT_PATTERNS, check_checkpoint, checkpoint_files
 
 
 def run(ctx: RunContext) -> None:
