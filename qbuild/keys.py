@@ -78,7 +78,7 @@ def _toolchain(required: tuple[str, ...], optional: tuple[str, ...]) -> dict[str
 _SRC = "qbuild.actions"
 # An action runs the function `entry` names (imported only in the worker, so planning stays light); the source it
 # is made of is hashed into every key it produces, so editing a converter rebuilds conversions and nothing else.
-REGISTRY: Registry = {spec.kind: spec for spec in (
+REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
     ActionSpec("fetch", f"{_SRC}.fetch:run", (f"{_SRC}.fetch",), ("huggingface_hub",)),
     ActionSpec("port", f"{_SRC}.port:run", (f"{_SRC}.port",)),
     ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.convert"), ("safetensors", "torch")),
