@@ -291,9 +291,8 @@ class Inputs:
 def planning_inputs(plan, recipe_files: list[Path], lock_path, all_: bool, root: Path | None = None) -> Inputs:
     """Every file and directory that building `plan` from `recipe_files` (as the command line named them) read:
     recipes and bases, checkpoints, the HF cache, the lock, ./qbuild.yaml, and with --all the recipes directory."""
-    from .plan import checkpoint_files
     from .recipe import PathSource
-    from .source import hf_cached_snapshot, hf_repo_dir
+    from .source import checkpoint_files, hf_cached_snapshot, hf_repo_dir
     from .workspace import RECIPES_DIR
 
     root = Path(root or os.getcwd())

@@ -177,6 +177,18 @@ def _port_json(pr) -> dict | None:
             "path": str(where) if where else None, "found": bool(where and where.is_dir())}
 
 
+def print_explain(plan: Plan, status: dict[str, NodeStatus], why: dict[str, str], chosen: list[str],
+                  as_json: bool) -> None:
+    """`qbuild explain`'s output: for each chosen node, its status and why it would rebuild (or "cached")."""
+    rows = [{"id": nid, "name": plan.nodes[nid].name, "status": status[nid].status, "why": why[nid]}
+            for nid in dict.fromkeys(chosen)]
+    if as_json:
+        print(jsonio.dumps(rows, indent=1))
+        return
+    for row in rows:
+        print(f"{row['name']} [{row['id'][:8]}]: {row['why']}")
+
+
 def serve_text(serve: dict) -> None:
     """The lines that serve a pulled neuron bundle with vLLM: data, so on stdout."""
     import shlex

@@ -23,7 +23,7 @@ import pytest
 
 from qbuild import fastpath, plancache
 from qbuild.engine import BuildOptions
-from qbuild.plan import key_of, preimage
+from qbuild.keys import key_of, preimage
 from qbuild.render import plan_json
 from qbuild.store import StoreSpec
 from qbuild.store.manifest import Manifest
