@@ -695,3 +695,26 @@ def test_noop_event_stream_matches_the_engine(ws_dir):
     plan, result = ws.compile(ws.load([], all_=True), BuildOptions(), no_executor, events.append)
     assert [(e.kind, e.node.id) for e in events] == [("cached", nid) for nid in plan.nodes]
     assert result.cached == list(plan.nodes)
+
+
+def test_shipped_neuron_recipes_replay_and_a_port_put_in_place_is_a_miss(tmp_path, monkeypatch):
+    """The shipped recipes are neuron builds whose ports are not checked out: `plan --all --json` answers from the
+    cache exactly as in full, and putting a port where a recipe names it changes the answer (the port is found and
+    identified by its files), so the cached one must not be given."""
+    ws = tmp_path / "shipped"
+    shutil.copytree(REPO / "recipes", ws / "recipes", ignore=shutil.ignore_patterns("tiny"))
+    monkeypatch.chdir(ws)
+    args = ("plan", "--all", "--json")
+    reference = _cli(*args, cache=False)
+    time.sleep(1.1)
+    _cli(*args)
+    hit = _cli(*args, importtime=True)
+    assert not {"pydantic", "typer", "yaml"} & _imports(hit.stderr), "not answered from the cache"
+    assert hit.stdout == reference.stdout
+    assert not json.loads(reference.stdout)["recipes"]["2b-tp8"]["port"]["found"]
+
+    (ws / "ports" / "Qwen3.5-2B" / "src").mkdir(parents=True)
+    (ws / "ports" / "Qwen3.5-2B" / "src" / "modeling_qwen35.py").write_text("# the port\n")
+    after = _cli(*args)
+    assert after.stdout == _cli(*args, cache=False).stdout != reference.stdout
+    assert json.loads(after.stdout)["recipes"]["2b-tp8"]["port"]["found"]
