@@ -174,8 +174,8 @@ def _print_noop_build(plan, manifests: dict, as_json: bool) -> None:
 
 def remember_plan(ws, recipes: list[str], all_: bool, as_json: bool, lock, store, plan, status: dict,
                   trees: dict[str, str] | None = None) -> bool:
-    """Record what `qbuild plan` answered, with its inputs (and the text it printed, JSON or plain-text trees, which depends on
-    nothing else: the same plan at the same width prints the same); returns whether an entry was written."""
+    """Record what `qbuild plan` answered, with its inputs (and the text it printed, JSON or plain-text trees, which
+    depends on nothing else: the same plan at the same width prints the same); returns whether an entry was written."""
     if not _recordable(ws):
         return False
     store_obj = ws.store
