@@ -308,6 +308,8 @@ def planning_inputs(plan, recipe_files: list[Path], lock_path, all_: bool, root:
         for path in model_dirs:
             inputs.file(path, digest=False)   # a directory: its stat follows links to the one planning listed
     for pr in plan.recipes.values():
+        if pr.loaded.recipe.backend == "neuron" and pr.loaded.recipe.port.path is not None:
+            inputs.file(pr.loaded.port_dir, digest=False)   # a port put in place later turns "not found" into its files
         model = pr.loaded.recipe.model
         if isinstance(model, PathSource):
             inputs.dir(pr.loaded.source_dir)

@@ -130,11 +130,16 @@ def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool, replay:
         -> dict[str, str]:
     """`qbuild plan`'s output: the JSON document on stdout, or the trees.
 
-    Trees printed as plain text are returned as {plain_text_context: text}; given back as `replay` for the same
-    plan and statuses, a matching one is written as is, without loading rich."""
+    What it printed is returned as {context: text}, where the context is "json" or the plain-text context of the
+    trees; given back as `replay` for the same plan and statuses, a matching text is written as is, without loading
+    rich or reading the plan again (a replayed plan is plain attribute objects: no properties, no methods)."""
     if as_json:
-        print(jsonio.dumps(plan_json(plan, status), indent=1, sort_keys=True))
-        return {}
+        if replay and "json" in replay:
+            sys.stdout.write(replay["json"])
+            return {"json": replay["json"]}
+        text = jsonio.dumps(plan_json(plan, status), indent=1, sort_keys=True) + "\n"
+        sys.stdout.write(text)
+        return {"json": text}
     context = plain_text_context(sys.stdout)
     if context is not None and replay and context in replay:
         sys.stdout.write(replay[context])
