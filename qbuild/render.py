@@ -279,6 +279,95 @@ class BuildProgress:
         print_err_line(msg)
 
 
+# --- transfers and gc ------------------------------------------------------------------------------------------
+
+class TransferDisplay:
+    """Transfer progress on stderr: a rich bar with bytes/s on a TTY (unless `bars` is False, e.g. under the build's
+    live display), plain lines with rates elsewhere. Thread-safe; implements store.remote.Progress."""
+
+    LINE_EVERY_S = 5.0
+
+    def __init__(self, bars: bool | None = None):
+        import threading
+
+        self.bars = sys.stderr.isatty() if bars is None else bars
+        self._lock = threading.Lock()
+        self._bar = None
+        self._task = None
+        self.verb, self.files, self.total, self.done, self.started, self._last_line = "", 0, 0, 0, 0.0, 0.0
+        self.files_done = 0
+
+    def begin(self, verb: str, files: int, total_bytes: int) -> None:
+        self.verb, self.files, self.total, self.done, self.files_done = verb, files, total_bytes, 0, 0
+        self.started = self._last_line = time.monotonic()
+        if not files:
+            return
+        if self.bars:
+            from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self._bar = Bar(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                            TimeRemainingColumn(), console=console_err(), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(f"{verb} {_files(files)}", total=total_bytes)
+        else:
+            self._line(f"{verb} {_files(files)}, {human_bytes(total_bytes)}")
+        self.started = self._last_line = time.monotonic()   # the rate counts transfer time, not setup
+
+    def advance(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            if self._bar is not None:
+                self._bar.update(self._task, advance=nbytes)
+            elif self.files and time.monotonic() - self._last_line >= self.LINE_EVERY_S:
+                self._last_line = time.monotonic()
+                self._line(f"  {self.verb}: {human_bytes(self.done)} of {human_bytes(self.total)} ({self._rate()})")
+
+    def file_done(self, name: str) -> None:
+        with self._lock:
+            self.files_done += 1
+
+    def end(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if self.files and self.files_done == self.files:   # a transfer that failed is reported by its error
+            self._line(f"{self.verb}ed {_files(self.files)}, {human_bytes(self.done)} in "
+                       f"{time.monotonic() - self.started:.1f}s ({self._rate()})")
+
+    def _rate(self) -> str:
+        return f"{human_bytes(int(self.done / max(time.monotonic() - self.started, 1e-6)))}/s"
+
+    @staticmethod
+    def _line(text: str) -> None:
+        console_err().print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
+def print_gc(reports: list, wheres: list[str], as_json: bool) -> None:
+    """`qbuild gc`'s output: one line per removal on stdout (or the reports as JSON), one summary per store on
+    stderr. `reports` are gc.GcReport, `wheres` what to call each store."""
+    if as_json:
+        print(jsonio.dumps([r.to_json() for r in reports], sort_keys=True))
+        return
+    verb = "would remove" if reports[0].dry_run else "removed"
+    for report in reports:
+        for r in report.removed:
+            label = f" ({r.kind})" if r.kind else ""
+            print(f"{verb} {r.what} {r.name[:16]}{label} {human_bytes(r.size)} [{r.where}]")
+    for report, where in zip(reports, wheres):
+        manifests = sum(r.what == "manifest" for r in report.removed)
+        console_err().print(
+            f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests} blobs "
+            f"({human_bytes(report.bytes_freed)}); kept {report.kept_manifests} manifests, {report.kept_blobs} blobs"
+            + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else "")
+            + (f"; {verb} {report.plan_entries_removed} plan cache entries" if report.plan_entries_removed else ""),
+            markup=False, highlight=False, soft_wrap=True)
+
+
 # --- run and bench ---------------------------------------------------------------------------------------------
 
 def generation_json(gen) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from qbuild.hashing import digest_json
-from qbuild.publish import gc_local
+from qbuild.gc import gc_local
 from qbuild.store import LocalStore, Manifest
 from tests.s3server import shared_server
 from tests.test_remote_pipeline import (assert_no_dangling_manifest, local_blobs, local_keys, lock_keys, make_project,
