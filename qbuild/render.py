@@ -16,6 +16,7 @@ from . import jsonio
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without loading typing, which a cached answer does not need
 if TYPE_CHECKING:
     from .engine import BuildResult, Event
+    from .gc import GcReport
     from .plan import NodeStatus, Plan
 
 STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting"}
@@ -347,9 +348,9 @@ def _files(n: int) -> str:
     return f"{n} file" if n == 1 else f"{n} files"
 
 
-def print_gc(reports: list, wheres: list[str], as_json: bool) -> None:
+def print_gc(reports: list[GcReport], wheres: list[str], as_json: bool) -> None:
     """`qbuild gc`'s output: one line per removal on stdout (or the reports as JSON), one summary per store on
-    stderr. `reports` are gc.GcReport, `wheres` what to call each store."""
+    stderr. `wheres` names each report's store."""
     if as_json:
         print(jsonio.dumps([r.to_json() for r in reports], sort_keys=True))
         return

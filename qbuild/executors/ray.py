@@ -28,9 +28,9 @@ from ..actions import ActionSpec
 from ..errors import InfraError, QbuildError, UserError
 from ..job import Job, build_job
 from ..plan import Node
-from ..store import StoreSpec, default_store_path
+from ..store import StoreSpec, default_store_path, open_store
 from ..store.manifest import Manifest
-from ..store.remote import RemoteStore
+from ..store.remote import RemoteStore, push_manifests, upload_blobs
 
 MAX_RETRIES = 2
 NEURON_RESOURCE = "neuron_cores"
@@ -138,9 +138,6 @@ def run_task(job: Job, action: ActionSpec) -> dict:
     `action` is the driver's registration of the job's kind (plain data). Returns the manifest as JSON; by then
     the remote holds its blobs and, last, the manifest itself.
     """
-    from ..store import open_store
-    from ..store.remote import push_manifests
-
     _check_same_action(job, action)
     spec = worker_spec(job.store_spec, str(default_store_path()))
     store = open_store(spec)
@@ -247,15 +244,15 @@ class RayExecutor:
             out.set_exception(_translate(e, node.name))
 
     def _seed_inputs(self, job: Job) -> None:
-        """Upload input blobs the remote lacks (cached on this machine, never pushed) before a worker needs them."""
-        remote = self._store.remote
-        wanted = {meta["digest"] for outputs in job.inputs.values() for meta in outputs.values()}
+        """Upload input blobs the remote lacks (cached on this machine, never pushed) before a worker needs them,
+        each checked against its digest as every push checks it."""
         with self._lock:
-            wanted -= self._on_remote
-        for digest in sorted(wanted - remote.has_blobs(wanted)):
-            remote.upload_blob(self._store.blob_path(digest), digest)
+            wanted = {meta["digest"]: (rel, meta["size"]) for outputs in job.inputs.values()
+                      for rel, meta in sorted(outputs.items()) if meta["digest"] not in self._on_remote}
+        on_remote = self._store.remote.has_blobs(wanted)
+        upload_blobs(self._store.local, self._store.remote, {d: v for d, v in wanted.items() if d not in on_remote})
         with self._lock:
-            self._on_remote |= wanted
+            self._on_remote |= set(wanted)
 
     def capacity_check(self, node: Node) -> str | None:
         return capacity_problem(node, task_resources(node), self._workers())

@@ -35,6 +35,9 @@ from .manifest import Manifest, tree_digest
 from .s3 import TRANSFER_THREADS, S3Remote
 
 
+UPLOAD_THREADS = 4      # files going up at once (each large one in TRANSFER_THREADS parts)
+
+
 class Progress(Protocol):
     """Byte-level progress of one batch of transfers. `advance` is called from worker threads."""
 
@@ -215,25 +218,7 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
         have = sound
     report.blobs_present = len(have)
     send = {d: v for d, v in blobs.items() if d not in have}
-    for digest, (rel, _) in send.items():
-        if not store.has_blob(digest):
-            raise InfraError(f"{store.blob_path(digest)}: blob of {rel} is missing from the local store; "
-                             "run `qbuild store verify --repair` and rebuild")
-    progress.begin("upload", len(send), sum(s for _, s in send.values()))
-
-    def one(item: tuple[str, tuple[str, int]]) -> None:
-        digest, (rel, _) = item
-        path = store.blob_path(digest)
-        if digest_file(path) != digest:   # a blob corrupt on this disk must never become the remote's copy
-            raise InfraError(f"{path}: local blob of {rel} does not match its digest; not uploading it. "
-                             "Run `qbuild store verify --repair` and rebuild")
-        remote.upload_blob(path, digest, progress.advance)
-        progress.file_done(rel)
-
-    try:
-        map_all(one, sorted(send.items(), key=lambda kv: -kv[1][1]), 4)
-    finally:
-        progress.end()
+    upload_blobs(store, remote, send, progress)
     report.blobs_uploaded = len(send)
     report.bytes_uploaded = sum(s for _, s in send.values())
     for key, m in todo.items():   # blobs are all up: only now may a reader see the manifests
@@ -244,6 +229,32 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
             report.manifests_present += 1
     report.seconds = time.monotonic() - start
     return report
+
+
+def upload_blobs(store: LocalStore, remote: S3Remote, blobs: dict[str, tuple[str, int]],
+                 progress: Progress | None = None) -> None:
+    """Upload `blobs` (digest -> (path in its tree, size)) from `store`, in parallel, largest first. Each is hashed
+    first: a blob corrupt on this disk must never become the remote's copy."""
+    progress = progress or NoProgress()
+    for digest, (rel, _) in blobs.items():
+        if not store.has_blob(digest):
+            raise InfraError(f"{store.blob_path(digest)}: blob of {rel} is missing from the local store; "
+                             "run `qbuild store verify --repair` and rebuild")
+    progress.begin("upload", len(blobs), sum(s for _, s in blobs.values()))
+
+    def one(item: tuple[str, tuple[str, int]]) -> None:
+        digest, (rel, _) = item
+        path = store.blob_path(digest)
+        if digest_file(path) != digest:
+            raise InfraError(f"{path}: local blob of {rel} does not match its digest; not uploading it. "
+                             "Run `qbuild store verify --repair` and rebuild")
+        remote.upload_blob(path, digest, progress.advance)
+        progress.file_done(rel)
+
+    try:
+        map_all(one, sorted(blobs.items(), key=lambda kv: -kv[1][1]), UPLOAD_THREADS)
+    finally:
+        progress.end()
 
 
 def _remote_blobs_matching(remote: S3Remote, blobs: dict[str, tuple[str, int]], progress: Progress) -> set[str]:
