@@ -121,7 +121,7 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
     with BuildProgress(verbose=verbose) as progress:
         the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
-    print_build_result(the_plan, result, progress, json_, {"pushed": _push_json(pushed)} if pushed is not None else None)
+    print_build_result(the_plan, result, progress, json_, {"pushed": pushed.to_json()} if pushed is not None else None)
     fastpath.remember_compile(ws, recipes or [], all_, json_, lock, store, the_plan, result)
     raise_for(result, the_plan)
 
@@ -151,26 +151,13 @@ def _executor(name: str, address: Optional[str], jobs: Optional[int], ws):
 def _push_results(ws, result):
     """After a --push build: everything the build produced or found must be on the remote (the workers pushed what
     they built; this uploads cached entries the remote lacks, and fails with exit 3 if the remote is gone)."""
+    from .render import pushed_text
     from .store.remote import push_manifests
 
     store = ws.store
     report = push_manifests(store.local, store.remote, list(result.manifests.values()), store.progress)
-    if report.manifests_uploaded:
-        _err(f"pushed {report.manifests_uploaded} entries to {store.remote.url} ({_human(report.bytes_uploaded)})")
+    pushed_text(report, store.remote.url)
     return report
-
-
-def _push_json(report) -> dict:
-    return {"bytes_uploaded": report.bytes_uploaded, "blobs_uploaded": report.blobs_uploaded,
-            "blobs_present": report.blobs_present, "blobs_repaired": report.blobs_repaired,
-            "manifests_uploaded": report.manifests_uploaded,
-            "manifests_present": report.manifests_present, "seconds": round(report.seconds, 3)}
-
-
-def _human(n: int) -> str:
-    from .render import human_bytes
-
-    return human_bytes(n)
 
 
 def _default_mem() -> int:
@@ -218,7 +205,7 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
             lock: Path = LockOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
     from . import lock as lockmod
-    from .render import TransferDisplay
+    from .render import TransferDisplay, print_published
     from .transfer import publish as publish_locked, recipe_names
 
     ws = _workspace(store, lock, remote, transfers=TransferDisplay())
@@ -227,16 +214,8 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
                         "or add remote: to ./qbuild.yaml")
     doc = lockmod.read(lock)
     names = recipe_names(doc, lock, recipes or [], all_)
-    st = ws.store
-    report = publish_locked(st, doc, lock, names, verify_remote=verify_remote)
-    if json_:
-        print(jsonio.dumps({"recipes": names, "remote": st.remote.url, **_push_json(report)}, sort_keys=True))
-        return
-    repaired = f", {report.blobs_repaired} of them replacing missing or corrupt remote copies" \
-        if report.blobs_repaired else ""
-    _err(f"published {', '.join(names)} to {st.remote.url}: {report.blobs_uploaded} blobs uploaded "
-         f"({_human(report.bytes_uploaded)}{repaired}), {report.blobs_present} already there; "
-         f"{report.manifests_uploaded} manifests written, {report.manifests_present} already there")
+    report = publish_locked(ws.store, doc, lock, names, verify_remote=verify_remote)
+    print_published(names, ws.store.remote.url, report, json_)
 
 
 @app.command()
@@ -248,7 +227,7 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
                                                help="lay out a bundle whose verify did not pass")) -> None:
     """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
     from . import lock as lockmod
-    from .render import TransferDisplay
+    from .render import TransferDisplay, print_pulled
     from .transfer import pull_bundle
 
     _check_new_dir(to, "the --to directory", "pull into a new or empty one")
@@ -259,19 +238,7 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
     # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
     manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to, share=os.geteuid() != 0,
                            allow_unverified=allow_unverified)
-    serve = _serve_instructions(to)
-    if json_:
-        doc = {"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
-               "bytes": manifest.size}
-        if serve is not None:
-            doc["serve"] = serve
-        print(jsonio.dumps(doc, sort_keys=True))
-        return
-    _err(f"{to}: {len(manifest.outputs)} files ({_human(manifest.size)}), bundle {manifest.digest[:16]} verified")
-    if serve is not None:
-        from .render import serve_text
-
-        serve_text(serve)
+    print_pulled(recipe, to, manifest, _serve_instructions(to), json_)
 
 
 def _serve_instructions(bundle: Path) -> dict | None:

@@ -17,6 +17,8 @@ TYPE_CHECKING = False   # typing.TYPE_CHECKING without loading typing, which a c
 if TYPE_CHECKING:
     from .engine import BuildResult, Event
     from .gc import GcReport
+    from .store.manifest import Manifest
+    from .store.remote import PushReport
     from .plan import NodeStatus, Plan
 
 STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting"}
@@ -341,11 +343,48 @@ class TransferDisplay:
 
     @staticmethod
     def _line(text: str) -> None:
-        console_err().print(text, markup=False, highlight=False, soft_wrap=True)
+        _err_line(text)
 
 
 def _files(n: int) -> str:
     return f"{n} file" if n == 1 else f"{n} files"
+
+
+def pushed_text(report: PushReport, url: str) -> None:
+    """After `qbuild compile --push`: what the push itself uploaded (nothing is said when it uploaded nothing)."""
+    if report.manifests_uploaded:
+        _err_line(f"pushed {report.manifests_uploaded} entries to {url} ({human_bytes(report.bytes_uploaded)})")
+
+
+def print_published(names: list[str], url: str, report: PushReport, as_json: bool) -> None:
+    """`qbuild publish`'s output: the report as JSON on stdout, or one summary line on stderr."""
+    if as_json:
+        print(jsonio.dumps({"recipes": names, "remote": url, **report.to_json()}, sort_keys=True))
+        return
+    repaired = f", {report.blobs_repaired} of them replacing missing or corrupt remote copies" \
+        if report.blobs_repaired else ""
+    _err_line(f"published {', '.join(names)} to {url}: {report.blobs_uploaded} blobs uploaded "
+              f"({human_bytes(report.bytes_uploaded)}{repaired}), {report.blobs_present} already there; "
+              f"{report.manifests_uploaded} manifests written, {report.manifests_present} already there")
+
+
+def print_pulled(recipe: str, dest, manifest: Manifest, serve: dict | None, as_json: bool) -> None:
+    """`qbuild pull`'s output: the bundle laid out (JSON on stdout, or a line on stderr) and how to serve it."""
+    if as_json:
+        doc = {"recipe": recipe, "dir": str(dest), "digest": manifest.digest, "files": len(manifest.outputs),
+               "bytes": manifest.size}
+        if serve is not None:
+            doc["serve"] = serve
+        print(jsonio.dumps(doc, sort_keys=True))
+        return
+    _err_line(f"{dest}: {len(manifest.outputs)} files ({human_bytes(manifest.size)}), bundle "
+              f"{manifest.digest[:16]} verified")
+    if serve is not None:
+        serve_text(serve)
+
+
+def _err_line(text: str) -> None:
+    console_err().print(text, markup=False, highlight=False, soft_wrap=True)
 
 
 def print_gc(reports: list[GcReport], wheres: list[str], as_json: bool) -> None:
@@ -361,12 +400,12 @@ def print_gc(reports: list[GcReport], wheres: list[str], as_json: bool) -> None:
             print(f"{verb} {r.what} {r.name[:16]}{label} {human_bytes(r.size)} [{r.where}]")
     for report, where in zip(reports, wheres):
         manifests = sum(r.what == "manifest" for r in report.removed)
-        console_err().print(
-            f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests} blobs "
-            f"({human_bytes(report.bytes_freed)}); kept {report.kept_manifests} manifests, {report.kept_blobs} blobs"
-            + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else "")
-            + (f"; {verb} {report.plan_entries_removed} plan cache entries" if report.plan_entries_removed else ""),
-            markup=False, highlight=False, soft_wrap=True)
+        _err_line(f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests} blobs "
+                  f"({human_bytes(report.bytes_freed)}); kept {report.kept_manifests} manifests, "
+                  f"{report.kept_blobs} blobs"
+                  + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else "")
+                  + (f"; {verb} {report.plan_entries_removed} plan cache entries" if report.plan_entries_removed
+                     else ""))
 
 
 # --- run and bench ---------------------------------------------------------------------------------------------

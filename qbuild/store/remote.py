@@ -72,6 +72,12 @@ class PushReport:
     seconds: float = 0.0
     keys: list[str] = field(default_factory=list)     # manifests this push wrote
 
+    def to_json(self) -> dict:
+        return {"bytes_uploaded": self.bytes_uploaded, "blobs_uploaded": self.blobs_uploaded,
+                "blobs_present": self.blobs_present, "blobs_repaired": self.blobs_repaired,
+                "manifests_uploaded": self.manifests_uploaded, "manifests_present": self.manifests_present,
+                "seconds": round(self.seconds, 3)}
+
 
 class RemoteStore:
     """A local store (`local`) read through to a remote one (`remote`); `push=True` uploads every commit. Lookups
