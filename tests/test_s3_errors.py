@@ -244,3 +244,16 @@ def test_lookups_download_no_blobs_and_get_each_manifest_once(server, tmp_path, 
     assert LocalStore(reader_root).get_manifest(node["key"]) == hit     # recorded once all its blobs are local
     assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*")
                   if p.is_file()) == sorted(node["outputs"])
+
+
+def test_a_workspace_opens_one_store_and_hands_it_its_progress_display(tmp_path):
+    from qbuild.render import TransferDisplay
+    from qbuild.store import StoreSpec
+    from qbuild.store.remote import RemoteStore
+    from qbuild.workspace import Workspace
+
+    display = TransferDisplay(bars=False)
+    ws = Workspace(StoreSpec(local=str(tmp_path / "s"), remote=f"s3://{BUCKET}/one"), progress=display)
+    store = ws.store
+    assert isinstance(store, RemoteStore) and ws.store is store
+    assert store.progress is display and store.local.root == tmp_path / "s" and store.local.local is store.local
