@@ -1,8 +1,7 @@
 """Architecture facts read from a checkpoint's config.json, and the recipe checks that depend on them.
 
-This is the one reader of a HF config.json: the planner (Arch, its fingerprint in compile keys), the converter
-(qbuild.convert.dims: TextDims / VisionDims) and the reference model (qbuild.modeling.config: TextConfig /
-VisionConfig) all derive their views from the Arch built here. It reads
+This is the one reader of a HF config.json, and Arch the one architecture type: the planner (its fingerprint in
+compile keys), the converter, the reference model and the backends all take the Arch built here. It reads
 
 - the VL wrappers (qwen3_5, qwen3_5_moe: the text model under `text_config`, the vision encoder under
   `vision_config`), their text-only exports (qwen3_5_text, qwen3_5_moe_text) and text-only qwen3_next;
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from .dtypes import DTYPE_BYTES
@@ -94,6 +93,15 @@ class VisionArch:
         """This encoder as a transformers-5 vision_config."""
         return {**asdict(self), "hidden_act": VISION_HIDDEN_ACT}
 
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """The width of one merged token: the spatial_merge_size**2 patch tokens it merges, side by side."""
+        return self.hidden_size * self.spatial_merge_size ** 2
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -154,9 +162,34 @@ class Arch:
     def num_attn_layers(self) -> int:
         return sum(t == "full_attention" for t in self.layer_types)
 
+    def is_full_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] == "full_attention"
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def key_dim(self) -> int:
+        """DeltaNet: all key heads side by side."""
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """DeltaNet: all value heads side by side."""
+        return self.num_v_heads * self.v_head_dim
+
     @property
     def conv_dim(self) -> int:
-        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+        """DeltaNet conv channels: [Q all heads | K all heads | V all heads]."""
+        return 2 * self.key_dim + self.value_dim
+
+    def per_rank(self, tp: int) -> "Arch":
+        """One of `tp` tensor-parallel ranks' share: every head count divided by tp, kv heads at least one (they
+        are replicated where tp exceeds them), so that key_dim, conv_dim, ... are the rank's. The caller has
+        checked that tp splits the heads."""
+        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=max(1, self.num_kv_heads // tp),
+                       num_k_heads=self.num_k_heads // tp, num_v_heads=self.num_v_heads // tp)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether `layer` has a sparse MoE block (else a dense MLP), by HF's rule for each family."""
@@ -171,6 +204,24 @@ class Arch:
     @property
     def rope_params(self) -> dict:
         return dict(self.rope)
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope_params["rope_theta"]
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each attention head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.rope_params["partial_rotary_factor"])
+
+    @property
+    def mrope_section(self) -> tuple[int, ...] | None:
+        """Rotary frequencies per (t, h, w) position axis; None: plain 1-D RoPE."""
+        return self.rope_params.get("mrope_section")
+
+    @property
+    def mrope_interleaved(self) -> bool:
+        return bool(self.rope_params.get("mrope_interleaved", False))
 
     def fingerprint(self) -> dict:
         """The JSON-able allow-list that enters compile keys (every field but the host-side ones)."""

@@ -45,20 +45,20 @@ class Traced:
 
 def text_model(params: dict, max_seq_len: int):
     """The reference text model of the architecture in compile params, at this graph's KV length."""
-    from ..modeling import TextConfig, TextModel
+    from ..modeling import TextModel
 
-    cfg = TextConfig.from_arch(text_arch(params))
-    return TextModel(cfg, tp=params["tp"], ep=params["ep"], dtype=torch_dtype(params["dtype"]), max_seq_len=max_seq_len)
+    return TextModel(text_arch(params), tp=params["tp"], ep=params["ep"], dtype=torch_dtype(params["dtype"]),
+                     max_seq_len=max_seq_len)
 
 
 def text_inputs(model, graph: str, batch: int, bucket: int) -> tuple:
     """Example inputs of a text graph (values are irrelevant: shapes and dtypes define the program)."""
-    cfg = model.cfg
-    mrope = cfg.mrope_section is not None
+    arch = model.arch
+    mrope = arch.mrope_section is not None
     length = bucket if graph == "cte" else 1
     positions = torch.zeros((3, batch, length) if mrope else (batch, length), dtype=torch.long)
     if graph == "cte":
-        tokens = (torch.zeros(batch, bucket, cfg.hidden_size, dtype=model.dtype) if mrope
+        tokens = (torch.zeros(batch, bucket, arch.hidden_size, dtype=model.dtype) if mrope
                   else torch.zeros(batch, bucket, dtype=torch.long))
         return tokens, positions, torch.full((batch,), bucket, dtype=torch.long)
     state = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in model.state_shapes(batch))
@@ -90,8 +90,8 @@ def export_text(params: dict) -> Traced:
     weights = _example_weights(model)
     args = text_inputs(model, graph, batch, bucket)
     program = _export(EntryPoint(model, "prefill" if graph == "cte" else "decode"), weights, args)
-    signature = {"graph": graph, "bucket": bucket, "batch_size": batch, "embeds": model.cfg.mrope_section is not None,
-                 "mrope": model.cfg.mrope_section is not None, "max_seq_len": bucket,
+    signature = {"graph": graph, "bucket": bucket, "batch_size": batch, "embeds": model.arch.mrope_section is not None,
+                 "mrope": model.arch.mrope_section is not None, "max_seq_len": bucket,
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()},
                  "state_names": model.state_names(),
                  "state": [[list(s), str(d).removeprefix("torch.")] for s, d in model.state_shapes(batch)]}
@@ -99,13 +99,13 @@ def export_text(params: dict) -> Traced:
 
 
 def export_vision(params: dict) -> Traced:
-    from ..modeling.vision import VisionConfig, VisionEncoder, vision_example_inputs
+    from ..modeling.vision import VisionEncoder, vision_example_inputs
 
     start = time.monotonic()
-    cfg = VisionConfig.from_vision(vision_arch(params))
-    encoder = VisionEncoder(cfg, dtype=torch_dtype(params["dtype"])).eval()
+    vision = vision_arch(params)
+    encoder = VisionEncoder(vision, dtype=torch_dtype(params["dtype"])).eval()
     weights = _example_weights(encoder)
-    args = vision_example_inputs(cfg, params["bucket"], torch_dtype(params["dtype"]))
+    args = vision_example_inputs(vision, params["bucket"], torch_dtype(params["dtype"]))
     program = _export(encoder, weights, args)
     signature = {"graph": "vision", "bucket": params["bucket"],
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()}}

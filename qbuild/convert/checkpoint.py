@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from qbuild.convert.dims import TextDims, VisionDims, arch_of, dims_from_arch
+from qbuild.arch import Arch, ConfigError, arch_from_config
 from qbuild.convert.errors import CheckpointError
 from qbuild.convert.families import Family, family_of
 from qbuild.convert.layout import Program, program
@@ -54,8 +54,7 @@ class Located:
 class Checkpoint:
     config: dict
     family: Family
-    text: TextDims
-    vision: VisionDims | None
+    arch: Arch
     program: Program
     tensors: dict[str, Located]
     carried: dict[str, Path]  # non-weight files to copy, by name
@@ -125,14 +124,14 @@ def _read_tensors(locate: _Locator, files: list[str], weight_map: dict[str, str]
     return found
 
 
-def check_vocab(tensors: Mapping[str, Located], family: Family, text: TextDims) -> None:
+def check_vocab(tensors: Mapping[str, Located], family: Family, arch: Arch) -> None:
     """config.json's vocab_size against the rows of the embedding and lm_head. Checked before the tensor shapes, so
     that a config that lies about its vocabulary is blamed rather than the tensor."""
     for name in (f"{family.text_prefix}embed_tokens.weight", "lm_head.weight"):
         found = tensors.get(name)
-        if found is not None and found.entry.shape and found.entry.shape[0] != text.vocab:
-            raise CheckpointError("config.json", f"vocab_size {text.vocab} does not match the {found.entry.shape[0]} "
-                                                 f"rows of tensor {name!r} in {found.file}")
+        if found is not None and found.entry.shape and found.entry.shape[0] != arch.vocab_size:
+            raise CheckpointError("config.json", f"vocab_size {arch.vocab_size} does not match the "
+                                                 f"{found.entry.shape[0]} rows of tensor {name!r} in {found.file}")
 
 
 def validate(found: Mapping[str, TensorInfo], prog: Program, family: Family, missing_label: str) -> None:
@@ -151,23 +150,29 @@ def validate(found: Mapping[str, TensorInfo], prog: Program, family: Family, mis
             raise CheckpointError(info.file, f"is not part of a {family.name} checkpoint of this config", name)
 
 
-def dims_of(config: dict, label: str = "config.json") -> tuple[Family, TextDims, VisionDims | None]:
+def arch_of(config: dict, label: str = "config.json") -> tuple[Family, Arch]:
+    """The family and architecture of a config; a CheckpointError naming `label` and the field it cannot read."""
     family = family_of(config, label)
-    text, vision = dims_from_arch(arch_of(config, label), family, label)
-    return family, text, vision
+    try:
+        arch = arch_from_config(config, label)
+    except ConfigError as e:
+        raise CheckpointError(label, e.message) from None
+    if family.vision_prefix and arch.vision is None:
+        raise CheckpointError(label, "vision_config is missing or not an object")
+    return family, arch
 
 
 def open_checkpoint(src: Path, files: Mapping[str, Path] | None = None) -> Checkpoint:
     """Read and validate the checkpoint at `src` (headers only: no tensor data is read)."""
     locate = _Locator(src, files)
     config = load_config(locate("config.json"))
-    family, text, vision = dims_of(config)
+    family, arch = arch_of(config)
     names, weight_map = _weight_files(locate)
     tensors = _read_tensors(locate, names, weight_map)
-    check_vocab(tensors, family, text)
-    prog = program(family, text, vision, tensors)
+    check_vocab(tensors, family, arch)
+    prog = program(family, arch, tensors)
     infos = {n: TensorInfo(t.file, t.entry.dtype, t.entry.shape) for n, t in tensors.items()}
     validate(infos, prog, family, INDEX if weight_map is not None else names[0])
     carried = {n: locate(n) for n in locate.names()
                if n.endswith(_CARRIED_SUFFIXES) and n != INDEX and locate(n).is_file()}
-    return Checkpoint(config, family, text, vision, prog, tensors, carried)
+    return Checkpoint(config, family, arch, prog, tensors, carried)

@@ -1,7 +1,7 @@
 """The conversion program of one checkpoint: every Step from HF tensors to NxDI tensors, assembled per layer
 from the rule tables of each concern (norms, attention, deltanet, mlp, moe, embeddings, vision).
 
-The program is a pure function of the family, the dimensions and which tensor names the checkpoint holds (to pick
+The program is a pure function of the family, the architecture and which tensor names the checkpoint holds (to pick
 the expert storage form per layer, and whether lm_head is stored or tied). Everything tp-dependent is left to shard.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qbuild.convert import attention, deltanet, embeddings, mlp, moe, norms, vision
-from qbuild.convert.dims import TextDims, VisionDims
+from qbuild.arch import Arch, VisionArch
 from qbuild.convert.families import Family
 from qbuild.convert.steps import Step
 
@@ -25,7 +25,7 @@ class Program:
         return {n: s for step in self.text + self.vision for n, s in zip(step.sources, step.shapes)}
 
 
-def layer_steps(d: TextDims, family: Family, i: int, names) -> list[Step]:
+def layer_steps(d: Arch, family: Family, i: int, names) -> list[Step]:
     hf, nx = f"{family.text_prefix}layers.{i}.", f"layers.{i}."
     rows = list(norms.LAYER_NORMS)
     if d.is_full_attention(i):
@@ -33,7 +33,7 @@ def layer_steps(d: TextDims, family: Family, i: int, names) -> list[Step]:
     else:
         rows += deltanet.GROUPED_DELTANET if family.grouped_deltanet else deltanet.DELTANET
     steps = []
-    if d.is_moe(i):
+    if d.is_moe_layer(i):
         rows += moe.ROUTER_AND_SHARED
         steps += moe.expert_steps(d, hf, nx, fused=moe.is_fused(names, hf))
     else:
@@ -41,7 +41,7 @@ def layer_steps(d: TextDims, family: Family, i: int, names) -> list[Step]:
     return [row.step(d, hf, nx) for row in rows] + steps
 
 
-def text_program(d: TextDims, family: Family, names) -> list[Step]:
+def text_program(d: Arch, family: Family, names) -> list[Step]:
     steps = embeddings.embedding_steps(d, family, family.text_prefix, names)
     steps.append(norms.FINAL_NORM.step(d, family.text_prefix, ""))
     for i in range(d.num_layers):
@@ -49,7 +49,7 @@ def text_program(d: TextDims, family: Family, names) -> list[Step]:
     return steps
 
 
-def vision_program(v: VisionDims, family: Family) -> list[Step]:
+def vision_program(v: VisionArch, family: Family) -> list[Step]:
     prefix = family.vision_prefix
     steps = [row.step(v, prefix, "") for row in vision.TOP]
     for i in range(v.depth):
@@ -57,5 +57,8 @@ def vision_program(v: VisionDims, family: Family) -> list[Step]:
     return steps
 
 
-def program(family: Family, d: TextDims, v: VisionDims | None, names) -> Program:
-    return Program(text_program(d, family, names), vision_program(v, family) if v is not None else [])
+def program(family: Family, arch: Arch, names) -> Program:
+    """The text steps, and the vision steps where the family keeps a vision encoder (arch_of made sure the config
+    has one)."""
+    vision = vision_program(arch.vision, family) if family.vision_prefix else []
+    return Program(text_program(arch, family, names), vision)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qbuild.modeling.config import VisionConfig
+from qbuild.arch import Arch, VisionArch
 
 MASK_VALUE = -65504.0  # the most negative float16: finite, so a fully masked row cannot produce NaN on device
 LAYERNORM_EPS = 1e-6
@@ -61,11 +61,14 @@ def _bilinear_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 class VisionHost(nn.Module):
-    """The host-side inputs of the traced encoder. Weights: `patch_embed.proj.{weight,bias}`, `pos_embed.weight`."""
+    """The host-side inputs of the traced encoder. Weights: `patch_embed.proj.{weight,bias}`, `pos_embed.weight`.
 
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype = torch.float32):
+    Built from the whole Arch: besides the encoder it needs the vision rotary base, a host-side fact."""
+
+    def __init__(self, arch: Arch, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.cfg = cfg
+        cfg = self.cfg = arch.vision
+        self.rope_theta = arch.vision_rope_theta
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel, bias=True,
@@ -99,7 +102,7 @@ class VisionHost(nn.Module):
     def rotary(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """2-D rotary tables (N, hd): the first half of the frequencies follow the row, the second the column."""
         dim = self.cfg.head_dim // 2
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         freqs = []
         for t, h, w in grid_thw.tolist():
             rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
@@ -137,7 +140,7 @@ class VisionHost(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype):
+    def __init__(self, cfg: VisionArch, dtype: torch.dtype):
         super().__init__()
         self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, dtype=dtype)
@@ -156,7 +159,7 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype):
+    def __init__(self, cfg: VisionArch, dtype: torch.dtype):
         super().__init__()
         self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
         self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
@@ -166,7 +169,7 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype):
+    def __init__(self, cfg: VisionArch, dtype: torch.dtype):
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
         self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
@@ -181,7 +184,7 @@ class VisionBlock(nn.Module):
 class VisionEncoder(nn.Module):
     """The traced part: blocks, then LayerNorm, 2x2 merge (merge**2 consecutive tokens), fc1, exact GELU, fc2."""
 
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, cfg: VisionArch, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.cfg = cfg
         self.blocks = nn.ModuleList(VisionBlock(cfg, dtype) for _ in range(cfg.depth))
@@ -198,10 +201,10 @@ class VisionEncoder(nn.Module):
         return self.merger_fc2(F.gelu(self.merger_fc1(merged)))
 
 
-def load_vision(cfg: VisionConfig, tensors: Mapping[str, torch.Tensor],
+def load_vision(arch: Arch, tensors: Mapping[str, torch.Tensor],
                 dtype: torch.dtype = torch.float32) -> tuple[VisionHost, VisionEncoder]:
     """Build the host side and the traced encoder from the converted vision tensors, strictly."""
-    host, encoder = VisionHost(cfg, dtype), VisionEncoder(cfg, dtype)
+    host, encoder = VisionHost(arch, dtype), VisionEncoder(arch.vision, dtype)
     host_names = set(host.state_dict())
     _strict_load(host, {n: t for n, t in tensors.items() if n in host_names}, "vision host weights")
     _strict_load(encoder, {n: t for n, t in tensors.items() if n not in host_names}, "vision encoder weights")
@@ -227,7 +230,7 @@ def embed_with_images(embed_tokens: torch.Tensor, input_ids: torch.Tensor, image
     return embeds
 
 
-def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, cfg: VisionConfig,
+def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, arch: Arch,
                        seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """3-D mRoPE positions of a (right-padded) prompt batch, as HF's get_rope_index computes them.
 
@@ -239,12 +242,11 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | N
     batch, length = input_ids.shape
     seq_lens = torch.full((batch,), length) if seq_lens is None else seq_lens
     grids = iter(image_grid_thw.tolist() if image_grid_thw is not None else [])
-    merge = cfg.spatial_merge_size
     position_ids = torch.zeros(3, batch, length, dtype=torch.long)
     deltas = torch.zeros(batch, dtype=torch.long)
     for b in range(batch):
         n = int(seq_lens[b])
-        is_image = (input_ids[b, :n] == cfg.image_token_id).tolist()
+        is_image = (input_ids[b, :n] == arch.image_token_id).tolist()
         pieces, start, i = [], 0, 0
         while i < n:
             j = i
@@ -255,6 +257,7 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | N
                 start += j - i
             else:
                 t, h, w = next(grids)
+                merge = arch.vision.spatial_merge_size
                 h, w = h // merge, w // merge
                 if t * h * w != j - i:
                     raise ValueError(f"row {b}: a run of {j - i} image tokens does not match image grid "
@@ -275,7 +278,7 @@ def decode_position_ids(positions: torch.Tensor, rope_deltas: torch.Tensor) -> t
     return (positions + rope_deltas)[None, :, None].expand(3, -1, -1).contiguous()
 
 
-def vision_example_inputs(cfg: VisionConfig, bucket: int, dtype: torch.dtype = torch.float32):
+def vision_example_inputs(cfg: VisionArch, bucket: int, dtype: torch.dtype = torch.float32):
     """Inputs of the traced encoder's shapes and dtypes for one bucket (values irrelevant): for tracing."""
     if bucket % cfg.spatial_merge_size**2:
         raise ValueError(f"vision bucket {bucket} must be a multiple of {cfg.spatial_merge_size**2}")
