@@ -64,6 +64,11 @@ class ConfigError(UserError, ValueError):
         super().__init__(f"{origin}: {message}")
 
 
+def _is_moe_layer(layer: int, moe: bool, decoder_sparse_step: int, mlp_only_layers: tuple[int, ...]) -> bool:
+    """HF's rule for each family: every decoder_sparse_step-th layer of an MoE model, but mlp_only_layers."""
+    return moe and layer not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0
+
+
 def _tuple(value):
     return tuple(_tuple(v) for v in value) if isinstance(value, (list, tuple)) else value
 
@@ -192,10 +197,8 @@ class Arch:
                        num_k_heads=self.num_k_heads // tp, num_v_heads=self.num_v_heads // tp)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether `layer` has a sparse MoE block (else a dense MLP), by HF's rule for each family."""
-        if not self.is_moe or layer in self.mlp_only_layers:
-            return False
-        return (layer + 1) % self.decoder_sparse_step == 0
+        """Whether `layer` has a sparse MoE block (else a dense MLP)."""
+        return _is_moe_layer(layer, self.is_moe, self.decoder_sparse_step, self.mlp_only_layers)
 
     @property
     def moe_layers(self) -> frozenset[int]:
@@ -284,7 +287,7 @@ class Arch:
         h = self.hidden_size
         attn = h * self.num_heads * self.head_dim * 2 + 2 * h * self.num_kv_heads * self.head_dim
         attn += self.num_heads * self.head_dim * h
-        kd, vd = self.num_k_heads * self.k_head_dim, self.num_v_heads * self.v_head_dim
+        kd, vd = self.key_dim, self.value_dim
         delta = h * (2 * kd + vd) + h * vd + 2 * h * self.num_v_heads + vd * h
         if self.is_moe:
             mlp = 3 * h * self.shared_intermediate_size + h * self.num_experts + h
@@ -469,7 +472,7 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
     sparse_fields = family == "qwen3_next"
     step = (f.int("decoder_sparse_step", 1) or 1) if sparse_fields else 1
     mlp_only = f.ints("mlp_only_layers") if sparse_fields else ()
-    has_dense = not moe or any(i in mlp_only or (i + 1) % step for i in range(n))
+    has_dense = not all(_is_moe_layer(i, moe, step, mlp_only) for i in range(n))
     vision, host = vision_from_config(config, origin) or (None, {})
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     vocab_size = f.int("vocab_size")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qbuild.convert import attention, deltanet, embeddings, mlp, moe, norms, vision
 from qbuild.arch import Arch, VisionArch
+from qbuild.convert import attention, deltanet, embeddings, mlp, moe, norms, vision
 from qbuild.convert.families import Family
 from qbuild.convert.steps import Step
 
@@ -60,5 +60,5 @@ def vision_program(v: VisionArch, family: Family) -> list[Step]:
 def program(family: Family, arch: Arch, names) -> Program:
     """The text steps, and the vision steps where the family keeps a vision encoder (arch_of made sure the config
     has one)."""
-    vision = vision_program(arch.vision, family) if family.vision_prefix else []
-    return Program(text_program(arch, family, names), vision)
+    vision_steps = vision_program(arch.vision, family) if family.vision_prefix else []
+    return Program(text_program(arch, family, names), vision_steps)

@@ -1,6 +1,7 @@
 """The shard step: converted (tp-independent) NxDI text weights -> one safetensors file per tensor-parallel rank.
 
-Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json.
+Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json. `unpack_rank` reads a
+"cpu" rank back as qbuild's reference model holds it (FP8 dequantised, a fused Wqkv split).
 
 Layouts: "cpu" (below) is the one qbuild's CPU reference model reads; "nxd-main" and "nxd-moe" are the files NxD's
 ModelBuilder.shard_checkpoint writes for the two port lineages, with NxD's names, splits and dtypes (nxd.py). Only the
