@@ -99,14 +99,18 @@ def get(kind: str) -> ActionSpec:
 for _spec in (
     ActionSpec("fetch", f"{_SRC}.fetch:run", (f"{_SRC}.fetch",), ("huggingface_hub",)),
     ActionSpec("port", f"{_SRC}.port:run", (f"{_SRC}.port",)),
-    ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.convert"), ("safetensors", "torch")),
-    ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.convert"), ("safetensors", "torch")),
+    ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.convert", "qbuild.arch"),
+               ("safetensors", "torch")),
+    ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.convert", "qbuild.arch"),
+               ("safetensors", "torch")),
     # A neuron compile pins its toolchain in its params (the recipe's `toolchain`), which then replaces these.
     ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.backends", "qbuild.modeling",
-                                                  "qbuild.kernels", "qbuild.ports"), ("torch",)),
-    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.bundle", "qbuild.backends.neuron")),
+                                                  "qbuild.kernels", "qbuild.ports", "qbuild.arch"), ("torch",)),
+    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.bundle", "qbuild.backends.neuron",
+                                                  "qbuild.arch", "qbuild.convert.hybrid")),
     ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference",), ("torch", "transformers")),
     ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.runtime", "qbuild.modeling",
-                                                "qbuild.kernels", "qbuild.backends"), ("torch",)),
+                                                "qbuild.kernels", "qbuild.backends", "qbuild.arch", "qbuild.convert"),
+               ("torch",)),
 ):
     register(_spec)
