@@ -1,4 +1,4 @@
-"""Architecture facts read from a checkpoint's config.json, and the recipe checks that depend on them.
+"""Architecture facts read from a checkpoint's config.json.
 
 This is the one reader of a HF config.json, and Arch the one architecture type: the planner (its fingerprint in
 compile keys), the converter, the reference model and the backends all take the Arch built here. It reads
@@ -8,49 +8,26 @@ compile keys), the converter, the reference model and the backends all take the 
 - both the transformers-5 form (`rope_parameters`, `layer_types`) and the older published form (top-level
   `rope_theta` / `partial_rotary_factor`, `rope_scaling`, `full_attention_interval`).
 
-Planning must work offline and without torch, so this module reads JSON only. The published configs of the
-shipped models are kept in qbuild/configs (named org--name.json) for recipes whose weights are not downloaded.
+Planning must work offline and without torch, so this module reads JSON only; the family facts it applies come
+from qbuild.families. Finding a recipe's config.json is qbuild.source's job, checking a recipe against the
+architecture qbuild.checks'.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 
-from .dtypes import DTYPE_BYTES
-from .errors import RecipeError, UserError
-from .recipe import LoadedRecipe, recipe_field_location
-from .userfile import read_small_file
+from .errors import UserError
+from .families import FAMILIES, MODEL_TYPES
 
-FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next")
-# config.json's model_type -> (family, whether it is a VL wrapper: text under text_config, vision under vision_config)
-MODEL_TYPES = {"qwen3_5": ("qwen3_5", True), "qwen3_5_moe": ("qwen3_5_moe", True),
-               "qwen3_5_text": ("qwen3_5", False), "qwen3_5_moe_text": ("qwen3_5_moe", False),
-               "qwen3_next": ("qwen3_next", False)}
-# The model_type of each family's text model (what a VL wrapper's text_config says).
-TEXT_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text", "qwen3_next": "qwen3_next"}
-DEFAULT_MOE_BACKEND = {"qwen3_5_moe": "shard_on_intermediate", "qwen3_next": "shard_on_block"}
-# fp8 "full" quantises attention and DeltaNet projections too; only the dense family has been validated so.
-FP8_POLICIES = {"qwen3_5": ("none", "mlp_only", "full"), "qwen3_5_moe": ("none", "mlp_only"),
-                "qwen3_next": ("none", "mlp_only")}
 ROPE_TYPES = ("default", "mrope")  # "mrope" is the older name of default RoPE with an mrope_section
-# transformers' Qwen3.5 text rotary (both VL families) always interleaves the (t, h, w) frequencies and takes
-# mrope_section from rope_parameters with this default; Qwen3-Next's is plain RoPE and ignores mrope keys.
-MROPE_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+# transformers' Qwen3.5 text rotary takes mrope_section from rope_parameters with this default.
 DEFAULT_MROPE_SECTION = (11, 11, 10)
 # Config fields holding token ids (eos_token_id may list several). Each indexes the embedding.
 TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
                    "eos_token_id", "bos_token_id", "pad_token_id")
 MAX_CONFIG_BYTES = 4 << 20   # a config.json is a few KiB
 VISION_HIDDEN_ACT = "gelu_pytorch_tanh"
-
-_SHIPPED = Path(__file__).parent / "configs"
-# Device memory one rank (one logical NeuronCore) can use, by target and LNC.
-_HBM_PER_RANK_GIB = {("trn2", 2): 24, ("trn2", 1): 12, ("trn1", 1): 16, ("trn1", 2): 32, ("inf2", 1): 16,
-                     ("inf2", 2): 32}
 
 
 class ConfigError(UserError, ValueError):
@@ -157,11 +134,11 @@ class Arch:
 
     @property
     def is_moe(self) -> bool:
-        return self.family in MOE_FAMILIES
+        return FAMILIES[self.family].moe
 
     @property
     def text_model_type(self) -> str:
-        return TEXT_MODEL_TYPES[self.family]
+        return FAMILIES[self.family].text_model_type
 
     @property
     def num_attn_layers(self) -> int:
@@ -271,9 +248,10 @@ class Arch:
             text["max_position_embeddings"] = self.max_position_embeddings
         if self.pad_token_id is not None:
             text["pad_token_id"] = self.pad_token_id
-        if self.family == "qwen3_next":
+        wrapper = FAMILIES[self.family].vl_model_type
+        if wrapper is None:
             return text
-        config = {"model_type": self.family, "text_config": text, "tie_word_embeddings": self.tie_word_embeddings}
+        config = {"model_type": wrapper, "text_config": text, "tie_word_embeddings": self.tie_word_embeddings}
         if self.vision is not None:
             config["vision_config"] = {**self.vision.to_hf_config(),
                                        "rope_parameters": {"rope_type": "axial", "rope_theta": self.vision_rope_theta}}
@@ -375,7 +353,7 @@ def _layer_types(f: _Section, num_layers: int) -> tuple[str, ...]:
 def _rope(f: _Section, family: str) -> tuple[tuple[str, object], ...]:
     """The normalised rope of either form: rope_parameters (transformers 5), else rope_scaling plus top-level
     rope_theta / partial_rotary_factor; a key in rope_parameters wins over the same key elsewhere. mRoPE follows
-    transformers: interleaved with a default section for MROPE_FAMILIES, absent for the others."""
+    transformers: interleaved with a default section for the mRoPE families, absent for the others."""
     params: dict = {}
     for key in ("rope_scaling", "rope_parameters"):
         params.update(f.object(key) or {})
@@ -389,7 +367,7 @@ def _rope(f: _Section, family: str) -> tuple[tuple[str, object], ...]:
 
     theta, partial = number("rope_theta", 10000.0), number("partial_rotary_factor", 1.0)
     rope: dict = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
-    if family not in MROPE_FAMILIES:
+    if not FAMILIES[family].mrope:
         return tuple(sorted(rope.items()))
     section = params.get("mrope_section") or list(DEFAULT_MROPE_SECTION)
     if (not isinstance(section, list) or len(section) != 3
@@ -420,7 +398,8 @@ def _model_type(config: dict, origin: str) -> tuple[str, str, bool]:
     if model_type not in MODEL_TYPES:
         raise ConfigError(origin, "model_type", f"model_type {model_type!r} is not supported; qbuild builds "
                                                 f"{', '.join(MODEL_TYPES)}")
-    return (model_type, *MODEL_TYPES[model_type])
+    entry = MODEL_TYPES[model_type]
+    return model_type, entry.family.name, entry.wrapped
 
 
 def vision_from_config(config: dict, origin: str = "config.json") -> tuple[VisionArch, dict] | None:
@@ -464,14 +443,12 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
         f = _Section(text, origin, "text_config.", model_type)
     else:
         text, f = config, top
-    moe = family in MOE_FAMILIES
+    moe, layout_fields = FAMILIES[family].moe, FAMILIES[family].moe_layout_fields
     n = f.int("num_hidden_layers")
     layer_types = _layer_types(f, n)
     heads, hidden = f.int("num_attention_heads"), f.int("hidden_size")
-    # Only Qwen3-Next's config places dense layers; transformers' Qwen3.5-MoE has no such fields (all MoE).
-    sparse_fields = family == "qwen3_next"
-    step = (f.int("decoder_sparse_step", 1) or 1) if sparse_fields else 1
-    mlp_only = f.ints("mlp_only_layers") if sparse_fields else ()
+    step = (f.int("decoder_sparse_step", 1) or 1) if layout_fields else 1
+    mlp_only = f.ints("mlp_only_layers") if layout_fields else ()
     has_dense = not all(_is_moe_layer(i, moe, step, mlp_only) for i in range(n))
     vision, host = vision_from_config(config, origin) or (None, {})
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
@@ -495,187 +472,8 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
         shared_intermediate_size=f.int("shared_expert_intermediate_size") if moe else None,
         rope=_rope(f, family), rms_norm_eps=f.float("rms_norm_eps", 1e-6), tie_word_embeddings=bool(tie),
         vision=vision,
-        # qwen3_5_moe always renormalises the top-k weights; qwen3_next only if norm_topk_prob.
-        norm_topk_prob=f.bool("norm_topk_prob", True) if family == "qwen3_next" else True,
+        norm_topk_prob=f.bool("norm_topk_prob", True) if layout_fields else True,
         decoder_sparse_step=step, mlp_only_layers=mlp_only,
         max_position_embeddings=max_positions,
         pad_token_id=f.optional_id("pad_token_id", config), eos_token_id=f.optional_id("eos_token_id", config), **host)
 
-
-def shipped_config_path(repo: str) -> Path:
-    return _SHIPPED / (repo.replace("/", "--") + ".json")
-
-
-def hf_cache_dir() -> Path:
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
-    return Path(home) / "hub"
-
-
-def hf_cached_snapshot(repo: str, revision: str) -> tuple[str, Path] | None:
-    """(commit, snapshot dir) of `repo` at `revision` in the local HF cache, without importing huggingface_hub."""
-    repo_dir = hf_cache_dir() / ("models--" + repo.replace("/", "--"))
-    commit = revision
-    if not (len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)):
-        ref = repo_dir / "refs" / revision
-        if not ref.is_file():
-            return None
-        commit = ref.read_text().strip()
-    snap = repo_dir / "snapshots" / commit
-    return (commit, snap) if snap.is_dir() else None
-
-
-def config_for(loaded: LoadedRecipe) -> tuple[dict, str]:
-    """The config.json a recipe's model has, and where it was read: the local dir, the HF cache, or the shipped copy."""
-    src = loaded.recipe.model
-    if src.path is not None:
-        cfg = loaded.source_dir / "config.json"
-        where = f"{loaded.path}: model.path"
-        if not loaded.source_dir.is_dir():
-            raise RecipeError(f"{recipe_field_location(loaded, 'model.path')}: model.path: "
-                              f"{loaded.source_dir} is not a directory")
-    else:
-        cached = hf_cached_snapshot(src.hf, src.revision)
-        cfg = cached[1] / "config.json" if cached and (cached[1] / "config.json").exists() else \
-            shipped_config_path(src.hf)
-        where = f"{loaded.path}: model.hf"
-        if not cfg.exists():
-            raise RecipeError(f"{recipe_field_location(loaded, 'model.hf')}: model.hf: {src.hf} is neither in the "
-                              f"HF cache nor a shipped config; download it first or use `path:`")
-    raw = read_small_file(cfg, MAX_CONFIG_BYTES, "config.json")
-    try:
-        return json.loads(raw), str(cfg)
-    except ValueError as e:   # invalid JSON or not UTF-8
-        raise UserError(f"{cfg}: cannot read config.json ({where}): {e}") from None
-
-
-def load_arch(loaded: LoadedRecipe) -> Arch:
-    config, origin = config_for(loaded)
-    return arch_from_config(config, origin)
-
-
-# --- recipe checks that need the architecture ---------------------------------------------------------------
-
-def _fail(loaded: LoadedRecipe, field: str, msg: str) -> None:
-    raise RecipeError(f"{recipe_field_location(loaded, field)}: {field}: {msg}")
-
-
-def validate(loaded: LoadedRecipe, arch: Arch) -> None:
-    """Raise RecipeError for the first recipe field the architecture cannot support."""
-    r = loaded.recipe
-    tp, ep = r.parallel.tp, r.parallel.ep
-    if arch.num_heads % tp:
-        _fail(loaded, "parallel.tp", f"tp={tp} does not divide the {arch.num_heads} attention heads")
-    if tp > arch.num_kv_heads and tp % arch.num_kv_heads:
-        _fail(loaded, "parallel.tp", f"tp={tp} is not a multiple of the {arch.num_kv_heads} KV heads "
-                                     "(they are replicated when tp exceeds them)")
-    if tp < arch.num_kv_heads and arch.num_kv_heads % tp:
-        _fail(loaded, "parallel.tp", f"tp={tp} does not divide the {arch.num_kv_heads} KV heads")
-    for heads, what in ((arch.num_k_heads, "DeltaNet key heads"), (arch.num_v_heads, "DeltaNet value heads")):
-        if heads % tp:
-            _fail(loaded, "parallel.tp", f"tp={tp} does not divide the {heads} {what}")
-    if arch.is_moe:
-        if arch.num_experts % ep:
-            _fail(loaded, "parallel.ep", f"ep={ep} does not divide the {arch.num_experts} experts")
-        moe_tp = r.parallel.effective_moe_tp
-        if arch.moe_intermediate_size % moe_tp:
-            _fail(loaded, "parallel.moe_tp", f"moe_tp={moe_tp} does not divide the expert intermediate size "
-                                             f"{arch.moe_intermediate_size}")
-    else:
-        if ep != 1:
-            _fail(loaded, "parallel.ep", f"ep={ep} needs an MoE model; {arch.family} is dense")
-        if r.moe_backend is not None:
-            _fail(loaded, "moe_backend", f"{arch.family} is dense and has no MoE backend")
-        if arch.intermediate_size % tp:
-            _fail(loaded, "parallel.tp", f"tp={tp} does not divide the MLP intermediate size {arch.intermediate_size}")
-    if r.fp8 not in FP8_POLICIES[arch.family]:
-        _fail(loaded, "fp8", f"{r.fp8!r} is not supported for {arch.family}; use one of "
-                             f"{', '.join(FP8_POLICIES[arch.family])}")
-    if r.vision is not None:
-        if arch.vision is None:
-            _fail(loaded, "vision", f"{arch.family} checkpoint has no vision encoder")
-        merge = arch.vision.spatial_merge_size ** 2
-        for i, b in enumerate(r.vision.buckets):
-            if b % merge:
-                _fail(loaded, f"vision.buckets.{i}", f"{b} patch tokens is not a multiple of {merge} "
-                                                     "(the 2x2 spatial merge)")
-    if arch.max_position_embeddings is not None and r.text.seq_len > arch.max_position_embeddings:
-        _fail(loaded, "text.seq_len", f"{r.text.seq_len} exceeds the model's max_position_embeddings "
-                                      f"{arch.max_position_embeddings}")
-    est = rank_memory_bytes(loaded, arch)
-    limit = _HBM_PER_RANK_GIB.get((r.compiler.target, r.compiler.effective_lnc))
-    if limit is not None and est > limit << 30:
-        _fail(loaded, "parallel.tp", f"needs ~{est / 2**30:.1f} GiB per rank (weights + KV cache + DeltaNet "
-                                     f"state), over the {limit} GiB of a {r.compiler.target} LNC"
-                                     f"{r.compiler.effective_lnc} rank; raise tp")
-    if r.backend == "neuron":
-        _validate_neuron(loaded, arch)
-
-
-# The lineages whose public port serves each family (qbuild.ports; nxdi-api.md section 1): the moe lineage's module
-# is written for the MoE text model only, and the main lineage's for the Qwen3.5 model types.
-_PORT_LINEAGES = {"qwen3_5": ("main",), "qwen3_5_moe": ("main", "moe"), "qwen3_next": ("moe",)}
-
-
-def _validate_neuron(loaded: LoadedRecipe, arch: Arch) -> None:
-    """The checks that only a neuron build needs: a port that can serve the recipe, and a pinned toolchain."""
-    from .ports import LINEAGES, lineage_for
-
-    r = loaded.recipe
-    lineage = lineage_for(arch.family, r.port.lineage)
-    if lineage.name not in _PORT_LINEAGES[arch.family]:
-        _fail(loaded, "port.lineage", f"the {lineage.name} lineage has no port for {arch.family}; use "
-                                      f"{' or '.join(_PORT_LINEAGES[arch.family])}")
-    if r.port.path is None and r.port.module is None:
-        _fail(loaded, "port", "a neuron build runs an NxDI contrib port: set port.path (the port directory, e.g. a "
-                              "checkout of contrib/models/<Port>) or port.module")
-    if r.fp8 == "full":
-        _fail(loaded, "fp8", "a neuron build makes the FP8 port's mlp_only configuration (PR 173); full is for the "
-                             "CPU backends")
-    if r.fp8 != "none" and arch.is_moe:
-        # The FP8 port is dense; NxD reads per-expert scales only as expert_wise_per_channel_symmetric, which no
-        # public port configures.
-        _fail(loaded, "fp8", f"no public NxDI port builds FP8 experts; {arch.family} builds with fp8: none on neuron")
-    if r.vision is not None and LINEAGES[lineage.name].vision_module is None:
-        _fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use main")
-    if r.parallel.ep > 1:
-        # NxD's ExpertMLPsV2 refuses EP in selective-loading decode (it raises) (expert_mlps_v2.py @
-        # fbac349; Qwen3.5-35B-A3B README). Coder-Next's README works around it with a patch of
-        # ExpertMLPsV2.forward that is in no public commit of the port (PR 170 @ 753c7f5).
-        _fail(loaded, "parallel.ep", f"no public {lineage.name}-lineage port runs expert parallelism in decode "
-                                     "(NxD refuses it without an unpublished patch); use ep: 1")
-    for dist, version in r.toolchain.pins().items():
-        if version is None:
-            _fail(loaded, "toolchain", f"a neuron build pins the Neuron SDK: set toolchain.{dist.replace('-', '_')} "
-                                       "(see recipes/bases/trn2.yaml)")
-
-
-def moe_backend(loaded: LoadedRecipe, arch: Arch) -> str | None:
-    if not arch.is_moe:
-        return None
-    return loaded.recipe.moe_backend or DEFAULT_MOE_BACKEND[arch.family]
-
-
-def weight_bytes(arch: Arch, dtype: str, fp8: str) -> int:
-    dense, experts = arch.param_counts()
-    b = DTYPE_BYTES[dtype]
-    # FP8 stores one byte per quantised weight; experts are the MLP weights of the MoE families.
-    mlp_bytes = 1 if fp8 != "none" else b
-    if arch.is_moe:
-        return dense * b + experts * mlp_bytes
-    mlp = 3 * arch.hidden_size * arch.intermediate_size * arch.num_layers
-    return (dense - mlp) * b + mlp * mlp_bytes
-
-
-def rank_memory_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
-    """Estimated device memory of one rank: its weight shard, its KV cache and its DeltaNet state."""
-    r = loaded.recipe
-    tp, b = r.parallel.tp, DTYPE_BYTES[r.dtype]
-    weights = weight_bytes(arch, r.dtype, r.fp8) // tp
-    kv_heads = max(1, arch.num_kv_heads // tp)
-    kv = 2 * r.text.batch_size * r.text.seq_len * kv_heads * arch.head_dim * b * arch.num_attn_layers
-    n_delta = arch.num_layers - arch.num_attn_layers
-    state = r.text.batch_size * n_delta * ((arch.num_v_heads // tp) * arch.k_head_dim * arch.v_head_dim * 4
-                                            + (arch.conv_dim // tp) * (arch.conv_kernel - 1) * b)
-    return weights + kv + state

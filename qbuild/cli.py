@@ -18,6 +18,7 @@ import typer  # noqa: E402
 
 from . import jsonio  # noqa: E402
 from .errors import QbuildError, UserError  # noqa: E402
+from .families import FAMILIES  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build, verify and publish compiled Qwen3.5 / Qwen3-Next artifacts from YAML recipes.")
@@ -384,7 +385,8 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
 @recipe_app.command("validate")
 def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files"), json_: bool = JsonOpt) -> None:
     """Validate recipes against the schema and against their model's architecture."""
-    from .arch import load_arch, validate
+    from .checks import validate
+    from .source import load_arch
     from .recipe import load_recipe
 
     valid = []
@@ -408,14 +410,14 @@ def recipe_schema() -> None:
 
 
 @app.command()
-def tiny(family: str = typer.Argument(..., help="qwen3_5 | qwen3_5_moe | qwen3_next"),
+def tiny(family: str = typer.Argument(..., help=" | ".join(FAMILIES)),
          out: Path = typer.Argument(..., help="directory to write the checkpoint into (new or empty)"),
          seed: int = typer.Option(0, help="random seed"),
          fused_experts: bool = typer.Option(False, help="MoE experts in the fused 3D form"),
          force: bool = typer.Option(False, "--force", help="replace what a non-empty directory holds"),
          json_: bool = JsonOpt) -> None:
     """Write a tiny random checkpoint of a family (seeded, with a tokenizer) for tests and demos."""
-    from .tinymodel import FAMILIES, install_tiny_checkpoint
+    from .tinymodel import install_tiny_checkpoint
 
     if family not in FAMILIES:
         raise UserError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-DTYPES = tuple(DTYPE_BYTES)
+from typing import Literal, get_args
+
+DType = Literal["bfloat16", "float16", "float32"]
+
+DTYPE_BYTES: dict[DType, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
+DTYPES: tuple[DType, ...] = get_args(DType)
 
 
 def torch_dtype(name: str):

@@ -12,11 +12,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import actions, arch as archmod, ports
+from . import actions, arch as archmod, checks, ports, source
 from .arch import Arch
 from .dtypes import DTYPE_BYTES
 from .hashing import StatCache, canonical_json, digest_json
-from .recipe import LoadedRecipe
+from .recipe import HFSource, LoadedRecipe, PathSource
 from .store.manifest import Manifest
 
 # Files a build needs from a checkpoint; pickled weights (*.bin, *.pt) are never fetched or loaded.
@@ -85,10 +85,10 @@ def checkpoint_files(directory: Path) -> list[Path]:
 def _fetch_params(loaded: LoadedRecipe, stat_cache: StatCache) -> tuple[dict, dict]:
     """(params, context) of the fetch node. A local dir is identified by its files' digests, never its path."""
     src = loaded.recipe.model
-    if src.path is not None:
+    if isinstance(src, PathSource):
         files = {p.name: "blake3:" + stat_cache.digest(p) for p in checkpoint_files(loaded.source_dir)}
         return {"source": "path", "files": files}, {"path": str(loaded.source_dir)}
-    cached = archmod.hf_cached_snapshot(src.hf, src.revision)
+    cached = source.hf_cached_snapshot(src.hf, src.revision)
     revision = cached[0] if cached else src.revision
     return {"source": "hf", "repo": src.hf, "revision": revision}, {"requested_revision": src.revision}
 
@@ -120,7 +120,7 @@ def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) ->
     return {**common, "text": text, "tp": r.parallel.tp, "ep": r.parallel.ep,
             "moe_tp": r.parallel.effective_moe_tp if arch.is_moe else None,
             "batch_size": r.text.batch_size, "seq_len": r.text.seq_len, "fp8": r.fp8,
-            "moe_backend": archmod.moe_backend(loaded, arch), "fused_qkv": r.fused_qkv}
+            "moe_backend": checks.moe_backend(loaded, arch), "fused_qkv": r.fused_qkv}
 
 
 def neuron_text_params(loaded: LoadedRecipe, arch: Arch) -> dict:
@@ -137,7 +137,7 @@ def neuron_text_params(loaded: LoadedRecipe, arch: Arch) -> dict:
             "parallel": nxd_parallel(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
             "batch_size": r.text.batch_size, "seq_len": r.text.seq_len,
             "cte_buckets": list(r.text.cte_buckets), "tkg_buckets": list(r.text.token_buckets),
-            "dtype": r.dtype, "fp8": r.fp8, "moe_backend": archmod.moe_backend(loaded, arch),
+            "dtype": r.dtype, "fp8": r.fp8, "moe_backend": checks.moe_backend(loaded, arch),
             "fused_qkv": r.fused_qkv, "compiler": _compiler(r), "toolchain": r.toolchain.pins(),
             "port_env": dict(sorted(r.port.env.items())),
             # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
@@ -167,15 +167,15 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
     r, name = loaded.recipe, loaded.name
     neuron = r.backend == "neuron"
     dbytes = DTYPE_BYTES[r.dtype]
-    weights = archmod.weight_bytes(arch, r.dtype, r.fp8)
+    weights = checks.weight_bytes(arch, r.dtype, r.fp8)
     vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * dbytes
     big = _largest_tensor_bytes(arch, 4)
     roles: dict[str, str] = {}
 
     fparams, fctx = _fetch_params(loaded, stat_cache)
-    label = r.model.hf or Path(r.model.path).name
+    label = r.model.hf if isinstance(r.model, HFSource) else Path(r.model.path).name
     roles["fetch"] = fetch = _add(nodes, name, "fetch", f"fetch {label}", fparams, {},
-                                  archmod.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx)
+                                  checks.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx)
     roles["convert"] = convert = _add(
         nodes, name, "convert", f"convert {arch.family} {r.dtype} fp8={r.fp8}",
         {"family": arch.family, "dtype": r.dtype, "fp8": r.fp8}, {"snapshot": fetch},
@@ -244,7 +244,7 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
         nodes, name, "reference", f"reference {label}",
         {"prompts": v.prompts, "new_tokens": v.new_tokens, "image": bool(r.vision and v.image_prompt)},
         {"snapshot": fetch},
-        4 << 20, 4 * archmod.weight_bytes(arch, "float32", "none") // 4 + vision_bytes * 2 + GIB, fctx)
+        4 << 20, 4 * checks.weight_bytes(arch, "float32", "none") // 4 + vision_bytes * 2 + GIB, fctx)
     # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
     roles["verify"] = verify = _add(
         nodes, name, "verify", f"verify {name}",
@@ -263,8 +263,8 @@ def build_plan(recipes: list[LoadedRecipe], stat_cache: StatCache) -> Plan:
             from .errors import RecipeError
             raise RecipeError(f"{loaded.path}: name: recipe name {loaded.name!r} is also used by "
                               f"{planned[loaded.name].loaded.path}")
-        arch = archmod.load_arch(loaded)
-        archmod.validate(loaded, arch)
+        arch = source.load_arch(loaded)
+        checks.validate(loaded, arch)
         planned[loaded.name] = plan_recipe(nodes, loaded, arch, stat_cache)
     return Plan(nodes, planned)
 

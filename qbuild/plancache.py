@@ -291,8 +291,9 @@ class Inputs:
 def planning_inputs(plan, recipe_files: list[Path], lock_path, all_: bool, root: Path | None = None) -> Inputs:
     """Every file and directory that building `plan` from `recipe_files` (as the command line named them) read:
     recipes and bases, checkpoints, the HF cache, the lock, ./qbuild.yaml, and with --all the recipes directory."""
-    from .arch import hf_cache_dir, hf_cached_snapshot
     from .plan import checkpoint_files
+    from .recipe import PathSource
+    from .source import hf_cached_snapshot, hf_repo_dir
     from .workspace import RECIPES_DIR
 
     root = Path(root or os.getcwd())
@@ -309,12 +310,12 @@ def planning_inputs(plan, recipe_files: list[Path], lock_path, all_: bool, root:
             inputs.file(path, digest=False)   # a directory: its stat follows links to the one planning listed
     for pr in plan.recipes.values():
         model = pr.loaded.recipe.model
-        if model.path is not None:
+        if isinstance(model, PathSource):
             inputs.dir(pr.loaded.source_dir)
             for f in checkpoint_files(pr.loaded.source_dir):
                 inputs.file(f, digest=False)      # by stat signature, as the stat cache keys their digests
             continue
-        repo_dir = hf_cache_dir() / ("models--" + model.hf.replace("/", "--"))
+        repo_dir = hf_repo_dir(model.hf)
         for d in (repo_dir, repo_dir / "refs", repo_dir / "snapshots"):
             inputs.dir(d)
         inputs.file(repo_dir / "refs" / model.revision, digest=True)

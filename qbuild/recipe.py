@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt,
-                      ValidationError, field_validator, model_validator)
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, FiniteFloat, StrictBool,
+                      StrictInt, Tag, ValidationError, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
+from .backends import Backend, Target
+from .dtypes import DType
 from .errors import RecipeError
+from .families import FP8Policy, LineageName, MoEBackend
 from .userfile import read_small_file
-
-FP8Policy = Literal["none", "mlp_only", "full"]
-MoEBackend = Literal["shard_on_intermediate", "torch_blockwise", "shard_hidden", "shard_on_block"]
-Backend = Literal["neuron", "inductor", "export"]
-Lineage = Literal["main", "moe"]
-Target = Literal["trn2", "trn1", "inf2"]
-DType = Literal["bfloat16", "float16", "float32"]
 
 
 def _not_a_bool(value: Any) -> Any:
@@ -36,18 +33,48 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelSource(_Strict):
-    """Exactly one of `hf` (a hub repo, pinned by `revision`) or `path` (a local checkpoint directory)."""
+class HFSource(_Strict):
+    """A Hugging Face hub repo, pinned by `revision`."""
 
-    hf: str | None = Field(None, pattern=r"^[\w.-]+/[\w.-]+$", description="Hugging Face repo id, org/name")
+    hf: str = Field(..., pattern=r"^[\w.-]+/[\w.-]+$", description="Hugging Face repo id, org/name")
     revision: str = Field("main", description="branch, tag or commit sha; resolved to a commit and locked")
-    path: str | None = Field(None, description="local checkpoint directory, relative to the recipe file")
 
-    @model_validator(mode="after")
-    def _one_source(self) -> "ModelSource":
-        if (self.hf is None) == (self.path is None):
-            raise ValueError("give exactly one of `hf` or `path`")
-        return self
+
+class PathSource(_Strict):
+    """A local checkpoint directory."""
+
+    path: str = Field(..., description="local checkpoint directory, relative to the recipe file")
+
+
+# The union's tags, as pydantic puts them in error locations (load_recipe leaves them out of the field it names).
+_SOURCE_TAGS = {HFSource: "hf source", PathSource: "path source"}
+
+
+def _set_source_fields(value: Any) -> Any:
+    """A `model:` mapping with null `hf` / `path` dropped, so that a recipe can switch the source its base names
+    (`hf: null, path: ...`), and with a base's `revision` dropped where the source is a path (it pins nothing)."""
+    if isinstance(value, (HFSource, PathSource)):
+        return value
+    if not isinstance(value, dict):
+        raise PydanticCustomError("dict_type", "Input should be a valid dictionary or instance of ModelSource")
+    value = {k: v for k, v in value.items() if not (k in ("hf", "path") and v is None)}
+    if "path" in value and "hf" not in value:
+        value.pop("revision", None)
+    return value
+
+
+def _source_tag(value: Any) -> str | None:
+    if isinstance(value, (HFSource, PathSource)):
+        return _SOURCE_TAGS[type(value)]
+    named = [cls for cls, key in ((HFSource, "hf"), (PathSource, "path")) if key in value]
+    return _SOURCE_TAGS[named[0]] if len(named) == 1 else None
+
+
+ModelSource = Annotated[
+    Annotated[HFSource, Tag(_SOURCE_TAGS[HFSource])] | Annotated[PathSource, Tag(_SOURCE_TAGS[PathSource])],
+    Discriminator(_source_tag, custom_error_type="model_source",
+                  custom_error_message="give exactly one of `hf` or `path`"),
+    BeforeValidator(_set_source_fields)]
 
 
 class Parallel(_Strict):
@@ -122,7 +149,7 @@ class Compiler(_Strict):
 class Port(_Strict):
     """The NxDI contrib port a neuron build runs (qbuild.ports): its lineage and where its source lives."""
 
-    lineage: Lineage | None = Field(None, description="main | moe; default per family (Coder-Next: moe)")
+    lineage: LineageName | None = Field(None, description="main | moe; default per family (Coder-Next: moe)")
     path: str | None = Field(None, description="the port directory (holds src/), relative to the recipe file")
     module: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*$",
                                description="an importable package whose directory is the port directory")
@@ -191,8 +218,8 @@ class LoadedRecipe(BaseModel):
 
     @property
     def source_dir(self) -> Path | None:
-        p = self.recipe.model.path
-        return None if p is None else (self.path.parent / p).resolve()
+        src = self.recipe.model
+        return (self.path.parent / src.path).resolve() if isinstance(src, PathSource) else None
 
     def with_backend(self, backend: str | None) -> "LoadedRecipe":
         """This recipe built on another backend (`--backend`, e.g. a CPU proof of a neuron recipe). Its artifacts
@@ -337,7 +364,8 @@ def load_recipe(file: Path | str) -> LoadedRecipe:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and x.startswith("function-after")))
+        loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and (x.startswith("function-after")
+                                                                         or x in _SOURCE_TAGS.values())))
         field = ".".join(str(x) for x in loc) or "(recipe)"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":

@@ -154,8 +154,9 @@ def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
         if node.kind == "compile" and node.params.get("backend") == "neuron":
             nodes[-1]["neffs"] = node.neffs
             from .backends.neuron import neuron_config
+            from .params import parse_compile
 
-            nodes[-1]["neuron_config"] = neuron_config(node.params)
+            nodes[-1]["neuron_config"] = neuron_config(parse_compile(node.params))
     recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "backend": pr.loaded.recipe.backend,
                       "port": _port_json(pr), "nodes": dict(sorted(pr.nodes.items()))}
                for name, pr in plan.recipes.items()}

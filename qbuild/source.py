@@ -1,8 +1,11 @@
-"""Model sources: where a fetched snapshot's bytes live on this machine, checked against the snapshot's digests,
-and the check of a checkpoint before anything is built from it.
+"""Model sources: a recipe's config.json and where its checkpoint is (a local directory, the Hugging Face cache, or
+a shipped config only), where a fetched snapshot's bytes live on this machine, checked against the snapshot's
+digests, and the check of a checkpoint before anything is built from it.
 
 A snapshot (the fetch action's output) names files by content digest only, so keys are the same on every
 machine. The bytes stay where they are: in the local checkpoint directory, or in the Hugging Face cache.
+The published configs of the shipped models are kept in qbuild/configs (named org--name.json) for recipes whose
+weights are not downloaded.
 """
 
 from __future__ import annotations
@@ -12,14 +15,80 @@ import os
 from pathlib import Path
 from typing import Mapping
 
-from .arch import hf_cached_snapshot
-from .errors import UserError
+from .arch import MAX_CONFIG_BYTES, Arch, arch_from_config
+from .errors import RecipeError, UserError
 from .hashing import default_stat_cache
-from .recipe import LoadedRecipe
+from .recipe import LoadedRecipe, PathSource, recipe_field_location
 from .userfile import read_small_file
 
 # A published Qwen tokenizer.json is ~11 MiB; the cap only stops a device or a runaway file.
 MAX_TOKENIZER_BYTES = 256 << 20
+_SHIPPED = Path(__file__).parent / "configs"
+
+
+# --- the Hugging Face cache, read without importing huggingface_hub ---------------------------------------------
+
+def hf_cache_dir() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(home) / "hub"
+
+
+def hf_repo_dir(repo: str) -> Path:
+    """The HF cache directory of a model repo (holding refs/ and snapshots/)."""
+    return hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+
+
+def hf_cached_snapshot(repo: str, revision: str) -> tuple[str, Path] | None:
+    """(commit, snapshot dir) of `repo` at `revision` in the local HF cache."""
+    repo_dir = hf_repo_dir(repo)
+    commit = revision
+    if not (len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)):
+        ref = repo_dir / "refs" / revision
+        if not ref.is_file():
+            return None
+        commit = ref.read_text().strip()
+    snap = repo_dir / "snapshots" / commit
+    return (commit, snap) if snap.is_dir() else None
+
+
+def shipped_config_path(repo: str) -> Path:
+    return _SHIPPED / (repo.replace("/", "--") + ".json")
+
+
+# --- a recipe's config.json ---------------------------------------------------------------------------------------
+
+def config_for(loaded: LoadedRecipe) -> tuple[dict, str]:
+    """The config.json a recipe's model has, and where it was read: the local dir, the HF cache, or the shipped copy."""
+    src = loaded.recipe.model
+    if isinstance(src, PathSource):
+        cfg = loaded.source_dir / "config.json"
+        where = f"{loaded.path}: model.path"
+        if not loaded.source_dir.is_dir():
+            raise RecipeError(f"{recipe_field_location(loaded, 'model.path')}: model.path: "
+                              f"{loaded.source_dir} is not a directory")
+    else:
+        cached = hf_cached_snapshot(src.hf, src.revision)
+        cfg = cached[1] / "config.json" if cached and (cached[1] / "config.json").exists() else \
+            shipped_config_path(src.hf)
+        where = f"{loaded.path}: model.hf"
+        if not cfg.exists():
+            raise RecipeError(f"{recipe_field_location(loaded, 'model.hf')}: model.hf: {src.hf} is neither in the "
+                              f"HF cache nor a shipped config; download it first or use `path:`")
+    raw = read_small_file(cfg, MAX_CONFIG_BYTES, "config.json")
+    try:
+        return json.loads(raw), str(cfg)
+    except ValueError as e:   # invalid JSON or not UTF-8
+        raise UserError(f"{cfg}: cannot read config.json ({where}): {e}") from None
+
+
+def load_arch(loaded: LoadedRecipe) -> Arch:
+    config, origin = config_for(loaded)
+    return arch_from_config(config, origin)
+
+
+# --- where a snapshot's files are ---------------------------------------------------------------------------------
 
 
 def read_snapshot(directory: Path) -> dict:
@@ -58,7 +127,7 @@ def source_directory(loaded: LoadedRecipe) -> Path | None:
     """Where a recipe's checkpoint is on this machine: its local directory, or its HF cache snapshot (None when a
     hub model is not downloaded yet; the fetch step checks it after downloading)."""
     src = loaded.recipe.model
-    if src.path is not None:
+    if isinstance(src, PathSource):
         return loaded.source_dir
     cached = hf_cached_snapshot(src.hf, src.revision)
     return cached[1] if cached else None
@@ -69,8 +138,6 @@ def check_checkpoint(directory: Path, files: Mapping[str, Path] | None = None) -
     config.json, the tokenizer, and every safetensors header against the conversion program (truncation, lying
     headers, missing, extra or misshapen tensors, an index naming a missing shard). Reads headers only; the last
     check imports torch (the conversion program is made of torch functions), so call this where a build will run."""
-    from .arch import MAX_CONFIG_BYTES, arch_from_config
-
     config_path = Path((files or {}).get("config.json", directory / "config.json"))
     try:
         config = json.loads(read_small_file(config_path, MAX_CONFIG_BYTES, "config.json"))

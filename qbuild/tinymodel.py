@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from . import jsonio
-
-Family = Literal["qwen3_5", "qwen3_5_moe", "qwen3_next"]
-FAMILIES: tuple[Family, ...] = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+from .families import FAMILIES, MODEL_TYPES, FamilyName
 
 VOCAB_SIZE = 512
 # Special tokens sit at the top of the vocabulary so the BPE merges fill the ids below them.
@@ -43,7 +41,7 @@ def _special_id(name: str) -> int:
     return VOCAB_SIZE - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(name)
 
 
-def make_config(family: Family, vision: bool, text_overrides: Mapping[str, Any] | None = None):
+def make_config(family: FamilyName, vision: bool, text_overrides: Mapping[str, Any] | None = None):
     """The transformers config of a tiny model of `family` (vision only for the VL families).
 
     `text_overrides` replaces text-model fields, e.g. TP4_TEXT so that every head count divides by 4."""
@@ -51,20 +49,19 @@ def make_config(family: Family, vision: bool, text_overrides: Mapping[str, Any] 
 
     text = dict(_TEXT, eos_token_id=_special_id("<|endoftext|>"), pad_token_id=_special_id("<|endoftext|>"))
     text.update(text_overrides or {})
-    if family == "qwen3_next":
+    fam = FAMILIES[family]
+    cls = getattr(transformers, fam.transformers_config)
+    if fam.vl_model_type is None:
         if vision:
-            raise ValueError("qwen3_next has no vision encoder")
+            raise ValueError(f"{family} has no vision encoder")
         # No pad token: the Coder-Next converter zeroes the pad row, and the tiny model's pad would be its EOS,
         # which it generates, so it would differ from transformers on purpose. The zeroing has its own unit test.
         text["pad_token_id"] = None
-        return transformers.Qwen3NextConfig(**text, **_MOE, norm_topk_prob=True)
+        return cls(**text, **_MOE, norm_topk_prob=True)
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                                "mrope_section": [2, 1, 1], "mrope_interleaved": True}
-    if family == "qwen3_5_moe":
+    if fam.moe:
         text.update(_MOE)
-        cls = transformers.Qwen3_5MoeConfig
-    else:
-        cls = transformers.Qwen3_5Config
     ids = dict(image_token_id=_special_id("<|image_pad|>"), video_token_id=_special_id("<|video_pad|>"),
                vision_start_token_id=_special_id("<|vision_start|>"),
                vision_end_token_id=_special_id("<|vision_end|>"))
@@ -74,11 +71,7 @@ def make_config(family: Family, vision: bool, text_overrides: Mapping[str, Any] 
 def _make_model(config):
     import transformers
 
-    if config.model_type == "qwen3_next":
-        return transformers.Qwen3NextForCausalLM(config)
-    if config.model_type == "qwen3_5_moe":
-        return transformers.Qwen3_5MoeForConditionalGeneration(config)
-    return transformers.Qwen3_5ForConditionalGeneration(config)
+    return getattr(transformers, MODEL_TYPES[config.model_type].transformers_model)(config)
 
 
 def _perturb(model, seed: int) -> None:
@@ -144,7 +137,7 @@ def _fuse_experts(out: Path) -> None:
         index.write_text(jsonio.dumps(doc, indent=2))
 
 
-def write_tiny_checkpoint(out: Path, family: Family, *, seed: int = 0, fused_experts: bool = False,
+def write_tiny_checkpoint(out: Path, family: FamilyName, *, seed: int = 0, fused_experts: bool = False,
                           dtype: str = "float32", text_overrides: Mapping[str, Any] | None = None) -> Path:
     """Write a seeded tiny checkpoint of `family` (config, safetensors shards + index, tokenizer) into `out`.
 
@@ -157,10 +150,10 @@ def write_tiny_checkpoint(out: Path, family: Family, *, seed: int = 0, fused_exp
 
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
-    if fused_experts and family == "qwen3_5":
+    if fused_experts and not FAMILIES[family].moe:
         raise ValueError("fused_experts applies to the MoE families only")
     torch.manual_seed(seed)
-    config = make_config(family, vision=family != "qwen3_next", text_overrides=text_overrides)
+    config = make_config(family, vision=FAMILIES[family].vl_model_type is not None, text_overrides=text_overrides)
     model = _make_model(config)
     _perturb(model, seed)
     model = model.to(getattr(torch, dtype))
@@ -172,7 +165,7 @@ def write_tiny_checkpoint(out: Path, family: Family, *, seed: int = 0, fused_exp
     return out
 
 
-def install_tiny_checkpoint(out: Path, family: Family, *, replace: bool = False, seed: int = 0,
+def install_tiny_checkpoint(out: Path, family: FamilyName, *, replace: bool = False, seed: int = 0,
                             fused_experts: bool = False) -> Path:
     """write_tiny_checkpoint into a staging directory beside `out`, then move it into place, so a failed or
     interrupted run leaves `out` as it was. A non-empty `out` is an error unless `replace`, which removes it."""

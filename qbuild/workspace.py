@@ -14,7 +14,7 @@ from .engine import BuildOptions, BuildResult, Event, build
 from .errors import BuildError, UserError
 from .hashing import StatCache, default_stat_cache
 from .plan import NodeStatus, Plan, as_locked, build_plan, diff_preimages, evaluate, key_of, preimage
-from .recipe import LoadedRecipe, load_recipe
+from .recipe import HFSource, LoadedRecipe, load_recipe
 from .store import LocalStore, StoreSpec, open_store
 
 RECIPES_DIR = Path("recipes")
@@ -141,7 +141,7 @@ class Workspace:
 
     def _model_entry(self, planned, fetch_manifest) -> dict:
         src = planned.loaded.recipe.model
-        model = {"source": f"hf:{src.hf}" if src.hf else "path", "revision": None, "files": {}}
+        model = {"source": f"hf:{src.hf}" if isinstance(src, HFSource) else "path", "revision": None, "files": {}}
         if fetch_manifest is not None:
             import json
 

@@ -28,7 +28,8 @@ def isolated_env(tmp_path, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     """One seeded tiny checkpoint per family (MoE experts per expert, as save_pretrained writes them)."""
-    from qbuild.tinymodel import FAMILIES, write_tiny_checkpoint
+    from qbuild.families import FAMILIES
+    from qbuild.tinymodel import write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     return {fam: write_tiny_checkpoint(root / fam, fam) for fam in FAMILIES}

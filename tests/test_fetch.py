@@ -12,10 +12,10 @@ import pytest
 
 from qbuild.actions import RunContext
 from qbuild.actions.fetch import run as fetch_run
-from qbuild.arch import hf_cached_snapshot
 from qbuild.errors import InfraError, UserError
 from qbuild.hashing import StatCache, digest_file
 from qbuild.plan import checkpoint_files
+from qbuild.source import hf_cached_snapshot
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -7,9 +7,9 @@ import re
 import pytest
 import torch
 
+from qbuild.arch import arch_from_config
 from qbuild.convert import convert_state_dict, shard_state_dict
 from qbuild.convert.deltanet import reorder_qkv_channels
-from qbuild.arch import arch_from_config
 from qbuild.convert.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, dequantize, quantize
 from tests.conftest_convert import hf_state_dict
 

@@ -138,6 +138,7 @@ def test_verify_gate_fails_on_a_non_finite_logit(where, bad):
     import torch
 
     from qbuild.actions.verify import compare, failures
+    from qbuild.params import VerifyParams
 
     ref = torch.zeros(4, 10)
     ref[:, 2] = 1.0
@@ -145,7 +146,7 @@ def test_verify_gate_fails_on_a_non_finite_logit(where, bad):
     (ours if where == "bundle" else ref)[1, 3] = bad
     record = {"text": "p", "ids": [0, 1, 2, 3], "greedy": [2, 2], "image": False}
     report = compare(0, record, ours, ref, [2, 2])
-    msgs = failures([report], {"top1_min": 0.0, "token_match_min": 0.0, "max_logit_err": 1e9})
+    msgs = failures([report], VerifyParams(top1_min=0.0, token_match_min=0.0, max_logit_err=1e9))
     assert msgs, "a non-finite logit passed the verify gate"
     assert any("NaN" in m or "infinite" in m for m in msgs)
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.arch import load_arch
 from qbuild.backends.neuron import modules_to_not_convert, neff_reuse, neuron_config, nxd_parallel
+from qbuild.params import parse_compile
 from qbuild.plan import neuron_text_params, neuron_vision_params
 from qbuild.recipe import load_recipe
+from qbuild.source import load_arch
 
 # What each lineage's get_compiler_args() returns (nxdi-api.md section 1).
 MAIN_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
@@ -34,7 +35,7 @@ def _recipe(tmp_path: Path, name: str, body: str):
 
 def _text(tmp_path, name, body) -> dict:
     loaded, arch = _recipe(tmp_path, name, body)
-    return neuron_config(neuron_text_params(loaded, arch))
+    return neuron_config(parse_compile(neuron_text_params(loaded, arch)))
 
 
 def test_35b_a3b_tp8_one_compile_with_every_bucket(tmp_path):
@@ -73,7 +74,7 @@ def test_vision_is_one_traced_encoder_per_bucket(tmp_path):
         text: {seq_len: 512, cte_buckets: [512]}
         vision: {buckets: [1024, 4096]}
     """)
-    cfg = neuron_config(neuron_vision_params(loaded, arch, 4096))
+    cfg = neuron_config(parse_compile(neuron_vision_params(loaded, arch, 4096)))
     assert cfg["module"] == "src.modeling_qwen35_vision" and cfg["model_class"] == "CPUVisionModel"
     assert cfg["file"] == "vision_encoder_4096.pt" and cfg["neffs"] == 1
     assert cfg["compiler_args"].startswith("--model-type=transformer --auto-cast=none -O1 "
@@ -154,15 +155,23 @@ def test_parallel_degrees_per_lineage():
     assert nxd_parallel("main", False, 4, 1)["moe_tp_degree"] is None
 
 
-def test_neff_reuse_says_what_adding_a_bucket_costs():
-    base = {"graph": "text", "cte_buckets": [128, 512], "tkg_buckets": [512], "tp": 8}
+def test_neff_reuse_says_what_adding_a_bucket_costs(tmp_path):
+    loaded, arch = _recipe(tmp_path, "a3b", """
+        model: {hf: Qwen/Qwen3.5-35B-A3B}
+        parallel: {tp: 8}
+        text: {seq_len: 512, cte_buckets: [128, 512]}
+    """)
+    base = neuron_text_params(loaded, arch)
     assert neff_reuse(base, {**base, "cte_buckets": [128, 512, 1024]}) == \
         "1 new NEFF (cte-1024), 3 reused from the Neuron compile cache"
     # NxD hashes each bucket's work-dir path (_tp0_bk<i>) into its key: an inserted bucket shifts those after it.
     assert neff_reuse(base, {**base, "cte_buckets": [128, 256, 512]}) == \
         "2 new NEFFs (cte-256, cte-512), 2 reused from the Neuron compile cache"
-    assert neff_reuse(base, {**base, "tp": 4}) is None
+    assert neff_reuse(base, {**base, "batch_size": 2}) is None
+    assert neff_reuse(base, {**base, "compiler": {**base["compiler"], "lnc": 1}}) is None
     assert "all 3 NEFFs recompile" in neff_reuse(base, {**base, "tkg_buckets": [256]})
+    # A lock written by another qbuild, whose params this one does not read: more than the buckets changed.
+    assert neff_reuse({k: v for k, v in base.items() if k != "pad_token_id"}, base) is None
 
 
 def test_pure_function_imports_without_torch():

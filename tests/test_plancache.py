@@ -67,7 +67,7 @@ def ws_dir(tmp_path, tiny_checkpoints, monkeypatch) -> Path:
 
 
 def write_hf_snapshot(hub: Path, commit: str) -> None:
-    from qbuild.arch import shipped_config_path
+    from qbuild.source import shipped_config_path
 
     repo = hub / "models--Qwen--Qwen3.5-2B"
     (repo / "refs").mkdir(parents=True, exist_ok=True)

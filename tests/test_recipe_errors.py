@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.arch import shipped_config_path
+from qbuild.errors import RecipeError
+from qbuild.recipe import HFSource, PathSource, load_recipe
+from qbuild.source import shipped_config_path
 from tests.conftest import qbuild
 
 BASE = """\
@@ -163,6 +165,22 @@ def test_unknown_model_type(tmp_path):
     proc = qbuild("plan", str(recipe), "--store", str(tmp_path / "store"), "--lock", str(tmp_path / "artifacts.lock"))
     assert proc.returncode == 2 and "model_type" in proc.stderr and "config.json" in proc.stderr
     assert not (tmp_path / "store").exists()
+
+
+def test_a_recipe_switches_its_bases_hub_source_to_a_local_path(tmp_path):
+    """The model source is one of two types; `hf: null` drops a base's hub repo (and the revision that pinned it)."""
+    _write(tmp_path, "base", "model: {hf: Qwen/Qwen3.5-2B, revision: v1}\n" + BASE)
+    local = load_recipe(_write(tmp_path, "local", "extends: base.yaml\nmodel: {hf: null, path: ./ckpt}\n"))
+    assert local.recipe.model == PathSource(path="./ckpt")
+    assert local.source_dir == (tmp_path / "recipes" / "ckpt").resolve()
+    hub = load_recipe(tmp_path / "recipes" / "base.yaml")
+    assert hub.recipe.model == HFSource(hf="Qwen/Qwen3.5-2B", revision="v1") and hub.source_dir is None
+    with pytest.raises(RecipeError) as info:   # a path added without dropping the repo names two sources
+        load_recipe(_write(tmp_path, "both", "extends: base.yaml\nmodel: {path: ./ckpt}\n"))
+    assert str(info.value).endswith(":2:8: model: give exactly one of `hf` or `path`"), info.value
+    with pytest.raises(RecipeError) as info:   # an error inside one source names its field, not the union's tag
+        load_recipe(_write(tmp_path, "bad-repo", "model: {hf: 'not a repo'}\n" + BASE))
+    assert str(info.value).endswith(":1:13: model.hf: String should match pattern '^[\\w.-]+/[\\w.-]+$'"), info.value
 
 
 def test_shipped_recipes_validate():

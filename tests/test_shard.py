@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qbuild.convert import ShardError, convert_checkpoint, convert_state_dict, shard_checkpoint, shard_state_dict
 from qbuild.arch import arch_from_config
+from qbuild.convert import ShardError, convert_checkpoint, convert_state_dict, shard_checkpoint, shard_state_dict
 from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
 
 COLUMN = re.compile(r".*(self_attn\.(q_proj|output_gate_proj)|linear_attn\.(in_proj_z|in_proj_a|in_proj_b|A_log_weight"

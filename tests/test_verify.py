@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from qbuild.actions.verify import _line, compare, failures
+from qbuild.params import VerifyParams
 
-THRESHOLDS = {"top1_min": 0.99, "token_match_min": 1.0, "max_logit_err": 1e-3}
+THRESHOLDS = VerifyParams(top1_min=0.99, token_match_min=1.0, max_logit_err=1e-3)
 
 
 def _record(n=4, greedy=(1, 2, 3)):
@@ -37,7 +40,7 @@ def test_top1_is_weighted_by_prompt_length():
     a = compare(0, _record(n=4), torch.eye(4, 10), torch.eye(4, 10), [1, 2, 3])
     bad = torch.eye(1, 10)
     b = compare(1, _record(n=1), bad.flip(1), bad, [1, 2, 3])
-    assert failures([a, b], dict(THRESHOLDS, top1_min=0.8, max_logit_err=10)) == []
+    assert failures([a, b], replace(THRESHOLDS, top1_min=0.8, max_logit_err=10)) == []
 
 
 def test_shipped_golden_prompts_are_pinned():

@@ -14,39 +14,41 @@ from __future__ import annotations
 from .. import jsonio
 from ..actions import RunContext
 from ..backends import graph_file
+from ..params import CpuTextCompile, CpuVisionCompile, NeuronCompile, NeuronVisionCompile, parse_compile
 
 
 def run(ctx: RunContext) -> None:
-    p = ctx.params
-    if p["backend"] == "neuron":
-        _neuron(ctx)
-        return
+    p = parse_compile(ctx.params)
+    if p.backend == "neuron":
+        _neuron(ctx, p)
+    else:
+        _cpu(ctx, p)
+
+
+def _cpu(ctx: RunContext, p: CpuTextCompile | CpuVisionCompile) -> None:
     import torch
 
     from ..backends.export import export_graph
 
-    name = f"{p['graph']}-{p['bucket']}"
+    name = f"{p.graph}-{p.bucket}"
     traced = export_graph(p)
-    signature = dict(traced.signature, backend=p["backend"])
-    target = ctx.out / graph_file(p["graph"], p["bucket"])
-    if p["backend"] == "export":
+    signature = dict(traced.signature, backend=p.backend)
+    target = ctx.out / graph_file(p.graph, p.bucket)
+    if p.backend == "export":
         torch.export.save(traced.program, target)
-    elif p["backend"] == "inductor":
+    else:
         from ..backends.inductor import package
 
         ctx.log(f"{name}: AOTInductor {package(traced.program, target, ctx.scratch):.1f}s")
-    else:
-        raise ValueError(f"unknown backend {p['backend']!r}")
     (ctx.out / f"{name}.json").write_text(jsonio.dumps(signature, indent=1, sort_keys=True))
     ctx.log(f"{name}: exported in {traced.seconds:.1f}s")
 
 
-def _neuron(ctx: RunContext) -> None:
+def _neuron(ctx: RunContext, p: NeuronCompile) -> None:
     from ..backends import neuron
 
-    p = ctx.params
     cache = neuron.compile_cache_url(ctx.store)
-    if p["graph"] == "vision":
+    if isinstance(p, NeuronVisionCompile):
         neuron.compile_vision(p, ctx.inputs["port"], ctx.inputs["converted"] / "vision" / "model.safetensors",
                               ctx.out, ctx.scratch, cache, ctx.log)
     else:

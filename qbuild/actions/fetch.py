@@ -12,10 +12,9 @@ from pathlib import Path
 
 from .. import jsonio
 from ..actions import RunContext
-from ..arch import hf_cache_dir
 from ..errors import InfraError, UserError
 from ..plan import CHECKPOINT_PATTERNS, checkpoint_files
-from ..source import check_checkpoint
+from ..source import check_checkpoint, hf_cache_dir
 
 
 def run(ctx: RunContext) -> None:

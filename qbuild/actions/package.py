@@ -13,6 +13,7 @@ from pathlib import Path
 from .. import jsonio
 from ..actions import RunContext
 from ..bundle import link_or_copy, write_manifest
+from ..params import NeuronPackageParams, PackageParams, parse_package
 
 
 def _link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
@@ -22,62 +23,62 @@ def _link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
             link_or_copy(path, dst / rel)
 
 
-def _meta(p: dict, graphs: dict) -> dict:
-    meta = {"family": p["family"], "backend": p["backend"], "tp": p["tp"], "ep": p["ep"],
-            "batch_size": p["batch_size"], "seq_len": p["seq_len"], "dtype": p["dtype"],
-            "buckets": {"cte": p["cte_buckets"], "tkg": p["tkg_buckets"], "vision": p["vision_buckets"]},
+def _meta(p: PackageParams, graphs: dict) -> dict:
+    meta = {"family": p.family, "backend": p.backend, "tp": p.tp, "ep": p.ep,
+            "batch_size": p.batch_size, "seq_len": p.seq_len, "dtype": p.dtype,
+            "buckets": {"cte": list(p.cte_buckets), "tkg": list(p.tkg_buckets), "vision": list(p.vision_buckets)},
             "graphs": dict(sorted(graphs.items()))}
-    if p["backend"] == "neuron":
-        meta.update(lineage=p["lineage"], ranks=p["ranks"])
+    if isinstance(p, NeuronPackageParams):
+        meta.update(lineage=p.lineage, ranks=p.ranks)
     return meta
 
 
 def run(ctx: RunContext) -> None:
-    p = ctx.params
+    p = parse_package(ctx.params)
     # The unsharded text weights stay out: a bundle ships the per-rank shards.
     _link_tree(ctx.inputs["converted"], ctx.out, skip=("text",))
     _link_tree(ctx.inputs["shard"], ctx.out)
-    graphs = _neuron(ctx) if p["backend"] == "neuron" else _cpu(ctx)
+    graphs = _neuron(ctx, p) if isinstance(p, NeuronPackageParams) else _cpu(ctx, p)
     doc = write_manifest(ctx.out, _meta(p, graphs))
     ctx.log(f"bundle: {len(doc['files'])} files, {sum(f['size'] for f in doc['files'].values())} bytes")
 
 
-def _cpu(ctx: RunContext) -> dict:
-    p, graphs = ctx.params, {}
+def _cpu(ctx: RunContext, p: PackageParams) -> dict:
+    graphs = {}
     for name, tree in sorted(ctx.inputs.items()):
         if name.startswith("compile:"):
             graph = name.removeprefix("compile:")
             _link_tree(tree, ctx.out / "graphs")
             graphs[graph] = f"graphs/{graph}.pt2"
-    expected = {f"cte-{b}" for b in p["cte_buckets"]} | {f"tkg-{b}" for b in p["tkg_buckets"]} | \
-        {f"vision-{b}" for b in p["vision_buckets"]}
+    expected = {f"cte-{b}" for b in p.cte_buckets} | {f"tkg-{b}" for b in p.tkg_buckets} | \
+        {f"vision-{b}" for b in p.vision_buckets}
     if set(graphs) != expected:
         raise ValueError(f"package got graphs {sorted(graphs)}, planned {sorted(expected)}")
     return graphs
 
 
-def _neuron(ctx: RunContext) -> dict:
+def _neuron(ctx: RunContext, p: NeuronPackageParams) -> dict:
     """NxDI's compiled directory: model.pt and NxDI's neuron_config.json from the text compile, weights/ from the
     shard step, vision_encoder_<bucket>.pt per vision bucket (the names NxDI's load() and the port's
     NeuronQwen35VisionModelWrapper.load_compiled() read: application_base.py @ ef2731e, modeling_qwen35_vision.py
     @ 4bcdc54). On a host with the SDK, every shard is checked against the weights the compiled model takes."""
     from ..backends import neuron
 
-    p, text = ctx.params, ctx.inputs["compile:text"]
+    text = ctx.inputs["compile:text"]
     for name in ("model.pt", "neuron_config.json", neuron.QBUILD_RECORD):
         link_or_copy(text / name, ctx.out / name)
     # The port's source travels with the bundle: serving hosts import the app class from it (bundle/port/).
     _link_tree(ctx.inputs["port"], ctx.out / "port")
     graphs = {"text": "model.pt"}
-    for b in p["vision_buckets"]:
+    for b in p.vision_buckets:
         name = neuron.vision_file(b)
         link_or_copy(ctx.inputs[f"compile:vision-{b}"] / name, ctx.out / name)
         graphs[f"vision-{b}"] = name
     shards = sorted((ctx.out / "weights").glob("tp*_sharded_checkpoint.safetensors"))
-    if len(shards) != p["ranks"]:
-        raise ValueError(f"package got {len(shards)} shards, planned {p['ranks']} ranks")
-    if p["fp8"] != "none":
-        _fp8_port_steps(ctx, shards)
+    if len(shards) != p.ranks:
+        raise ValueError(f"package got {len(shards)} shards, planned {p.ranks} ranks")
+    if p.fp8 != "none":
+        _fp8_port_steps(ctx, p, shards)
     expected = neuron.expected_weights(text)
     if expected is not None:
         for shard in shards:
@@ -85,14 +86,14 @@ def _neuron(ctx: RunContext) -> dict:
     return graphs
 
 
-def _fp8_port_steps(ctx: RunContext, shards: list[Path]) -> None:
+def _fp8_port_steps(ctx: RunContext, p: NeuronPackageParams, shards: list[Path]) -> None:
     """What the Qwen3.6-27B FP8 port does after compile (PR 173 @ 03db3ef, qwen36_27b_compile_fp8.py):
     zero `hybrid_gdn_checkpoint_cache.*` banks in every shard, and a reloadable kv_quant_config."""
     from ..arch import arch_from_config
     from ..convert.hybrid import gdn_checkpoint_banks
 
     arch = arch_from_config(json.loads((ctx.inputs["converted"] / "config.json").read_text()))
-    banks = gdn_checkpoint_banks(arch, ctx.params["tp"], ctx.params["dtype"])
+    banks = gdn_checkpoint_banks(arch, p.tp, p.dtype)
     for shard in shards:
         _add_tensors(shard, banks)
     config_path = ctx.out / "neuron_config.json"

@@ -1,7 +1,7 @@
 """port: the NxDI contrib port's source, copied into the store so that every machine compiles the same code.
 
 Output: the port's Python files (tests excluded) under their relative paths, checked against the digests the planner
-took. A neuron compile puts this tree on sys.path (qbuild.ports.Lineage.module_dir), so a Ray worker or a CI runner
+took. A neuron compile puts this tree on sys.path (qbuild.families.Lineage.module_dir), so a Ray worker or a CI runner
 compiles exactly what was planned, and a changed port changes the keys of what it affects: shard, compile, package.
 """
 

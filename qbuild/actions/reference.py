@@ -15,6 +15,7 @@ from pathlib import Path
 from .. import jsonio
 from ..actions import RunContext
 from ..errors import BuildError
+from ..families import MODEL_TYPES
 from ..source import locate, read_snapshot
 
 GOLDEN = Path(__file__).resolve().parent.parent / "golden" / "prompts.json"
@@ -49,8 +50,7 @@ def _model(src: Path, config: dict):
     import torch
     import transformers
 
-    cls = {"qwen3_next": transformers.Qwen3NextForCausalLM, "qwen3_5": transformers.Qwen3_5ForConditionalGeneration,
-           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}[config["model_type"]]
+    cls = getattr(transformers, MODEL_TYPES[config["model_type"]].transformers_model)
     return cls.from_pretrained(str(src), dtype=torch.float32).eval()
 
 

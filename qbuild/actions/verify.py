@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, replace
 from .. import jsonio
 from ..actions import RunContext
 from ..errors import BuildError
+from ..params import VerifyParams, parse_verify
 
 
 @dataclass
@@ -48,7 +49,7 @@ def compare(index: int, record: dict, logits, ref_logits, greedy: list[int]) -> 
                         sum(same) / len(ref), first, greedy, ref, nonfinite, ref_nonfinite)
 
 
-def failures(reports: list[PromptReport], params: dict) -> list[str]:
+def failures(reports: list[PromptReport], thresholds: VerifyParams) -> list[str]:
     positions = sum(r.tokens for r in reports)
     top1 = sum(r.top1 * r.tokens for r in reports) / positions
     match = sum(r.token_match for r in reports) / len(reports)
@@ -61,12 +62,12 @@ def failures(reports: list[PromptReport], params: dict) -> list[str]:
     if bad:
         out.append(f"{bad} of the bundle's prefill logits are NaN or infinite")
     # Written as `not (value within bound)` so that a NaN metric fails instead of passing every comparison.
-    if not top1 >= params["top1_min"]:
-        out.append(f"top-1 agreement {top1:.4f} < top1_min {params['top1_min']}")
-    if not match >= params["token_match_min"]:
-        out.append(f"greedy token match {match:.4f} < token_match_min {params['token_match_min']}")
-    if not (math.isfinite(err) and err <= params["max_logit_err"]):
-        out.append(f"max |logit error| {err:.3g} > max_logit_err {params['max_logit_err']}")
+    if not top1 >= thresholds.top1_min:
+        out.append(f"top-1 agreement {top1:.4f} < top1_min {thresholds.top1_min}")
+    if not match >= thresholds.token_match_min:
+        out.append(f"greedy token match {match:.4f} < token_match_min {thresholds.token_match_min}")
+    if not (math.isfinite(err) and err <= thresholds.max_logit_err):
+        out.append(f"max |logit error| {err:.3g} > max_logit_err {thresholds.max_logit_err}")
     return out
 
 
@@ -79,6 +80,7 @@ def _line(r: PromptReport) -> str:
 def run(ctx: RunContext) -> None:
     from safetensors.torch import load_file
 
+    thresholds = parse_verify(ctx.params)
     ref_dir = ctx.inputs["reference"]
     reference = json.loads((ref_dir / "reference.json").read_text())
     ref_logits = load_file(ref_dir / "logits.safetensors")
@@ -86,8 +88,8 @@ def run(ctx: RunContext) -> None:
         reports = _neuron_reports(ctx, reference, ref_logits)
     else:
         reports = _cpu_reports(ctx, reference, ref_logits, ref_dir)
-    failed = failures(reports, ctx.params)
-    doc = {"ok": not failed, "thresholds": ctx.params, "failures": failed, "prompts": [asdict(r) for r in reports]}
+    failed = failures(reports, thresholds)
+    doc = {"ok": not failed, "thresholds": asdict(thresholds), "failures": failed, "prompts": [asdict(r) for r in reports]}
     if failed:
         raise BuildError("verify failed: " + "; ".join(failed) + " | per prompt: " + " | ".join(map(_line, reports)))
     (ctx.out / "report.json").write_text(jsonio.dumps(doc, indent=1, sort_keys=True))

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..dtypes import torch_dtype
-from . import text_arch, vision_arch
-
+from ..params import CpuTextCompile, CpuVisionCompile
 
 
 class Functional(torch.nn.Module):
@@ -43,12 +42,11 @@ class Traced:
     seconds: float
 
 
-def text_model(params: dict, max_seq_len: int):
+def text_model(params: CpuTextCompile, max_seq_len: int):
     """The reference text model of the architecture in compile params, at this graph's KV length."""
     from ..modeling import TextModel
 
-    return TextModel(text_arch(params), tp=params["tp"], ep=params["ep"], dtype=torch_dtype(params["dtype"]),
-                     max_seq_len=max_seq_len)
+    return TextModel(params.text, tp=params.tp, ep=params.ep, dtype=torch_dtype(params.dtype), max_seq_len=max_seq_len)
 
 
 def text_inputs(model, graph: str, batch: int, bucket: int) -> tuple:
@@ -81,10 +79,10 @@ def _export(module: torch.nn.Module, weights: dict, args: tuple) -> torch.export
     return program
 
 
-def export_text(params: dict) -> Traced:
+def export_text(params: CpuTextCompile) -> Traced:
     from ..modeling import EntryPoint
 
-    graph, bucket, batch = params["graph"], params["bucket"], params["batch_size"]
+    graph, bucket, batch = params.graph, params.bucket, params.batch_size
     start = time.monotonic()
     model = text_model(params, max_seq_len=bucket).eval()
     weights = _example_weights(model)
@@ -98,19 +96,19 @@ def export_text(params: dict) -> Traced:
     return Traced(program, signature, time.monotonic() - start)
 
 
-def export_vision(params: dict) -> Traced:
+def export_vision(params: CpuVisionCompile) -> Traced:
     from ..modeling.vision import VisionEncoder, vision_example_inputs
 
     start = time.monotonic()
-    vision = vision_arch(params)
-    encoder = VisionEncoder(vision, dtype=torch_dtype(params["dtype"])).eval()
+    dtype = torch_dtype(params.dtype)
+    encoder = VisionEncoder(params.vision, dtype=dtype).eval()
     weights = _example_weights(encoder)
-    args = vision_example_inputs(vision, params["bucket"], torch_dtype(params["dtype"]))
+    args = vision_example_inputs(params.vision, params.bucket, dtype)
     program = _export(encoder, weights, args)
-    signature = {"graph": "vision", "bucket": params["bucket"],
+    signature = {"graph": "vision", "bucket": params.bucket,
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()}}
     return Traced(program, signature, time.monotonic() - start)
 
 
-def export_graph(params: dict) -> Traced:
-    return export_vision(params) if params["graph"] == "vision" else export_text(params)
+def export_graph(params: CpuTextCompile | CpuVisionCompile) -> Traced:
+    return export_vision(params) if isinstance(params, CpuVisionCompile) else export_text(params)

@@ -4,7 +4,8 @@ Facts about NxDI, NxD and the ports come from their public source; shared/refere
 (NxDI main @ 4bcdc54, models/config.py @ c63afe0; NxD @ fbac349; the Qwen3.5 ports on main @ 4bcdc54, Coder-Next
 PR 170 @ 753c7f5, Qwen3.6-27B FP8 PR 173 @ 03db3ef). Where the code below depends on one, the comment names it.
 
-- `neuron_config(params)` is pure (no torch, no SDK): `qbuild plan --json` shows it and the tests pin it.
+- `neuron_config(params)` is pure (no torch, no SDK): `qbuild plan --json` shows it and the tests pin it. It and
+  the compiles take the typed params of qbuild.params.
 - `compile_text` runs ONE NxDI `compile()` for a recipe: NxDI always builds both submodels with every CTE and TKG
   bucket into one `model.pt` (application_base.py); per-bucket reuse is the Neuron compile cache's job.
 - `compile_vision` traces the port's `CPUVisionModel` with the real vision weights, one bucket per node
@@ -18,14 +19,16 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from contextlib import contextmanager
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .. import jsonio
 from ..errors import BuildError
-from ..ports import LINEAGES, VISION_COMPILER_ARGS, Lineage
+from ..families import LINEAGES, VISION_COMPILER_ARGS, fp8_mlp_layers
+from ..params import (CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile, ParamsError,
+                      parse_compile, to_json)
 
 FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}   # PR 173 qwen36_27b_compile_fp8.py
 # NxDI's BlockwiseMatmulConfig per MoE backend (nxdi-api.md section 3). shard_hidden is NxD's LNC=2 default kernel
@@ -63,7 +66,7 @@ def nxd_parallel(lineage: str, is_moe: bool, tp: int, ep: int) -> dict:
 
     NxDI: world_size = tp_degree * pp_degree * ep_degree (models/config.py). The moe lineage runs expert parallelism
     the way Coder-Next validated it: ep_degree = moe_ep_degree = ep, moe_tp_degree = tp (PR 170 README), so ep
-    multiplies the ranks. The main lineage has no EP (qbuild.arch refuses ep > 1 there): moe_tp_degree = tp.
+    multiplies the ranks. The main lineage has no EP (qbuild.checks refuses ep > 1 there): moe_tp_degree = tp.
     """
     if lineage == "moe" and is_moe and ep > 1:
         return {"tp_degree": tp, "ep_degree": ep, "moe_tp_degree": tp, "moe_ep_degree": ep, "world_size": tp * ep}
@@ -72,81 +75,82 @@ def nxd_parallel(lineage: str, is_moe: bool, tp: int, ep: int) -> dict:
 
 
 def modules_to_not_convert(num_layers: int) -> list[str]:
-    """FP8 mlp_only: every module but the MLPs of layers 1..L-2 stays in the model dtype (PR 173)."""
+    """FP8 mlp_only: every module but the MLPs that mlp_only quantises stays in the model dtype (PR 173)."""
     keep = []
     for name in _FP8_KEEP_TOP:
         keep += [name, f"model.{name}"]
     for i in range(num_layers):
         for prefix in ("layers", "model.layers"):
             keep += [f"{prefix}.{i}.{m}" for m in _FP8_KEEP_LAYER]
-    for i in (0, num_layers - 1):
-        keep += [f"layers.{i}.mlp", f"model.layers.{i}.mlp"]
+    quantised = fp8_mlp_layers("mlp_only", num_layers)
+    for i in range(num_layers):
+        if i not in quantised:
+            keep += [f"layers.{i}.mlp", f"model.layers.{i}.mlp"]
     return keep
 
 
-def compiler_args(lineage: Lineage, compiler: dict) -> str:
-    """What the app's get_compiler_args() returns: the port's own arguments, the target and LNC (which NxDI adds only
-    when get_compiler_args() returns None: model_wrapper.py), then the recipe's flags."""
-    return " ".join((*lineage.compiler_args, f"--target={compiler['target']}", f"--lnc={compiler['lnc']}",
-                     *compiler["flags"]))
+def compiler_args(port_args: tuple[str, ...], compiler: CompilerSettings) -> str:
+    """What the app's get_compiler_args() returns (or what the vision trace is given): the port's own arguments, the
+    target and LNC (which NxDI adds only when get_compiler_args() returns None: model_wrapper.py), then the recipe's
+    flags."""
+    return " ".join((*port_args, f"--target={compiler.target}", f"--lnc={compiler.lnc}", *compiler.flags))
 
 
-def _text_neuron_config(p: dict) -> tuple[str, dict, dict]:
+def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
     """(NeuronConfig class, constructor kwargs, attributes set after construction) of a text compile."""
-    text, par = p["text"], p["parallel"]
+    par = p.parallel
     cfg = {
-        "tp_degree": par["tp_degree"], "batch_size": p["batch_size"], "max_batch_size": p["batch_size"],
-        "ctx_batch_size": p["batch_size"], "tkg_batch_size": p["batch_size"],
-        "seq_len": p["seq_len"], "max_length": p["seq_len"], "max_context_length": max(p["cte_buckets"]),
-        "torch_dtype": p["dtype"], "logical_nc_config": p["compiler"]["lnc"], "fused_qkv": p["fused_qkv"],
+        "tp_degree": par.tp_degree, "batch_size": p.batch_size, "max_batch_size": p.batch_size,
+        "ctx_batch_size": p.batch_size, "tkg_batch_size": p.batch_size,
+        "seq_len": p.seq_len, "max_length": p.seq_len, "max_context_length": max(p.cte_buckets),
+        "torch_dtype": p.dtype, "logical_nc_config": p.compiler.lnc, "fused_qkv": p.fused_qkv,
         # Both lists explicit: with one left None NxDI generates powers of two up to the max (autobucketing.py).
-        "enable_bucketing": True, "context_encoding_buckets": list(p["cte_buckets"]),
-        "token_generation_buckets": list(p["tkg_buckets"]),
+        "enable_bucketing": True, "context_encoding_buckets": list(p.cte_buckets),
+        "token_generation_buckets": list(p.tkg_buckets),
         # qbuild's shard step writes weights/ in NxD's format; load() reads them from there.
         "save_sharded_checkpoint": True, "skip_sharding": True,
     }
-    if par["ep_degree"] > 1:
-        cfg["ep_degree"] = par["ep_degree"]
+    if par.ep_degree > 1:
+        cfg["ep_degree"] = par.ep_degree
     attributes: dict = {}
-    if p["fp8"] != "none":
+    if p.fp8 != "none":
         # NeuronConfig asserts a path when quantized (config.py @ c63afe0); with skip_sharding nothing reads it at
         # compile, and load() reads weights/ (save_sharded_checkpoint): it names the bundle's own FP8 shards.
         cfg.update(quantized=True, quantized_checkpoints_path="weights", quantization_type="per_channel_symmetric",
                    quantization_dtype="f8e4m3", kv_cache_quant=False, quantized_mlp_kernel_enabled=False,
                    activation_quantization_type=None,
-                   modules_to_not_convert=modules_to_not_convert(text["num_layers"]),
+                   modules_to_not_convert=modules_to_not_convert(p.text.num_layers),
                    weights_to_skip_layout_optimization=list(FP8_SKIP_LAYOUT_OPTIMIZATION))
-    if text["num_experts"] is None:
+    if p.text.num_experts is None:
         return "NeuronConfig", cfg, attributes
-    cfg.update(moe_tp_degree=par["moe_tp_degree"], moe_ep_degree=par["moe_ep_degree"],
-               blockwise_matmul_config=dict(BLOCKWISE[p["moe_backend"]], logical_nc_config=p["compiler"]["lnc"]))
+    cfg.update(moe_tp_degree=par.moe_tp_degree, moe_ep_degree=par.moe_ep_degree,
+               blockwise_matmul_config=dict(BLOCKWISE[p.moe_backend], logical_nc_config=p.compiler.lnc))
     # Router in fp32 with softmax, set as attributes after construction as the ports do (run_text_smoke.py @ 4bcdc54;
     # the moe lineage's config sets them itself). MoENeuronConfig has no normalize_top_k_affinities argument.
     attributes = {"router_config.dtype": "float32", "router_config.act_fn": "softmax"}
     return "MoENeuronConfig", cfg, attributes
 
 
-def neuron_config(params: dict) -> dict:
+def neuron_config(params: NeuronCompile) -> dict:
     """The NxDI configuration of one neuron compile node, from its planned params (pure; no torch, no SDK)."""
-    lineage = LINEAGES[params["lineage"]]
-    if params["graph"] == "vision":
+    lineage = LINEAGES[params.lineage]
+    if isinstance(params, NeuronVisionCompile):
         return {"lineage": lineage.name, "module": lineage.vision_module, "model_class": "CPUVisionModel",
-                "bucket": params["bucket"], "file": vision_file(params["bucket"]),
-                "compiler_args": " ".join((*VISION_COMPILER_ARGS, f"--target={params['compiler']['target']}",
-                                           f"--lnc={params['compiler']['lnc']}", *params["compiler"]["flags"])),
-                "env": dict(params["port_env"]), "neffs": 1}
+                "bucket": params.bucket, "file": vision_file(params.bucket),
+                "compiler_args": compiler_args(VISION_COMPILER_ARGS, params.compiler),
+                "env": dict(params.port_env), "neffs": 1}
     cls, cfg, attributes = _text_neuron_config(params)
-    env = dict(FP8_ENV) if params["fp8"] != "none" else {}
-    env.update(params["port_env"])
-    env.update(NEURON_PLATFORM_TARGET_OVERRIDE=params["compiler"]["target"],
-               NEURON_LOGICAL_NC_CONFIG=str(params["compiler"]["lnc"]))
+    env = dict(FP8_ENV) if params.fp8 != "none" else {}
+    env.update(params.port_env)
+    env.update(NEURON_PLATFORM_TARGET_OVERRIDE=params.compiler.target,
+               NEURON_LOGICAL_NC_CONFIG=str(params.compiler.lnc))
     return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
             "config_class": lineage.config_class, "neuron_config_class": cls, "neuron_config": cfg,
-            "attributes": attributes, "compiler_args": compiler_args(lineage, params["compiler"]), "env": env,
-            "buckets": {"context_encoding": cfg["context_encoding_buckets"],
-                        "token_generation": cfg["token_generation_buckets"]},
+            "attributes": attributes, "compiler_args": compiler_args(lineage.compiler_args, params.compiler),
+            "env": env, "buckets": {"context_encoding": cfg["context_encoding_buckets"],
+                                    "token_generation": cfg["token_generation_buckets"]},
             "neffs": len(cfg["context_encoding_buckets"]) + len(cfg["token_generation_buckets"]),
-            "ranks": params["parallel"]["world_size"]}
+            "ranks": params.parallel.world_size}
 
 
 def vision_file(bucket: int) -> str:
@@ -156,6 +160,7 @@ def vision_file(bucket: int) -> str:
 
 def neff_reuse(old: dict, new: dict) -> str | None:
     """What the Neuron compile cache will reuse when a text compile's only change is its bucket lists (else None).
+    `old` and `new` are a neuron text compile's params as locked and as planned now.
 
     Each bucket's NEFF is cached under a hash of its HLO and flags (NxD trace/model_builder.py get_hash_module @
     fbac349), and every bucket's HLO carries the weight layout chosen by token-generation bucket 0, the priority
@@ -164,17 +169,29 @@ def neff_reuse(old: dict, new: dict) -> str | None:
     `--logfile=<work dir>/<tag>/_tp0_bk<i>/log-neuron-cc.txt` (model_builder.py L643-644, L721-722): a bucket keeps
     its NEFF only at the same index of its list, so a bucket inserted before others recompiles those after it.
     """
-    rest = ("cte_buckets", "tkg_buckets")
-    if {k: v for k, v in old.items() if k not in rest} != {k: v for k, v in new.items() if k not in rest}:
+    a = _locked_text_compile(old)
+    b = parse_compile(new)
+    if a is None or not isinstance(b, NeuronTextCompile) or \
+            replace(a, cte_buckets=(), tkg_buckets=()) != replace(b, cte_buckets=(), tkg_buckets=()):
         return None
-    if old["tkg_buckets"][0] != new["tkg_buckets"][0]:
-        return (f"token-generation bucket 0 changed ({old['tkg_buckets'][0]} -> {new['tkg_buckets'][0]}): its weight "
-                f"layout feeds every bucket, so all {len(new['cte_buckets']) + len(new['tkg_buckets'])} NEFFs recompile")
-    added = [f"cte-{b}" for i, b in enumerate(new["cte_buckets"]) if old["cte_buckets"][i:i + 1] != [b]]
-    added += [f"tkg-{b}" for i, b in enumerate(new["tkg_buckets"]) if old["tkg_buckets"][i:i + 1] != [b]]
-    kept = len(new["cte_buckets"]) + len(new["tkg_buckets"]) - len(added)
+    if a.tkg_buckets[0] != b.tkg_buckets[0]:
+        return (f"token-generation bucket 0 changed ({a.tkg_buckets[0]} -> {b.tkg_buckets[0]}): its weight "
+                f"layout feeds every bucket, so all {len(b.cte_buckets) + len(b.tkg_buckets)} NEFFs recompile")
+    added = [f"cte-{x}" for i, x in enumerate(b.cte_buckets) if a.cte_buckets[i:i + 1] != (x,)]
+    added += [f"tkg-{x}" for i, x in enumerate(b.tkg_buckets) if a.tkg_buckets[i:i + 1] != (x,)]
+    kept = len(b.cte_buckets) + len(b.tkg_buckets) - len(added)
     return (f"{len(added)} new NEFF{'s' if len(added) != 1 else ''} ({', '.join(added) or 'none'}), {kept} reused from "
             "the Neuron compile cache")
+
+
+def _locked_text_compile(params: dict) -> NeuronTextCompile | None:
+    """The locked params of a neuron text compile, or None where a lock written by another qbuild holds params this
+    one does not read (then more than the bucket lists changed)."""
+    try:
+        p = parse_compile(params)
+    except ParamsError:
+        return None
+    return p if isinstance(p, NeuronTextCompile) else None
 
 
 # --- the real compile (Neuron SDK) --------------------------------------------------------------------------------
@@ -216,7 +233,7 @@ def compile_cache_url(store) -> str:
     return str(Path(store.local) / "neuron-compile-cache")
 
 
-def work_dir(params: dict) -> Path:
+def work_dir(params: NeuronCompile) -> Path:
     """BASE_COMPILE_WORK_DIR of a compile: the same absolute path on every host and every run of an architecture.
 
     trace() wipes it (model_builder.py @ fbac349), so concurrent compiles each need their own; and NxD hashes a
@@ -226,9 +243,9 @@ def work_dir(params: dict) -> Path:
     """
     from ..hashing import digest_json
 
-    stable = {k: v for k, v in params.items() if k not in ("cte_buckets", "tkg_buckets")}
+    stable = {k: v for k, v in to_json(params).items() if k not in ("cte_buckets", "tkg_buckets")}
     root = Path(os.environ.get("QBUILD_NEURON_WORKDIR", "/tmp/qbuild-nxd"))
-    return root / f"{params['graph']}-{digest_json(stable)[:16]}"
+    return root / f"{params.graph}-{digest_json(stable)[:16]}"
 
 
 @contextmanager
@@ -260,57 +277,74 @@ def _run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
     return json.loads(res.read_text())
 
 
-def compile_text(params: dict, port: Path, out: Path, scratch: Path, cache_url: str, log) -> dict:
+def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path, cache_url: str, log) -> dict:
     """ONE NxDI compile of a recipe's text model: `out` becomes NxDI's compiled directory (model.pt and NxDI's own
     neuron_config.json), plus metaneff/ (each NEFF's expected weights) and qbuild-neuron.json."""
     require_sdk()
-    check_toolchain(params["toolchain"])
+    check_toolchain(params.toolchain)
     cfg = neuron_config(params)
-    lineage = LINEAGES[params["lineage"]]
     model_dir = scratch / "hf"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(jsonio.dumps(inference_kwargs(params), indent=1, sort_keys=True))
     with _locked(work_dir(params)) as wd:
         env = {**cfg["env"], "BASE_COMPILE_WORK_DIR": f"{wd}/", "NEURON_COMPILE_CACHE_URL": cache_url}
-        _run_sdk("text", {"config": cfg, "kwargs": inference_kwargs(params), "port": str(lineage.module_dir(port)),
-                          "model_dir": str(model_dir), "out": str(out), "work_dir": str(wd)}, env, scratch, log)
-    write_record(out, {"params": params, "config": cfg})
+        _run_sdk("text", text_request(params, cfg, port, model_dir, out, wd), env, scratch, log)
+    write_record(out, {"params": to_json(params), "config": cfg})
     log(f"neuron: compiled {cfg['neffs']} NEFFs into model.pt ({cfg['app_class']})")
     return cfg
 
 
-def compile_vision(params: dict, port: Path, weights: Path, out: Path, scratch: Path, cache_url: str, log) -> dict:
+def compile_vision(params: NeuronVisionCompile, port: Path, weights: Path, out: Path, scratch: Path, cache_url: str,
+                   log) -> dict:
     """Trace the port's CPUVisionModel at one patch bucket with the real weights inlined -> vision_encoder_<b>.pt."""
     require_sdk()
-    check_toolchain(params["toolchain"])
+    check_toolchain(params.toolchain)
     cfg = neuron_config(params)
-    lineage = LINEAGES[params["lineage"]]
     with _locked(work_dir(params)) as wd:
-        _run_sdk("vision", {"config": cfg, "vision": params["vision"], "dtype": params["dtype"],
-                            "module": lineage.vision_module, "port": str(lineage.module_dir(port)),
-                            "weights": str(weights), "out": str(out / cfg["file"]), "work_dir": str(wd)},
+        _run_sdk("vision", vision_request(params, cfg, port, weights, out, wd),
                  {**cfg["env"], "NEURON_COMPILE_CACHE_URL": cache_url,
-                  "NEURON_PLATFORM_TARGET_OVERRIDE": params["compiler"]["target"]}, scratch, log)
-    write_record(out, {"params": params, "config": cfg}, name=f"qbuild-vision-{params['bucket']}.json")
-    log(f"neuron: traced the vision encoder at bucket {params['bucket']}")
+                  "NEURON_PLATFORM_TARGET_OVERRIDE": params.compiler.target}, scratch, log)
+    write_record(out, {"params": to_json(params), "config": cfg}, name=f"qbuild-vision-{params.bucket}.json")
+    log(f"neuron: traced the vision encoder at bucket {params.bucket}")
     return cfg
 
 
-def inference_kwargs(params: dict) -> dict:
+# The requests of qbuild.backends.neuron_sdk (its functions name the fields they read): JSON, because the SDK side
+# runs in a fresh interpreter; each is made here from the typed params and the NxDI configuration made from them.
+
+def text_request(params: NeuronTextCompile, cfg: dict, port: Path, model_dir: Path, out: Path, wd: Path) -> dict:
+    lineage = LINEAGES[params.lineage]
+    return {"config": cfg, "kwargs": inference_kwargs(params), "port": str(lineage.module_dir(port)),
+            "model_dir": str(model_dir), "out": str(out), "work_dir": str(wd)}
+
+
+def vision_request(params: NeuronVisionCompile, cfg: dict, port: Path, weights: Path, out: Path, wd: Path) -> dict:
+    lineage = LINEAGES[params.lineage]
+    return {"config": cfg, "vision": asdict(params.vision), "dtype": params.dtype, "module": lineage.vision_module,
+            "port": str(lineage.module_dir(port)), "weights": str(weights), "out": str(out / cfg["file"]),
+            "work_dir": str(wd)}
+
+
+def verify_request(params: NeuronTextCompile, bundle: Path, port: Path, prompts: list[list[int]], new_tokens: int,
+                   logits: Path) -> dict:
+    lineage = LINEAGES[params.lineage]
+    return {"port": str(lineage.module_dir(port)), "module": lineage.text_module, "app_class": lineage.app_class,
+            "bundle": str(bundle), "prompts": prompts, "new_tokens": new_tokens,
+            "pad_token_id": params.pad_token_id or 0, "logits": str(logits)}
+
+
+def inference_kwargs(params: NeuronTextCompile) -> dict:
     """The port InferenceConfig's kwargs: the text config FLATTENED (NxDI's load_pretrained_config leaves text_config
     nested, and both ports require the text fields at the top: get_required_attributes of Qwen35InferenceConfig and
     Qwen35MoeInferenceConfig), with the RoPE fields and pad token the ports' scripts add (run_text_smoke.py @ 4bcdc54)."""
-    from ..arch import Arch
-
-    arch = Arch.from_fingerprint(params["text"])
-    hf = arch.to_hf_config()
+    hf = params.text.to_hf_config()
     text = dict(hf.get("text_config", hf))
     rope = text.get("rope_parameters", {})
     for key in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"):
         if key in rope:
             text[key] = rope[key]
-    text["pad_token_id"] = params["pad_token_id"]
-    if params["lineage"] == "main":
+    text["pad_token_id"] = params.pad_token_id
+    if params.lineage == "main":
         text["use_hybrid_cache_manager"] = False
     return text
 
@@ -366,14 +400,13 @@ def run_bundle(bundle: Path, port: Path, prompts: list[list[int]], new_tokens: i
 
     require_sdk()
     record = json.loads((bundle / QBUILD_RECORD).read_text())
-    cfg, params = record["config"], record["params"]
-    lineage = LINEAGES[cfg["lineage"]]
+    params = parse_compile(record["params"])
+    if not isinstance(params, NeuronTextCompile):
+        raise BuildError(f"{bundle / QBUILD_RECORD}: records a {params.backend} {params.graph} compile, not the "
+                         "neuron text compile a neuron bundle runs")
     logits = scratch / "logits.safetensors"
-    res = _run_sdk("verify", {"port": str(lineage.module_dir(port)), "module": lineage.text_module,
-                              "app_class": lineage.app_class, "bundle": str(bundle), "prompts": prompts,
-                              "new_tokens": new_tokens, "pad_token_id": params["pad_token_id"] or 0,
-                              "logits": str(logits)},
-                   cfg["env"], scratch, log)
+    res = _run_sdk("verify", verify_request(params, bundle, port, prompts, new_tokens, logits),
+                   record["config"]["env"], scratch, log)
     return res["greedy"], load_file(logits)
 
 

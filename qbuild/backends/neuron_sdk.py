@@ -23,7 +23,7 @@ from qbuild.dtypes import torch_dtype
 
 def _port_module(port: str, module: str):
     # Main-lineage ports import `src.*` (the port directory on sys.path), moe-lineage ports import flat (src/ on it);
-    # the caller passes the directory each lineage needs (qbuild.ports.Lineage.module_dir).
+    # the caller passes the directory each lineage needs (qbuild.families.Lineage.module_dir).
     sys.path.insert(0, port)
     return importlib.import_module(module)
 

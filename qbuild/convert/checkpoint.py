@@ -23,9 +23,9 @@ from typing import Mapping
 
 from qbuild.arch import Arch, ConfigError, arch_from_config
 from qbuild.convert.errors import CheckpointError
-from qbuild.convert.families import Family, family_of
 from qbuild.convert.layout import Program, program
 from qbuild.convert.safetensors_io import FLOAT_DTYPES, Entry, read_header
+from qbuild.families import MODEL_TYPES, ModelType
 
 INDEX = "model.safetensors.index.json"
 # Other weight formats are never loaded (they are pickles); their presence alone is not an error.
@@ -53,7 +53,7 @@ class Located:
 @dataclass(frozen=True)
 class Checkpoint:
     config: dict
-    family: Family
+    model_type: ModelType
     arch: Arch
     program: Program
     tensors: dict[str, Located]
@@ -84,6 +84,15 @@ def load_config(path: Path, label: str = "config.json") -> dict:
     if not isinstance(config, dict):
         raise CheckpointError(label, "is not a JSON object")
     return config
+
+
+def model_type_of(config: dict, label: str = "config.json") -> ModelType:
+    """The model type of an HF config dict (it alone decides the family); CheckpointError naming `label` for an
+    unknown one."""
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(label, f"unknown model_type {model_type!r}; supported: {', '.join(MODEL_TYPES)}")
+    return MODEL_TYPES[model_type]
 
 
 def _weight_files(locate: _Locator) -> tuple[list[str], dict[str, str] | None]:
@@ -124,17 +133,17 @@ def _read_tensors(locate: _Locator, files: list[str], weight_map: dict[str, str]
     return found
 
 
-def check_vocab(tensors: Mapping[str, Located], family: Family, arch: Arch) -> None:
+def check_vocab(tensors: Mapping[str, Located], model_type: ModelType, arch: Arch) -> None:
     """config.json's vocab_size against the rows of the embedding and lm_head. Checked before the tensor shapes, so
     that a config that lies about its vocabulary is blamed rather than the tensor."""
-    for name in (f"{family.text_prefix}embed_tokens.weight", "lm_head.weight"):
+    for name in (f"{model_type.text_prefix}embed_tokens.weight", "lm_head.weight"):
         found = tensors.get(name)
         if found is not None and found.entry.shape and found.entry.shape[0] != arch.vocab_size:
             raise CheckpointError("config.json", f"vocab_size {arch.vocab_size} does not match the "
                                                  f"{found.entry.shape[0]} rows of tensor {name!r} in {found.file}")
 
 
-def validate(found: Mapping[str, TensorInfo], prog: Program, family: Family, missing_label: str) -> None:
+def validate(found: Mapping[str, TensorInfo], prog: Program, model_type: ModelType, missing_label: str) -> None:
     """Raise CheckpointError for the first missing, misshapen, non-float or unexpected tensor."""
     expected = prog.sources()
     for name, shape in expected.items():
@@ -146,33 +155,34 @@ def validate(found: Mapping[str, TensorInfo], prog: Program, family: Family, mis
         if tuple(info.shape) != tuple(shape):
             raise CheckpointError(info.file, f"has shape {tuple(info.shape)}, expected {tuple(shape)}", name)
     for name, info in sorted(found.items()):
-        if name not in expected and not name.startswith(family.dropped_prefixes):
-            raise CheckpointError(info.file, f"is not part of a {family.name} checkpoint of this config", name)
+        if name not in expected and not name.startswith(model_type.dropped_prefixes):
+            raise CheckpointError(info.file, f"is not part of a {model_type.family.name} checkpoint of this config",
+                                  name)
 
 
-def arch_of(config: dict, label: str = "config.json") -> tuple[Family, Arch]:
-    """The family and architecture of a config; a CheckpointError naming `label` and the field it cannot read."""
-    family = family_of(config, label)
+def arch_of(config: dict, label: str = "config.json") -> tuple[ModelType, Arch]:
+    """The model type and architecture of a config; a CheckpointError naming `label` and the field it cannot read."""
+    model_type = model_type_of(config, label)
     try:
         arch = arch_from_config(config, label)
     except ConfigError as e:
         raise CheckpointError(label, e.message) from None
-    if family.vision_prefix and arch.vision is None:
+    if model_type.vision_prefix and arch.vision is None:
         raise CheckpointError(label, "vision_config is missing or not an object")
-    return family, arch
+    return model_type, arch
 
 
 def open_checkpoint(src: Path, files: Mapping[str, Path] | None = None) -> Checkpoint:
     """Read and validate the checkpoint at `src` (headers only: no tensor data is read)."""
     locate = _Locator(src, files)
     config = load_config(locate("config.json"))
-    family, arch = arch_of(config)
+    model_type, arch = arch_of(config)
     names, weight_map = _weight_files(locate)
     tensors = _read_tensors(locate, names, weight_map)
-    check_vocab(tensors, family, arch)
-    prog = program(family, arch, tensors)
+    check_vocab(tensors, model_type, arch)
+    prog = program(model_type, arch, tensors)
     infos = {n: TensorInfo(t.file, t.entry.dtype, t.entry.shape) for n, t in tensors.items()}
-    validate(infos, prog, family, INDEX if weight_map is not None else names[0])
+    validate(infos, prog, model_type, INDEX if weight_map is not None else names[0])
     carried = {n: locate(n) for n in locate.names()
                if n.endswith(_CARRIED_SUFFIXES) and n != INDEX and locate(n).is_file()}
-    return Checkpoint(config, family, arch, prog, tensors, carried)
+    return Checkpoint(config, model_type, arch, prog, tensors, carried)

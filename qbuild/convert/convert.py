@@ -22,23 +22,23 @@ import torch
 
 from qbuild.convert import fp8 as fp8_rules
 from qbuild.convert.checkpoint import TensorInfo, arch_of, open_checkpoint, validate
-from qbuild.convert.fp8 import Fp8Policy
 from qbuild.dtypes import torch_dtype as dtype_of
 from qbuild.convert.layout import program
 from qbuild.convert.safetensors_io import DTYPE_NAMES, MappedSources, PlannedFile, contiguous
 from qbuild.convert.steps import Step
 from qbuild.convert.writer import (DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles, meta_specs, run_all,
                                    staged_directory, write_json)
+from qbuild.families import FP8_POLICIES, FP8Policy
 
 FORMAT_VERSION = 1
 
 
 def check_policy(fp8: str) -> None:
-    if fp8 not in fp8_rules.POLICIES:
-        raise ValueError(f"fp8 must be one of {', '.join(fp8_rules.POLICIES)}, got {fp8!r}")
+    if fp8 not in FP8_POLICIES:
+        raise ValueError(f"fp8 must be one of {', '.join(FP8_POLICIES)}, got {fp8!r}")
 
 
-def run_step(step: Step, inputs: list[torch.Tensor], dtype: torch.dtype, fp8: Fp8Policy,
+def run_step(step: Step, inputs: list[torch.Tensor], dtype: torch.dtype, fp8: FP8Policy,
              num_layers: int) -> dict[str, torch.Tensor]:
     """One step's NxDI outputs: the rule, then the cast to `dtype` (except float32-kept norms), or FP8 quantisation
     of the tensors the policy selects (from the uncast values, to lose precision only once)."""
@@ -52,16 +52,16 @@ def run_step(step: Step, inputs: list[torch.Tensor], dtype: torch.dtype, fp8: Fp
 
 
 def convert_state_dict(config: dict, tensors: Mapping[str, torch.Tensor], *, dtype: str = "bfloat16",
-                       fp8: Fp8Policy = "none") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                       fp8: FP8Policy = "none") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """HF config dict + HF state dict -> (NxDI text tensors, vision tensors), in memory. Same rules and validation
     as convert_checkpoint; for tests and small models."""
     torch_dtype = dtype_of(dtype)
     check_policy(fp8)
-    family, arch = arch_of(config, "config")
-    prog = program(family, arch, tensors.keys())
+    model_type, arch = arch_of(config, "config")
+    prog = program(model_type, arch, tensors.keys())
     infos = {n: TensorInfo("<state dict>", DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape))
              for n, t in tensors.items()}
-    validate(infos, prog, family, "<state dict>")
+    validate(infos, prog, model_type, "<state dict>")
     text: dict[str, torch.Tensor] = {}
     for step in prog.text:
         text.update(run_step(step, [tensors[n] for n in step.sources], torch_dtype, fp8, arch.num_layers))
@@ -73,7 +73,7 @@ def convert_state_dict(config: dict, tensors: Mapping[str, torch.Tensor], *, dty
 
 
 def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None = None, dtype: str = "bfloat16",
-                       fp8: Fp8Policy = "none", workers: int = 1,
+                       fp8: FP8Policy = "none", workers: int = 1,
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
     """HF checkpoint directory `src` -> converted directory `dst` (layout in the module docstring).
 
@@ -85,7 +85,7 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
     ck = open_checkpoint(Path(src), files)
     layers = ck.arch.num_layers
 
-    def plan(steps: list[Step], policy: Fp8Policy) -> list[list]:
+    def plan(steps: list[Step], policy: FP8Policy) -> list[list]:
         return [meta_specs(run_step(s, _plan_inputs([ck.tensors[n].entry for n in s.sources]), torch_dtype,
                                     policy, layers)) for s in steps]
 
@@ -101,7 +101,7 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
 
 
 def _write_converted(tmp: Path, ck, sources: SourceFiles, text_plan, vision_plan, torch_dtype: torch.dtype,
-                     dtype: str, fp8: Fp8Policy, workers: int, max_shard_bytes: int) -> dict:
+                     dtype: str, fp8: FP8Policy, workers: int, max_shard_bytes: int) -> dict:
     """Run every step into the planned files under `tmp`, copy the non-weight files, write convert.json."""
     (tmp / "text").mkdir()
     text_out = ShardedOutput.open(tmp / "text", text_plan, max_shard_bytes)
@@ -110,7 +110,7 @@ def _write_converted(tmp: Path, ck, sources: SourceFiles, text_plan, vision_plan
         (tmp / "vision").mkdir()
         vision_out = PlannedFile(tmp / "vision" / "model.safetensors", [s for g in vision_plan for s in g])
 
-    def task(step: Step, policy: Fp8Policy, write):
+    def task(step: Step, policy: FP8Policy, write):
         def run() -> None:  # the step's mappings are unmapped when its tensors go out of scope here
             mapped = MappedSources()
             inputs = [mapped.map(sources.fd(ck.tensors[n].path), ck.tensors[n].entry) for n in step.sources]
@@ -159,7 +159,7 @@ def _report(ck, dtype: str, fp8: str, index: dict, text_out: ShardedOutput, visi
     vision_bytes = sum(s.nbytes for s in vision_slots.values())
     return {
         "format": FORMAT_VERSION,
-        "family": ck.family.name,
+        "family": ck.model_type.family.name,
         "model_type": ck.config.get("model_type"),
         "dtype": dtype,
         "fp8": fp8,

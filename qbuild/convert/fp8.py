@@ -5,7 +5,7 @@ scale = max |w| over a channel's inputs / 240, floored at 1e-5, float32, stored 
 The reduction is over dim 1 in both weight layouts: a linear (out, in) gets a scale (out, 1), an NxDI expert tensor
 (E, in, out) gets (E, 1, out), one scale per output channel of each expert.
 
-Policies (which tensors, by layer-relative NxDI name):
+Policies (qbuild.families: which layers; here: which tensors, by layer-relative NxDI name):
 - "mlp_only", the validated 128K serving path: the MLP of every layer but the first and the last. For the MoE
   families "the MLP" is the routed experts (gate_up, down) and the shared expert (shared_{gate,up,down}_proj): they
   hold nearly all of an MoE layer's bytes and are the same SwiGLU matmuls as a dense MLP. The router and
@@ -19,14 +19,12 @@ Policies (which tensors, by layer-relative NxDI name):
 from __future__ import annotations
 
 import re
-from typing import Literal
 
 import torch
 
 from qbuild.convert.moe import DOWN, GATE_UP
+from qbuild.families import FP8Policy, fp8_mlp_layers, fp8_quantises_attention
 
-Fp8Policy = Literal["none", "mlp_only", "full"]
-POLICIES: tuple[str, ...] = ("none", "mlp_only", "full")
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 240.0
 SCALE_FLOOR = 1e-5
@@ -44,15 +42,15 @@ ATTENTION_WEIGHTS = frozenset({
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-def is_quantised(name: str, policy: Fp8Policy, num_layers: int) -> bool:
+def is_quantised(name: str, policy: FP8Policy, num_layers: int) -> bool:
     """Whether the NxDI tensor `name` is stored as FP8 under `policy`."""
     m = _LAYER.fullmatch(name)
-    if policy == "none" or m is None:
+    if m is None:
         return False
     layer, rest = int(m[1]), m[2]
-    if policy == "mlp_only":
-        return rest in MLP_WEIGHTS and 0 < layer < num_layers - 1
-    return rest in MLP_WEIGHTS or rest in ATTENTION_WEIGHTS
+    if rest in MLP_WEIGHTS:
+        return layer in fp8_mlp_layers(policy, num_layers)
+    return rest in ATTENTION_WEIGHTS and fp8_quantises_attention(policy)
 
 
 def scale_name(weight_name: str) -> str:
@@ -83,7 +81,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-def apply_policy(name: str, tensor: torch.Tensor, policy: Fp8Policy, num_layers: int) -> dict[str, torch.Tensor]:
+def apply_policy(name: str, tensor: torch.Tensor, policy: FP8Policy, num_layers: int) -> dict[str, torch.Tensor]:
     """{name: tensor}, or {name: fp8 weight, <name>.scale: scale} when the policy quantises it."""
     if not is_quantised(name, policy, num_layers):
         return {name: tensor}
