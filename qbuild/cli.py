@@ -208,13 +208,9 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
                   or (status[nid].key or "").startswith(target)]
         if not chosen:
             raise UserError(f"{target}: no node of the planned recipes has this id, key or name; see `qbuild plan`")
-    rows = [{"id": nid, "name": the_plan.nodes[nid].name, "status": status[nid].status, "why": status[nid].why}
-            for nid in dict.fromkeys(chosen)]
-    if json_:
-        print(jsonio.dumps(rows, indent=1))
-        return
-    for row in rows:
-        print(f"{row['name']} [{row['id'][:8]}]: {row['why']}")
+    from .render import print_explain
+
+    print_explain(the_plan, status, ws.explain(the_plan, status), chosen, json_)
 
 
 # --- publish, pull, gc -----------------------------------------------------------------------------------------

@@ -11,12 +11,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Literal, Protocol
 
-from . import actions
 from .errors import BuildError, InfraError, QbuildError, UserError
 from .job import Job
-from .plan import Node, Plan, key_of, preimage
+from .keys import REGISTRY, Registry, key_node
+from .plan import Node, Plan
 from .store import StoreSpec
 from .store.local import CorruptBlobError
 from .store.manifest import Manifest
@@ -31,7 +31,7 @@ class Executor(Protocol):
 
 @dataclass
 class Event:
-    kind: str                  # "cached" | "start" | "built" | "failed" | "skipped" | "corrupt"
+    kind: Literal["cached", "start", "built", "failed", "skipped", "corrupt"]
     node: Node
     manifest: Manifest | None = None
     error: str | None = None
@@ -64,11 +64,10 @@ class BuildOptions:
 
 
 def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor], options: BuildOptions,
-          on_event: Callable[[Event], None] = lambda e: None, only: set[str] | None = None) -> BuildResult:
-    """Build every node of `plan` (or those in `only` and their inputs)."""
-    wanted = _closure(plan, only) if only is not None else set(plan.nodes)
+          on_event: Callable[[Event], None] = lambda e: None, registry: Registry = REGISTRY) -> BuildResult:
+    """Build every node of `plan`, keying each with its inputs' digests as they are cached or built."""
     order = list(plan.nodes)
-    waiting = [nid for nid in order if nid in wanted]           # not started yet, in topological order
+    waiting = list(order)                                       # not started yet, in topological order
     retries: dict[str, int] = {}
     result = BuildResult()
     running: dict[Future, tuple[str, float]] = {}
@@ -103,8 +102,8 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                 node = plan.nodes[nid]
                 if stop or nid not in waiting or not all(d in result.manifests for d in node.deps.values()):
                     continue
-                pre = preimage(node, {name: result.manifests[d].digest for name, d in node.deps.items()})
-                key = key_of(pre)
+                nk = key_node(node, {d: result.manifests[d].digest for d in node.deps.values()}, registry)
+                pre, key = nk.preimage, nk.key
                 hit = store.get_manifest(key)
                 if hit is not None:
                     waiting.remove(nid)
@@ -140,7 +139,7 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     continue
                 job = Job(node_id=nid, kind=node.kind, name=node.name, key=key, preimage=pre, params=node.params,
                           inputs={name: result.manifests[d].outputs for name, d in node.deps.items()},
-                          store=spec, entry=actions.get(node.kind).entry, context=node.context)
+                          store=spec, entry=registry[node.kind].entry, context=node.context)
                 waiting.remove(nid)
                 running[executor.submit(job, node)] = (nid, time.monotonic())
                 mem_in_use += node.est_peak_bytes

@@ -21,7 +21,7 @@ import sys
 import time
 from types import SimpleNamespace
 
-from . import plancache
+from . import plancache, planserver
 
 # Taken when cli.py starts, before anything planning reads: a change after it is never recorded as seen.
 STARTED_NS = time.time_ns()
@@ -108,7 +108,15 @@ def answer(argv: list[str]) -> int | None:
         return None         # no working directory, say: the full command line reports it
     cached = plancache.load(root, inv, _dists_at_start)
     if cached is None:
-        return _plan_in_full(recipes, "--all" in flags, "--json" in flags, values) if command == "plan" else None
+        if command != "plan" or not _local_only():
+            return None
+        reached, code = planserver.ask(argv, STARTED_NS)
+        if code is not None:
+            return code
+        code = _plan_in_full(recipes, "--all" in flags, "--json" in flags, values)
+        if not reached:
+            planserver.start()      # for the next plan that misses
+        return code
     from . import render
 
     if command == "plan":
@@ -136,7 +144,7 @@ def _plan_in_full(recipes: list[str], all_: bool, as_json: bool, values: dict[st
     """`qbuild plan` as cli.plan runs it, for a local store. None where the full command line must run it: a remote
     is configured, or planning raised (it wrote nothing a second run could trip over, and the command line reports
     errors its own way)."""
-    if os.environ.get("QBUILD_REMOTE") or os.path.exists("qbuild.yaml"):
+    if not _local_only():
         return None
     from pathlib import Path
 
@@ -154,6 +162,25 @@ def _plan_in_full(recipes: list[str], all_: bool, as_json: bool, values: dict[st
     trees = print_plan(plan, status, as_json)
     remember_plan(ws, recipes, all_, as_json, lock, store, plan, status, trees)
     return 0
+
+
+def _local_only() -> bool:
+    """No remote is configured: only then is a plan answered here (a remote's entries are not local files)."""
+    return not (os.environ.get("QBUILD_REMOTE") or os.path.exists("qbuild.yaml"))
+
+
+def plan_request(argv: list[str], started_ns: int) -> int | None:
+    """`argv` planned in full, as the command line that started at `started_ns` plans it on a cache miss (for the
+    resident planner's children, qbuild.planserver); None where the full command line must run it."""
+    global STARTED_NS, _dists_at_start
+    parsed = parse(argv)
+    if parsed is None or parsed[0] != "plan" or not plancache.enabled():
+        return None
+    _, recipes, flags, values = parsed
+    STARTED_NS = started_ns
+    plancache.start_recording()
+    _dists_at_start = plancache.distributions()
+    return _plan_in_full(recipes, "--all" in flags, "--json" in flags, values)
 
 
 def _print_noop_build(plan, manifests: dict, as_json: bool) -> None:
@@ -174,8 +201,8 @@ def _print_noop_build(plan, manifests: dict, as_json: bool) -> None:
 
 def remember_plan(ws, recipes: list[str], all_: bool, as_json: bool, lock, store, plan, status: dict,
                   trees: dict[str, str] | None = None) -> bool:
-    """Record what `qbuild plan` answered, with its inputs (and the trees it printed as plain text, which depend on
-    nothing else: the same plan at the same width prints the same); returns whether an entry was written."""
+    """Record what `qbuild plan` answered, with its inputs (and the text it printed, JSON or plain-text trees, which
+    depends on nothing else: the same plan at the same width prints the same); returns whether an entry was written."""
     if not _recordable(ws):
         return False
     store_obj = ws.store

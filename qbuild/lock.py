@@ -7,7 +7,7 @@
      "nodes": {node id: {"kind", "name", "key", "preimage", "digest", "outputs": {path: {digest, size}}}}}
 
 A recipe's `recipe` path is relative to the lockfile's directory (absolute when the file lies outside it), and
-recipe names are unique per lockfile. A node's preimage holds its params, input digests, action version and
+recipe names are unique per lockfile. A node's preimage holds its params, input digests, action source hash and
 toolchain versions, so `qbuild explain` can name the field that changed. The serialiser is a pure function; writes
 go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes wrote
 meanwhile.
@@ -19,8 +19,9 @@ import fcntl
 import json
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Mapping
 
 from . import jsonio
 from .errors import InfraError, UserError
@@ -147,13 +148,28 @@ def _directory_locked(directory: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def locked_preimage(doc: dict, roles: list[tuple[str, str]]) -> dict | None:
-    """The preimage the lock recorded for the same role of the same recipe, if any."""
-    for recipe, role in roles:
-        nid = doc["recipes"].get(recipe, {}).get("nodes", {}).get(role)
-        if nid and nid in doc["nodes"]:
-            return doc["nodes"][nid]["preimage"]
-    return None
+@dataclass(frozen=True)
+class LockedNode:
+    """What the lock recorded for a node: its key, the key's preimage, and the digest of its output tree."""
+
+    key: str
+    preimage: dict
+    digest: str
+
+
+def locked_nodes(doc: dict, roles: Mapping[str, list[tuple[str, str]]]) -> dict[str, LockedNode]:
+    """The lock's entry for each node (node id -> the (recipe, role) pairs it serves): the entry recorded for the
+    first of its roles that the lock holds. The lock's node ids may differ from the plan's (a changed param changes
+    the id), so nodes are matched by role."""
+    out = {}
+    for nid, pairs in roles.items():
+        for recipe, role in pairs:
+            locked_id = doc["recipes"].get(recipe, {}).get("nodes", {}).get(role)
+            entry = doc["nodes"].get(locked_id) if locked_id else None
+            if entry is not None:
+                out[nid] = LockedNode(entry["key"], entry["preimage"], entry["digest"])
+                break
+    return out
 
 
 def check(doc: dict, store, recipes: list[str] | None = None) -> list[str]:

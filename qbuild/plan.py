@@ -2,26 +2,45 @@
 
 A node's id is structural (its kind, params and the ids of its inputs), so equal work in two recipes is one
 node: the tp4 and tp8 recipes of a model share fetch, convert and reference. A node's key is the content key of
-DESIGN.md, blake3 of {action, action version, params, input digests, toolchain}; it is known once every input's
-output digest is known, that is once the upstream nodes are cached or built.
+DESIGN.md (qbuild.keys); it is known once every input's output digest is known, that is once the upstream nodes
+are cached or built.
+
+What planning needs of this machine (checkpoint files' digests, the HF cache, config.json) comes through an
+`Environment` the caller passes in; the store and the lock come in as a lookup and the locked nodes.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Literal, Mapping, Protocol
 
-from . import actions, arch as archmod, checks, ports, source
+from . import arch as archmod, checks, ports
 from .arch import Arch
 from .dtypes import DTYPE_BYTES
-from .hashing import StatCache, canonical_json, digest_json
+from .hashing import digest_json
+from .keys import REGISTRY, Registry, as_locked, diff_preimages, walk
+from .lock import LockedNode
 from .recipe import HFSource, LoadedRecipe, PathSource
 from .store.manifest import Manifest
 
-# Files a build needs from a checkpoint; pickled weights (*.bin, *.pt) are never fetched or loaded.
-CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja", "*.model")
 GIB = 1 << 30
+
+
+class Environment(Protocol):
+    """What the planner may know of the machine it plans on; it reads nothing else."""
+
+    def arch(self, loaded: LoadedRecipe) -> Arch:
+        """The architecture of the recipe's model, from its config.json."""
+
+    def checkpoint_digests(self, directory: Path) -> dict[str, str]:
+        """File name -> "blake3:<hex>" of each file a build needs from a local checkpoint directory."""
+
+    def hf_revision(self, repo: str, revision: str) -> str | None:
+        """The commit the local HF cache resolves `revision` of `repo` to; None where it is not cached."""
+
+    def port_digests(self, port_dir: Path) -> dict[str, str] | None:
+        """Relative path -> "blake3:<hex>" of a port's source files; None where the directory does not exist."""
 
 
 @dataclass
@@ -75,33 +94,24 @@ def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params: dict
     return node_id
 
 
-def checkpoint_files(directory: Path) -> list[Path]:
-    seen: set[Path] = set()
-    for pattern in CHECKPOINT_PATTERNS:
-        seen.update(p for p in directory.glob(pattern) if p.is_file() and not p.name.startswith("."))
-    return sorted(seen)
-
-
-def _fetch_params(loaded: LoadedRecipe, stat_cache: StatCache) -> tuple[dict, dict]:
+def _fetch_params(loaded: LoadedRecipe, env: Environment) -> tuple[dict, dict]:
     """(params, context) of the fetch node. A local dir is identified by its files' digests, never its path."""
     src = loaded.recipe.model
     if isinstance(src, PathSource):
-        files = {p.name: "blake3:" + stat_cache.digest(p) for p in checkpoint_files(loaded.source_dir)}
+        files = env.checkpoint_digests(loaded.source_dir)
         return {"source": "path", "files": files}, {"path": str(loaded.source_dir)}
-    cached = source.hf_cached_snapshot(src.hf, src.revision)
-    revision = cached[0] if cached else src.revision
+    revision = env.hf_revision(src.hf, src.revision) or src.revision
     return {"source": "hf", "repo": src.hf, "revision": revision}, {"requested_revision": src.revision}
 
 
-def _port_params(loaded: LoadedRecipe, stat_cache: StatCache) -> tuple[dict, dict, str]:
+def _port_params(loaded: LoadedRecipe, env: Environment) -> tuple[dict, dict, str]:
     """(params, context, label) of the port node: the port is identified by its source files' digests."""
     port_dir = loaded.port_dir
     written = loaded.recipe.port.path or loaded.recipe.port.module
-    if port_dir is None or not port_dir.is_dir():
+    files = None if port_dir is None else env.port_digests(port_dir)
+    if files is None:
         # Planned anyway, so `plan` shows the whole graph; building it fails with one line saying where to put it.
         return {"missing": written}, {}, f"port {written} (not found)"
-    files = {p.relative_to(port_dir).as_posix(): "blake3:" + stat_cache.digest(p)
-             for p in ports.source_files(port_dir)}
     return {"files": files}, {"path": str(port_dir)}, f"port {port_dir.name}"
 
 
@@ -163,7 +173,7 @@ def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
     return max(emb, experts) * dtype_bytes
 
 
-def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_cache: StatCache) -> PlannedRecipe:
+def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: Environment) -> PlannedRecipe:
     r, name = loaded.recipe, loaded.name
     neuron = r.backend == "neuron"
     dbytes = DTYPE_BYTES[r.dtype]
@@ -172,7 +182,7 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
     big = _largest_tensor_bytes(arch, 4)
     roles: dict[str, str] = {}
 
-    fparams, fctx = _fetch_params(loaded, stat_cache)
+    fparams, fctx = _fetch_params(loaded, env)
     label = r.model.hf if isinstance(r.model, HFSource) else Path(r.model.path).name
     roles["fetch"] = fetch = _add(nodes, name, "fetch", f"fetch {label}", fparams, {},
                                   checks.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx)
@@ -182,7 +192,7 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
         weights + vision_bytes, 3 * big + GIB // 2, fctx)
     port_dep: dict[str, str] = {}
     if neuron:
-        pparams, pctx, plabel = _port_params(loaded, stat_cache)
+        pparams, pctx, plabel = _port_params(loaded, env)
         roles["port"] = _add(nodes, name, "port", plabel, pparams, {}, 1 << 20, GIB // 4, pctx)
         port_dep = {"port": roles["port"]}
 
@@ -244,7 +254,7 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
         nodes, name, "reference", f"reference {label}",
         {"prompts": v.prompts, "new_tokens": v.new_tokens, "image": bool(r.vision and v.image_prompt)},
         {"snapshot": fetch},
-        4 << 20, 4 * checks.weight_bytes(arch, "float32", "none") // 4 + vision_bytes * 2 + GIB, fctx)
+        4 << 20, checks.weight_bytes(arch, "float32", "none") + vision_bytes * 2 + GIB, fctx)
     # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
     roles["verify"] = verify = _add(
         nodes, name, "verify", f"verify {name}",
@@ -254,7 +264,7 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, stat_c
     return PlannedRecipe(loaded, arch, roles, package, verify)
 
 
-def build_plan(recipes: list[LoadedRecipe], stat_cache: StatCache) -> Plan:
+def build_plan(recipes: list[LoadedRecipe], env: Environment) -> Plan:
     """Validate each recipe against its architecture and expand all of them into one deduplicated DAG."""
     nodes: dict[str, Node] = {}
     planned: dict[str, PlannedRecipe] = {}
@@ -263,78 +273,83 @@ def build_plan(recipes: list[LoadedRecipe], stat_cache: StatCache) -> Plan:
             from .errors import RecipeError
             raise RecipeError(f"{loaded.path}: name: recipe name {loaded.name!r} is also used by "
                               f"{planned[loaded.name].loaded.path}")
-        arch = source.load_arch(loaded)
+        arch = env.arch(loaded)
         checks.validate(loaded, arch)
-        planned[loaded.name] = plan_recipe(nodes, loaded, arch, stat_cache)
+        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env)
     return Plan(nodes, planned)
 
 
-# --- keys and statuses ----------------------------------------------------------------------------------------
-
-def preimage(node: Node, input_digests: dict[str, str]) -> dict:
-    spec = actions.get(node.kind)
-    # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
-    toolchain = node.params["toolchain"] if "toolchain" in node.params else spec.toolchain_versions()
-    return {"action": node.kind, "version": spec.version, "params": node.params, "inputs": input_digests,
-            "toolchain": toolchain}
-
-
-def key_of(pre: dict) -> str:
-    return digest_json(pre)
-
+# --- statuses and reasons -------------------------------------------------------------------------------------
 
 @dataclass
 class NodeStatus:
-    status: str                     # "cached" | "build" | "waiting"
+    status: Literal["cached", "build", "waiting"]
     key: str | None
     preimage: dict | None
     manifest: Manifest | None
     why: str
 
 
-def as_locked(pre: dict) -> dict:
-    """A preimage as the lockfile holds it (read back from JSON: tuples are lists), to compare with a locked one."""
-    return json.loads(canonical_json(pre))
+def evaluate(plan: Plan, lookup: Callable[[str], Manifest | None], locked: Mapping[str, LockedNode],
+             registry: Registry = REGISTRY) -> dict[str, NodeStatus]:
+    """Status of every node, keyed with the store's digests: `lookup(key)` reads the store, and `locked` (node id ->
+    the lock's entry for it) says what changed since the lock was written."""
+    manifests: dict[str, Manifest] = {}
 
+    def from_store(nid: str, key: str) -> str | None:
+        manifest = lookup(key)
+        if manifest is None:
+            return None
+        manifests[nid] = manifest
+        return manifest.digest
 
-def diff_preimages(old: dict, new: dict, prefix: str = "") -> list[str]:
-    """The dotted fields whose values differ between two preimages, with old -> new for scalars."""
-    out = []
-    for k in sorted(set(old) | set(new)):
-        a, b, path = old.get(k), new.get(k), f"{prefix}{k}"
-        if a == b:
-            continue
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += diff_preimages(a, b, path + ".")
-        elif isinstance(a, (dict, list)) or isinstance(b, (dict, list)) or (isinstance(a, str) and len(a) > 24):
-            out.append(f"{path} changed")
+    result: dict[str, NodeStatus] = {}
+    for nid, nk in walk(plan, from_store, registry).items():
+        if nk.key is None:
+            result[nid] = NodeStatus("waiting", None, None, None, f"waits on {', '.join(nk.unknown)}")
+        elif nid in manifests:
+            result[nid] = NodeStatus("cached", nk.key, nk.preimage, manifests[nid], "cached")
         else:
-            out.append(f"{path}: {a} -> {b}")
+            entry = locked.get(nid)
+            why = "no entry" if entry is None else \
+                _what_changed(plan.nodes[nid], entry.preimage, nk.preimage, "not in the store")
+            result[nid] = NodeStatus("build", nk.key, nk.preimage, None, why)
+    return result
+
+
+def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, LockedNode],
+            registry: Registry = REGISTRY) -> dict[str, str]:
+    """Why each node would rebuild, naming the changed fields at any depth. Below a miss an input's digest is
+    unknown until it is built, so there the node is keyed with the lock's digests for it: what the node itself
+    changed since the lock, whatever its inputs turn out to be."""
+    def store_then_lock(nid: str, key: str) -> str | None:
+        manifest = status[nid].manifest
+        if manifest is not None:
+            return manifest.digest
+        entry = locked.get(nid)
+        return entry.digest if entry is not None else None
+
+    keys = walk(plan, store_then_lock, registry)
+    out: dict[str, str] = {}
+    for nid, st in status.items():
+        entry, pre = locked.get(nid), keys[nid].preimage
+        if st.status != "waiting" or pre is None:
+            out[nid] = st.why
+        elif entry is None:
+            out[nid] = f"{st.why}; no entry"
+        else:
+            changed = _what_changed(plan.nodes[nid], entry.preimage, pre, "")
+            out[nid] = f"{st.why}; {changed}" if changed else st.why
     return out
 
 
-def evaluate(plan: Plan, lookup, locked_preimage) -> dict[str, NodeStatus]:
-    """Status of every node: `lookup(key) -> Manifest | None` reads the store; `locked_preimage(node_id)` the lock."""
-    result: dict[str, NodeStatus] = {}
-    for nid, node in plan.nodes.items():
-        waiting = [name for name, dep in node.deps.items() if result[dep].manifest is None]
-        if waiting:
-            result[nid] = NodeStatus("waiting", None, None, None, f"waits on {', '.join(sorted(waiting))}")
-            continue
-        pre = preimage(node, {name: result[dep].manifest.digest for name, dep in node.deps.items()})
-        key = key_of(pre)
-        manifest = lookup(key)
-        if manifest is not None:
-            result[nid] = NodeStatus("cached", key, pre, manifest, "cached")
-            continue
-        old = locked_preimage(nid, node)
-        new = as_locked(pre)
-        why = "no entry" if old is None else ("; ".join(diff_preimages(old, new)) or "not in the store")
-        if old is not None and node.kind == "compile" and node.params.get("graph") == "text" \
-                and node.params.get("backend") == "neuron":
-            from .backends.neuron import neff_reuse
+def _what_changed(node: Node, old: dict, pre: dict, otherwise: str) -> str:
+    """The fields of `pre` that differ from the locked preimage `old` (`otherwise` where none does), and for a
+    neuron text compile, which NEFFs the compile can still reuse."""
+    new = as_locked(pre)
+    parts = ["; ".join(diff_preimages(old, new)) or otherwise]
+    if node.kind == "compile" and node.params.get("graph") == "text" and node.params.get("backend") == "neuron":
+        from .backends.neuron import neff_reuse
 
-            reuse = neff_reuse(old["params"], new["params"])
-            why += f"; {reuse}" if reuse else ""
-        result[nid] = NodeStatus("build", key, pre, None, why)
-    return result
+        parts.append(neff_reuse(old["params"], new["params"]))
+    return "; ".join(p for p in parts if p)

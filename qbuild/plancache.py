@@ -291,9 +291,8 @@ class Inputs:
 def planning_inputs(plan, recipe_files: list[Path], lock_path, all_: bool, root: Path | None = None) -> Inputs:
     """Every file and directory that building `plan` from `recipe_files` (as the command line named them) read:
     recipes and bases, checkpoints, the HF cache, the lock, ./qbuild.yaml, and with --all the recipes directory."""
-    from .plan import checkpoint_files
     from .recipe import PathSource
-    from .source import hf_cached_snapshot, hf_repo_dir
+    from .source import checkpoint_files, hf_cached_snapshot, hf_repo_dir
     from .workspace import RECIPES_DIR
 
     root = Path(root or os.getcwd())
@@ -309,6 +308,8 @@ def planning_inputs(plan, recipe_files: list[Path], lock_path, all_: bool, root:
         for path in model_dirs:
             inputs.file(path, digest=False)   # a directory: its stat follows links to the one planning listed
     for pr in plan.recipes.values():
+        if pr.loaded.recipe.backend == "neuron" and pr.loaded.recipe.port.path is not None:
+            inputs.file(pr.loaded.port_dir, digest=False)   # a port put in place later turns "not found" into its files
         model = pr.loaded.recipe.model
         if isinstance(model, PathSource):
             inputs.dir(pr.loaded.source_dir)

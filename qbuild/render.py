@@ -130,11 +130,16 @@ def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool, replay:
         -> dict[str, str]:
     """`qbuild plan`'s output: the JSON document on stdout, or the trees.
 
-    Trees printed as plain text are returned as {plain_text_context: text}; given back as `replay` for the same
-    plan and statuses, a matching one is written as is, without loading rich."""
+    What it printed is returned as {context: text}, where the context is "json" or the plain-text context of the
+    trees; given back as `replay` for the same plan and statuses, a matching text is written as is, without loading
+    rich or reading the plan again (a replayed plan is plain attribute objects: no properties, no methods)."""
     if as_json:
-        print(jsonio.dumps(plan_json(plan, status), indent=1, sort_keys=True))
-        return {}
+        if replay and "json" in replay:
+            sys.stdout.write(replay["json"])
+            return {"json": replay["json"]}
+        text = jsonio.dumps(plan_json(plan, status), indent=1, sort_keys=True) + "\n"
+        sys.stdout.write(text)
+        return {"json": text}
     context = plain_text_context(sys.stdout)
     if context is not None and replay and context in replay:
         sys.stdout.write(replay[context])
@@ -175,6 +180,18 @@ def _port_json(pr) -> dict | None:
     return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
             "config_class": lineage.config_class, "vision_module": lineage.vision_module,
             "path": str(where) if where else None, "found": bool(where and where.is_dir())}
+
+
+def print_explain(plan: Plan, status: dict[str, NodeStatus], why: dict[str, str], chosen: list[str],
+                  as_json: bool) -> None:
+    """`qbuild explain`'s output: for each chosen node, its status and why it would rebuild (or "cached")."""
+    rows = [{"id": nid, "name": plan.nodes[nid].name, "status": status[nid].status, "why": why[nid]}
+            for nid in dict.fromkeys(chosen)]
+    if as_json:
+        print(jsonio.dumps(rows, indent=1))
+        return
+    for row in rows:
+        print(f"{row['name']} [{row['id'][:8]}]: {row['why']}")
 
 
 def serve_text(serve: dict) -> None:

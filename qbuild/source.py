@@ -208,3 +208,16 @@ def _tokenizer_json_ids(path: Path) -> dict[str, int]:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"{path}: tokenizer.json cannot be loaded: {first}") from None
     return tokenizer.get_vocab(with_added_tokens=True)
+
+
+# --- the files of a checkpoint -------------------------------------------------------------------------------
+
+# Files a build needs from a checkpoint; pickled weights (*.bin, *.pt) are never fetched or loaded.
+CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja", "*.model")
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    seen: set[Path] = set()
+    for pattern in CHECKPOINT_PATTERNS:
+        seen.update(p for p in directory.glob(pattern) if p.is_file() and not p.name.startswith("."))
+    return sorted(seen)

@@ -11,9 +11,11 @@ from typing import Callable
 
 from . import lock as lockmod
 from .engine import BuildOptions, BuildResult, Event, build
+from .environment import HostEnvironment
 from .errors import BuildError, UserError
 from .hashing import StatCache, default_stat_cache
-from .plan import NodeStatus, Plan, as_locked, build_plan, diff_preimages, evaluate, key_of, preimage
+from .keys import REGISTRY, Registry, as_locked, diff_preimages, key_node, walk
+from .plan import NodeStatus, Plan, build_plan, evaluate, explain
 from .recipe import HFSource, LoadedRecipe, load_recipe
 from .store import LocalStore, StoreSpec, open_store
 
@@ -36,6 +38,7 @@ class Workspace:
     root: Path = field(default_factory=Path.cwd)
     stat_cache: StatCache = field(default_factory=default_stat_cache)
     backend: str | None = None      # --backend: build every recipe on this backend instead of its own
+    registry: Registry = field(default_factory=lambda: REGISTRY)
 
     @property
     def store(self) -> LocalStore:
@@ -55,13 +58,21 @@ class Workspace:
     def load(self, files: list[str], all_: bool = False) -> list[LoadedRecipe]:
         return [load_recipe(f).with_backend(self.backend) for f in self.recipe_files(files, all_)]
 
+    @property
+    def environment(self) -> HostEnvironment:
+        return HostEnvironment(self.stat_cache)
+
     def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
-        plan = build_plan(recipes, self.stat_cache)
-        doc = lockmod.read(self.lock_path)
-        roles = roles_by_node(plan)
-        status = evaluate(plan, self.store.get_manifest,
-                          lambda nid, node: lockmod.locked_preimage(doc, roles.get(nid, [])))
+        plan = build_plan(recipes, self.environment)
+        status = evaluate(plan, self.store.get_manifest, self._locked(plan), self.registry)
         return plan, status
+
+    def explain(self, plan: Plan, status: dict[str, NodeStatus]) -> dict[str, str]:
+        """Why each node would rebuild (see plan.explain), against this workspace's lockfile."""
+        return explain(plan, status, self._locked(plan), self.registry)
+
+    def _locked(self, plan: Plan) -> dict[str, lockmod.LockedNode]:
+        return lockmod.locked_nodes(lockmod.read(self.lock_path), roles_by_node(plan))
 
     # --- building --------------------------------------------------------------------------------------------
     def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
@@ -69,7 +80,7 @@ class Workspace:
         # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
         lockmod.check_unique_names(lockmod.read(self.lock_path), self.lock_path,
                                    [(r.name, r.path) for r in recipes])
-        plan = build_plan(recipes, self.stat_cache)
+        plan = build_plan(recipes, self.environment)
         if frozen:
             self._check_frozen(plan)
         self._check_sources(plan)
@@ -83,7 +94,7 @@ class Workspace:
                 self.write_lock(plan, seen)
             on_event(event)
 
-        result = build(plan, self.store, self.store_spec, executor_factory, options, track)
+        result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry)
         if not frozen:
             self.write_lock(plan, result)
         if frozen:
@@ -95,22 +106,20 @@ class Workspace:
 
     def _check_frozen(self, plan: Plan) -> None:
         """Fail before building anything if a node's key differs from the lock's (upstream taken as locked)."""
-        doc = lockmod.read(self.lock_path)
-        digests: dict[str, str] = {}
         roles = roles_by_node(plan)
-        for nid, node in plan.nodes.items():
+        # A node must be locked under the role that names it in the error: its first one.
+        locked = lockmod.locked_nodes(lockmod.read(self.lock_path), {nid: r[:1] for nid, r in roles.items()})
+        keys = walk(plan, lambda nid, key: locked[nid].digest if nid in locked else None, self.registry)
+        for nid, nk in keys.items():
             recipe, role = roles[nid][0]
-            locked_id = doc["recipes"].get(recipe, {}).get("nodes", {}).get(role)
-            locked = doc["nodes"].get(locked_id) if locked_id else None
-            if locked is None:
+            entry = locked.get(nid)
+            if entry is None:
                 raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} is not in the lockfile; run "
                                  "`qbuild compile` without --frozen and commit the lockfile")
-            pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()})
-            if key_of(pre) != locked["key"]:
-                changed = "; ".join(diff_preimages(locked["preimage"], as_locked(pre))) or "key changed"
+            if nk.key != entry.key:
+                changed = "; ".join(diff_preimages(entry.preimage, as_locked(nk.preimage))) or "key changed"
                 raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} would change ({changed}); run "
                                  "`qbuild compile` without --frozen and commit the lockfile")
-            digests[nid] = locked["digest"]
 
     def _check_sources(self, plan: Plan) -> None:
         """Check each checkpoint whose fetch step will run before any step starts, so that a bad checkpoint is
@@ -121,7 +130,9 @@ class Workspace:
         checked: set[str] = set()
         for planned in plan.recipes.values():
             nid = planned.nodes["fetch"]
-            if nid in checked or self.store.get_manifest(key_of(preimage(plan.nodes[nid], {}))) is not None:
+            if nid in checked:
+                continue
+            if self.store.get_manifest(key_node(plan.nodes[nid], {}, self.registry).key) is not None:
                 continue
             checked.add(nid)
             directory = source_directory(planned.loaded)

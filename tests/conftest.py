@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+# Commands the tests run plan in process: a resident planner (qbuild.planserver) would outlive the test that started
+# it. The tests of the server turn it on for themselves, in a runtime directory of their own, and stop it.
+os.environ["QBUILD_PLAN_SERVER"] = "off"
 
 
 @pytest.fixture(autouse=True)

@@ -7,10 +7,16 @@ import os
 import time
 from pathlib import Path
 
-from qbuild.actions import ActionSpec, RunContext, register
+from qbuild.actions import RunContext
+from qbuild.keys import ActionSpec
 
-SLEEP = register(ActionSpec("test-sleep", "tests.engine_actions:sleep", ("tests.engine_actions",)))
-FAIL = register(ActionSpec("test-fail", "tests.engine_actions:fail", ("tests.engine_actions",)))
+_SOURCES = ("tests.engine_actions",)
+SLEEP = ActionSpec("test-sleep", "tests.engine_actions:sleep", _SOURCES)
+FAIL = ActionSpec("test-fail", "tests.engine_actions:fail", _SOURCES)
+BIG = ActionSpec("test-big", "tests.engine_actions:big", _SOURCES)
+RENDEZVOUS = ActionSpec("test-rendezvous", "tests.engine_actions:rendezvous", _SOURCES)
+# What the engine's tests build with, passed to the engine: the production registry stays as shipped.
+TEST_REGISTRY = {spec.kind: spec for spec in (SLEEP, FAIL, BIG, RENDEZVOUS)}
 
 
 def _record(ctx: RunContext, event: str) -> None:
@@ -32,11 +38,21 @@ def fail(ctx: RunContext) -> None:
     raise RuntimeError(f"{ctx.params['name']} failed on purpose")
 
 
+def rendezvous(ctx: RunContext) -> None:
+    """Arrive (a file named for this step), then wait for the partner step to arrive: it succeeds only when the two
+    run at the same time, and fails once `timeout` seconds pass without the partner."""
+    meeting, p = Path(ctx.params["dir"]), ctx.params
+    (meeting / p["name"]).touch()
+    deadline = time.monotonic() + p["timeout"]
+    while not (meeting / p["partner"]).exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{p['name']}: {p['partner']} did not run at the same time (waited {p['timeout']} s)")
+        time.sleep(0.01)
+    (ctx.out / "value.txt").write_text(p["name"])
+
+
 def read_log(log: Path) -> list[dict]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-
-
-BIG = register(ActionSpec("test-big", "tests.engine_actions:big", ("tests.engine_actions",)))
 
 
 def big(ctx: RunContext) -> None:

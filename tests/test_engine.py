@@ -11,11 +11,13 @@ import pytest
 
 from qbuild.engine import BuildOptions, build
 from qbuild.executors.local import LocalExecutor
+from qbuild.keys import REGISTRY
 from qbuild.plan import Plan, _add
 from qbuild.store import LocalStore, StoreSpec
-from tests.engine_actions import read_log
+from tests.engine_actions import TEST_REGISTRY, read_log
 
 GIB = 1 << 30
+MEET_TIMEOUT_S = 60     # how long a rendezvous step waits for its partner: far above a worker's start-up
 
 
 def _graph(log: Path, spec: list[tuple[str, str, list[str], int]], seconds: float = 0.3) -> Plan:
@@ -32,7 +34,7 @@ def _run(plan: Plan, root: Path, **opts):
     options = BuildOptions(**opts)
     events = []
     result = build(plan, store, StoreSpec(local=str(root)), lambda: LocalExecutor(options.jobs), options,
-                   events.append)
+                   events.append, TEST_REGISTRY)
     return result, events
 
 
@@ -67,12 +69,18 @@ def test_second_run_is_all_cached(tmp_path):
 
 
 def test_independent_nodes_run_in_parallel(tmp_path):
-    log = tmp_path / "log"
-    plan = _graph(log, [("a", "test-sleep", [], 1), ("b", "test-sleep", [], 1)], seconds=1.0)
-    result, _ = _run(plan, tmp_path / "store", jobs=2)
-    assert result.ok
-    iv = _intervals(log)
-    assert iv["a"][0] < iv["b"][1] and iv["b"][0] < iv["a"][1], "the two steps did not overlap"
+    # Each step waits for the other to have started: both succeed only if -j 2 runs them at the same time.
+    nodes: dict = {}
+    for name, partner in (("a", "b"), ("b", "a")):
+        _add(nodes, "toy", "test-rendezvous", name,
+             {"name": name, "partner": partner, "dir": str(tmp_path), "timeout": MEET_TIMEOUT_S}, {}, 1, GIB)
+    result, _ = _run(Plan(nodes, {}), tmp_path / "store", jobs=2)
+    assert result.ok, result.failed
+    assert len(result.built) == 2
+
+
+def test_test_actions_stay_out_of_the_production_registry():
+    assert not any(kind.startswith("test-") for kind in REGISTRY)
 
 
 def test_memory_budget_is_never_exceeded(tmp_path):

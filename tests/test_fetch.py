@@ -14,8 +14,7 @@ from qbuild.actions import RunContext
 from qbuild.actions.fetch import run as fetch_run
 from qbuild.errors import InfraError, UserError
 from qbuild.hashing import StatCache, digest_file
-from qbuild.plan import checkpoint_files
-from qbuild.source import hf_cached_snapshot
+from qbuild.source import checkpoint_files, hf_cached_snapshot
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -106,12 +106,46 @@ def test_explain_names_a_changed_converter_source(built, tmp_path):
     conv = doc["nodes"][doc["recipes"]["lk"]["nodes"]["convert"]]
     conv["preimage"]["version"] = "0" * 32   # as if the lock was written by another converter version
     lock.write_text(lockmod.dumps(doc))
-    shutil.rmtree(tmp_path / "store" / "ac")  # nothing cached, so every node explains itself against the lock
+    # Everything is cached, so the lock's record alone changes nothing the store answers.
     rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
-    convert_row = next(r for r in rows if r["name"].startswith("convert"))
-    assert "waits on snapshot" in convert_row["why"]
-    fetch_row = next(r for r in rows if r["name"].startswith("fetch"))
-    assert fetch_row["why"] == "not in the store"
+    assert {r["why"] for r in rows} == {"cached"}
+    # With the convert entry gone from the store, convert is a miss: explain names its changed field.
+    _drop_entry(tmp_path / "store", conv["key"])
+    rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
+    by_name = {r["name"].split()[0]: r for r in rows}
+    assert by_name["convert"]["status"] == "build" and by_name["convert"]["why"] == "version changed"
+    assert by_name["fetch"]["why"] == "cached"
+    # Below the miss, shard waits on convert's output, and nothing of its own changed.
+    assert by_name["shard"]["status"] == "waiting" and by_name["shard"]["why"] == "waits on converted"
+
+
+def test_explain_names_a_field_changed_below_a_miss(built, tmp_path):
+    """A step whose input is not built yet is keyed with the input's locked digest, so a change to the step itself
+    is named even though its key cannot be known."""
+    recipe, lock, env = _copy(built, tmp_path)
+    doc = json.loads(lock.read_text())
+    nodes = doc["recipes"]["lk"]["nodes"]
+    _drop_entry(tmp_path / "store", doc["nodes"][nodes["convert"]]["key"])
+    shard = doc["nodes"][nodes["shard"]]
+    shard["preimage"]["params"]["fused_qkv"] = not shard["preimage"]["params"]["fused_qkv"]
+    shard["preimage"]["version"] = "0" * 32
+    lock.write_text(lockmod.dumps(doc))
+    rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
+    by_name = {r["name"].split()[0]: r for r in rows}
+    fused = shard["preimage"]["params"]["fused_qkv"]
+    assert by_name["shard"]["status"] == "waiting"
+    assert by_name["shard"]["why"] == f"waits on converted; params.fused_qkv: {fused} -> {not fused}; version changed"
+    # Two levels below the miss (package waits on shard and convert): unchanged itself, so it only waits.
+    assert by_name["package"]["why"] == "waits on converted, shard"
+    # `plan` keeps its short reasons: a waiting node's key is unknown.
+    plan = json.loads(qbuild("plan", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
+    shard_plan = next(n for n in plan["nodes"] if n["kind"] == "shard")
+    assert shard_plan["status"] == "waiting" and shard_plan["why"] == "waits on converted"
+
+
+def _drop_entry(store: Path, key: str) -> None:
+    """Remove one store entry (its manifest), so that node is a miss and everything below it waits."""
+    (store / "ac" / key[:2] / f"{key}.json").unlink()
 
 
 def test_frozen_refuses_to_change_the_lockfile(built, tmp_path):

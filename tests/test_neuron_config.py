@@ -202,6 +202,7 @@ def test_plan_json_shows_lineage_neffs_and_config(tmp_path):
 
 
 def _shard_params(tmp_path, name: str, body: str) -> dict:
+    from qbuild.environment import HostEnvironment
     from qbuild.hashing import StatCache
     from qbuild.plan import plan_recipe
 
@@ -209,7 +210,7 @@ def _shard_params(tmp_path, name: str, body: str) -> dict:
     # the NxD EP layout is planned and sharded exactly, ready for a port that does.
     loaded, arch = _recipe(tmp_path, name, body)
     nodes = {}
-    planned = plan_recipe(nodes, loaded, arch, StatCache(tmp_path / "stat.db"))
+    planned = plan_recipe(nodes, loaded, arch, HostEnvironment(StatCache(tmp_path / "stat.db")))
     return nodes[planned.nodes["shard"]].params
 
 

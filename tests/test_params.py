@@ -11,6 +11,7 @@ import pytest
 
 from qbuild.arch import Arch, VisionArch
 from qbuild.source import load_arch
+from qbuild.environment import HostEnvironment
 from qbuild.hashing import StatCache, canonical_json
 from qbuild.params import (CpuTextCompile, CpuVisionCompile, NeuronPackageParams, NeuronTextCompile,
                            NeuronVisionCompile, PackageParams, ParamsError, VerifyParams, parse_compile,
@@ -30,7 +31,7 @@ def _planned(tmp_path: Path, name: str, body: str, extra: str = "") -> dict:
     f.write_text(textwrap.dedent(body) + extra)
     loaded = load_recipe(f)
     nodes = {}
-    plan_recipe(nodes, loaded, load_arch(loaded), StatCache(tmp_path / "stat.db"))
+    plan_recipe(nodes, loaded, load_arch(loaded), HostEnvironment(StatCache(tmp_path / "stat.db")))
     out: dict = {}
     for node in nodes.values():
         out.setdefault(node.kind, []).append(node.params)

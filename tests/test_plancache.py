@@ -23,7 +23,7 @@ import pytest
 
 from qbuild import fastpath, plancache
 from qbuild.engine import BuildOptions
-from qbuild.plan import key_of, preimage
+from qbuild.keys import key_of, preimage
 from qbuild.render import plan_json
 from qbuild.store import StoreSpec
 from qbuild.store.manifest import Manifest
@@ -695,3 +695,122 @@ def test_noop_event_stream_matches_the_engine(ws_dir):
     plan, result = ws.compile(ws.load([], all_=True), BuildOptions(), no_executor, events.append)
     assert [(e.kind, e.node.id) for e in events] == [("cached", nid) for nid in plan.nodes]
     assert result.cached == list(plan.nodes)
+
+
+def test_shipped_neuron_recipes_replay_and_a_port_put_in_place_is_a_miss(tmp_path, monkeypatch):
+    """The shipped recipes are neuron builds whose ports are not checked out: `plan --all --json` answers from the
+    cache exactly as in full, and putting a port where a recipe names it changes the answer (the port is found and
+    identified by its files), so the cached one must not be given."""
+    ws = tmp_path / "shipped"
+    shutil.copytree(REPO / "recipes", ws / "recipes", ignore=shutil.ignore_patterns("tiny"))
+    monkeypatch.chdir(ws)
+    args = ("plan", "--all", "--json")
+    reference = _cli(*args, cache=False)
+    time.sleep(1.1)
+    _cli(*args)
+    hit = _cli(*args, importtime=True)
+    assert not {"pydantic", "typer", "yaml"} & _imports(hit.stderr), "not answered from the cache"
+    assert hit.stdout == reference.stdout
+    assert not json.loads(reference.stdout)["recipes"]["2b-tp8"]["port"]["found"]
+
+    (ws / "ports" / "Qwen3.5-2B" / "src").mkdir(parents=True)
+    (ws / "ports" / "Qwen3.5-2B" / "src" / "modeling_qwen35.py").write_text("# the port\n")
+    after = _cli(*args)
+    assert after.stdout == _cli(*args, cache=False).stdout != reference.stdout
+    assert json.loads(after.stdout)["recipes"]["2b-tp8"]["port"]["found"]
+
+
+# --- the resident planner answers a miss as the command line would --------------------------------------------------
+
+@pytest.fixture
+def plan_server(monkeypatch):
+    """The resident planner on, in a runtime directory of this test's (short: socket paths are limited); every
+    server it started is stopped at the end."""
+    import tempfile
+
+    runtime = Path(tempfile.mkdtemp(prefix="qb-"))
+    runtime.chmod(0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    monkeypatch.delenv("QBUILD_PLAN_SERVER")
+    yield runtime
+    import signal
+
+    for lock in runtime.glob("*.lock"):
+        pid = lock.read_text().strip()
+        if pid:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+def _serving(runtime: Path, timeout: float = 30.0) -> bool:
+    """Whether a server is listening in `runtime` (waiting for one that is starting)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(runtime.glob("*.sock")) and any(p.read_text().strip() for p in runtime.glob("*.lock")):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _plan_cli(*args: str, server: bool, pythonpath: str | None = None) -> subprocess.CompletedProcess:
+    """`qbuild plan` with -X importtime (which imports ran in this process), the plan cache on; with the server
+    allowed or not."""
+    extra = {} if server else {"QBUILD_PLAN_SERVER": "off"}
+    if pythonpath:
+        extra["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable, "-X", "importtime", "-m", "qbuild.cli", "plan", *args],
+                          env=_env(**extra), capture_output=True, text=True, timeout=300)
+
+
+def test_the_resident_planner_answers_edits_byte_for_byte(ws_dir, plan_server):
+    """After each edit the cache misses: the server's child plans it, printing exactly what the command plans in
+    process (stdout, stderr less import times, exit code), and the command itself imports no planner."""
+    _plan_cli("--all", "--json", server=True)          # a miss with no server: plans in process, starts one
+    assert _serving(plan_server)
+    rng = random.Random(7)
+    edits = [lambda i: Path("recipes/dense.yaml").write_text(DENSE + f"verify: {{new_tokens: {i + 5}}}\n"),
+             lambda i: Path("recipes/bases/tiny.yaml").write_text(BASE.replace("[32, 64]", f"[32, {64 + i}]")),
+             lambda i: Path("recipes/moe.yaml").write_text(MOE + f"text: {{seq_len: {128 + 64 * i}}}\n"),
+             lambda i: os.utime(next(Path("ck/qwen3_5").glob("*.safetensors")))]
+    for i in range(8):
+        rng.choice(edits)(i)
+        for args in (("--all", "--json"), ("--all",), ("recipes/dense.yaml",)):
+            served, own = _plan_cli(*args, server=True), _plan_cli(*args, server=False)
+            assert (served.returncode, served.stdout) == (own.returncode, own.stdout)
+            assert _without_imports(served.stderr) == _without_imports(own.stderr)
+            assert "pydantic" in _imports(own.stderr)
+            assert not {"pydantic", "yaml", "qbuild.plan"} & _imports(served.stderr), "not planned by the server"
+
+
+def test_the_resident_planner_leaves_errors_to_the_command_line(ws_dir, plan_server):
+    _plan_cli("--all", server=True)
+    assert _serving(plan_server)
+    Path("recipes/dense.yaml").write_text(DENSE + "parallel: {tp: eight}\n")
+    served, own = _plan_cli("--all", server=True), _plan_cli("--all", server=False)
+    assert served.returncode == own.returncode == 2
+    assert (served.stdout, _without_imports(served.stderr)) == (own.stdout, _without_imports(own.stderr))
+    assert "recipes/dense.yaml:3:16: parallel.tp: " in own.stderr
+
+
+def test_a_source_change_stops_the_resident_planner(ws_dir, plan_server, tmp_path):
+    """A server runs the qbuild it started with: once the package's files change it answers nothing and exits, and
+    the command plans with the new code."""
+    pkg = tmp_path / "pkg"
+    shutil.copytree(REPO / "qbuild", pkg / "qbuild", ignore=shutil.ignore_patterns("__pycache__"))
+    time.sleep(1.1)             # a server starts only on source old enough for its timestamps to show a change
+    _plan_cli("--all", server=True, pythonpath=str(pkg))
+    assert _serving(plan_server)
+    pid = int(next(plan_server.glob("*.lock")).read_text())
+    render = pkg / "qbuild" / "render.py"
+    render.write_text(render.read_text().replace('"build": "to build"', '"build": "to be built"'))
+    Path("recipes/dense.yaml").write_text(DENSE + "verify: {new_tokens: 9}\n")
+    served = _plan_cli("--all", server=True, pythonpath=str(pkg))
+    assert served.returncode == 0 and "to be built" in served.stdout
+    assert "pydantic" in _imports(served.stderr)       # planned by the command itself
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists(), "the stale server is still running"

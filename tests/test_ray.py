@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.actions import ActionSpec
+from qbuild.keys import ActionSpec
 from qbuild.errors import InfraError, UserError
 from qbuild.executors import ray as rayexec
 from qbuild.plan import Node, Plan, _add
@@ -108,7 +108,7 @@ def test_worker_with_other_action_source_refuses_to_build():
               action.entry)
     with pytest.raises(InfraError, match="not set up like the driver.*action source"):
         rayexec._check_same_action(job, action)
-    rayexec._check_same_action(Job(**{**job.__dict__, "preimage": {**pre, "version": action.version}}), action)
+    rayexec._check_same_action(Job(**{**job.__dict__, "preimage": {**pre, "version": action.source_hash}}), action)
 
 
 def _cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:

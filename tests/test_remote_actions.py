@@ -68,10 +68,10 @@ def verify_action(ctx) -> None:
 
 def register_fake_actions() -> None:
     import qbuild.source
-    from qbuild.actions import ActionSpec, register
+    from qbuild.keys import REGISTRY, ActionSpec
 
     for kind in FAKE_KINDS:
-        register(ActionSpec(kind, f"{MODULE}:{kind}_action", (MODULE,)))
+        REGISTRY[kind] = ActionSpec(kind, f"{MODULE}:{kind}_action", (MODULE,))
     # The projects here pair a real config with placeholder weights and no tokenizer, read only by the fake steps:
     # the check a real checkpoint gets before a build does not apply to them.
     qbuild.source.check_checkpoint = lambda directory, files=None: None

@@ -13,8 +13,7 @@ from pathlib import Path
 from .. import jsonio
 from ..actions import RunContext
 from ..errors import InfraError, UserError
-from ..plan import CHECKPOINT_PATTERNS, checkpoint_files
-from ..source import check_checkpoint, hf_cache_dir
+from ..source import CHECKPOINT_PATTERNS, check_checkpoint, checkpoint_files, hf_cache_dir
 
 
 def run(ctx: RunContext) -> None:

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from ..actions import ActionSpec
+from ..keys import ActionSpec
 from ..errors import InfraError, QbuildError, UserError
 from ..job import Job, run_job
 from ..plan import Node
@@ -155,8 +155,8 @@ def _check_same_action(job: Job, action: ActionSpec) -> None:
     """A worker whose action source or toolchain differs from the driver's would file its output under a key
     that does not describe it; refuse rather than publish a wrong artifact."""
     differs = []
-    if action.version != job.preimage.get("version"):
-        differs.append(f"{job.kind} action source {action.version[:12]} (driver: "
+    if action.source_hash != job.preimage.get("version"):
+        differs.append(f"{job.kind} action source {action.source_hash[:12]} (driver: "
                        f"{str(job.preimage.get('version'))[:12]})")
     theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions()
     differs += [f"{d} {ours.get(d, 'absent')} (driver: {theirs.get(d, 'absent')})"
@@ -235,12 +235,12 @@ class RayExecutor:
         return out
 
     def _launch(self, job: Job, node: Node, out: Future) -> None:
-        from .. import actions
+        from ..keys import REGISTRY
 
         try:
             self._seed_inputs(job)
             ref = self._task.options(name=f"qbuild {node.name}", **task_resources(node).ray_options()) \
-                .remote(job, actions.get(job.kind))
+                .remote(job, REGISTRY[job.kind])
         except Exception as e:
             out.set_exception(_translate(e, node.name))
             return

@@ -1,0 +1,167 @@
+"""The planner, in-process over a fake environment: what it reads of the machine comes only from the environment."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+import qbuild
+from qbuild.arch import Arch, arch_from_config
+from qbuild.errors import RecipeError
+from qbuild.keys import walk
+from qbuild.plan import build_plan, evaluate
+from qbuild.recipe import LoadedRecipe, load_recipe
+
+CONFIG = Path(qbuild.__file__).parent / "configs" / "Qwen--Qwen3.5-2B.json"
+COMMIT = "a" * 40
+CPU = """\
+model: {model}
+parallel: {{tp: {tp}}}
+text: {{seq_len: 128, cte_buckets: [32, 64]}}
+dtype: float32
+backend: export
+"""
+NEURON = """\
+model: {hf: Qwen/Qwen3.5-2B}
+backend: neuron
+dtype: bfloat16
+port: {lineage: main, path: port}
+parallel: {tp: 2}
+text: {seq_len: 128, cte_buckets: [128]}
+toolchain: {neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492, neuronx_distributed_inference: 0.10.18399,
+             torch_neuronx: 2.9.0.2}
+"""
+
+
+@dataclass
+class FakeEnvironment:
+    """A machine described by data: every model has the 2B architecture."""
+
+    checkpoints: dict[Path, dict[str, str]] = field(default_factory=dict)
+    hf_cache: dict[tuple[str, str], str] = field(default_factory=dict)
+    ports: dict[Path, dict[str, str]] = field(default_factory=dict)
+    arch_of: Arch = field(default_factory=lambda: arch_from_config(json.loads(CONFIG.read_text()), str(CONFIG)))
+
+    def arch(self, loaded: LoadedRecipe) -> Arch:
+        return self.arch_of
+
+    def checkpoint_digests(self, directory: Path) -> dict[str, str]:
+        return dict(self.checkpoints[directory])
+
+    def hf_revision(self, repo: str, revision: str) -> str | None:
+        return self.hf_cache.get((repo, revision))
+
+    def port_digests(self, port_dir: Path) -> dict[str, str] | None:
+        return self.ports.get(port_dir)
+
+
+def _recipe(root: Path, name: str, body: str) -> LoadedRecipe:
+    path = root / f"{name}.yaml"
+    path.write_text(body)
+    return load_recipe(path)
+
+
+def _cpu(root: Path, name: str, tp: int = 1, model: str = "{path: ck}") -> LoadedRecipe:
+    return _recipe(root, name, CPU.format(model=model, tp=tp))
+
+
+def _roles(plan, recipe: str) -> dict[str, str]:
+    return plan.recipes[recipe].nodes
+
+
+def test_tp_variants_share_fetch_convert_and_reference(tmp_path):
+    env = FakeEnvironment(checkpoints={tmp_path / "ck": {"config.json": "blake3:1"}})
+    plan = build_plan([_cpu(tmp_path, "one"), _cpu(tmp_path, "two", tp=2)], env)
+    one, two = _roles(plan, "one"), _roles(plan, "two")
+    for role in ("fetch", "convert", "reference"):
+        assert one[role] == two[role], role
+        assert plan.nodes[one[role]].recipes == ["one", "two"]
+    for role in ("shard", "compile cte-32", "package", "verify"):
+        assert one[role] != two[role], role
+    assert set(one) == {"fetch", "convert", "shard", "compile cte-32", "compile cte-64", "compile tkg-128",
+                        "package", "reference", "verify"}
+
+
+def test_a_local_checkpoint_is_its_files_digests(tmp_path):
+    """The checkpoint directory need not exist: its files are what the environment says they are."""
+    ck = tmp_path / "ck"
+    env = FakeEnvironment(checkpoints={ck: {"config.json": "blake3:1", "model.safetensors": "blake3:2"}})
+    first = build_plan([_cpu(tmp_path, "w")], env)
+    fetch = first.nodes[_roles(first, "w")["fetch"]]
+    assert fetch.params == {"source": "path", "files": {"config.json": "blake3:1", "model.safetensors": "blake3:2"}}
+    assert fetch.context == {"path": str(ck)}
+    env.checkpoints[ck]["model.safetensors"] = "blake3:3"      # new weights
+    second = build_plan([_cpu(tmp_path, "w")], env)
+    a, b = _roles(first, "w"), _roles(second, "w")
+    assert a["fetch"] != b["fetch"] and a["convert"] != b["convert"]
+    # A compile depends on the architecture, never on weight values.
+    for role in ("compile cte-32", "compile cte-64", "compile tkg-128"):
+        assert a[role] == b[role], role
+
+
+def test_a_hub_model_is_pinned_to_the_commit_the_hf_cache_resolves(tmp_path):
+    loaded = _cpu(tmp_path, "hub", model="{hf: Qwen/Qwen3.5-2B}")
+    cached = build_plan([loaded], FakeEnvironment(hf_cache={("Qwen/Qwen3.5-2B", "main"): COMMIT}))
+    fetch = cached.nodes[_roles(cached, "hub")["fetch"]]
+    assert fetch.params == {"source": "hf", "repo": "Qwen/Qwen3.5-2B", "revision": COMMIT}
+    assert fetch.context == {"requested_revision": "main"}
+    # Not downloaded yet: planned at the requested revision, which the fetch step resolves.
+    absent = build_plan([loaded], FakeEnvironment())
+    assert absent.nodes[_roles(absent, "hub")["fetch"]].params["revision"] == "main"
+
+
+def test_a_port_is_its_source_files_digests_and_planned_when_missing(tmp_path):
+    loaded = _recipe(tmp_path, "nrn", NEURON)
+    env = FakeEnvironment(ports={tmp_path / "port": {"modeling_qwen35.py": "blake3:9"}})
+    plan = build_plan([loaded], env)
+    port = plan.nodes[_roles(plan, "nrn")["port"]]
+    assert port.params == {"files": {"modeling_qwen35.py": "blake3:9"}} and port.name == "port port"
+    compile_text = plan.nodes[_roles(plan, "nrn")["compile text"]]
+    assert compile_text.deps == {"port": port.id} and compile_text.params["toolchain"]["neuronx-cc"] == "2.26.6360.0"
+    missing = build_plan([loaded], FakeEnvironment())
+    port = missing.nodes[_roles(missing, "nrn")["port"]]
+    assert port.params == {"missing": "port"} and port.name == "port port (not found)"
+
+
+def test_the_same_environment_plans_the_same_keys(tmp_path):
+    env = FakeEnvironment(checkpoints={tmp_path / "ck": {"config.json": "blake3:1"}})
+    a = build_plan([_cpu(tmp_path, "k")], env)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    env.checkpoints[other / "ck"] = {"config.json": "blake3:1"}
+    b = build_plan([_cpu(other, "k")], env)
+    ka = {role: walk(a, lambda nid, key: None)[nid].key for role, nid in _roles(a, "k").items()}
+    kb = {role: walk(b, lambda nid, key: None)[nid].key for role, nid in _roles(b, "k").items()}
+    assert ka == kb and ka["fetch"] and ka["compile cte-32"]
+
+
+def test_planning_reads_no_file(tmp_path):
+    """Planning and evaluating open no file and list no directory: the recipes are loaded already, and all else is
+    the environment's."""
+    env = FakeEnvironment(checkpoints={tmp_path / "ck": {"config.json": "blake3:1"}},
+                          ports={tmp_path / "port": {"m.py": "blake3:9"}})
+    recipes = [_cpu(tmp_path, "cpu"), _recipe(tmp_path, "nrn", NEURON)]
+    evaluate(build_plan(recipes, env), lambda key: None, {})     # imports and source hashes happen once
+    opened: list[str] = []
+    recording = [True]
+
+    def hook(event: str, args: tuple) -> None:
+        if recording[0] and event in ("open", "os.listdir", "os.scandir"):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(hook)      # audit hooks cannot be removed: this one goes quiet after the test
+    try:
+        evaluate(build_plan(recipes, env), lambda key: None, {})
+    finally:
+        recording[0] = False
+    assert opened == []
+
+
+def test_a_recipe_the_architecture_cannot_support_is_refused(tmp_path):
+    env = FakeEnvironment(checkpoints={tmp_path / "ck": {}})
+    with pytest.raises(RecipeError, match="parallel.tp: tp=3 does not divide"):
+        build_plan([_cpu(tmp_path, "bad", tp=3)], env)
