@@ -12,15 +12,13 @@ For the neuron backend the text graphs follow NxDI's layout instead (nxdi-layout
 
 bundle.json = {format, family, backend, tp, ep, batch_size, seq_len, dtype, buckets: {cte, tkg, vision},
                graphs: {"cte-32": path, ...}, files: {path: {digest (blake3), size}}}; `files` lists every file
-of the bundle but bundle.json itself. Its digests are the store's (BLAKE3), so `qbuild pull` (qbuild.publish)
+of the bundle but bundle.json itself. Its digests are the store's (BLAKE3), so `qbuild pull` (qbuild.transfer)
 lays a bundle out from the store by hardlink and checks it against the lockfile.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 from . import jsonio
@@ -30,15 +28,6 @@ from .store import safe_join
 
 FORMAT = 1
 MANIFEST = "bundle.json"
-
-
-def link_or_copy(src: Path, dst: Path) -> None:
-    """Place `src` at `dst` by hardlink (the store's blobs are immutable), copying across filesystems."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copyfile(src, dst)
 
 
 def file_entries(root: Path) -> dict[str, dict]:

@@ -41,7 +41,8 @@ RemoteOpt = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX",
 
 
 def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, push: bool = False,
-               download: bool = True, backend: Optional[str] = None):
+               backend: Optional[str] = None, transfers=None):
+    """The command's Workspace; `transfers` (a render.TransferDisplay) shows what its remote-backed store moves."""
     from .store import StoreSpec, default_store_path, resolve_remote
     from .workspace import Workspace
 
@@ -56,8 +57,8 @@ def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, 
         parse_remote(url)  # a malformed URL is a one-line error before any work starts
     if backend is not None and backend not in ("neuron", "inductor", "export"):
         raise UserError(f"--backend: {backend!r} is not one of neuron, inductor, export")
-    spec = StoreSpec(local=str(root.resolve()), remote=url, push=push, download=download)
-    return Workspace(spec, lock_path=lock, backend=backend)
+    spec = StoreSpec(local=str(root.resolve()), remote=url, push=push)
+    return Workspace(spec, lock_path=lock, backend=backend, progress=transfers)
 
 
 def _err(msg: str) -> None:
@@ -75,7 +76,7 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
     """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
     from .render import print_plan
 
-    ws = _workspace(store, lock, remote, download=False, backend=backend)
+    ws = _workspace(store, lock, remote, backend=backend)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
     trees = print_plan(the_plan, status, json_)
     fastpath.remember_plan(ws, recipes or [], all_, json_, lock, store, the_plan, status, trees)
@@ -107,21 +108,21 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
                 help="Ray cluster for --executor ray (default: $RAY_ADDRESS, else auto: the cluster `ray start` "
                      "runs on this machine)")) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
-    from .engine import BuildOptions, check_mem_budget, raise_for
-    from .render import BuildProgress, print_build_result
+    from .engine import BuildOptions, raise_for
+    from .render import BuildProgress, TransferDisplay, print_build_result
+    from .units import parse_size
 
-    explicit_budget = check_mem_budget(mem)
-    ws = _workspace(store, lock, remote, push=push, backend=backend)
+    explicit_budget = None if mem is None else parse_size(mem, "--mem", allow_zero=False)
+    ws = _workspace(store, lock, remote, push=push, backend=backend, transfers=TransferDisplay(bars=False))
     factory, jobs, default_mem = _executor(executor, address, jobs, ws)
     loaded = ws.load(recipes or [], all_)
     budget = explicit_budget if mem is not None else default_mem
     options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict,
                            skip_device=skip_device)
-    _transfer_display(ws, bars=False)
     with BuildProgress(verbose=verbose) as progress:
         the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
-    print_build_result(the_plan, result, progress, json_, {"pushed": _push_json(pushed)} if pushed is not None else None)
+    print_build_result(the_plan, result, progress, json_, {"pushed": pushed.to_json()} if pushed is not None else None)
     fastpath.remember_compile(ws, recipes or [], all_, json_, lock, store, the_plan, result)
     raise_for(result, the_plan)
 
@@ -144,44 +145,20 @@ def _executor(name: str, address: Optional[str], jobs: Optional[int], ws):
         require_remote(ws.store_spec)
         address = address or os.environ.get("RAY_ADDRESS") or "auto"
         # No default budget: each Ray task reserves its own memory estimate on the worker that runs it.
-        return (lambda: RayExecutor(ws.store_spec, address)), jobs or RAY_JOBS, None
+        return (lambda: RayExecutor(ws.store, address)), jobs or RAY_JOBS, None
     raise UserError(f"--executor: {name!r} is not one of local, ray")
-
-
-def _transfer_display(ws, bars: bool | None = None) -> None:
-    """Route the read-through downloads of a remote-backed store to a progress display on stderr."""
-    if ws.store_spec.remote is None:
-        return
-    from .publish import TransferDisplay
-    from .store.remote import set_progress_factory
-
-    set_progress_factory(lambda: TransferDisplay(bars=bars))
 
 
 def _push_results(ws, result):
     """After a --push build: everything the build produced or found must be on the remote (the workers pushed what
     they built; this uploads cached entries the remote lacks, and fails with exit 3 if the remote is gone)."""
-    from .publish import TransferDisplay
+    from .render import pushed_text
     from .store.remote import push_manifests
 
     store = ws.store
-    report = push_manifests(store, store.remote, list(result.manifests.values()), TransferDisplay(bars=False))
-    if report.manifests_uploaded:
-        _err(f"pushed {report.manifests_uploaded} entries to {store.remote.url} ({_human(report.bytes_uploaded)})")
+    report = push_manifests(store.local, store.remote, list(result.manifests.values()), store.progress)
+    pushed_text(report, store.remote.url)
     return report
-
-
-def _push_json(report) -> dict:
-    return {"bytes_uploaded": report.bytes_uploaded, "blobs_uploaded": report.blobs_uploaded,
-            "blobs_present": report.blobs_present, "blobs_repaired": report.blobs_repaired,
-            "manifests_uploaded": report.manifests_uploaded,
-            "manifests_present": report.manifests_present, "seconds": round(report.seconds, 3)}
-
-
-def _human(n: int) -> str:
-    from .render import human_bytes
-
-    return human_bytes(n)
 
 
 def _default_mem() -> int:
@@ -197,7 +174,7 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
             json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
             remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt) -> None:
     """Say why a node (or each node of a recipe) would rebuild: the key fields that changed, or "cached"."""
-    ws = _workspace(store, lock, remote, download=False, backend=backend)
+    ws = _workspace(store, lock, remote, backend=backend)
     if target.endswith((".yaml", ".yml")) or Path(target).is_file():
         loaded = ws.load([target])
         the_plan, status = ws.plan(loaded)
@@ -225,24 +202,17 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
             lock: Path = LockOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
     from . import lock as lockmod
-    from .publish import TransferDisplay, publish as publish_locked, recipe_names
+    from .render import TransferDisplay, print_published
+    from .transfer import publish as publish_locked, recipe_names
 
-    ws = _workspace(store, lock, remote)
+    ws = _workspace(store, lock, remote, transfers=TransferDisplay())
     if ws.store_spec.remote is None:
         raise UserError("publish needs a remote: pass --remote s3://bucket/prefix, set QBUILD_REMOTE, "
                         "or add remote: to ./qbuild.yaml")
     doc = lockmod.read(lock)
     names = recipe_names(doc, lock, recipes or [], all_)
-    st = ws.store
-    report = publish_locked(st, st.remote, doc, lock, names, TransferDisplay(), verify_remote=verify_remote)
-    if json_:
-        print(jsonio.dumps({"recipes": names, "remote": st.remote.url, **_push_json(report)}, sort_keys=True))
-        return
-    repaired = f", {report.blobs_repaired} of them replacing missing or corrupt remote copies" \
-        if report.blobs_repaired else ""
-    _err(f"published {', '.join(names)} to {st.remote.url}: {report.blobs_uploaded} blobs uploaded "
-         f"({_human(report.bytes_uploaded)}{repaired}), {report.blobs_present} already there; "
-         f"{report.manifests_uploaded} manifests written, {report.manifests_present} already there")
+    report = publish_locked(ws.store, doc, lock, names, verify_remote=verify_remote)
+    print_published(names, ws.store.remote.url, report, json_)
 
 
 @app.command()
@@ -254,30 +224,18 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
                                                help="lay out a bundle whose verify did not pass")) -> None:
     """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
     from . import lock as lockmod
-    from .publish import pull_bundle
+    from .render import TransferDisplay, print_pulled
+    from .transfer import pull_bundle
 
     _check_new_dir(to, "the --to directory", "pull into a new or empty one")
-    ws = _workspace(store, lock, remote)
-    _transfer_display(ws)
+    ws = _workspace(store, lock, remote, transfers=TransferDisplay())
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
     # Root ignores the read-only bit that protects the store's blobs, so a root-owned bundle must not share their
     # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
     manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to, share=os.geteuid() != 0,
                            allow_unverified=allow_unverified)
-    serve = _serve_instructions(to)
-    if json_:
-        doc = {"recipe": recipe, "dir": str(to), "digest": manifest.digest, "files": len(manifest.outputs),
-               "bytes": manifest.size}
-        if serve is not None:
-            doc["serve"] = serve
-        print(jsonio.dumps(doc, sort_keys=True))
-        return
-    _err(f"{to}: {len(manifest.outputs)} files ({_human(manifest.size)}), bundle {manifest.digest[:16]} verified")
-    if serve is not None:
-        from .render import serve_text
-
-        serve_text(serve)
+    print_pulled(recipe, to, manifest, _serve_instructions(to), json_)
 
 
 def _serve_instructions(bundle: Path) -> dict | None:
@@ -304,8 +262,11 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt) -> None:
     """Remove store entries no lockfile references (beyond --keep-size locally; all of them on --remote)."""
     from . import lock as lockmod
-    from .publish import gc_local, gc_remote, parse_duration, parse_size
+    from .gc import gc_local, gc_remote
+    from .render import print_gc
+    from .units import parse_duration, parse_size
 
+    budget, grace_s = parse_size(keep_size, "--keep-size"), parse_duration(grace, "--grace")
     if remote is not None:
         from .store.s3 import parse_remote
 
@@ -315,7 +276,6 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     if missing:
         raise UserError(f"{missing[0]}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
     docs = [lockmod.read(p) for p in lock_paths]
-    budget, grace_s = parse_size(keep_size, "--keep-size"), parse_duration(grace, "--grace")
     from .store import LocalStore, default_store_path
 
     reports = [gc_local(LocalStore((store or default_store_path()).resolve()), docs, budget, dry_run=dry_run,
@@ -325,19 +285,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
         from .store.s3 import S3Remote
 
         reports.append(gc_remote(S3Remote(remote), docs, dry_run=dry_run, grace_s=grace_s))
-    if json_:
-        print(jsonio.dumps([r.to_json() for r in reports], sort_keys=True))
-        return
-    verb = "would remove" if dry_run else "removed"
-    for report in reports:
-        for r in report.removed:
-            label = f" ({r.kind})" if r.kind else ""
-            print(f"{verb} {r.what} {r.name[:16]}{label} {_human(r.size)} [{r.where}]")
-    for report, where in zip(reports, ["local store", remote]):
-        manifests = sum(r.what == "manifest" for r in report.removed)
-        _err(f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests} blobs "
-             f"({_human(report.bytes_freed)}); kept {report.kept_manifests} manifests, {report.kept_blobs} blobs"
-             + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else ""))
+    print_gc(reports, ["local store", remote], json_)
 
 
 # --- lock, store, recipe ---------------------------------------------------------------------------------------
@@ -369,7 +317,7 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
                  store: Optional[Path] = StoreOpt, json_: bool = JsonOpt) -> None:
     """Check every blob's digest and every manifest; with --repair, remove what is broken so it gets rebuilt."""
     ws = _workspace(store, Path("artifacts.lock"))
-    problems = ws.store.verify(repair=repair)
+    problems = ws.store.local.verify(repair=repair)
     if json_:
         print(jsonio.dumps({"ok": not problems, "problems": problems, "repaired": repair}))
     for p in problems:
@@ -453,7 +401,7 @@ def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[st
         yield Runtime.load(Path(target))
         return
     from . import lock as lockmod
-    from .publish import pull_bundle
+    from .transfer import pull_bundle
 
     if not lock.exists():
         raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")

@@ -20,7 +20,6 @@ from .plan import Node, Plan
 from .store import StoreSpec
 from .store.local import CorruptBlobError
 from .store.manifest import Manifest
-from .units import parse_size
 
 
 class Executor(Protocol):
@@ -139,7 +138,7 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     continue
                 job = Job(node_id=nid, kind=node.kind, name=node.name, key=key, preimage=pre, params=node.params,
                           inputs={name: result.manifests[d].outputs for name, d in node.deps.items()},
-                          store=spec, entry=registry[node.kind].entry, context=node.context)
+                          store_spec=spec, entry=registry[node.kind].entry, context=node.context)
                 waiting.remove(nid)
                 running[executor.submit(job, node)] = (nid, time.monotonic())
                 mem_in_use += node.est_peak_bytes
@@ -225,14 +224,6 @@ def _dependents(plan: Plan, nid: str, candidates: list[str]) -> list[str]:
                 frontier.add(other)
                 changed = True
     return out
-
-
-def check_mem_budget(value: str | None) -> int | None:
-    """Parse --mem values like 24G, 512M, 1.5T (bytes; see units.parse_size); None means no limit. A budget of 0
-    could run nothing, so it is refused."""
-    if value is None:
-        return None
-    return parse_size(value, "--mem", allow_zero=False)
 
 
 def raise_for(result: BuildResult, plan: Plan) -> None:

@@ -154,7 +154,7 @@ def _plan_in_full(recipes: list[str], all_: bool, as_json: bool, values: dict[st
 
     store, lock = values.get("--store"), Path(values.get("--lock", "artifacts.lock"))
     root = Path(store) if store else default_store_path()
-    ws = Workspace(StoreSpec(local=str(root.resolve()), download=False), lock_path=lock)
+    ws = Workspace(StoreSpec(local=str(root.resolve())), lock_path=lock)
     try:
         plan, status = ws.plan(ws.load(recipes, all_))
     except Exception:

@@ -19,7 +19,7 @@ from typing import Iterator
 
 from .actions import RunContext
 from .errors import BuildError, InfraError, QbuildError
-from .store import StoreSpec, open_store
+from .store import Store, StoreSpec, open_store
 from .store.manifest import Manifest
 
 # What a step's libraries print (warnings, progress bars, compiler chatter) is kept, this much of its end, in the
@@ -40,30 +40,34 @@ class Job:
     preimage: dict
     params: dict
     inputs: dict[str, dict]          # input name -> that input's output tree {path: {digest, size}}
-    store: StoreSpec
+    store_spec: StoreSpec            # the store the worker opens (plain data, so a job pickles)
     entry: str                       # "module:function" the worker imports and calls
     context: dict = field(default_factory=dict)
 
 
 def run_job(job: Job) -> Manifest:
-    """Build `job` into the store unless another process already has; returns the committed manifest."""
-    store = open_store(job.store)
-    with store.lock(job.key):
+    """Build `job` into the store its spec names (see build_job)."""
+    return build_job(job, open_store(job.store_spec))
+
+
+def build_job(job: Job, store: Store) -> Manifest:
+    """Build `job` into `store` unless another process already has; returns the committed manifest."""
+    with store.local.lock(job.key):
         existing = store.get_manifest(job.key)
         if existing is not None:
             # Another process built it while this one waited for the lock; say so, so it counts as cached.
             return replace(existing, meta={**existing.meta, "reused": True})
-        store.clear_staging(job.key)
-        stage = store.staging_dir(job.key)
+        store.local.clear_staging(job.key)
+        stage = store.local.staging_dir(job.key)
         try:
             return _build(job, store, stage)
         finally:
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def _build(job: Job, store, stage) -> Manifest:
+def _build(job: Job, store: Store, stage: Path) -> Manifest:
     ctx = RunContext(kind=job.kind, params=job.params, inputs={}, out=stage / "out", scratch=stage / "tmp",
-                     context=job.context, store=job.store)
+                     context=job.context, store=job.store_spec)
     ctx.out.mkdir()
     ctx.scratch.mkdir()
     for name, outputs in job.inputs.items():
@@ -80,7 +84,7 @@ def _build(job: Job, store, stage) -> Manifest:
         error = _step_error(job, store, stage, e)
         error.output = _tail(output_file)
         raise error from None
-    outputs = store.ingest_tree(ctx.out)
+    outputs = store.local.ingest_tree(ctx.out)
     manifest = Manifest(key=job.key, kind=job.kind, preimage=job.preimage, outputs=outputs,
                         meta={"seconds": round(time.monotonic() - start, 3), "log": log_lines[-50:],
                               "output": _tail(output_file)})
@@ -88,7 +92,7 @@ def _build(job: Job, store, stage) -> Manifest:
     return manifest
 
 
-def _step_error(job: Job, store, stage: Path, e: Exception) -> QbuildError:
+def _step_error(job: Job, store: Store, stage: Path, e: Exception) -> QbuildError:
     """The one-line domain error of an action's failure (never cached): the action's own domain error, else a full
     disk (infrastructure), else a build error naming the action's last frame."""
     if isinstance(e, QbuildError):

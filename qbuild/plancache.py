@@ -423,6 +423,23 @@ def save(store_root, inv: dict, answer: dict, inputs: Inputs, started_ns: int, d
     return True
 
 
+# --- pruning ------------------------------------------------------------------------------------------------------
+
+def entries_witnessing(store_root, gone: set[str]) -> list[Path]:
+    """The entries that recorded any of `gone` (absolute paths of files removed from the store: manifests, blobs) as
+    present: none of them can answer any more. An unreadable entry is left to be replaced by the next full run."""
+    stale = []
+    for path in sorted((Path(store_root) / CACHE_DIR).glob("*.json")):
+        try:
+            entry = json.loads(path.read_bytes())
+            witnessed = {f[0] for f in entry["files"]} | set(entry["blobs"])
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            continue
+        if not witnessed.isdisjoint(gone):
+            stale.append(path)
+    return stale
+
+
 # --- looking up ---------------------------------------------------------------------------------------------------
 
 def load(store_root, inv: dict, dists: list | None = None) -> dict | None:

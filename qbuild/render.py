@@ -16,6 +16,9 @@ from . import jsonio
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without loading typing, which a cached answer does not need
 if TYPE_CHECKING:
     from .engine import BuildResult, Event
+    from .gc import GcReport
+    from .store.manifest import Manifest
+    from .store.remote import PushReport
     from .plan import NodeStatus, Plan
 
 STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting"}
@@ -295,6 +298,132 @@ class BuildProgress:
         if result.deferred:
             msg += f"; {len(result.deferred)} left unbuilt (--skip-device)"
         print_err_line(msg)
+
+
+# --- transfers and gc ------------------------------------------------------------------------------------------
+
+class TransferDisplay:
+    """Transfer progress on stderr: a rich bar with bytes/s on a TTY (unless `bars` is False, e.g. under the build's
+    live display), plain lines with rates elsewhere. Thread-safe; implements store.remote.Progress."""
+
+    LINE_EVERY_S = 5.0
+
+    def __init__(self, bars: bool | None = None):
+        import threading
+
+        self.bars = sys.stderr.isatty() if bars is None else bars
+        self._lock = threading.Lock()
+        self._bar = None
+        self._task = None
+        self.verb, self.files, self.total, self.done, self.started, self._last_line = "", 0, 0, 0, 0.0, 0.0
+        self.files_done = 0
+
+    def begin(self, verb: str, files: int, total_bytes: int) -> None:
+        self.verb, self.files, self.total, self.done, self.files_done = verb, files, total_bytes, 0, 0
+        self.started = self._last_line = time.monotonic()
+        if not files:
+            return
+        if self.bars:
+            from rich.progress import (BarColumn, DownloadColumn, Progress as Bar, TextColumn, TimeRemainingColumn,
+                                       TransferSpeedColumn)
+
+            self._bar = Bar(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                            TimeRemainingColumn(), console=console_err(), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(f"{verb} {_files(files)}", total=total_bytes)
+        else:
+            self._line(f"{verb} {_files(files)}, {human_bytes(total_bytes)}")
+        self.started = self._last_line = time.monotonic()   # the rate counts transfer time, not setup
+
+    def advance(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            if self._bar is not None:
+                self._bar.update(self._task, advance=nbytes)
+            elif self.files and time.monotonic() - self._last_line >= self.LINE_EVERY_S:
+                self._last_line = time.monotonic()
+                self._line(f"  {self.verb}: {human_bytes(self.done)} of {human_bytes(self.total)} ({self._rate()})")
+
+    def file_done(self, name: str) -> None:
+        with self._lock:
+            self.files_done += 1
+
+    def end(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+        if self.files and self.files_done == self.files:   # a transfer that failed is reported by its error
+            self._line(f"{self.verb}ed {_files(self.files)}, {human_bytes(self.done)} in "
+                       f"{time.monotonic() - self.started:.1f}s ({self._rate()})")
+
+    def _rate(self) -> str:
+        return f"{human_bytes(int(self.done / max(time.monotonic() - self.started, 1e-6)))}/s"
+
+    @staticmethod
+    def _line(text: str) -> None:
+        _err_line(text)
+
+
+def _files(n: int) -> str:
+    return f"{n} file" if n == 1 else f"{n} files"
+
+
+def pushed_text(report: PushReport, url: str) -> None:
+    """After `qbuild compile --push`: what the push itself uploaded (nothing is said when it uploaded nothing)."""
+    if report.manifests_uploaded:
+        _err_line(f"pushed {report.manifests_uploaded} entries to {url} ({human_bytes(report.bytes_uploaded)})")
+
+
+def print_published(names: list[str], url: str, report: PushReport, as_json: bool) -> None:
+    """`qbuild publish`'s output: the report as JSON on stdout, or one summary line on stderr."""
+    if as_json:
+        print(jsonio.dumps({"recipes": names, "remote": url, **report.to_json()}, sort_keys=True))
+        return
+    repaired = f", {report.blobs_repaired} of them replacing missing or corrupt remote copies" \
+        if report.blobs_repaired else ""
+    _err_line(f"published {', '.join(names)} to {url}: {report.blobs_uploaded} blobs uploaded "
+              f"({human_bytes(report.bytes_uploaded)}{repaired}), {report.blobs_present} already there; "
+              f"{report.manifests_uploaded} manifests written, {report.manifests_present} already there")
+
+
+def print_pulled(recipe: str, dest, manifest: Manifest, serve: dict | None, as_json: bool) -> None:
+    """`qbuild pull`'s output: the bundle laid out (JSON on stdout, or a line on stderr) and how to serve it."""
+    if as_json:
+        doc = {"recipe": recipe, "dir": str(dest), "digest": manifest.digest, "files": len(manifest.outputs),
+               "bytes": manifest.size}
+        if serve is not None:
+            doc["serve"] = serve
+        print(jsonio.dumps(doc, sort_keys=True))
+        return
+    _err_line(f"{dest}: {len(manifest.outputs)} files ({human_bytes(manifest.size)}), bundle "
+              f"{manifest.digest[:16]} verified")
+    if serve is not None:
+        serve_text(serve)
+
+
+def _err_line(text: str) -> None:
+    console_err().print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def print_gc(reports: list[GcReport], wheres: list[str], as_json: bool) -> None:
+    """`qbuild gc`'s output: one line per removal on stdout (or the reports as JSON), one summary per store on
+    stderr. `wheres` names each report's store."""
+    if as_json:
+        print(jsonio.dumps([r.to_json() for r in reports], sort_keys=True))
+        return
+    verb = "would remove" if reports[0].dry_run else "removed"
+    for report in reports:
+        for r in report.removed:
+            label = f" ({r.kind})" if r.kind else ""
+            print(f"{verb} {r.what} {r.name[:16]}{label} {human_bytes(r.size)} [{r.where}]")
+    for report, where in zip(reports, wheres):
+        manifests = sum(r.what == "manifest" for r in report.removed)
+        _err_line(f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests} blobs "
+                  f"({human_bytes(report.bytes_freed)}); kept {report.kept_manifests} manifests, "
+                  f"{report.kept_blobs} blobs"
+                  + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else "")
+                  + (f"; {verb} {report.plan_entries_removed} plan cache entries" if report.plan_entries_removed
+                     else ""))
 
 
 # --- run and bench ---------------------------------------------------------------------------------------------

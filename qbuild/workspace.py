@@ -6,8 +6,9 @@ The CLI parses flags into a Workspace and renders what its methods return; nothi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from . import lock as lockmod
 from .engine import BuildOptions, BuildResult, Event, build
@@ -17,7 +18,10 @@ from .hashing import StatCache, default_stat_cache
 from .keys import REGISTRY, Registry, as_locked, diff_preimages, key_node, walk
 from .plan import NodeStatus, Plan, build_plan, evaluate, explain
 from .recipe import HFSource, LoadedRecipe, load_recipe
-from .store import LocalStore, StoreSpec, open_store
+from .store import Store, StoreSpec, open_store
+
+if TYPE_CHECKING:
+    from .store.remote import Progress
 
 RECIPES_DIR = Path("recipes")
 
@@ -39,10 +43,13 @@ class Workspace:
     stat_cache: StatCache = field(default_factory=default_stat_cache)
     backend: str | None = None      # --backend: build every recipe on this backend instead of its own
     registry: Registry = field(default_factory=lambda: REGISTRY)
+    progress: Progress | None = None    # where a remote-backed store reports its transfers
 
-    @property
-    def store(self) -> LocalStore:
-        return open_store(self.store_spec)
+    @cached_property
+    def store(self) -> Store:
+        """The one store of this command, opened on first use: a remote-backed store keeps the remote manifests it
+        has checked, so each is read from the remote once."""
+        return open_store(self.store_spec, self.progress)
 
     # --- recipes and plans -----------------------------------------------------------------------------------
     def recipe_files(self, files: list[str], all_: bool) -> list[Path]:

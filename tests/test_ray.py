@@ -296,7 +296,8 @@ def _build(plan: Plan, spec: StoreSpec, cluster: Cluster, **opts):
 
     def run() -> None:
         try:
-            box["result"] = build(plan, open_store(spec), spec, lambda: rayexec.RayExecutor(spec, cluster.address),
+            store = open_store(spec)
+            box["result"] = build(plan, store, spec, lambda: rayexec.RayExecutor(store, cluster.address),
                                   BuildOptions(jobs=4, **opts), box["events"].append)
         except BaseException as e:  # reported below, in the test's thread
             box["error"] = e

@@ -180,7 +180,7 @@ def test_credentials_in_the_endpoint_are_not_echoed(server, tmp_path):
 
 
 def test_no_remote_means_no_boto3_on_the_planning_path():
-    code = ("import sys; import qbuild.cli, qbuild.workspace, qbuild.publish, qbuild.store.remote; "
+    code = ("import sys; import qbuild.cli, qbuild.workspace, qbuild.transfer, qbuild.gc, qbuild.store.remote; "
             "from qbuild.store import open_store, StoreSpec; open_store(StoreSpec(local='/tmp/x')); "
             "print('boto3' in sys.modules or 'botocore' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("QBUILD_REMOTE")}
@@ -210,15 +210,15 @@ def test_corrupt_local_blob_is_never_uploaded_and_foreign_manifests_are_refused(
     # A manifest stored under a key its preimage does not hash to is refused, and nothing is recorded.
     doc = json.loads(store.manifest_path(node["key"]).read_text())
     server.client().put_object(Bucket=BUCKET, Key=remote.manifest_key("ab" * 32), Body=json.dumps(doc).encode())
-    reader = RemoteStore(tmp_path / "reader", remote)
+    reader = RemoteStore(LocalStore(tmp_path / "reader"), remote)
     with pytest.raises(InfraError, match="does not belong to key abababababababab"):
         reader.get_manifest("ab" * 32)
     assert not (tmp_path / "reader" / "ac").exists()
 
 
 def test_lookups_download_no_blobs_and_get_each_manifest_once(server, tmp_path, monkeypatch):
-    """A remote hit is checked and returned without its blobs (and kept for the process, so a second lookup, even
-    through another store object, does not GET it again); ensure_blobs downloads them and records the entry."""
+    """A remote hit is checked and returned without its blobs (and kept by the store, so a second lookup does not GET
+    it again); ensure_blobs downloads them and records the entry."""
     from qbuild.store.remote import RemoteStore, push_manifests
     from qbuild.store.s3 import S3Remote
 
@@ -233,14 +233,27 @@ def test_lookups_download_no_blobs_and_get_each_manifest_once(server, tmp_path, 
     real_get = S3Remote.get_manifest
     monkeypatch.setattr(S3Remote, "get_manifest", lambda self, key: gets.append(key) or real_get(self, key))
     reader_root = tmp_path / "reader"
-    hit = RemoteStore(reader_root, remote).get_manifest(node["key"])
+    reader = RemoteStore(LocalStore(reader_root), remote)
+    hit = reader.get_manifest(node["key"])
     assert hit is not None and hit.digest == node["digest"] and gets == [node["key"]]
     assert not (reader_root / "cas").exists() and not (reader_root / "ac").exists()
-    again = RemoteStore(reader_root, S3Remote(f"s3://{BUCKET}/lazy"))
-    assert again.get_manifest(node["key"]) == hit and gets == [node["key"]]
+    assert reader.get_manifest(node["key"]) == hit and gets == [node["key"]]
 
-    again.materialize(hit.outputs, tmp_path / "out", verify=True)
+    reader.materialize(hit.outputs, tmp_path / "out", verify=True)
     assert {p.name for p in (reader_root / "cas").glob("*/*")} == {o["digest"] for o in node["outputs"].values()}
     assert LocalStore(reader_root).get_manifest(node["key"]) == hit     # recorded once all its blobs are local
     assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in (tmp_path / "out").rglob("*")
                   if p.is_file()) == sorted(node["outputs"])
+
+
+def test_a_workspace_opens_one_store_and_hands_it_its_progress_display(tmp_path):
+    from qbuild.render import TransferDisplay
+    from qbuild.store import StoreSpec
+    from qbuild.store.remote import RemoteStore
+    from qbuild.workspace import Workspace
+
+    display = TransferDisplay(bars=False)
+    ws = Workspace(StoreSpec(local=str(tmp_path / "s"), remote=f"s3://{BUCKET}/one"), progress=display)
+    store = ws.store
+    assert isinstance(store, RemoteStore) and ws.store is store
+    assert store.progress is display and store.local.root == tmp_path / "s" and store.local.local is store.local

@@ -7,13 +7,13 @@ are described in qbuild/bundle.py. A neuron bundle is NxDI's compiled directory 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from .. import jsonio
 from ..actions import RunContext
-from ..bundle import link_or_copy, write_manifest
+from ..bundle import write_manifest
 from ..params import NeuronPackageParams, PackageParams, parse_package
+from ..store.files import atomic_write, link_or_copy, staged
 
 
 def _link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
@@ -103,7 +103,7 @@ def _fp8_port_steps(ctx: RunContext, p: NeuronPackageParams, shards: list[Path])
     # NxDI serialises the QuantizationType defaults as nested objects that KVQuantizationConfig cannot read back.
     if isinstance(kv, dict) and kv.get("direct_cast", True):
         nc["kv_quant_config"] = {"direct_cast": True}
-        _replace(config_path, (jsonio.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+        atomic_write(config_path, (jsonio.dumps(config, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _add_tensors(shard: Path, extra: dict) -> None:
@@ -111,12 +111,5 @@ def _add_tensors(shard: Path, extra: dict) -> None:
 
     tensors = load_file(shard)
     tensors.update({k: v.clone() for k, v in extra.items()})
-    tmp = shard.with_suffix(".tmp")
-    save_file(tensors, tmp)
-    os.replace(tmp, shard)   # replaces the hardlink, never the store's blob behind it
-
-
-def _replace(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    with staged(shard) as tmp:   # replaces the hardlink, never the store's blob behind it
+        save_file(tensors, tmp)

@@ -26,9 +26,10 @@ from qbuild.dtypes import torch_dtype as dtype_of
 from qbuild.convert.layout import program
 from qbuild.convert.safetensors_io import DTYPE_NAMES, MappedSources, PlannedFile, contiguous
 from qbuild.convert.steps import Step
-from qbuild.convert.writer import (DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles, meta_specs, run_all,
-                                   staged_directory, write_json)
+from qbuild.convert.writer import DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles, meta_specs, write_json
 from qbuild.families import FP8_POLICIES, FP8Policy
+from qbuild.store.files import staged
+from qbuild.threads import run_all
 
 FORMAT_VERSION = 1
 
@@ -92,7 +93,7 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
     text_plan, vision_plan = plan(ck.program.text, fp8), plan(ck.program.vision, "none")
     sources = SourceFiles(sorted({t.path for t in ck.tensors.values()}))
     try:
-        with staged_directory(Path(dst)) as tmp:
+        with staged(Path(dst), directory=True) as tmp:
             report = _write_converted(tmp, ck, sources, text_plan, vision_plan, torch_dtype, dtype, fp8, workers,
                                       max_shard_bytes)
     finally:

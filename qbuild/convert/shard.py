@@ -47,7 +47,9 @@ from qbuild.dtypes import DTYPES, torch_dtype
 from qbuild.convert.errors import CheckpointError, ShardError
 from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
 from qbuild.convert.safetensors_io import Entry, MappedSources, PlannedFile, read_header
-from qbuild.convert.writer import SourceFiles, run_all, staged_directory, write_json
+from qbuild.convert.writer import SourceFiles, write_json
+from qbuild.store.files import staged
+from qbuild.threads import run_all
 
 FORMAT_VERSION = 1
 
@@ -253,7 +255,7 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
             plans[r] += [(n, t.dtype, tuple(t.shape)) for n, t in outs.items()]
     sources = SourceFiles(sorted({path for path, _ in located.values()}))
     try:
-        with staged_directory(Path(dst)) as tmp:
+        with staged(Path(dst), directory=True) as tmp:
             (tmp / "weights").mkdir()
             files = [PlannedFile(tmp / "weights" / f"tp{r}_sharded_checkpoint.safetensors", plans[r])
                      for r in range(tp)]

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -77,39 +74,6 @@ class ShardedOutput:
 
 def write_json(path: Path, doc: dict) -> None:
     path.write_text(jsonio.dumps(doc, indent=2, sort_keys=True) + "\n")
-
-
-def run_all(tasks: Sequence[Callable[[], None]], workers: int) -> None:
-    """Run independent tasks, `workers` at a time in threads (torch ops and pread/pwrite release the GIL)."""
-    if workers <= 1:
-        for task in tasks:
-            task()
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        for _ in pool.map(lambda task: task(), tasks):
-            pass
-
-
-@contextmanager
-def staged_directory(dst: Path) -> Iterator[Path]:
-    """A temp directory beside `dst`, renamed to `dst` when the block succeeds and removed when it fails, so `dst`
-    either appears complete or not at all."""
-    dst = Path(dst)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise FileExistsError(f"{dst} already exists and is not an empty directory")
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        if dst.exists():
-            dst.rmdir()
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 class SourceFiles:

@@ -2,7 +2,7 @@
 
 What runs where. The driver (the `qbuild compile` process) plans, schedules and writes the lockfile exactly
 as with the local executor; the engine does not know which executor it drives. A Ray worker runs one action
-(`run_job`) against a local cache of its own, reading inputs through the remote store and pushing the
+(`build_job`) against a local cache of its own, reading inputs through the remote store and pushing the
 result there (blobs first, manifest last) before the task returns. Driver and workers share no disk: the
 remote store is the only shared state, so it is required.
 
@@ -18,7 +18,6 @@ unreferenced blobs in the remote, never a manifest, so the store never shows hal
 
 from __future__ import annotations
 
-import shutil
 import socket
 import threading
 import time
@@ -27,10 +26,11 @@ from dataclasses import dataclass, field, replace
 
 from ..keys import ActionSpec
 from ..errors import InfraError, QbuildError, UserError
-from ..job import Job, run_job
+from ..job import Job, build_job
 from ..plan import Node
-from ..store import StoreSpec, default_store_path
+from ..store import StoreSpec, default_store_path, open_store
 from ..store.manifest import Manifest
+from ..store.remote import RemoteStore, push_manifests, upload_blobs
 
 MAX_RETRIES = 2
 NEURON_RESOURCE = "neuron_cores"
@@ -38,6 +38,7 @@ NODES_TTL_S = 5.0           # how long a snapshot of the cluster's nodes serves 
 CONNECT_TIMEOUT_S = 10.0   # to reach the cluster's head before handing over to ray.init
 DRIVER_THREADS = 4         # driver threads that seed inputs and read results back through the remote
 GIB = 1 << 30
+TASK_CPUS = 1              # every action runs on one core (its threads overlap I/O, not compute)
 
 
 # --- what a task asks for, and who could give it (pure; tested without a cluster) ------------------------------
@@ -54,11 +55,9 @@ class TaskResources:
 
 def task_resources(node: Node) -> TaskResources:
     """The Ray resources of one node's task, from the node's own estimates."""
-    # Node has no CPU field yet; a planner that wants more than one core per step sets `num_cpus` on it.
-    cpus = max(1, int(getattr(node, "num_cpus", 1)))
     # Only the steps that run on NeuronCores (verifying a neuron bundle) ask for them; a neuron compile needs none.
     custom = {NEURON_RESOURCE: float(node.neuron_cores)} if node.needs_device else {}
-    return TaskResources(cpus, max(0, int(node.est_peak_bytes)), custom)
+    return TaskResources(TASK_CPUS, node.est_peak_bytes, custom)
 
 
 @dataclass(frozen=True)
@@ -133,21 +132,18 @@ def worker_spec(driver: StoreSpec, local: str) -> StoreSpec:
 
 
 def run_task(job: Job, action: ActionSpec) -> dict:
-    """The body of every Ray task: check this worker computes the same key, pull the inputs, build, publish.
+    """The body of every Ray task: check this worker computes the same key, build (the store downloads and checks
+    the inputs as it lays them out), publish.
 
     `action` is the driver's registration of the job's kind (plain data). Returns the manifest as JSON; by then
     the remote holds its blobs and, last, the manifest itself.
     """
-    from ..store import open_store
-    from ..store.remote import push_manifests
-
     _check_same_action(job, action)
-    spec = worker_spec(job.store, str(default_store_path()))
+    spec = worker_spec(job.store_spec, str(default_store_path()))
     store = open_store(spec)
-    _pull_inputs(store, job)
-    manifest = run_job(replace(job, store=spec))
-    # A key this worker had cached locally is not pushed by run_job; the remote must hold it all the same.
-    push_manifests(store, store.remote, [manifest])
+    manifest = build_job(replace(job, store_spec=spec), store)
+    # A key this worker had cached locally is not pushed by build_job; the remote must hold it all the same.
+    push_manifests(store.local, store.remote, [manifest])
     return manifest.to_json()
 
 
@@ -164,27 +160,6 @@ def _check_same_action(job: Job, action: ActionSpec) -> None:
     if differs:
         raise InfraError(f"{job.name}: Ray worker {socket.gethostname()} is not set up like the driver: "
                          f"{'; '.join(differs)}; install the same qbuild and toolchain on every worker")
-
-
-def _pull_inputs(store, job: Job) -> None:
-    """Download the input blobs this worker lacks from the remote, each checked against its digest."""
-    from ..hashing import digest_file
-
-    missing = {meta["digest"]: (rel, meta["size"]) for outputs in job.inputs.values()
-               for rel, meta in sorted(outputs.items()) if not store.has_blob(meta["digest"])}
-    if not missing:
-        return
-    stage = store.staging_dir(f"inputs-{job.key[:16]}")
-    try:
-        for digest, (rel, size) in sorted(missing.items()):
-            tmp = stage / digest
-            store.remote.download_blob(digest, tmp)
-            if tmp.stat().st_size != size or digest_file(tmp) != digest:
-                raise InfraError(f"{store.remote.object_url(store.remote.blob_key(digest))}: blob of input {rel} "
-                                 f"does not match its digest {digest[:16]}; refusing it")
-            store.put_file(tmp, digest)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
 
 
 # --- the driver's side -----------------------------------------------------------------------------------------
@@ -205,10 +180,7 @@ class RayExecutor:
     once it finishes, reading its manifest through the driver's store (which checks it on the remote).
     """
 
-    def __init__(self, spec: StoreSpec, address: str = "auto"):
-        from ..store import open_store
-
-        require_remote(spec)
+    def __init__(self, store: RemoteStore, address: str = "auto"):
         address = address or "auto"          # never None: ray.init(None) would start a private local cluster
         ray = self._ray = _import_ray()
         self._owns_connection = not ray.is_initialized()
@@ -221,7 +193,7 @@ class RayExecutor:
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise InfraError(f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0]}; start "
                                  "one with `ray start --head` or pass --address") from None
-        self._store = open_store(spec)
+        self._store = store
         self._task = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=[InfraError])(run_task)
         self._pool = ThreadPoolExecutor(DRIVER_THREADS, thread_name_prefix="qbuild-ray")
         self._lock = threading.Lock()
@@ -263,7 +235,7 @@ class RayExecutor:
             manifest = self._store.get_manifest(job.key)
             if manifest is None or manifest.digest != built.digest:
                 raise InfraError(f"{node.name}: the Ray worker reported key {job.key[:16]} built, but the remote "
-                                 f"{job.store.remote} " + ("has no manifest for it" if manifest is None else
+                                 f"{self._store.remote.url} " + ("has no manifest for it" if manifest is None else
                                                              "holds a different output tree for it"))
             with self._lock:
                 self._on_remote.update(meta["digest"] for meta in manifest.outputs.values())
@@ -272,15 +244,15 @@ class RayExecutor:
             out.set_exception(_translate(e, node.name))
 
     def _seed_inputs(self, job: Job) -> None:
-        """Upload input blobs the remote lacks (cached on this machine, never pushed) before a worker needs them."""
-        remote = self._store.remote
-        wanted = {meta["digest"] for outputs in job.inputs.values() for meta in outputs.values()}
+        """Upload input blobs the remote lacks (cached on this machine, never pushed) before a worker needs them,
+        each checked against its digest as every push checks it."""
         with self._lock:
-            wanted -= self._on_remote
-        for digest in sorted(wanted - remote.has_blobs(wanted)):
-            remote.upload_blob(self._store.blob_path(digest), digest)
+            wanted = {meta["digest"]: (rel, meta["size"]) for outputs in job.inputs.values()
+                      for rel, meta in sorted(outputs.items()) if meta["digest"] not in self._on_remote}
+        on_remote = self._store.remote.has_blobs(wanted)
+        upload_blobs(self._store.local, self._store.remote, {d: v for d, v in wanted.items() if d not in on_remote})
         with self._lock:
-            self._on_remote |= wanted
+            self._on_remote |= set(wanted)
 
     def capacity_check(self, node: Node) -> str | None:
         return capacity_problem(node, task_resources(node), self._workers())

@@ -5,12 +5,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Union
 
-from .local import LocalStore, atomic_write, safe_join
+from .files import atomic_write, safe_join
+from .local import LocalStore
 from .manifest import Manifest, tree_digest
 
-__all__ = ["LocalStore", "Manifest", "StoreSpec", "atomic_write", "default_store_path", "open_store", "resolve_remote",
-           "safe_join", "tree_digest"]
+if TYPE_CHECKING:
+    from .remote import Progress, RemoteStore
+
+Store = Union[LocalStore, "RemoteStore"]    # `store.local` is the local part of either (a LocalStore is its own)
+
+__all__ = ["LocalStore", "Manifest", "Store", "StoreSpec", "atomic_write", "default_store_path", "open_store",
+           "resolve_remote", "safe_join", "tree_digest"]
 
 CONFIG_FILE = "qbuild.yaml"
 
@@ -22,7 +29,6 @@ class StoreSpec:
     local: str
     remote: str | None = None           # s3://bucket/prefix: read through to it (see store/remote.py)
     push: bool = False                  # upload every commit to the remote
-    download: bool = True               # False: remote hits are reported, not downloaded (plan, explain)
 
 
 def default_store_path() -> Path:
@@ -56,11 +62,13 @@ def resolve_remote(flag: str | None, cwd: Path | None = None) -> str | None:
     return remote or None
 
 
-def open_store(spec: StoreSpec) -> LocalStore:
-    """The local store, read-through to spec.remote when one is set (boto3 is imported only then)."""
+def open_store(spec: StoreSpec, progress: Progress | None = None) -> Store:
+    """The local store, read through to spec.remote when one is set (boto3 is imported only then), its downloads
+    reported to `progress`. Open it once per command: a remote-backed store keeps what it has checked."""
+    local = LocalStore(Path(spec.local))
     if spec.remote is None:
-        return LocalStore(Path(spec.local))
+        return local
     from .remote import RemoteStore
     from .s3 import S3Remote
 
-    return RemoteStore(Path(spec.local), S3Remote(spec.remote), push=spec.push, download=spec.download)
+    return RemoteStore(local, S3Remote(spec.remote), push=spec.push, progress=progress)

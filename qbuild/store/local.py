@@ -12,7 +12,6 @@ process killed at any point leaves either a complete entry or none (plus garbage
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from typing import Iterator
 
 from ..errors import InfraError
 from ..hashing import digest_file
+from .files import atomic_write, clone_or_copy, discard_path, infra_error, link_or_copy, safe_join
 from .manifest import Manifest, tree_digest
 
 
@@ -37,36 +37,6 @@ class CorruptBlobError(InfraError):
         return (CorruptBlobError, (self.digest, str(self)))
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so readers see the old file or the new one, never a torn one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _infra(e, path) from None
-    _fsync_dir(path.parent)
-
-
-def _infra(e: OSError, path: Path) -> InfraError:
-    if e.errno == errno.ENOSPC:
-        return InfraError(f"{path}: no space left on device; free space or point --store elsewhere")
-    return InfraError(f"{path}: {e.strerror or e}")
-
-
 class LocalStore:
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -76,6 +46,11 @@ class LocalStore:
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root})"
+
+    @property
+    def local(self) -> "LocalStore":
+        """The local part of this store, for reads that must not go through to a remote: all of it."""
+        return self
 
     # --- paths ---------------------------------------------------------------------------------------------
     def blob_path(self, digest: str) -> Path:
@@ -140,7 +115,7 @@ class LocalStore:
             os.chmod(src, 0o444)
             os.replace(src, dst)
         except OSError as e:
-            raise _infra(e, dst) from None
+            raise infra_error(e, dst) from None
         return digest
 
     def put_blob_from(self, src: Path, digest: str) -> None:
@@ -177,7 +152,6 @@ class LocalStore:
         self.ensure_blobs(outputs)
         for rel, meta in sorted(outputs.items()):
             target = safe_join(dest, rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
             blob = self.blob_path(meta["digest"])
             if verify and (not blob.is_file() or digest_file(blob) != meta["digest"]):
                 # Never serve it: drop the blob so every entry naming it becomes a miss and is rebuilt.
@@ -186,15 +160,7 @@ class LocalStore:
                                                        "and has been removed; it will be rebuilt")
             if target.exists() or target.is_symlink():
                 target.unlink()
-            if not share:
-                clone_or_copy(blob, target)
-                continue
-            try:
-                os.link(blob, target)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                    raise _infra(e, target) from None
-                shutil.copyfile(blob, target)
+            (link_or_copy if share else clone_or_copy)(blob, target)
 
     # --- staging and locks ---------------------------------------------------------------------------------
     def check_writable(self) -> None:
@@ -267,48 +233,3 @@ class LocalStore:
             except TimeoutError:
                 continue  # a live build owns it
         return problems
-
-
-FICLONE = 0x40049409   # linux/fs.h: make dst share src's extents, copy-on-write (btrfs, XFS, bcachefs)
-
-
-def _reflink(src: Path, dst: Path) -> bool:
-    """Whether `dst` now shares `src`'s extents; False where the filesystem cannot (ext4, tmpfs, across devices)."""
-    import fcntl
-
-    try:
-        with open(src, "rb") as s, open(dst, "wb") as d:
-            fcntl.ioctl(d.fileno(), FICLONE, s.fileno())
-    except OSError:
-        return False
-    return True
-
-
-def clone_or_copy(src: Path, dst: Path) -> None:
-    """A copy of `src` at `dst` that shares no inode with it: a reflink where the filesystem supports one (instant,
-    no extra space), else a byte copy."""
-    if _reflink(src, dst):
-        return
-    try:
-        shutil.copyfile(src, dst)
-    except OSError as e:
-        raise _infra(e, dst) from None
-
-
-def discard_path(path: Path) -> None:
-    """Remove whatever is at `path` (a file, a link, or a directory someone put where a blob belongs)."""
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink(missing_ok=True)
-    except OSError as e:
-        raise _infra(e, path) from None
-
-
-def safe_join(root: Path, rel: str) -> Path:
-    """`root / rel`, refusing any relative path that would land outside `root`."""
-    p = Path(rel)
-    if p.is_absolute() or ".." in p.parts or rel in ("", "."):
-        raise InfraError(f"refusing path {rel!r}: it would escape {root}")
-    return root / p

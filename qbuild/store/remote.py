@@ -21,17 +21,21 @@ from __future__ import annotations
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Protocol
 
 from ..errors import InfraError
 from ..hashing import digest_file, digest_json
-from .local import LocalStore, safe_join
+from ..threads import map_all
+from .files import safe_join
+from .local import LocalStore
 from .manifest import Manifest, tree_digest
 from .s3 import TRANSFER_THREADS, S3Remote
+
+
+UPLOAD_THREADS = 4      # files going up at once (each large one in TRANSFER_THREADS parts)
 
 
 class Progress(Protocol):
@@ -68,57 +72,55 @@ class PushReport:
     seconds: float = 0.0
     keys: list[str] = field(default_factory=list)     # manifests this push wrote
 
-
-_progress_factory = NoProgress
-
-# Checked remote manifests not (yet) recorded locally, per (local root, remote URL): kept for the process, since
-# callers open a fresh store object per use.
-_remote_hits: dict[tuple[str, str], dict[str, Manifest]] = {}
-_hits_lock = threading.Lock()
+    def to_json(self) -> dict:
+        return {"bytes_uploaded": self.bytes_uploaded, "blobs_uploaded": self.blobs_uploaded,
+                "blobs_present": self.blobs_present, "blobs_repaired": self.blobs_repaired,
+                "manifests_uploaded": self.manifests_uploaded, "manifests_present": self.manifests_present,
+                "seconds": round(self.seconds, 3)}
 
 
-def set_progress_factory(factory) -> None:
-    """What new RemoteStores report read-through downloads to (the CLI sets a display; workers keep silence)."""
-    global _progress_factory
-    _progress_factory = factory
+class RemoteStore:
+    """A local store (`local`) read through to a remote one (`remote`); `push=True` uploads every commit. Lookups
+    never download blobs (see the module docstring); downloads report to `progress`. One object serves a whole
+    command: the remote manifests it has checked are kept on it, so each is read from the remote once."""
 
-
-class RemoteStore(LocalStore):
-    """LocalStore + S3Remote. `push=True` uploads every commit. Lookups never download blobs (see the module
-    docstring); `download` is kept for callers that only peek (plan, explain) and changes nothing any more."""
-
-    def __init__(self, root: Path, remote: S3Remote, *, push: bool = False, download: bool = True,
-                 progress: Progress | None = None):
-        super().__init__(root)
+    def __init__(self, local: LocalStore, remote: S3Remote, *, push: bool = False, progress: Progress | None = None):
+        self.local = local
         self.remote = remote
         self.push = push
-        self.download = download
-        self.progress: Progress = progress or _progress_factory()
-        with _hits_lock:
-            self._remote_hits = _remote_hits.setdefault((str(self.root), remote.url), {})
+        self.progress: Progress = progress or NoProgress()
+        self._pending: dict[str, Manifest] = {}     # checked remote manifests whose blobs are not all local yet
+        self._pending_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.root}, {self.remote.url})"
 
+    @property
+    def root(self) -> Path:
+        return self.local.root
+
+    def blob_path(self, digest: str) -> Path:
+        return self.local.blob_path(digest)
+
+    def check_writable(self) -> None:
+        self.local.check_writable()
+
     # --- read-through ----------------------------------------------------------------------------------------------
     def get_manifest(self, key: str) -> Manifest | None:
-        local = super().get_manifest(key)
+        local = self.local.get_manifest(key)
         if local is not None:
             return local
-        with _hits_lock:
-            manifest = self._remote_hits.get(key)
+        with self._pending_lock:
+            manifest = self._pending.get(key)
         if manifest is None:
             manifest = self.remote.get_manifest(key)
             if manifest is None:
                 return None
             self._check_manifest(key, manifest)
-            with _hits_lock:
-                self._remote_hits[key] = manifest
+            with self._pending_lock:
+                self._pending[key] = manifest
         self._record_complete([manifest])   # a worker process may have downloaded its blobs already
         return manifest
-
-    def local_manifest(self, key: str) -> Manifest | None:
-        return super().get_manifest(key)
 
     def _check_manifest(self, key: str, m: Manifest) -> None:
         where = self.remote.object_url(self.remote.manifest_key(key))
@@ -135,41 +137,35 @@ class RemoteStore(LocalStore):
         every remote manifest this store has returned whose blobs are now all here."""
         missing: dict[str, tuple[str, int]] = {}
         for rel, meta in sorted(outputs.items()):
-            if not self.has_blob(meta["digest"]):
+            if not self.local.has_blob(meta["digest"]):
                 missing.setdefault(meta["digest"], (rel, meta["size"]))
         if missing:
             name = f"fetch-{digest_json(sorted(missing))[:16]}"
             # Held while downloading, so `store verify --repair` sees the staging dir as live, not orphaned.
-            with self.lock(name):
-                missing = {d: v for d, v in missing.items() if not self.has_blob(d)}   # another process's?
+            with self.local.lock(name):
+                missing = {d: v for d, v in missing.items() if not self.local.has_blob(d)}   # another process's?
                 if missing:
-                    stage = self.staging_dir(name)
+                    stage = self.local.staging_dir(name)
                     try:
                         self._download_all(missing, stage)
                     finally:
                         shutil.rmtree(stage, ignore_errors=True)
         self._record_complete()
 
+    def materialize(self, outputs: dict[str, dict], dest: Path, *, verify: bool = False, share: bool = True) -> None:
+        """LocalStore.materialize, once the blobs it lays out are downloaded."""
+        self.ensure_blobs(outputs)
+        self.local.materialize(outputs, dest, verify=verify, share=share)
+
     def _record_complete(self, manifests: list[Manifest] | None = None) -> None:
         """Write locally those of `manifests` (default: every pending remote hit) whose blobs are all local."""
-        with _hits_lock:
-            candidates = list(self._remote_hits.values()) if manifests is None else manifests
-        done = [m for m in candidates if all(self.has_blob(o["digest"]) for o in m.outputs.values())]
+        with self._pending_lock:
+            candidates = list(self._pending.values()) if manifests is None else manifests
+        done = [m for m in candidates if all(self.local.has_blob(o["digest"]) for o in m.outputs.values())]
         for m in done:
-            self.put_manifest(m)
-            with _hits_lock:
-                self._remote_hits.pop(m.key, None)
-
-    def fetch(self, manifest: Manifest) -> int:
-        """Download the blobs of `manifest` that are not local, verify each, then record the manifest locally.
-
-        Returns the bytes downloaded. On a digest mismatch nothing of that blob enters the CAS and the
-        manifest is not written."""
-        size = sum(meta["size"] for meta in {o["digest"]: o for o in manifest.outputs.values()
-                                             if not self.has_blob(o["digest"])}.values())
-        self.ensure_blobs(manifest.outputs)
-        self.put_manifest(manifest)
-        return size
+            self.local.put_manifest(m)
+            with self._pending_lock:
+                self._pending.pop(m.key, None)
 
     def _download_all(self, missing: dict[str, tuple[str, int]], stage: Path) -> None:
         self.progress.begin("download", len(missing), sum(s for _, s in missing.values()))
@@ -184,19 +180,20 @@ class RemoteStore(LocalStore):
                 raise InfraError(f"{self.remote.object_url(self.remote.blob_key(digest))}: downloaded blob of {rel} "
                                  f"does not match its digest (got {got[:16]}, want {digest[:16]}); refusing it; "
                                  f"{self.remote.repair_hint()}")
-            self.put_file(tmp, digest)
+            self.local.put_file(tmp, digest)
             self.progress.file_done(rel)
 
         try:
-            _run_all(one, sorted(missing.items()), TRANSFER_THREADS)
+            map_all(one, sorted(missing.items()), TRANSFER_THREADS)
         finally:
             self.progress.end()
 
     # --- push ------------------------------------------------------------------------------------------------------
     def commit(self, manifest: Manifest) -> None:
-        super().commit(manifest)
+        """Record a freshly built result locally, and upload it when this store pushes."""
+        self.local.commit(manifest)
         if self.push:
-            push_manifests(self, self.remote, [manifest], self.progress)
+            push_manifests(self.local, self.remote, [manifest], self.progress)
 
 
 def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Manifest],
@@ -227,25 +224,7 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
         have = sound
     report.blobs_present = len(have)
     send = {d: v for d, v in blobs.items() if d not in have}
-    for digest, (rel, _) in send.items():
-        if not store.has_blob(digest):
-            raise InfraError(f"{store.blob_path(digest)}: blob of {rel} is missing from the local store; "
-                             "run `qbuild store verify --repair` and rebuild")
-    progress.begin("upload", len(send), sum(s for _, s in send.values()))
-
-    def one(item: tuple[str, tuple[str, int]]) -> None:
-        digest, (rel, _) = item
-        path = store.blob_path(digest)
-        if digest_file(path) != digest:   # a blob corrupt on this disk must never become the remote's copy
-            raise InfraError(f"{path}: local blob of {rel} does not match its digest; not uploading it. "
-                             "Run `qbuild store verify --repair` and rebuild")
-        remote.upload_blob(path, digest, progress.advance)
-        progress.file_done(rel)
-
-    try:
-        _run_all(one, sorted(send.items(), key=lambda kv: -kv[1][1]), 4)
-    finally:
-        progress.end()
+    upload_blobs(store, remote, send, progress)
     report.blobs_uploaded = len(send)
     report.bytes_uploaded = sum(s for _, s in send.values())
     for key, m in todo.items():   # blobs are all up: only now may a reader see the manifests
@@ -256,6 +235,32 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
             report.manifests_present += 1
     report.seconds = time.monotonic() - start
     return report
+
+
+def upload_blobs(store: LocalStore, remote: S3Remote, blobs: dict[str, tuple[str, int]],
+                 progress: Progress | None = None) -> None:
+    """Upload `blobs` (digest -> (path in its tree, size)) from `store`, in parallel, largest first. Each is hashed
+    first: a blob corrupt on this disk must never become the remote's copy."""
+    progress = progress or NoProgress()
+    for digest, (rel, _) in blobs.items():
+        if not store.has_blob(digest):
+            raise InfraError(f"{store.blob_path(digest)}: blob of {rel} is missing from the local store; "
+                             "run `qbuild store verify --repair` and rebuild")
+    progress.begin("upload", len(blobs), sum(s for _, s in blobs.values()))
+
+    def one(item: tuple[str, tuple[str, int]]) -> None:
+        digest, (rel, _) = item
+        path = store.blob_path(digest)
+        if digest_file(path) != digest:
+            raise InfraError(f"{path}: local blob of {rel} does not match its digest; not uploading it. "
+                             "Run `qbuild store verify --repair` and rebuild")
+        remote.upload_blob(path, digest, progress.advance)
+        progress.file_done(rel)
+
+    try:
+        map_all(one, sorted(blobs.items(), key=lambda kv: -kv[1][1]), UPLOAD_THREADS)
+    finally:
+        progress.end()
 
 
 def _remote_blobs_matching(remote: S3Remote, blobs: dict[str, tuple[str, int]], progress: Progress) -> set[str]:
@@ -272,31 +277,7 @@ def _remote_blobs_matching(remote: S3Remote, blobs: dict[str, tuple[str, int]], 
         progress.file_done(rel)
 
     try:
-        _run_all(one, sorted(blobs.items()), TRANSFER_THREADS)
+        map_all(one, sorted(blobs.items()), TRANSFER_THREADS)
     finally:
         progress.end()
     return sound
-
-
-def _run_all(fn, items: list, threads: int) -> None:
-    """Run fn over items in a thread pool; the first error is raised once the others have stopped."""
-    if not items:
-        return
-    if len(items) == 1:
-        fn(items[0])
-        return
-    failed = threading.Event()
-
-    def guarded(item):
-        if failed.is_set():
-            return
-        try:
-            fn(item)
-        except BaseException:
-            failed.set()
-            raise
-
-    with ThreadPoolExecutor(min(threads, len(items))) as pool:
-        futures = [pool.submit(guarded, item) for item in items]
-    for f in futures:
-        f.result()

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
 from ..errors import InfraError, UserError
+from ..threads import map_all
 from .manifest import Manifest
 
 MULTIPART_THRESHOLD = 64 << 20      # files above this go up and down in parallel parts
@@ -272,8 +272,7 @@ class S3Remote:
             return ident
 
         _ = self.client  # create the client once, before the threads share it
-        with ThreadPoolExecutor(POOL_THREADS) as pool:
-            return {ident for ident in pool.map(head, sorted(names.items())) if ident is not None}
+        return {ident for ident in map_all(head, sorted(names.items()), POOL_THREADS) if ident is not None}
 
     # --- errors --------------------------------------------------------------------------------------------------
     def error(self, e: BaseException, where: str) -> InfraError:
