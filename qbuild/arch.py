@@ -1,8 +1,7 @@
 """Architecture facts read from a checkpoint's config.json.
 
-This is the one reader of a HF config.json: the planner (Arch, its fingerprint in compile keys), the converter
-(qbuild.convert.dims: TextDims / VisionDims) and the reference model (qbuild.modeling.config: TextConfig /
-VisionConfig) all derive their views from the Arch built here. It reads
+This is the one reader of a HF config.json, and Arch the one architecture type: the planner (its fingerprint in
+compile keys), the converter, the reference model and the backends all take the Arch built here. It reads
 
 - the VL wrappers (qwen3_5, qwen3_5_moe: the text model under `text_config`, the vision encoder under
   `vision_config`), their text-only exports (qwen3_5_text, qwen3_5_moe_text) and text-only qwen3_next;
@@ -16,7 +15,7 @@ architecture qbuild.checks'.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from .errors import UserError
 from .families import FAMILIES, MODEL_TYPES
@@ -40,6 +39,11 @@ class ConfigError(UserError, ValueError):
     def __init__(self, origin: str, field: str, message: str):
         self.origin, self.field, self.message = origin, field, message
         super().__init__(f"{origin}: {message}")
+
+
+def _is_moe_layer(layer: int, moe: bool, decoder_sparse_step: int, mlp_only_layers: tuple[int, ...]) -> bool:
+    """HF's rule for each family: every decoder_sparse_step-th layer of an MoE model, but mlp_only_layers."""
+    return moe and layer not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0
 
 
 def _tuple(value):
@@ -70,6 +74,15 @@ class VisionArch:
     def to_hf_config(self) -> dict:
         """This encoder as a transformers-5 vision_config."""
         return {**asdict(self), "hidden_act": VISION_HIDDEN_ACT}
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merged_hidden_size(self) -> int:
+        """The width of one merged token: the spatial_merge_size**2 patch tokens it merges, side by side."""
+        return self.hidden_size * self.spatial_merge_size ** 2
 
 
 @dataclass(frozen=True)
@@ -131,15 +144,38 @@ class Arch:
     def num_attn_layers(self) -> int:
         return sum(t == "full_attention" for t in self.layer_types)
 
+    def is_full_attention(self, layer: int) -> bool:
+        return self.layer_types[layer] == "full_attention"
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def key_dim(self) -> int:
+        """DeltaNet: all key heads side by side."""
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        """DeltaNet: all value heads side by side."""
+        return self.num_v_heads * self.v_head_dim
+
     @property
     def conv_dim(self) -> int:
-        return 2 * self.num_k_heads * self.k_head_dim + self.num_v_heads * self.v_head_dim
+        """DeltaNet conv channels: [Q all heads | K all heads | V all heads]."""
+        return 2 * self.key_dim + self.value_dim
+
+    def per_rank(self, tp: int) -> "Arch":
+        """One of `tp` tensor-parallel ranks' share: every head count divided by tp, kv heads at least one (they
+        are replicated where tp exceeds them), so that key_dim, conv_dim, ... are the rank's. The caller has
+        checked that tp splits the heads."""
+        return replace(self, num_heads=self.num_heads // tp, num_kv_heads=max(1, self.num_kv_heads // tp),
+                       num_k_heads=self.num_k_heads // tp, num_v_heads=self.num_v_heads // tp)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether `layer` has a sparse MoE block (else a dense MLP), by HF's rule for each family."""
-        if not self.is_moe or layer in self.mlp_only_layers:
-            return False
-        return (layer + 1) % self.decoder_sparse_step == 0
+        """Whether `layer` has a sparse MoE block (else a dense MLP)."""
+        return _is_moe_layer(layer, self.is_moe, self.decoder_sparse_step, self.mlp_only_layers)
 
     @property
     def moe_layers(self) -> frozenset[int]:
@@ -148,6 +184,24 @@ class Arch:
     @property
     def rope_params(self) -> dict:
         return dict(self.rope)
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope_params["rope_theta"]
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each attention head that RoPE rotates (the first ones; the rest pass through)."""
+        return int(self.head_dim * self.rope_params["partial_rotary_factor"])
+
+    @property
+    def mrope_section(self) -> tuple[int, ...] | None:
+        """Rotary frequencies per (t, h, w) position axis; None: plain 1-D RoPE."""
+        return self.rope_params.get("mrope_section")
+
+    @property
+    def mrope_interleaved(self) -> bool:
+        return bool(self.rope_params.get("mrope_interleaved", False))
 
     def fingerprint(self) -> dict:
         """The JSON-able allow-list that enters compile keys (every field but the host-side ones)."""
@@ -211,7 +265,7 @@ class Arch:
         h = self.hidden_size
         attn = h * self.num_heads * self.head_dim * 2 + 2 * h * self.num_kv_heads * self.head_dim
         attn += self.num_heads * self.head_dim * h
-        kd, vd = self.num_k_heads * self.k_head_dim, self.num_v_heads * self.v_head_dim
+        kd, vd = self.key_dim, self.value_dim
         delta = h * (2 * kd + vd) + h * vd + 2 * h * self.num_v_heads + vd * h
         if self.is_moe:
             mlp = 3 * h * self.shared_intermediate_size + h * self.num_experts + h
@@ -395,7 +449,7 @@ def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
     heads, hidden = f.int("num_attention_heads"), f.int("hidden_size")
     step = (f.int("decoder_sparse_step", 1) or 1) if layout_fields else 1
     mlp_only = f.ints("mlp_only_layers") if layout_fields else ()
-    has_dense = not moe or any(i in mlp_only or (i + 1) % step for i in range(n))
+    has_dense = not all(_is_moe_layer(i, moe, step, mlp_only) for i in range(n))
     vision, host = vision_from_config(config, origin) or (None, {})
     tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     vocab_size = f.int("vocab_size")

@@ -128,9 +128,9 @@ def rank_memory_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
     r = loaded.recipe
     tp, b = r.parallel.tp, DTYPE_BYTES[r.dtype]
     weights = weight_bytes(arch, r.dtype, r.fp8) // tp
-    kv_heads = max(1, arch.num_kv_heads // tp)
-    kv = 2 * r.text.batch_size * r.text.seq_len * kv_heads * arch.head_dim * b * arch.num_attn_layers
+    rank = arch.per_rank(tp)
+    kv = 2 * r.text.batch_size * r.text.seq_len * rank.kv_dim * b * arch.num_attn_layers
     n_delta = arch.num_layers - arch.num_attn_layers
-    state = r.text.batch_size * n_delta * ((arch.num_v_heads // tp) * arch.k_head_dim * arch.v_head_dim * 4
-                                            + (arch.conv_dim // tp) * (arch.conv_kernel - 1) * b)
+    state = r.text.batch_size * n_delta * (rank.num_v_heads * arch.k_head_dim * arch.v_head_dim * 4
+                                            + rank.conv_dim * (arch.conv_kernel - 1) * b)
     return weights + kv + state

@@ -432,7 +432,7 @@ def _prompt_ids(runtime, prompt: Optional[str], prompt_ids: Optional[str]) -> li
         ids = [int(x) for x in prompt_ids.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--prompt-ids: {prompt_ids!r} is not a comma-separated list of token ids") from None
-    vocab = runtime.cfg.vocab_size
+    vocab = runtime.arch.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:   # an id outside the embedding table would fail deep inside the graph
         raise UserError(f"--prompt-ids: token id {bad[0]} is outside this model's vocabulary (0..{vocab - 1})")

@@ -81,21 +81,22 @@ _SRC = "qbuild.actions"
 REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
     ActionSpec("fetch", f"{_SRC}.fetch:run", (f"{_SRC}.fetch",), ("huggingface_hub",)),
     ActionSpec("port", f"{_SRC}.port:run", (f"{_SRC}.port",)),
-    ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.convert", "qbuild.families"),
-               ("safetensors", "torch")),
-    ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.convert", "qbuild.families"),
+    ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.convert", "qbuild.families",
+                                                  "qbuild.arch"), ("safetensors", "torch")),
+    ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.convert", "qbuild.families", "qbuild.arch"),
                ("safetensors", "torch")),
     # A neuron compile pins its toolchain in its params (the recipe's `toolchain`), which then replaces these.
     ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.params", "qbuild.backends",
                                                   "qbuild.modeling", "qbuild.kernels", "qbuild.ports",
-                                                  "qbuild.families"), ("torch",)),
+                                                  "qbuild.families", "qbuild.arch"), ("torch",)),
     ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.params", "qbuild.bundle",
-                                                  "qbuild.backends.neuron", "qbuild.families")),
+                                                  "qbuild.backends.neuron", "qbuild.families", "qbuild.arch",
+                                                  "qbuild.convert.hybrid")),
     ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference", "qbuild.families"),
                ("torch", "transformers")),
     ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.params", "qbuild.runtime",
                                                 "qbuild.modeling", "qbuild.kernels", "qbuild.backends",
-                                                "qbuild.families"), ("torch",)),
+                                                "qbuild.families", "qbuild.arch", "qbuild.convert"), ("torch",)),
 )}
 
 

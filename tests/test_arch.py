@@ -140,25 +140,23 @@ def test_shipped_configs_read_and_round_trip():
             json.loads(json.dumps(arch.fingerprint())))
 
 
-def test_converter_and_model_views_derive_from_arch():
-    from qbuild.convert.checkpoint import dims_of
+def test_converter_reads_the_one_arch():
+    from qbuild.convert.checkpoint import arch_of
     from qbuild.convert.errors import CheckpointError
-    from qbuild.modeling.config import TextConfig, VisionConfig
 
     config = _vl("qwen3_5_moe", "old")
     arch = arch_from_config(config)
-    _, dims, vdims = dims_of(config)
-    cfg, vcfg = TextConfig.from_hf(config), VisionConfig.from_hf(config)
-    assert (dims.hidden, dims.num_layers, dims.moe_layers, dims.pad_token_id, dims.intermediate) == \
-        (arch.hidden_size, arch.num_layers, arch.moe_layers, 5, None)
-    assert all(cfg.is_moe(i) == dims.is_moe(i) == arch.is_moe_layer(i) for i in range(arch.num_layers))
-    assert (cfg.model_type, cfg.rotary_dim, cfg.mrope_section) == ("qwen3_5_moe_text", 8, (2, 1, 1))
-    assert cfg == TextConfig.from_arch(Arch.from_fingerprint(arch.fingerprint()))
-    assert (vdims.in_channels, vdims.merge, vcfg.image_token_id, vcfg.rope_theta) == (3, 2, 510, 10000.0)
+    family, read = arch_of(config)
+    assert (family.name, read) == ("qwen3_5_moe", arch)
+    assert (arch.pad_token_id, arch.intermediate_size, arch.text_model_type) == (5, None, "qwen3_5_moe_text")
+    assert (arch.rotary_dim, arch.mrope_section, arch.mrope_interleaved) == (8, (2, 1, 1), True)
+    assert arch.moe_layers == frozenset(range(arch.num_layers))
+    assert (arch.vision.in_channels, arch.vision.spatial_merge_size, arch.image_token_id, arch.vision_rope_theta) == \
+        (3, 2, 510, 10000.0)
     broken = copy.deepcopy(config)
     broken["text_config"]["num_attention_heads"] = -1
     with pytest.raises(CheckpointError) as info:
-        dims_of(broken)
+        arch_of(broken)
     assert str(info.value).startswith("config.json: text_config.num_attention_heads must be a non-negative")
 
 

@@ -7,10 +7,9 @@ import re
 import pytest
 import torch
 
+from qbuild.arch import arch_from_config
 from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.convert.checkpoint import model_type_of
 from qbuild.convert.deltanet import reorder_qkv_channels
-from qbuild.convert.dims import text_dims
 from qbuild.convert.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, dequantize, quantize
 from tests.conftest_convert import hf_state_dict
 
@@ -109,7 +108,7 @@ def test_sharded_scales_follow_fused_qkv_reorder_and_row_splits():
         assert torch.equal(rank[f"{a}Wqkv.scale"], want)
         assert rank[f"{a}Wqkv.weight"].dtype == FP8_DTYPE and f"{a}q_proj.scale" not in rank
         assert torch.equal(rank[f"{a}o_proj.scale"], text[f"{a}o_proj.scale"])  # row split: scale replicated
-    dims = text_dims(config, model_type_of(config))
+    arch = arch_from_config(config)
     s = text["layers.0.linear_attn.in_proj_qkv.scale"]
     assert torch.equal(torch.cat([r["layers.0.linear_attn.in_proj_qkv.scale"] for r in ranks]),
-                       reorder_qkv_channels(s, dims, 2))
+                       reorder_qkv_channels(s, arch, 2))

@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qbuild.arch import arch_from_config
 from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.modeling import TextConfig, TextModel, text_position_ids
+from qbuild.modeling import TextModel, text_position_ids
 
 MIN_TOP1_AGREEMENT = 0.99
 EMBED_SCALE = 2.0
@@ -36,7 +37,7 @@ def _confident_checkpoint(path) -> tuple[dict, dict[str, torch.Tensor]]:
 def _top1(config, tensors, fp8: str, scale_error: float = 1.0) -> torch.Tensor:
     text, _ = convert_state_dict(config, tensors, dtype="bfloat16", fp8=fp8)
     text = {n: t * scale_error if n.endswith(".scale") else t for n, t in text.items()}
-    model = TextModel(TextConfig.from_hf(config), tp=2, ep=1, dtype=torch.bfloat16, max_seq_len=PROMPT_LEN)
+    model = TextModel(arch_from_config(config), tp=2, ep=1, dtype=torch.bfloat16, max_seq_len=PROMPT_LEN)
     model.load_shards(shard_state_dict(config, text, tp=2))
     ids = torch.randint(0, 480, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -561,14 +561,13 @@ def test_config_without_mrope_section_rotates_as_transformers_does(tiny_checkpoi
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
     from qbuild.arch import arch_from_config
-    from qbuild.modeling.config import TextConfig
     from qbuild.modeling.model import RotaryEmbedding
 
     text = json.loads((tiny_checkpoints[VL] / "config.json").read_text())["text_config"]
     text["head_dim"] = 64
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     text = {k: v for k, v in text.items() if k not in ("model_type", "transformers_version", "dtype")}
-    ours = RotaryEmbedding(TextConfig.from_arch(arch_from_config({**text, "model_type": "qwen3_5_text"})))
+    ours = RotaryEmbedding(arch_from_config({**text, "model_type": "qwen3_5_text"}))
     theirs = Qwen3_5TextRotaryEmbedding(Qwen3_5TextConfig(**text))
     positions = torch.stack([torch.arange(12), torch.arange(12) // 4, torch.arange(12) % 4])[:, None]
     cos, sin = theirs(torch.zeros(1, 12, 64), positions)

@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qbuild.arch import arch_from_config
 from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.modeling import TextConfig, TextModel, text_position_ids
+from qbuild.modeling import TextModel, text_position_ids
 from qbuild.tinymodel import TP4_TEXT, VOCAB_SIZE, SPECIAL_TOKENS, write_tiny_checkpoint
 
 # float32 tiny models: our summation orders (rank partials, einsums, chunked DeltaNet) differ from HF's.
@@ -80,7 +81,7 @@ def _mirror_pad_row_zeroing(hf, text: dict, config: dict) -> None:
 
 
 def _model(config: dict, text: dict, tp: int, ep: int, **shard_options) -> TextModel:
-    model = TextModel(TextConfig.from_hf(config), tp=tp, ep=ep, max_seq_len=MAX_SEQ_LEN).eval()
+    model = TextModel(arch_from_config(config), tp=tp, ep=ep, max_seq_len=MAX_SEQ_LEN).eval()
     model.load_shards(shard_state_dict(config, text, tp=tp, ep=ep, **shard_options))
     return model
 
@@ -119,7 +120,7 @@ def test_prefill_logits_match_transformers(checkpoints, variant, tp, ep):
     model = _model(config, text, tp, ep)
     prompts = _prompts()
     logits, state = _prefill(model, prompts)
-    assert logits.shape == (len(prompts), BUCKET, model.cfg.vocab_size)
+    assert logits.shape == (len(prompts), BUCKET, model.arch.vocab_size)
     for b, prompt in enumerate(prompts):
         with torch.no_grad():
             expected = hf(input_ids=prompt[None]).logits[0]
@@ -175,7 +176,7 @@ def test_fp8_shards_are_dequantised(checkpoints):
     config, text, _ = checkpoints("qwen3_5")
     fp8_text, _ = convert_state_dict(config, checkpoints.hf_tensors("qwen3_5"), dtype="float32", fp8="full")
     shards = shard_state_dict(config, fp8_text, tp=2)
-    model = TextModel(TextConfig.from_hf(config), tp=2, max_seq_len=MAX_SEQ_LEN).eval()
+    model = TextModel(arch_from_config(config), tp=2, max_seq_len=MAX_SEQ_LEN).eval()
     model.load_shards(shards)
     quantised = [n for n, t in shards[0].items() if t.dtype == torch.float8_e4m3fn]
     assert "layers.1.mlp.gate_proj.weight" in quantised and "layers.3.self_attn.q_proj.weight" in quantised
@@ -203,7 +204,7 @@ def _corrupt(shards: list[dict], rank: int, changes: dict) -> list[dict]:
 def test_load_shards_is_strict(checkpoints):
     config, text, _ = checkpoints("qwen3_5_moe")
     shards = shard_state_dict(config, text, tp=2, ep=2)
-    model = TextModel(TextConfig.from_hf(config), tp=2, ep=2, max_seq_len=MAX_SEQ_LEN)
+    model = TextModel(arch_from_config(config), tp=2, ep=2, max_seq_len=MAX_SEQ_LEN)
     qkv = "layers.0.linear_attn.in_proj_qkv.weight"
     cases = [
         ("rank 1 shard: missing tensors ['layers.0.linear_attn.in_proj_qkv.weight']", 1, {qkv: None}),
@@ -222,7 +223,7 @@ def test_load_shards_is_strict(checkpoints):
         model.load_shards(shards[:1])
 
 
-def test_text_config_reads_both_config_forms():
+def test_arch_reads_both_config_forms():
     """The transformers-5 form (rope_parameters, layer_types) and the older published form (top-level rope_theta
     and partial_rotary_factor, full_attention_interval) describe the same architecture."""
     base = dict(model_type="qwen3_next", vocab_size=512, hidden_size=64, num_hidden_layers=8, rms_norm_eps=1e-6,
@@ -230,15 +231,15 @@ def test_text_config_reads_both_config_forms():
                 linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
                 intermediate_size=96, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                 shared_expert_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[2])
-    new = TextConfig.from_hf(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
+    new = arch_from_config(dict(base, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                                          "partial_rotary_factor": 0.25},
                                   layer_types=["linear_attention"] * 3 + ["full_attention"]
                                   + ["linear_attention"] * 3 + ["full_attention"]))
-    old = TextConfig.from_hf(dict(base, rope_theta=1e7, partial_rotary_factor=0.25, full_attention_interval=4))
+    old = arch_from_config(dict(base, rope_theta=1e7, partial_rotary_factor=0.25, full_attention_interval=4))
     assert new == old
     assert (new.rotary_dim, new.mrope_section, new.norm_topk_prob) == (8, None, False)
-    assert [new.is_moe(i) for i in range(4)] == [True, True, False, True]
+    assert [new.is_moe_layer(i) for i in range(4)] == [True, True, False, True]
     with pytest.raises(ValueError, match="rope_type 'yarn' is not supported"):
-        TextConfig.from_hf(dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": 1e7}))
+        arch_from_config(dict(base, rope_parameters={"rope_type": "yarn", "rope_theta": 1e7}))
     with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
-        TextConfig.from_hf(dict(base, model_type="llama"))
+        arch_from_config(dict(base, model_type="llama"))

@@ -13,8 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qbuild.arch import arch_from_config
 from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.modeling import EntryPoint, TextConfig, TextModel, text_position_ids
+from qbuild.modeling import EntryPoint, TextModel, text_position_ids
 
 BUCKET, MAX_SEQ_LEN, BATCH = 72, 96, 2
 # The exported graph runs the same aten ops as eager; only kernel dispatch inside them may differ.
@@ -25,7 +26,7 @@ def _loaded_model(path, tp: int, ep: int) -> TextModel:
     config = json.loads((path / "config.json").read_text())
     tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
     text, _ = convert_state_dict(config, tensors, dtype="float32")
-    model = TextModel(TextConfig.from_hf(config), tp=tp, ep=ep, max_seq_len=MAX_SEQ_LEN).eval()
+    model = TextModel(arch_from_config(config), tp=tp, ep=ep, max_seq_len=MAX_SEQ_LEN).eval()
     model.load_shards(shard_state_dict(config, text, tp=tp, ep=ep))
     return model
 
@@ -39,7 +40,7 @@ def _max_err(a, b) -> float:
 def test_prefill_and_decode_export(tiny_checkpoints, family, tp, ep):
     model = _loaded_model(tiny_checkpoints[family], tp, ep)
     gen = torch.Generator().manual_seed(0)
-    mrope = model.cfg.mrope_section is not None
+    mrope = model.arch.mrope_section is not None
     # VL families take embeddings (the host inserts image features) and (3, B, S) mRoPE positions.
     ids = torch.randint(0, 500, (BATCH, BUCKET), generator=gen)
     tokens = torch.nn.functional.embedding(ids, model.embed_tokens.weight) if mrope else ids

@@ -9,8 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from qbuild.arch import arch_from_config
 from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.modeling import TextConfig, TextModel, VisionConfig
+from qbuild.modeling import TextModel
 from qbuild.modeling.vision import (
     MASK_VALUE,
     VisionHost,
@@ -75,7 +76,7 @@ def _image_prompt(config: dict, grid: tuple[int, int, int]) -> torch.Tensor:
 @pytest.mark.parametrize("grids,bucket", [([IMAGE_GRID], 256), ([(1, 4, 6), (1, 6, 4), (2, 4, 4)], 96)])
 def test_encoder_matches_transformers_visual(vl, grids, bucket):
     config, _, vision, hf = vl("qwen3_5")
-    host, encoder = load_vision(VisionConfig.from_hf(config), vision)
+    host, encoder = load_vision(arch_from_config(config), vision)
     grid_thw = torch.tensor(grids)
     pixels = torch.cat([_pixels(g, seed=i) for i, g in enumerate(grids)])
     with torch.no_grad():
@@ -95,16 +96,16 @@ def test_attention_mask_is_block_diagonal_with_a_padding_block():
 
 def test_mrope_positions_match_get_rope_index(vl):
     config, _, _, hf = vl("qwen3_5")
-    vcfg = VisionConfig.from_hf(config)
+    arch = arch_from_config(config)
     grid = (1, 4, 6)
     prompt = _image_prompt(config, grid)
     ids = torch.full((2, len(prompt) + 4), PAD_ID)
     ids[0, : len(prompt)] = prompt
     ids[1, :7] = prompt[-7:]  # a text-only row
     seq_lens = torch.tensor([len(prompt), 7])
-    ours, deltas = mrope_position_ids(ids, torch.tensor([grid]), vcfg, seq_lens)
+    ours, deltas = mrope_position_ids(ids, torch.tensor([grid]), arch, seq_lens)
     attention = (torch.arange(ids.shape[1])[None] < seq_lens[:, None]).long()
-    expected, expected_deltas = hf.model.get_rope_index(ids, (ids == vcfg.image_token_id).int(),
+    expected, expected_deltas = hf.model.get_rope_index(ids, (ids == arch.image_token_id).int(),
                                                         image_grid_thw=torch.tensor([grid]), attention_mask=attention)
     real = attention.bool()
     assert torch.equal(ours[:, real], expected[:, real])
@@ -115,9 +116,9 @@ def test_mrope_positions_match_get_rope_index(vl):
 def test_image_prompt_matches_transformers_vl_model(vl, family, tp, ep):
     """Prefill logits of a prompt with an image, then greedy decode steps with mRoPE deltas, against HF."""
     config, text, vision, hf = vl(family)
-    vcfg = VisionConfig.from_hf(config)
-    host, encoder = load_vision(vcfg, vision)
-    model = TextModel(TextConfig.from_hf(config), tp=tp, ep=ep, max_seq_len=PROMPT_BUCKET + DECODE_STEPS).eval()
+    arch = arch_from_config(config)
+    host, encoder = load_vision(arch, vision)
+    model = TextModel(arch, tp=tp, ep=ep, max_seq_len=PROMPT_BUCKET + DECODE_STEPS).eval()
     model.load_shards(shard_state_dict(config, text, tp=tp, ep=ep))
     grid = torch.tensor([(1, 8, 8)])
     pixels = _pixels(tuple(grid[0].tolist()))
@@ -127,12 +128,12 @@ def test_image_prompt_matches_transformers_vl_model(vl, family, tp, ep):
     seq_lens = torch.tensor([len(prompt)])
 
     features = encode_images(host, encoder, pixels, grid, bucket=64)
-    embeds = embed_with_images(model.embed_tokens.weight, ids, features, vcfg.image_token_id)
-    position_ids, deltas = mrope_position_ids(ids, grid, vcfg, seq_lens)
+    embeds = embed_with_images(model.embed_tokens.weight, ids, features, arch.image_token_id)
+    position_ids, deltas = mrope_position_ids(ids, grid, arch, seq_lens)
     with torch.no_grad():
         logits, state = model.prefill(embeds, position_ids, seq_lens)
         hf_inputs = dict(input_ids=prompt[None], pixel_values=pixels, image_grid_thw=grid,
-                         mm_token_type_ids=(prompt[None] == vcfg.image_token_id).int())
+                         mm_token_type_ids=(prompt[None] == arch.image_token_id).int())
         expected = hf(**hf_inputs).logits[0]
     assert (logits[0, : len(prompt)] - expected).abs().max().item() < LOGITS_ATOL
 
@@ -150,11 +151,11 @@ def test_image_prompt_matches_transformers_vl_model(vl, family, tp, ep):
 
 def test_vision_encoder_exports(vl):
     config, _, vision, _ = vl("qwen3_5")
-    vcfg = VisionConfig.from_hf(config)
-    host, encoder = load_vision(vcfg, vision)
+    arch = arch_from_config(config)
+    host, encoder = load_vision(arch, vision)
     grid = torch.tensor([(1, 8, 8)])
     inputs = host.prepare(_pixels((1, 8, 8)), grid, bucket=96)[:4]
     with torch.no_grad():
-        program = torch.export.export(encoder, vision_example_inputs(vcfg, 96), strict=False)
+        program = torch.export.export(encoder, vision_example_inputs(arch.vision, 96), strict=False)
         assert torch.equal(program.module()(*inputs), encoder(*inputs))
     assert {n for n, _ in program.named_parameters()} == set(dict(encoder.named_parameters()))

@@ -9,9 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qbuild.arch import arch_from_config
 from qbuild.convert import ShardError, convert_checkpoint, convert_state_dict, shard_checkpoint, shard_state_dict
-from qbuild.convert.checkpoint import model_type_of
-from qbuild.convert.dims import text_dims
 from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
 
 COLUMN = re.compile(r".*(self_attn\.(q_proj|output_gate_proj)|linear_attn\.(in_proj_z|in_proj_a|in_proj_b|A_log_weight"
@@ -37,7 +36,7 @@ CASES = [  # (tiny variant, tp, ep)
 def _converted(variant: str, fp8: str = "none"):
     config, hf = hf_state_dict(variant)
     text, _ = convert_state_dict(config, hf, dtype="float32", fp8=fp8)
-    return config, text_dims(config, model_type_of(config)), text
+    return config, arch_from_config(config), text
 
 
 def check_rank_pieces(name: str, full: torch.Tensor, pieces: list[torch.Tensor], d, tp: int, ep: int) -> None:

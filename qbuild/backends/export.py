@@ -44,20 +44,19 @@ class Traced:
 
 def text_model(params: CpuTextCompile, max_seq_len: int):
     """The reference text model of the architecture in compile params, at this graph's KV length."""
-    from ..modeling import TextConfig, TextModel
+    from ..modeling import TextModel
 
-    cfg = TextConfig.from_arch(params.text)
-    return TextModel(cfg, tp=params.tp, ep=params.ep, dtype=torch_dtype(params.dtype), max_seq_len=max_seq_len)
+    return TextModel(params.text, tp=params.tp, ep=params.ep, dtype=torch_dtype(params.dtype), max_seq_len=max_seq_len)
 
 
 def text_inputs(model, graph: str, batch: int, bucket: int) -> tuple:
     """Example inputs of a text graph (values are irrelevant: shapes and dtypes define the program)."""
-    cfg = model.cfg
-    mrope = cfg.mrope_section is not None
+    arch = model.arch
+    mrope = arch.mrope_section is not None
     length = bucket if graph == "cte" else 1
     positions = torch.zeros((3, batch, length) if mrope else (batch, length), dtype=torch.long)
     if graph == "cte":
-        tokens = (torch.zeros(batch, bucket, cfg.hidden_size, dtype=model.dtype) if mrope
+        tokens = (torch.zeros(batch, bucket, arch.hidden_size, dtype=model.dtype) if mrope
                   else torch.zeros(batch, bucket, dtype=torch.long))
         return tokens, positions, torch.full((batch,), bucket, dtype=torch.long)
     state = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in model.state_shapes(batch))
@@ -89,8 +88,8 @@ def export_text(params: CpuTextCompile) -> Traced:
     weights = _example_weights(model)
     args = text_inputs(model, graph, batch, bucket)
     program = _export(EntryPoint(model, "prefill" if graph == "cte" else "decode"), weights, args)
-    signature = {"graph": graph, "bucket": bucket, "batch_size": batch, "embeds": model.cfg.mrope_section is not None,
-                 "mrope": model.cfg.mrope_section is not None, "max_seq_len": bucket,
+    signature = {"graph": graph, "bucket": bucket, "batch_size": batch, "embeds": model.arch.mrope_section is not None,
+                 "mrope": model.arch.mrope_section is not None, "max_seq_len": bucket,
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()},
                  "state_names": model.state_names(),
                  "state": [[list(s), str(d).removeprefix("torch.")] for s, d in model.state_shapes(batch)]}
@@ -98,14 +97,13 @@ def export_text(params: CpuTextCompile) -> Traced:
 
 
 def export_vision(params: CpuVisionCompile) -> Traced:
-    from ..modeling.vision import VisionConfig, VisionEncoder, vision_example_inputs
+    from ..modeling.vision import VisionEncoder, vision_example_inputs
 
     start = time.monotonic()
-    cfg = VisionConfig.from_vision(params.vision)
     dtype = torch_dtype(params.dtype)
-    encoder = VisionEncoder(cfg, dtype=dtype).eval()
+    encoder = VisionEncoder(params.vision, dtype=dtype).eval()
     weights = _example_weights(encoder)
-    args = vision_example_inputs(cfg, params.bucket, dtype)
+    args = vision_example_inputs(params.vision, params.bucket, dtype)
     program = _export(encoder, weights, args)
     signature = {"graph": "vision", "bucket": params.bucket,
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()}}

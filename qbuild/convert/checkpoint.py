@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from qbuild.convert.dims import TextDims, VisionDims, arch_of, dims_from_arch
+from qbuild.arch import Arch, ConfigError, arch_from_config
 from qbuild.convert.errors import CheckpointError
 from qbuild.convert.layout import Program, program
 from qbuild.convert.safetensors_io import FLOAT_DTYPES, Entry, read_header
@@ -54,8 +54,7 @@ class Located:
 class Checkpoint:
     config: dict
     model_type: ModelType
-    text: TextDims
-    vision: VisionDims | None
+    arch: Arch
     program: Program
     tensors: dict[str, Located]
     carried: dict[str, Path]  # non-weight files to copy, by name
@@ -134,14 +133,14 @@ def _read_tensors(locate: _Locator, files: list[str], weight_map: dict[str, str]
     return found
 
 
-def check_vocab(tensors: Mapping[str, Located], model_type: ModelType, text: TextDims) -> None:
+def check_vocab(tensors: Mapping[str, Located], model_type: ModelType, arch: Arch) -> None:
     """config.json's vocab_size against the rows of the embedding and lm_head. Checked before the tensor shapes, so
     that a config that lies about its vocabulary is blamed rather than the tensor."""
     for name in (f"{model_type.text_prefix}embed_tokens.weight", "lm_head.weight"):
         found = tensors.get(name)
-        if found is not None and found.entry.shape and found.entry.shape[0] != text.vocab:
-            raise CheckpointError("config.json", f"vocab_size {text.vocab} does not match the {found.entry.shape[0]} "
-                                                 f"rows of tensor {name!r} in {found.file}")
+        if found is not None and found.entry.shape and found.entry.shape[0] != arch.vocab_size:
+            raise CheckpointError("config.json", f"vocab_size {arch.vocab_size} does not match the "
+                                                 f"{found.entry.shape[0]} rows of tensor {name!r} in {found.file}")
 
 
 def validate(found: Mapping[str, TensorInfo], prog: Program, model_type: ModelType, missing_label: str) -> None:
@@ -161,23 +160,29 @@ def validate(found: Mapping[str, TensorInfo], prog: Program, model_type: ModelTy
                                   name)
 
 
-def dims_of(config: dict, label: str = "config.json") -> tuple[ModelType, TextDims, VisionDims | None]:
+def arch_of(config: dict, label: str = "config.json") -> tuple[ModelType, Arch]:
+    """The model type and architecture of a config; a CheckpointError naming `label` and the field it cannot read."""
     model_type = model_type_of(config, label)
-    text, vision = dims_from_arch(arch_of(config, label), model_type, label)
-    return model_type, text, vision
+    try:
+        arch = arch_from_config(config, label)
+    except ConfigError as e:
+        raise CheckpointError(label, e.message) from None
+    if model_type.vision_prefix and arch.vision is None:
+        raise CheckpointError(label, "vision_config is missing or not an object")
+    return model_type, arch
 
 
 def open_checkpoint(src: Path, files: Mapping[str, Path] | None = None) -> Checkpoint:
     """Read and validate the checkpoint at `src` (headers only: no tensor data is read)."""
     locate = _Locator(src, files)
     config = load_config(locate("config.json"))
-    model_type, text, vision = dims_of(config)
+    model_type, arch = arch_of(config)
     names, weight_map = _weight_files(locate)
     tensors = _read_tensors(locate, names, weight_map)
-    check_vocab(tensors, model_type, text)
-    prog = program(model_type, text, vision, tensors)
+    check_vocab(tensors, model_type, arch)
+    prog = program(model_type, arch, tensors)
     infos = {n: TensorInfo(t.file, t.entry.dtype, t.entry.shape) for n, t in tensors.items()}
     validate(infos, prog, model_type, INDEX if weight_map is not None else names[0])
     carried = {n: locate(n) for n in locate.names()
                if n.endswith(_CARRIED_SUFFIXES) and n != INDEX and locate(n).is_file()}
-    return Checkpoint(config, model_type, text, vision, prog, tensors, carried)
+    return Checkpoint(config, model_type, arch, prog, tensors, carried)

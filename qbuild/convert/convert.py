@@ -21,7 +21,7 @@ from typing import Mapping
 import torch
 
 from qbuild.convert import fp8 as fp8_rules
-from qbuild.convert.checkpoint import TensorInfo, dims_of, open_checkpoint, validate
+from qbuild.convert.checkpoint import TensorInfo, arch_of, open_checkpoint, validate
 from qbuild.dtypes import torch_dtype as dtype_of
 from qbuild.convert.layout import program
 from qbuild.convert.safetensors_io import DTYPE_NAMES, MappedSources, PlannedFile, contiguous
@@ -58,17 +58,17 @@ def convert_state_dict(config: dict, tensors: Mapping[str, torch.Tensor], *, dty
     as convert_checkpoint; for tests and small models."""
     torch_dtype = dtype_of(dtype)
     check_policy(fp8)
-    family, d, v = dims_of(config, "config")
-    prog = program(family, d, v, tensors.keys())
+    model_type, arch = arch_of(config, "config")
+    prog = program(model_type, arch, tensors.keys())
     infos = {n: TensorInfo("<state dict>", DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape))
              for n, t in tensors.items()}
-    validate(infos, prog, family, "<state dict>")
+    validate(infos, prog, model_type, "<state dict>")
     text: dict[str, torch.Tensor] = {}
     for step in prog.text:
-        text.update(run_step(step, [tensors[n] for n in step.sources], torch_dtype, fp8, d.num_layers))
+        text.update(run_step(step, [tensors[n] for n in step.sources], torch_dtype, fp8, arch.num_layers))
     vision: dict[str, torch.Tensor] = {}
     for step in prog.vision:
-        vision.update(run_step(step, [tensors[n] for n in step.sources], torch_dtype, "none", d.num_layers))
+        vision.update(run_step(step, [tensors[n] for n in step.sources], torch_dtype, "none", arch.num_layers))
     # rules may return views (the expert transposes); callers get contiguous tensors, as a saved file would hold
     return ({n: contiguous(t) for n, t in text.items()}, {n: contiguous(t) for n, t in vision.items()})
 
@@ -84,7 +84,7 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
     torch_dtype = dtype_of(dtype)
     check_policy(fp8)
     ck = open_checkpoint(Path(src), files)
-    layers = ck.text.num_layers
+    layers = ck.arch.num_layers
 
     def plan(steps: list[Step], policy: FP8Policy) -> list[list]:
         return [meta_specs(run_step(s, _plan_inputs([ck.tensors[n].entry for n in s.sources]), torch_dtype,
@@ -115,7 +115,7 @@ def _write_converted(tmp: Path, ck, sources: SourceFiles, text_plan, vision_plan
         def run() -> None:  # the step's mappings are unmapped when its tensors go out of scope here
             mapped = MappedSources()
             inputs = [mapped.map(sources.fd(ck.tensors[n].path), ck.tensors[n].entry) for n in step.sources]
-            write(run_step(step, inputs, torch_dtype, policy, ck.text.num_layers), mapped)
+            write(run_step(step, inputs, torch_dtype, policy, ck.arch.num_layers), mapped)
         return run
 
     def write_vision(outs, mapped):

@@ -18,7 +18,7 @@ def zero_row(w: torch.Tensor, row: int) -> torch.Tensor:
 def embedding_steps(d, family, hf_prefix: str, names) -> list[Step]:
     """embed_tokens (and lm_head). When lm_head.weight is absent and the config ties embeddings, the head is a copy
     of the (converted) embedding; when it is absent and untied, the lm_head step stays so validation reports it."""
-    shape = (d.vocab, d.hidden)
+    shape = (d.vocab_size, d.hidden_size)
     pad = d.pad_token_id if family.zero_pad_embedding and d.pad_token_id is not None else None
     tied_copy = "lm_head.weight" not in names and d.tie_word_embeddings
     targets = ("embed_tokens.weight", "lm_head.weight") if tied_copy else ("embed_tokens.weight",)

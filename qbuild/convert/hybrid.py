@@ -12,20 +12,21 @@ from __future__ import annotations
 
 import torch
 
+from qbuild.arch import Arch
 from qbuild.dtypes import torch_dtype
 
 MAX_GDN_CHECKPOINT_SLOTS = 8
 
 
-def gdn_checkpoint_banks(arch, tp: int, dtype: str, slots: int = MAX_GDN_CHECKPOINT_SLOTS) -> dict[str, torch.Tensor]:
+def gdn_checkpoint_banks(arch: Arch, tp: int, dtype: str,
+                         slots: int = MAX_GDN_CHECKPOINT_SLOTS) -> dict[str, torch.Tensor]:
     """{name: zeros} of one rank (every rank holds the same shapes)."""
-    local_v, local_k = arch.num_v_heads // tp, arch.num_k_heads // tp
-    conv_dim = 2 * local_k * arch.k_head_dim + local_v * arch.v_head_dim
+    rank = arch.per_rank(tp)
     gdn = [i for i, t in enumerate(arch.layer_types) if t == "linear_attention"]
     out = {}
     for idx in range(len(gdn)):
         out[f"hybrid_gdn_checkpoint_cache.recurrent_slots.{idx}"] = torch.zeros(
-            (slots, local_v, arch.k_head_dim, arch.v_head_dim), dtype=torch.float32)
+            (slots, rank.num_v_heads, arch.k_head_dim, arch.v_head_dim), dtype=torch.float32)
         out[f"hybrid_gdn_checkpoint_cache.conv_slots.{idx}"] = torch.zeros(
-            (slots, conv_dim, arch.conv_kernel - 1), dtype=torch_dtype(dtype))
+            (slots, rank.conv_dim, arch.conv_kernel - 1), dtype=torch_dtype(dtype))
     return out

@@ -1,16 +1,17 @@
 """The conversion program of one checkpoint: every Step from HF tensors to NxDI tensors, assembled per layer
 from the rule tables of each concern (norms, attention, deltanet, mlp, moe, embeddings, vision).
 
-The program is a pure function of the model type, the dimensions and which tensor names the checkpoint holds (to pick
-the expert storage form per layer, and whether lm_head is stored or tied). Everything tp-dependent is left to shard.
+The program is a pure function of the model type, the architecture and which tensor names the checkpoint holds (to
+pick the expert storage form per layer, and whether lm_head is stored or tied). Everything tp-dependent is left to
+shard.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from qbuild.arch import Arch, VisionArch
 from qbuild.convert import attention, deltanet, embeddings, mlp, moe, norms, vision
-from qbuild.convert.dims import TextDims, VisionDims
 from qbuild.convert.steps import Step
 from qbuild.families import ModelType
 
@@ -25,7 +26,7 @@ class Program:
         return {n: s for step in self.text + self.vision for n, s in zip(step.sources, step.shapes)}
 
 
-def layer_steps(d: TextDims, model_type: ModelType, i: int, names) -> list[Step]:
+def layer_steps(d: Arch, model_type: ModelType, i: int, names) -> list[Step]:
     hf, nx = f"{model_type.text_prefix}layers.{i}.", f"layers.{i}."
     rows = list(norms.LAYER_NORMS)
     if d.is_full_attention(i):
@@ -33,7 +34,7 @@ def layer_steps(d: TextDims, model_type: ModelType, i: int, names) -> list[Step]
     else:
         rows += deltanet.GROUPED_DELTANET if model_type.family.grouped_deltanet else deltanet.DELTANET
     steps = []
-    if d.is_moe(i):
+    if d.is_moe_layer(i):
         rows += moe.ROUTER_AND_SHARED
         steps += moe.expert_steps(d, hf, nx, fused=moe.is_fused(names, hf))
     else:
@@ -41,7 +42,7 @@ def layer_steps(d: TextDims, model_type: ModelType, i: int, names) -> list[Step]
     return [row.step(d, hf, nx) for row in rows] + steps
 
 
-def text_program(d: TextDims, model_type: ModelType, names) -> list[Step]:
+def text_program(d: Arch, model_type: ModelType, names) -> list[Step]:
     steps = embeddings.embedding_steps(d, model_type.family, model_type.text_prefix, names)
     steps.append(norms.FINAL_NORM.step(d, model_type.text_prefix, ""))
     for i in range(d.num_layers):
@@ -49,7 +50,7 @@ def text_program(d: TextDims, model_type: ModelType, names) -> list[Step]:
     return steps
 
 
-def vision_program(v: VisionDims, model_type: ModelType) -> list[Step]:
+def vision_program(v: VisionArch, model_type: ModelType) -> list[Step]:
     prefix = model_type.vision_prefix
     steps = [row.step(v, prefix, "") for row in vision.TOP]
     for i in range(v.depth):
@@ -57,5 +58,8 @@ def vision_program(v: VisionDims, model_type: ModelType) -> list[Step]:
     return steps
 
 
-def program(model_type: ModelType, d: TextDims, v: VisionDims | None, names) -> Program:
-    return Program(text_program(d, model_type, names), vision_program(v, model_type) if v is not None else [])
+def program(model_type: ModelType, arch: Arch, names) -> Program:
+    """The text steps, and the vision steps where the model type keeps a vision encoder (arch_of made sure the
+    config has one)."""
+    vision_steps = vision_program(arch.vision, model_type) if model_type.vision_prefix else []
+    return Program(text_program(arch, model_type, names), vision_steps)

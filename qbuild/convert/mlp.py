@@ -5,7 +5,7 @@ from __future__ import annotations
 from qbuild.convert.steps import Row, same
 
 DENSE_MLP = (
-    Row("mlp.gate_proj.weight", lambda d: (d.intermediate, d.hidden), ("mlp.gate_proj.weight",), same),
-    Row("mlp.up_proj.weight", lambda d: (d.intermediate, d.hidden), ("mlp.up_proj.weight",), same),
-    Row("mlp.down_proj.weight", lambda d: (d.hidden, d.intermediate), ("mlp.down_proj.weight",), same),
+    Row("mlp.gate_proj.weight", lambda d: (d.intermediate_size, d.hidden_size), ("mlp.gate_proj.weight",), same),
+    Row("mlp.up_proj.weight", lambda d: (d.intermediate_size, d.hidden_size), ("mlp.up_proj.weight",), same),
+    Row("mlp.down_proj.weight", lambda d: (d.hidden_size, d.intermediate_size), ("mlp.down_proj.weight",), same),
 )

@@ -18,14 +18,14 @@ GATE_UP = "mlp.moe.expert_mlps.mlp_op.gate_up_proj"
 DOWN = "mlp.moe.expert_mlps.mlp_op.down_proj"
 
 ROUTER_AND_SHARED = (
-    Row("mlp.gate.weight", lambda d: (d.num_experts, d.hidden), ("mlp.moe.router.linear_router.weight",), same),
-    Row("mlp.shared_expert.gate_proj.weight", lambda d: (d.shared_intermediate, d.hidden),
+    Row("mlp.gate.weight", lambda d: (d.num_experts, d.hidden_size), ("mlp.moe.router.linear_router.weight",), same),
+    Row("mlp.shared_expert.gate_proj.weight", lambda d: (d.shared_intermediate_size, d.hidden_size),
         ("mlp.shared_gate_proj.weight",), same),
-    Row("mlp.shared_expert.up_proj.weight", lambda d: (d.shared_intermediate, d.hidden),
+    Row("mlp.shared_expert.up_proj.weight", lambda d: (d.shared_intermediate_size, d.hidden_size),
         ("mlp.shared_up_proj.weight",), same),
-    Row("mlp.shared_expert.down_proj.weight", lambda d: (d.hidden, d.shared_intermediate),
+    Row("mlp.shared_expert.down_proj.weight", lambda d: (d.hidden_size, d.shared_intermediate_size),
         ("mlp.shared_down_proj.weight",), same),
-    Row("mlp.shared_expert_gate.weight", lambda d: (1, d.hidden), ("mlp.shared_expert_gate.weight",), same),
+    Row("mlp.shared_expert_gate.weight", lambda d: (1, d.hidden_size), ("mlp.shared_expert_gate.weight",), same),
 )
 
 
@@ -83,7 +83,7 @@ def expert_steps(d, hf: str, nx: str, fused: bool) -> list[Step]:
     """The steps that build one layer's NxDI expert tensors, from whichever HF form the layer is stored in.
 
     The per-expert form gathers the layer's E tensors in one step: memory stays bounded by one layer's experts."""
-    e, i, h = d.num_experts, d.moe_intermediate, d.hidden
+    e, i, h = d.num_experts, d.moe_intermediate_size, d.hidden_size
     gate_up, down = f"{nx}{GATE_UP}.weight", f"{nx}{DOWN}.weight"
     if fused:
         return [Step((f"{hf}mlp.experts.gate_up_proj",), ((e, 2 * i, h),), (gate_up,), gate_up_from_fused),

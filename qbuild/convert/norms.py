@@ -12,12 +12,12 @@ import torch
 from qbuild.convert.steps import Row
 
 
-def plus_one(dims, w: torch.Tensor) -> tuple[torch.Tensor]:
+def plus_one(arch, w: torch.Tensor) -> tuple[torch.Tensor]:
     return (w.float() + 1.0,)
 
 
 def _hidden(d):
-    return (d.hidden,)
+    return (d.hidden_size,)
 
 
 def _head(d):

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qbuild.arch import Arch
 from qbuild.convert import attention, deltanet, embeddings, moe
-from qbuild.convert.dims import TextDims
 from qbuild.convert.errors import CheckpointError, ShardError
 from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
 
@@ -69,7 +69,7 @@ class Gqa:
     num_kv_heads: int  # kv heads after replication / padding
 
 
-def gqa(d: TextDims, tp: int) -> Gqa:
+def gqa(d: Arch, tp: int) -> Gqa:
     replicate_kv = tp % d.num_kv_heads == 0
     heads = d.num_heads + (-d.num_heads) % tp
     if d.num_heads == d.num_kv_heads:
@@ -81,7 +81,7 @@ def gqa(d: TextDims, tp: int) -> Gqa:
     return Gqa(replicate_kv, heads, kv)
 
 
-def gqa_supported(d: TextDims, tp: int) -> bool:
+def gqa_supported(d: Arch, tp: int) -> bool:
     """False where NxD's own sharding fails: CONVERT_TO_MHA on a GQA model that needs its kv heads replicated.
     gqa.py replicates k/v to nH heads, then maybe_pad_tail computes the padding from the SOURCE kv head count and
     returns nH/nKV times too many rows, which shard_children rejects ("expected shape ... but found ...")."""
@@ -100,7 +100,7 @@ def _zero_heads(t: torch.Tensor, dim: int, num_heads: int, groups: int, per_grou
     return out.view(t.dtype) if bits is not t else out
 
 
-def pad_q_heads(t: torch.Tensor, dim: int, d: TextDims, tp: int) -> torch.Tensor:
+def pad_q_heads(t: torch.Tensor, dim: int, d: Arch, tp: int) -> torch.Tensor:
     """q rows (dim 0) or o_proj columns (dim 1) with NxD's zero heads: REPLICATE pads after each group of nH/nKV
     heads (maybe_pad_interleaved), CONVERT_TO_MHA at the tail (maybe_pad_tail)."""
     g = gqa(d, tp)
@@ -298,8 +298,8 @@ LINEAGES: dict[str, Lineage] = {
 }
 
 
-def check_nxd_layout(d: TextDims, p: ParallelLayout, lineage: Lineage) -> None:
-    """ShardError unless NxD can shard a model with dims `d` under `p` for this port lineage."""
+def check_nxd_layout(d: Arch, p: ParallelLayout, lineage: Lineage) -> None:
+    """ShardError unless NxD can shard a model of architecture `d` under `p` for this port lineage."""
     def need(ok: bool, why: str) -> None:
         if not ok:
             raise ShardError(f"{lineage.name} tp={p.tp} ep={p.ep} dense_tp={p.dense_tp}: {why}")
@@ -310,18 +310,18 @@ def check_nxd_layout(d: TextDims, p: ParallelLayout, lineage: Lineage) -> None:
     # ep_degree").
     need(p.dense_tp in (p.tp, p.tp // p.ep),
          "dense_tp must be tp (NxD ep_degree 1) or tp / ep (NxD's EP world: ep_degree = moe_ep_degree = ep)")
-    need(p.ep == 1 or d.moe, "ep > 1 needs a mixture-of-experts model")
+    need(p.ep == 1 or bool(d.moe_layers), "ep > 1 needs a mixture-of-experts model")
     need(p.pad_intermediate_to is None, "pad_intermediate_to is a cpu-layout option: NxD's ExpertMLPsV2 shards the "
                                         "unpadded expert intermediate, so a padded shard would not load")
-    need(lineage.name != NXD_MOE or d.moe, "the Coder-Next port builds routed experts in every layer; "
-                                          "this model has none")
-    need(not d.moe or len(d.moe_layers) == d.num_layers,
+    need(lineage.name != NXD_MOE or bool(d.moe_layers), "the Coder-Next port builds routed experts in every "
+                                                        "layer; this model has none")
+    need(not d.moe_layers or len(d.moe_layers) == d.num_layers,
          "the port builds every layer of a mixture-of-experts model as MoE, but this model has dense layers")
     need(lineage.name != NXD_MOE or not d.tie_word_embeddings,
          "the Coder-Next port has no tied-embedding support (update_state_dict_for_tied_weights)")
     # Every non-expert parallel layer is split over the dense_tp group (over_dense_tp).
-    need(d.hidden % p.dense_tp == 0 and d.vocab % p.dense_tp == 0,
-         f"embed_tokens splits hidden {d.hidden} and lm_head vocab {d.vocab}: both must divide by dense_tp")
+    need(d.hidden_size % p.dense_tp == 0 and d.vocab_size % p.dense_tp == 0,
+         f"embed_tokens splits hidden {d.hidden_size} and lm_head vocab {d.vocab_size}: both must divide by dense_tp")
     need(d.num_heads * d.head_dim % p.dense_tp == 0,
          f"output_gate_proj rows {d.num_heads * d.head_dim} must divide by dense_tp")
     need(gqa_supported(d, p.dense_tp), f"{d.num_kv_heads} kv heads with dense_tp % kv != 0: NxD's CONVERT_TO_MHA "
@@ -329,14 +329,16 @@ def check_nxd_layout(d: TextDims, p: ParallelLayout, lineage: Lineage) -> None:
     if lineage.tensor_parallel_deltanet and "linear_attention" in d.layer_types:
         need(d.num_k_heads % p.dense_tp == 0 and d.num_v_heads % p.dense_tp == 0,
              f"DeltaNet key/value heads ({d.num_k_heads}/{d.num_v_heads}) must both be divisible by dense_tp")
-    if not d.moe and d.intermediate is not None:
-        need(d.intermediate % p.dense_tp == 0, f"dense intermediate {d.intermediate} does not split into {p.dense_tp}")
-    if d.moe:
+    if not d.moe_layers and d.intermediate_size is not None:
+        need(d.intermediate_size % p.dense_tp == 0,
+             f"dense intermediate {d.intermediate_size} does not split into {p.dense_tp}")
+    if d.moe_layers:
         need(d.num_experts % p.ep == 0, f"{d.num_experts} experts do not split into {p.ep} groups")
-        need(d.moe_intermediate % p.moe_tp == 0, f"expert intermediate {d.moe_intermediate} must divide by "
-                                                 f"moe_tp {p.moe_tp}")
-        need(d.shared_intermediate % p.dense_tp == 0, f"shared-expert intermediate {d.shared_intermediate} must "
-                                                      f"divide by dense_tp (it is split over the full tp group)")
+        need(d.moe_intermediate_size % p.moe_tp == 0,
+             f"expert intermediate {d.moe_intermediate_size} must divide by moe_tp {p.moe_tp}")
+        need(d.shared_intermediate_size % p.dense_tp == 0,
+             f"shared-expert intermediate {d.shared_intermediate_size} must divide by dense_tp (it is split over "
+             "the full tp group)")
 
 
 # --- The program -------------------------------------------------------------------------------------------------
@@ -353,7 +355,7 @@ def cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _rank_tensors(d: TextDims, p: ParallelLayout, lineage: Lineage) -> ShardStep:
+def _rank_tensors(d: Arch, p: ParallelLayout, lineage: Lineage) -> ShardStep:
     """SPMDRank parameters (NxD parallel_layers/layers.py:1543): `rank` (1,) int32 with num_partitions = the SPMDRank's
     world_size, so rank r holds [r % world_size] (trace.py:801).
     - The ports' converters write `rank_util.rank` and `layers.N.self_attn.rank_util.rank` (full-attention layers) as
@@ -367,8 +369,8 @@ def _rank_tensors(d: TextDims, p: ParallelLayout, lineage: Lineage) -> ShardStep
       expert-parallel group's experts, (1, E/ep) (expert_mlps_v2.py:138, create_spmd_ranks:1514)."""
     names = ["rank_util.rank"] + [f"layers.{i}.self_attn.rank_util.rank"
                                   for i in range(d.num_layers) if d.is_full_attention(i)]
-    experts = [f"layers.{i}.{lineage.expert_mlps}.spmd_rank." for i in range(d.num_layers) if d.is_moe(i)]
-    local = d.num_experts // p.ep if d.moe else 0
+    experts = [f"layers.{i}.{lineage.expert_mlps}.spmd_rank." for i in range(d.num_layers) if d.is_moe_layer(i)]
+    local = d.num_experts // p.ep if d.moe_layers else 0
 
     def fn() -> list[dict[str, torch.Tensor]]:
         out = []
@@ -401,7 +403,7 @@ def _rule(name: str, lineage: Lineage, label: str) -> tuple[str, Placement]:
                                  "in a module NxD does not quantise)", name)
 
 
-def _single(name: str, target: str, place: Placement, d: TextDims, p: ParallelLayout,
+def _single(name: str, target: str, place: Placement, d: Arch, p: ParallelLayout,
             dtype: torch.dtype) -> ShardStep:
     def fn(t: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         t = cast(target, t, dtype)  # before placing: one cast copy at most, shared by replicated ranks
@@ -411,7 +413,7 @@ def _single(name: str, target: str, place: Placement, d: TextDims, p: ParallelLa
     return ShardStep((name,), fn)
 
 
-def _fused_qkv(layer: int, kind: str, d: TextDims, p: ParallelLayout, dtype: torch.dtype) -> ShardStep:
+def _fused_qkv(layer: int, kind: str, d: Arch, p: ParallelLayout, dtype: torch.dtype) -> ShardStep:
     """GroupQueryAttention_QKV with fused_qkv: each rank's Wqkv is [Q_r | K_r | V_r] of the padded / replicated heads
     (gqa.py preshard_hook, then trace.py create_local_weight_qkv), over the dense_tp group like every attention
     layer (over_dense_tp)."""
@@ -428,7 +430,7 @@ def _fused_qkv(layer: int, kind: str, d: TextDims, p: ParallelLayout, dtype: tor
     return ShardStep(names, fn)
 
 
-def nxd_program(d: TextDims, names, p: ParallelLayout, lineage: Lineage, dtype: torch.dtype,
+def nxd_program(d: Arch, names, p: ParallelLayout, lineage: Lineage, dtype: torch.dtype,
                 label: str) -> list[ShardStep]:
     steps = [_rank_tensors(d, p, lineage)]
     fused: set[str] = set()

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from qbuild.convert.dims import TextDims
+from qbuild.arch import Arch
 from qbuild.convert.errors import CheckpointError
 
 
@@ -50,7 +50,7 @@ class ShardStep:
 
 
 # Placements: a canonical tensor -> one tensor per rank.
-Placement = Callable[[torch.Tensor, TextDims, ParallelLayout], list[torch.Tensor]]
+Placement = Callable[[torch.Tensor, Arch, ParallelLayout], list[torch.Tensor]]
 
 
 def replicate(t, d, p):
@@ -65,7 +65,7 @@ def row(t, d, p):
     return list(t.chunk(p.tp, dim=1))
 
 
-def qkv_trios(d: TextDims, names, label: str) -> list[tuple[int, str, list[str]]]:
+def qkv_trios(d: Arch, names, label: str) -> list[tuple[int, str, list[str]]]:
     """(layer, "weight" | "scale", [q, k, v names]) of every q/k/v trio the converted tensors hold, to be fused into
     one Wqkv; CheckpointError naming the missing member of a partial trio."""
     out = []

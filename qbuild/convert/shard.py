@@ -1,6 +1,7 @@
 """The shard step: converted (tp-independent) NxDI text weights -> one safetensors file per tensor-parallel rank.
 
-Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json.
+Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json. `unpack_rank` reads a
+"cpu" rank back as qbuild's reference model holds it (FP8 dequantised, a fused Wqkv split).
 
 Layouts: "cpu" (below) is the one qbuild's CPU reference model reads; "nxd-main" and "nxd-moe" are the files NxD's
 ModelBuilder.shard_checkpoint writes for the two port lineages, with NxD's names, splits and dtypes (nxd.py). Only the
@@ -39,10 +40,10 @@ from typing import Literal, Mapping
 
 import torch
 
-from qbuild.convert import attention, deltanet, moe, nxd
-from qbuild.convert.checkpoint import dims_of, load_config
+from qbuild.arch import Arch
+from qbuild.convert import attention, deltanet, fp8, moe, nxd
+from qbuild.convert.checkpoint import arch_of, load_config
 from qbuild.dtypes import DTYPES, torch_dtype
-from qbuild.convert.dims import TextDims
 from qbuild.convert.errors import CheckpointError, ShardError
 from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
 from qbuild.convert.safetensors_io import Entry, MappedSources, PlannedFile, read_header
@@ -53,28 +54,30 @@ from qbuild.threads import run_all
 FORMAT_VERSION = 1
 
 
-def check_layout(d: TextDims, p: ParallelLayout) -> None:
-    """ShardError unless every tensor of a model with dims `d` splits evenly under `p`."""
+def check_layout(d: Arch, p: ParallelLayout) -> None:
+    """ShardError unless every tensor of a model of architecture `d` splits evenly under `p`."""
     def need(ok: bool, why: str) -> None:
         if not ok:
             raise ShardError(f"tp={p.tp} ep={p.ep}: {why}")
 
     need(p.tp >= 1 and p.ep >= 1 and p.tp % p.ep == 0, "tp and ep must be positive and ep must divide tp")
-    need(p.ep == 1 or d.moe, "ep > 1 needs a mixture-of-experts model")
+    need(p.ep == 1 or bool(d.moe_layers), "ep > 1 needs a mixture-of-experts model")
     need(d.num_heads % p.tp == 0, f"{d.num_heads} attention heads do not split into {p.tp} ranks")
     need(d.num_kv_heads % p.tp == 0 if p.tp <= d.num_kv_heads else p.tp % d.num_kv_heads == 0,
          f"{d.num_kv_heads} kv heads can be neither split nor evenly replicated over {p.tp} ranks")
     if "linear_attention" in d.layer_types:
         need(d.num_k_heads % p.tp == 0 and d.num_v_heads % p.tp == 0,
              f"DeltaNet key/value heads ({d.num_k_heads}/{d.num_v_heads}) must both be divisible by tp")
-    if d.intermediate is not None and len(d.moe_layers) < d.num_layers:
-        need(d.intermediate % p.moe_tp == 0, f"dense intermediate {d.intermediate} does not split into {p.moe_tp}")
-    if d.moe:
+    if d.intermediate_size is not None and len(d.moe_layers) < d.num_layers:
+        need(d.intermediate_size % p.moe_tp == 0,
+             f"dense intermediate {d.intermediate_size} does not split into {p.moe_tp}")
+    if d.moe_layers:
         need(d.num_experts % p.ep == 0, f"{d.num_experts} experts do not split into {p.ep} groups")
-        need(d.moe_intermediate % p.moe_tp == 0 and d.shared_intermediate % p.moe_tp == 0,
-             f"expert / shared intermediate ({d.moe_intermediate}/{d.shared_intermediate}) must divide by moe_tp {p.moe_tp}")
+        need(d.moe_intermediate_size % p.moe_tp == 0 and d.shared_intermediate_size % p.moe_tp == 0,
+             f"expert / shared intermediate ({d.moe_intermediate_size}/{d.shared_intermediate_size}) must divide by "
+             f"moe_tp {p.moe_tp}")
     if p.pad_intermediate_to is not None:
-        need(d.moe, "pad_intermediate_to applies to MoE experts only")
+        need(bool(d.moe_layers), "pad_intermediate_to applies to MoE experts only")
         need(p.pad_intermediate_to >= 1, "pad_intermediate_to must be a positive integer")
 
 
@@ -160,11 +163,11 @@ def placement_of(name: str, label: str) -> Placement:
     return chosen
 
 
-def _single(name: str, place: Placement, d: TextDims, p: ParallelLayout) -> ShardStep:
+def _single(name: str, place: Placement, d: Arch, p: ParallelLayout) -> ShardStep:
     return ShardStep((name,), lambda t: [{name: x} for x in place(t, d, p)])
 
 
-def _fused_qkv(layer: int, kind: str, d: TextDims, p: ParallelLayout) -> ShardStep:
+def _fused_qkv(layer: int, kind: str, d: Arch, p: ParallelLayout) -> ShardStep:
     base = f"layers.{layer}.self_attn."
     names = tuple(f"{base}{x}_proj.{kind}" for x in "qkv")
 
@@ -174,14 +177,14 @@ def _fused_qkv(layer: int, kind: str, d: TextDims, p: ParallelLayout) -> ShardSt
     return ShardStep(names, fn)
 
 
-def _rank_util(d: TextDims, p: ParallelLayout) -> ShardStep:
+def _rank_util(d: Arch, p: ParallelLayout) -> ShardStep:
     names = ["rank_util.rank"] + [f"layers.{i}.self_attn.rank_util.rank"
                                   for i in range(d.num_layers) if d.is_full_attention(i)]
     ranks = torch.arange(p.tp, dtype=torch.int32).chunk(p.tp)
     return ShardStep((), lambda: [{n: ranks[r].clone() for n in names} for r in range(p.tp)])
 
 
-def shard_program(d: TextDims, names, p: ParallelLayout, label: str) -> list[ShardStep]:
+def shard_program(d: Arch, names, p: ParallelLayout, label: str) -> list[ShardStep]:
     steps = [_rank_util(d, p)]
     fused: set[str] = set()
     for i, kind, trio in (qkv_trios(d, names, label) if p.fused_qkv else []):
@@ -197,7 +200,7 @@ Layout = Literal["cpu", "nxd-main", "nxd-moe"]
 LAYOUTS: tuple[str, ...] = ("cpu", nxd.NXD_MAIN, nxd.NXD_MOE)
 
 
-def layout_program(d: TextDims, names, p: ParallelLayout, layout: Layout, dtype: str | None,
+def layout_program(d: Arch, names, p: ParallelLayout, layout: Layout, dtype: str | None,
                    label: str) -> list[ShardStep]:
     """The checked shard program of `layout`: ShardError for an unknown layout, a missing or unknown dtype (the
     model dtype, required by the nxd layouts; the cpu layout keeps the converted dtypes) or an impossible split."""
@@ -222,7 +225,7 @@ def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int,
                      fused_qkv: bool = False, pad_intermediate_to: int | None = None, layout: Layout = "cpu",
                      dtype: str | None = None, dense_tp: int | None = None) -> list[dict[str, torch.Tensor]]:
     """Converted NxDI text tensors -> one {name: tensor} per rank, in memory (same rules as shard_checkpoint)."""
-    _, d, _ = dims_of(config, "config")
+    _, d = arch_of(config, "config")
     p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
     ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
     for step in layout_program(d, list(text), p, layout, dtype, "<state dict>"):
@@ -240,7 +243,7 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
     (nxd layouts only, default tp) is the tensor-parallel degree of every non-expert layer (nxd.py)."""
     converted = Path(converted)
     config = load_config(converted / "config.json")
-    _, d, _ = dims_of(config)
+    _, d = arch_of(config)
     p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
     located = _converted_tensors(converted / "text")
     label = "text/model.safetensors.index.json"
@@ -287,6 +290,39 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
     finally:
         sources.close()
     return report
+
+
+def _is_fp8(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.element_size() == 1
+
+
+def unpack_rank(rank: int, shard: Mapping[str, torch.Tensor], arch: Arch, tp: int) -> dict[str, torch.Tensor]:
+    """One rank's "cpu"-layout tensors as qbuild's reference model holds them: each FP8 weight dequantised with the
+    `.scale` beside it, a fused `self_attn.Wqkv.weight` split back into q/k/v_proj. ValueError naming the tensor for
+    a scale without its FP8 weight, an FP8 weight without its scale, or a Wqkv of the wrong size."""
+    rank_arch = arch.per_rank(tp)
+    q_rows, kv_rows = rank_arch.num_heads * arch.head_dim, rank_arch.kv_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in shard.items():
+        if name.endswith(".scale"):
+            weight = name.removesuffix(".scale") + ".weight"
+            if weight not in shard or not _is_fp8(shard[weight]):
+                raise ValueError(f"rank {rank}: {name} has no FP8 weight {weight} beside it")
+            continue
+        if _is_fp8(tensor):
+            scale = fp8.scale_name(name)
+            if scale not in shard:
+                raise ValueError(f"rank {rank}: FP8 tensor {name} has no {scale} beside it")
+            tensor = fp8.dequantize(tensor, shard[scale])
+        if name.endswith("self_attn.Wqkv.weight"):
+            if tensor.shape[0] != q_rows + 2 * kv_rows:
+                raise ValueError(f"rank {rank}: {name} has {tensor.shape[0]} rows, expected {q_rows + 2 * kv_rows}")
+            prefix = name.removesuffix("Wqkv.weight")
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), attention.split_qkv(tensor, q_rows, kv_rows)):
+                out[f"{prefix}{part}.weight"] = rows
+            continue
+        out[name] = tensor
+    return out
 
 
 def _converted_tensors(text_dir: Path) -> dict[str, tuple[Path, Entry]]:

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 Shape = tuple[int, ...]
-Transform = Callable[..., tuple[torch.Tensor, ...]]  # (dims, *tensors) -> one tensor per target
+Transform = Callable[..., tuple[torch.Tensor, ...]]  # (Arch, *tensors) -> one tensor per target
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class Step:
     sources: tuple[str, ...]
     shapes: tuple[Shape, ...]     # the shape each source must have
     targets: tuple[str, ...]
-    fn: Callable[..., tuple[torch.Tensor, ...]]  # (*tensors) -> one tensor per target, dims already bound
+    fn: Callable[..., tuple[torch.Tensor, ...]]  # (*tensors) -> one tensor per target, the Arch already bound
     keep_fp32: bool = False       # outputs stay float32 instead of being cast to the target dtype
 
     def __call__(self, *tensors: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -36,19 +36,19 @@ class Step:
 
 @dataclass(frozen=True)
 class Row:
-    """One line of a key map: HF suffix, its shape as a function of the dims, NxDI suffixes, transform."""
+    """One line of a key map: HF suffix, its shape as a function of the Arch, NxDI suffixes, transform."""
     source: str
     shape: Callable[[object], Shape]
     targets: tuple[str, ...]
     transform: Transform
     keep_fp32: bool = False
 
-    def step(self, dims, hf_prefix: str, nx_prefix: str) -> Step:
+    def step(self, arch, hf_prefix: str, nx_prefix: str) -> Step:
         transform = self.transform
-        return Step((hf_prefix + self.source,), (tuple(self.shape(dims)),),
-                    tuple(nx_prefix + t for t in self.targets), lambda *ts: transform(dims, *ts), self.keep_fp32)
+        return Step((hf_prefix + self.source,), (tuple(self.shape(arch)),),
+                    tuple(nx_prefix + t for t in self.targets), lambda *ts: transform(arch, *ts), self.keep_fp32)
 
 
-def same(dims, w: torch.Tensor) -> tuple[torch.Tensor]:
+def same(arch, w: torch.Tensor) -> tuple[torch.Tensor]:
     """The identity rule: renamed (by the row), otherwise unchanged."""
     return (w,)

@@ -37,7 +37,8 @@ from qbuild.kernels import (
     gqa_attention,
     recurrent_gated_delta_rule,
 )
-from qbuild.modeling.config import TextConfig
+from qbuild.arch import Arch
+from qbuild.convert.shard import unpack_rank
 
 L2NORM_EPS = 1e-6  # DeltaNet's q/k L2 normalisation, as FLA and HF use
 
@@ -100,7 +101,7 @@ def apply_partial_rope(x_BSND: torch.Tensor, cos_BSP: torch.Tensor, sin_BSP: tor
     return torch.cat([x_rot * cos + rotate_half(x_rot) * sin, x_pass], dim=-1)
 
 
-def mrope_axes(cfg: TextConfig) -> list[int]:
+def mrope_axes(arch: Arch) -> list[int]:
     """Which position row (0 t, 1 h, 2 w) drives each rotary frequency. Plain RoPE: all from row 0.
 
     Interleaved mRoPE (Qwen3.5): frequency j follows h if j % 3 == 1 and j < 3*section[1], w if j % 3 == 2 and
@@ -108,13 +109,13 @@ def mrope_axes(cfg: TextConfig) -> list[int]:
     default [11, 11, 10] is applied to every head size). Non-interleaved (Qwen2-VL style): contiguous runs of
     section[0], [1], [2], which must cover every frequency.
     """
-    num_freqs = cfg.rotary_dim // 2
-    section = cfg.mrope_section
+    num_freqs = arch.rotary_dim // 2
+    section = arch.mrope_section
     if section is None:
         return [0] * num_freqs
-    if len(section) != 3 or (not cfg.mrope_interleaved and sum(section) != num_freqs):
+    if len(section) != 3 or (not arch.mrope_interleaved and sum(section) != num_freqs):
         raise ValueError(f"mrope_section {section} must be 3 numbers summing to rotary_dim/2 = {num_freqs}")
-    if not cfg.mrope_interleaved:
+    if not arch.mrope_interleaved:
         return [axis for axis, n in enumerate(section) for _ in range(n)]
     axes = []
     for j in range(num_freqs):
@@ -130,12 +131,12 @@ def mrope_axes(cfg: TextConfig) -> list[int]:
 class RotaryEmbedding(nn.Module):
     """cos / sin tables (B, S, P) from position ids (B, S) or 3-D mRoPE ids (3, B, S)."""
 
-    def __init__(self, cfg: TextConfig):
+    def __init__(self, arch: Arch):
         super().__init__()
-        dim = cfg.rotary_dim
-        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        dim = arch.rotary_dim
+        inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("freq_axis", torch.tensor(mrope_axes(cfg), dtype=torch.long), persistent=False)
+        self.register_buffer("freq_axis", torch.tensor(mrope_axes(arch), dtype=torch.long), persistent=False)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids.ndim == 2:  # text positions: the same on every mRoPE axis
@@ -149,22 +150,23 @@ class RotaryEmbedding(nn.Module):
 class GatedAttention(nn.Module):
     """Gated GQA: per-head q/k RMSNorm, partial RoPE, causal softmax attention, output * sigmoid(gate)."""
 
-    def __init__(self, cfg: TextConfig, tp: int, dtype: torch.dtype):
+    def __init__(self, arch: Arch, tp: int, dtype: torch.dtype):
         super().__init__()
-        if cfg.num_attention_heads % tp:
-            raise ValueError(f"tp={tp} must divide num_attention_heads={cfg.num_attention_heads}")
-        if (cfg.num_kv_heads % tp) if tp <= cfg.num_kv_heads else (tp % cfg.num_kv_heads):
-            raise ValueError(f"tp={tp} and num_kv_heads={cfg.num_kv_heads}: one must divide the other")
-        self.heads, self.kv_heads = cfg.num_attention_heads // tp, max(1, cfg.num_kv_heads // tp)
-        self.head_dim, self.eps = cfg.head_dim, cfg.rms_norm_eps
-        q_dim, kv_dim, hidden = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim, cfg.hidden_size
+        if arch.num_heads % tp:
+            raise ValueError(f"tp={tp} must divide num_attention_heads={arch.num_heads}")
+        if (arch.num_kv_heads % tp) if tp <= arch.num_kv_heads else (tp % arch.num_kv_heads):
+            raise ValueError(f"tp={tp} and num_kv_heads={arch.num_kv_heads}: one must divide the other")
+        rank = arch.per_rank(tp)
+        self.heads, self.kv_heads = rank.num_heads, rank.num_kv_heads
+        self.head_dim, self.eps = arch.head_dim, arch.rms_norm_eps
+        q_dim, kv_dim, hidden = self.heads * arch.head_dim, self.kv_heads * arch.head_dim, arch.hidden_size
         self.q_proj = Weight((q_dim, hidden), dtype, tp)
         self.output_gate_proj = Weight((q_dim, hidden), dtype, tp)
         self.k_proj = Weight((kv_dim, hidden), dtype, tp)
         self.v_proj = Weight((kv_dim, hidden), dtype, tp)
         self.o_proj = Weight((hidden, q_dim), dtype, tp)
-        self.q_layernorm = Weight((cfg.head_dim,), torch.float32, None)
-        self.k_layernorm = Weight((cfg.head_dim,), torch.float32, None)
+        self.q_layernorm = Weight((arch.head_dim,), torch.float32, None)
+        self.k_layernorm = Weight((arch.head_dim,), torch.float32, None)
         self.rank_util = RankUtil(tp)
 
     def _qkv(self, x_BSH, cos, sin):
@@ -219,16 +221,17 @@ class GatedAttention(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet: QKV projection, causal conv + silu, the gated delta rule, gated RMSNorm, out_proj."""
 
-    def __init__(self, cfg: TextConfig, tp: int, dtype: torch.dtype):
+    def __init__(self, arch: Arch, tp: int, dtype: torch.dtype):
         super().__init__()
-        if cfg.num_linear_key_heads % tp or cfg.num_linear_value_heads % tp:
-            raise ValueError(f"tp={tp} must divide DeltaNet key heads ({cfg.num_linear_key_heads}) and value heads "
-                             f"({cfg.num_linear_value_heads})")
-        self.key_heads, self.value_heads = cfg.num_linear_key_heads // tp, cfg.num_linear_value_heads // tp
-        self.dk, self.dv, self.eps = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.rms_norm_eps
-        self.taps = cfg.linear_conv_kernel_dim
-        self.channels = 2 * self.key_heads * self.dk + self.value_heads * self.dv
-        hidden, value_dim = cfg.hidden_size, self.value_heads * self.dv
+        if arch.num_k_heads % tp or arch.num_v_heads % tp:
+            raise ValueError(f"tp={tp} must divide DeltaNet key heads ({arch.num_k_heads}) and value heads "
+                             f"({arch.num_v_heads})")
+        rank = arch.per_rank(tp)
+        self.key_heads, self.value_heads = rank.num_k_heads, rank.num_v_heads
+        self.dk, self.dv, self.eps = arch.k_head_dim, arch.v_head_dim, arch.rms_norm_eps
+        self.taps = arch.conv_kernel
+        self.channels = rank.conv_dim
+        hidden, value_dim = arch.hidden_size, rank.value_dim
         self.in_proj_qkv = Weight((self.channels, hidden), dtype, tp)  # per rank rows [Q_r | K_r | V_r]
         self.in_proj_z = Weight((value_dim, hidden), dtype, tp)
         self.in_proj_a = Weight((self.value_heads, hidden), dtype, tp)
@@ -312,15 +315,15 @@ class DenseMLP(nn.Module):
     divided by ep before the all-reduce.
     """
 
-    def __init__(self, cfg: TextConfig, tp: int, ep: int, dtype: torch.dtype):
+    def __init__(self, arch: Arch, tp: int, ep: int, dtype: torch.dtype):
         super().__init__()
         moe_tp = tp // ep
-        if cfg.intermediate_size % moe_tp:
-            raise ValueError(f"tp // ep = {moe_tp} must divide intermediate_size={cfg.intermediate_size}")
-        inter, self.ep = cfg.intermediate_size // moe_tp, ep
-        self.gate_proj = Weight((inter, cfg.hidden_size), dtype, tp)
-        self.up_proj = Weight((inter, cfg.hidden_size), dtype, tp)
-        self.down_proj = Weight((cfg.hidden_size, inter), dtype, tp)
+        if arch.intermediate_size % moe_tp:
+            raise ValueError(f"tp // ep = {moe_tp} must divide intermediate_size={arch.intermediate_size}")
+        inter, self.ep = arch.intermediate_size // moe_tp, ep
+        self.gate_proj = Weight((inter, arch.hidden_size), dtype, tp)
+        self.up_proj = Weight((inter, arch.hidden_size), dtype, tp)
+        self.down_proj = Weight((arch.hidden_size, inter), dtype, tp)
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         act = F.silu(column_parallel(x_BSH, self.gate_proj.weight)) * column_parallel(x_BSH, self.up_proj.weight)
@@ -347,21 +350,21 @@ class MoE(nn.Module):
     partial is divided by ep before the all-reduce counts it ep times.
     """
 
-    def __init__(self, cfg: TextConfig, tp: int, ep: int, dtype: torch.dtype):
+    def __init__(self, arch: Arch, tp: int, ep: int, dtype: torch.dtype):
         super().__init__()
-        if tp % ep or cfg.num_experts % ep:
-            raise ValueError(f"ep={ep} must divide tp={tp} and num_experts={cfg.num_experts}")
+        if tp % ep or arch.num_experts % ep:
+            raise ValueError(f"ep={ep} must divide tp={tp} and num_experts={arch.num_experts}")
         moe_tp = tp // ep
-        if cfg.moe_intermediate_size % moe_tp or cfg.shared_expert_intermediate_size % moe_tp:
-            raise ValueError(f"moe_tp={moe_tp} must divide moe_intermediate_size={cfg.moe_intermediate_size} and "
-                             f"shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}")
-        self.top_k, self.ep, self.normalize = cfg.num_experts_per_tok, ep, cfg.norm_topk_prob
-        self.num_experts, local = cfg.num_experts, cfg.num_experts // ep
-        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size // moe_tp
-        shared = cfg.shared_expert_intermediate_size // moe_tp
+        if arch.moe_intermediate_size % moe_tp or arch.shared_intermediate_size % moe_tp:
+            raise ValueError(f"moe_tp={moe_tp} must divide moe_intermediate_size={arch.moe_intermediate_size} and "
+                             f"shared_expert_intermediate_size={arch.shared_intermediate_size}")
+        self.top_k, self.ep, self.normalize = arch.num_experts_per_tok, ep, arch.norm_topk_prob
+        self.num_experts, local = arch.num_experts, arch.num_experts // ep
+        hidden, inter = arch.hidden_size, arch.moe_intermediate_size // moe_tp
+        shared = arch.shared_intermediate_size // moe_tp
         self.moe = nn.Module()
         self.moe.router = nn.Module()
-        self.moe.router.linear_router = Weight((cfg.num_experts, hidden), dtype, None)
+        self.moe.router.linear_router = Weight((arch.num_experts, hidden), dtype, None)
         self.moe.expert_mlps = nn.Module()
         self.moe.expert_mlps.mlp_op = ExpertMLPs(local, hidden, inter, dtype, tp)
         self.shared_gate_proj = Weight((shared, hidden), dtype, tp)
@@ -398,17 +401,17 @@ class MoE(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextConfig, layer: int, tp: int, ep: int, dtype: torch.dtype):
+    def __init__(self, arch: Arch, layer: int, tp: int, ep: int, dtype: torch.dtype):
         super().__init__()
-        self.eps = cfg.rms_norm_eps
-        self.is_attention = cfg.is_full_attention(layer)
+        self.eps = arch.rms_norm_eps
+        self.is_attention = arch.is_full_attention(layer)
         if self.is_attention:
-            self.self_attn = GatedAttention(cfg, tp, dtype)
+            self.self_attn = GatedAttention(arch, tp, dtype)
         else:
-            self.linear_attn = GatedDeltaNet(cfg, tp, dtype)
-        self.mlp = MoE(cfg, tp, ep, dtype) if cfg.is_moe(layer) else DenseMLP(cfg, tp, ep, dtype)
-        self.input_layernorm = Weight((cfg.hidden_size,), torch.float32, None)
-        self.post_attention_layernorm = Weight((cfg.hidden_size,), torch.float32, None)
+            self.linear_attn = GatedDeltaNet(arch, tp, dtype)
+        self.mlp = MoE(arch, tp, ep, dtype) if arch.is_moe_layer(layer) else DenseMLP(arch, tp, ep, dtype)
+        self.input_layernorm = Weight((arch.hidden_size,), torch.float32, None)
+        self.post_attention_layernorm = Weight((arch.hidden_size,), torch.float32, None)
 
     def feed_forward(self, h_BSH: torch.Tensor) -> torch.Tensor:
         return h_BSH + self.mlp(rms_norm(h_BSH, self.post_attention_layernorm.weight, self.eps))
@@ -421,20 +424,20 @@ class TextModel(nn.Module):
     token, threading the state tuple through (layout in the module docstring and `state_names`).
     """
 
-    def __init__(self, cfg: TextConfig, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.float32,
+    def __init__(self, arch: Arch, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.float32,
                  max_seq_len: int = 256):
         super().__init__()
         if tp < 1 or ep < 1:
             raise ValueError(f"tp={tp} and ep={ep} must be >= 1")
-        if ep > 1 and not cfg.num_experts:
-            raise ValueError(f"ep={ep} needs an MoE model; {cfg.model_type} has no experts")
-        self.cfg, self.tp, self.ep, self.dtype, self.max_seq_len = cfg, tp, ep, dtype, max_seq_len
-        self.embed_tokens = Weight((cfg.vocab_size, cfg.hidden_size), dtype, None)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp, ep, dtype) for i in range(cfg.num_layers))
-        self.norm = Weight((cfg.hidden_size,), torch.float32, None)
-        self.lm_head = Weight((cfg.vocab_size, cfg.hidden_size), dtype, None)
+        if ep > 1 and not arch.num_experts:
+            raise ValueError(f"ep={ep} needs an MoE model; {arch.text_model_type} has no experts")
+        self.arch, self.tp, self.ep, self.dtype, self.max_seq_len = arch, tp, ep, dtype, max_seq_len
+        self.embed_tokens = Weight((arch.vocab_size, arch.hidden_size), dtype, None)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp, ep, dtype) for i in range(arch.num_layers))
+        self.norm = Weight((arch.hidden_size,), torch.float32, None)
+        self.lm_head = Weight((arch.vocab_size, arch.hidden_size), dtype, None)
         self.rank_util = RankUtil(tp)
-        self.rotary = RotaryEmbedding(cfg)
+        self.rotary = RotaryEmbedding(arch)
 
     # ---- state layout ------------------------------------------------------------------------------------
     def state_names(self) -> list[str]:
@@ -467,7 +470,7 @@ class TextModel(nn.Module):
         return F.embedding(tokens, self.embed_tokens.weight)
 
     def _logits(self, h_BSH: torch.Tensor) -> torch.Tensor:
-        return rms_norm(h_BSH, self.norm.weight, self.cfg.rms_norm_eps) @ self.lm_head.weight.T
+        return rms_norm(h_BSH, self.norm.weight, self.arch.rms_norm_eps) @ self.lm_head.weight.T
 
     def prefill(self, tokens: torch.Tensor, position_ids: torch.Tensor, seq_lens: torch.Tensor):
         """Run a right-padded prompt bucket from an empty state.
@@ -536,13 +539,13 @@ class TextModel(nn.Module):
     def load_shards(self, shards: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Load one state dict per rank (NxDI names, as the shard step writes them), strictly.
 
-        FP8 weights are dequantised (weight.float() * `<module>.scale`); a fused `self_attn.Wqkv.weight` is split
-        into q/k/v. Raises ValueError naming the tensor on a missing or unexpected tensor, a wrong shape, a
-        replicated tensor that differs between ranks, or a rank tensor that does not hold its rank.
+        FP8 weights and a fused Wqkv are unpacked first, by the layout's own rule (qbuild.convert.shard.unpack_rank).
+        Raises ValueError naming the tensor on a missing or unexpected tensor, a wrong shape, a replicated tensor
+        that differs between ranks, or a rank tensor that does not hold its rank.
         """
         if len(shards) != self.tp:
             raise ValueError(f"got {len(shards)} rank state dicts for tp={self.tp}")
-        ranks = [_normalise_rank(r, shard, self) for r, shard in enumerate(shards)]
+        ranks = [unpack_rank(r, shard, self.arch, self.tp) for r, shard in enumerate(shards)]
         targets = self._targets()
         for r, tensors in enumerate(ranks):
             missing, unexpected = sorted(targets.keys() - tensors.keys()), sorted(tensors.keys() - targets.keys())
@@ -570,38 +573,6 @@ def _stack_ranks(name: str, values: list[torch.Tensor], shard_shape: torch.Size)
         if value.shape != shard_shape:
             raise ValueError(f"tensor {name} of rank {r} has shape {tuple(value.shape)}, expected {tuple(shard_shape)}")
     return torch.stack(values)
-
-
-def _is_fp8(t: torch.Tensor) -> bool:
-    return t.is_floating_point() and t.element_size() == 1
-
-
-def _normalise_rank(rank: int, shard: Mapping[str, torch.Tensor], model: TextModel) -> dict[str, torch.Tensor]:
-    """One rank's NxDI tensors -> this model's names: dequantise FP8, split a fused Wqkv."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in shard.items():
-        if name.endswith(".scale"):
-            weight = name.removesuffix(".scale") + ".weight"
-            if weight not in shard or not _is_fp8(shard[weight]):
-                raise ValueError(f"rank {rank}: {name} has no FP8 weight {weight} beside it")
-            continue
-        if _is_fp8(tensor):
-            scale = name.removesuffix(".weight") + ".scale"
-            if scale not in shard:
-                raise ValueError(f"rank {rank}: FP8 tensor {name} has no {scale} beside it")
-            tensor = tensor.float() * shard[scale]
-        if name.endswith("self_attn.Wqkv.weight"):
-            layer = model.get_submodule(name.removesuffix(".Wqkv.weight"))
-            q_rows = layer.heads * layer.head_dim
-            kv_rows = layer.kv_heads * layer.head_dim
-            if tensor.shape[0] != q_rows + 2 * kv_rows:
-                raise ValueError(f"rank {rank}: {name} has {tensor.shape[0]} rows, expected {q_rows + 2 * kv_rows}")
-            prefix = name.removesuffix("Wqkv.weight")
-            for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q_rows, kv_rows, kv_rows])):
-                out[f"{prefix}{part}.weight"] = rows
-            continue
-        out[name] = tensor
-    return out
 
 
 class EntryPoint(nn.Module):

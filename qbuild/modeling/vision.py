@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qbuild.modeling.config import VisionConfig
+from qbuild.arch import Arch, VisionArch
 
 MASK_VALUE = -65504.0  # the most negative float16: finite, so a fully masked row cannot produce NaN on device
 LAYERNORM_EPS = 1e-6
@@ -61,22 +61,25 @@ def _bilinear_taps(size: int, side: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 class VisionHost(nn.Module):
-    """The host-side inputs of the traced encoder. Weights: `patch_embed.proj.{weight,bias}`, `pos_embed.weight`."""
+    """The host-side inputs of the traced encoder. Weights: `patch_embed.proj.{weight,bias}`, `pos_embed.weight`.
 
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype = torch.float32):
+    Built from the whole Arch: besides the encoder it needs the vision rotary base, a host-side fact."""
+
+    def __init__(self, arch: Arch, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.cfg = cfg
-        kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        vision = self.vision = arch.vision
+        self.rope_theta = arch.vision_rope_theta
+        kernel = (vision.temporal_patch_size, vision.patch_size, vision.patch_size)
         self.patch_embed = nn.Module()
-        self.patch_embed.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel, stride=kernel, bias=True,
+        self.patch_embed.proj = nn.Conv3d(vision.in_channels, vision.hidden_size, kernel, stride=kernel, bias=True,
                                           dtype=dtype)
-        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size, dtype=dtype)
-        self.side = int(cfg.num_position_embeddings**0.5)
+        self.pos_embed = nn.Embedding(vision.num_position_embeddings, vision.hidden_size, dtype=dtype)
+        self.side = int(vision.num_position_embeddings**0.5)
         self.requires_grad_(False)
 
     def patch_tokens(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """(N, C*T*P*P) flattened patches, as the HF processor gives them -> (N, hidden)."""
-        c = self.cfg
+        c = self.vision
         patches = pixel_values.reshape(-1, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
         weight = self.patch_embed.proj.weight
         return self.patch_embed.proj(patches.to(weight.dtype)).reshape(-1, c.hidden_size)
@@ -93,18 +96,18 @@ class VisionHost(nn.Module):
                 for cols, col_w in ((w_lo, 1 - w_frac), (w_hi, w_frac)):
                     weight_HW = row_w[:, None] * col_w[None, :]
                     emb = emb + table[rows[:, None] * self.side + cols[None, :]] * weight_HW[..., None].to(table.dtype)
-            out.append(_block_order(emb, self.cfg.spatial_merge_size).repeat(t, 1))
+            out.append(_block_order(emb, self.vision.spatial_merge_size).repeat(t, 1))
         return torch.cat(out)
 
     def rotary(self, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """2-D rotary tables (N, hd): the first half of the frequencies follow the row, the second the column."""
-        dim = self.cfg.head_dim // 2
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        dim = self.vision.head_dim // 2
+        inv_freq = 1.0 / (self.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
         freqs = []
         for t, h, w in grid_thw.tolist():
             rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
             pos_HW2 = torch.stack([rows, cols], dim=-1)
-            pos = _block_order(pos_HW2, self.cfg.spatial_merge_size).repeat(t, 1).float()  # (h*w*t, 2)
+            pos = _block_order(pos_HW2, self.vision.spatial_merge_size).repeat(t, 1).float()  # (h*w*t, 2)
             freqs.append((pos[:, :, None] * inv_freq).flatten(1))  # [h freqs | w freqs]
         emb = torch.cat(freqs).repeat(1, 2)
         return emb.cos(), emb.sin()
@@ -124,7 +127,7 @@ class VisionHost(nn.Module):
 
         Returns (hidden (S, hidden), mask (1, 1, S, S), cos (S, hd), sin (S, hd), number of merged tokens to keep).
         """
-        unit = self.cfg.spatial_merge_size**2
+        unit = self.vision.spatial_merge_size**2
         hidden = self.patch_tokens(pixel_values) + self.position_embeddings(grid_thw)
         cos, sin = self.rotary(grid_thw)
         num = hidden.shape[0]
@@ -137,11 +140,11 @@ class VisionHost(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype):
+    def __init__(self, vision: VisionArch, dtype: torch.dtype):
         super().__init__()
-        self.heads, self.head_dim = cfg.num_heads, cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, dtype=dtype)
-        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, dtype=dtype)
+        self.heads, self.head_dim = vision.num_heads, vision.head_dim
+        self.qkv = nn.Linear(vision.hidden_size, 3 * vision.hidden_size, dtype=dtype)
+        self.proj = nn.Linear(vision.hidden_size, vision.hidden_size, dtype=dtype)
 
     def forward(self, x_SD, mask, cos, sin):
         length = x_SD.shape[0]
@@ -156,22 +159,22 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype):
+    def __init__(self, vision: VisionArch, dtype: torch.dtype):
         super().__init__()
-        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size, dtype=dtype)
-        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, dtype=dtype)
+        self.linear_fc1 = nn.Linear(vision.hidden_size, vision.intermediate_size, dtype=dtype)
+        self.linear_fc2 = nn.Linear(vision.intermediate_size, vision.hidden_size, dtype=dtype)
 
     def forward(self, x):
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype):
+    def __init__(self, vision: VisionArch, dtype: torch.dtype):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
-        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
-        self.attn = VisionAttention(cfg, dtype)
-        self.mlp = VisionMLP(cfg, dtype)
+        self.norm1 = nn.LayerNorm(vision.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
+        self.norm2 = nn.LayerNorm(vision.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
+        self.attn = VisionAttention(vision, dtype)
+        self.mlp = VisionMLP(vision, dtype)
 
     def forward(self, x, mask, cos, sin):
         x = x + self.attn(self.norm1(x), mask, cos, sin)
@@ -181,27 +184,27 @@ class VisionBlock(nn.Module):
 class VisionEncoder(nn.Module):
     """The traced part: blocks, then LayerNorm, 2x2 merge (merge**2 consecutive tokens), fc1, exact GELU, fc2."""
 
-    def __init__(self, cfg: VisionConfig, dtype: torch.dtype = torch.float32):
+    def __init__(self, vision: VisionArch, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.cfg = cfg
-        self.blocks = nn.ModuleList(VisionBlock(cfg, dtype) for _ in range(cfg.depth))
-        self.merger_norm = nn.LayerNorm(cfg.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
-        self.merger_fc1 = nn.Linear(cfg.merged_hidden_size, cfg.merged_hidden_size, dtype=dtype)
-        self.merger_fc2 = nn.Linear(cfg.merged_hidden_size, cfg.out_hidden_size, dtype=dtype)
+        self.vision = vision
+        self.blocks = nn.ModuleList(VisionBlock(vision, dtype) for _ in range(vision.depth))
+        self.merger_norm = nn.LayerNorm(vision.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
+        self.merger_fc1 = nn.Linear(vision.merged_hidden_size, vision.merged_hidden_size, dtype=dtype)
+        self.merger_fc2 = nn.Linear(vision.merged_hidden_size, vision.out_hidden_size, dtype=dtype)
         self.requires_grad_(False)
 
     def forward(self, hidden: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """hidden (S, hidden), mask (1, 1, S, S), cos / sin (S, hd) -> merged features (S / merge**2, out_hidden)."""
         for block in self.blocks:
             hidden = block(hidden, mask, cos, sin)
-        merged = self.merger_norm(hidden).reshape(-1, self.cfg.merged_hidden_size)
+        merged = self.merger_norm(hidden).reshape(-1, self.vision.merged_hidden_size)
         return self.merger_fc2(F.gelu(self.merger_fc1(merged)))
 
 
-def load_vision(cfg: VisionConfig, tensors: Mapping[str, torch.Tensor],
+def load_vision(arch: Arch, tensors: Mapping[str, torch.Tensor],
                 dtype: torch.dtype = torch.float32) -> tuple[VisionHost, VisionEncoder]:
     """Build the host side and the traced encoder from the converted vision tensors, strictly."""
-    host, encoder = VisionHost(cfg, dtype), VisionEncoder(cfg, dtype)
+    host, encoder = VisionHost(arch, dtype), VisionEncoder(arch.vision, dtype)
     host_names = set(host.state_dict())
     _strict_load(host, {n: t for n, t in tensors.items() if n in host_names}, "vision host weights")
     _strict_load(encoder, {n: t for n, t in tensors.items() if n not in host_names}, "vision encoder weights")
@@ -227,7 +230,7 @@ def embed_with_images(embed_tokens: torch.Tensor, input_ids: torch.Tensor, image
     return embeds
 
 
-def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, cfg: VisionConfig,
+def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None, arch: Arch,
                        seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """3-D mRoPE positions of a (right-padded) prompt batch, as HF's get_rope_index computes them.
 
@@ -239,12 +242,12 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | N
     batch, length = input_ids.shape
     seq_lens = torch.full((batch,), length) if seq_lens is None else seq_lens
     grids = iter(image_grid_thw.tolist() if image_grid_thw is not None else [])
-    merge = cfg.spatial_merge_size
     position_ids = torch.zeros(3, batch, length, dtype=torch.long)
     deltas = torch.zeros(batch, dtype=torch.long)
     for b in range(batch):
         n = int(seq_lens[b])
-        is_image = (input_ids[b, :n] == cfg.image_token_id).tolist()
+        # A text-only export of a VL family has mRoPE but no image token: its positions are the text positions.
+        is_image = [False] * n if arch.image_token_id is None else (input_ids[b, :n] == arch.image_token_id).tolist()
         pieces, start, i = [], 0, 0
         while i < n:
             j = i
@@ -255,6 +258,7 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | N
                 start += j - i
             else:
                 t, h, w = next(grids)
+                merge = arch.vision.spatial_merge_size
                 h, w = h // merge, w // merge
                 if t * h * w != j - i:
                     raise ValueError(f"row {b}: a run of {j - i} image tokens does not match image grid "
@@ -275,9 +279,9 @@ def decode_position_ids(positions: torch.Tensor, rope_deltas: torch.Tensor) -> t
     return (positions + rope_deltas)[None, :, None].expand(3, -1, -1).contiguous()
 
 
-def vision_example_inputs(cfg: VisionConfig, bucket: int, dtype: torch.dtype = torch.float32):
+def vision_example_inputs(vision: VisionArch, bucket: int, dtype: torch.dtype = torch.float32):
     """Inputs of the traced encoder's shapes and dtypes for one bucket (values irrelevant): for tracing."""
-    if bucket % cfg.spatial_merge_size**2:
-        raise ValueError(f"vision bucket {bucket} must be a multiple of {cfg.spatial_merge_size**2}")
-    return (torch.zeros(bucket, cfg.hidden_size, dtype=dtype), torch.zeros(1, 1, bucket, bucket, dtype=dtype),
-            torch.ones(bucket, cfg.head_dim), torch.zeros(bucket, cfg.head_dim))
+    if bucket % vision.spatial_merge_size**2:
+        raise ValueError(f"vision bucket {bucket} must be a multiple of {vision.spatial_merge_size**2}")
+    return (torch.zeros(bucket, vision.hidden_size, dtype=dtype), torch.zeros(1, 1, bucket, bucket, dtype=dtype),
+            torch.ones(bucket, vision.head_dim), torch.zeros(bucket, vision.head_dim))

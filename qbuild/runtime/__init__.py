@@ -31,9 +31,9 @@ class Generation:
 class Runtime:
     """A loaded bundle. Build with `Runtime.load(dir)`; call `generate(...)`."""
 
-    def __init__(self, root: Path, manifest: dict, config: dict, tokenizer, weights: dict, text_cfg, vision):
+    def __init__(self, root: Path, manifest: dict, config: dict, tokenizer, weights: dict, arch, vision):
         self.root, self.manifest, self.config, self.tokenizer = root, manifest, config, tokenizer
-        self.weights, self.cfg, self.vision = weights, text_cfg, vision
+        self.weights, self.arch, self.vision = weights, arch, vision
         self.batch = manifest["batch_size"]
         self.cte = sorted(manifest["buckets"]["cte"])
         self.tkg = sorted(manifest["buckets"]["tkg"])
@@ -55,12 +55,13 @@ class Runtime:
         import torch
         from safetensors.torch import load_file
 
-        from ..modeling import TextConfig, TextModel
+        from ..arch import arch_from_config
+        from ..modeling import TextModel
 
         config = json.loads((root / "config.json").read_text())
-        text_cfg = TextConfig.from_hf(config)
+        arch = arch_from_config(config)
         dtype = getattr(torch, manifest["dtype"])
-        model = TextModel(text_cfg, tp=manifest["tp"], ep=manifest["ep"], dtype=dtype,
+        model = TextModel(arch, tp=manifest["tp"], ep=manifest["ep"], dtype=dtype,
                           max_seq_len=max(manifest["buckets"]["cte"]))
         shards = [load_file(root / "weights" / f"tp{r}_sharded_checkpoint.safetensors")
                   for r in range(manifest["tp"])]
@@ -69,8 +70,8 @@ class Runtime:
         except ValueError as e:
             raise UserError(f"{root / 'weights'}: {e}") from None
         weights = dict(model.state_dict())
-        vision = _load_vision(root, config, dtype) if manifest["buckets"].get("vision") else None
-        return cls(root, manifest, config, _tokenizer(root), weights, text_cfg, vision)
+        vision = _load_vision(root, arch, config, dtype) if manifest["buckets"].get("vision") else None
+        return cls(root, manifest, config, _tokenizer(root), weights, arch, vision)
 
     def signature(self, name: str) -> dict:
         if name not in self._signatures:
@@ -166,11 +167,11 @@ class Runtime:
         ids = ids.expand(self.batch, -1).contiguous()
         seq_lens = torch.full((self.batch,), n, dtype=torch.long)
         deltas = torch.zeros(self.batch, dtype=torch.long)
-        if self.cfg.mrope_section is not None:
+        if self.arch.mrope_section is not None:
             from ..modeling.vision import mrope_position_ids
 
             grid = images[1] if images is not None else None
-            positions, deltas = mrope_position_ids(ids, grid, self._vision_cfg_for_positions(), seq_lens)
+            positions, deltas = mrope_position_ids(ids, grid, self.arch, seq_lens)
         else:
             positions = torch.arange(bucket)[None].expand(self.batch, -1).contiguous()
         if self.embeds:
@@ -189,7 +190,7 @@ class Runtime:
         from ..modeling.vision import embed_with_images
 
         per_row = images[0].repeat(ids.shape[0], 1)
-        return embed_with_images(table, ids, per_row, self.vision.cfg.image_token_id)
+        return embed_with_images(table, ids, per_row, self.arch.image_token_id)
 
     def _attention_slots(self) -> list[int]:
         sig = self.signature(f"cte-{self.cte[0]}")
@@ -215,7 +216,7 @@ class Runtime:
         args = [s[:, :, :, :bucket].contiguous() if i in slots else s for i, s in enumerate(state)]
         ids = torch.full((self.batch, 1), token, dtype=torch.long)
         positions = torch.full((self.batch,), position, dtype=torch.long)
-        if self.cfg.mrope_section is not None:
+        if self.arch.mrope_section is not None:
             from ..modeling.vision import decode_position_ids
 
             position_ids = decode_position_ids(positions, deltas)
@@ -231,11 +232,6 @@ class Runtime:
         return logits, state
 
     # --- images ------------------------------------------------------------------------------------------------
-    def _vision_cfg_for_positions(self):
-        from ..modeling import VisionConfig
-
-        return self.vision.cfg if self.vision is not None else VisionConfig.from_hf(self.config)
-
     def with_image_tokens(self, prompt_ids: list[int], image: Path) -> tuple[list[int], tuple]:
         """Encode `image` through the vision graph. Returns the prompt with the image's tokens in front
         (<|vision_start|> <|image_pad|> x merged tokens <|vision_end|> prompt) and (features, grid_thw)."""
@@ -243,9 +239,9 @@ class Runtime:
             raise UserError(f"{self.root}: this bundle has no vision graph; --image needs a VL recipe with "
                             "`vision: {buckets: [...]}`")
         features, grid = self.vision.encode(image, self.vision_buckets, self.graph)
-        cfg = self.vision.cfg
+        arch = self.arch
         vision_end = self.config.get("vision_end_token_id") or self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
-        ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * features.shape[0] + [vision_end] + list(prompt_ids)
+        ids = [arch.vision_start_token_id] + [arch.image_token_id] * features.shape[0] + [vision_end] + list(prompt_ids)
         return ids, (features, grid)
 
 
@@ -258,7 +254,7 @@ def _tokenizer(root: Path):
         raise UserError(f"{root}: cannot load the bundle's tokenizer: {e}") from None
 
 
-def _load_vision(root: Path, config: dict, dtype):
+def _load_vision(root: Path, arch, config: dict, dtype):
     from .images import VisionRuntime
 
-    return VisionRuntime.load(root, config, dtype)
+    return VisionRuntime.load(root, arch, config, dtype)

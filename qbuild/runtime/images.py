@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..arch import Arch, ConfigError
 from ..errors import UserError
 
 # The Qwen3.5 processors' normalisation when a checkpoint carries no preprocessor_config.json.
@@ -39,8 +40,8 @@ def pixels(processor, image: Path):
 
 
 class VisionRuntime:
-    def __init__(self, cfg, host, weights: dict, root: Path, vision_config: dict):
-        self.cfg, self.host, self.weights = cfg, host, weights
+    def __init__(self, host, weights: dict, root: Path, vision_config: dict):
+        self.host, self.weights = host, weights
         self._root, self._vision_config, self._processor = root, vision_config, None
 
     @property
@@ -50,21 +51,29 @@ class VisionRuntime:
         return self._processor
 
     @classmethod
-    def load(cls, root: Path, config: dict, dtype) -> "VisionRuntime":
+    def load(cls, root: Path, arch: Arch, config: dict, dtype) -> "VisionRuntime":
+        """The bundle's vision side; a ConfigError unless its config.json (read into `arch`) has a vision encoder
+        and the image token ids a prompt with an image needs."""
         from safetensors.torch import load_file
 
-        from ..modeling.vision import VisionConfig, VisionHost
+        from ..modeling.vision import VisionHost
 
-        cfg = VisionConfig.from_hf(config)
+        origin = "config.json"
+        if arch.vision is None:
+            raise ConfigError(origin, "vision_config", f"model_type {config.get('model_type')!r} has no vision "
+                                                       "encoder (no vision_config)")
+        for key in ("image_token_id", "vision_start_token_id"):
+            if getattr(arch, key) is None:
+                raise ConfigError(origin, key, f"{key} is missing (the vision encoder needs it)")
         tensors = load_file(root / "vision" / "model.safetensors")
-        host = VisionHost(cfg, dtype)
+        host = VisionHost(arch, dtype)
         host_names = set(host.state_dict())
         try:
             host.load_state_dict({n: t for n, t in tensors.items() if n in host_names}, strict=True)
         except RuntimeError as e:
             raise UserError(f"{root / 'vision' / 'model.safetensors'}: {e}") from None
         weights = {n: t for n, t in tensors.items() if n not in host_names}
-        return cls(cfg, host, weights, root, config["vision_config"])
+        return cls(host, weights, root, config["vision_config"])
 
     def encode(self, image: Path, buckets: list[int], graph):
         """-> (features (merged tokens, out_hidden), grid_thw (1, 3)) through the smallest fitting bucket."""
