@@ -82,14 +82,14 @@ class NeuronTextCompile:
     lineage: LineageName
     text: Arch
     parallel: NxdParallel
-    batch_size: int
-    seq_len: int
-    cte_buckets: tuple[int, ...]
-    tkg_buckets: tuple[int, ...]
     dtype: DType
     fp8: FP8Policy
     moe_backend: MoEBackend | None
     fused_qkv: bool
+    batch_size: int
+    seq_len: int
+    cte_buckets: tuple[int, ...]
+    tkg_buckets: tuple[int, ...]
     compiler: CompilerSettings
     toolchain: dict[str, str]        # distribution -> the recipe's pinned version
     port_env: dict[str, str]         # the only port switches a compile sees
