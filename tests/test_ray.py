@@ -30,7 +30,7 @@ from qbuild.plan import Node, Plan, _add
 from qbuild.store import StoreSpec
 from tests.s3server import free_port, s3_env, shared_server
 from tests.engine_actions import read_log
-import tests.test_ray_actions  # noqa: F401  registers the ray-* actions the driver plans
+import tests.ray_actions  # noqa: F401  registers the ray-* actions the driver plans
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -102,7 +102,7 @@ def test_remote_is_required():
 def test_worker_with_other_action_source_refuses_to_build():
     from qbuild.job import Job
 
-    action = ActionSpec("ray-text", "tests.test_ray_actions:text", ("tests.test_ray_actions",))
+    action = ActionSpec("ray-text", "tests.ray_actions:text", ("tests.ray_actions",))
     pre = {"action": "ray-text", "version": "0" * 32, "params": {}, "inputs": {}, "toolchain": {}}
     job = Job("n", "ray-text", "text a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"),
               action.entry)

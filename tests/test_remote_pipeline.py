@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from tests.s3server import FAKE_CREDENTIALS, s3_env, shared_server
-from tests.test_remote_actions import blob_bytes
+from tests.remote_actions import blob_bytes
 
 REPO = Path(__file__).resolve().parent.parent
-MODULE = "tests.test_remote_actions"     # the CLI with the test actions registered
+MODULE = "tests.remote_actions"     # the CLI with the test actions registered
 
 
 # --- a project on disk and a CLI that runs it ----------------------------------------------------------------------

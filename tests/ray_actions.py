@@ -13,10 +13,10 @@ from pathlib import Path
 
 from qbuild.actions import ActionSpec, RunContext, register
 
-_SOURCES = ("tests.test_ray_actions",)
-TEXT = register(ActionSpec("ray-text", "tests.test_ray_actions:text", _SOURCES))
-CRASH_ONCE = register(ActionSpec("ray-crash-once", "tests.test_ray_actions:crash_once", _SOURCES))
-FAIL = register(ActionSpec("ray-fail", "tests.test_ray_actions:fail", _SOURCES))
+_SOURCES = ("tests.ray_actions",)
+TEXT = register(ActionSpec("ray-text", "tests.ray_actions:text", _SOURCES))
+CRASH_ONCE = register(ActionSpec("ray-crash-once", "tests.ray_actions:crash_once", _SOURCES))
+FAIL = register(ActionSpec("ray-fail", "tests.ray_actions:fail", _SOURCES))
 
 HANG_S = 120.0      # how long a first attempt of crash_once waits to be killed before giving up
 
