@@ -1,6 +1,6 @@
 """Weights are only ever read from safetensors: a whole build and a run, with every unpickling recorded.
 
-The CLI and every worker it starts run with tests/pickle_audit/sitecustomize.py, which logs each call of
+The CLI and every worker it starts run with tests/pickle_audit.py, which logs each call of
 pickle.load / pickle.loads / pickle.Unpickler.load, each global a full unpickler resolves (the "pickle.find_class"
 audit event of PEP 578, which also sees C code) and each torch.load, with its call stack. Two kinds are allowed:
 
@@ -29,7 +29,7 @@ from tests.conftest import REPO, qbuild
 
 pytestmark = pytest.mark.slow
 
-AUDIT = Path(__file__).resolve().parent / "pickle_audit"
+STARTUP = Path(__file__).resolve().parent / "startup"
 RECIPE = """\
 model: {{path: {path}}}
 text: {{seq_len: 64, cte_buckets: [32], tkg_buckets: [64]}}
@@ -46,7 +46,7 @@ EXPORT_DESERIALIZER = "torch._export.serde.serialize:deserialize_torch_artifact"
 
 
 def _audited_env(log: Path) -> dict:
-    return {"QBUILD_PICKLE_AUDIT": str(log), "PYTHONPATH": os.pathsep.join([str(AUDIT), str(REPO)])}
+    return {"QBUILD_PICKLE_AUDIT": str(log), "PYTHONPATH": os.pathsep.join([str(STARTUP), str(REPO)])}
 
 
 def _events(log: Path) -> list[dict]:
