@@ -38,6 +38,8 @@ NODE_MEMORY = 256 * GIB              # each Ray node's declared `memory` (logica
                                      # planned for the real 2B model, ~8-40 GiB, and only reserve it)
 START_TIMEOUT_S = 90
 BUILD_TIMEOUT_S = 180
+# The tests on the Ray cluster run on one xdist worker, so the module-scoped cluster starts once.
+ON_THE_CLUSTER = pytest.mark.xdist_group("ray-cluster")
 
 
 def _node(name: str, peak: int = GIB, needs_device: bool = False) -> Node:
@@ -317,6 +319,8 @@ def _remote_manifests(client, bucket: str, prefix: str) -> dict[str, dict]:
     return remote_state(client, bucket, prefix)[0]
 
 
+@ON_THE_CLUSTER
+@pytest.mark.slow
 def test_worker_killed_mid_task_is_retried_and_never_half_published(cluster, driver, s3_client_env, tmp_path):
     log, marker = tmp_path / "log", tmp_path / "first-attempt.pid"
     plan = _graph(log, [("a", "ray-text", [], 0.25), ("victim", "ray-crash-once", ["a"], 0.25),
@@ -357,6 +361,8 @@ def test_worker_killed_mid_task_is_retried_and_never_half_published(cluster, dri
     assert remote[victim.key]["digest"] == victim.digest
 
 
+@ON_THE_CLUSTER
+@pytest.mark.slow
 def test_too_big_for_every_worker_fails_clearly_and_errors_are_not_retried(cluster, driver, s3_client_env,
                                                                            tmp_path):
     log = tmp_path / "log"
@@ -375,6 +381,8 @@ def test_too_big_for_every_worker_fails_clearly_and_errors_are_not_retried(clust
     assert not any(e["node"] == "huge" for e in read_log(log))
 
 
+@ON_THE_CLUSTER
+@pytest.mark.slow
 def test_pipeline_through_ray_gives_the_local_lockfile(cluster, s3_client_env, tmp_path):
     """The real CLI, planner, engine and lockfile (fetch of a local checkpoint, then test-defined steps) built
     once with the local executor and once on the Ray cluster: the same lockfile, byte for byte."""
@@ -414,6 +422,7 @@ verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.
 """
 
 
+@ON_THE_CLUSTER
 @pytest.mark.slow
 def test_real_tiny_recipe_through_ray_gives_the_local_lockfile(cluster, tmp_path):
     """Every real action (fetch, convert, shard, export compile, package, reference, verify) on Ray workers."""
