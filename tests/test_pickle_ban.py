@@ -6,11 +6,13 @@ audit event of PEP 578, which also sees C code) and each torch.load, with its ca
 
 - the process pool's own messages (jobs out, manifests back): bytes this build pickled a moment earlier in the
   driver or a worker, never read from a file;
-- torch.export.load of a compiled graph (`.pt2`). A graph carries no weights (they are inputs of the program), but
-  the archive keeps its example inputs and constants as torch.save pickles; torch reads them from the archive's
-  bytes with its weights-only unpickler, which builds tensors and plain containers and refuses any other global.
-  That is allowed only in exactly that form: torch.load, weights_only, in-memory bytes, from torch's export
-  deserializer. Its fallback to weights_only=False, or any torch.load of a file, fails the test.
+- torch.export.load of a compiled graph (`.pt2`). A graph carries no weights (they are inputs of the program) and
+  its constants (rotary tables, expert ids) are raw tensor bytes, but the archive keeps the example inputs it was
+  traced with (`data/sample_inputs/model.pt`: zeros of the weights' shapes and the example arguments) as a
+  torch.save pickle. torch reads it from the archive's bytes with its weights-only unpickler, which builds tensors
+  and plain containers and refuses any other global. That is allowed in exactly that form: torch.load, weights_only,
+  in-memory bytes, from torch's export deserializer. Its fallback to weights_only=False, or any torch.load of a
+  file, fails the test.
 
 Everything else, a torch.load or pickle.load of any file in particular, fails.
 """
