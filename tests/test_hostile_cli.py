@@ -25,6 +25,9 @@ from qbuild.hashing import digest_file
 from tests.s3server import s3_env, shared_server
 from tests.test_remote_pipeline import make_project, write_recipe
 
+# One worker takes the whole file, so the module-scoped project `built` is built once.
+pytestmark = pytest.mark.xdist_group("hostile-cli")
+
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "tests.remote_actions"     # the real CLI with the fast test actions registered
 BUCKET = "qb-hostile"

@@ -29,6 +29,9 @@ import pytest
 
 from tests.conftest import REPO, qbuild
 
+# One worker takes the whole file, so the module-scoped build `built` is built once.
+pytestmark = pytest.mark.xdist_group("hostile-inputs")
+
 FAMILY = "qwen3_next"
 INDEX = "model.safetensors.index.json"
 TEXT = "text: {seq_len: 32, cte_buckets: [16], tkg_buckets: [32]}"

@@ -19,6 +19,9 @@ from qbuild.convert import convert_state_dict, shard_state_dict
 from qbuild.modeling import TextConfig, TextModel, text_position_ids
 from qbuild.tinymodel import TP4_TEXT, VOCAB_SIZE, SPECIAL_TOKENS, write_tiny_checkpoint
 
+# One worker takes the whole file, so the module-scoped HF models of `checkpoints` are loaded once.
+pytestmark = pytest.mark.xdist_group("modeling")
+
 # float32 tiny models: our summation orders (rank partials, einsums, chunked DeltaNet) differ from HF's.
 LOGITS_ATOL = 1e-4
 # FP8 e4m3 weights (3 mantissa bits) in every projection of a random tiny model move its logits (magnitude ~2)

@@ -25,6 +25,9 @@ import yaml
 from tests.conftest import REPO, qbuild
 from tests.nxdi_double import MAIN_PORT, MOE_PORT, ROOT, SITE, metadata_overlay, read_log
 
+# One worker takes the whole file, so the module-scoped build `dense` is built once.
+pytestmark = pytest.mark.xdist_group("neuron-double")
+
 TOOLCHAIN = yaml.safe_load((REPO / "recipes/bases/trn2.yaml").read_text())["toolchain"]
 RECIPE_FLAG = "--enable-fast-loading-neuron-binaries"    # any recipe flag: it must reach get_compiler_args()
 PORT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "

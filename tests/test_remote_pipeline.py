@@ -18,6 +18,9 @@ import pytest
 from tests.s3server import FAKE_CREDENTIALS, s3_env, shared_server
 from tests.remote_actions import blob_bytes
 
+# One worker takes the whole file, so the module-scoped build `built` is built once.
+pytestmark = pytest.mark.xdist_group("remote-pipeline")
+
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "tests.remote_actions"     # the CLI with the test actions registered
 
