@@ -132,6 +132,7 @@ def test_prefill_logits_match_transformers(checkpoints, variant, tp, ep):
 
 
 @pytest.mark.parametrize("variant,tp,ep", [("qwen3_5", 2, 1), ("qwen3_5_moe", 2, 2), ("qwen3_next", 2, 2)])
+@pytest.mark.slow
 def test_greedy_decode_matches_generate(checkpoints, variant, tp, ep):
     config, text, hf = checkpoints(variant)
     model = _model(config, text, tp, ep)
