@@ -5,7 +5,7 @@ QBUILD := $(VENV)/bin/qbuild
 DEMO   := .qbuild
 export QBUILD_STORE ?= $(CURDIR)/$(DEMO)/store
 
-.PHONY: install demo test lock-check neuron-check bench clean
+.PHONY: install demo test test-fast lock-check neuron-check bench clean
 
 install: $(VENV)/.installed
 
@@ -26,8 +26,15 @@ demo: install $(DEMO)/tiny/qwen3_5/config.json $(DEMO)/tiny/qwen3_5_moe/config.j
 	$(QBUILD) lock check --lock $(DEMO)/artifacts.lock
 	$(QBUILD) run recipes/tiny/dense-tp2.yaml --lock $(DEMO)/artifacts.lock --prompt "The quick brown fox" --max-new-tokens 16
 
+# loadgroup: the tests of one xdist group (those sharing an expensive module fixture) run on one worker, so the
+# fixture is built once; ungrouped tests go to whichever worker is free.
 test: install
-	$(PY) -m pytest -n 2 --durations=15 -q
+	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 -q
+
+# The fast lane, for the edit-test loop: everything but the tests marked slow (AOTInductor, the Ray cluster,
+# end-to-end builds, the SIGKILL sweep, fuzzers).
+test-fast: install
+	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow" --durations=10 -q
 
 # The committed artifacts.lock names the tiny recipes' artifacts: a clean machine rebuilds them from nothing (fresh
 # checkpoints, an empty store) to exactly what it locks, or this fails naming the first step that would differ.

@@ -145,7 +145,7 @@ def _executor(name: str, address: Optional[str], jobs: Optional[int], ws):
         require_remote(ws.store_spec)
         address = address or os.environ.get("RAY_ADDRESS") or "auto"
         # No default budget: each Ray task reserves its own memory estimate on the worker that runs it.
-        return (lambda: RayExecutor(ws.store, address)), jobs or RAY_JOBS, None
+        return (lambda: RayExecutor(ws.store, address, ws.registry)), jobs or RAY_JOBS, None
     raise UserError(f"--executor: {name!r} is not one of local, ray")
 
 

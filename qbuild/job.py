@@ -88,6 +88,9 @@ def _build(job: Job, store: Store, stage: Path) -> Manifest:
     manifest = Manifest(key=job.key, kind=job.kind, preimage=job.preimage, outputs=outputs,
                         meta={"seconds": round(time.monotonic() - start, 3), "log": log_lines[-50:],
                               "output": _tail(output_file)})
+    # The staging dir goes before the manifest lands: a build killed just after its commit would leave it behind
+    # for good, since a cached key is never built (and its staging cleared) again.
+    shutil.rmtree(stage, ignore_errors=True)
     store.commit(manifest)
     return manifest
 

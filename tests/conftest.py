@@ -1,4 +1,4 @@
-"""Shared fixtures: an isolated environment per test and tiny checkpoints made once per session."""
+"""Shared fixtures: an isolated environment per test and tiny checkpoints made once per run."""
 
 from __future__ import annotations
 
@@ -28,14 +28,28 @@ def isolated_env(tmp_path, monkeypatch):
     yield
 
 
+def _run_dir(tmp_path_factory, worker_id: str) -> Path:
+    """A directory every xdist worker of this run shares (pytest's own base temp when there are no workers)."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """One seeded tiny checkpoint per family (MoE experts per expert, as save_pretrained writes them)."""
+def tiny_checkpoints(tmp_path_factory, worker_id) -> dict[str, Path]:
+    """One seeded tiny checkpoint per family (MoE experts per expert, as save_pretrained writes them), written once
+    per run: the first worker to get here writes them while the others wait. Read-only: copy one to damage it."""
+    from filelock import FileLock
+
     from qbuild.families import FAMILIES
     from qbuild.tinymodel import write_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("tiny")
-    return {fam: write_tiny_checkpoint(root / fam, fam) for fam in FAMILIES}
+    root = _run_dir(tmp_path_factory, worker_id) / "tiny-checkpoints"
+    with FileLock(f"{root}.lock"):
+        if not (root / "complete").exists():
+            for fam in FAMILIES:
+                write_tiny_checkpoint(root / fam, fam)
+            (root / "complete").touch()
+    return {fam: root / fam for fam in FAMILIES}
 
 
 def qbuild(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False,

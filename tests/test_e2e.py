@@ -17,6 +17,9 @@ import pytest
 
 from tests.conftest import REPO, qbuild
 
+# One worker takes the whole file: every test here shares the session-scoped build `ws`.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]
+
 PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5,"]
 RECIPES = {
     "vl-dense-tp2": ("qwen3_5", "parallel: {tp: 2}\nvision: {buckets: [64]}\n"),

@@ -3,7 +3,9 @@
 A random tiny model has a nearly flat output distribution, so its top-1 is decided by noise far below any
 quantisation error. Trained models are confident; the test model is given that property by scaling its token
 embeddings and tying the LM head to them (the residual stream then carries a clear next-token signal), which
-leaves every quantised MLP in the path. The same check with mis-scaled FP8 weights must fail, so it can.
+leaves every quantised MLP in the path. The same check with mis-scaled FP8 weights must fail by a wide margin, so
+the bar is known to separate a working converter from a broken one: measured on the tiny checkpoints, a working
+one agrees on >= 0.997 of positions and one whose scales are 1.5x off on <= 0.85.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from qbuild.convert import convert_state_dict, shard_state_dict
 from qbuild.modeling import TextModel, text_position_ids
 
 MIN_TOP1_AGREEMENT = 0.99
+MAX_BROKEN_TOP1_AGREEMENT = 0.95  # what mis-scaled weights may keep: well under the pass bar, above what they do
+SCALE_ERROR = 1.5
 EMBED_SCALE = 2.0
 PROMPTS, PROMPT_LEN = 8, 48
 
@@ -51,5 +55,5 @@ def test_mlp_only_fp8_keeps_top1_on_99_percent_of_positions(tiny_checkpoints, fa
     reference = _top1(config, tensors, "none")
     agreement = (_top1(config, tensors, "mlp_only") == reference).float().mean().item()
     assert agreement >= MIN_TOP1_AGREEMENT, f"{family}: top-1 agreement {agreement:.4f}"
-    broken = (_top1(config, tensors, "mlp_only", scale_error=1.5) == reference).float().mean().item()
-    assert broken < agreement, f"{family}: mis-scaled FP8 weights went unnoticed ({broken:.4f})"
+    broken = (_top1(config, tensors, "mlp_only", scale_error=SCALE_ERROR) == reference).float().mean().item()
+    assert broken <= MAX_BROKEN_TOP1_AGREEMENT, f"{family}: FP8 scales {SCALE_ERROR}x off kept top-1 on {broken:.4f}"

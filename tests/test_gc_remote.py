@@ -27,6 +27,7 @@ def s3():
     return client
 
 
+@pytest.mark.slow
 def test_gc_removes_exactly_the_unreferenced_entries_locally_and_remotely(s3, tmp_path):
     project = make_project(tmp_path / "p")
     remote = f"s3://{BUCKET}/p"

@@ -4,7 +4,7 @@ Every case asserts the exit code; that stderr holds exactly one error line (usag
 help hint, then one error line) and no traceback; and that nothing was written (store, lockfile, destination), or,
 for faults, that the store ends consistent and the next run finishes the job.
 
-The pipeline is the real one up to fetch, with the small test actions of tests/test_remote_actions after it, so a
+The pipeline is the real one up to fetch, with the small test actions of tests/remote_actions after it, so a
 recipe builds in about a second (see test_remote_pipeline). Remote cases use moto's S3 server on loopback.
 """
 
@@ -23,10 +23,13 @@ import pytest
 
 from qbuild.hashing import digest_file
 from tests.s3server import s3_env, shared_server
-from tests.test_remote_pipeline import make_project, write_recipe
+from tests.test_remote_pipeline import make_project
+
+# One worker takes the whole file, so the module-scoped project `built` is built once.
+pytestmark = pytest.mark.xdist_group("hostile-cli")
 
 REPO = Path(__file__).resolve().parent.parent
-MODULE = "tests.test_remote_actions"     # the real CLI with the fast test actions registered
+MODULE = "tests.remote_actions"     # the real CLI with the fast test actions registered
 BUCKET = "qb-hostile"
 HOUR_NS = 3600 * 10**9
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -28,6 +27,9 @@ from typing import Callable
 import pytest
 
 from tests.conftest import REPO, qbuild
+
+# One worker takes the whole file, so the module-scoped build `built` is built once.
+pytestmark = pytest.mark.xdist_group("hostile-inputs")
 
 FAMILY = "qwen3_next"
 INDEX = "model.safetensors.index.json"
@@ -236,6 +238,7 @@ CHECKPOINT_CASES = [truncated_shard, lying_header_length, lying_header_offsets, 
 
 
 @pytest.mark.parametrize("corrupt", CHECKPOINT_CASES, ids=lambda f: f.__name__)
+@pytest.mark.slow
 def test_bad_checkpoint_is_one_line_exit_2_and_nothing_written(corrupt, tiny_checkpoints, tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(tiny_checkpoints[FAMILY], ck)
@@ -356,6 +359,7 @@ def locked(project: Path, recipe: str, role: str) -> dict:
     return doc["nodes"][doc["recipes"][recipe]["nodes"][role]]
 
 
+@pytest.mark.slow
 def test_library_output_stays_off_the_terminal_and_v_shows_it(built):
     quiet, verbose = built["quiet"].stderr, built["verbose"].stderr
     for noise in ("Loading weights", "FutureWarning", "[transformers]"):
@@ -366,11 +370,13 @@ def test_library_output_stays_off_the_terminal_and_v_shows_it(built):
     assert any(line.startswith("Loading weights") for line in output)
 
 
+@pytest.mark.slow
 def test_the_lockfile_leaves_no_lock_file_beside_it(built):
     assert sorted(p.name for p in built["root"].iterdir()) == ["artifacts.lock", "ok.yaml", "store",
                                                                "unverified.yaml"]
 
 
+@pytest.mark.slow
 def test_pull_refuses_an_unverified_bundle_naming_the_failed_report(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
     proc = qbuild("pull", "unverified", "--to", "bundle", cwd=project, env={"QBUILD_STORE": str(project / "store")})
@@ -384,6 +390,7 @@ def test_pull_refuses_an_unverified_bundle_naming_the_failed_report(built, tmp_p
     assert proc.returncode == 0, proc.stderr
 
 
+@pytest.mark.slow
 def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
     store = project / "store"
@@ -405,6 +412,7 @@ def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_p
     assert qbuild("store", "verify", cwd=project, env=env).returncode == 0
 
 
+@pytest.mark.slow
 def test_manifest_replaced_by_a_fifo_neither_hangs_nor_stays(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
     store = project / "store"
@@ -431,6 +439,7 @@ def _read_only(path: Path):
     return lambda: subprocess.run(["umount", str(path)], check=True)
 
 
+@pytest.mark.slow
 def test_read_only_store_is_one_line_exit_3_then_the_next_run_finishes(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
     store = project / "store"
@@ -458,6 +467,7 @@ def test_read_only_store_is_one_line_exit_3_then_the_next_run_finishes(built, tm
 NEW_BUCKET = "text: {seq_len: 32, cte_buckets: [8, 16], tkg_buckets: [32]}"   # one new graph: compile cte-8
 
 
+@pytest.mark.slow
 def test_full_disk_during_compile_is_one_line_exit_3_then_the_next_run_finishes(built, tmp_path):
     mnt = tmp_path / "small"
     mnt.mkdir()
@@ -484,6 +494,7 @@ def test_full_disk_during_compile_is_one_line_exit_3_then_the_next_run_finishes(
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_driver_ends_its_workers(built, tmp_path):
     import psutil
 
@@ -517,6 +528,7 @@ def test_sigkill_of_the_driver_ends_its_workers(built, tmp_path):
 
 # --- the remote ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_remote_that_accepts_and_never_answers_fails_in_under_30s_naming_the_endpoint(tiny_checkpoints, tmp_path):
     from tests.s3server import s3_env
 

@@ -20,6 +20,9 @@ from qbuild.convert import convert_state_dict, shard_state_dict
 from qbuild.modeling import TextModel, text_position_ids
 from qbuild.tinymodel import TP4_TEXT, VOCAB_SIZE, SPECIAL_TOKENS, write_tiny_checkpoint
 
+# One worker takes the whole file, so the module-scoped HF models of `checkpoints` are loaded once.
+pytestmark = pytest.mark.xdist_group("modeling")
+
 # float32 tiny models: our summation orders (rank partials, einsums, chunked DeltaNet) differ from HF's.
 LOGITS_ATOL = 1e-4
 # FP8 e4m3 weights (3 mantissa bits) in every projection of a random tiny model move its logits (magnitude ~2)
@@ -130,6 +133,7 @@ def test_prefill_logits_match_transformers(checkpoints, variant, tp, ep):
 
 
 @pytest.mark.parametrize("variant,tp,ep", [("qwen3_5", 2, 1), ("qwen3_5_moe", 2, 2), ("qwen3_next", 2, 2)])
+@pytest.mark.slow
 def test_greedy_decode_matches_generate(checkpoints, variant, tp, ep):
     config, text, hf = checkpoints(variant)
     model = _model(config, text, tp, ep)

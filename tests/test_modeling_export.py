@@ -36,6 +36,7 @@ def _max_err(a, b) -> float:
                                                                            torch.utils._pytree.tree_leaves(b)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,tp,ep", [("qwen3_5", 1, 1), ("qwen3_5_moe", 2, 2), ("qwen3_next", 2, 1)])
 def test_prefill_and_decode_export(tiny_checkpoints, family, tp, ep):
     model = _loaded_model(tiny_checkpoints[family], tp, ep)

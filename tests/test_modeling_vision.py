@@ -24,6 +24,9 @@ from qbuild.modeling.vision import (
 )
 from qbuild.tinymodel import SPECIAL_TOKENS, VOCAB_SIZE
 
+# One worker takes the whole file, so the module-scoped HF models of `vl` are loaded once.
+pytestmark = pytest.mark.xdist_group("modeling-vision")
+
 # float32: our attention (additive block mask over the whole bucket) sums in a different order than HF's
 # per-image attention, and our decoder's partials differ from HF's summation order.
 FEATURES_ATOL = 1e-5

@@ -25,6 +25,9 @@ import yaml
 from tests.conftest import REPO, qbuild
 from tests.nxdi_double import MAIN_PORT, MOE_PORT, ROOT, SITE, metadata_overlay, read_log
 
+# One worker takes the whole file, so the module-scoped build `dense` is built once.
+pytestmark = pytest.mark.xdist_group("neuron-double")
+
 TOOLCHAIN = yaml.safe_load((REPO / "recipes/bases/trn2.yaml").read_text())["toolchain"]
 RECIPE_FLAG = "--enable-fast-loading-neuron-binaries"    # any recipe flag: it must reach get_compiler_args()
 PORT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
@@ -140,6 +143,7 @@ def _compile_call(build: Build, index: int = 0) -> dict:
 
 # --- the text compile ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_one_compile_builds_every_bucket_of_both_submodels(dense):
     """One NxDI compile per text bundle, with bucketing on and both lists explicit (never auto-generated), every
     bucket compiled, token-generation bucket 0 first; sharding skipped inside compile (qbuild's shard step writes
@@ -168,6 +172,7 @@ def test_one_compile_builds_every_bucket_of_both_submodels(dense):
     assert trace["parameter_dtypes"] == ["bfloat16"]
 
 
+@pytest.mark.slow
 def test_compile_environment(dense):
     """What the compile subprocess saw: its own absolute work dir under QBUILD_NEURON_WORKDIR, the store's compile
     cache, LNC and target set before NxDI was imported, and the port directory (not src/) first on sys.path."""
@@ -185,6 +190,7 @@ def test_compile_environment(dense):
     assert len(entries) == 3 and entries <= set(dense.cache_entries())
 
 
+@pytest.mark.slow
 def test_recipe_compiler_args_reach_get_compiler_args(dense):
     """get_compiler_args() answers with the lineage's arguments, --target and --lnc (NxDI adds neither when the app
     returns its own) and the recipe's flags, for both submodels; the flags NxD hashes carry the absolute logfile."""
@@ -198,6 +204,7 @@ def test_recipe_compiler_args_reach_get_compiler_args(dense):
         assert f"--logfile={neff['dir']}/log-neuron-cc.txt" in neff["flags"]
 
 
+@pytest.mark.slow
 def test_neuron_config_json_survives_into_the_bundle(dense, tmp_path):
     """NxDI's neuron_config.json (what load() reads back) reaches the bundle byte for byte; qbuild keeps its own record
     beside it as qbuild-neuron.json."""
@@ -241,6 +248,7 @@ def test_concurrent_builds_get_distinct_work_dirs(dense, tmp_path):
     assert "QWEN36_DELTANET_CTE_IMPL" not in by_fused[True]["env"]
 
 
+@pytest.mark.slow
 def test_adding_a_bucket_compiles_one_neff(dense, tmp_path):
     """Adding a token-generation bucket after the others keeps the work dir and the compile cache: the next compile
     finds the three NEFFs it had and adds exactly one, as `qbuild explain` says beforehand (and says "3 new" when
@@ -281,6 +289,7 @@ def test_adding_a_bucket_compiles_one_neff(dense, tmp_path):
         [("context_encoding_model", 16), ("context_encoding_model", 32), ("context_encoding_model", 64)]
 
 
+@pytest.mark.slow
 def test_bundle_loads_with_the_port_class(dense, tmp_path):
     """`App(dir).load(dir)` with the port's class from the bundle's own copy of the port: NxDI's load reads every
     rank's weights/tp{r}_sharded_checkpoint.safetensors and takes them only in the names and shapes it compiled."""
@@ -330,6 +339,7 @@ def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
 
 # --- the toolchain -----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_mismatching_toolchain_fails_compile_naming_both_versions(dense, tmp_path):
     installed = "0.9.17334+0f1e2d3c"
     overlay = metadata_overlay(tmp_path / "overlay", {"neuronx-distributed-inference": installed})
@@ -370,6 +380,7 @@ def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
 
 # --- running the bundle ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_skip_device_leaves_verify_unbuilt(dense):
     """On a host without NeuronCores, --skip-device leaves verify unbuilt and says so; without it, the verify step is
     refused in one line."""
@@ -383,6 +394,7 @@ def test_skip_device_leaves_verify_unbuilt(dense):
     assert "NeuronCores" in line and "--skip-device" in line
 
 
+@pytest.mark.slow
 def test_pull_prints_the_vllm_command(dense, tmp_path):
     require_bundle(dense.result, dense.stderr)
     bundle = tmp_path / "serve"
@@ -395,6 +407,7 @@ def test_pull_prints_the_vllm_command(dense, tmp_path):
     assert "MODEL_TYPES" in proc.stdout and "NeuronQwen35ForCausalLM" in proc.stdout
 
 
+@pytest.mark.slow
 def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     """qbuild.actions.verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
     with the port's class (config read back from neuron_config.json) and generate() runs once per text prompt the

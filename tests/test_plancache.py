@@ -484,6 +484,7 @@ def _random_edit(rng: random.Random, monkeypatch, tmp_path) -> str:
     return kind
 
 
+@pytest.mark.slow
 def test_random_edits_never_give_a_wrong_answer(ws_dir, short_window, monkeypatch, tmp_path):
     rng = random.Random(12)
     counts = {"hit": 0, "miss": 0, "error": 0, "compile hit": 0}

@@ -30,7 +30,7 @@ from qbuild.plan import Node, Plan, _add
 from qbuild.store import StoreSpec
 from tests.s3server import free_port, s3_env, shared_server
 from tests.engine_actions import read_log
-import tests.test_ray_actions  # noqa: F401  registers the ray-* actions the driver plans
+from tests.ray_actions import RAY_REGISTRY
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -38,6 +38,8 @@ NODE_MEMORY = 256 * GIB              # each Ray node's declared `memory` (logica
                                      # planned for the real 2B model, ~8-40 GiB, and only reserve it)
 START_TIMEOUT_S = 90
 BUILD_TIMEOUT_S = 180
+# The tests on the Ray cluster run on one xdist worker, so the module-scoped cluster starts once.
+ON_THE_CLUSTER = pytest.mark.xdist_group("ray-cluster")
 
 
 def _node(name: str, peak: int = GIB, needs_device: bool = False) -> Node:
@@ -102,7 +104,7 @@ def test_remote_is_required():
 def test_worker_with_other_action_source_refuses_to_build():
     from qbuild.job import Job
 
-    action = ActionSpec("ray-text", "tests.test_ray_actions:text", ("tests.test_ray_actions",))
+    action = ActionSpec("ray-text", "tests.ray_actions:text", ("tests.ray_actions",))
     pre = {"action": "ray-text", "version": "0" * 32, "params": {}, "inputs": {}, "toolchain": {}}
     job = Job("n", "ray-text", "text a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"),
               action.entry)
@@ -297,8 +299,9 @@ def _build(plan: Plan, spec: StoreSpec, cluster: Cluster, **opts):
     def run() -> None:
         try:
             store = open_store(spec)
-            box["result"] = build(plan, store, spec, lambda: rayexec.RayExecutor(store, cluster.address),
-                                  BuildOptions(jobs=4, **opts), box["events"].append)
+            box["result"] = build(plan, store, spec,
+                                  lambda: rayexec.RayExecutor(store, cluster.address, RAY_REGISTRY),
+                                  BuildOptions(jobs=4, **opts), box["events"].append, RAY_REGISTRY)
         except BaseException as e:  # reported below, in the test's thread
             box["error"] = e
 
@@ -318,6 +321,8 @@ def _remote_manifests(client, bucket: str, prefix: str) -> dict[str, dict]:
     return remote_state(client, bucket, prefix)[0]
 
 
+@ON_THE_CLUSTER
+@pytest.mark.slow
 def test_worker_killed_mid_task_is_retried_and_never_half_published(cluster, driver, s3_client_env, tmp_path):
     log, marker = tmp_path / "log", tmp_path / "first-attempt.pid"
     plan = _graph(log, [("a", "ray-text", [], 0.25), ("victim", "ray-crash-once", ["a"], 0.25),
@@ -358,6 +363,8 @@ def test_worker_killed_mid_task_is_retried_and_never_half_published(cluster, dri
     assert remote[victim.key]["digest"] == victim.digest
 
 
+@ON_THE_CLUSTER
+@pytest.mark.slow
 def test_too_big_for_every_worker_fails_clearly_and_errors_are_not_retried(cluster, driver, s3_client_env,
                                                                            tmp_path):
     log = tmp_path / "log"
@@ -376,6 +383,8 @@ def test_too_big_for_every_worker_fails_clearly_and_errors_are_not_retried(clust
     assert not any(e["node"] == "huge" for e in read_log(log))
 
 
+@ON_THE_CLUSTER
+@pytest.mark.slow
 def test_pipeline_through_ray_gives_the_local_lockfile(cluster, s3_client_env, tmp_path):
     """The real CLI, planner, engine and lockfile (fetch of a local checkpoint, then test-defined steps) built
     once with the local executor and once on the Ray cluster: the same lockfile, byte for byte."""
@@ -415,6 +424,7 @@ verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.
 """
 
 
+@ON_THE_CLUSTER
 @pytest.mark.slow
 def test_real_tiny_recipe_through_ray_gives_the_local_lockfile(cluster, tmp_path):
     """Every real action (fetch, convert, shard, export compile, package, reference, verify) on Ray workers."""

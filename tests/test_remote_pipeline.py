@@ -16,10 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests.s3server import FAKE_CREDENTIALS, s3_env, shared_server
-from tests.test_remote_actions import blob_bytes
+from tests.remote_actions import blob_bytes
+
+# One worker takes the whole file, so the module-scoped build `built` is built once.
+pytestmark = pytest.mark.xdist_group("remote-pipeline")
 
 REPO = Path(__file__).resolve().parent.parent
-MODULE = "tests.test_remote_actions"     # the CLI with the test actions registered
+MODULE = "tests.remote_actions"     # the CLI with the test actions registered
 
 
 # --- a project on disk and a CLI that runs it ----------------------------------------------------------------------

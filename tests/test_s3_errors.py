@@ -18,7 +18,7 @@ from qbuild.hashing import digest_json
 from qbuild.store import LocalStore, Manifest
 from tests.s3server import (FAKE_CREDENTIALS, free_port, s3_env, shared_server, start_relay, start_server,
                             stop_process)
-from tests.test_remote_actions import blob_bytes
+from tests.remote_actions import blob_bytes
 
 BUCKET = "qb-errors"
 

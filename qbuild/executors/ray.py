@@ -24,7 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from ..keys import ActionSpec
+from ..keys import REGISTRY, ActionSpec, Registry
 from ..errors import InfraError, QbuildError, UserError
 from ..job import Job, build_job
 from ..plan import Node
@@ -180,7 +180,7 @@ class RayExecutor:
     once it finishes, reading its manifest through the driver's store (which checks it on the remote).
     """
 
-    def __init__(self, store: RemoteStore, address: str = "auto"):
+    def __init__(self, store: RemoteStore, address: str = "auto", registry: Registry | None = None):
         address = address or "auto"          # never None: ray.init(None) would start a private local cluster
         ray = self._ray = _import_ray()
         self._owns_connection = not ray.is_initialized()
@@ -194,6 +194,7 @@ class RayExecutor:
                 raise InfraError(f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0]}; start "
                                  "one with `ray start --head` or pass --address") from None
         self._store = store
+        self._registry = REGISTRY if registry is None else registry    # the one the engine plans with
         self._task = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=[InfraError])(run_task)
         self._pool = ThreadPoolExecutor(DRIVER_THREADS, thread_name_prefix="qbuild-ray")
         self._lock = threading.Lock()
@@ -207,12 +208,10 @@ class RayExecutor:
         return out
 
     def _launch(self, job: Job, node: Node, out: Future) -> None:
-        from ..keys import REGISTRY
-
         try:
             self._seed_inputs(job)
             ref = self._task.options(name=f"qbuild {node.name}", **task_resources(node).ray_options()) \
-                .remote(job, REGISTRY[job.kind])
+                .remote(job, self._registry[job.kind])
         except Exception as e:
             out.set_exception(_translate(e, node.name))
             return

@@ -14,12 +14,12 @@ from pathlib import Path
 from qbuild.actions import RunContext
 from qbuild.keys import REGISTRY, ActionSpec
 
-_SOURCES = ("tests.test_ray_actions",)
-TEXT = ActionSpec("ray-text", "tests.test_ray_actions:text", _SOURCES)
-CRASH_ONCE = ActionSpec("ray-crash-once", "tests.test_ray_actions:crash_once", _SOURCES)
-FAIL = ActionSpec("ray-fail", "tests.test_ray_actions:fail", _SOURCES)
-# The Ray executor looks a job's spec up in the standard registry.
-REGISTRY.update({spec.kind: spec for spec in (TEXT, CRASH_ONCE, FAIL)})
+_SOURCES = ("tests.ray_actions",)
+TEXT = ActionSpec("ray-text", "tests.ray_actions:text", _SOURCES)
+CRASH_ONCE = ActionSpec("ray-crash-once", "tests.ray_actions:crash_once", _SOURCES)
+FAIL = ActionSpec("ray-fail", "tests.ray_actions:fail", _SOURCES)
+# The standard actions and these: what the Ray tests' engine and executor plan and run with.
+RAY_REGISTRY = {**REGISTRY, **{spec.kind: spec for spec in (TEXT, CRASH_ONCE, FAIL)}}
 
 HANG_S = 120.0      # how long a first attempt of crash_once waits to be killed before giving up
 

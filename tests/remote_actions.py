@@ -1,6 +1,6 @@
 """Test-defined actions for the remote-store tests, and a `qbuild` entry point that registers them.
 
-`python -m tests.test_remote_actions ARGS` is the real CLI with every step after fetch replaced by a small action
+`python -m tests.remote_actions ARGS` is the real CLI with every step after fetch replaced by a small action
 here, so a recipe builds in about a second yet yields a multi-file bundle that depends on every upstream step.
 The registration happens only in that process (and its workers read the entries from their jobs), never in the
 pytest process, so other tests keep the real actions. Nothing here imports pytest: workers import this module.
@@ -12,7 +12,7 @@ import json
 import shutil
 from pathlib import Path
 
-MODULE = "tests.test_remote_actions"
+MODULE = "tests.remote_actions"
 FAKE_KINDS = ("convert", "shard", "compile", "package", "reference", "verify")
 
 
