@@ -45,13 +45,23 @@ Registry = Mapping[str, ActionSpec]           # kind -> spec
 
 
 def _source_files(name: str) -> list[Path]:
-    spec = importlib.util.find_spec(name)
+    """The files of module or package `name`, found without importing it or its parents: find_spec of a submodule
+    imports its package, and qbuild.convert's imports torch, which planning must not."""
+    top, *rest = name.split(".")
+    spec = importlib.util.find_spec(top)
     if spec is None or spec.origin is None:
         raise ValueError(f"action source {name!r} is not importable")
-    origin = Path(spec.origin)
-    if spec.submodule_search_locations:
-        return sorted(p for p in origin.parent.rglob("*.py"))
-    return [origin]
+    path = Path(spec.origin)
+    for part in rest:
+        if path.name != "__init__.py":
+            raise ValueError(f"action source {name!r} is not importable")
+        package, module = path.parent / part / "__init__.py", path.parent / f"{part}.py"
+        path = package if package.is_file() else module
+        if not path.is_file():
+            raise ValueError(f"action source {name!r} is not importable")
+    if path.name == "__init__.py":
+        return sorted(path.parent.rglob("*.py"))
+    return [path]
 
 
 @cache
@@ -92,11 +102,12 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
     ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.params", "qbuild.bundle",
                                                   "qbuild.backends.neuron", "qbuild.families", "qbuild.arch",
                                                   "qbuild.convert.hybrid")),
-    ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference", "qbuild.families"),
+    ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference", "qbuild.families", "qbuild.numerics"),
                ("torch", "transformers")),
     ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.params", "qbuild.runtime",
                                                 "qbuild.modeling", "qbuild.kernels", "qbuild.backends",
-                                                "qbuild.families", "qbuild.arch", "qbuild.convert"), ("torch",)),
+                                                "qbuild.families", "qbuild.arch", "qbuild.convert", "qbuild.numerics"),
+               ("torch",)),
 )}
 
 

@@ -21,14 +21,9 @@ Like the fast path, a request imports nothing heavy: this module needs only the 
 
 from __future__ import annotations
 
-import array
-import io
 import json
 import os
-import socket
-import stat
 import sys
-import time
 
 SWITCH = "QBUILD_PLAN_SERVER"
 IDLE_SECONDS = 1200
@@ -54,6 +49,8 @@ def _interpreter() -> dict:
 def _runtime_dir() -> str | None:
     """A directory only this user can enter: $XDG_RUNTIME_DIR, else /tmp/qbuild-<uid> (made 0700). None if neither
     is safe to use."""
+    import stat
+
     base = os.environ.get("XDG_RUNTIME_DIR")
     path = base if base and os.path.isdir(base) else os.path.join("/tmp", f"qbuild-{os.getuid()}")
     try:
@@ -87,6 +84,8 @@ def ask(argv: list[str], started_ns: int) -> tuple[bool, int | None]:
     path = address() if enabled() else None
     if path is None:
         return False, None
+    import socket
+
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
@@ -97,6 +96,9 @@ def ask(argv: list[str], started_ns: int) -> tuple[bool, int | None]:
 
 
 def _request(conn, argv: list[str], started_ns: int) -> int | None:
+    import array
+    import socket
+
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "umask": _umask(),
@@ -147,6 +149,8 @@ def stop(path: str | None = None) -> bool:
     path = path or address()
     if path is None:
         return False
+    import socket
+
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
@@ -205,6 +209,8 @@ def serve(path: str) -> None:
     """Hold `path` and fork a planning child per request until idle, stale, or asked to stop."""
     import fcntl
     import signal
+    import socket
+    import time
 
     lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -283,6 +289,9 @@ def _warm_up() -> None:
 
 
 def _receive(conn) -> tuple[dict, list[int]]:
+    import array
+    import socket
+
     fds = array.array("i")
     data, ancillary, _, _ = conn.recvmsg(_MAX_MESSAGE, socket.CMSG_LEN(3 * fds.itemsize))
     for level, kind, payload in ancillary:
@@ -344,6 +353,8 @@ def _child(conn, request: dict, fds: list[int]) -> None:
 
 
 def _text_stream(fd: int, setup: dict | None):
+    import io
+
     if setup is None:
         return None
     return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=setup["encoding"], errors=setup["errors"],

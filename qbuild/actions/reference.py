@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .. import jsonio
 from ..actions import RunContext
+from ..numerics import fix_threads
 from ..errors import BuildError
 from ..families import MODEL_TYPES
 from ..source import locate, read_snapshot
@@ -89,6 +90,7 @@ def run(ctx: RunContext) -> None:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
+    fix_threads()
     p = ctx.params
     files = locate(read_snapshot(ctx.inputs["snapshot"]), ctx.context)
     src = next(iter(files.values())).parent

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, replace
 
 from .. import jsonio
 from ..actions import RunContext
+from ..numerics import fix_threads
 from ..errors import BuildError
 from ..params import VerifyParams, parse_verify
 
@@ -80,6 +81,7 @@ def _line(r: PromptReport) -> str:
 def run(ctx: RunContext) -> None:
     from safetensors.torch import load_file
 
+    fix_threads()
     thresholds = parse_verify(ctx.params)
     ref_dir = ctx.inputs["reference"]
     reference = json.loads((ref_dir / "reference.json").read_text())
