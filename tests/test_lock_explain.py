@@ -12,6 +12,9 @@ import pytest
 from qbuild import lock as lockmod
 from tests.conftest import REPO, qbuild
 
+# One real build of the tiny recipes serves the whole file: built once, on one worker, outside the fast lane.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lock-explain")]
+
 RECIPE = """\
 model: {{path: {path}}}
 text: {{seq_len: 128, cte_buckets: {cte}, tkg_buckets: [128]}}
