@@ -60,19 +60,6 @@ def warm_up(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, capture_output=True, **kw)
 
 
-def stop_plan_servers(runtime: Path) -> None:
-    """Stop the resident planners a benchmark started (qbuild.planserver: each lock file names its server)."""
-    import signal
-
-    for lock in runtime.glob("*.lock"):
-        pid = lock.read_text().strip()
-        if pid:
-            try:
-                os.kill(int(pid), signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-
 def bench_plan(args) -> dict:
     """`qbuild plan --all` of the shipped recipes: unchanged, and right after one recipe is edited (the plan cache
     misses: the resident planner answers; and, for comparison, with it off, planning in the command's process)."""
@@ -83,7 +70,9 @@ def bench_plan(args) -> dict:
         return _bench_plan(work, bench_env(QBUILD_STORE=str(work / "store"), XDG_CACHE_HOME=str(work / "cache"),
                                            XDG_RUNTIME_DIR=str(runtime)))
     finally:
-        stop_plan_servers(runtime)
+        from qbuild import planserver
+
+        planserver.stop_all(str(runtime))
         shutil.rmtree(runtime, ignore_errors=True)
 
 
@@ -104,8 +93,9 @@ def _bench_plan(work: Path, env: dict) -> dict:
     edit(99)
     subprocess.run(plan, env=env, cwd=ws, check=True, capture_output=True, timeout=120)   # a miss starts the planner
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(p.read_text().strip() for p in
-                                                  Path(env["XDG_RUNTIME_DIR"]).glob("*.lock")):
+    from qbuild import planserver
+
+    while time.monotonic() < deadline and not planserver.serving(env["XDG_RUNTIME_DIR"]):
         time.sleep(0.05)
     edited = timed(plan, env=env, cwd=ws, repeat=7, before=edit)
     in_process = timed(plan, env={**env, "QBUILD_PLAN_SERVER": "off"}, cwd=ws, repeat=5,

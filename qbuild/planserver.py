@@ -163,6 +163,32 @@ def stop(path: str | None = None) -> bool:
         conn.close()
 
 
+def serving(directory: str) -> list[int]:
+    """The processes serving from `directory` (each server's lock file names it once it is ready to answer)."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".sock.lock"):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    pid = f.read().strip()
+            except OSError:
+                continue
+            if pid.isdigit():
+                out.append(int(pid))
+    return out
+
+
+def stop_all(directory: str) -> None:
+    """End every server serving from `directory` (a benchmark's or a test's own runtime directory)."""
+    import signal
+
+    for pid in serving(directory):
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
 def _interpreter_options() -> list[str]:
     """The options this interpreter was started with (`python -X importtime -m ...` -> ["-X", "importtime"]), so
     that the server shares its flags."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild import fastpath, plancache
+from qbuild import fastpath, plancache, planserver
 from qbuild.engine import BuildOptions
 from qbuild.keys import key_of, preimage
 from qbuild.render import plan_json
@@ -734,15 +734,7 @@ def plan_server(monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.delenv("QBUILD_PLAN_SERVER")
     yield runtime
-    import signal
-
-    for lock in runtime.glob("*.lock"):
-        pid = lock.read_text().strip()
-        if pid:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    planserver.stop_all(str(runtime))
     shutil.rmtree(runtime, ignore_errors=True)
 
 
@@ -750,7 +742,7 @@ def _serving(runtime: Path, timeout: float = 30.0) -> bool:
     """Whether a server is listening in `runtime` (waiting for one that is starting)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if any(runtime.glob("*.sock")) and any(p.read_text().strip() for p in runtime.glob("*.lock")):
+        if any(runtime.glob("*.sock")) and planserver.serving(str(runtime)):
             return True
         time.sleep(0.05)
     return False
@@ -804,7 +796,7 @@ def test_a_source_change_stops_the_resident_planner(ws_dir, plan_server, tmp_pat
     time.sleep(1.1)             # a server starts only on source old enough for its timestamps to show a change
     _plan_cli("--all", server=True, pythonpath=str(pkg))
     assert _serving(plan_server)
-    pid = int(next(plan_server.glob("*.lock")).read_text())
+    pid, = planserver.serving(str(plan_server))
     render = pkg / "qbuild" / "render.py"
     render.write_text(render.read_text().replace('"build": "to build"', '"build": "to be built"'))
     Path("recipes/dense.yaml").write_text(DENSE + "verify: {new_tokens: 9}\n")
