@@ -35,7 +35,7 @@ model: {{path: {path}}}
 text: {{seq_len: 128, cte_buckets: [32], tkg_buckets: [128]}}
 dtype: float32
 backend: export
-verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
+verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
 """
 
 
@@ -67,8 +67,8 @@ def _compile_killed_at(recipe: Path, store: Path, lock: Path, point: str, tmp: P
 
 
 def _store_problems(store: Path) -> list[str]:
-    proc = qbuild("store", "verify", "--json", "--store", str(store))
-    return json.loads(proc.stdout)["problems"]
+    """What `qbuild store verify` reports, read in this process: the sweep checks the store after every kill."""
+    return LocalStore(store).verify()
 
 
 def _locked_keys(lock: Path) -> set[str]:
@@ -95,7 +95,7 @@ def test_sigkill_at_each_point_of_each_step_leaves_a_consistent_store_and_the_ne
     assert json.loads(again.stdout)["built"] == []
 
 
-@pytest.mark.parametrize("processes", [2, 4])
+@pytest.mark.parametrize("processes", [3])
 def test_concurrent_cli_builds_share_work_and_agree(recipe, tmp_path, processes):
     store = tmp_path / "store"
     procs = [subprocess.Popen([sys.executable, "-m", "qbuild.cli", "compile", str(recipe), "--store", str(store),

@@ -1,5 +1,7 @@
 """The one full AOTInductor build: a tiny Qwen3-Next recipe compiled to native code, verified, and run through
-`qbuild run` with the same greedy tokens as transformers' generate. Minutes on 2 cores, hence `slow`."""
+`qbuild run` with the same greedy tokens as transformers' generate. Its model has two layers, one of each kind
+(Gated DeltaNet, then gated attention): native compile time grows with the layers, and one of each covers every
+kernel. About a minute on 2 cores, hence `slow`."""
 
 from __future__ import annotations
 
@@ -11,11 +13,14 @@ from tests.conftest import REPO, qbuild
 
 
 @pytest.mark.slow
-def test_inductor_bundle_verifies_and_runs(tmp_path, tiny_checkpoints):
+def test_inductor_bundle_verifies_and_runs(tmp_path):
     import torch
     import transformers
 
-    checkpoint = tiny_checkpoints["qwen3_next"]
+    from qbuild.tinymodel import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "model", "qwen3_next", text_overrides={
+        "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})
     recipe = tmp_path / "next-inductor.yaml"
     recipe.write_text(f"model: {{path: {checkpoint}}}\nbackend: inductor\ndtype: float32\nparallel: {{tp: 1}}\n"
                       "text: {seq_len: 32, cte_buckets: [16], tkg_buckets: [32]}\n"

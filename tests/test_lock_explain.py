@@ -20,7 +20,7 @@ model: {{path: {path}}}
 text: {{seq_len: 128, cte_buckets: {cte}, tkg_buckets: [128]}}
 dtype: float32
 backend: export
-verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
+verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
 """
 
 
@@ -157,7 +157,7 @@ def test_frozen_refuses_to_change_the_lockfile(built, tmp_path):
     ok = qbuild("compile", "lk.yaml", "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     before = lock.read_text()
-    recipe.write_text(recipe.read_text().replace("new_tokens: 4", "new_tokens: 3"))
+    recipe.write_text(recipe.read_text().replace("new_tokens: 2", "new_tokens: 3"))
     proc = qbuild("compile", "lk.yaml", "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
-    assert proc.returncode == 1 and "--frozen" in proc.stderr and "params.new_tokens: 4 -> 3" in proc.stderr
+    assert proc.returncode == 1 and "--frozen" in proc.stderr and "params.new_tokens: 2 -> 3" in proc.stderr
     assert lock.read_text() == before

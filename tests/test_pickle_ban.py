@@ -39,7 +39,7 @@ parallel: {{tp: 2}}
 vision: {{buckets: [64]}}
 dtype: float32
 backend: export
-verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
+verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
 """
 
 # The innermost callers (outside the loaders) through which the process pool unpickles its own messages.

@@ -415,25 +415,14 @@ def test_pipeline_through_ray_gives_the_local_lockfile(cluster, s3_client_env, t
     assert again["built"] == [] and again["failed"] == {}
 
 
-REAL_RECIPE = """name: tiny-dense
-model: {{path: {model}}}
-text: {{seq_len: 48, cte_buckets: [32], tkg_buckets: [48]}}
-dtype: float32
-backend: export
-verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
-"""
-
-
 @ON_THE_CLUSTER
 @pytest.mark.slow
-def test_real_tiny_recipe_through_ray_gives_the_local_lockfile(cluster, tmp_path):
-    """Every real action (fetch, convert, shard, export compile, package, reference, verify) on Ray workers."""
-    from qbuild.tinymodel import write_tiny_checkpoint
-
-    model = write_tiny_checkpoint(tmp_path / "model", "qwen3_5")
-    project = tmp_path / "project"
-    (project / "recipes").mkdir(parents=True)
-    (project / "recipes" / "tiny-dense.yaml").write_text(REAL_RECIPE.format(model=model))
+def test_real_tiny_recipe_through_ray_gives_the_local_lockfile(cluster, dense_project, tmp_path):
+    """Every real action (fetch, convert, shard, export compile, package, reference, verify) on Ray workers, against
+    the same recipe built by the local executor (conftest's dense_project, whose lockfile is local.lock here)."""
+    project = Path(shutil.copytree(dense_project, tmp_path / "project", symlinks=True))
+    shutil.move(project / "artifacts.lock", project / "local.lock")
+    shutil.rmtree(project / "store")
     env = {**s3_env(shared_server().endpoint), "XDG_CACHE_HOME": str(project / ".cache"), "HF_HUB_OFFLINE": "1"}
 
     def run(*args: str) -> subprocess.CompletedProcess:
@@ -441,7 +430,6 @@ def test_real_tiny_recipe_through_ray_gives_the_local_lockfile(cluster, tmp_path
         assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
         return proc
 
-    run("compile", "--all", "-j", "2", "--store", "local-store", "--lock", "local.lock")
     out = json.loads(run("compile", "--all", "--executor", "ray", "--address", cluster.address, "--remote",
                          cluster.remote(f"real-{tmp_path.name}"), "--store", "driver-store", "--lock", "ray.lock",
                          "--json").stdout)

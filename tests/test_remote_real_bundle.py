@@ -1,5 +1,5 @@
-"""The real pipeline through S3: a tiny Qwen3.5 checkpoint compiled with the export backend and pushed by
-`compile --push`, then pulled onto an empty machine and run there."""
+"""The real pipeline through S3: a tiny Qwen3.5 recipe built with the export backend (conftest's dense_project)
+and pushed by `compile --push`, then pulled onto an empty machine and run there."""
 
 from __future__ import annotations
 
@@ -16,13 +16,6 @@ from tests.s3server import FAKE_CREDENTIALS, s3_env, shared_server
 from tests.test_remote_pipeline import assert_no_dangling_manifest, remote_state
 
 BUCKET = "qb-real"
-RECIPE = """name: tiny-dense
-model: {{path: {model}}}
-text: {{seq_len: 48, cte_buckets: [32], tkg_buckets: [48]}}
-dtype: float32
-backend: export
-verify: {{new_tokens: 4, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
-"""
 
 
 def qb(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -35,14 +28,13 @@ def qb(cwd: Path, *args: str, timeout: float = 600) -> subprocess.CompletedProce
 
 
 @pytest.mark.slow
-def test_real_tiny_bundle_pushed_pulled_and_run_on_an_empty_machine(tiny_checkpoints, tmp_path):
+def test_real_tiny_bundle_pushed_pulled_and_run_on_an_empty_machine(dense_project, tmp_path):
     client = shared_server().client()
     client.create_bucket(Bucket=BUCKET)
     remote = f"s3://{BUCKET}/ci"
-    project = tmp_path / "project"
-    (project / "recipes").mkdir(parents=True)
-    (project / "recipes" / "tiny-dense.yaml").write_text(RECIPE.format(model=tiny_checkpoints["qwen3_5"]))
+    project = Path(shutil.copytree(dense_project, tmp_path / "project", symlinks=True))
 
+    # Everything is in the local store already: --push uploads what the remote lacks, which is all of it.
     qb(project, "compile", "--all", "-j", "2", "--push", "--store", "store", "--remote", remote)
     lock = json.loads((project / "artifacts.lock").read_text())
     entry = lock["recipes"]["tiny-dense"]
