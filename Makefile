@@ -26,6 +26,10 @@ demo: install $(DEMO)/tiny/qwen3_5/config.json $(DEMO)/tiny/qwen3_5_moe/config.j
 	$(QBUILD) lock check --lock $(DEMO)/artifacts.lock
 	$(QBUILD) run recipes/tiny/dense-tp2.yaml --lock $(DEMO)/artifacts.lock --prompt "The quick brown fox" --max-new-tokens 16
 
+# The suite starts hundreds of interpreters (the CLI, its workers): with bytecode writing turned off in the
+# environment, each of them would compile qbuild from source again. An empty value turns it back on.
+test test-fast lock-check: export PYTHONDONTWRITEBYTECODE =
+
 # loadgroup: the tests of one xdist group (those sharing an expensive module fixture) run on one worker, so the
 # fixture is built once; ungrouped tests go to whichever worker is free.
 test: install

@@ -758,6 +758,7 @@ def _plan_cli(*args: str, server: bool, pythonpath: str | None = None) -> subpro
                           env=_env(**extra), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow   # 48 commands over random edits: a fuzzer
 def test_the_resident_planner_answers_edits_byte_for_byte(ws_dir, plan_server):
     """After each edit the cache misses: the server's child plans it, printing exactly what the command plans in
     process (stdout, stderr less import times, exit code), and the command itself imports no planner."""
