@@ -36,7 +36,7 @@ test: install
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 -q
 
 # The fast lane, for the edit-test loop: everything but the tests marked slow (AOTInductor, the Ray cluster,
-# end-to-end builds, the SIGKILL sweep, fuzzers).
+# end-to-end builds and S3 round trips, the SIGKILL sweep, fuzzers, peak-memory measurements).
 test-fast: install
 	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow" --durations=10 -q
 

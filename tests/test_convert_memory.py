@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from qbuild.convert.safetensors_io import PlannedFile
@@ -69,6 +70,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_peak_rss_growth_is_bounded_by_the_largest_tensor(tmp_path):
     _write_checkpoint(tmp_path / "src")
     proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "src"), str(tmp_path / "out")],

@@ -136,6 +136,7 @@ def _record_plan_entry(store: LocalStore, name: str, manifests: list[Manifest]) 
     return inv
 
 
+@pytest.mark.slow
 def test_gc_removes_the_plan_cache_entries_that_witnessed_what_it_removed(tmp_path):
     from qbuild import plancache
 

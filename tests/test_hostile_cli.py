@@ -328,6 +328,7 @@ def _publish(project: Path, prefix: str) -> str:
     return url
 
 
+@pytest.mark.slow
 def test_a_corrupt_remote_blob_is_named_by_pull_and_repaired_by_publish_verify_remote(project, s3, tmp_path):
     url = _publish(project, "corrupt")
     package = locked(project, "beta", "package")

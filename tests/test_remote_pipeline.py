@@ -252,6 +252,7 @@ def test_corrupt_input_blob_on_the_server_is_refused_by_the_step_that_needs_it(b
     assert not {convert["key"], shard["key"], nodes["package"]["key"]} & local_keys(clone / "s")
 
 
+@pytest.mark.slow
 def test_second_machine_downloads_only_what_it_needs(built, published, tmp_path):
     """A fresh machine compiling a fully built recipe through the remote writes the same lockfile while downloading
     only the fetch step's snapshot.json (what the lockfile writer reads); `pull` then fetches exactly the bundle."""
@@ -285,6 +286,7 @@ def test_second_machine_downloads_only_what_it_needs(built, published, tmp_path)
         {snapshot} | {o["digest"] for o in package["outputs"].values()}
 
 
+@pytest.mark.slow
 def test_compile_push_uploads_blobs_before_manifests(built, s3, tmp_path):
     project = tmp_path / "p"
     shutil.copytree(built, project, ignore=shutil.ignore_patterns("store", "artifacts.lock"))

@@ -121,6 +121,7 @@ def test_rejected_and_unauthorised_credentials_are_named_never_shown(tmp_path):
         srv.stop()
 
 
+@pytest.mark.slow
 def test_server_gone_mid_publish_leaves_no_visible_manifest_and_rerun_completes(server, tmp_path):
     files, size = 24, 1 << 20
     lock = make_locked_store(tmp_path, files=files, size=size)
