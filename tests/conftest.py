@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -45,21 +46,33 @@ def _run_dir(tmp_path_factory, worker_id: str) -> Path:
     return base if worker_id == "master" else base.parent
 
 
+def _once_per_run(tmp_path_factory, worker_id: str, name: str, make: Callable[[Path], None]) -> Path:
+    """The directory `name` of this run, made by `make` once: the first worker to get here makes it while the others
+    wait; one that died halfway left no marker, so the next starts over."""
+    from filelock import FileLock
+
+    root = _run_dir(tmp_path_factory, worker_id) / name
+    done = root.with_name(f"{name}.complete")
+    with FileLock(f"{root}.lock"):
+        if not done.exists():
+            shutil.rmtree(root, ignore_errors=True)
+            make(root)
+            done.touch()
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory, worker_id) -> dict[str, Path]:
     """One seeded tiny checkpoint per family (MoE experts per expert, as save_pretrained writes them), written once
-    per run: the first worker to get here writes them while the others wait. Read-only: copy one to damage it."""
-    from filelock import FileLock
-
+    per run. Read-only: copy one to damage it."""
     from qbuild.families import FAMILIES
     from qbuild.tinymodel import write_tiny_checkpoint
 
-    root = _run_dir(tmp_path_factory, worker_id) / "tiny-checkpoints"
-    with FileLock(f"{root}.lock"):
-        if not (root / "complete").exists():
-            for fam in FAMILIES:
-                write_tiny_checkpoint(root / fam, fam)
-            (root / "complete").touch()
+    def make(root: Path) -> None:
+        for fam in FAMILIES:
+            write_tiny_checkpoint(root / fam, fam)
+
+    root = _once_per_run(tmp_path_factory, worker_id, "tiny-checkpoints", make)
     return {fam: root / fam for fam in FAMILIES}
 
 
@@ -75,23 +88,17 @@ verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.
 @pytest.fixture(scope="session")
 def dense_project(tmp_path_factory, worker_id, tiny_checkpoints) -> Path:
     """A project holding recipes/tiny-dense.yaml (the tiny Qwen3.5, text only, export backend) built and verified
-    into its store/ with its artifacts.lock, by the local executor: written once per run, by the first worker to
-    get here. Read-only: copy it (shutil.copytree) to build on it."""
-    from filelock import FileLock
+    into its store/ with its artifacts.lock by the local executor, once per run. Read-only: copy it
+    (shutil.copytree) to build on it."""
+    def make(root: Path) -> None:
+        (root / "recipes").mkdir(parents=True)
+        (root / "recipes" / "tiny-dense.yaml").write_text(DENSE_RECIPE.format(model=tiny_checkpoints["qwen3_5"]))
+        caches = root.with_name("dense-project-caches")
+        env = {"QBUILD_STORE": "", "XDG_CACHE_HOME": str(caches / "xdg"), "HF_HOME": str(caches / "hf"),
+               "HF_HUB_CACHE": "", "HF_HUB_OFFLINE": "1", "QBUILD_REMOTE": ""}
+        qbuild("compile", "--all", "-j", "2", "--store", "store", cwd=root, env=env, check=True, timeout=600)
 
-    root = _run_dir(tmp_path_factory, worker_id) / "dense-project"
-    complete = root.with_name("dense-project.complete")
-    with FileLock(f"{root}.lock"):
-        if not complete.exists():
-            shutil.rmtree(root, ignore_errors=True)
-            (root / "recipes").mkdir(parents=True)
-            (root / "recipes" / "tiny-dense.yaml").write_text(DENSE_RECIPE.format(model=tiny_checkpoints["qwen3_5"]))
-            caches = root.parent / "dense-project-caches"
-            env = {"QBUILD_STORE": "", "XDG_CACHE_HOME": str(caches / "xdg"), "HF_HOME": str(caches / "hf"),
-                   "HF_HUB_CACHE": "", "HF_HUB_OFFLINE": "1", "QBUILD_REMOTE": ""}
-            qbuild("compile", "--all", "-j", "2", "--store", "store", cwd=root, env=env, check=True, timeout=600)
-            complete.touch()
-    return root
+    return _once_per_run(tmp_path_factory, worker_id, "dense-project", make)
 
 
 def qbuild(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False,
