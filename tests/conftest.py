@@ -88,17 +88,28 @@ verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.
 @pytest.fixture(scope="session")
 def dense_project(tmp_path_factory, worker_id, tiny_checkpoints) -> Path:
     """A project holding recipes/tiny-dense.yaml (the tiny Qwen3.5, text only, export backend) built and verified
-    into its store/ with its artifacts.lock by the local executor, once per run. Read-only: copy it
-    (shutil.copytree) to build on it."""
+    into its store/ with its artifacts.lock by the local executor (`qbuild compile --all -j 2`, without -v), once per
+    run; what that build printed on stderr is in dense_project_stderr(). Read-only: copy it (shutil.copytree) to
+    build on it."""
     def make(root: Path) -> None:
         (root / "recipes").mkdir(parents=True)
         (root / "recipes" / "tiny-dense.yaml").write_text(DENSE_RECIPE.format(model=tiny_checkpoints["qwen3_5"]))
         caches = root.with_name("dense-project-caches")
         env = {"QBUILD_STORE": "", "XDG_CACHE_HOME": str(caches / "xdg"), "HF_HOME": str(caches / "hf"),
                "HF_HUB_CACHE": "", "HF_HUB_OFFLINE": "1", "QBUILD_REMOTE": ""}
-        qbuild("compile", "--all", "-j", "2", "--store", "store", cwd=root, env=env, check=True, timeout=600)
+        proc = qbuild("compile", "--all", "-j", "2", "--store", "store", cwd=root, env=env, check=True, timeout=600)
+        _stderr_of(root).write_text(proc.stderr)
 
     return _once_per_run(tmp_path_factory, worker_id, "dense-project", make)
+
+
+def _stderr_of(project: Path) -> Path:
+    return project.with_name(f"{project.name}.stderr")   # beside the project: a copy of it stays a plain project
+
+
+def dense_project_stderr(project: Path) -> str:
+    """The stderr of the build that made conftest's dense_project."""
+    return _stderr_of(project).read_text()
 
 
 def qbuild(*args: str, cwd: Path | None = None, env: dict | None = None, check: bool = False,

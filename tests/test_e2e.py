@@ -3,7 +3,7 @@ CLI, compared with HF transformers; what a change rebuilds; a failing verify gat
 
 One session-scoped build serves every test here (three recipes: dense VL at tp2 with a vision bucket and an image
 prompt, MoE at tp2 ep2, Qwen3-Next at tp1); tests that change something build into the same store, so they only
-pay for what their change rebuilds.
+pay for what their change rebuilds. That build runs under tests/test_pickle_ban.py's audit of every unpickling.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, qbuild
+from tests.test_pickle_ban import audited_env, events, violations
 
 # One worker takes the whole file: every test here shares the session-scoped build `ws`.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e")]
@@ -66,7 +67,8 @@ def ws(tmp_path_factory, tiny_checkpoints) -> Workspace:
            "QBUILD_STORE": str(root / "store"), "PYTHONPATH": str(REPO)}
     w = Workspace(root, env, tiny_checkpoints, {})
     files = [str(w.recipe(name, fam, extra)) for name, (fam, extra) in RECIPES.items()]
-    proc = w.qbuild("compile", *files, "-j", "2", "--json")
+    proc = qbuild("compile", *files, "-j", "2", "--json", "--store", str(root / "store"), cwd=root,
+                  env={**env, **audited_env(root / "build-audit.log")})
     assert proc.returncode == 0, proc.stderr[-4000:]
     w.first = json.loads(proc.stdout)
     return w
@@ -91,6 +93,20 @@ def test_every_family_builds_a_verified_bundle(ws):
     assert bundle["tp"] == 2 and bundle["ep"] == 2 and bundle["backend"] == "export"
     assert {"weights/tp0_sharded_checkpoint.safetensors", "weights/tp1_sharded_checkpoint.safetensors",
             "graphs/cte-32.pt2", "graphs/tkg-64.pt2", "config.json", "tokenizer.json"} <= set(bundle["files"])
+
+
+def test_the_build_and_a_run_unpickle_nothing_but_pool_messages_and_graph_examples(ws, tmp_path):
+    log = tmp_path / "run-audit.log"
+    ran = qbuild("run", "vl-dense-tp2", "--prompt", "The capital of France is", "--max-new-tokens", "4",
+                 "--store", str(ws.root / "store"), cwd=ws.root, env={**ws.env, **audited_env(log)}, check=True)
+    assert ran.stdout.strip()
+    recorded = events(ws.root / "build-audit.log") + events(log)
+    assert violations(recorded) == []
+    # The audit ran in the workers too (their jobs arrive pickled), and graphs were loaded under it, in the build
+    # (verify) and in the run.
+    assert any(e["api"] == "pickle.find_class" and e["detail"] == "qbuild.job.Job" for e in recorded)
+    assert any(e["api"] == "torch.load" for e in events(ws.root / "build-audit.log"))
+    assert any(e["api"] == "torch.load" for e in events(log))
 
 
 def test_second_compile_builds_nothing(ws):

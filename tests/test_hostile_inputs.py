@@ -5,8 +5,9 @@ tensor, exit 2, and nothing written: no store, no lockfile. An infrastructure fa
 is one error line, exit 3; afterwards the store is consistent and the next run finishes. Cases that used to hang
 run under a timeout well above the time they now take. Every case runs the real CLI in a subprocess.
 
-One module-scoped project holds a built tiny Qwen3-Next recipe ("ok") and one whose verify fails ("unverified");
-the store and fault cases work on copies of it, so only the nodes a case changes are ever built again.
+One module-scoped project holds a built tiny Qwen3.5 recipe (conftest's dense_project, "tiny-dense") and one whose
+verify fails ("unverified"); the store and fault cases work on copies of it, so only the nodes a case changes are
+ever built again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import REPO, qbuild
+from tests.conftest import REPO, dense_project_stderr, qbuild
 
 # One worker takes the whole file, so the module-scoped build `built` is built once.
 pytestmark = pytest.mark.xdist_group("hostile-inputs")
@@ -330,23 +331,26 @@ def test_store_naming_a_file_is_one_line_exit_3(command, tiny_checkpoints, tmp_p
 
 # --- a built project, and faults of its store ------------------------------------------------------------------
 
+OK = "tiny-dense"                       # the built recipe, and its file
+OK_RECIPE = "recipes/tiny-dense.yaml"
+BUILT_TEXT = "text: {seq_len: 48, cte_buckets: [32], tkg_buckets: [48]}"   # its buckets: recipes on top share graphs
+
+
 @pytest.fixture(scope="module")
-def built(tiny_checkpoints, tmp_path_factory):
-    """A project (recipes, store, lockfile) where "ok" is built and verified, and "unverified" (other prompts, an
-    impossible threshold) failed its verify. The second build ran with -v."""
-    root = tmp_path_factory.mktemp("built")
-    ck = tiny_checkpoints[FAMILY]
-    write_recipe(root, "ok", ck)
-    write_recipe(root, "unverified", ck, prompts=["Hi there"], max_logit_err=1e-12)
+def built(dense_project, tiny_checkpoints, tmp_path_factory):
+    """A project (recipes, store, lockfile) where "tiny-dense" is built and verified (a copy of conftest's
+    dense_project, built without -v), and "unverified" (other prompts, an impossible threshold) failed its verify,
+    built with -v."""
+    root = Path(shutil.copytree(dense_project, tmp_path_factory.mktemp("built") / "project", symlinks=True))
+    ck = tiny_checkpoints["qwen3_5"]
+    write_recipe(root / "recipes", "unverified", ck, text=BUILT_TEXT, prompts=["Hi there"], max_logit_err=1e-12)
     # conftest's per-test isolation is not in force yet while a module fixture is set up: the same, by hand
     caches = tmp_path_factory.mktemp("built-caches")
     env = {"QBUILD_STORE": str(root / "store"), "XDG_CACHE_HOME": str(caches / "xdg"),
            "HF_HOME": str(caches / "hf"), "HF_HUB_CACHE": "", "HF_HUB_OFFLINE": "1", "QBUILD_REMOTE": ""}
-    quiet = qbuild("compile", "ok.yaml", "-j", "2", cwd=root, env=env, timeout=600)
-    assert quiet.returncode == 0, quiet.stderr
-    verbose = qbuild("compile", "unverified.yaml", "-v", cwd=root, env=env, timeout=600)
+    verbose = qbuild("compile", "recipes/unverified.yaml", "-v", cwd=root, env=env, timeout=600)
     assert verbose.returncode == 1, verbose.stderr
-    return {"root": root, "checkpoint": ck, "quiet": quiet, "verbose": verbose}
+    return {"root": root, "checkpoint": ck, "quiet": dense_project_stderr(dense_project), "verbose": verbose.stderr}
 
 
 def copy_project(built: dict, dest: Path) -> Path:
@@ -361,19 +365,19 @@ def locked(project: Path, recipe: str, role: str) -> dict:
 
 @pytest.mark.slow
 def test_library_output_stays_off_the_terminal_and_v_shows_it(built):
-    quiet, verbose = built["quiet"].stderr, built["verbose"].stderr
+    quiet, verbose = built["quiet"], built["verbose"]
     for noise in ("Loading weights", "FutureWarning", "[transformers]"):
         assert noise not in quiet, quiet
     assert "  | Loading weights" in verbose and "  | [transformers]" in verbose, verbose
-    key = locked(built["root"], "ok", "reference")["key"]
+    key = locked(built["root"], OK, "reference")["key"]
     output = json.loads((built["root"] / "store" / "ac" / key[:2] / f"{key}.json").read_text())["meta"]["output"]
     assert any(line.startswith("Loading weights") for line in output)
 
 
 @pytest.mark.slow
 def test_the_lockfile_leaves_no_lock_file_beside_it(built):
-    assert sorted(p.name for p in built["root"].iterdir()) == ["artifacts.lock", "ok.yaml", "store",
-                                                               "unverified.yaml"]
+    assert sorted(p.name for p in built["root"].iterdir()) == ["artifacts.lock", "recipes", "store"]
+    assert sorted(p.name for p in (built["root"] / "recipes").iterdir()) == ["tiny-dense.yaml", "unverified.yaml"]
 
 
 @pytest.mark.slow
@@ -386,7 +390,7 @@ def test_pull_refuses_an_unverified_bundle_naming_the_failed_report(built, tmp_p
                   env={"QBUILD_STORE": str(project / "store")})
     assert proc.returncode == 0, proc.stderr
     assert (project / "bundle" / "bundle.json").is_file()
-    proc = qbuild("pull", "ok", "--to", "ok-bundle", cwd=project, env={"QBUILD_STORE": str(project / "store")})
+    proc = qbuild("pull", OK, "--to", "ok-bundle", cwd=project, env={"QBUILD_STORE": str(project / "store")})
     assert proc.returncode == 0, proc.stderr
 
 
@@ -394,7 +398,7 @@ def test_pull_refuses_an_unverified_bundle_naming_the_failed_report(built, tmp_p
 def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
     store = project / "store"
-    digest = locked(project, "ok", "shard")["outputs"]["weights/tp0_sharded_checkpoint.safetensors"]["digest"]
+    digest = locked(project, OK, "shard")["outputs"]["weights/tp0_sharded_checkpoint.safetensors"]["digest"]
     blob = store / "cas" / digest[:2] / digest
     blob.unlink()
     (blob / "squatter").mkdir(parents=True)
@@ -405,7 +409,7 @@ def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_p
         proc.stderr, proc.stdout + proc.stderr
     assert qbuild("store", "verify", "--repair", cwd=project, env=env).returncode in (0, 1)
     assert not blob.exists()
-    proc = qbuild("compile", "ok.yaml", "--json", cwd=project, env=env, timeout=300)
+    proc = qbuild("compile", OK_RECIPE, "--json", cwd=project, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert blob.is_file() and "shard tp1 ep1" in json.loads(proc.stdout)["built"]
     assert qbuild("lock", "check", cwd=project, env=env).returncode == 0
@@ -416,11 +420,11 @@ def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_p
 def test_manifest_replaced_by_a_fifo_neither_hangs_nor_stays(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
     store = project / "store"
-    key = locked(project, "ok", "shard")["key"]
+    key = locked(project, OK, "shard")["key"]
     manifest = store / "ac" / key[:2] / f"{key}.json"
     manifest.unlink()
     os.mkfifo(manifest)
-    proc = qbuild("compile", "ok.yaml", "--json", cwd=project, env={"QBUILD_STORE": str(store)}, timeout=300)
+    proc = qbuild("compile", OK_RECIPE, "--json", cwd=project, env={"QBUILD_STORE": str(store)}, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert manifest.is_file() and "shard tp1 ep1" in json.loads(proc.stdout)["built"], proc.stdout
 
@@ -443,7 +447,7 @@ def _read_only(path: Path):
 def test_read_only_store_is_one_line_exit_3_then_the_next_run_finishes(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
     store = project / "store"
-    write_recipe(project, "other", built["checkpoint"], top1_min=0.25)   # only its verify step is new
+    write_recipe(project, "other", built["checkpoint"], text=BUILT_TEXT, top1_min=0.25)   # only its verify is new
     (project / "empty.lock").write_text(json.dumps({"version": 1, "recipes": {}, "nodes": {}}))
     lock_before, state_before = (project / "artifacts.lock").read_bytes(), store_state(store)
     undo = _read_only(store)
@@ -464,7 +468,7 @@ def test_read_only_store_is_one_line_exit_3_then_the_next_run_finishes(built, tm
     assert json.loads(proc.stdout)["built"] == ["verify other"]
 
 
-NEW_BUCKET = "text: {seq_len: 32, cte_buckets: [8, 16], tkg_buckets: [32]}"   # one new graph: compile cte-8
+NEW_BUCKET = "text: {seq_len: 48, cte_buckets: [8, 32], tkg_buckets: [48]}"   # one new graph: compile cte-8
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The lockfile and explain, against one real tiny build shared by the module."""
+"""The lockfile and explain, against the real tiny build that conftest makes once per run (dense_project)."""
 
 from __future__ import annotations
 
@@ -12,29 +12,21 @@ import pytest
 from qbuild import lock as lockmod
 from tests.conftest import REPO, qbuild
 
-# One real build of the tiny recipes serves the whole file: built once, on one worker, outside the fast lane.
+# One copy of the built project serves the whole file, on one worker, outside the fast lane.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lock-explain")]
 
-RECIPE = """\
-model: {{path: {path}}}
-text: {{seq_len: 128, cte_buckets: {cte}, tkg_buckets: [128]}}
-dtype: float32
-backend: export
-verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
-"""
+RECIPE = Path("recipes") / "tiny-dense.yaml"   # conftest's dense_project: the tiny Qwen3.5, buckets cte 32, tkg 48
+NAME = "tiny-dense"
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, tiny_checkpoints):
-    """A workspace with one tiny recipe built: (dir, recipe, store, lock, env)."""
-    root = tmp_path_factory.mktemp("locked")
-    recipe = root / "lk.yaml"
-    recipe.write_text(RECIPE.format(path=tiny_checkpoints["qwen3_next"], cte="[32]"))
+def built(tmp_path_factory, dense_project):
+    """A private copy of conftest's built project, for the tests that only read it: (dir, recipe, store, lock, env)."""
+    root = Path(shutil.copytree(dense_project, tmp_path_factory.mktemp("locked") / "project", symlinks=True))
     # PYTHONPATH too: this module fixture runs before the per-test environment is set up, and without it the CLI
     # would import an installed qbuild instead of this tree's.
     env = {"QBUILD_STORE": str(root / "store"), "XDG_CACHE_HOME": str(root / "cache"), "PYTHONPATH": str(REPO)}
-    qbuild("compile", str(recipe), "--lock", str(root / "artifacts.lock"), "-j", "2", cwd=root, env=env, check=True)
-    return root, recipe, root / "store", root / "artifacts.lock", env
+    return root, root / RECIPE, root / "store", root / "artifacts.lock", env
 
 
 def _copy(built, tmp_path) -> tuple[Path, Path, dict]:
@@ -42,8 +34,9 @@ def _copy(built, tmp_path) -> tuple[Path, Path, dict]:
     root, recipe, store, lock, env = built
     shutil.copytree(store, tmp_path / "store", symlinks=True)
     shutil.copy(lock, tmp_path / "artifacts.lock")
-    shutil.copy(recipe, tmp_path / "lk.yaml")
-    return tmp_path / "lk.yaml", tmp_path / "artifacts.lock", {**env, "QBUILD_STORE": str(tmp_path / "store")}
+    (tmp_path / RECIPE).parent.mkdir()
+    shutil.copy(recipe, tmp_path / RECIPE)
+    return tmp_path / RECIPE, tmp_path / "artifacts.lock", {**env, "QBUILD_STORE": str(tmp_path / "store")}
 
 
 def test_lockfile_is_deterministic_sorted_and_round_trips(built):
@@ -51,16 +44,16 @@ def test_lockfile_is_deterministic_sorted_and_round_trips(built):
     text = lock.read_text()
     doc = lockmod.read(lock)
     assert lockmod.dumps(doc) == text
-    entry = doc["recipes"]["lk"]
+    entry = doc["recipes"][NAME]
     assert entry["model"]["source"] == "path" and entry["model"]["files"]["config.json"].startswith("blake3:")
     assert entry["bundle"] and entry["verified"] is True
-    assert set(entry["nodes"]) == {"fetch", "convert", "shard", "compile cte-32", "compile tkg-128", "package",
+    assert set(entry["nodes"]) == {"fetch", "convert", "shard", "compile cte-32", "compile tkg-48", "package",
                                    "reference", "verify"}
     node = doc["nodes"][entry["nodes"]["compile cte-32"]]
     assert node["preimage"]["params"]["bucket"] == 32 and "torch" in node["preimage"]["toolchain"]
     assert all(set(o) == {"digest", "size"} for o in node["outputs"].values())
     # Merging the same entries again changes nothing, byte for byte.
-    assert lockmod.dumps(lockmod.merge(doc, {"lk": entry}, {})) == text
+    assert lockmod.dumps(lockmod.merge(doc, {NAME: entry}, {})) == text
 
 
 def test_noop_and_lock_check(built):
@@ -75,7 +68,7 @@ def test_noop_and_lock_check(built):
 def test_lock_check_names_a_corrupt_artifact(built, tmp_path):
     recipe, lock, env = _copy(built, tmp_path)
     doc = lockmod.read(lock)
-    node = doc["nodes"][doc["recipes"]["lk"]["nodes"]["compile cte-32"]]
+    node = doc["nodes"][doc["recipes"][NAME]["nodes"]["compile cte-32"]]
     rel, meta = sorted(node["outputs"].items())[-1]
     blob = tmp_path / "store" / "cas" / meta["digest"][:2] / meta["digest"]
     os.chmod(blob, 0o644)
@@ -106,7 +99,7 @@ def test_explain_says_cached_or_names_the_changed_field(built, tmp_path):
 def test_explain_names_a_changed_converter_source(built, tmp_path):
     recipe, lock, env = _copy(built, tmp_path)
     doc = json.loads(lock.read_text())
-    conv = doc["nodes"][doc["recipes"]["lk"]["nodes"]["convert"]]
+    conv = doc["nodes"][doc["recipes"][NAME]["nodes"]["convert"]]
     conv["preimage"]["version"] = "0" * 32   # as if the lock was written by another converter version
     lock.write_text(lockmod.dumps(doc))
     # Everything is cached, so the lock's record alone changes nothing the store answers.
@@ -127,7 +120,7 @@ def test_explain_names_a_field_changed_below_a_miss(built, tmp_path):
     is named even though its key cannot be known."""
     recipe, lock, env = _copy(built, tmp_path)
     doc = json.loads(lock.read_text())
-    nodes = doc["recipes"]["lk"]["nodes"]
+    nodes = doc["recipes"][NAME]["nodes"]
     _drop_entry(tmp_path / "store", doc["nodes"][nodes["convert"]]["key"])
     shard = doc["nodes"][nodes["shard"]]
     shard["preimage"]["params"]["fused_qkv"] = not shard["preimage"]["params"]["fused_qkv"]
@@ -154,10 +147,10 @@ def _drop_entry(store: Path, key: str) -> None:
 def test_frozen_refuses_to_change_the_lockfile(built, tmp_path):
     recipe, lock, env = _copy(built, tmp_path)
     # Run where the lock was written from (it records recipe paths relative to the working directory).
-    ok = qbuild("compile", "lk.yaml", "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
+    ok = qbuild("compile", str(RECIPE), "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     before = lock.read_text()
     recipe.write_text(recipe.read_text().replace("new_tokens: 2", "new_tokens: 3"))
-    proc = qbuild("compile", "lk.yaml", "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
+    proc = qbuild("compile", str(RECIPE), "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
     assert proc.returncode == 1 and "--frozen" in proc.stderr and "params.new_tokens: 2 -> 3" in proc.stderr
     assert lock.read_text() == before
