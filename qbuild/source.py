@@ -136,15 +136,15 @@ def source_directory(loaded: LoadedRecipe) -> Path | None:
 def check_checkpoint(directory: Path, files: Mapping[str, Path] | None = None) -> None:
     """Raise UserError, one line naming the file (and tensor), unless the checkpoint at `directory` can be built:
     config.json, the tokenizer, and every safetensors header against the conversion program (truncation, lying
-    headers, missing, extra or misshapen tensors, an index naming a missing shard). Reads headers only; the last
-    check imports torch (the conversion program is made of torch functions), so call this where a build will run."""
+    headers, missing, extra or misshapen tensors, an index naming a missing shard). Reads headers only, and imports
+    no torch: the CLI runs it before the first step of a build, in a process that has no other use for torch."""
     config_path = Path((files or {}).get("config.json", directory / "config.json"))
     try:
         config = json.loads(read_small_file(config_path, MAX_CONFIG_BYTES, "config.json"))
     except ValueError as e:
         raise UserError(f"{config_path}: config.json is not valid JSON ({e})") from None
     check_tokenizer(directory, arch_from_config(config, str(config_path)).vocab_size, files)
-    from .convert.checkpoint import open_checkpoint   # torch: only once the cheap checks have passed
+    from .convert.checkpoint import open_checkpoint
     from .convert.errors import CheckpointError
 
     try:

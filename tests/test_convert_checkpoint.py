@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from qbuild.convert import convert_checkpoint, convert_state_dict
+from tests.conftest import REPO
 from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
 
 
@@ -115,3 +118,35 @@ def test_a_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch, wo
     with pytest.raises(OSError, match="No space"):
         convert_checkpoint(tiny("qwen3_5_moe_fused"), tmp_path / "out", workers=workers)
     assert list(tmp_path.iterdir()) == []
+
+
+CHECK = """\
+import sys
+from pathlib import Path
+from qbuild.errors import UserError
+from qbuild.source import check_checkpoint
+try:
+    check_checkpoint(Path(sys.argv[1]))
+    print("ok")
+except UserError as e:
+    print(e)
+assert "torch" not in sys.modules, "torch imported"
+"""
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_checking_a_checkpoint_imports_no_torch(family, tiny_checkpoints, tmp_path):
+    """The CLI checks every header of a checkpoint before a build's first step, in its own process: without torch, so
+    a bad checkpoint is refused at once and a good one costs no torch import there."""
+    def check(directory) -> str:
+        proc = subprocess.run([sys.executable, "-c", CHECK, str(directory)], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    assert check(tiny_checkpoints[family]) == "ok"
+    bad = shutil.copytree(tiny_checkpoints[family], tmp_path / "bad")
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    shard = bad / index["weight_map"]["lm_head.weight"]
+    shard.write_bytes(shard.read_bytes()[:-4])
+    assert check(bad).startswith(f"{bad}/{shard.name}: ") and "truncated" in check(bad)

@@ -376,7 +376,7 @@ def expected_weights(compiled: Path) -> dict[str, tuple[int, ...]] | None:
 def check_shards(expected: dict[str, tuple[int, ...]], shard: Path) -> None:
     """Raise one line naming the first weight the compiled model expects that a rank's shard lacks or shapes
     differently (every rank holds the same names and per-rank shapes)."""
-    from ..convert.safetensors_io import read_header
+    from ..convert.safetensors_header import read_header
 
     header = read_header(shard, shard.name)
     extra = sorted(set(header) - set(expected))

@@ -4,7 +4,10 @@ attention tensors are divided across tensor-parallel ranks at shard time.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # torch is imported where a rule runs: checking a checkpoint's headers (checkpoint.py)
+    import torch           # builds these tables in a process that never needs it
 
 from qbuild.convert.steps import Row, same
 
@@ -40,6 +43,8 @@ def kv_head_shards(t: torch.Tensor, num_kv_heads: int, tp: int) -> list[torch.Te
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """NxDI's fused Wqkv of one rank: cat(query, k, v) on dim 0 (the output gate stays separate)."""
+    import torch
+
     return torch.cat([q, k, v], dim=0)
 
 

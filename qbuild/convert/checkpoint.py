@@ -24,7 +24,7 @@ from typing import Mapping
 from qbuild.arch import Arch, ConfigError, arch_from_config
 from qbuild.convert.errors import CheckpointError
 from qbuild.convert.layout import Program, program
-from qbuild.convert.safetensors_io import FLOAT_DTYPES, Entry, read_header
+from qbuild.convert.safetensors_header import FLOAT_DTYPES, Entry, read_header
 from qbuild.families import MODEL_TYPES, ModelType
 
 INDEX = "model.safetensors.index.json"

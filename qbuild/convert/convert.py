@@ -24,7 +24,7 @@ from qbuild.convert import fp8 as fp8_rules
 from qbuild.convert.checkpoint import TensorInfo, arch_of, open_checkpoint, validate
 from qbuild.dtypes import torch_dtype as dtype_of
 from qbuild.convert.layout import program
-from qbuild.convert.safetensors_io import DTYPE_NAMES, MappedSources, PlannedFile, contiguous
+from qbuild.convert.safetensors_io import DTYPE_NAMES, DTYPES, MappedSources, PlannedFile, contiguous
 from qbuild.convert.steps import Step
 from qbuild.convert.writer import DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles, meta_specs, write_json
 from qbuild.families import FP8_POLICIES, FP8Policy
@@ -151,7 +151,7 @@ _PLAN_ON_ZEROS_BYTES = 1 << 20
 def _plan_inputs(entries) -> list[torch.Tensor]:
     """Stand-ins with the inputs' shapes and dtypes, for planning: only the outputs' shapes and dtypes are used."""
     device = "cpu" if sum(e.nbytes for e in entries) <= _PLAN_ON_ZEROS_BYTES else "meta"
-    return [torch.zeros(e.shape, dtype=e.torch_dtype, device=device) for e in entries]
+    return [torch.zeros(e.shape, dtype=DTYPES[e.dtype], device=device) for e in entries]
 
 
 def _report(ck, dtype: str, fp8: str, index: dict, text_out: ShardedOutput, vision_out: PlannedFile | None) -> dict:

@@ -7,7 +7,10 @@ plain contiguous split would hand rank 0 only queries. `reorder_qkv_channels` is
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # torch is imported where a rule runs: checking a checkpoint's headers (checkpoint.py)
+    import torch           # builds these tables in a process that never needs it
 
 from qbuild.convert.steps import Row, same
 
@@ -25,6 +28,8 @@ def as_column(arch, w: torch.Tensor) -> tuple[torch.Tensor]:
 def split_qkvz(arch, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-Next in_proj_qkvz (2*key_dim + 2*value_dim, H), grouped per key head as [q | k | v (r heads) | z (r heads)],
     -> in_proj_qkv (conv_dim, H) = cat(all q, all k, all v) and in_proj_z (value_dim, H); r = Hv / Hk."""
+    import torch
+
     r = arch.num_v_heads // arch.num_k_heads
     dk, dv, h = arch.k_head_dim, arch.v_head_dim, w.shape[-1]
     q, k, v, z = w.reshape(arch.num_k_heads, 2 * dk + 2 * dv * r, h).split([dk, dk, dv * r, dv * r], dim=1)
@@ -67,6 +72,8 @@ GROUPED_DELTANET = (
 
 def rank_channels(arch, tp: int, rank: int) -> torch.Tensor:
     """Channel indices of rank `rank` in a [Q | K | V] tensor: its key heads' Q, its key heads' K, its value heads' V."""
+    import torch
+
     kq, vq = arch.key_dim // tp, arch.value_dim // tp
     return torch.cat([torch.arange(rank * kq, (rank + 1) * kq),
                       arch.key_dim + torch.arange(rank * kq, (rank + 1) * kq),
@@ -77,6 +84,8 @@ def reorder_qkv_channels(t: torch.Tensor, arch, tp: int) -> torch.Tensor:
     """Reorder dim 0 of in_proj_qkv / conv1d (or an FP8 scale) so that contiguous tp slicing gives rank r
     [Q_r | K_r | V_r]. Worked example (key_dim 128, value_dim 256, tp 2):
     cat(s[0:64], s[128:192], s[256:384], s[64:128], s[192:256], s[384:512])."""
+    import torch
+
     if tp == 1:
         return t
     return t[torch.cat([rank_channels(arch, tp, r) for r in range(tp)])]

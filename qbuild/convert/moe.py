@@ -9,8 +9,10 @@ NxDI layout (E experts, H hidden, I expert intermediate):
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:   # torch is imported where a rule runs: checking a checkpoint's headers (checkpoint.py)
+    import torch           # builds these tables in a process that never needs it
 
 from qbuild.convert.steps import Row, Step, same
 
@@ -56,6 +58,8 @@ def down_from_fused(w: torch.Tensor) -> tuple[torch.Tensor]:
 
 def gate_up_from_experts(*gate_up: torch.Tensor) -> tuple[torch.Tensor]:
     """Per-expert (gate_0, up_0, gate_1, up_1, ...), each (I, H) -> (E, H, 2I) = [gate^T | up^T] per expert."""
+    import torch
+
     gates, ups = gate_up[0::2], gate_up[1::2]
     i, h = gates[0].shape
     out = torch.empty(len(gates), h, 2 * i, dtype=gates[0].dtype, device=gates[0].device)
@@ -67,6 +71,8 @@ def gate_up_from_experts(*gate_up: torch.Tensor) -> tuple[torch.Tensor]:
 
 def down_from_experts(*downs: torch.Tensor) -> tuple[torch.Tensor]:
     """Per-expert down_proj, each (H, I) -> (E, I, H)."""
+    import torch
+
     h, i = downs[0].shape
     out = torch.empty(len(downs), i, h, dtype=downs[0].dtype, device=downs[0].device)
     for e, w in enumerate(downs):
@@ -109,6 +115,8 @@ def gate_up_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int, pad
     """One rank's gate_up (E/ep, H, 2*I_r) (or its FP8 scale (E/ep, 1, 2*I_r)): the group's experts, and moe_tp
     slice j of both the gate and the up halves, each padded up to `pad_to` with `fill` (zero weights add nothing:
     silu(0) * 0 = 0)."""
+    import torch
+
     g = expert_group(t, ep, group)
     two_i = g.shape[-1]
     halves = g.reshape(*g.shape[:-1], 2, two_i // 2)
@@ -122,6 +130,8 @@ def gate_up_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int, pad
 def down_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int, pad_to: int | None) -> torch.Tensor:
     """One rank's down_proj (E/ep, I_r, H): the group's experts and moe_tp slice j of the intermediate dim (dim 1),
     zero-padded up to `pad_to`."""
+    import torch
+
     part = expert_group(t, ep, group).chunk(moe_tp, dim=1)[j]
     size = padded_intermediate(part.shape[1], pad_to)
     if size != part.shape[1]:

@@ -7,7 +7,10 @@ standard norm already) and the vision LayerNorms are deliberately absent from it
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 from qbuild.convert.steps import Row
 

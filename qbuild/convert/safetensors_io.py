@@ -1,12 +1,7 @@
 """Reading and writing the safetensors format directly, one tensor at a time.
 
-Layout of a file: 8-byte little-endian header length N, N bytes of JSON
-``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then the data,
-offsets relative to the first data byte.
-
-Every header is validated against the file size before any data is touched, so a truncated file or a lying header
-is a CheckpointError naming the file and tensor, never an out-of-bounds read. Only safetensors are ever read: never
-pickle.
+The entries come from safetensors_header, which validates every header against the file size before any data is
+touched. Only safetensors are ever read: never pickle.
 
 Reading maps just one tensor's bytes (`map_tensor`): nothing is copied until a rule needs to, pages come straight
 from the page cache, and the mapping is unmapped as soon as the tensor and its views are dropped, so RSS stays
@@ -18,7 +13,6 @@ byte range of a mapped source is copied by the kernel (`copy_file_range`) withou
 from __future__ import annotations
 
 import errno
-import json
 import math
 import mmap
 import os
@@ -29,95 +23,14 @@ from pathlib import Path
 import torch
 
 from qbuild import jsonio
-from qbuild.convert.errors import CheckpointError
+from qbuild.convert.safetensors_header import DTYPES as HEADER_DTYPES
+from qbuild.convert.safetensors_header import Entry
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+# safetensors dtype code <-> torch dtype, from safetensors_header's one table of codes
+DTYPES: dict[str, torch.dtype] = {code: getattr(torch, name) for code, (name, _) in HEADER_DTYPES.items()}
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
-
-# A header larger than this is not a plausible checkpoint (the 160 GB Coder-Next index is ~2 MB of JSON).
-MAX_HEADER_BYTES = 100 * 1024 * 1024
 # Linux transfers at most 0x7ffff000 bytes per read/write call; larger tensors are moved in pieces.
 _IO_CHUNK = 1 << 30
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a safetensors file: where its bytes are (absolute file offsets) and what they hold."""
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    begin: int
-    end: int
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
-
-
-def read_header(path: Path, label: str | None = None) -> dict[str, Entry]:
-    """The validated tensor entries of the safetensors file at `path`; CheckpointError naming `label` if bad."""
-    label = label or path.name
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(label, f"not a safetensors file ({size} bytes, shorter than the 8-byte header length)")
-            (n,) = struct.unpack("<Q", prefix)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise CheckpointError(label, f"header length {n} exceeds the file size {size} (truncated or corrupt)")
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(label, f"cannot read: {e.strerror or e}") from None
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(label, f"header is not valid JSON ({e.__class__.__name__})") from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(label, "header is not a JSON object")
-    doc.pop("__metadata__", None)
-    entries = {name: _entry(label, name, spec, 8 + n) for name, spec in doc.items()}
-    _check_extent(label, entries, 8 + n, size)
-    return entries
-
-
-def _entry(label: str, name: str, spec: object, data_start: int) -> Entry:
-    if not isinstance(spec, dict) or not {"dtype", "shape", "data_offsets"} <= spec.keys():
-        raise CheckpointError(label, "has a header entry without dtype, shape or data_offsets", name)
-    dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    if dtype not in DTYPES:
-        raise CheckpointError(label, f"has an unsupported dtype {dtype!r}", name)
-    ints = lambda xs: isinstance(xs, list) and all(isinstance(x, int) and x >= 0 for x in xs)  # noqa: E731
-    if not ints(shape) or not ints(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
-        raise CheckpointError(label, f"has a malformed shape {shape!r} or data_offsets {offsets!r}", name)
-    expected = math.prod(shape) * DTYPES[dtype].itemsize
-    if offsets[1] - offsets[0] != expected:
-        raise CheckpointError(label, f"has data_offsets {offsets} holding {offsets[1] - offsets[0]} bytes, "
-                                     f"but {dtype} {tuple(shape)} needs {expected}", name)
-    return Entry(name, dtype, tuple(shape), data_start + offsets[0], data_start + offsets[1])
-
-
-def _check_extent(label: str, entries: dict[str, Entry], data_start: int, size: int) -> None:
-    """Every tensor lies inside the file, and no two tensors share bytes."""
-    last_end, last_name = data_start, None
-    for e in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
-        if e.end > size:
-            raise CheckpointError(label, f"ends at byte {e.end} but the file has {size} bytes "
-                                         "(truncated or lying header)", e.name)
-        if e.begin < last_end and e.nbytes:
-            raise CheckpointError(label, f"overlaps tensor {last_name!r}", e.name)
-        if e.nbytes:
-            last_end, last_name = e.end, e.name
 
 
 def map_tensor(fd: int, entry: Entry) -> torch.Tensor:
@@ -126,11 +39,11 @@ def map_tensor(fd: int, entry: Entry) -> torch.Tensor:
     The mapping lives exactly as long as the returned tensor and its views. The file must not shrink meanwhile
     (checkpoint files are immutable snapshots; a file truncated under us would fault like any mapped file)."""
     if entry.nbytes == 0:
-        return torch.empty(entry.shape, dtype=entry.torch_dtype)
+        return torch.empty(entry.shape, dtype=DTYPES[entry.dtype])
     start = entry.begin - entry.begin % mmap.ALLOCATIONGRANULARITY
     mapped = mmap.mmap(fd, entry.end - start, access=mmap.ACCESS_COPY, offset=start)
     flat = torch.frombuffer(mapped, dtype=torch.uint8, count=entry.nbytes, offset=entry.begin - start)
-    return flat.view(entry.torch_dtype).reshape(entry.shape)
+    return flat.view(DTYPES[entry.dtype]).reshape(entry.shape)
 
 
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> bool:

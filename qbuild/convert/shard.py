@@ -46,7 +46,9 @@ from qbuild.convert.checkpoint import arch_of, load_config
 from qbuild.dtypes import DTYPES, torch_dtype
 from qbuild.convert.errors import CheckpointError, ShardError
 from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
-from qbuild.convert.safetensors_io import Entry, MappedSources, PlannedFile, read_header
+from qbuild.convert.safetensors_header import Entry, read_header
+from qbuild.convert.safetensors_io import DTYPES as TORCH_DTYPES
+from qbuild.convert.safetensors_io import MappedSources, PlannedFile
 from qbuild.convert.writer import SourceFiles, write_json
 from qbuild.store.files import staged
 from qbuild.threads import run_all
@@ -250,7 +252,8 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
     steps = layout_program(d, list(located), p, layout, dtype, label)
     plans: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[] for _ in range(tp)]
     for step in steps:
-        metas = [torch.empty(located[n][1].shape, dtype=located[n][1].torch_dtype, device="meta") for n in step.sources]
+        metas = [torch.empty(located[n][1].shape, dtype=TORCH_DTYPES[located[n][1].dtype],
+                             device="meta") for n in step.sources]
         for r, outs in enumerate(step.fn(*metas)):
             plans[r] += [(n, t.dtype, tuple(t.shape)) for n, t in outs.items()]
     sources = SourceFiles(sorted({path for path, _ in located.values()}))

@@ -12,12 +12,13 @@ copy-on-write mappings of the checkpoint, and an output that is a view of an inp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:   # the rules import torch where they run it: building a program for a header check does not
+    import torch
 
 Shape = tuple[int, ...]
-Transform = Callable[..., tuple[torch.Tensor, ...]]  # (Arch, *tensors) -> one tensor per target
+Transform = Callable[..., tuple["torch.Tensor", ...]]  # (Arch, *tensors) -> one tensor per target
 
 
 @dataclass(frozen=True)
