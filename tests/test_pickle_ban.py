@@ -1,7 +1,7 @@
 """Weights are only ever read from safetensors: the audit of every unpickling, and the rules it is judged by.
 
-tests/test_e2e.py builds its three recipes (every family, a vision encoder, tp and ep) and runs a bundle under the
-audit, and judges what it recorded with violations() below. The CLI and every worker it starts run with
+tests/test_e2e.py builds its three recipes (every family, a vision encoder, tp and ep) and runs the pulled VL bundle
+on an image under the audit, and judges what it recorded with violations() below. The CLI and every worker it starts run with
 tests/pickle_audit.py, which logs each call of
 pickle.load / pickle.loads / pickle.Unpickler.load, each global a full unpickler resolves (the "pickle.find_class"
 audit event of PEP 578, which also sees C code) and each torch.load, with its call stack. Two kinds are allowed:
