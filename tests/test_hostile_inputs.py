@@ -331,7 +331,7 @@ def test_store_naming_a_file_is_one_line_exit_3(command, tiny_checkpoints, tmp_p
 
 # --- a built project, and faults of its store ------------------------------------------------------------------
 
-OK = "tiny-dense"                       # the built recipe, and its file
+OK = "tiny-dense"                       # conftest's dense_project recipe: its name and its file
 OK_RECIPE = "recipes/tiny-dense.yaml"
 BUILT_TEXT = "text: {seq_len: 48, cte_buckets: [32], tkg_buckets: [48]}"   # its buckets: recipes on top share graphs
 
