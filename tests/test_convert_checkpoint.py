@@ -150,3 +150,13 @@ def test_checking_a_checkpoint_imports_no_torch(family, tiny_checkpoints, tmp_pa
     shard = bad / index["weight_map"]["lm_head.weight"]
     shard.write_bytes(shard.read_bytes()[:-4])
     assert check(bad).startswith(f"{bad}/{shard.name}: ") and "truncated" in check(bad)
+
+
+def test_the_header_dtype_table_names_torch_dtypes_of_the_sizes_it_gives():
+    """safetensors_header sizes each dtype code without torch; safetensors_io maps the same codes to torch."""
+    from qbuild.convert.safetensors_header import DTYPES as SIZES
+    from qbuild.convert.safetensors_io import DTYPE_NAMES, DTYPES
+
+    assert set(DTYPES) == set(SIZES)
+    assert {code: DTYPES[code].itemsize for code in SIZES} == {code: size for code, (_, size) in SIZES.items()}
+    assert all(DTYPE_NAMES[DTYPES[code]] == code for code in SIZES)

@@ -4,8 +4,9 @@ The layout rules follow /work/shared/reference/nxdi-layout.md; each lives once, 
 norms (+1), attention (q/gate split, kv heads, fused Wqkv), deltanet (renames, Qwen3-Next de-interleave, per-rank
 [Q|K|V]), mlp / moe (experts, expert parallelism, padding), embeddings (tied head, pad row), vision (renames),
 fp8 (quantisation and policies). layout.py assembles them per family; safetensors_header.py and checkpoint.py read
-and validate, without torch; convert.py and shard.py are the entry points. shard.py's "cpu" layout is the one qbuild's reference model reads;
-nxd.py holds the "nxd-main" / "nxd-moe" layouts, the files NxD itself writes for the two port lineages.
+and validate, without torch; convert.py and shard.py are the entry points. shard.py's "cpu" layout is the one
+qbuild's reference model reads; nxd.py holds the "nxd-main" / "nxd-moe" layouts, the files NxD itself writes for
+the two port lineages.
 """
 
 from __future__ import annotations

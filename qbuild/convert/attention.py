@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:   # torch is imported where a rule runs: checking a checkpoint's headers (checkpoint.py)
-    import torch           # builds these tables in a process that never needs it
+if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
+    import torch
 
 from qbuild.convert.steps import Row, same
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
     import torch
 
 from qbuild.convert.steps import Step, same

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-if TYPE_CHECKING:   # the rules import torch where they run it: building a program for a header check does not
+if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
     import torch
 
 Shape = tuple[int, ...]
