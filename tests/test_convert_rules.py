@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from qbuild.arch import arch_from_config
 from qbuild.convert import CheckpointError, convert_state_dict
 from qbuild.convert.attention import kv_head_shards, split_query_gate
 from qbuild.convert.deltanet import rank_channels, reorder_qkv_channels, split_ba, split_qkvz
@@ -28,7 +30,9 @@ def test_query_gate_split_deinterleaves_per_head():
 
 
 def test_deltanet_tp2_reorder_matches_the_worked_example():
-    dims = SimpleNamespace(key_dim=128, value_dim=256)  # e.g. Hk=2, dk=64; Hv=4, dv=64
+    config, _ = hf_state_dict("qwen3_next")
+    # key_dim 128, value_dim 256
+    dims = replace(arch_from_config(config), num_k_heads=2, k_head_dim=64, num_v_heads=4, v_head_dim=64)
     s = torch.arange(512)
     expected = torch.cat([s[0:64], s[128:192], s[256:384], s[64:128], s[192:256], s[384:512]])
     assert torch.equal(reorder_qkv_channels(s, dims, tp=2), expected)

@@ -74,7 +74,8 @@ def rank_channels(arch, tp: int, rank: int) -> torch.Tensor:
     """Channel indices of rank `rank` in a [Q | K | V] tensor: its key heads' Q, its key heads' K, its value heads' V."""
     import torch
 
-    kq, vq = arch.key_dim // tp, arch.value_dim // tp
+    share = arch.per_rank(tp)
+    kq, vq = share.key_dim, share.value_dim
     return torch.cat([torch.arange(rank * kq, (rank + 1) * kq),
                       arch.key_dim + torch.arange(rank * kq, (rank + 1) * kq),
                       2 * arch.key_dim + torch.arange(rank * vq, (rank + 1) * vq)])
