@@ -94,6 +94,7 @@ class NeuronTextCompile:
     toolchain: dict[str, str]        # distribution -> the recipe's pinned version
     port_env: dict[str, str]         # the only port switches a compile sees
     pad_token_id: int | None
+    vision_inputs: bool              # the context-encoding graph takes vision embeddings (the recipe has vision)
 
 
 @dataclass(frozen=True)

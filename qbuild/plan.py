@@ -150,6 +150,8 @@ def neuron_text_params(loaded: LoadedRecipe, arch: Arch) -> dict:
             "dtype": r.dtype, "fp8": r.fp8, "moe_backend": checks.moe_backend(loaded, arch),
             "fused_qkv": r.fused_qkv, "compiler": _compiler(r), "toolchain": r.toolchain.pins(),
             "port_env": dict(sorted(r.port.env.items())),
+            # A bundle with vision encoders needs a context-encoding graph that takes the image features.
+            "vision_inputs": bool(r.vision and r.vision.buckets),
             # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
             "pad_token_id": arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id}
 

@@ -164,6 +164,8 @@ def test_one_compile_builds_every_bucket_of_both_submodels(dense):
     assert not any(s["auto_buckets"] for s in subs.values())
     order = [(n["tag"], n["bucket"]) for n in call["neffs"]]
     assert order == [("token_generation_model", 64), ("context_encoding_model", 32), ("context_encoding_model", 64)]
+    # A bundle with a vision encoder: its context encoding takes the image features, token generation never does.
+    assert [n["traced"]["vision_inputs"] for n in call["neffs"]] == [False, True, True]
     assert [c["skipped"] for c in dense.calls("shard_weights")] == ["skip_sharding"]
     # The vision encoder: one torch_neuronx.trace of the port's CPUVisionModel per bucket, weights in the model dtype.
     (trace,) = dense.calls("torch_neuronx.trace")
@@ -246,6 +248,8 @@ def test_concurrent_builds_get_distinct_work_dirs(dense, tmp_path):
     by_fused = {c["config"]["neuron_config"]["fused_qkv"]: c for c in calls}
     assert by_fused[False]["env"]["QWEN36_DELTANET_CTE_IMPL"] == "legacy_direct"
     assert "QWEN36_DELTANET_CTE_IMPL" not in by_fused[True]["env"]
+    # Text-only recipes: no graph takes vision inputs.
+    assert not any(n["traced"]["vision_inputs"] for c in calls for n in c["neffs"])
 
 
 @pytest.mark.slow

@@ -346,6 +346,10 @@ def inference_kwargs(params: NeuronTextCompile) -> dict:
     text["pad_token_id"] = params.pad_token_id
     if params.lineage == "main":
         text["use_hybrid_cache_manager"] = False
+        # The main ports trace context encoding without vision inputs unless told otherwise (Qwen35InferenceConfig
+        # sets use_text_only_cte_inputs=True by default: 35B-A3B modeling_qwen35.py:2324, 2B :2230 @ 4bcdc54); their
+        # VL flow compiles the text model with it False (35B-A3B test/integration/run_vl_smoke.py:97).
+        text["use_text_only_cte_inputs"] = not params.vision_inputs
     return text
 
 

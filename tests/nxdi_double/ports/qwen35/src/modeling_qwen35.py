@@ -43,6 +43,7 @@ class Qwen35InferenceConfig(InferenceConfig):
             kwargs.setdefault("num_local_experts", kwargs.get("num_experts"))
             kwargs.setdefault("n_shared_experts", 1)
             kwargs.setdefault("intermediate_size", kwargs.get("moe_intermediate_size"))
+        kwargs.setdefault("use_text_only_cte_inputs", True)   # l.2324
         super().__init__(neuron_config, fused_spec_config=fused_spec_config, load_config=load_config,
                          metadata=metadata, **kwargs)
 
@@ -129,7 +130,11 @@ class NeuronQwen35Model:
         chunk = int(os.environ.get("QWEN36_DELTANET_CHUNK_SIZE", "128"))
         if chunk not in (64, 128) or (cte_impl in ("legacy", "legacy_direct", "direct") and chunk != 128):
             raise ValueError(f"QWEN36_DELTANET_CHUNK_SIZE={chunk} with QWEN36_DELTANET_CTE_IMPL={cte_impl}")
-        traced = {"deltanet_cte_impl": cte_impl if tag == CONTEXT_ENCODING_MODEL_TAG else None}
+        cte = tag == CONTEXT_ENCODING_MODEL_TAG
+        # l.7055: context encoding takes vision_embeddings / vision_mask of the bucket's length only when
+        # use_text_only_cte_inputs is False; else empty ones, and get_model_output never scatters image features.
+        traced = {"deltanet_cte_impl": cte_impl if cte else None,
+                  "vision_inputs": cte and not config.use_text_only_cte_inputs}
         if config._is_moe:
             traced["experts"] = expert_dispatch(config.neuron_config, tokens, config.num_experts_per_tok,
                                                 config.num_experts, seq_len)
