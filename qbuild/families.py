@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 FamilyName = Literal["qwen3_5", "qwen3_5_moe", "qwen3_next"]
-LineageName = Literal["main", "moe"]
+LineageName = Literal["main", "main-replicated", "moe"]
 MoEBackend = Literal["shard_on_intermediate", "torch_blockwise", "shard_hidden", "shard_on_block"]
 
 # --- FP8 policies (convert/fp8.py: what each stores as FP8) ----------------------------------------------------
@@ -72,12 +72,18 @@ class Lineage:
 
 
 # main: Qwen3.5-35B-A3B and Qwen3.5-2B on NxDI main @ 4bcdc54 (contrib/models/<Port>/src/modeling_qwen35.py) and the
-# Qwen3.5-27B / Qwen3.6-27B PRs; the port imports `src.nki_kernels...`, so the PORT DIRECTORY goes on sys.path.
+# Qwen3.6-27B PR (173 @ 03db3ef); the port imports `src.nki_kernels...`, so the PORT DIRECTORY goes on sys.path.
+# main-replicated: the Qwen3.5-27B PR (128 @ 550e2ab, contrib/models/Qwen3.5-27B/src/modeling_qwen35.py): main's
+# module, classes, imports and get_compiler_args (L2504), but a DeltaNet replicated on every rank (L258-281) and a
+# dense MLP in every layer (L1427), so its shards differ.
 # moe: Qwen3-Coder-Next (PR 170 @ 753c7f5, contrib/models/Qwen3-Coder-Next/src/modeling_qwen35_moe.py), flat
 # imports, so the port's src/ goes on sys.path. No aws-neuron ref has a `modeling_qwen3_next` module.
 LINEAGES: dict[LineageName, Lineage] = {
     "main": Lineage("main", "src.modeling_qwen35", "NeuronQwen35ForCausalLM", "Qwen35InferenceConfig",
                     "src.modeling_qwen35_vision", ".", _MAIN_ARGS, "nxd-main"),
+    "main-replicated": Lineage("main-replicated", "src.modeling_qwen35", "NeuronQwen35ForCausalLM",
+                               "Qwen35InferenceConfig", "src.modeling_qwen35_vision", ".", _MAIN_ARGS,
+                               "nxd-main-replicated"),
     "moe": Lineage("moe", "modeling_qwen35_moe", "NeuronQwen35MoeForCausalLM", "Qwen35MoeInferenceConfig",
                    None, "src", _MOE_ARGS, "nxd-moe"),
 }
@@ -110,7 +116,7 @@ class Family:
 
 FAMILIES: dict[FamilyName, Family] = {
     "qwen3_5": Family("qwen3_5", "qwen3_5", "qwen3_5_text", moe=False, fp8_policies=("none", "mlp_only", "full"),
-                      default_moe_backend=None, mrope=True, port_lineages=("main",),
+                      default_moe_backend=None, mrope=True, port_lineages=("main", "main-replicated"),
                       transformers_config="Qwen3_5Config"),
     "qwen3_5_moe": Family("qwen3_5_moe", "qwen3_5_moe", "qwen3_5_moe_text", moe=True,
                           fp8_policies=("none", "mlp_only"), default_moe_backend="shard_on_intermediate", mrope=True,

@@ -1,7 +1,7 @@
 """Where a recipe's NxDI port source lives on this machine, and which lineage a build targets.
 
 A neuron build runs a public NxDI contrib port (aws-neuron/neuronx-distributed-inference, contrib/models/). The ports
-come in two lineages (qbuild.families.LINEAGES: module names, class names, compiler arguments, sharded-checkpoint
+come in three lineages (qbuild.families.LINEAGES: module names, class names, compiler arguments, sharded-checkpoint
 formats; shared/reference/nxdi-api.md section 1); each family names the lineages that serve it.
 This module is pure data plus file lookups: it never imports a port.
 """

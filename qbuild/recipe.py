@@ -149,7 +149,8 @@ class Compiler(_Strict):
 class Port(_Strict):
     """The NxDI contrib port a neuron build runs (qbuild.ports): its lineage and where its source lives."""
 
-    lineage: LineageName | None = Field(None, description="main | moe; default per family (Coder-Next: moe)")
+    lineage: LineageName | None = Field(None, description="main | main-replicated | moe; default per family "
+                                                          "(Coder-Next: moe)")
     path: str | None = Field(None, description="the port directory (holds src/), relative to the recipe file")
     module: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*$",
                                description="an importable package whose directory is the port directory")

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, qbuild
-from tests.nxdi_double import MAIN_PORT, MOE_PORT, ROOT, SITE, metadata_overlay, read_log
+from tests.nxdi_double import MAIN_PORT, MOE_PORT, ROOT, SITE, metadata_overlay, read_log, replicated_deltanet_port
 
 # One worker takes the whole file, so the module-scoped build `dense` is built once.
 pytestmark = pytest.mark.xdist_group("neuron-double")
@@ -339,6 +339,40 @@ def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
     assert nc["router_config"] == {"act_fn": "softmax", "dtype": "float32"} and nc["fused_qkv"] is True
     assert {c["returned"] for c in build.calls("get_compiler_args")} == {f"{MOE_PORT_ARGS} --target=trn2 --lnc=2 "
                                                                          f"{RECIPE_FLAG}"}
+
+
+# --- the Qwen3.5-27B port ----------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_path):
+    """The Qwen3.5-27B port (PR 128) has the main port's module and classes, but its DeltaNet is whole on every rank.
+    The main-replicated lineage packages shards its compiled model takes as they are; the main lineage's
+    tensor-parallel DeltaNet shards would not load, and packaging refuses them naming the first such tensor."""
+    from safetensors import safe_open
+
+    port = replicated_deltanet_port(tmp_path / "Qwen3.5-27B")
+    build = Build(tmp_path / "build")
+    checkpoint = tiny_checkpoints["qwen3_5"]
+    result, stderr = build.compile(write_recipe(build.root / "recipes" / "r27.yaml", checkpoint, port,
+                                                port={"lineage": "main-replicated"}))
+    require_bundle(result, stderr)
+    (init,) = build.calls("app_init")
+    assert "src.modeling_qwen35.NeuronQwen35ForCausalLM" in init["mro"]
+    config = json.loads((checkpoint / "config.json").read_text())["text_config"]
+    conv_dim = (2 * config["linear_num_key_heads"] * config["linear_key_head_dim"]
+                + config["linear_num_value_heads"] * config["linear_value_head_dim"])
+    layer = config["layer_types"].index("linear_attention")
+    bundle = build.node_outputs("r27", "package", tmp_path / "bundle")
+    for rank in range(2):
+        with safe_open(bundle / "weights" / f"tp{rank}_sharded_checkpoint.safetensors", "pt") as f:
+            la = f"layers.{layer}.linear_attn."
+            assert f.get_slice(la + "conv1d.weight").get_shape() == [conv_dim, 1, config["linear_conv_kernel_dim"]]
+            assert f.get_slice(la + "A_log").get_shape() == [config["linear_num_value_heads"]]
+            assert f.get_slice(la + "in_proj_qkv.weight").get_shape() == [conv_dim, config["hidden_size"]]
+
+    result, stderr = build.compile(write_recipe(build.root / "recipes" / "r27-main.yaml", checkpoint, port))
+    (message,) = [str(v) for k, v in result["failed"].items() if k.startswith("package")]
+    assert "linear_attn" in message, message
 
 
 # --- the toolchain -----------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 Skipped where neuronx_distributed_inference does not import, where what imports is the contract double
 (tests/nxdi_double), or where QBUILD_TEST_PORTS is unset. QBUILD_TEST_PORTS is a directory of NxDI contrib port
 checkouts named as in aws-neuron/neuronx-distributed-inference contrib/models/: Qwen3.5-2B (dense family, main
-lineage), Qwen3.5-35B-A3B (MoE family, main lineage), Qwen3-Coder-Next (Qwen3-Next, moe lineage, PR 170); a family
-whose port is missing is skipped.
+lineage), Qwen3.5-27B (dense family, main-replicated lineage, PR 128), Qwen3.5-35B-A3B (MoE family, main lineage),
+Qwen3-Coder-Next (Qwen3-Next, moe lineage, PR 170); a port that is missing is skipped.
 
 Each tiny family is built with `backend: neuron` (compile, shard, package, and verify on the NeuronCores), pulled,
 loaded with the port's own class as vLLM and the ports' scripts do (`App(dir).load(dir)`), and its greedy tokens
@@ -33,11 +33,12 @@ if not os.environ.get("QBUILD_TEST_PORTS"):
                 allow_module_level=True)
 
 PORTS = Path(os.environ["QBUILD_TEST_PORTS"])
-# family -> (port directory, lineage, recipe fields the family's port runs with)
-FAMILIES = {
-    "qwen3_5": ("Qwen3.5-2B", "main", {}),
-    "qwen3_5_moe": ("Qwen3.5-35B-A3B", "main", {}),
-    "qwen3_next": ("Qwen3-Coder-Next", "moe", {"fused_qkv": True, "moe_backend": "shard_on_block"}),
+# port directory -> (the tiny family it builds, lineage, recipe fields the port runs with)
+PORT_CASES = {
+    "Qwen3.5-2B": ("qwen3_5", "main", {}),
+    "Qwen3.5-27B": ("qwen3_5", "main-replicated", {}),
+    "Qwen3.5-35B-A3B": ("qwen3_5_moe", "main", {}),
+    "Qwen3-Coder-Next": ("qwen3_next", "moe", {"fused_qkv": True, "moe_backend": "shard_on_block"}),
 }
 NEW_TOKENS = 8
 # A tiny random model in bfloat16 on the device against float32 transformers: near-ties can flip a later token, so the
@@ -71,9 +72,9 @@ def _installed_pins() -> dict[str, str]:
     return {d.replace("-", "_"): importlib.metadata.version(d).split("+")[0] for d in dists}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_tiny_family_on_neuron(family, tiny_checkpoints, tmp_path):
-    port_name, lineage, fields = FAMILIES[family]
+@pytest.mark.parametrize("port_name", sorted(PORT_CASES))
+def test_tiny_family_on_neuron(port_name, tiny_checkpoints, tmp_path):
+    family, lineage, fields = PORT_CASES[port_name]
     port = PORTS / port_name
     if not (port / "src").is_dir():
         pytest.skip(f"{port}: no port checkout")
@@ -114,4 +115,4 @@ def test_tiny_family_on_neuron(family, tiny_checkpoints, tmp_path):
     for r, tokens in zip(reference, greedy):
         same = sum(a == b for a, b in zip(tokens, r["greedy"])) / NEW_TOKENS
         assert tokens[0] == r["greedy"][0] and same >= MIN_TOKEN_MATCH, \
-            f"{family} {r['text']!r}: neuron {tokens}, transformers {r['greedy']}"
+            f"{port_name} {r['text']!r}: neuron {tokens}, transformers {r['greedy']}"

@@ -129,8 +129,11 @@ def test_plan_never_imports_torch_and_plans_shipped_recipes_offline(tmp_path):
     assert kinds == {"fetch", "port", "convert", "shard", "compile", "package", "reference", "verify"}
     # Every shipped recipe is a neuron build: one text compile with every bucket, one vision compile per bucket.
     by_id = {n["id"]: n for n in plan["nodes"]}
+    assert {name: entry["port"]["lineage"] for name, entry in plan["recipes"].items()} == {
+        "2b-tp8": "main", "27b-tp4": "main-replicated", "35b-a3b-tp8": "main", "36-27b-fp8-128k": "main",
+        "coder-next-tp8": "moe"}
     for name, entry in plan["recipes"].items():
-        assert entry["backend"] == "neuron" and entry["port"]["lineage"] in ("main", "moe"), name
+        assert entry["backend"] == "neuron", name
         compiles = [by_id[nid] for role, nid in entry["nodes"].items() if role.startswith("compile")]
         text = [n for n in compiles if n["params"]["graph"] == "text"]
         assert len(text) == 1, name

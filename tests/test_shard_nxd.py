@@ -122,7 +122,8 @@ def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool
     """What NxD writes for `tp` ranks. Every non-expert parallel layer is split over dense_tp ranks (NxDI's
     tp_degree; default tp) and rank r holds its slice r % dense_tp; experts go by (r // moe_tp, r % moe_tp)."""
     ref = Ref(config, hf)
-    main = lineage == "nxd-main"
+    main = lineage in ("nxd-main", "nxd-main-replicated")   # the main port's names
+    tp_deltanet = lineage == "nxd-main"
     moe_tp = tp // ep
     dtp = dense_tp or tp
     H, D = ref.H, ref.D
@@ -172,7 +173,7 @@ def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool
         else:
             la, dn = p + "linear_attn.", ref.deltanet(i)
             conv, key_dim = ref.w(la + "conv1d.weight"), ref.hk * ref.dk
-            if main:  # rank r: its key heads' Q, its key heads' K, its value heads' V
+            if tp_deltanet:  # rank r: its key heads' Q, its key heads' K, its value heads' V
                 kq, vq = key_dim // dtp, ref.hv * ref.dv // dtp
                 chans = [[*range(r * kq, (r + 1) * kq), *range(key_dim + r * kq, key_dim + (r + 1) * kq),
                           *range(2 * key_dim + r * vq, 2 * key_dim + (r + 1) * vq)] for r in range(dtp)]
@@ -246,6 +247,9 @@ CASES = [  # (variant, lineage, tp, ep, fused_qkv)
     ("qwen3_next", "nxd-moe", 2, 2, False),
     ("qwen3_next_tp4", "nxd-moe", 4, 1, False), ("qwen3_next_tp4", "nxd-moe", 4, 2, True),
     ("qwen3_5_moe", "nxd-moe", 2, 1, False), ("tp8_next", "nxd-moe", 8, 2, False),
+    # The Qwen3.5-27B port: replicated DeltaNet, so tp 4 also works for 2 DeltaNet key heads.
+    ("qwen3_5", "nxd-main-replicated", 1, 1, False), ("qwen3_5", "nxd-main-replicated", 2, 1, True),
+    ("qwen3_5", "nxd-main-replicated", 4, 1, False),
 ]
 
 
@@ -492,6 +496,7 @@ def _config(variant: str, text: dict | None = None) -> dict:
      dict(tp=6, ep=3, dense_tp=2, layout="nxd-moe"), "CONVERT_TO_MHA"),
     (("qwen3_5",), dict(tp=2, layout="nxd-moe"), "routed experts"),
     (("qwen3_5",), dict(tp=4), "DeltaNet"),
+    (("qwen3_5_moe",), dict(tp=2, layout="nxd-main-replicated"), "dense MLP in every layer"),
     (("qwen3_5", dict(num_attention_heads=6, num_key_value_heads=3)), dict(tp=2), "CONVERT_TO_MHA"),
     (("qwen3_5_moe",), dict(tp=2, ep=2, layout="nxd-moe", dtype=None), "needs dtype"),
     (("qwen3_5_moe",), dict(tp=2, layout="nxd"), "layout must be one of"),

@@ -5,8 +5,8 @@ norms (+1), attention (q/gate split, kv heads, fused Wqkv), deltanet (renames, Q
 [Q|K|V]), mlp / moe (experts, expert parallelism, padding), embeddings (tied head, pad row), vision (renames),
 fp8 (quantisation and policies). layout.py assembles them per family; safetensors_header.py and checkpoint.py read
 and validate, without torch; convert.py and shard.py are the entry points. shard.py's "cpu" layout is the one
-qbuild's reference model reads; nxd.py holds the "nxd-main" / "nxd-moe" layouts, the files NxD itself writes for
-the two port lineages.
+qbuild's reference model reads; nxd.py holds the "nxd-main" / "nxd-main-replicated" / "nxd-moe" layouts, the files NxD
+itself writes for the three port lineages.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sharded checkpoints NxD itself writes (nxdi-api.md section 4), for the two public port lineages, so the neuron
+"""The sharded checkpoints NxD itself writes (nxdi-api.md section 4), for the three public port lineages, so the neuron
 backend ships per-rank files that NxD loads as they are.
 
 How NxD produces them (NxD = aws-neuron/neuronx-distributed @ fbac349, NxDI = aws-neuron/neuronx-distributed-inference
@@ -12,6 +12,9 @@ the module's names. The CPU layout (shard.py) keeps qbuild's names and is not af
 Ports:
 - "nxd-main": contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py (the Qwen3.5-2B port has the same module names).
   DeltaNet tensor-parallel; MoE under `mlp.moe.`; shared expert as plain Column/RowParallelLinear.
+- "nxd-main-replicated": contrib/models/Qwen3.5-27B/src/modeling_qwen35.py, PR 128 @ 550e2ab. The main port's
+  attention, dense MLP, embedding and lm_head; DeltaNet replicated (nn.Linear / nn.Conv1d / nn.Parameter, L258-281)
+  under the HF names its converter keeps (convert_qwen35_hf_to_neuron_state_dict, L1878).
 - "nxd-moe": contrib/models/Qwen3-Coder-Next/src/modeling_qwen35_moe.py, PR 170 @ 753c7f5. DeltaNet replicated
   (nn.Linear / nn.Conv1d / nn.Parameter); MoE directly under `mlp.`; shared expert wrapped in
   SigmoidGatedSharedExperts around NxD's SharedExperts.
@@ -55,6 +58,7 @@ from qbuild.convert.errors import CheckpointError, ShardError
 from qbuild.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
 
 NXD_MAIN = "nxd-main"
+NXD_MAIN_REPLICATED = "nxd-main-replicated"
 NXD_MOE = "nxd-moe"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -253,13 +257,10 @@ MAIN_RULES: dict[str, Rule] = {
     "mlp.shared_expert_gate": Rule("mlp.shared_expert_gate.weight", replicate),
 }
 
-# Qwen3-Coder-Next port (753c7f5): NeuronGatedDeltaNet is nn.Linear / nn.Conv1d / nn.Parameter (replicated, and
-# never quantised: NxD quantization_mappings.py converts only its parallel layers); the decoder's `mlp` is the MoE
-# module itself (router, expert_mlps) with `shared_experts` = SigmoidGatedSharedExperts(SharedExperts(...),
-# sigmoid_gate); SharedExperts' Column/RowParallelLinear use the full tp group (NxD modules/moe/shared_experts.py).
-MOE_RULES: dict[str, Rule] = {
-    **_COMMON,
-    "embed_tokens": Rule("embed_tokens.weight", hidden_columns_pad_row_zeroed),
+# NeuronGatedDeltaNet of plain nn.Linear / nn.Conv1d / nn.Parameter, whole on every rank, under the HF names (the
+# Coder-Next port @ 753c7f5 and the Qwen3.5-27B port @ 550e2ab L258-281). NxD quantises only its parallel layers
+# (quantization_mappings.py), so these are never FP8.
+_REPLICATED_DELTANET: dict[str, Rule] = {
     "linear_attn.in_proj_qkv": Rule("linear_attn.in_proj_qkv.weight", replicate),
     "linear_attn.conv1d_weight": Rule("linear_attn.conv1d.weight", conv1d_replicated),
     "linear_attn.in_proj_z": Rule("linear_attn.in_proj_z.weight", replicate),
@@ -269,6 +270,25 @@ MOE_RULES: dict[str, Rule] = {
     "linear_attn.dt_bias_weight": Rule("linear_attn.dt_bias", vector_replicated),
     "linear_attn.norm": Rule("linear_attn.norm.weight", replicate),
     "linear_attn.out_proj": Rule("linear_attn.out_proj.weight", replicate),
+}
+
+# Qwen3.5-27B port (550e2ab): everything but DeltaNet as the main port names and splits it (NeuronAttentionBase with
+# the output gate L1167-1219, Qwen35MLP's Column/RowParallelLinear L1383-1412, ParallelEmbedding
+# shard_across_embedding and a ColumnParallelLinear lm_head L1532-1555); it has no MoE.
+MAIN_REPLICATED_RULES: dict[str, Rule] = {
+    **{k: v for k, v in MAIN_RULES.items() if not k.startswith("linear_attn.") and ".moe." not in k
+       and not k.startswith("mlp.shared")},
+    **_REPLICATED_DELTANET,
+}
+
+# Qwen3-Coder-Next port (753c7f5): NeuronGatedDeltaNet is nn.Linear / nn.Conv1d / nn.Parameter (replicated, and
+# never quantised: NxD quantization_mappings.py converts only its parallel layers); the decoder's `mlp` is the MoE
+# module itself (router, expert_mlps) with `shared_experts` = SigmoidGatedSharedExperts(SharedExperts(...),
+# sigmoid_gate); SharedExperts' Column/RowParallelLinear use the full tp group (NxD modules/moe/shared_experts.py).
+MOE_RULES: dict[str, Rule] = {
+    **_COMMON,
+    "embed_tokens": Rule("embed_tokens.weight", hidden_columns_pad_row_zeroed),
+    **_REPLICATED_DELTANET,
     "mlp.moe.router.linear_router": Rule("mlp.router.linear_router.weight", replicate),
     moe.GATE_UP: Rule("mlp.expert_mlps.mlp_op.gate_up_proj.weight", experts_gate_up, experts_gate_up,
                          experts=True),
@@ -292,7 +312,10 @@ class Lineage:
 LINEAGES: dict[str, Lineage] = {
     NXD_MAIN: Lineage(NXD_MAIN, MAIN_RULES, "mlp.moe.expert_mlps", tensor_parallel_deltanet=True,
                       fuses_qkv_scales=True),
-    # The Coder-Next converter fuses only the weights; the quantised Wqkv's preshard hook would then find no scale.
+    # The 27B's and Coder-Next's converters fuse only the weights; a quantised Wqkv's preshard hook would then find
+    # no scale (550e2ab L1976-1993, 753c7f5).
+    NXD_MAIN_REPLICATED: Lineage(NXD_MAIN_REPLICATED, MAIN_REPLICATED_RULES, "mlp.moe.expert_mlps",
+                                 tensor_parallel_deltanet=False, fuses_qkv_scales=False),
     NXD_MOE: Lineage(NXD_MOE, MOE_RULES, "mlp.expert_mlps", tensor_parallel_deltanet=False,
                      fuses_qkv_scales=False),
 }
@@ -317,6 +340,8 @@ def check_nxd_layout(d: Arch, p: ParallelLayout, lineage: Lineage) -> None:
                                                         "layer; this model has none")
     need(not d.moe_layers or len(d.moe_layers) == d.num_layers,
          "the port builds every layer of a mixture-of-experts model as MoE, but this model has dense layers")
+    need(lineage.name != NXD_MAIN_REPLICATED or not d.moe_layers,
+         "the Qwen3.5-27B port builds a dense MLP in every layer; this model has routed experts")
     need(lineage.name != NXD_MOE or not d.tie_word_embeddings,
          "the Coder-Next port has no tied-embedding support (update_state_dict_for_tied_weights)")
     # Every non-expert parallel layer is split over the dense_tp group (over_dense_tp).

@@ -3,9 +3,10 @@
 Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json. `unpack_rank` reads a
 "cpu" rank back as qbuild's reference model holds it (FP8 dequantised, a fused Wqkv split).
 
-Layouts: "cpu" (below) is the one qbuild's CPU reference model reads; "nxd-main" and "nxd-moe" are the files NxD's
-ModelBuilder.shard_checkpoint writes for the two port lineages, with NxD's names, splits and dtypes (nxd.py). Only the
-nxd layouts take `dense_tp` (NxDI's tp_degree, when it differs from the number of ranks tp: NxD's EP world).
+Layouts: "cpu" (below) is the one qbuild's CPU reference model reads; "nxd-main", "nxd-main-replicated" and
+"nxd-moe" are the files NxD's ModelBuilder.shard_checkpoint writes for the three port lineages, with NxD's names,
+splits and dtypes (nxd.py). Only the nxd layouts take `dense_tp` (NxDI's tp_degree, when it differs from the number
+of ranks tp: NxD's EP world).
 
 Rank convention of the "cpu" layout (world size = tp):
 - Attention: q heads (q_proj, output_gate_proj) split contiguously; k/v heads split contiguously when tp <= nKV,
@@ -198,8 +199,8 @@ def shard_program(d: Arch, names, p: ParallelLayout, label: str) -> list[ShardSt
     return steps
 
 
-Layout = Literal["cpu", "nxd-main", "nxd-moe"]
-LAYOUTS: tuple[str, ...] = ("cpu", nxd.NXD_MAIN, nxd.NXD_MOE)
+Layout = Literal["cpu", "nxd-main", "nxd-main-replicated", "nxd-moe"]
+LAYOUTS: tuple[str, ...] = ("cpu", nxd.NXD_MAIN, nxd.NXD_MAIN_REPLICATED, nxd.NXD_MOE)
 
 
 def layout_program(d: Arch, names, p: ParallelLayout, layout: Layout, dtype: str | None,

@@ -1,4 +1,4 @@
-"""The NxDI contract double: fakes of the Neuron SDK's public surface (site/) and of the two port lineages (ports/).
+"""The NxDI contract double: fakes of the Neuron SDK's public surface (site/) and of the port lineages (ports/).
 
 The Neuron SDK cannot be installed on a CPU host, so the neuron backend is tested against these. They are built only
 from the facts in /work/notes (nxdi-core-facts.md, nxdi-port-facts.md, nxd-ep-facts.md) and
@@ -15,12 +15,23 @@ directory that goes before site/ on the path (importlib.metadata takes the first
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 SITE = ROOT / "site"
 MAIN_PORT = ROOT / "ports" / "qwen35"      # main lineage: this directory on sys.path, `import src.modeling_qwen35`
 MOE_PORT = ROOT / "ports" / "coder_next"   # moe lineage: its src/ on sys.path, `import modeling_qwen35_moe`
+
+
+def replicated_deltanet_port(dest: Path) -> Path:
+    """A fake of the Qwen3.5-27B port (PR 128 @ 550e2ab) at `dest`: the main port with its DeltaNet replicated."""
+    shutil.copytree(MAIN_PORT, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    module = dest / "src" / "modeling_qwen35.py"
+    source = module.read_text()
+    assert "TENSOR_PARALLEL_DELTANET = True" in source
+    module.write_text(source.replace("TENSOR_PARALLEL_DELTANET = True", "TENSOR_PARALLEL_DELTANET = False"))
+    return dest
 
 
 def metadata_overlay(directory: Path, versions: dict[str, str]) -> Path:

@@ -32,6 +32,11 @@ from neuronx_distributed_inference.modules.attention.gqa import attention_weight
 
 from src.hybrid_apc import init_hybrid_apc_scheduler_bridge
 
+# The Qwen3.5-27B port (PR 128 @ 550e2ab) is this module with NeuronGatedDeltaNet's nn.Conv1d / nn.Linear /
+# nn.Parameter whole on every rank (L258-281) and a dense MLP in every layer (L1427);
+# tests.nxdi_double.replicated_deltanet_port() writes that copy.
+TENSOR_PARALLEL_DELTANET = True
+
 
 class Qwen35InferenceConfig(InferenceConfig):
     def __init__(self, neuron_config=None, fused_spec_config=None, load_config=None, metadata=None, **kwargs):
@@ -104,6 +109,8 @@ class NeuronQwen35Model:
                "lm_head.weight": column(config.vocab_size, h, tp, dt),
                "norm.weight": replicated((h,), dt),
                "rank_util.rank": tp_rank()}
+        if config._is_moe and not TENSOR_PARALLEL_DELTANET:
+            raise NotImplementedError("the Qwen3.5-27B port builds a dense MLP in every layer")
         mixed = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
         if config._is_moe and mixed:
             raise NotImplementedError("dense layers inside an MoE model are not in the facts the double is built from")
@@ -113,8 +120,10 @@ class NeuronQwen35Model:
             out[f"{p}.post_attention_layernorm.weight"] = replicated((h,), dt)
             if kind == "full_attention":
                 out.update(_attention(f"{p}.self_attn", config, tp, dt))
-            elif kind == "linear_attention":
+            elif kind == "linear_attention" and TENSOR_PARALLEL_DELTANET:
                 out.update(_deltanet(f"{p}.linear_attn", config, tp, dt))
+            elif kind == "linear_attention":
+                out.update(_replicated_deltanet(f"{p}.linear_attn", config, dt))
             else:
                 raise ValueError(f"layer_types[{i}]: {kind!r}")
             out.update(_moe(f"{p}.mlp", config, tp, dt) if config._is_moe else _mlp(f"{p}.mlp", config, tp, dt))
@@ -169,6 +178,22 @@ def _deltanet(prefix: str, config, tp: int, dt: str) -> dict:
             f"{prefix}.A_log_weight.weight": Weight((hv_rank, 1), dt),
             f"{prefix}.dt_bias_weight.weight": Weight((hv_rank, 1), dt),
             f"{prefix}.out_proj.weight": row(h, hv * dv, tp, dt),
+            f"{prefix}.norm.weight": replicated((dv,), dt)}
+
+
+def _replicated_deltanet(prefix: str, config, dt: str) -> dict:
+    """PR 128's DeltaNet: every parameter whole on every rank, under the HF names (its converter keeps them, L1884)."""
+    h, hk, hv = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv, k = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
+    conv_dim = 2 * hk * dk + hv * dv
+    return {f"{prefix}.in_proj_qkv.weight": replicated((conv_dim, h), dt),
+            f"{prefix}.in_proj_z.weight": replicated((hv * dv, h), dt),
+            f"{prefix}.in_proj_a.weight": replicated((hv, h), dt),
+            f"{prefix}.in_proj_b.weight": replicated((hv, h), dt),
+            f"{prefix}.conv1d.weight": replicated((conv_dim, 1, k), dt),
+            f"{prefix}.A_log": replicated((hv,), dt),
+            f"{prefix}.dt_bias": replicated((hv,), dt),
+            f"{prefix}.out_proj.weight": replicated((h, hv * dv), dt),
             f"{prefix}.norm.weight": replicated((dv,), dt)}
 
 
