@@ -375,6 +375,36 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_
     assert "linear_attn" in message, message
 
 
+# --- FP8 ---------------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_fp8_mlp_only_bundle_holds_exactly_the_weights_its_model_takes(tiny_checkpoints, tmp_path):
+    """fp8: mlp_only as the Qwen3.6-27B FP8 port builds it: the inner layers' MLPs in float8_e4m3fn with float32
+    per-channel scales, everything else in the model dtype, and no DeltaNet checkpoint banks, which the model takes only
+    with the hybrid APC manager that qbuild never turns on. Packaging checks every shard against the compiled model."""
+    from safetensors import safe_open
+
+    build = Build(tmp_path)
+    checkpoint = tiny_checkpoints["qwen3_5"]
+    result, stderr = build.compile(write_recipe(tmp_path / "fp8.yaml", checkpoint, MAIN_PORT, fp8="mlp_only"))
+    require_bundle(result, stderr)
+    call = _compile_call(build)
+    nc = call["config"]["neuron_config"]
+    assert nc["quantized"] is True and nc["quantization_dtype"] == "f8e4m3"
+    assert call["env"]["XLA_HANDLE_SPECIAL_SCALAR"] == "1" and call["env"]["UNSAFE_FP8FNCAST"] == "1"
+    layers = json.loads((checkpoint / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    bundle = build.node_outputs("fp8", "package", tmp_path / "bundle")
+    for rank in range(2):
+        with safe_open(bundle / "weights" / f"tp{rank}_sharded_checkpoint.safetensors", "pt") as f:
+            names = set(f.keys())
+            assert not any(n.startswith("hybrid_gdn_checkpoint_cache.") for n in names)
+            for i in range(layers):
+                inner = 0 < i < layers - 1
+                assert f.get_slice(f"layers.{i}.mlp.down_proj.weight").get_dtype() == ("F8_E4M3" if inner else "BF16")
+                assert (f"layers.{i}.mlp.down_proj.scale" in names) == inner
+            assert f.get_slice("layers.1.mlp.gate_proj.scale").get_dtype() == "F32"
+
+
 # --- the toolchain -----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -77,25 +77,33 @@ def _neuron(ctx: RunContext, p: NeuronPackageParams) -> dict:
     shards = sorted((ctx.out / "weights").glob("tp*_sharded_checkpoint.safetensors"))
     if len(shards) != p.ranks:
         raise ValueError(f"package got {len(shards)} shards, planned {p.ranks} ranks")
-    if p.fp8 != "none":
-        _fp8_port_steps(ctx, p, shards)
     expected = neuron.expected_weights(text)
+    if p.fp8 != "none":
+        _fp8_port_steps(ctx, p, shards, expected)
     if expected is not None:
         for shard in shards:
             neuron.check_shards(expected, shard)
     return graphs
 
 
-def _fp8_port_steps(ctx: RunContext, p: NeuronPackageParams, shards: list[Path]) -> None:
-    """What the Qwen3.6-27B FP8 port does after compile (PR 173 @ 03db3ef, qwen36_27b_compile_fp8.py):
-    zero `hybrid_gdn_checkpoint_cache.*` banks in every shard, and a reloadable kv_quant_config."""
+def _fp8_port_steps(ctx: RunContext, p: NeuronPackageParams, shards: list[Path],
+                    expected: dict[str, tuple[int, ...]] | None) -> None:
+    """What the Qwen3.6-27B FP8 port does after compile (PR 173 @ 03db3ef, qwen36_27b_compile_fp8.py): zero
+    `hybrid_gdn_checkpoint_cache.*` banks in every shard, and a reloadable kv_quant_config.
+
+    The banks are weights of the compiled model only when its config sets use_hybrid_apc_manager (modeling_qwen35.py
+    :5620-5626), so only the banks that the compiled model takes (`expected`, its metaneff) are added; without the
+    SDK to read that, all of them, as the port's script adds them."""
     from ..arch import arch_from_config
     from ..convert.hybrid import gdn_checkpoint_banks
 
     arch = arch_from_config(json.loads((ctx.inputs["converted"] / "config.json").read_text()))
     banks = gdn_checkpoint_banks(arch, p.tp, p.dtype)
-    for shard in shards:
-        _add_tensors(shard, banks)
+    if expected is not None:
+        banks = {name: t for name, t in banks.items() if name in expected}
+    if banks:
+        for shard in shards:
+            _add_tensors(shard, banks)
     config_path = ctx.out / "neuron_config.json"
     config = json.loads(config_path.read_text())
     nc = config.get("neuron_config", config)

@@ -102,8 +102,12 @@ class NeuronQwen35Model:
         """{shard key: per-rank Weight} of the compiled model: the module's state dict after the port's
         convert_hf_to_neuron_state_dict and NxD's preshard hooks (nxdi-api.md section 4, main lineage)."""
         nc = config.neuron_config
-        if nc.quantized:
-            raise NotImplementedError("the contract double does not model the FP8 port's quantized weights")
+        if nc.quantized and (config._is_moe or nc.quantization_type != "per_channel_symmetric"
+                             or nc.quantization_dtype != "f8e4m3"):
+            raise NotImplementedError("the contract double models the FP8 port's per-channel f8e4m3 dense MLPs only")
+        if getattr(config, "use_hybrid_apc_manager", False):
+            # PR 173 modeling_qwen35.py:5620-5626: only then does the model hold hybrid_gdn_checkpoint_cache weights.
+            raise NotImplementedError("the contract double does not model the hybrid APC manager")
         tp, dt, h = nc.tp_degree, _dtype(config), config.hidden_size
         out = {"embed_tokens.weight": parallel_embedding(config.vocab_size, h, tp, dt),
                "lm_head.weight": column(config.vocab_size, h, tp, dt),
@@ -114,10 +118,14 @@ class NeuronQwen35Model:
         mixed = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
         if config._is_moe and mixed:
             raise NotImplementedError("dense layers inside an MoE model are not in the facts the double is built from")
+        for module in ("lm_head", "embed_tokens"):
+            _never_quantised(config, module)
         for i, kind in enumerate(config.layer_types):
             p = f"layers.{i}"
             out[f"{p}.input_layernorm.weight"] = replicated((h,), dt)
             out[f"{p}.post_attention_layernorm.weight"] = replicated((h,), dt)
+            _never_quantised(config, f"{p}.self_attn.qkv_proj")
+            _never_quantised(config, f"{p}.linear_attn.in_proj_qkv")
             if kind == "full_attention":
                 out.update(_attention(f"{p}.self_attn", config, tp, dt))
             elif kind == "linear_attention" and TENSOR_PARALLEL_DELTANET:
@@ -197,11 +205,33 @@ def _replicated_deltanet(prefix: str, config, dt: str) -> dict:
             f"{prefix}.norm.weight": replicated((dv,), dt)}
 
 
+def _quantised(config, module: str) -> bool:
+    """NxD converts a parallel layer to its quantized twin unless one of modules_to_not_convert is a substring of its
+    path (NxD quantization/quantize.py:122-123 @ fbac349)."""
+    nc = config.neuron_config
+    return nc.quantized and not any(skip in module for skip in (nc.modules_to_not_convert or []))
+
+
+def _never_quantised(config, module: str) -> None:
+    if _quantised(config, module):
+        raise NotImplementedError(f"{module}: the contract double models FP8 in the dense MLPs only")
+
+
 def _mlp(prefix: str, config, tp: int, dt: str) -> dict:
+    """Qwen35MLP. Quantized (per_channel_symmetric f8e4m3): each weight in float8_e4m3fn with a float32 per-channel
+    `.scale` of (out, 1), split with the weight on a column-parallel layer and whole on a row-parallel one
+    (quantization_layers.py _setup_for_scale: partitioned only when per_channel_axis is the partition dim)."""
     h, i = config.hidden_size, config.intermediate_size
-    return {f"{prefix}.gate_proj.weight": column(i, h, tp, dt),
-            f"{prefix}.up_proj.weight": column(i, h, tp, dt),
-            f"{prefix}.down_proj.weight": row(h, i, tp, dt)}
+    layers = {"gate_proj": column(i, h, tp, dt), "up_proj": column(i, h, tp, dt), "down_proj": row(h, i, tp, dt)}
+    out = {}
+    for name, weight in layers.items():
+        module = f"{prefix}.{name}"
+        if not _quantised(config, module):
+            out[f"{module}.weight"] = weight
+            continue
+        out[f"{module}.weight"] = Weight(weight.shape, "float8_e4m3fn")
+        out[f"{module}.scale"] = Weight((weight.shape[0], 1), "float32")
+    return out
 
 
 def _moe(prefix: str, config, tp: int, dt: str) -> dict:
