@@ -258,7 +258,7 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):   # l.7491
     def get_config_cls(cls):
         return Qwen35InferenceConfig
 
-    def enable_token_generation(self, enable_wlt_optimization: bool = True):
+    def enable_token_generation(self):   # l.7644
         disable_wlo = bool(getattr(self.config, "disable_token_generation_wlo", False)) or \
             os.environ.get("QWEN36_DISABLE_TOKEN_GENERATION_WLO") == "1"
         super().enable_token_generation(enable_wlt_optimization=not disable_wlo)

@@ -242,11 +242,14 @@ class NeuronApplicationBase:
         if target is not None and target != platform:
             raise ValueError(f"compiler args --target={target} but NEURON_PLATFORM_TARGET_OVERRIDE={platform}")
         # ModelWrapper, with or without the app's own arguments (mw.py L86-165).
-        fp8 = (nc.quantized and str(nc.quantization_dtype).startswith("f8")) or nc.kv_cache_quant or \
-            nc.quantized_mlp_kernel_enabled or nc.activation_quantization_type is not None
-        if fp8:
-            args += " --experimental-unsafe-fp8e4m3fn-as-fp8e4m3"
-        args += " --internal-hlo2tensorizer-options='--verify-hlo=true'"
+        fp8 = (nc.quantized and nc.quantization_dtype == "f8e4m3") or nc.kv_cache_quant or \
+            nc.quantized_mlp_kernel_enabled or nc.activation_quantization_type
+        # mw.py @ 4bcdc54 L147-160: the FP8 flag goes inside the hlo2tensorizer options.
+        hlo2tensorizer = " --experimental-unsafe-fp8e4m3fn-as-fp8e4m3 " if fp8 else ""
+        if hlo2tensorizer:
+            args += f" --internal-hlo2tensorizer-options='{hlo2tensorizer} --verify-hlo=true' "
+        else:
+            args += " --internal-hlo2tensorizer-options='--verify-hlo=true' "
         # ModelBuilder.add -> append_default_compiler_flags (MB L104-124), then trace (MB L643-644, L721-722).
         if "--auto-cast" not in args:
             args += " --auto-cast=none"
