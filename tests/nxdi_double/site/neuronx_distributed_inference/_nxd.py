@@ -48,6 +48,23 @@ def replicated(shape: tuple[int, ...], dtype: str) -> Weight:
     return Weight(tuple(shape), dtype)
 
 
+def replicated_deltanet(prefix: str, config, dtype: str) -> dict[str, Weight]:
+    """A DeltaNet of plain nn.Linear / nn.Conv1d / nn.Parameter (no NxD parallel layer), copied whole to every rank
+    under the HF names (EP facts Q2): the Coder-Next port (753c7f5) and the Qwen3.5-27B port (550e2ab L258-281)."""
+    h, hk, hv = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv, k = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
+    conv_dim = 2 * hk * dk + hv * dv
+    return {f"{prefix}.in_proj_qkv.weight": replicated((conv_dim, h), dtype),
+            f"{prefix}.in_proj_z.weight": replicated((hv * dv, h), dtype),
+            f"{prefix}.in_proj_a.weight": replicated((hv, h), dtype),
+            f"{prefix}.in_proj_b.weight": replicated((hv, h), dtype),
+            f"{prefix}.conv1d.weight": replicated((conv_dim, 1, k), dtype),
+            f"{prefix}.A_log": replicated((hv,), dtype),
+            f"{prefix}.dt_bias": replicated((hv,), dtype),
+            f"{prefix}.norm.weight": replicated((dv,), dtype),
+            f"{prefix}.out_proj.weight": replicated((h, hv * dv), dtype)}
+
+
 def parallel_embedding(vocab: int, hidden: int, tp: int, dtype: str) -> Weight:
     """The ports' ParallelEmbedding: (V, H/tp), split on hidden (section 4)."""
     return Weight((vocab, split(hidden, tp, "embedding hidden")), dtype)

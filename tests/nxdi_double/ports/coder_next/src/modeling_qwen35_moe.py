@@ -23,6 +23,7 @@ from neuronx_distributed_inference._nxd import (
     experts,
     parallel_embedding,
     replicated,
+    replicated_deltanet,
     row,
     tp_rank,
 )
@@ -101,7 +102,7 @@ class NeuronQwen35MoeModel:
                 out[f"{a}.k_layernorm.weight"] = replicated((d,), dt)
                 out[f"{a}.rank_util.rank"] = tp_rank()
             elif kind == "linear_attention":
-                out.update(_deltanet(f"{p}.linear_attn", config, dt))
+                out.update(replicated_deltanet(f"{p}.linear_attn", config, dt))
             else:
                 raise ValueError(f"layer_types[{i}]: {kind!r}")
             out.update(_moe(f"{p}.mlp", config, tp, dt))
@@ -111,22 +112,6 @@ class NeuronQwen35MoeModel:
     def trace(config, tag: str, bucket: int, tokens: int, seq_len: int) -> dict:
         return {"experts": expert_dispatch(config.neuron_config, tokens, config.num_experts_per_tok,
                                            config.num_experts, seq_len)}
-
-
-def _deltanet(prefix: str, config, dt: str) -> dict:
-    """Replicated on every rank (not NxD parallel layers): copied whole (EP facts Q2)."""
-    h, hk, hv = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv, k = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
-    conv_dim = 2 * hk * dk + hv * dv
-    return {f"{prefix}.in_proj_qkv.weight": replicated((conv_dim, h), dt),
-            f"{prefix}.in_proj_z.weight": replicated((hv * dv, h), dt),
-            f"{prefix}.in_proj_a.weight": replicated((hv, h), dt),
-            f"{prefix}.in_proj_b.weight": replicated((hv, h), dt),
-            f"{prefix}.conv1d.weight": replicated((conv_dim, 1, k), dt),
-            f"{prefix}.A_log": replicated((hv,), dt),
-            f"{prefix}.dt_bias": replicated((hv,), dt),
-            f"{prefix}.norm.weight": replicated((dv,), dt),
-            f"{prefix}.out_proj.weight": replicated((h, hv * dv), dt)}
 
 
 def _moe(prefix: str, config, tp: int, dt: str) -> dict:

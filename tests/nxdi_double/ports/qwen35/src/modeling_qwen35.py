@@ -21,6 +21,7 @@ from neuronx_distributed_inference._nxd import (
     experts,
     parallel_embedding,
     replicated,
+    replicated_deltanet,
     row,
     split,
     tp_rank,
@@ -131,7 +132,7 @@ class NeuronQwen35Model:
             elif kind == "linear_attention" and TENSOR_PARALLEL_DELTANET:
                 out.update(_deltanet(f"{p}.linear_attn", config, tp, dt))
             elif kind == "linear_attention":
-                out.update(_replicated_deltanet(f"{p}.linear_attn", config, dt))
+                out.update(replicated_deltanet(f"{p}.linear_attn", config, dt))
             else:
                 raise ValueError(f"layer_types[{i}]: {kind!r}")
             out.update(_moe(f"{p}.mlp", config, tp, dt) if config._is_moe else _mlp(f"{p}.mlp", config, tp, dt))
@@ -186,22 +187,6 @@ def _deltanet(prefix: str, config, tp: int, dt: str) -> dict:
             f"{prefix}.A_log_weight.weight": Weight((hv_rank, 1), dt),
             f"{prefix}.dt_bias_weight.weight": Weight((hv_rank, 1), dt),
             f"{prefix}.out_proj.weight": row(h, hv * dv, tp, dt),
-            f"{prefix}.norm.weight": replicated((dv,), dt)}
-
-
-def _replicated_deltanet(prefix: str, config, dt: str) -> dict:
-    """PR 128's DeltaNet: every parameter whole on every rank, under the HF names (its converter keeps them, L1884)."""
-    h, hk, hv = config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads
-    dk, dv, k = config.linear_key_head_dim, config.linear_value_head_dim, config.linear_conv_kernel_dim
-    conv_dim = 2 * hk * dk + hv * dv
-    return {f"{prefix}.in_proj_qkv.weight": replicated((conv_dim, h), dt),
-            f"{prefix}.in_proj_z.weight": replicated((hv * dv, h), dt),
-            f"{prefix}.in_proj_a.weight": replicated((hv, h), dt),
-            f"{prefix}.in_proj_b.weight": replicated((hv, h), dt),
-            f"{prefix}.conv1d.weight": replicated((conv_dim, 1, k), dt),
-            f"{prefix}.A_log": replicated((hv,), dt),
-            f"{prefix}.dt_bias": replicated((hv,), dt),
-            f"{prefix}.out_proj.weight": replicated((h, hv * dv), dt),
             f"{prefix}.norm.weight": replicated((dv,), dt)}
 
 
