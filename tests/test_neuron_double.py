@@ -472,6 +472,8 @@ def test_pull_prints_the_vllm_command(dense, tmp_path):
     assert len(command) == 1, proc.stdout
     assert f"NEURON_COMPILED_ARTIFACTS={bundle.resolve()}" in command[0]
     assert "vllm serve" in command[0] and "--tensor-parallel-size 2" in command[0]
+    # The bundle's KV cache is contiguous: no paged (prefix-cached) or chunked prefill serving.
+    assert "--no-enable-prefix-caching" in command[0] and "--no-enable-chunked-prefill" in command[0]
     assert "MODEL_TYPES" in proc.stdout and "NeuronQwen35ForCausalLM" in proc.stdout
 
 

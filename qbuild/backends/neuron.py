@@ -424,6 +424,10 @@ def serve_instructions(bundle: Path, manifest: dict) -> dict:
     the NxDI vLLM user guide), builds its config from --model's config.json, and finds the model class in NxDI's
     MODEL_TYPES under the lower-cased architecture name before "For" (the Coder-Next port registers itself so:
     vllm/register_model.py, PR 170). The values must match the compiled config: overrides are ignored on load.
+    qbuild compiles a contiguous KV cache (no block KV layout): with prefix caching off the plugin sets block_size to
+    max_model_len, that layout, and with it on it would page the cache (vllm_neuron/platform.py @ a5ef7c8 L203-210), so
+    the command turns prefix caching and chunked prefill off, as the Coder-Next launcher does
+    (vllm/start_vllm_server.sh @ 753c7f5).
     """
     record = json.loads((bundle / QBUILD_RECORD).read_text())
     lineage = LINEAGES[record["config"]["lineage"]]
@@ -436,7 +440,7 @@ def serve_instructions(bundle: Path, manifest: dict) -> dict:
     batch = manifest["batch_size"]
     command = ["vllm", "serve", str(bundle), "--tensor-parallel-size", str(manifest["ranks"]),
                "--max-model-len", str(manifest["seq_len"]), "--max-num-seqs", str(batch),
-               "--num-gpu-blocks-override", str(batch)]
+               "--num-gpu-blocks-override", str(batch), "--no-enable-prefix-caching", "--no-enable-chunked-prefill"]
     register = (f"from neuronx_distributed_inference.utils.constants import MODEL_TYPES; "
                 f"from {lineage.text_module} import {lineage.app_class}; "
                 f"MODEL_TYPES[{model_type!r}] = {{'causal-lm': {lineage.app_class}}}")
