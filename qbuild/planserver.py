@@ -46,28 +46,13 @@ def _interpreter() -> dict:
             "env": [[k, v] for k, v in sorted(env.items())]}      # as a request carries it through JSON
 
 
-def _runtime_dir() -> str | None:
-    """A directory only this user can enter: $XDG_RUNTIME_DIR, else /tmp/qbuild-<uid> (made 0700). None if neither
-    is safe to use."""
-    import stat
-
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = base if base and os.path.isdir(base) else os.path.join("/tmp", f"qbuild-{os.getuid()}")
-    try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        st = os.lstat(path)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None
-    return path
-
-
 def address(interpreter: dict | None = None) -> str | None:
     """The socket of the server for this interpreter setup (short: a socket path has a limit of about 100 bytes)."""
     import hashlib
 
-    directory = _runtime_dir()
+    from .userdir import runtime_dir
+
+    directory = runtime_dir()
     if directory is None:
         return None
     digest = hashlib.blake2b(json.dumps(interpreter or _interpreter(), sort_keys=True).encode(),

@@ -84,3 +84,38 @@ def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints
     msg = str(err.value)
     assert "\n" not in msg and "neuronx-distributed-inference" in msg
     assert not any(ctx.out.iterdir())
+
+
+def test_bundle_runs_take_turns_on_the_neuron_cores_unless_ray_assigned_them(monkeypatch, tmp_path):
+    """A Neuron runtime process takes every core of the host unless NEURON_RT_VISIBLE_CORES names some: a second run
+    waits for the first instead of failing at start, and a run whose cores were assigned does not wait."""
+    import threading
+
+    from filelock import FileLock
+
+    from qbuild.backends.neuron import neuron_cores
+    from qbuild.userdir import runtime_dir
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)
+    held = FileLock(f"{runtime_dir()}/neuron-cores.lock")
+    held.acquire()
+    waiting, ran = threading.Event(), threading.Event()
+
+    def second_run():
+        with neuron_cores(lambda line: waiting.set()):
+            ran.set()
+
+    thread = threading.Thread(target=second_run)
+    thread.start()
+    assert waiting.wait(30), "the second run neither waited nor said so"
+    assert not ran.is_set()
+    held.release()
+    thread.join(30)
+    assert ran.is_set()
+
+    held.acquire()
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "0-1")
+    with neuron_cores(lambda line: pytest.fail(f"waited with assigned cores: {line}")):
+        pass
+    held.release()

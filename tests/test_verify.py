@@ -48,3 +48,39 @@ def test_shipped_golden_prompts_are_pinned():
 
     doc = golden()  # raises if prompts.json changed without its pinned digest
     assert doc["prompts"] and all(isinstance(p, str) and p for p in doc["prompts"]) and doc["image_prompt"]
+
+
+def test_a_neuron_bundle_is_compared_up_to_its_first_generated_pad_token(tmp_path, monkeypatch):
+    """The ports feed a generated pad token back as padding, so a neuron bundle's tokens after it are not comparable
+    with transformers': the comparison stops after it, on both sides, and only there."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from qbuild.actions import RunContext, verify
+    from qbuild.backends import neuron
+
+    pad = 2
+    prompts = [{"text": "a", "ids": [0, 1], "greedy": [5, pad, 7, 7], "image": False},
+               {"text": "b", "ids": [0, 1], "greedy": [5, 6, 7, 8], "image": False}]
+    ref, bundle = tmp_path / "reference", tmp_path / "bundle"
+    ref.mkdir()
+    bundle.mkdir()
+    (ref / "reference.json").write_text(json.dumps({"prompts": prompts}))
+    logits = {f"prompt{i}": torch.eye(2, 10) for i in range(2)}
+    save_file(logits, ref / "logits.safetensors")
+    (bundle / "bundle.json").write_text(json.dumps({"backend": "neuron"}))
+    (bundle / neuron.QBUILD_RECORD).write_text(json.dumps({"params": {"pad_token_id": pad}}))
+    # The device run itself needs NeuronCores: its result is given. After the pad the device's tokens differ; the
+    # second prompt generates no pad, so its whole comparison stands and its last token is wrong.
+    device = [[5, pad, 9, 9], [5, 6, 7, 0]]
+    monkeypatch.setattr(neuron, "run_bundle", lambda *a: (device, {f"prompt{k}": logits[f"prompt{k}"][-1:]
+                                                                  for k in range(2)}))
+    out = tmp_path / "out"
+    out.mkdir()
+    params = {"top1_min": 0.0, "token_match_min": 0.0, "max_logit_err": 1e9}
+    verify.run(RunContext("verify", params, {"bundle": bundle, "reference": ref, "port": tmp_path}, out,
+                          tmp_path / "scratch", log=lambda s: None))
+    first, second = json.loads((out / "report.json").read_text())["prompts"]
+    assert first["reference"] == [5, pad] and first["greedy"] == [5, pad] and first["token_match"] == 1.0
+    assert second["token_match"] == 0.75 and second["first_mismatch"] == 3

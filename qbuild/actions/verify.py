@@ -102,20 +102,34 @@ def run(ctx: RunContext) -> None:
 def _neuron_reports(ctx: RunContext, reference: dict, ref_logits: dict) -> list[PromptReport]:
     """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns the
     last position's logits only, so top-1 and the logit error compare the first generated token's logits with the
-    reference's last prompt position; greedy tokens compare over every step. Image prompts need the port's VL
-    application, which qbuild does not drive: they are left to the CPU proof of the same recipe."""
-    from ..backends.neuron import run_bundle
+    reference's last prompt position; greedy tokens compare over every step up to the first generated pad token
+    (until_pad). Image prompts need the port's VL application, which qbuild does not drive: they are left to the CPU
+    proof of the same recipe."""
+    from ..backends.neuron import QBUILD_RECORD, run_bundle
 
     text = [(i, r) for i, r in enumerate(reference["prompts"]) if not r["image"]]
     n = max(len(r["greedy"]) for _, r in text)
     greedy, logits = run_bundle(ctx.inputs["bundle"], ctx.inputs["port"], [r["ids"] for _, r in text], n,
                                 ctx.scratch, ctx.log)
+    pad = json.loads((ctx.inputs["bundle"] / QBUILD_RECORD).read_text())["params"]["pad_token_id"]
     reports = []
     for k, (i, record) in enumerate(text):
+        record = until_pad(record, pad)
         r = compare(i, record, logits[f"prompt{k}"], ref_logits[f"prompt{i}"][-1:],
                     greedy[k][:len(record["greedy"])])
         reports.append(replace(r, tokens=1))
     return reports
+
+
+def until_pad(record: dict, pad: int | None) -> dict:
+    """`record` with its greedy tokens cut after the first one that is the bundle's pad id. On a neuron bundle a
+    generated pad token is fed back as padding: the main ports zero a decode token's DeltaNet update where the input
+    id is the pad id (_qwen36_deltanet_padding_mask, modeling_qwen35.py:5108-5166 @ 4bcdc54) and the Coder-Next
+    converter zeroes its embedding row, so the tokens after it follow another input than transformers' did."""
+    tokens = record["greedy"]
+    if pad is None or pad not in tokens:
+        return record
+    return {**record, "greedy": tokens[:tokens.index(pad) + 1]}
 
 
 def _cpu_reports(ctx: RunContext, reference: dict, ref_logits: dict, ref_dir) -> list[PromptReport]:

@@ -409,9 +409,38 @@ def run_bundle(bundle: Path, port: Path, prompts: list[list[int]], new_tokens: i
         raise BuildError(f"{bundle / QBUILD_RECORD}: records a {params.backend} {params.graph} compile, not the "
                          "neuron text compile a neuron bundle runs")
     logits = scratch / "logits.safetensors"
-    res = _run_sdk("verify", verify_request(params, bundle, port, prompts, new_tokens, logits),
-                   record["config"]["env"], scratch, log)
+    with neuron_cores(log):
+        res = _run_sdk("verify", verify_request(params, bundle, port, prompts, new_tokens, logits),
+                       record["config"]["env"], scratch, log)
     return res["greedy"], load_file(logits)
+
+
+@contextmanager
+def neuron_cores(log):
+    """Hold this host's NeuronCores for one bundle run. The Neuron runtime gives a process every core of the host
+    unless NEURON_RT_VISIBLE_CORES names some, and a core serves one process at a time (Neuron runtime configuration
+    guide, awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/guides/configuration-guide.html), so a
+    second verify of the same build (-j > 1) or of another build would fail as its runtime starts. Where the variable
+    is set (Ray sets it for a task that asks for neuron_cores) the cores named are this process's own; elsewhere this
+    user's runs take turns under one lock."""
+    from filelock import FileLock, Timeout
+
+    from ..userdir import runtime_dir
+
+    directory = runtime_dir()
+    if os.environ.get("NEURON_RT_VISIBLE_CORES") or directory is None:
+        yield
+        return
+    lock = FileLock(os.path.join(directory, "neuron-cores.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log("waiting for the NeuronCores: another bundle run on this host holds them")
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 # --- serving a pulled bundle with vLLM ----------------------------------------------------------------------------

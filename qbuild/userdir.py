@@ -1,0 +1,23 @@
+"""A directory on this host that only this user can enter, for sockets and locks that must not be shared with other
+users: the resident planner's socket, the NeuronCores lock."""
+
+from __future__ import annotations
+
+import os
+
+
+def runtime_dir() -> str | None:
+    """A directory only this user can enter: $XDG_RUNTIME_DIR, else /tmp/qbuild-<uid> (made 0700). None if neither
+    is safe to use."""
+    import stat
+
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = base if base and os.path.isdir(base) else os.path.join("/tmp", f"qbuild-{os.getuid()}")
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return path
