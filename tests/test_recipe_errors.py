@@ -87,6 +87,8 @@ CASES = {
                             "port: {path: ./p}\n" + NEURON_BASE, "parallel.ep"),
     "moe-lineage-with-vision": ("model: {hf: Qwen/Qwen3.5-35B-A3B}\nparallel: {tp: 8}\nvision: {buckets: [1024]}\n"
                                 "port: {lineage: moe, path: ./p}\n" + NEURON_BASE, "vision"),
+    "neuron-vision-not-bf16": ("model: {hf: Qwen/Qwen3.5-2B}\nvision: {buckets: [1024]}\ndtype: float32\n"
+                               "port: {path: ./p}\n" + NEURON_BASE, "dtype"),
     "neuron-fp8-full": ("model: {hf: Qwen/Qwen3.5-27B}\nparallel: {tp: 8}\nfp8: full\nport: {path: ./p}\n"
                         + NEURON_BASE, "fp8"),
     "neuron-fp8-moe": ("model: {hf: Qwen/Qwen3.5-35B-A3B}\nparallel: {tp: 8}\nfp8: mlp_only\nport: {path: ./p}\n"
