@@ -95,8 +95,9 @@ def _validate_neuron(loaded: LoadedRecipe, arch: Arch) -> None:
     if r.vision is not None and lineage.vision_module is None:
         _fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use main")
     if r.vision is not None and r.dtype != "bfloat16":
-        # NeuronQwen35VisionModelWrapper casts every encoder input to bfloat16 (modeling_qwen35_vision.py:790-820
-        # @ 4bcdc54), so an encoder traced in another dtype would be fed inputs it was not traced for.
+        # NeuronQwen35VisionModelWrapper casts every encoder input to bfloat16
+        # (contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35_vision.py:790-820 @ 4bcdc54), so an encoder traced in
+        # another dtype would be fed inputs it was not traced for.
         _fail(loaded, "dtype", f"the port's vision encoder runs in bfloat16; a neuron recipe with vision builds in "
                                f"bfloat16, not {r.dtype}")
     if r.parallel.ep > 1:

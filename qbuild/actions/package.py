@@ -91,9 +91,10 @@ def _fp8_port_steps(ctx: RunContext, p: NeuronPackageParams, shards: list[Path],
     """What the Qwen3.6-27B FP8 port does after compile (PR 173 @ 03db3ef, qwen36_27b_compile_fp8.py): zero
     `hybrid_gdn_checkpoint_cache.*` banks in every shard, and a reloadable kv_quant_config.
 
-    The banks are weights of the compiled model only when its config sets use_hybrid_apc_manager (modeling_qwen35.py
-    :5620-5626), so only the banks that the compiled model takes (`expected`, its metaneff) are added; without the
-    SDK to read that, all of them, as the port's script adds them."""
+    The banks are weights of the compiled model only when its config sets use_hybrid_apc_manager
+    (contrib/models/Qwen3.6-27B/src/modeling_qwen35.py:5620-5626 @ 03db3ef), so only the banks that the compiled model
+    takes (`expected`, its metaneff) are added; without the SDK to read that, all of them, as the port's script adds
+    them."""
     from ..arch import arch_from_config
     from ..convert.hybrid import gdn_checkpoint_banks
 

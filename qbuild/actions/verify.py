@@ -123,9 +123,10 @@ def _neuron_reports(ctx: RunContext, reference: dict, ref_logits: dict) -> list[
 
 def until_pad(record: dict, pad: int | None) -> dict:
     """`record` with its greedy tokens cut after the first one that is the bundle's pad id. On a neuron bundle a
-    generated pad token is fed back as padding: the main ports zero a decode token's DeltaNet update where the input
-    id is the pad id (_qwen36_deltanet_padding_mask, modeling_qwen35.py:5108-5166 @ 4bcdc54) and the Coder-Next
-    converter zeroes its embedding row, so the tokens after it follow another input than transformers' did."""
+    generated pad token is fed back as padding: the main ports zero a decode token's DeltaNet update where the input id
+    is the pad id (_qwen36_deltanet_padding_mask, contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py:5108-5166 @
+    4bcdc54) and the Coder-Next converter zeroes its embedding row (convert/nxd.py hidden_columns_pad_row_zeroed), so
+    the tokens after it follow another input than transformers' did."""
     tokens = record["greedy"]
     if pad is None or pad not in tokens:
         return record

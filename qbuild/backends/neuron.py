@@ -421,7 +421,8 @@ def neuron_cores(log):
     unless NEURON_RT_VISIBLE_CORES names some, and a core serves one process at a time (Neuron runtime configuration
     guide, awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/guides/configuration-guide.html), so a
     second verify of the same build (-j > 1) or of another build would fail as its runtime starts. Where the variable
-    is set (Ray sets it for a task that asks for neuron_cores) the cores named are this process's own; elsewhere this
+    is set (Ray sets it for a task that asks for neuron_cores: ray/_private/accelerators/neuron.py
+    set_current_process_visible_accelerator_ids, ray 2.60.0) the cores named are this process's own; elsewhere this
     user's runs take turns under one lock."""
     from filelock import FileLock, Timeout
 

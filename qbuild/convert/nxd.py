@@ -232,10 +232,8 @@ _COMMON: dict[str, Rule] = {
 }
 
 # Qwen3.5-35B-A3B port (4bcdc54): NeuronGatedDeltaNet keeps every projection, and conv1d / A_log / dt_bias as
-# ColumnParallelLinear "parameter containers"; Qwen35MLP and the shared expert of Qwen35MoEBlock are
-# Column/RowParallelLinear over the full tp group; the routed experts are initialize_moe_module under `mlp.moe`.
-MAIN_RULES: dict[str, Rule] = {
-    **_COMMON,
+# ColumnParallelLinear "parameter containers", all split over the tp group.
+_TENSOR_PARALLEL_DELTANET: dict[str, Rule] = {
     "linear_attn.in_proj_qkv": Rule("linear_attn.in_proj_qkv.weight", deltanet_qkv, deltanet_qkv),
     "linear_attn.conv1d_weight": Rule("linear_attn.conv1d_weight.weight", deltanet_qkv),
     "linear_attn.in_proj_z": Rule("linear_attn.in_proj_z.weight", column, column),
@@ -245,9 +243,22 @@ MAIN_RULES: dict[str, Rule] = {
     "linear_attn.dt_bias_weight": Rule("linear_attn.dt_bias_weight.weight", column),
     "linear_attn.norm": Rule("linear_attn.norm.weight", replicate),
     "linear_attn.out_proj": Rule("linear_attn.out_proj.weight", row, replicate),
+}
+
+# Qwen35MLP, Column/RowParallelLinear over the full tp group (the 35B-A3B port @ 4bcdc54; the Qwen3.5-27B port
+# @ 550e2ab L1383-1412).
+_DENSE_MLP: dict[str, Rule] = {
     "mlp.gate_proj": Rule("mlp.gate_proj.weight", column, column),
     "mlp.up_proj": Rule("mlp.up_proj.weight", column, column),
     "mlp.down_proj": Rule("mlp.down_proj.weight", row, replicate),
+}
+
+# Qwen3.5-35B-A3B port (4bcdc54): the shared expert of Qwen35MoEBlock is Column/RowParallelLinear over the full tp
+# group; the routed experts are initialize_moe_module under `mlp.moe`.
+MAIN_RULES: dict[str, Rule] = {
+    **_COMMON,
+    **_TENSOR_PARALLEL_DELTANET,
+    **_DENSE_MLP,
     "mlp.moe.router.linear_router": Rule("mlp.moe.router.linear_router.weight", replicate),
     moe.GATE_UP: Rule(f"{moe.GATE_UP}.weight", experts_gate_up, experts_gate_up, experts=True),
     moe.DOWN: Rule(f"{moe.DOWN}.weight", experts_down, experts_only, experts=True),
@@ -272,14 +283,10 @@ _REPLICATED_DELTANET: dict[str, Rule] = {
     "linear_attn.out_proj": Rule("linear_attn.out_proj.weight", replicate),
 }
 
-# Qwen3.5-27B port (550e2ab): everything but DeltaNet as the main port names and splits it (NeuronAttentionBase with
-# the output gate L1167-1219, Qwen35MLP's Column/RowParallelLinear L1383-1412, ParallelEmbedding
-# shard_across_embedding and a ColumnParallelLinear lm_head L1532-1555); it has no MoE.
-MAIN_REPLICATED_RULES: dict[str, Rule] = {
-    **{k: v for k, v in MAIN_RULES.items() if not k.startswith("linear_attn.") and ".moe." not in k
-       and not k.startswith("mlp.shared")},
-    **_REPLICATED_DELTANET,
-}
+# Qwen3.5-27B port (550e2ab): attention, embedding and lm_head as the main port names and splits them
+# (NeuronAttentionBase with the output gate L1167-1219, ParallelEmbedding shard_across_embedding and a
+# ColumnParallelLinear lm_head L1532-1555), the replicated DeltaNet, and a dense MLP in every layer (L1427).
+MAIN_REPLICATED_RULES: dict[str, Rule] = {**_COMMON, **_REPLICATED_DELTANET, **_DENSE_MLP}
 
 # Qwen3-Coder-Next port (753c7f5): NeuronGatedDeltaNet is nn.Linear / nn.Conv1d / nn.Parameter (replicated, and
 # never quantised: NxD quantization_mappings.py converts only its parallel layers); the decoder's `mlp` is the MoE
