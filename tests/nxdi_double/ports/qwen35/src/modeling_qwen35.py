@@ -119,18 +119,15 @@ class NeuronQwen35Model:
         mixed = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
         if config._is_moe and mixed:
             raise NotImplementedError("dense layers inside an MoE model are not in the facts the double is built from")
-        for module in ("lm_head", "embed_tokens"):
-            _never_quantised(config, module)
+        _never_quantised(config, out)
         for i, kind in enumerate(config.layer_types):
             p = f"layers.{i}"
             out[f"{p}.input_layernorm.weight"] = replicated((h,), dt)
             out[f"{p}.post_attention_layernorm.weight"] = replicated((h,), dt)
-            _never_quantised(config, f"{p}.self_attn.qkv_proj")
-            _never_quantised(config, f"{p}.linear_attn.in_proj_qkv")
             if kind == "full_attention":
-                out.update(_attention(f"{p}.self_attn", config, tp, dt))
+                out.update(_never_quantised(config, _attention(f"{p}.self_attn", config, tp, dt)))
             elif kind == "linear_attention" and TENSOR_PARALLEL_DELTANET:
-                out.update(_deltanet(f"{p}.linear_attn", config, tp, dt))
+                out.update(_never_quantised(config, _deltanet(f"{p}.linear_attn", config, tp, dt)))
             elif kind == "linear_attention":
                 out.update(replicated_deltanet(f"{p}.linear_attn", config, dt))
             else:
@@ -197,9 +194,14 @@ def _quantised(config, module: str) -> bool:
     return nc.quantized and not any(skip in module for skip in (nc.modules_to_not_convert or []))
 
 
-def _never_quantised(config, module: str) -> None:
-    if _quantised(config, module):
-        raise NotImplementedError(f"{module}: the contract double models FP8 in the dense MLPs only")
+def _never_quantised(config, weights: dict) -> dict:
+    """`weights`, which hold no MLP: every parallel layer among them must stay unquantised (the double models FP8 in
+    the dense MLPs only). Norms and rank tensors are no parallel layers, so NxD never converts them."""
+    for key in weights:
+        module, _, kind = key.rpartition(".")
+        if kind == "weight" and "norm" not in module.rpartition(".")[2] and _quantised(config, module):
+            raise NotImplementedError(f"{module}: the contract double models FP8 in the dense MLPs only")
+    return weights
 
 
 def _mlp(prefix: str, config, tp: int, dt: str) -> dict:
