@@ -27,7 +27,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from qbuild.convert.safetensors_io import PlannedFile  # noqa: E402
+from qbuild.model.convert.safetensors_io import PlannedFile  # noqa: E402
 
 H, E, I, SHARED, VOCAB = 2048, 256, 512, 512, 248320
 NH, NKV, D = 16, 2, 256
@@ -117,7 +117,7 @@ def synthesize(src: Path, layers: int) -> tuple[int, int]:
 CHILD = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from qbuild.convert import convert_checkpoint
+    from qbuild.model.convert import convert_checkpoint
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))

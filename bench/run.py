@@ -172,7 +172,7 @@ def bench_plan_scale(args) -> dict:
 
 def _tiny_workspace(root: Path) -> tuple[Path, dict]:
     """Tiny checkpoints + recipes (./recipes/*.yaml) built once into a store; returns (cwd, env)."""
-    from qbuild.tinymodel import write_tiny_checkpoint
+    from qbuild.model.tinymodel import write_tiny_checkpoint
 
     (root / "recipes").mkdir(exist_ok=True)
     for fam in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
@@ -255,7 +255,7 @@ def _big_file(path: Path, size: int) -> Path:
 
 
 def bench_hashing(args) -> dict:
-    from qbuild.hashing import StatCache, digest_file
+    from qbuild.core.hashing import StatCache, digest_file
 
     size = int(args.size_gb * (1 << 30))
     f = _big_file(Path(args.work) / "hash.bin", size)
@@ -305,9 +305,9 @@ def bench_restore(args) -> dict:
 
 
 def bench_scheduling(args) -> dict:
-    from qbuild.engine import BuildOptions, build
-    from qbuild.executors.local import LocalExecutor
-    from qbuild.plan import Plan, _add
+    from qbuild.build.engine import BuildOptions, build
+    from qbuild.build.executors.local import LocalExecutor
+    from qbuild.planning.plan import Plan, _add
     from qbuild.store import LocalStore, StoreSpec
     import tests.engine_actions  # noqa: F401  registers the sleep action
 

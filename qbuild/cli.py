@@ -9,16 +9,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
-from . import fastpath
+import typer
 
-# A plan or no-op compile whose inputs are all unchanged is answered from the plan cache here, before typer loads.
-fastpath.answer_and_exit(__name__)
-
-import typer  # noqa: E402
-
-from . import jsonio  # noqa: E402
-from .errors import QbuildError, UserError  # noqa: E402
-from .families import FAMILIES  # noqa: E402
+from qbuild.core import jsonio
+from qbuild.core.errors import QbuildError, UserError
+from qbuild.model.families import FAMILIES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build, verify and publish compiled Qwen3.5 / Qwen3-Next artifacts from YAML recipes.")
@@ -43,8 +38,8 @@ RemoteOpt = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX",
 def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, push: bool = False,
                backend: Optional[str] = None, transfers=None):
     """The command's Workspace; `transfers` (a render.TransferDisplay) shows what its remote-backed store moves."""
-    from .store import StoreSpec, default_store_path, resolve_remote
-    from .workspace import Workspace
+    from qbuild.store import StoreSpec, default_store_path, resolve_remote
+    from qbuild.build.workspace import Workspace
 
     root = store or default_store_path()
     url = resolve_remote(remote)
@@ -52,7 +47,7 @@ def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, 
         raise UserError("--push needs a remote: pass --remote s3://bucket/prefix, set QBUILD_REMOTE, "
                         "or add remote: to ./qbuild.yaml")
     if url is not None:
-        from .store.s3 import parse_remote
+        from qbuild.store.s3 import parse_remote
 
         parse_remote(url)  # a malformed URL is a one-line error before any work starts
     if backend is not None and backend not in ("neuron", "inductor", "export"):
@@ -62,7 +57,7 @@ def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, 
 
 
 def _err(msg: str) -> None:
-    from .render import console_err
+    from qbuild.render import console_err
 
     console_err().print(msg, markup=False, highlight=False, soft_wrap=True)
 
@@ -74,12 +69,11 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
          json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
          remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt) -> None:
     """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
-    from .render import print_plan
+    from qbuild.render import print_plan
 
     ws = _workspace(store, lock, remote, backend=backend)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
-    trees = print_plan(the_plan, status, json_)
-    fastpath.remember_plan(ws, recipes or [], all_, json_, lock, store, the_plan, status, trees)
+    print_plan(the_plan, status, json_)
 
 
 # --- compile ---------------------------------------------------------------------------------------------------
@@ -108,9 +102,9 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
                 help="Ray cluster for --executor ray (default: $RAY_ADDRESS, else auto: the cluster `ray start` "
                      "runs on this machine)")) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
-    from .engine import BuildOptions, raise_for
-    from .render import BuildProgress, TransferDisplay, print_build_result
-    from .units import parse_size
+    from qbuild.build.engine import BuildOptions, raise_for
+    from qbuild.render import BuildProgress, TransferDisplay, print_build_result
+    from qbuild.core.units import parse_size
 
     explicit_budget = None if mem is None else parse_size(mem, "--mem", allow_zero=False)
     ws = _workspace(store, lock, remote, push=push, backend=backend, transfers=TransferDisplay(bars=False))
@@ -123,7 +117,6 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
         the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
     print_build_result(the_plan, result, progress, json_, {"pushed": pushed.to_json()} if pushed is not None else None)
-    fastpath.remember_compile(ws, recipes or [], all_, json_, lock, store, the_plan, result)
     raise_for(result, the_plan)
 
 
@@ -135,12 +128,12 @@ def _executor(name: str, address: Optional[str], jobs: Optional[int], ws):
     if name == "local":
         if address is not None:
             raise UserError("--address: only used with --executor ray")
-        from .executors.local import LocalExecutor
+        from qbuild.build.executors.local import LocalExecutor
 
         jobs = jobs or 1
         return (lambda: LocalExecutor(jobs)), jobs, _default_mem()
     if name == "ray":
-        from .executors.ray import RayExecutor, require_remote
+        from qbuild.build.executors.ray import RayExecutor, require_remote
 
         require_remote(ws.store_spec)
         address = address or os.environ.get("RAY_ADDRESS") or "auto"
@@ -152,8 +145,8 @@ def _executor(name: str, address: Optional[str], jobs: Optional[int], ws):
 def _push_results(ws, result):
     """After a --push build: everything the build produced or found must be on the remote (the workers pushed what
     they built; this uploads cached entries the remote lacks, and fails with exit 3 if the remote is gone)."""
-    from .render import pushed_text
-    from .store.remote import push_manifests
+    from qbuild.render import pushed_text
+    from qbuild.store.remote import push_manifests
 
     store = ws.store
     report = push_manifests(store.local, store.remote, list(result.manifests.values()), store.progress)
@@ -185,7 +178,7 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
                   or (status[nid].key or "").startswith(target)]
         if not chosen:
             raise UserError(f"{target}: no node of the planned recipes has this id, key or name; see `qbuild plan`")
-    from .render import print_explain
+    from qbuild.render import print_explain
 
     print_explain(the_plan, status, ws.explain(the_plan, status), chosen, json_)
 
@@ -201,9 +194,9 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
             remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
             lock: Path = LockOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
-    from . import lock as lockmod
-    from .render import TransferDisplay, print_published
-    from .transfer import publish as publish_locked, recipe_names
+    from qbuild.store import lock as lockmod
+    from qbuild.render import TransferDisplay, print_published
+    from qbuild.store.transfer import publish as publish_locked, recipe_names
 
     ws = _workspace(store, lock, remote, transfers=TransferDisplay())
     if ws.store_spec.remote is None:
@@ -223,9 +216,9 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
          allow_unverified: bool = typer.Option(False, "--allow-unverified",
                                                help="lay out a bundle whose verify did not pass")) -> None:
     """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
-    from . import lock as lockmod
-    from .render import TransferDisplay, print_pulled
-    from .transfer import pull_bundle
+    from qbuild.store import lock as lockmod
+    from qbuild.render import TransferDisplay, print_pulled
+    from qbuild.store.transfer import pull_bundle
 
     _check_new_dir(to, "the --to directory", "pull into a new or empty one")
     ws = _workspace(store, lock, remote, transfers=TransferDisplay())
@@ -240,8 +233,8 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
 
 def _serve_instructions(bundle: Path) -> dict | None:
     """How to serve a pulled neuron bundle with vLLM (None for CPU bundles)."""
-    from .backends.neuron import QBUILD_RECORD, serve_instructions
-    from .bundle import read_manifest
+    from qbuild.backends.neuron import QBUILD_RECORD, serve_instructions
+    from qbuild.store.bundle import read_manifest
 
     if not (bundle / QBUILD_RECORD).is_file():
         return None
@@ -261,14 +254,14 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
                                                                  "[default: artifacts.lock]"),
            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt) -> None:
     """Remove store entries no lockfile references (beyond --keep-size locally; all of them on --remote)."""
-    from . import lock as lockmod
-    from .gc import gc_local, gc_remote
-    from .render import print_gc
-    from .units import parse_duration, parse_size
+    from qbuild.store import lock as lockmod
+    from qbuild.store.gc import gc_local, gc_remote
+    from qbuild.render import print_gc
+    from qbuild.core.units import parse_duration, parse_size
 
     budget, grace_s = parse_size(keep_size, "--keep-size"), parse_duration(grace, "--grace")
     if remote is not None:
-        from .store.s3 import parse_remote
+        from qbuild.store.s3 import parse_remote
 
         parse_remote(remote)   # a bad URL is refused before the local store is touched
     lock_paths = locks or [Path("artifacts.lock")]
@@ -276,13 +269,13 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     if missing:
         raise UserError(f"{missing[0]}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
     docs = [lockmod.read(p) for p in lock_paths]
-    from .store import LocalStore, default_store_path
+    from qbuild.store import LocalStore, default_store_path
 
     reports = [gc_local(LocalStore((store or default_store_path()).resolve()), docs, budget, dry_run=dry_run,
                         grace_s=grace_s)]
     # Deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it.
     if remote is not None:
-        from .store.s3 import S3Remote
+        from qbuild.store.s3 import S3Remote
 
         reports.append(gc_remote(S3Remote(remote), docs, dry_run=dry_run, grace_s=grace_s))
     print_gc(reports, ["local store", remote], json_)
@@ -294,7 +287,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names or files (default: every locked one)"),
                store: Optional[Path] = StoreOpt, lock: Path = LockOpt, json_: bool = JsonOpt) -> None:
     """Verify that every artifact the lockfile names is in the store with the right digest."""
-    from . import lock as lockmod
+    from qbuild.store import lock as lockmod
 
     ws = _workspace(store, lock)
     if not lock.exists():
@@ -329,9 +322,9 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
 @recipe_app.command("validate")
 def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files"), json_: bool = JsonOpt) -> None:
     """Validate recipes against the schema and against their model's architecture."""
-    from .checks import validate
-    from .source import load_arch
-    from .recipe import load_recipe
+    from qbuild.recipe.checks import validate
+    from qbuild.recipe.source import load_arch
+    from qbuild.recipe.schema import load_recipe
 
     valid = []
     for f in files:
@@ -348,7 +341,7 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
 @recipe_app.command("schema")
 def recipe_schema() -> None:
     """Print the recipe JSON Schema (for editors)."""
-    from .recipe import recipe_json_schema
+    from qbuild.recipe.schema import recipe_json_schema
 
     print(jsonio.dumps(recipe_json_schema(), indent=1, sort_keys=True))
 
@@ -361,7 +354,7 @@ def tiny(family: str = typer.Argument(..., help=" | ".join(FAMILIES)),
          force: bool = typer.Option(False, "--force", help="replace what a non-empty directory holds"),
          json_: bool = JsonOpt) -> None:
     """Write a tiny random checkpoint of a family (seeded, with a tokenizer) for tests and demos."""
-    from .tinymodel import install_tiny_checkpoint
+    from qbuild.model.tinymodel import install_tiny_checkpoint
 
     if family not in FAMILIES:
         raise UserError(f"family: {family!r} is not one of {', '.join(FAMILIES)}")
@@ -395,13 +388,13 @@ def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[st
     Errors about the latter name the recipe, never the temporary directory the user did not choose."""
     import tempfile
 
-    from .runtime import Runtime
+    from qbuild.model.runtime import Runtime
 
     if Path(target).is_dir():
         yield Runtime.load(Path(target))
         return
-    from . import lock as lockmod
-    from .transfer import pull_bundle
+    from qbuild.store import lock as lockmod
+    from qbuild.store.transfer import pull_bundle
 
     if not lock.exists():
         raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
@@ -448,7 +441,7 @@ def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild
         json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
         remote: Optional[str] = RemoteOpt) -> None:
     """Generate greedily with a bundle's compiled graphs; report TTFT and TPOT."""
-    from .render import generation_json, generation_text
+    from qbuild.render import generation_json, generation_text
 
     _check_prompt_flags(prompt, prompt_ids)
     if image is not None and not image.is_file():
@@ -469,14 +462,14 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
           out: Optional[Path] = typer.Option(None, "--out", help="also write the JSON here"),
           store: Optional[Path] = StoreOpt, lock: Path = LockOpt, remote: Optional[str] = RemoteOpt) -> None:
     """Sweep prompt lengths 16, 64, 256, ... up to the largest CTE bucket; print TTFT / TPOT statistics as JSON."""
-    from .render import bench_table
-    from .runtime.bench import bench as run_bench, to_json
+    from qbuild.render import bench_table
+    from qbuild.model.runtime.bench import bench as run_bench, to_json
 
     with _runtime(target, store, lock, remote) as runtime:
         doc = to_json(run_bench(runtime, repeats=repeats, warmup=warmup, new_tokens=new_tokens), runtime.manifest)
     text = jsonio.dumps(doc, indent=1, sort_keys=True)
     if out is not None:
-        from .store import atomic_write
+        from qbuild.store import atomic_write
 
         atomic_write(out, (text + "\n").encode())
     print(text)

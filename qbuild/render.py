@@ -11,15 +11,15 @@ import sys
 import time
 from functools import cache
 
-from . import jsonio
+from qbuild.core import jsonio
 
 TYPE_CHECKING = False   # typing.TYPE_CHECKING without loading typing, which a cached answer does not need
 if TYPE_CHECKING:
-    from .engine import BuildResult, Event
-    from .gc import GcReport
-    from .store.manifest import Manifest
-    from .store.remote import PushReport
-    from .plan import NodeStatus, Plan
+    from qbuild.build.engine import BuildResult, Event
+    from qbuild.store.gc import GcReport
+    from qbuild.store.manifest import Manifest
+    from qbuild.store.remote import PushReport
+    from qbuild.planning.plan import NodeStatus, Plan
 
 STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting"}
 STATUS_STYLE = {"cached": "green", "build": "yellow", "waiting": "dim"}
@@ -161,8 +161,8 @@ def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
                       "est_peak_bytes": node.est_peak_bytes, "neuron_cores": node.neuron_cores})
         if node.kind == "compile" and node.params.get("backend") == "neuron":
             nodes[-1]["neffs"] = node.neffs
-            from .backends.neuron import neuron_config
-            from .params import parse_compile
+            from qbuild.backends.neuron import neuron_config
+            from qbuild.recipe.params import parse_compile
 
             nodes[-1]["neuron_config"] = neuron_config(parse_compile(node.params))
     recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "backend": pr.loaded.recipe.backend,
@@ -176,7 +176,7 @@ def _port_json(pr) -> dict | None:
     r = pr.loaded.recipe
     if r.backend != "neuron":
         return None
-    from .ports import lineage_for
+    from qbuild.recipe.ports import lineage_for
 
     lineage = lineage_for(pr.arch.family, r.port.lineage)
     where = pr.loaded.port_dir
@@ -421,9 +421,7 @@ def print_gc(reports: list[GcReport], wheres: list[str], as_json: bool) -> None:
         _err_line(f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests} blobs "
                   f"({human_bytes(report.bytes_freed)}); kept {report.kept_manifests} manifests, "
                   f"{report.kept_blobs} blobs"
-                  + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else "")
-                  + (f"; {verb} {report.plan_entries_removed} plan cache entries" if report.plan_entries_removed
-                     else ""))
+                  + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else ""))
 
 
 # --- run and bench ---------------------------------------------------------------------------------------------

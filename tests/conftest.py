@@ -12,9 +12,6 @@ from typing import Callable
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-# Commands the tests run plan in process: a resident planner (qbuild.planserver) would outlive the test that started
-# it. The tests of the server turn it on for themselves, in a runtime directory of their own, and stop it.
-os.environ["QBUILD_PLAN_SERVER"] = "off"
 
 
 def pytest_runtest_setup(item):
@@ -65,8 +62,8 @@ def _once_per_run(tmp_path_factory, worker_id: str, name: str, make: Callable[[P
 def tiny_checkpoints(tmp_path_factory, worker_id) -> dict[str, Path]:
     """One seeded tiny checkpoint per family (MoE experts per expert, as save_pretrained writes them), written once
     per run. Read-only: copy one to damage it."""
-    from qbuild.families import FAMILIES
-    from qbuild.tinymodel import write_tiny_checkpoint
+    from qbuild.model.families import FAMILIES
+    from qbuild.model.tinymodel import write_tiny_checkpoint
 
     def make(root: Path) -> None:
         for fam in FAMILIES:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qbuild.tinymodel import TP4_TEXT, write_tiny_checkpoint
+from qbuild.model.tinymodel import TP4_TEXT, write_tiny_checkpoint
 
 _ROOT = Path(tempfile.mkdtemp(prefix="qbuild-convert-tests-"))
 atexit.register(shutil.rmtree, _ROOT, True)

@@ -7,8 +7,8 @@ import os
 import time
 from pathlib import Path
 
-from qbuild.actions import RunContext
-from qbuild.keys import ActionSpec
+from qbuild.build.actions import RunContext
+from qbuild.planning.keys import ActionSpec
 
 _SOURCES = ("tests.engine_actions",)
 SLEEP = ActionSpec("test-sleep", "tests.engine_actions:sleep", _SOURCES)

@@ -11,8 +11,8 @@ import os
 import time
 from pathlib import Path
 
-from qbuild.actions import RunContext
-from qbuild.keys import REGISTRY, ActionSpec
+from qbuild.build.actions import RunContext
+from qbuild.planning.keys import REGISTRY, ActionSpec
 
 _SOURCES = ("tests.ray_actions",)
 TEXT = ActionSpec("ray-text", "tests.ray_actions:text", _SOURCES)

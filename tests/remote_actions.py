@@ -23,7 +23,7 @@ def blob_bytes(seed: str, n: int) -> bytes:
 
 
 def _tree_seed(root: Path) -> str:
-    from qbuild.hashing import digest_file
+    from qbuild.core.hashing import digest_file
 
     return ",".join(f"{p.relative_to(root)}={digest_file(p)}" for p in sorted(root.rglob("*")) if p.is_file())
 
@@ -67,14 +67,14 @@ def verify_action(ctx) -> None:
 
 
 def register_fake_actions() -> None:
-    import qbuild.source
-    from qbuild.keys import REGISTRY, ActionSpec
+    import qbuild.recipe.source
+    from qbuild.planning.keys import REGISTRY, ActionSpec
 
     for kind in FAKE_KINDS:
         REGISTRY[kind] = ActionSpec(kind, f"{MODULE}:{kind}_action", (MODULE,))
     # The projects here pair a real config with placeholder weights and no tokenizer, read only by the fake steps:
     # the check a real checkpoint gets before a build does not apply to them.
-    qbuild.source.check_checkpoint = lambda directory, files=None: None
+    qbuild.recipe.source.check_checkpoint = lambda directory, files=None: None
 
 
 

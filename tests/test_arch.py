@@ -1,4 +1,4 @@
-"""qbuild.arch is the one reader of config.json: both config forms, the VL wrapper and its text-only export give
+"""qbuild.model.arch is the one reader of config.json: both config forms, the VL wrapper and its text-only export give
 the same Arch; the converter's and the reference model's views derive from it; bad fields fail in one line naming
 config.json and the field. Pure JSON: no torch, no checkpoint."""
 
@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from qbuild.arch import Arch, ConfigError, arch_from_config
-from qbuild.errors import UserError
-from qbuild.source import shipped_config_path
+from qbuild.model.arch import Arch, ConfigError, arch_from_config
+from qbuild.core.errors import UserError
+from qbuild.recipe.source import shipped_config_path
 from tests.conftest import REPO
 
 _TEXT = dict(vocab_size=512, hidden_size=64, num_hidden_layers=8, rms_norm_eps=1e-6, num_attention_heads=4,
@@ -141,8 +141,8 @@ def test_shipped_configs_read_and_round_trip():
 
 
 def test_converter_reads_the_one_arch():
-    from qbuild.convert.checkpoint import arch_of
-    from qbuild.convert.errors import CheckpointError
+    from qbuild.model.convert.checkpoint import arch_of
+    from qbuild.model.convert.errors import CheckpointError
 
     config = _vl("qwen3_5_moe", "old")
     arch = arch_from_config(config)
@@ -161,8 +161,8 @@ def test_converter_reads_the_one_arch():
 
 
 def test_arch_imports_without_torch():
-    code = ("import sys, qbuild.arch, qbuild.backends, qbuild.families\n"
-            "heavy = [m for m in ('torch', 'transformers', 'safetensors', 'pydantic', 'yaml', 'qbuild.recipe')\n"
+    code = ("import sys, qbuild.model.arch, qbuild.backends, qbuild.model.families\n"
+            "heavy = [m for m in ('torch', 'transformers', 'safetensors', 'pydantic', 'yaml', 'qbuild.recipe.schema')\n"
             "         if m in sys.modules]\n"
             "assert not heavy, heavy\n")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)

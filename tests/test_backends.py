@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.actions import RunContext
-from qbuild.arch import arch_from_config
-from qbuild.errors import BuildError
-from qbuild.params import CompileParams, parse_compile
-from qbuild.plan import compile_params
-from qbuild.recipe import load_recipe
-from qbuild.source import load_arch
+from qbuild.build.actions import RunContext
+from qbuild.model.arch import arch_from_config
+from qbuild.core.errors import BuildError
+from qbuild.recipe.params import CompileParams, parse_compile
+from qbuild.planning.plan import compile_params
+from qbuild.recipe.schema import load_recipe
+from qbuild.recipe.source import load_arch
 
 
 def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: str = "export", tp: int = 1,
@@ -63,8 +63,8 @@ def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
 
 
 def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints):
-    from qbuild.actions.compile import run
-    from qbuild.plan import neuron_text_params
+    from qbuild.build.actions.compile import run
+    from qbuild.planning.plan import neuron_text_params
     from qbuild.store import StoreSpec
 
     f = tmp_path / "next.yaml"
@@ -94,7 +94,7 @@ def test_bundle_runs_take_turns_on_the_neuron_cores_unless_ray_assigned_them(mon
     from filelock import FileLock
 
     from qbuild.backends.neuron import neuron_cores
-    from qbuild.userdir import runtime_dir
+    from qbuild.core.userdir import runtime_dir
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES", raising=False)

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from qbuild.bundle import MANIFEST, check_files, read_manifest, write_manifest
-from qbuild.errors import InfraError, UserError
+from qbuild.store.bundle import MANIFEST, check_files, read_manifest, write_manifest
+from qbuild.core.errors import InfraError, UserError
 
 
 def _bundle(tmp_path):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from qbuild.convert import convert_checkpoint, convert_state_dict
+from qbuild.model.convert import convert_checkpoint, convert_state_dict
 from tests.conftest import REPO
 from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
 
@@ -108,7 +108,7 @@ def test_bad_options_are_refused_before_anything_is_written(tmp_path, kwargs, ma
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch, workers):
-    from qbuild.convert import safetensors_io
+    from qbuild.model.convert import safetensors_io
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -123,8 +123,8 @@ def test_a_failure_while_writing_leaves_nothing_behind(tmp_path, monkeypatch, wo
 CHECK = """\
 import sys
 from pathlib import Path
-from qbuild.errors import UserError
-from qbuild.source import check_checkpoint
+from qbuild.core.errors import UserError
+from qbuild.recipe.source import check_checkpoint
 try:
     check_checkpoint(Path(sys.argv[1]))
     print("ok")
@@ -154,8 +154,8 @@ def test_checking_a_checkpoint_imports_no_torch(family, tiny_checkpoints, tmp_pa
 
 def test_the_header_dtype_table_names_torch_dtypes_of_the_sizes_it_gives():
     """safetensors_header sizes each dtype code without torch; safetensors_io maps the same codes to torch."""
-    from qbuild.convert.safetensors_header import DTYPES as SIZES
-    from qbuild.convert.safetensors_io import DTYPE_NAMES, DTYPES
+    from qbuild.model.convert.safetensors_header import DTYPES as SIZES
+    from qbuild.model.convert.safetensors_io import DTYPE_NAMES, DTYPES
 
     assert set(DTYPES) == set(SIZES)
     assert {code: DTYPES[code].itemsize for code in SIZES} == {code: size for code, (_, size) in SIZES.items()}

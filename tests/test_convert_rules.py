@@ -8,11 +8,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qbuild.arch import arch_from_config
-from qbuild.convert import CheckpointError, convert_state_dict
-from qbuild.convert.attention import kv_head_shards, split_query_gate
-from qbuild.convert.deltanet import rank_channels, reorder_qkv_channels, split_ba, split_qkvz
-from qbuild.convert.moe import down_from_experts, down_from_fused, gate_up_from_experts, gate_up_from_fused
+from qbuild.model.arch import arch_from_config
+from qbuild.model.convert import CheckpointError, convert_state_dict
+from qbuild.model.convert.attention import kv_head_shards, split_query_gate
+from qbuild.model.convert.deltanet import rank_channels, reorder_qkv_channels, split_ba, split_qkvz
+from qbuild.model.convert.moe import down_from_experts, down_from_fused, gate_up_from_experts, gate_up_from_fused
 from tests.conftest_convert import hf_state_dict
 
 VL, TEXT = "model.language_model.", "model."
@@ -65,7 +65,7 @@ def test_qkvz_ba_deinterleave_matches_transformers():
     """Oracle: transformers' own fix_query_key_value_ordering on the projected activations."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-    from qbuild.tinymodel import make_config
+    from qbuild.model.tinymodel import make_config
 
     config = make_config("qwen3_next", vision=False)
     layer = Qwen3NextGatedDeltaNet(config, layer_idx=0)

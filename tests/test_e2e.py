@@ -100,7 +100,7 @@ def test_the_build_unpickles_nothing_but_pool_messages_and_graph_examples(ws):
     recorded = events(ws.root / "build-audit.log")
     assert violations(recorded) == []
     # The audit ran in the workers too (their jobs arrive pickled), and graphs were loaded under it (verify).
-    assert any(e["api"] == "pickle.find_class" and e["detail"] == "qbuild.job.Job" for e in recorded)
+    assert any(e["api"] == "pickle.find_class" and e["detail"] == "qbuild.build.job.Job" for e in recorded)
     assert any(e["api"] == "torch.load" for e in recorded)
 
 
@@ -154,7 +154,7 @@ def test_prompt_longer_than_the_largest_bucket_is_a_user_error(ws):
 
 
 def test_new_weights_rebuild_everything_but_compile(ws, tmp_path):
-    from qbuild.tinymodel import write_tiny_checkpoint
+    from qbuild.model.tinymodel import write_tiny_checkpoint
 
     other = write_tiny_checkpoint(tmp_path / "seed1", "qwen3_next", seed=1)
     f = ws.recipe("next-seed1", "qwen3_next", "parallel: {tp: 1}\n", checkpoint=other)

@@ -17,7 +17,7 @@ def test_inductor_bundle_verifies_and_runs(tmp_path):
     import torch
     import transformers
 
-    from qbuild.tinymodel import write_tiny_checkpoint
+    from qbuild.model.tinymodel import write_tiny_checkpoint
 
     checkpoint = write_tiny_checkpoint(tmp_path / "model", "qwen3_next", text_overrides={
         "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})

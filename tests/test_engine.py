@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.engine import BuildOptions, build
-from qbuild.executors.local import LocalExecutor
-from qbuild.keys import REGISTRY
-from qbuild.plan import Plan, _add
+from qbuild.build.engine import BuildOptions, build
+from qbuild.build.executors.local import LocalExecutor
+from qbuild.planning.keys import REGISTRY
+from qbuild.planning.plan import Plan, _add
 from qbuild.store import LocalStore, StoreSpec
 from tests.engine_actions import TEST_REGISTRY, read_log
 

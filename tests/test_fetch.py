@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.actions import RunContext
-from qbuild.actions.fetch import run as fetch_run
-from qbuild.errors import InfraError, UserError
-from qbuild.hashing import StatCache, digest_file
-from qbuild.source import checkpoint_files, hf_cached_snapshot
+from qbuild.build.actions import RunContext
+from qbuild.build.actions.fetch import run as fetch_run
+from qbuild.core.errors import InfraError, UserError
+from qbuild.core.hashing import StatCache, digest_file
+from qbuild.recipe.source import checkpoint_files, hf_cached_snapshot
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -112,7 +112,7 @@ def test_stat_cache_hashes_an_unchanged_file_once(tmp_path, monkeypatch):
     os.utime(f, ns=(hour_ago, hour_ago))   # older than the racy window, so the cache may answer for it
     cache = StatCache(tmp_path / "stat.sqlite")
     calls = []
-    import qbuild.hashing as hashing
+    import qbuild.core.hashing as hashing
 
     real = hashing.digest_file
     monkeypatch.setattr(hashing, "digest_file", lambda p: calls.append(p) or real(p))

@@ -7,10 +7,10 @@ import re
 import pytest
 import torch
 
-from qbuild.arch import arch_from_config
-from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.convert.deltanet import reorder_qkv_channels
-from qbuild.convert.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, dequantize, quantize
+from qbuild.model.arch import arch_from_config
+from qbuild.model.convert import convert_state_dict, shard_state_dict
+from qbuild.model.convert.deltanet import reorder_qkv_channels
+from qbuild.model.convert.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, dequantize, quantize
 from tests.conftest_convert import hf_state_dict
 
 # e4m3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 relative for normals; below the smallest normal

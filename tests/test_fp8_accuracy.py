@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qbuild.arch import arch_from_config
-from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.modeling import TextModel, text_position_ids
+from qbuild.model.arch import arch_from_config
+from qbuild.model.convert import convert_state_dict, shard_state_dict
+from qbuild.model.modeling import TextModel, text_position_ids
 
 MIN_TOP1_AGREEMENT = 0.99
 MAX_BROKEN_TOP1_AGREEMENT = 0.95  # what mis-scaled weights may keep: well under the pass bar, above what they do

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.hashing import digest_json
-from qbuild.gc import gc_local
+from qbuild.core.hashing import digest_json
+from qbuild.store.gc import gc_local
 from qbuild.store import LocalStore, Manifest
 from tests.s3server import shared_server
 from tests.test_remote_pipeline import (assert_no_dangling_manifest, local_blobs, local_keys, lock_keys, make_project,
@@ -122,49 +122,3 @@ def test_local_gc_keeps_the_most_recently_used_within_the_budget(tmp_path):
         o["digest"] for o in locked.outputs.values())
 
 
-def _record_plan_entry(store: LocalStore, name: str, manifests: list[Manifest]) -> dict:
-    """A plan cache entry whose answer was read from `manifests` (as `qbuild plan` records one); its invocation."""
-    from qbuild import plancache
-
-    inputs = plancache.Inputs()
-    for m in manifests:
-        plancache.add_manifest(inputs, store, m.key, m)
-    inv = plancache.invocation("plan", [name], False, True, "artifacts.lock", None)
-    # A start after every input's last change: nothing here is too recent to trust.
-    assert plancache.save(store.root, inv, {"answer": name}, inputs, time.time_ns() + 2 * plancache.RACY_NS)
-    assert plancache.load(store.root, inv) == {"answer": name}
-    return inv
-
-
-@pytest.mark.slow
-def test_gc_removes_the_plan_cache_entries_that_witnessed_what_it_removed(tmp_path):
-    from qbuild import plancache
-
-    project = make_project(tmp_path / "p")
-    ok(run_qbuild(project, "compile", "--all", "--store", "store", "--mem", "1T"))
-    write_recipe(project, "beta", tp=2, buckets=[32, 64])
-    ok(run_qbuild(project, "compile", "--all", "--store", "store", "--mem", "1T"))
-    store = LocalStore(project / "store")
-    locked = lock_keys(project / "artifacts.lock")
-    stale = sorted(local_keys(store.root) - locked)
-    assert stale
-    current = _record_plan_entry(store, "current", [store.get_manifest(k) for k in sorted(locked)])
-    old = _record_plan_entry(store, "old", [store.get_manifest(k) for k in sorted(locked)[:1] + stale[:1]])
-    entries = sorted((store.root / plancache.CACHE_DIR).glob("*.json"))
-    assert len(entries) == 2
-
-    # --dry-run counts the entry that would go and removes nothing.
-    dry = json.loads(ok(run_qbuild(project, "gc", "--dry-run", "--keep-size", "0", "--store", "store",
-                                   "--json")).stdout)
-    assert dry[0]["plan_entries_removed"] == 1
-    assert sorted((store.root / plancache.CACHE_DIR).glob("*.json")) == entries
-
-    proc = ok(run_qbuild(project, "gc", "--keep-size", "0", "--store", "store"))
-    assert "removed 1 plan cache entries" in proc.stderr.splitlines()[-1]
-    assert plancache.load(store.root, old) is None
-    assert [p.name for p in (store.root / plancache.CACHE_DIR).glob("*.json")] == \
-        [plancache.entry_path(store.root, current).name]
-    assert plancache.load(store.root, current) == {"answer": "current"}
-    # Nothing left to remove: the summary says nothing of the plan cache.
-    proc = ok(run_qbuild(project, "gc", "--keep-size", "0", "--store", "store"))
-    assert "plan cache" not in proc.stderr

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.hashing import digest_file
+from qbuild.core.hashing import digest_file
 from tests.s3server import s3_env, shared_server
 from tests.test_remote_pipeline import make_project
 
@@ -140,8 +140,8 @@ def s3():
 def test_verify_gate_fails_on_a_non_finite_logit(where, bad):
     import torch
 
-    from qbuild.actions.verify import compare, failures
-    from qbuild.params import VerifyParams
+    from qbuild.build.actions.verify import compare, failures
+    from qbuild.recipe.params import VerifyParams
 
     ref = torch.zeros(4, 10)
     ref[:, 2] = 1.0
@@ -155,8 +155,9 @@ def test_verify_gate_fails_on_a_non_finite_logit(where, bad):
 
 
 def test_json_written_by_qbuild_refuses_nan_and_infinity_in_values_and_keys(tmp_path):
-    from qbuild import jsonio, lock
-    from qbuild.hashing import canonical_json
+    from qbuild.core import jsonio
+    from qbuild.store import lock
+    from qbuild.core.hashing import canonical_json
     from qbuild.store.manifest import Manifest
 
     with pytest.raises(ValueError, match=r"\$\.prompts\[0\]\.max_logit_err"):
@@ -190,7 +191,7 @@ def test_tiny_refuses_a_directory_under_a_file(tmp_path):
 
 
 def test_tiny_force_replaces_the_directory_whole(tmp_path, monkeypatch):
-    import qbuild.tinymodel as tinymodel
+    import qbuild.model.tinymodel as tinymodel
 
     def fake_write(out, family, *, seed, fused_experts):
         out.mkdir(parents=True)
@@ -251,7 +252,7 @@ def _rewrite_keeping_times(path: Path, data: bytes) -> None:
 
 
 def test_stat_cache_sees_a_rewrite_with_restored_mtime(tmp_path):
-    from qbuild.hashing import StatCache
+    from qbuild.core.hashing import StatCache
 
     f = tmp_path / "w.bin"
     f.write_bytes(b"a" * 4096)
@@ -263,7 +264,7 @@ def test_stat_cache_sees_a_rewrite_with_restored_mtime(tmp_path):
 
 
 def test_stat_cache_rehashes_a_file_modified_within_the_racy_window(tmp_path, monkeypatch):
-    from qbuild.hashing import StatCache
+    from qbuild.core.hashing import StatCache
 
     f = tmp_path / "w.bin"
     f.write_bytes(b"a" * 4096)
@@ -479,7 +480,7 @@ def test_materialize_without_sharing_never_hands_out_a_store_inode(tmp_path):
 
 
 def test_run_names_a_grown_bundle_file_as_grown_not_truncated(tmp_path):
-    from qbuild.bundle import write_manifest
+    from qbuild.store.bundle import write_manifest
 
     root = tmp_path / "bundle"
     (root / "weights").mkdir(parents=True)

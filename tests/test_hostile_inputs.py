@@ -576,8 +576,8 @@ def test_config_without_mrope_section_rotates_as_transformers_does(tiny_checkpoi
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
-    from qbuild.arch import arch_from_config
-    from qbuild.modeling.model import RotaryEmbedding
+    from qbuild.model.arch import arch_from_config
+    from qbuild.model.modeling.model import RotaryEmbedding
 
     text = json.loads((tiny_checkpoints[VL] / "config.json").read_text())["text_config"]
     text["head_dim"] = 64

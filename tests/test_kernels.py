@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qbuild.kernels import (
+from qbuild.model.kernels import (
     CHUNK_SIZE,
     causal_conv1d,
     causal_conv1d_update,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild import lock as lockmod
+from qbuild.store import lock as lockmod
 from tests.conftest import REPO, qbuild
 
 # One copy of the built project serves the whole file, on one worker, outside the fast lane.

@@ -1,6 +1,6 @@
 """The reference NxDI-layout text model against HF transformers, on converted and sharded tiny checkpoints.
 
-Each family is converted with qbuild.convert, sharded for tp (and ep), loaded, and must reproduce transformers'
+Each family is converted with qbuild.model.convert, sharded for tp (and ep), loaded, and must reproduce transformers'
 logits on right-padded prompt buckets (a bucket longer than the prompt, across a DeltaNet chunk boundary) and
 transformers' greedy tokens through the recurrent decode path.
 """
@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qbuild.arch import arch_from_config
-from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.modeling import TextModel, text_position_ids
-from qbuild.tinymodel import TP4_TEXT, VOCAB_SIZE, SPECIAL_TOKENS, write_tiny_checkpoint
+from qbuild.model.arch import arch_from_config
+from qbuild.model.convert import convert_state_dict, shard_state_dict
+from qbuild.model.modeling import TextModel, text_position_ids
+from qbuild.model.tinymodel import TP4_TEXT, VOCAB_SIZE, SPECIAL_TOKENS, write_tiny_checkpoint
 
 # One worker takes the whole file, so the module-scoped HF models of `checkpoints` are loaded once.
 pytestmark = pytest.mark.xdist_group("modeling")

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qbuild.arch import arch_from_config
-from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.modeling import EntryPoint, TextModel, text_position_ids
+from qbuild.model.arch import arch_from_config
+from qbuild.model.convert import convert_state_dict, shard_state_dict
+from qbuild.model.modeling import EntryPoint, TextModel, text_position_ids
 
 BUCKET, MAX_SEQ_LEN, BATCH = 72, 96, 2
 # The exported graph runs the same aten ops as eager; only kernel dispatch inside them may differ.

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qbuild.arch import arch_from_config
-from qbuild.convert import convert_state_dict, shard_state_dict
-from qbuild.modeling import TextModel
-from qbuild.modeling.vision import (
+from qbuild.model.arch import arch_from_config
+from qbuild.model.convert import convert_state_dict, shard_state_dict
+from qbuild.model.modeling import TextModel
+from qbuild.model.modeling.vision import (
     MASK_VALUE,
     VisionHost,
     decode_position_ids,
@@ -22,7 +22,7 @@ from qbuild.modeling.vision import (
     mrope_position_ids,
     vision_example_inputs,
 )
-from qbuild.tinymodel import SPECIAL_TOKENS, VOCAB_SIZE
+from qbuild.model.tinymodel import SPECIAL_TOKENS, VOCAB_SIZE
 
 # One worker takes the whole file, so the module-scoped HF models of `vl` are loaded once.
 pytestmark = pytest.mark.xdist_group("modeling-vision")

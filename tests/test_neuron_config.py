@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from qbuild.backends.neuron import modules_to_not_convert, neff_reuse, neuron_config, nxd_parallel
-from qbuild.params import parse_compile
-from qbuild.plan import neuron_text_params, neuron_vision_params
-from qbuild.recipe import load_recipe
-from qbuild.source import load_arch
+from qbuild.recipe.params import parse_compile
+from qbuild.planning.plan import neuron_text_params, neuron_vision_params
+from qbuild.recipe.schema import load_recipe
+from qbuild.recipe.source import load_arch
 
 # What each lineage's get_compiler_args() returns (nxdi-api.md section 1).
 MAIN_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
@@ -175,7 +175,7 @@ def test_neff_reuse_says_what_adding_a_bucket_costs(tmp_path):
 
 
 def test_pure_function_imports_without_torch():
-    code = ("import sys, qbuild.backends.neuron as n, qbuild.plan; "
+    code = ("import sys, qbuild.backends.neuron as n, qbuild.planning.plan; "
             "assert 'torch' not in sys.modules, 'torch imported'; print(n.nxd_parallel('main', False, 2, 1))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -202,9 +202,9 @@ def test_plan_json_shows_lineage_neffs_and_config(tmp_path):
 
 
 def _shard_params(tmp_path, name: str, body: str) -> dict:
-    from qbuild.environment import HostEnvironment
-    from qbuild.hashing import StatCache
-    from qbuild.plan import plan_recipe
+    from qbuild.planning.environment import HostEnvironment
+    from qbuild.core.hashing import StatCache
+    from qbuild.planning.plan import plan_recipe
 
     # plan_recipe without the recipe checks: qbuild refuses ep > 1 on neuron (no public port decodes with EP), but
     # the NxD EP layout is planned and sharded exactly, ready for a port that does.
@@ -225,9 +225,9 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     assert params["layout"] == "nxd-moe"
     assert (params["tp"], params["ep"], params["dense_tp"], params["moe_tp"]) == (4, 2, 2, 2)
     # The shard action runs those params as planned: 4 rank files, attention split over 2.
-    from qbuild.actions import RunContext
-    from qbuild.actions.shard import run
-    from qbuild.convert import convert_checkpoint
+    from qbuild.build.actions import RunContext
+    from qbuild.build.actions.shard import run
+    from qbuild.model.convert import convert_checkpoint
 
     convert_checkpoint(tiny_checkpoints["qwen3_next"], tmp_path / "conv", dtype="bfloat16")
     (tmp_path / "out").mkdir()

@@ -479,11 +479,11 @@ def test_pull_prints_the_vllm_command(dense, tmp_path):
 
 @pytest.mark.slow
 def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
-    """qbuild.actions.verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
+    """qbuild.build.actions.verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
     with the port's class (config read back from neuron_config.json) and generate() runs once per text prompt the
     way NxDI's accuracy check calls it; thresholds of 0 pass whatever the double returns."""
-    from qbuild.actions import RunContext
-    from qbuild.actions import verify
+    from qbuild.build.actions import RunContext
+    from qbuild.build.actions import verify
 
     require_bundle(dense.result, dense.stderr)
     inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "reference", "port")}

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.arch import Arch, VisionArch
-from qbuild.source import load_arch
-from qbuild.environment import HostEnvironment
-from qbuild.hashing import StatCache, canonical_json
-from qbuild.params import (CpuTextCompile, CpuVisionCompile, NeuronPackageParams, NeuronTextCompile,
+from qbuild.model.arch import Arch, VisionArch
+from qbuild.recipe.source import load_arch
+from qbuild.planning.environment import HostEnvironment
+from qbuild.core.hashing import StatCache, canonical_json
+from qbuild.recipe.params import (CpuTextCompile, CpuVisionCompile, NeuronPackageParams, NeuronTextCompile,
                            NeuronVisionCompile, PackageParams, ParamsError, VerifyParams, parse_compile,
                            parse_package, parse_verify, to_json)
-from qbuild.plan import plan_recipe
-from qbuild.recipe import load_recipe
+from qbuild.planning.plan import plan_recipe
+from qbuild.recipe.schema import load_recipe
 
 PARSERS = {"compile": parse_compile, "package": parse_package, "verify": parse_verify}
 PINS = """toolchain: {neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492,

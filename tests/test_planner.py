@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 import qbuild
-from qbuild.arch import Arch, arch_from_config
-from qbuild.errors import RecipeError
-from qbuild.keys import walk
-from qbuild.plan import build_plan, evaluate
-from qbuild.recipe import LoadedRecipe, load_recipe
+from qbuild.model.arch import Arch, arch_from_config
+from qbuild.core.errors import RecipeError
+from qbuild.planning.keys import walk
+from qbuild.planning.plan import build_plan, evaluate
+from qbuild.recipe.schema import LoadedRecipe, load_recipe
 
 CONFIG = Path(qbuild.__file__).parent / "configs" / "Qwen--Qwen3.5-2B.json"
 COMMIT = "a" * 40

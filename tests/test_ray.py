@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.keys import ActionSpec
-from qbuild.errors import InfraError, UserError
-from qbuild.executors import ray as rayexec
-from qbuild.plan import Node, Plan, _add
+from qbuild.planning.keys import ActionSpec
+from qbuild.core.errors import InfraError, UserError
+from qbuild.build.executors import ray as rayexec
+from qbuild.planning.plan import Node, Plan, _add
 from qbuild.store import StoreSpec
 from tests.s3server import free_port, s3_env, shared_server
 from tests.engine_actions import read_log
@@ -102,7 +102,7 @@ def test_remote_is_required():
 
 
 def test_worker_with_other_action_source_refuses_to_build():
-    from qbuild.job import Job
+    from qbuild.build.job import Job
 
     action = ActionSpec("ray-text", "tests.ray_actions:text", ("tests.ray_actions",))
     pre = {"action": "ray-text", "version": "0" * 32, "params": {}, "inputs": {}, "toolchain": {}}
@@ -132,7 +132,7 @@ def test_cli_refuses_ray_without_a_remote_in_one_line(tmp_path):
 
 
 def test_ray_is_not_imported_on_the_planning_path():
-    code = ("import sys, qbuild.cli, qbuild.executors.ray, qbuild.workspace, qbuild.engine; "
+    code = ("import sys, qbuild.cli, qbuild.build.executors.ray, qbuild.build.workspace, qbuild.build.engine; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                           timeout=60).returncode == 0
@@ -161,7 +161,7 @@ def test_no_cluster_at_the_address_fails_fast_in_one_line(tmp_path):
 def test_errors_become_one_line_domain_errors():
     from ray.exceptions import RayTaskError, WorkerCrashedError
 
-    from qbuild.errors import BuildError
+    from qbuild.core.errors import BuildError
 
     own = BuildError("convert: ValueError: bad tensor (convert.py:10)")
     assert rayexec._translate(RayTaskError("run_task", "tb", own), "convert") is own
@@ -291,7 +291,7 @@ def _graph(log: Path, spec: list[tuple[str, str, list[str], float]], **extra) ->
 
 def _build(plan: Plan, spec: StoreSpec, cluster: Cluster, **opts):
     """engine.build on the Ray executor, in a thread so that a hang fails the test instead of stalling it."""
-    from qbuild.engine import BuildOptions, build
+    from qbuild.build.engine import BuildOptions, build
     from qbuild.store import open_store
 
     box: dict = {"events": []}

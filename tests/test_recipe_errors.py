@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.errors import RecipeError
-from qbuild.recipe import HFSource, PathSource, load_recipe
-from qbuild.source import shipped_config_path
+from qbuild.core.errors import RecipeError
+from qbuild.recipe.schema import HFSource, PathSource, load_recipe
+from qbuild.recipe.source import shipped_config_path
 from tests.conftest import qbuild
 
 BASE = """\

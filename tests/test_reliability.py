@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.errors import InfraError
+from qbuild.core.errors import InfraError
 from qbuild.store import LocalStore, Manifest, safe_join
 from tests.engine_actions import read_log
 from tests.test_engine import _graph, _run
@@ -60,7 +60,7 @@ def test_disk_full_fails_clearly_and_leaves_the_store_consistent(tmp_path):
         pytest.skip("mounting a small tmpfs is not permitted here")
     try:
         log = tmp_path / "log"
-        from qbuild.plan import Plan, _add
+        from qbuild.planning.plan import Plan, _add
 
         nodes = {}
         _add(nodes, "toy", "test-big", "big", {"name": "big", "log": str(log), "bytes": 4 << 20}, {}, 1, 1)

@@ -154,7 +154,7 @@ def test_publish_then_pull_into_an_empty_machine(built, s3, tmp_path):
     package = lock["nodes"][lock["recipes"]["alpha"]["nodes"]["package"]]
     got = {p.relative_to(host / "bundle").as_posix(): p for p in (host / "bundle").rglob("*") if p.is_file()}
     assert set(got) == set(package["outputs"]) and "weights/tp0_sharded_checkpoint.safetensors" in got
-    from qbuild.hashing import digest_file
+    from qbuild.core.hashing import digest_file
 
     for rel, meta in package["outputs"].items():
         assert digest_file(got[rel]) == meta["digest"]

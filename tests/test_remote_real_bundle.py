@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.hashing import digest_file
+from qbuild.core.hashing import digest_file
 from tests.s3server import FAKE_CREDENTIALS, s3_env, shared_server
 from tests.test_remote_pipeline import assert_no_dangling_manifest, remote_state
 

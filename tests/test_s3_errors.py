@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.hashing import digest_json
+from qbuild.core.hashing import digest_json
 from qbuild.store import LocalStore, Manifest
 from tests.s3server import (FAKE_CREDENTIALS, free_port, s3_env, shared_server, start_relay, start_server,
                             stop_process)
@@ -181,7 +181,7 @@ def test_credentials_in_the_endpoint_are_not_echoed(server, tmp_path):
 
 
 def test_no_remote_means_no_boto3_on_the_planning_path():
-    code = ("import sys; import qbuild.cli, qbuild.workspace, qbuild.transfer, qbuild.gc, qbuild.store.remote; "
+    code = ("import sys; import qbuild.cli, qbuild.build.workspace, qbuild.store.transfer, qbuild.store.gc, qbuild.store.remote; "
             "from qbuild.store import open_store, StoreSpec; open_store(StoreSpec(local='/tmp/x')); "
             "print('boto3' in sys.modules or 'botocore' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("QBUILD_REMOTE")}
@@ -190,7 +190,7 @@ def test_no_remote_means_no_boto3_on_the_planning_path():
 
 
 def test_corrupt_local_blob_is_never_uploaded_and_foreign_manifests_are_refused(server, tmp_path, monkeypatch):
-    from qbuild.errors import InfraError
+    from qbuild.core.errors import InfraError
     from qbuild.store.remote import RemoteStore, push_manifests
     from qbuild.store.s3 import S3Remote
 
@@ -251,7 +251,7 @@ def test_a_workspace_opens_one_store_and_hands_it_its_progress_display(tmp_path)
     from qbuild.render import TransferDisplay
     from qbuild.store import StoreSpec
     from qbuild.store.remote import RemoteStore
-    from qbuild.workspace import Workspace
+    from qbuild.build.workspace import Workspace
 
     display = TransferDisplay(bars=False)
     ws = Workspace(StoreSpec(local=str(tmp_path / "s"), remote=f"s3://{BUCKET}/one"), progress=display)

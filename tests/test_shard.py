@@ -1,5 +1,5 @@
 """Sharding per tensor-parallel rank: shapes, and that the ranks' pieces reconstruct the canonical tensors under the
-convention documented in qbuild/convert/shard.py (restated independently here, per tensor kind)."""
+convention documented in qbuild/model/convert/shard.py (restated independently here, per tensor kind)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qbuild.arch import arch_from_config
-from qbuild.convert import ShardError, convert_checkpoint, convert_state_dict, shard_checkpoint, shard_state_dict
+from qbuild.model.arch import arch_from_config
+from qbuild.model.convert import ShardError, convert_checkpoint, convert_state_dict, shard_checkpoint, shard_state_dict
 from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
 
 COLUMN = re.compile(r".*(self_attn\.(q_proj|output_gate_proj)|linear_attn\.(in_proj_z|in_proj_a|in_proj_b|A_log_weight"
@@ -184,7 +184,7 @@ def test_streaming_shard_matches_in_memory(tmp_path, variant, tp, ep, fp8, fused
 
 
 def test_shard_of_a_missing_directory_names_the_file(tmp_path):
-    from qbuild.convert import CheckpointError
+    from qbuild.model.convert import CheckpointError
 
     with pytest.raises(CheckpointError, match="config.json"):
         shard_checkpoint(tmp_path / "nope", tmp_path / "out", tp=2)

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from qbuild.errors import InfraError
+from qbuild.core.errors import InfraError
 from qbuild.store.files import atomic_write, link_or_copy, staged
 
 

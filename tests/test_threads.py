@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-import qbuild.threads
-from qbuild.threads import map_all, run_all
+import qbuild.core.threads
+from qbuild.core.threads import map_all, run_all
 
 
 def test_results_come_back_in_item_order():
@@ -23,7 +23,7 @@ def test_after_the_first_failure_no_further_call_starts(monkeypatch):
             super().__init__()
             events.append(self)
 
-    monkeypatch.setattr(qbuild.threads.threading, "Event", Recorded)
+    monkeypatch.setattr(qbuild.core.threads.threading, "Event", Recorded)
     started: list[int] = []
 
     def fn(i: int) -> None:

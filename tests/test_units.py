@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.errors import UserError
-from qbuild.units import parse_duration, parse_size
+from qbuild.core.errors import UserError
+from qbuild.core.units import parse_duration, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import torch
 
-from qbuild.actions.verify import _line, compare, failures
-from qbuild.params import VerifyParams
+from qbuild.build.actions.verify import _line, compare, failures
+from qbuild.recipe.params import VerifyParams
 
 THRESHOLDS = VerifyParams(top1_min=0.99, token_match_min=1.0, max_logit_err=1e-3)
 
@@ -44,7 +44,7 @@ def test_top1_is_weighted_by_prompt_length():
 
 
 def test_shipped_golden_prompts_are_pinned():
-    from qbuild.actions.reference import golden
+    from qbuild.build.actions.reference import golden
 
     doc = golden()  # raises if prompts.json changed without its pinned digest
     assert doc["prompts"] and all(isinstance(p, str) and p for p in doc["prompts"]) and doc["image_prompt"]
@@ -57,7 +57,7 @@ def test_a_neuron_bundle_is_compared_up_to_its_first_generated_pad_token(tmp_pat
 
     from safetensors.torch import save_file
 
-    from qbuild.actions import RunContext, verify
+    from qbuild.build.actions import RunContext, verify
     from qbuild.backends import neuron
 
     pad = 2

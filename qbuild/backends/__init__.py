@@ -4,7 +4,7 @@
 - inductor: an AOTInductor package (.pt2) compiled to native CPU code from the same exported program.
 - neuron: NxDI / neuronx-cc where the Neuron SDK is installed (neuron.py; its config translation is pure).
 
-Each backend takes the typed compile params of qbuild.params. Nothing here imports torch at module level: the planner
+Each backend takes the typed compile params of qbuild.recipe.params. Nothing here imports torch at module level: the planner
 imports qbuild.backends.neuron for `plan --json`.
 """
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..dtypes import torch_dtype
-from ..params import CpuTextCompile, CpuVisionCompile
+from qbuild.core.dtypes import torch_dtype
+from qbuild.recipe.params import CpuTextCompile, CpuVisionCompile
 
 
 class Functional(torch.nn.Module):
@@ -44,7 +44,7 @@ class Traced:
 
 def text_model(params: CpuTextCompile, max_seq_len: int):
     """The reference text model of the architecture in compile params, at this graph's KV length."""
-    from ..modeling import TextModel
+    from qbuild.model.modeling import TextModel
 
     return TextModel(params.text, tp=params.tp, ep=params.ep, dtype=torch_dtype(params.dtype), max_seq_len=max_seq_len)
 
@@ -80,7 +80,7 @@ def _export(module: torch.nn.Module, weights: dict, args: tuple) -> torch.export
 
 
 def export_text(params: CpuTextCompile) -> Traced:
-    from ..modeling import EntryPoint
+    from qbuild.model.modeling import EntryPoint
 
     graph, bucket, batch = params.graph, params.bucket, params.batch_size
     start = time.monotonic()
@@ -97,7 +97,7 @@ def export_text(params: CpuTextCompile) -> Traced:
 
 
 def export_vision(params: CpuVisionCompile) -> Traced:
-    from ..modeling.vision import VisionEncoder, vision_example_inputs
+    from qbuild.model.modeling.vision import VisionEncoder, vision_example_inputs
 
     start = time.monotonic()
     dtype = torch_dtype(params.dtype)

@@ -5,7 +5,7 @@ Facts about NxDI, NxD and the ports come from their public source; shared/refere
 PR 170 @ 753c7f5, Qwen3.6-27B FP8 PR 173 @ 03db3ef). Where the code below depends on one, the comment names it.
 
 - `neuron_config(params)` is pure (no torch, no SDK): `qbuild plan --json` shows it and the tests pin it. It and
-  the compiles take the typed params of qbuild.params.
+  the compiles take the typed params of qbuild.recipe.params.
 - `compile_text` runs ONE NxDI `compile()` for a recipe: NxDI always builds both submodels with every CTE and TKG
   bucket into one `model.pt` (application_base.py); per-bucket reuse is the Neuron compile cache's job.
 - `compile_vision` traces the port's `CPUVisionModel` with the real vision weights, one bucket per node
@@ -24,11 +24,10 @@ from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .. import jsonio
-from ..errors import BuildError
-from ..families import LINEAGES, VISION_COMPILER_ARGS, fp8_mlp_layers
-from ..params import (CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile, ParamsError,
-                      parse_compile, to_json)
+from qbuild.core import jsonio
+from qbuild.core.errors import BuildError
+from qbuild.model.families import LINEAGES, VISION_COMPILER_ARGS, fp8_mlp_layers
+from qbuild.recipe.params import (CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile, ParamsError, parse_compile, to_json)
 
 FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}   # PR 173 qwen36_27b_compile_fp8.py
 # NxDI's BlockwiseMatmulConfig per MoE backend (nxdi-api.md section 3). shard_hidden is NxD's LNC=2 default kernel
@@ -66,7 +65,7 @@ def nxd_parallel(lineage: str, is_moe: bool, tp: int, ep: int) -> dict:
 
     NxDI: world_size = tp_degree * pp_degree * ep_degree (models/config.py). The moe lineage runs expert parallelism
     the way Coder-Next validated it: ep_degree = moe_ep_degree = ep, moe_tp_degree = tp (PR 170 README), so ep
-    multiplies the ranks. The main lineage has no EP (qbuild.checks refuses ep > 1 there): moe_tp_degree = tp.
+    multiplies the ranks. The main lineage has no EP (qbuild.recipe.checks refuses ep > 1 there): moe_tp_degree = tp.
     """
     if lineage == "moe" and is_moe and ep > 1:
         return {"tp_degree": tp, "ep_degree": ep, "moe_tp_degree": tp, "moe_ep_degree": ep, "world_size": tp * ep}
@@ -241,7 +240,7 @@ def work_dir(params: NeuronCompile) -> Path:
     buckets would make every bucket miss. The folder is therefore named by the params without the bucket lists,
     and held under a file lock while a compile uses it.
     """
-    from ..hashing import digest_json
+    from qbuild.core.hashing import digest_json
 
     stable = {k: v for k, v in to_json(params).items() if k not in ("cte_buckets", "tkg_buckets")}
     root = Path(os.environ.get("QBUILD_NEURON_WORKDIR", "/tmp/qbuild-nxd"))
@@ -380,7 +379,7 @@ def expected_weights(compiled: Path) -> dict[str, tuple[int, ...]] | None:
 def check_shards(expected: dict[str, tuple[int, ...]], shard: Path) -> None:
     """Raise one line naming the first weight the compiled model expects that a rank's shard lacks or shapes
     differently (every rank holds the same names and per-rank shapes)."""
-    from ..convert.safetensors_header import read_header
+    from qbuild.model.convert.safetensors_header import read_header
 
     header = read_header(shard, shard.name)
     extra = sorted(set(header) - set(expected))
@@ -426,7 +425,7 @@ def neuron_cores(log):
     user's runs take turns under one lock."""
     from filelock import FileLock, Timeout
 
-    from ..userdir import runtime_dir
+    from qbuild.core.userdir import runtime_dir
 
     directory = runtime_dir()
     if os.environ.get("NEURON_RT_VISIBLE_CORES") or directory is None:

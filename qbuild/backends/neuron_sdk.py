@@ -16,14 +16,14 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from qbuild import jsonio
-from qbuild.dtypes import torch_dtype
+from qbuild.core import jsonio
+from qbuild.core.dtypes import torch_dtype
 
 
 
 def _port_module(port: str, module: str):
     # Main-lineage ports import `src.*` (the port directory on sys.path), moe-lineage ports import flat (src/ on it);
-    # the caller passes the directory each lineage needs (qbuild.families.Lineage.module_dir).
+    # the caller passes the directory each lineage needs (qbuild.model.families.Lineage.module_dir).
     sys.path.insert(0, port)
     return importlib.import_module(module)
 
@@ -74,7 +74,7 @@ def compile_vision(req: dict) -> dict:
 
     As contrib/models/Qwen3.5-35B-A3B/test/integration/compile_vision_encoder.py @ 4bcdc54: example inputs
     (hidden (S, hidden), mask (1, 1, S, S), cos and sin (S, head_dim)) in the model dtype. qbuild's converted vision
-    weights carry CPUVisionModel's own names (qbuild/convert/vision.py), so they load strictly; the patch and position
+    weights carry CPUVisionModel's own names (qbuild/model/convert/vision.py), so they load strictly; the patch and position
     embeddings run on the host and stay out.
     """
     import torch

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
-from .files import atomic_write, safe_join
-from .local import LocalStore
-from .manifest import Manifest, tree_digest
+from qbuild.store.files import atomic_write, safe_join
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest, tree_digest
 
 if TYPE_CHECKING:
-    from .remote import Progress, RemoteStore
+    from qbuild.store.remote import Progress, RemoteStore
 
 Store = Union[LocalStore, "RemoteStore"]    # `store.local` is the local part of either (a LocalStore is its own)
 
@@ -50,7 +50,7 @@ def resolve_remote(flag: str | None, cwd: Path | None = None) -> str | None:
         return None
     import yaml
 
-    from ..errors import UserError
+    from qbuild.core.errors import UserError
 
     try:
         doc = yaml.safe_load(config.read_text()) or {}
@@ -68,7 +68,7 @@ def open_store(spec: StoreSpec, progress: Progress | None = None) -> Store:
     local = LocalStore(Path(spec.local))
     if spec.remote is None:
         return local
-    from .remote import RemoteStore
-    from .s3 import S3Remote
+    from qbuild.store.remote import RemoteStore
+    from qbuild.store.s3 import S3Remote
 
     return RemoteStore(local, S3Remote(spec.remote), push=spec.push, progress=progress)

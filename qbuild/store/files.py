@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import InfraError
+from qbuild.core.errors import InfraError
 
 FICLONE = 0x40049409   # linux/fs.h: make dst share src's extents, copy-on-write (btrfs, XFS, bcachefs)
 

@@ -20,10 +20,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ..errors import InfraError
-from ..hashing import digest_file
-from .files import atomic_write, clone_or_copy, discard_path, infra_error, link_or_copy, safe_join
-from .manifest import Manifest, tree_digest
+from qbuild.core.errors import InfraError
+from qbuild.core.hashing import digest_file
+from qbuild.store.files import atomic_write, clone_or_copy, discard_path, infra_error, link_or_copy, safe_join
+from qbuild.store.manifest import Manifest, tree_digest
 
 
 class CorruptBlobError(InfraError):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import jsonio
-from ..hashing import digest_json
+from qbuild.core import jsonio
+from qbuild.core.hashing import digest_json
 
 
 def tree_digest(outputs: dict[str, dict]) -> str:

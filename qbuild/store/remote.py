@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import InfraError
-from ..hashing import digest_file, digest_json
-from ..threads import map_all
-from .files import safe_join
-from .local import LocalStore
-from .manifest import Manifest, tree_digest
-from .s3 import TRANSFER_THREADS, S3Remote
+from qbuild.core.errors import InfraError
+from qbuild.core.hashing import digest_file, digest_json
+from qbuild.core.threads import map_all
+from qbuild.store.files import safe_join
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest, tree_digest
+from qbuild.store.s3 import TRANSFER_THREADS, S3Remote
 
 
 UPLOAD_THREADS = 4      # files going up at once (each large one in TRANSFER_THREADS parts)

@@ -20,9 +20,9 @@ from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
 from urllib.parse import urlsplit
 
-from ..errors import InfraError, UserError
-from ..threads import map_all
-from .manifest import Manifest
+from qbuild.core.errors import InfraError, UserError
+from qbuild.core.threads import map_all
+from qbuild.store.manifest import Manifest
 
 MULTIPART_THRESHOLD = 64 << 20      # files above this go up and down in parallel parts
 MULTIPART_CHUNK = 32 << 20

@@ -1,0 +1,151 @@
+"""verify: run the bundle through the runtime on the reference's prompts and gate the build on agreement.
+
+Metrics, over every prompt: top-1 agreement of the prefill logits at every prompt position, greedy token match
+over the reference's N tokens (position by position, EOS not stopping), and max |logit - reference| over the
+prefill positions. Thresholds come from the recipe's `verify:`; a failure raises BuildError whose message holds
+the per-prompt report, so nothing is cached and the build fails. On success report.json is the output.
+
+A NaN or infinite logit (in the bundle's output or in the reference's) fails the gate: NaN compares false with every
+threshold, so without an explicit check a model of NaN weights would pass with `max_logit_err: NaN`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+
+from qbuild.core import jsonio
+from qbuild.build.actions import RunContext
+from qbuild.core.numerics import fix_threads
+from qbuild.core.errors import BuildError
+from qbuild.recipe.params import VerifyParams, parse_verify
+
+
+@dataclass
+class PromptReport:
+    index: int
+    text: str
+    image: bool
+    tokens: int                 # prompt length
+    top1: float                 # fraction of prompt positions whose argmax agrees
+    max_logit_err: float
+    token_match: float          # fraction of the N greedy tokens equal to the reference
+    first_mismatch: int | None  # index of the first differing greedy token
+    greedy: list[int]
+    reference: list[int]
+    nonfinite: int = 0          # prefill logits of the bundle that are NaN or infinite
+    ref_nonfinite: int = 0      # the same in the reference's logits (the checkpoint itself is not finite)
+
+
+def compare(index: int, record: dict, logits, ref_logits, greedy: list[int]) -> PromptReport:
+    ref = record["greedy"]
+    top1 = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+    err = float((logits.float() - ref_logits.float()).abs().max())
+    same = [a == b for a, b in zip(greedy, ref)] + [False] * (len(ref) - len(greedy))
+    first = next((i for i, s in enumerate(same) if not s), None)
+    nonfinite = int((~logits.isfinite()).sum())
+    ref_nonfinite = int((~ref_logits.isfinite()).sum())
+    return PromptReport(index, record["text"], record["image"], len(record["ids"]), top1, err,
+                        sum(same) / len(ref), first, greedy, ref, nonfinite, ref_nonfinite)
+
+
+def failures(reports: list[PromptReport], thresholds: VerifyParams) -> list[str]:
+    positions = sum(r.tokens for r in reports)
+    top1 = sum(r.top1 * r.tokens for r in reports) / positions
+    match = sum(r.token_match for r in reports) / len(reports)
+    err = max(r.max_logit_err for r in reports)
+    out = []
+    ref_bad = sum(r.ref_nonfinite for r in reports)
+    if ref_bad:
+        out.append(f"the reference's logits hold {ref_bad} NaN/inf values: the checkpoint's weights are not finite")
+    bad = sum(r.nonfinite for r in reports)
+    if bad:
+        out.append(f"{bad} of the bundle's prefill logits are NaN or infinite")
+    # Written as `not (value within bound)` so that a NaN metric fails instead of passing every comparison.
+    if not top1 >= thresholds.top1_min:
+        out.append(f"top-1 agreement {top1:.4f} < top1_min {thresholds.top1_min}")
+    if not match >= thresholds.token_match_min:
+        out.append(f"greedy token match {match:.4f} < token_match_min {thresholds.token_match_min}")
+    if not (math.isfinite(err) and err <= thresholds.max_logit_err):
+        out.append(f"max |logit error| {err:.3g} > max_logit_err {thresholds.max_logit_err}")
+    return out
+
+
+def _line(r: PromptReport) -> str:
+    where = "" if r.first_mismatch is None else f", first mismatch at token {r.first_mismatch}"
+    return (f"[{r.index}] {r.text[:32]!r}{' +image' if r.image else ''}: top1 {r.top1:.3f}, tokens "
+            f"{round(r.token_match * len(r.reference))}/{len(r.reference)}{where}, max err {r.max_logit_err:.3g}")
+
+
+def run(ctx: RunContext) -> None:
+    from safetensors.torch import load_file
+
+    fix_threads()
+    thresholds = parse_verify(ctx.params)
+    ref_dir = ctx.inputs["reference"]
+    reference = json.loads((ref_dir / "reference.json").read_text())
+    ref_logits = load_file(ref_dir / "logits.safetensors")
+    if json.loads((ctx.inputs["bundle"] / "bundle.json").read_text())["backend"] == "neuron":
+        reports = _neuron_reports(ctx, reference, ref_logits)
+    else:
+        reports = _cpu_reports(ctx, reference, ref_logits, ref_dir)
+    failed = failures(reports, thresholds)
+    doc = {"ok": not failed, "thresholds": asdict(thresholds), "failures": failed, "prompts": [asdict(r) for r in reports]}
+    if failed:
+        raise BuildError("verify failed: " + "; ".join(failed) + " | per prompt: " + " | ".join(map(_line, reports)))
+    (ctx.out / "report.json").write_text(jsonio.dumps(doc, indent=1, sort_keys=True))
+    for r in reports:
+        ctx.log(_line(r))
+
+
+def _neuron_reports(ctx: RunContext, reference: dict, ref_logits: dict) -> list[PromptReport]:
+    """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns the
+    last position's logits only, so top-1 and the logit error compare the first generated token's logits with the
+    reference's last prompt position; greedy tokens compare over every step up to the first generated pad token
+    (until_pad). Image prompts need the port's VL application, which qbuild does not drive: they are left to the CPU
+    proof of the same recipe."""
+    from qbuild.backends.neuron import QBUILD_RECORD, run_bundle
+
+    text = [(i, r) for i, r in enumerate(reference["prompts"]) if not r["image"]]
+    n = max(len(r["greedy"]) for _, r in text)
+    greedy, logits = run_bundle(ctx.inputs["bundle"], ctx.inputs["port"], [r["ids"] for _, r in text], n,
+                                ctx.scratch, ctx.log)
+    pad = json.loads((ctx.inputs["bundle"] / QBUILD_RECORD).read_text())["params"]["pad_token_id"]
+    reports = []
+    for k, (i, record) in enumerate(text):
+        record = until_pad(record, pad)
+        r = compare(i, record, logits[f"prompt{k}"], ref_logits[f"prompt{i}"][-1:],
+                    greedy[k][:len(record["greedy"])])
+        reports.append(replace(r, tokens=1))
+    return reports
+
+
+def until_pad(record: dict, pad: int | None) -> dict:
+    """`record` with its greedy tokens cut after the first one that is the bundle's pad id. On a neuron bundle a
+    generated pad token is fed back as padding: the main ports zero a decode token's DeltaNet update where the input id
+    is the pad id (_qwen36_deltanet_padding_mask, contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py:5108-5166 @
+    4bcdc54) and the Coder-Next converter zeroes its embedding row (convert/nxd.py hidden_columns_pad_row_zeroed), so
+    the tokens after it follow another input than transformers' did."""
+    tokens = record["greedy"]
+    if pad is None or pad not in tokens:
+        return record
+    return {**record, "greedy": tokens[:tokens.index(pad) + 1]}
+
+
+def _cpu_reports(ctx: RunContext, reference: dict, ref_logits: dict, ref_dir) -> list[PromptReport]:
+    from qbuild.model.runtime import Runtime
+
+    runtime = Runtime.load(ctx.inputs["bundle"])
+    reports = []
+    for i, record in enumerate(reference["prompts"]):
+        image = ref_dir / "image.png" if record["image"] else None
+        text_ids = record["ids"]
+        if image is not None:  # the runtime puts the image tokens in front itself
+            text_ids = record["ids"][record["ids"].index(runtime.config["vision_end_token_id"]) + 1:]
+        gen = runtime.generate(text_ids, len(record["greedy"]), image=image, stop_at_eos=False)
+        if gen.prompt_ids != record["ids"]:
+            raise BuildError(f"verify: prompt {i}: the runtime built prompt ids {gen.prompt_ids[:12]}..., the "
+                             f"reference {record['ids'][:12]}...")
+        reports.append(compare(i, record, gen.prefill_logits, ref_logits[f"prompt{i}"], gen.token_ids))
+    return reports

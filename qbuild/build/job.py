@@ -1,0 +1,167 @@
+"""One node's build, as a worker runs it: lock the key, lay out inputs, run the action, commit the outputs.
+
+A Job is plain data so that any executor (a local process pool, a Ray task) can carry it to a worker, and the
+worker needs nothing but the store to do its part.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator
+
+from qbuild.build.actions import RunContext
+from qbuild.core.errors import BuildError, InfraError, QbuildError
+from qbuild.store import Store, StoreSpec, open_store
+from qbuild.store.manifest import Manifest
+
+# What a step's libraries print (warnings, progress bars, compiler chatter) is kept, this much of its end, in the
+# manifest (meta "output") or on the step's error (`output`); `qbuild compile -v` shows it.
+OUTPUT_LINES = 100
+OUTPUT_LINE_CHARS = 300
+# Below this much free space where a step writes, its failure is reported as a full disk: libraries such as
+# torch's zip writer say so in their own words, without an errno.
+LOW_SPACE_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Job:
+    node_id: str
+    kind: str
+    name: str
+    key: str
+    preimage: dict
+    params: dict
+    inputs: dict[str, dict]          # input name -> that input's output tree {path: {digest, size}}
+    store_spec: StoreSpec            # the store the worker opens (plain data, so a job pickles)
+    entry: str                       # "module:function" the worker imports and calls
+    context: dict = field(default_factory=dict)
+
+
+def run_job(job: Job) -> Manifest:
+    """Build `job` into the store its spec names (see build_job)."""
+    return build_job(job, open_store(job.store_spec))
+
+
+def build_job(job: Job, store: Store) -> Manifest:
+    """Build `job` into `store` unless another process already has; returns the committed manifest."""
+    with store.local.lock(job.key):
+        existing = store.get_manifest(job.key)
+        if existing is not None:
+            # Another process built it while this one waited for the lock; say so, so it counts as cached.
+            return replace(existing, meta={**existing.meta, "reused": True})
+        store.local.clear_staging(job.key)
+        stage = store.local.staging_dir(job.key)
+        try:
+            return _build(job, store, stage)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
+
+
+def _build(job: Job, store: Store, stage: Path) -> Manifest:
+    ctx = RunContext(kind=job.kind, params=job.params, inputs={}, out=stage / "out", scratch=stage / "tmp",
+                     context=job.context, store=job.store_spec)
+    ctx.out.mkdir()
+    ctx.scratch.mkdir()
+    for name, outputs in job.inputs.items():
+        ctx.inputs[name] = stage / "in" / name
+        store.materialize(outputs, ctx.inputs[name], verify=True)
+    log_lines: list[str] = []
+    ctx.log = log_lines.append
+    start = time.monotonic()
+    output_file = stage / "output.log"
+    try:
+        with _captured_output(output_file):
+            _load(job.entry)(ctx)
+    except Exception as e:
+        error = _step_error(job, store, stage, e)
+        error.output = _tail(output_file)
+        raise error from None
+    outputs = store.local.ingest_tree(ctx.out)
+    manifest = Manifest(key=job.key, kind=job.kind, preimage=job.preimage, outputs=outputs,
+                        meta={"seconds": round(time.monotonic() - start, 3), "log": log_lines[-50:],
+                              "output": _tail(output_file)})
+    # The staging dir goes before the manifest lands: a build killed just after its commit would leave it behind
+    # for good, since a cached key is never built (and its staging cleared) again.
+    shutil.rmtree(stage, ignore_errors=True)
+    store.commit(manifest)
+    return manifest
+
+
+def _step_error(job: Job, store: Store, stage: Path, e: Exception) -> QbuildError:
+    """The one-line domain error of an action's failure (never cached): the action's own domain error, else a full
+    disk (infrastructure), else a build error naming the action's last frame."""
+    if isinstance(e, QbuildError):
+        return e
+    if _out_of_space(e, stage):
+        return InfraError(f"{job.name}: no space left on device under {store.root}; free space or use --store on "
+                          "a larger disk")
+    if isinstance(e, OSError):
+        return BuildError(f"{job.name}: {type(e).__name__}: {e}")
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return BuildError(f"{job.name}: {type(e).__name__}: {e} ({frame.filename.split('/')[-1]}:{frame.lineno})")
+
+
+def _out_of_space(e: BaseException, where: Path) -> bool:
+    """Whether a failure is the disk filling up: ENOSPC / EDQUOT anywhere in the exception's chain, or almost no
+    free space left where the step was writing (checked before its partial outputs are removed)."""
+    seen: BaseException | None = e
+    for _ in range(16):
+        if seen is None:
+            break
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        st = os.statvfs(where)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < LOW_SPACE_BYTES
+
+
+@contextmanager
+def _captured_output(path: Path) -> Iterator[None]:
+    """Send this process's stdout and stderr (file descriptors 1 and 2, so C libraries and subprocesses too) to
+    `path` while a step runs: a build's own output stays its progress lines."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with open(path, "wb") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def _tail(path: Path) -> list[str]:
+    """The last OUTPUT_LINES lines of a step's output, each as a terminal would leave it (progress bars redraw with
+    carriage returns: the text after the last one)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - OUTPUT_LINES * OUTPUT_LINE_CHARS * 4))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
+    return [line[:OUTPUT_LINE_CHARS] for line in lines if line][-OUTPUT_LINES:]
+
+
+def _load(entry: str):
+    import importlib
+
+    module, func = entry.split(":")
+    return getattr(importlib.import_module(module), func)

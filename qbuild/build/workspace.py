@@ -1,0 +1,178 @@
+"""A workspace ties the pieces together for one command: recipes, store, lockfile, plan, engine.
+
+The CLI parses flags into a Workspace and renders what its methods return; nothing here prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from qbuild.store import lock as lockmod
+from qbuild.build.engine import BuildOptions, BuildResult, Event, build
+from qbuild.planning.environment import HostEnvironment
+from qbuild.core.errors import BuildError, UserError
+from qbuild.core.hashing import StatCache, default_stat_cache
+from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, key_node, walk
+from qbuild.planning.plan import NodeStatus, Plan, build_plan, evaluate, explain
+from qbuild.recipe.schema import HFSource, LoadedRecipe, load_recipe
+from qbuild.store import Store, StoreSpec, open_store
+
+if TYPE_CHECKING:
+    from qbuild.store.remote import Progress
+
+RECIPES_DIR = Path("recipes")
+
+
+def roles_by_node(plan: Plan) -> dict[str, list[tuple[str, str]]]:
+    """plan.roles(node) for every node at once: asking per node costs recipes x roles each, quadratic in all."""
+    roles: dict[str, list[tuple[str, str]]] = {}
+    for name, pr in plan.recipes.items():
+        for role, nid in pr.nodes.items():
+            roles.setdefault(nid, []).append((name, role))
+    return roles
+
+
+@dataclass
+class Workspace:
+    store_spec: StoreSpec
+    lock_path: Path = Path("artifacts.lock")
+    root: Path = field(default_factory=Path.cwd)
+    stat_cache: StatCache = field(default_factory=default_stat_cache)
+    backend: str | None = None      # --backend: build every recipe on this backend instead of its own
+    registry: Registry = field(default_factory=lambda: REGISTRY)
+    progress: Progress | None = None    # where a remote-backed store reports its transfers
+
+    @cached_property
+    def store(self) -> Store:
+        """The one store of this command, opened on first use: a remote-backed store keeps the remote manifests it
+        has checked, so each is read from the remote once."""
+        return open_store(self.store_spec, self.progress)
+
+    # --- recipes and plans -----------------------------------------------------------------------------------
+    def recipe_files(self, files: list[str], all_: bool) -> list[Path]:
+        if all_:
+            found = sorted((self.root / RECIPES_DIR).glob("*.yaml"))
+            if not found:
+                raise UserError(f"{self.root / RECIPES_DIR}: --all found no recipes (*.yaml)")
+            return found + [Path(f) for f in files]
+        if not files:
+            raise UserError("name at least one recipe file, or pass --all")
+        return [Path(f) for f in files]
+
+    def load(self, files: list[str], all_: bool = False) -> list[LoadedRecipe]:
+        return [load_recipe(f).with_backend(self.backend) for f in self.recipe_files(files, all_)]
+
+    @property
+    def environment(self) -> HostEnvironment:
+        return HostEnvironment(self.stat_cache)
+
+    def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
+        plan = build_plan(recipes, self.environment)
+        status = evaluate(plan, self.store.get_manifest, self._locked(plan), self.registry)
+        return plan, status
+
+    def explain(self, plan: Plan, status: dict[str, NodeStatus]) -> dict[str, str]:
+        """Why each node would rebuild (see plan.explain), against this workspace's lockfile."""
+        return explain(plan, status, self._locked(plan), self.registry)
+
+    def _locked(self, plan: Plan) -> dict[str, lockmod.LockedNode]:
+        return lockmod.locked_nodes(lockmod.read(self.lock_path), roles_by_node(plan))
+
+    # --- building --------------------------------------------------------------------------------------------
+    def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
+                on_event: Callable[[Event], None] = lambda e: None, frozen: bool = False) -> tuple[Plan, BuildResult]:
+        # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
+        lockmod.check_unique_names(lockmod.read(self.lock_path), self.lock_path,
+                                   [(r.name, r.path) for r in recipes])
+        plan = build_plan(recipes, self.environment)
+        if frozen:
+            self._check_frozen(plan)
+        self._check_sources(plan)
+        seen = BuildResult()
+
+        def track(event: Event) -> None:
+            if event.manifest is not None:
+                seen.manifests[event.node.id] = event.manifest
+            # The lock entry of each step is written as soon as it succeeds, so an interrupted run keeps it.
+            if event.kind == "built" and not frozen:
+                self.write_lock(plan, seen)
+            on_event(event)
+
+        result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry)
+        if not frozen:
+            self.write_lock(plan, result)
+        if frozen:
+            new = lockmod.merge(lockmod.read(self.lock_path), *self._lock_entries(plan, result))
+            if lockmod.dumps(new) != lockmod.dumps(lockmod.read(self.lock_path)):
+                raise BuildError(f"{self.lock_path}: --frozen, but this build would change the lockfile; "
+                                 "run `qbuild compile` without --frozen and commit the lockfile")
+        return plan, result
+
+    def _check_frozen(self, plan: Plan) -> None:
+        """Fail before building anything if a node's key differs from the lock's (upstream taken as locked)."""
+        roles = roles_by_node(plan)
+        # A node must be locked under the role that names it in the error: its first one.
+        locked = lockmod.locked_nodes(lockmod.read(self.lock_path), {nid: r[:1] for nid, r in roles.items()})
+        keys = walk(plan, lambda nid, key: locked[nid].digest if nid in locked else None, self.registry)
+        for nid, nk in keys.items():
+            recipe, role = roles[nid][0]
+            entry = locked.get(nid)
+            if entry is None:
+                raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} is not in the lockfile; run "
+                                 "`qbuild compile` without --frozen and commit the lockfile")
+            if nk.key != entry.key:
+                changed = "; ".join(diff_preimages(entry.preimage, as_locked(nk.preimage))) or "key changed"
+                raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} would change ({changed}); run "
+                                 "`qbuild compile` without --frozen and commit the lockfile")
+
+    def _check_sources(self, plan: Plan) -> None:
+        """Check each checkpoint whose fetch step will run before any step starts, so that a bad checkpoint is
+        one line, exit 2, with nothing in the store or the lock. A cached fetch was checked when it ran; a hub model
+        not downloaded yet is checked by its fetch step."""
+        from qbuild.recipe.source import check_checkpoint, source_directory
+
+        checked: set[str] = set()
+        for planned in plan.recipes.values():
+            nid = planned.nodes["fetch"]
+            if nid in checked:
+                continue
+            if self.store.get_manifest(key_node(plan.nodes[nid], {}, self.registry).key) is not None:
+                continue
+            checked.add(nid)
+            directory = source_directory(planned.loaded)
+            if directory is not None:
+                check_checkpoint(directory)
+
+    def _lock_entries(self, plan: Plan, result: BuildResult) -> tuple[dict, dict]:
+        recipes, nodes = {}, {}
+        for name, planned in plan.recipes.items():
+            fetch_manifest = result.manifests.get(planned.nodes["fetch"])
+            model = self._model_entry(planned, fetch_manifest)
+            recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.lock_path,
+                                                 result.failed.get(planned.verify))
+            for nid in recipes[name]["nodes"].values():
+                nodes[nid] = lockmod.node_entry(plan.nodes[nid], result.manifests[nid])
+        return recipes, nodes
+
+    def _model_entry(self, planned, fetch_manifest) -> dict:
+        src = planned.loaded.recipe.model
+        model = {"source": f"hf:{src.hf}" if isinstance(src, HFSource) else "path", "revision": None, "files": {}}
+        if fetch_manifest is not None:
+            import json
+
+            snapshot = fetch_manifest.outputs["snapshot.json"]
+            self.store.ensure_blobs({"snapshot.json": snapshot})   # a remote hit's blobs come down only on use
+            blob = self.store.blob_path(snapshot["digest"])
+            snap = json.loads(blob.read_text())
+            model["revision"] = snap["revision"]
+            model["files"] = {n: m["digest"] for n, m in sorted(snap["files"].items())}
+        return model
+
+    def write_lock(self, plan: Plan, result: BuildResult) -> bool:
+        return lockmod.update(self.lock_path, *self._lock_entries(plan, result))
+
+    def check_lock(self, recipes: list[str] | None = None) -> list[str]:
+        return lockmod.check(lockmod.read(self.lock_path), self.store, recipes)

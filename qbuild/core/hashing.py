@@ -1,0 +1,91 @@
+"""Digests and keys: BLAKE3 over canonical JSON and over files, with a stat cache for large files."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from qbuild.core import jsonio
+
+# Files above this are hashed with blake3's own thread pool over a memory map.
+_MMAP_THRESHOLD = 8 << 20
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one serialisation every key and digest is computed over: sorted keys, no whitespace, UTF-8."""
+    return jsonio.dumps(obj, sort_keys=True, compact=True, ensure_ascii=False).encode()
+
+
+def digest_bytes(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+def digest_json(obj: Any) -> str:
+    return digest_bytes(canonical_json(obj))
+
+
+def digest_file(path: Path) -> str:
+    """BLAKE3 of a file's bytes; large files are hashed multi-threaded from a memory map."""
+    size = path.stat().st_size
+    if size >= _MMAP_THRESHOLD:
+        return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
+    with open(path, "rb") as f:
+        return blake3.blake3(f.read()).hexdigest()
+
+
+# A file modified less than this long ago may still be changing within its timestamp's granularity, so its digest
+# is never served from nor stored in the cache (git's "racy timestamp" rule).
+RACY_WINDOW_NS = 60 * 10**9
+
+
+class StatCache:
+    """Maps (device, inode, size, mtime_ns, ctime_ns) of a file to its BLAKE3 digest, so unchanged files are never
+    re-hashed.
+
+    ctime is part of the identity because tools restore mtime (`touch -r`, `rsync --times`, backup restores) but no
+    user tool can set ctime back: a file rewritten in place with its old size and mtime still gets a new ctime.
+    Files whose mtime is under RACY_WINDOW_NS old are always re-hashed. Backed by SQLite in WAL mode so concurrent
+    qbuild processes can share it; a lost write only costs a re-hash.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._local = threading.local()
+
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            import sqlite3   # only where a file is digested; a cached plan never opens the stat cache
+
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, timeout=30)
+            db.execute("PRAGMA journal_mode=WAL")
+            # A new table name: rows of the old (dev, ino, size, mtime) table must never answer a lookup.
+            db.execute("CREATE TABLE IF NOT EXISTS files_v2 (dev INTEGER, ino INTEGER, size INTEGER, mtime INTEGER,"
+                       " ctime INTEGER, digest TEXT, PRIMARY KEY (dev, ino, size, mtime, ctime))")
+            self._local.db = db
+        return db
+
+    def digest(self, path: Path) -> str:
+        st = path.stat()
+        if time.time_ns() - st.st_mtime_ns < RACY_WINDOW_NS:
+            return digest_file(path)
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        row = self._db().execute("SELECT digest FROM files_v2 WHERE dev=? AND ino=? AND size=? AND mtime=? AND ctime=?",
+                                 ident).fetchone()
+        if row:
+            return row[0]
+        digest = digest_file(path)
+        with self._db() as db:
+            db.execute("INSERT OR REPLACE INTO files_v2 VALUES (?, ?, ?, ?, ?, ?)", (*ident, digest))
+        return digest
+
+
+def default_stat_cache() -> StatCache:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return StatCache(Path(base) / "qbuild" / "statcache.sqlite")

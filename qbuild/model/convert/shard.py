@@ -1,0 +1,345 @@
+"""The shard step: converted (tp-independent) NxDI text weights -> one safetensors file per tensor-parallel rank.
+
+Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json. `unpack_rank` reads a
+"cpu" rank back as qbuild's reference model holds it (FP8 dequantised, a fused Wqkv split).
+
+Layouts: "cpu" (below) is the one qbuild's CPU reference model reads; "nxd-main", "nxd-main-replicated" and
+"nxd-moe" are the files NxD's ModelBuilder.shard_checkpoint writes for the three port lineages, with NxD's names,
+splits and dtypes (nxd.py). Only the nxd layouts take `dense_tp` (NxDI's tp_degree, when it differs from the number
+of ranks tp: NxD's EP world).
+
+Rank convention of the "cpu" layout (world size = tp):
+- Attention: q heads (q_proj, output_gate_proj) split contiguously; k/v heads split contiguously when tp <= nKV,
+  else rank r holds kv head r * nKV // tp (replicated); o_proj split on its input dim; q/k_layernorm replicated.
+  With fused_qkv, each rank's Wqkv = cat(its q, its k, its v) and the separate q/k/v keys are dropped.
+- DeltaNet: in_proj_qkv and conv1d_weight hold each rank's [Q_r | K_r | V_r] channels (deltanet.reorder_qkv_channels);
+  in_proj_z, in_proj_a/b, A_log_weight, dt_bias_weight split by value heads; out_proj on its input dim;
+  linear_attn.norm (per head dim) replicated. Hk and Hv must be divisible by tp.
+- MoE: moe_tp = tp // ep (ep divides tp and the expert count). Rank r is in expert-parallel group g = r // moe_tp
+  with moe_tp-rank j = r % moe_tp; it holds experts [g*E/ep, (g+1)*E/ep), each cut to intermediate slice j
+  (gate_up keeps [gate_j | up_j]; down keeps rows j). The shared expert, and the dense MLP, are split on their
+  intermediate dim across the moe_tp ranks (slice j) and REPLICATED across the ep groups, so a sum over all tp ranks
+  counts them ep times: the model divides their output by ep before the cross-rank reduction. Router and
+  shared_expert_gate are replicated.
+- Embeddings, lm_head and the final norm are replicated on every rank: the simplest correct layout (no vocab-parallel
+  gather needed), at the cost of one embedding + head per rank.
+- Layer norms are replicated. rank_util.rank and layers.{i}.self_attn.rank_util.rank (full-attention layers) are the
+  canonical arange(tp) int32 split on dim 0: rank r's file holds [r], as NxD's SPMDRank parameter expects.
+- FP8 scales follow their weight where the weight's output channels are split (column, kv heads, DeltaNet channels,
+  experts) and are replicated where only the input dim is split (o_proj, out_proj, down projections): a per-output-
+  channel scale is valid for any slice of its row.
+- pad_intermediate_to: each rank's expert intermediate (I / moe_tp) is zero-padded up to a multiple of it, for the
+  shard-on-intermediate kernel (moe.gate_up_shard / moe.down_shard).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Literal, Mapping
+
+import torch
+
+from qbuild.model.arch import Arch
+from qbuild.model.convert import attention, deltanet, fp8, moe, nxd
+from qbuild.model.convert.checkpoint import arch_of, load_config
+from qbuild.core.dtypes import DTYPES, torch_dtype
+from qbuild.model.convert.errors import CheckpointError, ShardError
+from qbuild.model.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
+from qbuild.model.convert.safetensors_header import Entry, read_header
+from qbuild.model.convert.safetensors_io import DTYPES as TORCH_DTYPES
+from qbuild.model.convert.safetensors_io import MappedSources, PlannedFile
+from qbuild.model.convert.writer import SourceFiles, write_json
+from qbuild.store.files import staged
+from qbuild.core.threads import run_all
+
+FORMAT_VERSION = 1
+
+
+def check_layout(d: Arch, p: ParallelLayout) -> None:
+    """ShardError unless every tensor of a model of architecture `d` splits evenly under `p`."""
+    def need(ok: bool, why: str) -> None:
+        if not ok:
+            raise ShardError(f"tp={p.tp} ep={p.ep}: {why}")
+
+    need(p.tp >= 1 and p.ep >= 1 and p.tp % p.ep == 0, "tp and ep must be positive and ep must divide tp")
+    need(p.ep == 1 or bool(d.moe_layers), "ep > 1 needs a mixture-of-experts model")
+    need(d.num_heads % p.tp == 0, f"{d.num_heads} attention heads do not split into {p.tp} ranks")
+    need(d.num_kv_heads % p.tp == 0 if p.tp <= d.num_kv_heads else p.tp % d.num_kv_heads == 0,
+         f"{d.num_kv_heads} kv heads can be neither split nor evenly replicated over {p.tp} ranks")
+    if "linear_attention" in d.layer_types:
+        need(d.num_k_heads % p.tp == 0 and d.num_v_heads % p.tp == 0,
+             f"DeltaNet key/value heads ({d.num_k_heads}/{d.num_v_heads}) must both be divisible by tp")
+    if d.intermediate_size is not None and len(d.moe_layers) < d.num_layers:
+        need(d.intermediate_size % p.moe_tp == 0,
+             f"dense intermediate {d.intermediate_size} does not split into {p.moe_tp}")
+    if d.moe_layers:
+        need(d.num_experts % p.ep == 0, f"{d.num_experts} experts do not split into {p.ep} groups")
+        need(d.moe_intermediate_size % p.moe_tp == 0 and d.shared_intermediate_size % p.moe_tp == 0,
+             f"expert / shared intermediate ({d.moe_intermediate_size}/{d.shared_intermediate_size}) must divide by "
+             f"moe_tp {p.moe_tp}")
+    if p.pad_intermediate_to is not None:
+        need(bool(d.moe_layers), "pad_intermediate_to applies to MoE experts only")
+        need(p.pad_intermediate_to >= 1, "pad_intermediate_to must be a positive integer")
+
+
+def kv_heads(t, d, p):
+    return attention.kv_head_shards(t, d.num_kv_heads, p.tp)
+
+
+def deltanet_qkv(t, d, p):
+    return deltanet.qkv_shards(t, d, p.tp)
+
+
+def moe_column(t, d, p):
+    parts = t.chunk(p.moe_tp, dim=0)
+    return [parts[p.moe_rank(r)] for r in range(p.tp)]
+
+
+def moe_row(t, d, p):
+    parts = t.chunk(p.moe_tp, dim=1)
+    return [parts[p.moe_rank(r)] for r in range(p.tp)]
+
+
+def experts_gate_up(t, d, p, fill: float = 0.0):
+    return [moe.gate_up_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), p.pad_intermediate_to, fill)
+            for r in range(p.tp)]
+
+
+def experts_gate_up_scale(t, d, p):
+    return experts_gate_up(t, d, p, fill=1.0)  # padded channels hold zero weights; a unit scale keeps them zero
+
+
+def experts_down(t, d, p):
+    return [moe.down_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), p.pad_intermediate_to) for r in range(p.tp)]
+
+
+def experts_only(t, d, p):
+    return [moe.expert_group(t, p.ep, p.group(r)) for r in range(p.tp)]
+
+
+# Layer-relative module name -> (placement of `.weight`, placement of its FP8 `.scale`; None: never quantised).
+PLACEMENTS: dict[str, tuple[Placement, Placement | None]] = {
+    "embed_tokens": (replicate, None),
+    "lm_head": (replicate, None),
+    "norm": (replicate, None),
+    "input_layernorm": (replicate, None),
+    "post_attention_layernorm": (replicate, None),
+    "self_attn.q_proj": (column, column),
+    "self_attn.output_gate_proj": (column, column),
+    "self_attn.k_proj": (kv_heads, kv_heads),
+    "self_attn.v_proj": (kv_heads, kv_heads),
+    "self_attn.o_proj": (row, replicate),
+    "self_attn.q_layernorm": (replicate, None),
+    "self_attn.k_layernorm": (replicate, None),
+    "linear_attn.in_proj_qkv": (deltanet_qkv, deltanet_qkv),
+    "linear_attn.conv1d_weight": (deltanet_qkv, None),
+    "linear_attn.in_proj_z": (column, column),
+    "linear_attn.in_proj_a": (column, column),
+    "linear_attn.in_proj_b": (column, column),
+    "linear_attn.A_log_weight": (column, None),
+    "linear_attn.dt_bias_weight": (column, None),
+    "linear_attn.norm": (replicate, None),
+    "linear_attn.out_proj": (row, replicate),
+    "mlp.gate_proj": (moe_column, moe_column),
+    "mlp.up_proj": (moe_column, moe_column),
+    "mlp.down_proj": (moe_row, replicate),
+    "mlp.shared_gate_proj": (moe_column, moe_column),
+    "mlp.shared_up_proj": (moe_column, moe_column),
+    "mlp.shared_down_proj": (moe_row, replicate),
+    "mlp.shared_expert_gate": (replicate, None),
+    "mlp.moe.router.linear_router": (replicate, None),
+    moe.GATE_UP: (experts_gate_up, experts_gate_up_scale),
+    moe.DOWN: (experts_down, experts_only),
+}
+_LAYER = re.compile(r"layers\.\d+\.(.+)")
+
+
+def placement_of(name: str, label: str) -> Placement:
+    m = _LAYER.fullmatch(name)
+    module, _, kind = (m[1] if m else name).rpartition(".")
+    weight, scale = PLACEMENTS.get(module, (None, None))
+    chosen = weight if kind == "weight" else scale if kind == "scale" else None
+    if chosen is None:
+        raise CheckpointError(label, "has no shard rule (not a tensor of the converted NxDI layout)", name)
+    return chosen
+
+
+def _single(name: str, place: Placement, d: Arch, p: ParallelLayout) -> ShardStep:
+    return ShardStep((name,), lambda t: [{name: x} for x in place(t, d, p)])
+
+
+def _fused_qkv(layer: int, kind: str, d: Arch, p: ParallelLayout) -> ShardStep:
+    base = f"layers.{layer}.self_attn."
+    names = tuple(f"{base}{x}_proj.{kind}" for x in "qkv")
+
+    def fn(q, k, v):
+        parts = zip(column(q, d, p), kv_heads(k, d, p), kv_heads(v, d, p))
+        return [{f"{base}Wqkv.{kind}": attention.fuse_qkv(*qkv)} for qkv in parts]
+    return ShardStep(names, fn)
+
+
+def _rank_util(d: Arch, p: ParallelLayout) -> ShardStep:
+    names = ["rank_util.rank"] + [f"layers.{i}.self_attn.rank_util.rank"
+                                  for i in range(d.num_layers) if d.is_full_attention(i)]
+    ranks = torch.arange(p.tp, dtype=torch.int32).chunk(p.tp)
+    return ShardStep((), lambda: [{n: ranks[r].clone() for n in names} for r in range(p.tp)])
+
+
+def shard_program(d: Arch, names, p: ParallelLayout, label: str) -> list[ShardStep]:
+    steps = [_rank_util(d, p)]
+    fused: set[str] = set()
+    for i, kind, trio in (qkv_trios(d, names, label) if p.fused_qkv else []):
+        steps.append(_fused_qkv(i, kind, d, p))
+        fused.update(trio)
+    for name in names:
+        if name not in fused:
+            steps.append(_single(name, placement_of(name, label), d, p))
+    return steps
+
+
+Layout = Literal["cpu", "nxd-main", "nxd-main-replicated", "nxd-moe"]
+LAYOUTS: tuple[str, ...] = ("cpu", nxd.NXD_MAIN, nxd.NXD_MAIN_REPLICATED, nxd.NXD_MOE)
+
+
+def layout_program(d: Arch, names, p: ParallelLayout, layout: Layout, dtype: str | None,
+                   label: str) -> list[ShardStep]:
+    """The checked shard program of `layout`: ShardError for an unknown layout, a missing or unknown dtype (the
+    model dtype, required by the nxd layouts; the cpu layout keeps the converted dtypes) or an impossible split."""
+    if layout not in LAYOUTS:
+        raise ShardError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ShardError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if layout == "cpu":
+        if p.dense_tp != p.tp:
+            raise ShardError(f"tp={p.tp} dense_tp={p.dense_tp}: dense_tp applies to the nxd layouts; the cpu layout "
+                             "splits every non-expert layer over tp")
+        check_layout(d, p)
+        return shard_program(d, names, p, label)
+    if dtype is None:
+        raise ShardError(f"layout {layout} needs dtype, the model dtype NxD casts every weight to")
+    lineage = nxd.LINEAGES[layout]
+    nxd.check_nxd_layout(d, p, lineage)
+    return nxd.nxd_program(d, names, p, lineage, torch_dtype(dtype), label)
+
+
+def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int, ep: int = 1,
+                     fused_qkv: bool = False, pad_intermediate_to: int | None = None, layout: Layout = "cpu",
+                     dtype: str | None = None, dense_tp: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """Converted NxDI text tensors -> one {name: tensor} per rank, in memory (same rules as shard_checkpoint)."""
+    _, d = arch_of(config, "config")
+    p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
+    ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
+    for step in layout_program(d, list(text), p, layout, dtype, "<state dict>"):
+        for r, outs in enumerate(step.fn(*(text[n] for n in step.sources))):
+            ranks[r].update({n: t.clone() for n, t in outs.items()})
+    return ranks
+
+
+def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_qkv: bool = False,
+                     pad_intermediate_to: int | None = None, workers: int = 1, layout: Layout = "cpu",
+                     dtype: str | None = None, dense_tp: int | None = None) -> dict:
+    """A convert_checkpoint output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < tp) and
+    dst/shard.json (returned). Streams one canonical tensor (or q/k/v trio) at a time; dst appears only when done.
+    `layout` picks the rules (module docstring); `dtype` is the model dtype, required by the nxd layouts; `dense_tp`
+    (nxd layouts only, default tp) is the tensor-parallel degree of every non-expert layer (nxd.py)."""
+    converted = Path(converted)
+    config = load_config(converted / "config.json")
+    _, d = arch_of(config)
+    p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
+    located = _converted_tensors(converted / "text")
+    label = "text/model.safetensors.index.json"
+    steps = layout_program(d, list(located), p, layout, dtype, label)
+    plans: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[] for _ in range(tp)]
+    for step in steps:
+        metas = [torch.empty(located[n][1].shape, dtype=TORCH_DTYPES[located[n][1].dtype],
+                             device="meta") for n in step.sources]
+        for r, outs in enumerate(step.fn(*metas)):
+            plans[r] += [(n, t.dtype, tuple(t.shape)) for n, t in outs.items()]
+    sources = SourceFiles(sorted({path for path, _ in located.values()}))
+    try:
+        with staged(Path(dst), directory=True) as tmp:
+            (tmp / "weights").mkdir()
+            files = [PlannedFile(tmp / "weights" / f"tp{r}_sharded_checkpoint.safetensors", plans[r])
+                     for r in range(tp)]
+
+            def task(step: ShardStep):
+                def run() -> None:  # replicated and dim-0 slices are byte ranges: the kernel copies them
+                    mapped = MappedSources()
+                    inputs = [mapped.map(sources.fd(located[n][0]), located[n][1]) for n in step.sources]
+                    for f, outs in zip(files, step.fn(*inputs)):
+                        for n, t in outs.items():
+                            f.write(n, t, mapped)
+                return run
+
+            try:
+                run_all([task(s) for s in steps], workers)
+            except BaseException:
+                for f in files:
+                    f.discard()
+                raise
+            for f in files:
+                f.close()
+            report = {
+                "format": FORMAT_VERSION, "layout": layout, "dtype": dtype, "tp": tp, "ep": ep, "moe_tp": p.moe_tp,
+                "fused_qkv": fused_qkv, "pad_intermediate_to": pad_intermediate_to,
+                "files": [f.path.name for f in files],
+                "tensors_per_rank": len(plans[0]),
+                "bytes_per_rank": [sum(s.nbytes for s in f.slots.values()) for f in files],
+            }
+            if layout != "cpu":  # the cpu layout's shard.json, and so its output digest, stays as it was
+                report["dense_tp"] = p.dense_tp
+            write_json(tmp / "shard.json", report)
+    finally:
+        sources.close()
+    return report
+
+
+def _is_fp8(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and t.element_size() == 1
+
+
+def unpack_rank(rank: int, shard: Mapping[str, torch.Tensor], arch: Arch, tp: int) -> dict[str, torch.Tensor]:
+    """One rank's "cpu"-layout tensors as qbuild's reference model holds them: each FP8 weight dequantised with the
+    `.scale` beside it, a fused `self_attn.Wqkv.weight` split back into q/k/v_proj. ValueError naming the tensor for
+    a scale without its FP8 weight, an FP8 weight without its scale, or a Wqkv of the wrong size."""
+    rank_arch = arch.per_rank(tp)
+    q_rows, kv_rows = rank_arch.num_heads * arch.head_dim, rank_arch.kv_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in shard.items():
+        if name.endswith(".scale"):
+            weight = name.removesuffix(".scale") + ".weight"
+            if weight not in shard or not _is_fp8(shard[weight]):
+                raise ValueError(f"rank {rank}: {name} has no FP8 weight {weight} beside it")
+            continue
+        if _is_fp8(tensor):
+            scale = fp8.scale_name(name)
+            if scale not in shard:
+                raise ValueError(f"rank {rank}: FP8 tensor {name} has no {scale} beside it")
+            tensor = fp8.dequantize(tensor, shard[scale])
+        if name.endswith("self_attn.Wqkv.weight"):
+            if tensor.shape[0] != q_rows + 2 * kv_rows:
+                raise ValueError(f"rank {rank}: {name} has {tensor.shape[0]} rows, expected {q_rows + 2 * kv_rows}")
+            prefix = name.removesuffix("Wqkv.weight")
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), attention.split_qkv(tensor, q_rows, kv_rows)):
+                out[f"{prefix}{part}.weight"] = rows
+            continue
+        out[name] = tensor
+    return out
+
+
+def _converted_tensors(text_dir: Path) -> dict[str, tuple[Path, Entry]]:
+    """name -> (file, entry) of a converted text directory, in index order."""
+    index = text_dir / "model.safetensors.index.json"
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError("text/model.safetensors.index.json", f"cannot be read ({e.__class__.__name__})") from None
+    headers = {f: read_header(text_dir / f, f"text/{f}") for f in sorted(set(weight_map.values()))}
+    located = {}
+    for name, f in weight_map.items():
+        if name not in headers[f]:
+            raise CheckpointError(f"text/{f}", "is listed in the index but absent from the file", name)
+        located[name] = (text_dir / f, headers[f][name])
+    return located

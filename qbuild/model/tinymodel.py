@@ -1,0 +1,190 @@
+"""Tiny random checkpoints of each supported family, written with HF transformers.
+
+The tests and the demo build on these instead of downloading anything. Every parameter is perturbed away
+from its initial value: HF initialises the zero-centred norms to 0 and DeltaNet's A_log / dt_bias to fixed
+values, so a converter that forgot the +1 or a reorder would otherwise pass by luck.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from qbuild.core import jsonio
+from qbuild.model.families import FAMILIES, MODEL_TYPES, FamilyName
+
+VOCAB_SIZE = 512
+# Special tokens sit at the top of the vocabulary so the BPE merges fill the ids below them.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>"]
+
+_TEXT = dict(
+    vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=96, max_position_embeddings=4096,
+)
+# Head counts that split over 4 tensor-parallel ranks (kv heads then replicate: tp 4 > 2 kv heads).
+TP4_TEXT = dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8)
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+_VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64,
+               num_position_embeddings=64)
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. A compiled model is a build artifact like any other. "
+    "Trainium serves large models; the lockfile pins every input, and the store keeps every output. "
+    "def main():\n    return sum(range(10))\n" "Hello world! 0123456789 Qwen DeltaNet attention expert router."
+)
+
+
+def _special_id(name: str) -> int:
+    return VOCAB_SIZE - len(SPECIAL_TOKENS) + SPECIAL_TOKENS.index(name)
+
+
+def make_config(family: FamilyName, vision: bool, text_overrides: Mapping[str, Any] | None = None):
+    """The transformers config of a tiny model of `family` (vision only for the VL families).
+
+    `text_overrides` replaces text-model fields, e.g. TP4_TEXT so that every head count divides by 4."""
+    import transformers
+
+    text = dict(_TEXT, eos_token_id=_special_id("<|endoftext|>"), pad_token_id=_special_id("<|endoftext|>"))
+    text.update(text_overrides or {})
+    fam = FAMILIES[family]
+    cls = getattr(transformers, fam.transformers_config)
+    if fam.vl_model_type is None:
+        if vision:
+            raise ValueError(f"{family} has no vision encoder")
+        # No pad token: the Coder-Next converter zeroes the pad row, and the tiny model's pad would be its EOS,
+        # which it generates, so it would differ from transformers on purpose. The zeroing has its own unit test.
+        text["pad_token_id"] = None
+        return cls(**text, **_MOE, norm_topk_prob=True)
+    text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                               "mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    if fam.moe:
+        text.update(_MOE)
+    ids = dict(image_token_id=_special_id("<|image_pad|>"), video_token_id=_special_id("<|video_pad|>"),
+               vision_start_token_id=_special_id("<|vision_start|>"),
+               vision_end_token_id=_special_id("<|vision_end|>"))
+    return cls(text_config=text, vision_config=dict(_VISION), tie_word_embeddings=False, **ids)
+
+
+def _make_model(config):
+    import transformers
+
+    return getattr(transformers, MODEL_TYPES[config.model_type].transformers_model)(config)
+
+
+def _perturb(model, seed: int) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.ndim == 1 or name.endswith(("A_log", "dt_bias")):
+                p.add_((0.2 * noise).to(p.dtype))
+            else:
+                p.copy_((p.float() + 0.05 * noise).to(p.dtype))
+
+
+def _write_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - len(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    # Pad the learned vocabulary so the special tokens land exactly at the ids the config names.
+    filler = [f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - tok.get_vocab_size())]
+    tok.add_special_tokens(filler + SPECIAL_TOKENS)
+    assert tok.token_to_id("<|image_pad|>") == _special_id("<|image_pad|>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.save_pretrained(out)
+
+
+def _fuse_experts(out: Path) -> None:
+    """Rewrite per-expert MoE tensors into the fused 3D form the published Qwen3.5-MoE checkpoints use."""
+    import re
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    files = {f.name: load_file(f) for f in sorted(out.glob("*.safetensors"))}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    home: dict[str, str] = {}
+    for fname, tensors in files.items():
+        for name in list(tensors):
+            m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+            if m:
+                experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = tensors.pop(name)
+                home.setdefault(m[1], fname)
+    for prefix, per_expert in experts.items():
+        order = [per_expert[e] for e in sorted(per_expert)]
+        target = files[home[prefix]]
+        target[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([x["gate_proj"], x["up_proj"]]) for x in order])
+        target[f"{prefix}.down_proj"] = torch.stack([x["down_proj"] for x in order])
+    weight_map = {}
+    for fname, tensors in files.items():
+        save_file(tensors, out / fname, metadata={"format": "pt"})
+        weight_map.update({k: fname for k in tensors})
+    index = out / "model.safetensors.index.json"
+    if index.exists():
+        doc = json.loads(index.read_text())
+        doc["weight_map"] = dict(sorted(weight_map.items()))
+        index.write_text(jsonio.dumps(doc, indent=2))
+
+
+def write_tiny_checkpoint(out: Path, family: FamilyName, *, seed: int = 0, fused_experts: bool = False,
+                          dtype: str = "float32", text_overrides: Mapping[str, Any] | None = None) -> Path:
+    """Write a seeded tiny checkpoint of `family` (config, safetensors shards + index, tokenizer) into `out`.
+
+    The VL families (qwen3_5, qwen3_5_moe) carry a vision encoder, as the published checkpoints do. MoE
+    experts are written per expert (as transformers' save_pretrained does) unless `fused_experts`, which
+    writes the fused 3D form of the published Qwen3.5-MoE checkpoints. `text_overrides` changes text-model
+    fields (see make_config).
+    """
+    import torch
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
+    if fused_experts and not FAMILIES[family].moe:
+        raise ValueError("fused_experts applies to the MoE families only")
+    torch.manual_seed(seed)
+    config = make_config(family, vision=FAMILIES[family].vl_model_type is not None, text_overrides=text_overrides)
+    model = _make_model(config)
+    _perturb(model, seed)
+    model = model.to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, max_shard_size="200KB")
+    if fused_experts:
+        _fuse_experts(out)
+    _write_tokenizer(out)
+    return out
+
+
+def install_tiny_checkpoint(out: Path, family: FamilyName, *, replace: bool = False, seed: int = 0,
+                            fused_experts: bool = False) -> Path:
+    """write_tiny_checkpoint into a staging directory beside `out`, then move it into place, so a failed or
+    interrupted run leaves `out` as it was. A non-empty `out` is an error unless `replace`, which removes it."""
+    import shutil
+    import uuid
+
+    from qbuild.core.errors import UserError
+
+    out = out.absolute()
+    if out.is_dir() and any(out.iterdir()) and not replace:
+        raise UserError(f"{out}: not empty; pass --force to replace what it holds")
+    stage = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        write_tiny_checkpoint(stage, family, seed=seed, fused_experts=fused_experts)
+        if out.exists():
+            out.rename(old)
+        stage.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)   # only once the new checkpoint is in place
+    return out

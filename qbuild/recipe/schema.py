@@ -1,0 +1,404 @@
+"""Recipes: YAML files that declare what to build, validated by pydantic with errors at file:line:column."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, FiniteFloat, StrictBool,
+                      StrictInt, Tag, ValidationError, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from qbuild.backends import Backend, Target
+from qbuild.core.dtypes import DType
+from qbuild.core.errors import RecipeError
+from qbuild.model.families import FP8Policy, LineageName, MoEBackend
+from qbuild.core.userfile import read_small_file
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, got true/false")
+    return value
+
+
+# Integers and booleans are strict: `tp: true`, `tp: 1.0`, `seq_len: "512"` or `fused_qkv: 1` are errors, never
+# coerced. Numbers take ints and numeric strings (PyYAML reads `1e-3`, without a dot, as a string), but neither
+# booleans nor NaN or infinity (a threshold of .nan or .inf would make its check meaningless).
+Number = Annotated[FiniteFloat, BeforeValidator(_not_a_bool)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class HFSource(_Strict):
+    """A Hugging Face hub repo, pinned by `revision`."""
+
+    hf: str = Field(..., pattern=r"^[\w.-]+/[\w.-]+$", description="Hugging Face repo id, org/name")
+    revision: str = Field("main", description="branch, tag or commit sha; resolved to a commit and locked")
+
+
+class PathSource(_Strict):
+    """A local checkpoint directory."""
+
+    path: str = Field(..., description="local checkpoint directory, relative to the recipe file")
+
+
+# The union's tags, as pydantic puts them in error locations (load_recipe leaves them out of the field it names).
+_SOURCE_TAGS = {HFSource: "hf source", PathSource: "path source"}
+
+
+def _set_source_fields(value: Any) -> Any:
+    """A `model:` mapping with null `hf` / `path` dropped, so that a recipe can switch the source its base names
+    (`hf: null, path: ...`), and with a base's `revision` dropped where the source is a path (it pins nothing)."""
+    if isinstance(value, (HFSource, PathSource)):
+        return value
+    if not isinstance(value, dict):
+        raise PydanticCustomError("dict_type", "Input should be a valid dictionary or instance of ModelSource")
+    value = {k: v for k, v in value.items() if not (k in ("hf", "path") and v is None)}
+    if "path" in value and "hf" not in value:
+        value.pop("revision", None)
+    return value
+
+
+def _source_tag(value: Any) -> str | None:
+    if isinstance(value, (HFSource, PathSource)):
+        return _SOURCE_TAGS[type(value)]
+    named = [cls for cls, key in ((HFSource, "hf"), (PathSource, "path")) if key in value]
+    return _SOURCE_TAGS[named[0]] if len(named) == 1 else None
+
+
+ModelSource = Annotated[
+    Annotated[HFSource, Tag(_SOURCE_TAGS[HFSource])] | Annotated[PathSource, Tag(_SOURCE_TAGS[PathSource])],
+    Discriminator(_source_tag, custom_error_type="model_source",
+                  custom_error_message="give exactly one of `hf` or `path`"),
+    BeforeValidator(_set_source_fields)]
+
+
+class Parallel(_Strict):
+    tp: StrictInt = Field(1, ge=1, le=64, description="tensor-parallel degree (ranks)")
+    ep: StrictInt = Field(1, ge=1, le=64, description="expert-parallel degree (MoE families)")
+    moe_tp: StrictInt | None = Field(None, ge=1, description="MoE tensor-parallel degree; default tp // ep")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Parallel":
+        if self.tp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide tp={self.tp}")
+        if self.moe_tp is not None and self.moe_tp * self.ep != self.tp:
+            raise ValueError(f"moe_tp * ep must equal tp ({self.moe_tp} * {self.ep} != {self.tp})")
+        return self
+
+    @property
+    def effective_moe_tp(self) -> int:
+        return self.moe_tp if self.moe_tp is not None else self.tp // self.ep
+
+
+def _check_buckets(v: list[int]) -> list[int]:
+    if not v:
+        raise ValueError("at least one bucket is needed")
+    if any(b <= 0 for b in v):
+        raise ValueError("buckets must be positive")
+    if len(set(v)) != len(v):
+        raise ValueError(f"buckets must be unique: {v}")
+    if v != sorted(v):
+        raise ValueError(f"buckets must be sorted ascending: {v}")
+    return v
+
+
+class Text(_Strict):
+    batch_size: StrictInt = Field(1, ge=1, le=256)
+    seq_len: StrictInt = Field(..., ge=1, description="maximum context (prompt + generated tokens)")
+    cte_buckets: list[StrictInt] = Field(..., description="context-encoding (prefill) bucket lengths")
+    tkg_buckets: list[StrictInt] | None = Field(None, description="token-generation buckets (KV length); default "
+                                                                  "[seq_len]")
+
+    _buckets = field_validator("cte_buckets", "tkg_buckets")(lambda v: v if v is None else _check_buckets(v))
+
+    @model_validator(mode="after")
+    def _within_seq_len(self) -> "Text":
+        for field in ("cte_buckets", "tkg_buckets"):
+            over = [b for b in getattr(self, field) or [] if b > self.seq_len]
+            if over:
+                raise ValueError(f"{field} {over} exceed seq_len {self.seq_len}")
+        return self
+
+    @property
+    def token_buckets(self) -> list[int]:
+        return self.tkg_buckets or [self.seq_len]
+
+
+class Vision(_Strict):
+    buckets: list[StrictInt] = Field(..., description="patch-token counts before the 2x2 merge, e.g. 1024, 4096")
+
+    _buckets = field_validator("buckets")(_check_buckets)
+
+
+class Compiler(_Strict):
+    target: Target = "trn2"
+    lnc: StrictInt | None = Field(None, ge=1, le=2,
+                                  description="logical NeuronCore config; default 2 on trn2, else 1")
+    flags: list[str] = Field(default_factory=list, description="extra neuronx-cc flags")
+
+    @property
+    def effective_lnc(self) -> int:
+        return self.lnc if self.lnc is not None else (2 if self.target == "trn2" else 1)
+
+
+class Port(_Strict):
+    """The NxDI contrib port a neuron build runs (qbuild.recipe.ports): its lineage and where its source lives."""
+
+    lineage: LineageName | None = Field(None, description="main | main-replicated | moe; default per family "
+                                                          "(Coder-Next: moe)")
+    path: str | None = Field(None, description="the port directory (holds src/), relative to the recipe file")
+    module: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*$",
+                               description="an importable package whose directory is the port directory")
+    env: dict[str, str] = Field(default_factory=dict,
+                                description="the port's own switches (e.g. QWEN36_DELTANET_CTE_IMPL), read while "
+                                            "tracing; part of the compile key")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "Port":
+        if self.path is not None and self.module is not None:
+            raise ValueError("give at most one of `path` or `module`")
+        return self
+
+
+class Toolchain(_Strict):
+    """The Neuron SDK versions a neuron build is keyed on and must run with (pinned, never probed)."""
+
+    neuronx_cc: str | None = Field(None, description="neuronx-cc version, e.g. 2.26.6360.0")
+    neuronx_distributed: str | None = Field(None, description="neuronx-distributed (NxD) version")
+    neuronx_distributed_inference: str | None = Field(None, description="neuronx-distributed-inference version")
+    torch_neuronx: str | None = Field(None, description="torch-neuronx version")
+
+    def pins(self) -> dict[str, str | None]:
+        """{distribution name: pinned version}."""
+        return {name.replace("_", "-"): getattr(self, name) for name in type(self).model_fields}
+
+
+class Verify(_Strict):
+    top1_min: Number = Field(0.95, ge=0, le=1, description="fraction of prefill positions whose argmax agrees")
+    token_match_min: Number = Field(0.9, ge=0, le=1, description="fraction of greedy tokens equal to the reference")
+    max_logit_err: Number = Field(0.05, ge=0, description="max |logit - reference| over prefill positions")
+    new_tokens: StrictInt = Field(16, ge=1, le=1024, description="greedy tokens generated per prompt")
+    prompts: list[str] | None = Field(None, description="golden prompts; default the shipped set")
+    image_prompt: StrictBool = Field(True, description="VL recipes also check a prompt with a synthetic image")
+
+
+class Recipe(_Strict):
+    """One build configuration: a model, how it is split across ranks, the graphs to compile, and the checks."""
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: ModelSource
+    parallel: Parallel = Parallel()
+    text: Text
+    vision: Vision | None = None
+    dtype: DType = "bfloat16"
+    fp8: FP8Policy = "none"
+    moe_backend: MoEBackend | None = Field(None, description="MoE families only; default per family")
+    fused_qkv: StrictBool = False
+    compiler: Compiler = Compiler()
+    backend: Backend = Field("neuron", description="neuron, or a CPU backend (inductor, export) that proves every stage")
+    port: Port = Port()
+    toolchain: Toolchain = Toolchain()
+    verify: Verify = Verify()
+
+
+class LoadedRecipe(BaseModel):
+    """A validated recipe with where it came from (for relative paths and error messages)."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+    recipe: Recipe
+    path: Path
+
+    @property
+    def name(self) -> str:
+        return self.recipe.name
+
+    @property
+    def source_dir(self) -> Path | None:
+        src = self.recipe.model
+        return (self.path.parent / src.path).resolve() if isinstance(src, PathSource) else None
+
+    def with_backend(self, backend: str | None) -> "LoadedRecipe":
+        """This recipe built on another backend (`--backend`, e.g. a CPU proof of a neuron recipe). Its artifacts
+        are another build's, so it is locked under its own name, `<name>@<backend>`."""
+        if backend is None or backend == self.recipe.backend:
+            return self
+        recipe = self.recipe.model_copy(update={"backend": backend, "name": f"{self.recipe.name}@{backend}"})
+        return LoadedRecipe(recipe=recipe, path=self.path)
+
+    @property
+    def port_dir(self) -> Path | None:
+        """The port directory named by `port.path` or `port.module` (None where neither is given or importable)."""
+        port = self.recipe.port
+        if port.path is not None:
+            return (self.path.parent / port.path).resolve()
+        if port.module is not None:
+            from qbuild.recipe.ports import module_dir
+
+            return module_dir(port.module)
+        return None
+
+
+# --- YAML with positions -------------------------------------------------------------------------------------
+
+Marks = dict[tuple, tuple[Path, int, int]]
+
+
+def _construct(node: yaml.Node, path: tuple, marks: Marks, file: Path) -> Any:
+    marks[path] = (file, node.start_mark.line + 1, node.start_mark.column + 1)
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for k, v in node.value:
+            if not isinstance(k, yaml.ScalarNode):
+                raise RecipeError(f"{file}:{k.start_mark.line + 1}:{k.start_mark.column + 1}: a key must be a plain "
+                                  "name, not a list or mapping")
+            key = k.value
+            if key in out:
+                raise RecipeError(f"{file}:{k.start_mark.line + 1}:{k.start_mark.column + 1}: duplicate key {key!r}")
+            marks[path + (key,)] = (file, k.start_mark.line + 1, k.start_mark.column + 1)
+            out[key] = _construct(v, path + (key,), marks, file)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_construct(v, path + (i,), marks, file) for i, v in enumerate(node.value)]
+    loader = yaml.SafeLoader("")
+    return loader.construct_object(node, deep=True)
+
+
+# Recipes are a few KiB; the cap keeps `extends: /dev/zero`-like mistakes from reading without end.
+MAX_RECIPE_BYTES = 1 << 20
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """SafeLoader that refuses aliases: a handful of nested aliases expands to billions of nodes (a YAML bomb), and
+    recipes share settings through `extends:` instead."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise RecipeError(f"{self.name}:{mark.line + 1}:{mark.column + 1}: YAML aliases (*name) are not "
+                              "supported in recipes; share settings with `extends:`")
+        return super().compose_node(parent, index)
+
+
+def _compose(text: str, file: Path):
+    """The document's node tree. libyaml, where PyYAML has it, parses several times faster than PyYAML's own parser
+    (which was most of the time of planning an edited recipe); a document it finds an alias or an error in is parsed
+    again by _NoAliasLoader, so that every error reads the same with libyaml or without."""
+    c_loader = getattr(yaml, "CSafeLoader", None)
+    if c_loader is not None:
+        try:
+            if not any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=c_loader)):
+                return yaml.compose(text, Loader=c_loader)
+        except yaml.YAMLError:
+            pass
+    loader = _NoAliasLoader(text)
+    loader.name = str(file)
+    try:
+        return loader.get_single_node()
+    finally:
+        loader.dispose()
+
+
+def _read_yaml(file: Path) -> tuple[dict, Marks]:
+    raw = read_small_file(file, MAX_RECIPE_BYTES, "a recipe")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{file}: not UTF-8 text (byte {e.start} is {raw[e.start]:#04x})") from None
+    try:
+        node = _compose(text, file)
+        marks: Marks = {}
+        data = {} if node is None else _construct(node, (), marks, file)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark
+        where = f"{file}:{mark.line + 1}:{mark.column + 1}" if mark else str(file)
+        raise RecipeError(f"{where}: invalid YAML: {e.problem}") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{file}: invalid YAML: {e}") from None
+    except RecursionError:
+        raise RecipeError(f"{file}: invalid YAML: nested too deeply") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{file}:1:1: a recipe must be a mapping of fields")
+    return data, marks
+
+
+def _merge(base: dict, child: dict) -> dict:
+    """Child fields override the base; nested mappings merge; lists are replaced whole."""
+    out = dict(base)
+    for k, v in child.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _load_raw(file: Path, chain: tuple[Path, ...]) -> tuple[dict, Marks]:
+    file = file.resolve()
+    if file in chain:
+        cycle = " -> ".join(p.name for p in chain + (file,))
+        raise RecipeError(f"{chain[-1]}: extends cycle: {cycle}")
+    data, marks = _read_yaml(file)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data, marks
+    if not isinstance(parent, str):
+        f, line, col = marks[("extends",)]
+        raise RecipeError(f"{f}:{line}:{col}: extends: expected a file name")
+    base_file = (file.parent / parent)
+    f, line, col = marks[("extends",)]
+    if not base_file.exists():
+        raise RecipeError(f"{f}:{line}:{col}: extends: {parent} does not exist")
+    if not base_file.is_file():   # a FIFO would block the read, a device would never end
+        raise RecipeError(f"{f}:{line}:{col}: extends: {parent} is not a regular file")
+    base, base_marks = _load_raw(base_file, chain + (file,))
+    merged_marks = dict(base_marks)
+    merged_marks.update(marks)
+    # A relative model path is relative to the file that wrote it, not to the file that extends it.
+    for section in ("model", "port"):
+        value = base.get(section)
+        if isinstance(value, dict) and isinstance(value.get("path"), str):
+            base = _merge(base, {section: {"path": str((base_file.parent / value["path"]).resolve())}})
+    return _merge(base, data), merged_marks
+
+
+def _locate(marks: Marks, loc: tuple, file: Path) -> str:
+    for n in range(len(loc), -1, -1):
+        if loc[:n] in marks:
+            f, line, col = marks[loc[:n]]
+            return f"{f}:{line}:{col}"
+    return f"{file}:1:1"
+
+
+def load_recipe(file: Path | str) -> LoadedRecipe:
+    """Parse, merge `extends`, and validate one recipe file. Raises RecipeError naming file:line:column and field."""
+    file = Path(file)
+    data, marks = _load_raw(file, ())
+    data.setdefault("name", file.stem)
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(x for x in err["loc"] if not (isinstance(x, str) and (x.startswith("function-after")
+                                                                         or x in _SOURCE_TAGS.values())))
+        field = ".".join(str(x) for x in loc) or "(recipe)"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field"
+        raise RecipeError(f"{_locate(marks, loc, file)}: {field}: {msg}") from None
+    return LoadedRecipe(recipe=recipe, path=file.resolve())
+
+
+def recipe_field_location(loaded: LoadedRecipe, field: str) -> str:
+    """file:line:column of a dotted field in a loaded recipe (for errors found after schema validation)."""
+    _, marks = _load_raw(loaded.path, ())
+    loc = tuple(int(p) if p.isdigit() else p for p in field.split("."))
+    return _locate(marks, loc, loaded.path)
+
+
+def recipe_json_schema() -> dict:
+    schema = Recipe.model_json_schema()
+    schema["properties"]["extends"] = {"type": "string", "description": "a base recipe file this one overrides"}
+    schema["required"] = [r for r in schema.get("required", []) if r != "name"]
+    return schema

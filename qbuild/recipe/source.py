@@ -1,0 +1,223 @@
+"""Model sources: a recipe's config.json and where its checkpoint is (a local directory, the Hugging Face cache, or
+a shipped config only), where a fetched snapshot's bytes live on this machine, checked against the snapshot's
+digests, and the check of a checkpoint before anything is built from it.
+
+A snapshot (the fetch action's output) names files by content digest only, so keys are the same on every
+machine. The bytes stay where they are: in the local checkpoint directory, or in the Hugging Face cache.
+The published configs of the shipped models are kept in qbuild/configs (named org--name.json) for recipes whose
+weights are not downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Mapping
+
+from qbuild.model.arch import MAX_CONFIG_BYTES, Arch, arch_from_config
+from qbuild.core.errors import RecipeError, UserError
+from qbuild.core.hashing import default_stat_cache
+from qbuild.recipe.schema import LoadedRecipe, PathSource, recipe_field_location
+from qbuild.core.userfile import read_small_file
+
+# A published Qwen tokenizer.json is ~11 MiB; the cap only stops a device or a runaway file.
+MAX_TOKENIZER_BYTES = 256 << 20
+_SHIPPED = Path(__file__).resolve().parents[1] / "configs"
+
+
+# --- the Hugging Face cache, read without importing huggingface_hub ---------------------------------------------
+
+def hf_cache_dir() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return Path(home) / "hub"
+
+
+def hf_repo_dir(repo: str) -> Path:
+    """The HF cache directory of a model repo (holding refs/ and snapshots/)."""
+    return hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+
+
+def hf_cached_snapshot(repo: str, revision: str) -> tuple[str, Path] | None:
+    """(commit, snapshot dir) of `repo` at `revision` in the local HF cache."""
+    repo_dir = hf_repo_dir(repo)
+    commit = revision
+    if not (len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)):
+        ref = repo_dir / "refs" / revision
+        if not ref.is_file():
+            return None
+        commit = ref.read_text().strip()
+    snap = repo_dir / "snapshots" / commit
+    return (commit, snap) if snap.is_dir() else None
+
+
+def shipped_config_path(repo: str) -> Path:
+    return _SHIPPED / (repo.replace("/", "--") + ".json")
+
+
+# --- a recipe's config.json ---------------------------------------------------------------------------------------
+
+def config_for(loaded: LoadedRecipe) -> tuple[dict, str]:
+    """The config.json a recipe's model has, and where it was read: the local dir, the HF cache, or the shipped copy."""
+    src = loaded.recipe.model
+    if isinstance(src, PathSource):
+        cfg = loaded.source_dir / "config.json"
+        where = f"{loaded.path}: model.path"
+        if not loaded.source_dir.is_dir():
+            raise RecipeError(f"{recipe_field_location(loaded, 'model.path')}: model.path: "
+                              f"{loaded.source_dir} is not a directory")
+    else:
+        cached = hf_cached_snapshot(src.hf, src.revision)
+        cfg = cached[1] / "config.json" if cached and (cached[1] / "config.json").exists() else \
+            shipped_config_path(src.hf)
+        where = f"{loaded.path}: model.hf"
+        if not cfg.exists():
+            raise RecipeError(f"{recipe_field_location(loaded, 'model.hf')}: model.hf: {src.hf} is neither in the "
+                              f"HF cache nor a shipped config; download it first or use `path:`")
+    raw = read_small_file(cfg, MAX_CONFIG_BYTES, "config.json")
+    try:
+        return json.loads(raw), str(cfg)
+    except ValueError as e:   # invalid JSON or not UTF-8
+        raise UserError(f"{cfg}: cannot read config.json ({where}): {e}") from None
+
+
+def load_arch(loaded: LoadedRecipe) -> Arch:
+    config, origin = config_for(loaded)
+    return arch_from_config(config, origin)
+
+
+# --- where a snapshot's files are ---------------------------------------------------------------------------------
+
+
+def read_snapshot(directory: Path) -> dict:
+    return json.loads((directory / "snapshot.json").read_text())
+
+
+def locate(snapshot: dict, context: dict) -> dict[str, Path]:
+    """Map each file of `snapshot` to a path on this machine whose content matches the recorded digest."""
+    if snapshot["source"] == "path":
+        root = Path(context["path"])
+        cache = default_stat_cache()
+        files = {}
+        for name, meta in snapshot["files"].items():
+            path = root / name
+            if not path.is_file():
+                raise UserError(f"{path}: missing; the checkpoint changed since it was planned")
+            if "blake3:" + cache.digest(path) != meta["digest"]:
+                raise UserError(f"{path}: content changed since it was planned; run the command again")
+            files[name] = path
+        return files
+    found = hf_cached_snapshot(snapshot["repo"], snapshot["revision"])
+    if found is None:
+        raise UserError(f"{snapshot['repo']}@{snapshot['revision'][:12]}: not in the HF cache on this machine")
+    files = {}
+    for name, meta in snapshot["files"].items():
+        path = found[1] / name
+        if not path.is_file() or path.stat().st_size != meta["size"]:
+            raise UserError(f"{path}: missing or truncated in the HF cache; run `qbuild compile` to fetch it again")
+        files[name] = path
+    return files
+
+
+# --- checking a checkpoint before a build --------------------------------------------------------------------
+
+def source_directory(loaded: LoadedRecipe) -> Path | None:
+    """Where a recipe's checkpoint is on this machine: its local directory, or its HF cache snapshot (None when a
+    hub model is not downloaded yet; the fetch step checks it after downloading)."""
+    src = loaded.recipe.model
+    if isinstance(src, PathSource):
+        return loaded.source_dir
+    cached = hf_cached_snapshot(src.hf, src.revision)
+    return cached[1] if cached else None
+
+
+def check_checkpoint(directory: Path, files: Mapping[str, Path] | None = None) -> None:
+    """Raise UserError, one line naming the file (and tensor), unless the checkpoint at `directory` can be built:
+    config.json, the tokenizer, and every safetensors header against the conversion program (truncation, lying
+    headers, missing, extra or misshapen tensors, an index naming a missing shard). Reads headers only, and imports
+    no torch: the CLI runs it before the first step of a build, in a process that has no other use for torch."""
+    config_path = Path((files or {}).get("config.json", directory / "config.json"))
+    try:
+        config = json.loads(read_small_file(config_path, MAX_CONFIG_BYTES, "config.json"))
+    except ValueError as e:
+        raise UserError(f"{config_path}: config.json is not valid JSON ({e})") from None
+    check_tokenizer(directory, arch_from_config(config, str(config_path)).vocab_size, files)
+    from qbuild.model.convert.checkpoint import open_checkpoint
+    from qbuild.model.convert.errors import CheckpointError
+
+    try:
+        open_checkpoint(directory, files)
+    except CheckpointError as e:
+        raise UserError(f"{directory}{os.sep}{e}") from None
+
+
+def check_tokenizer(directory: Path, vocab_size: int, files: Mapping[str, Path] | None = None) -> None:
+    """The tokenizer the bundle will ship: present (tokenizer.json, or vocab.json + merges.txt), loadable, and
+    naming no token id past the model's vocabulary (such an id would index past the embedding)."""
+    def path(name: str) -> Path:
+        return Path((files or {}).get(name, directory / name))
+
+    config = path("tokenizer_config.json")
+    if config.exists():
+        _json_file(config, "tokenizer_config.json", dict)
+    if path("tokenizer.json").exists():
+        ids = _tokenizer_json_ids(path("tokenizer.json"))
+        where = path("tokenizer.json")
+    elif path("vocab.json").exists() and path("merges.txt").exists():
+        ids = _json_file(path("vocab.json"), "vocab.json", dict)
+        read_small_file(path("merges.txt"), MAX_TOKENIZER_BYTES, "merges.txt")
+        where = path("vocab.json")
+    else:
+        raise UserError(f"{directory}: no tokenizer (tokenizer.json, or vocab.json and merges.txt); a bundle without "
+                        "one cannot encode prompts")
+    bad = [(i, t) for t, i in ids.items() if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < vocab_size]
+    if bad:
+        token_id, token = max(bad, key=lambda b: b[0] if isinstance(b[0], int) else -1)
+        raise UserError(f"{where}: token {token!r} has id {token_id!r}, not below config.json's vocab_size "
+                        f"{vocab_size}")
+
+
+def _json_file(path: Path, label: str, kind: type):
+    try:
+        doc = json.loads(read_small_file(path, MAX_TOKENIZER_BYTES, label))
+    except ValueError as e:
+        raise UserError(f"{path}: {label} is not valid JSON ({e})") from None
+    if not isinstance(doc, kind):
+        raise UserError(f"{path}: {label} is not a JSON {'object' if kind is dict else kind.__name__}")
+    return doc
+
+
+def _tokenizer_json_ids(path: Path) -> dict[str, int]:
+    """token -> id of a tokenizer.json, loaded by the `tokenizers` library (what transformers' fast tokenizers
+    use) where it is installed, else read as JSON."""
+    raw = read_small_file(path, MAX_TOKENIZER_BYTES, "tokenizer.json")
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        doc = _json_file(path, "tokenizer.json", dict)
+        vocab = doc.get("model", {}).get("vocab") if isinstance(doc.get("model"), dict) else None
+        if not isinstance(vocab, dict):
+            raise UserError(f"{path}: tokenizer.json has no model.vocab mapping") from None
+        added = {t.get("content"): t.get("id") for t in doc.get("added_tokens") or [] if isinstance(t, dict)}
+        return {**vocab, **added}
+    try:
+        tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as e:  # the Rust library raises its own Exception type, with a multi-line message
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"{path}: tokenizer.json cannot be loaded: {first}") from None
+    return tokenizer.get_vocab(with_added_tokens=True)
+
+
+# --- the files of a checkpoint -------------------------------------------------------------------------------
+
+# Files a build needs from a checkpoint; pickled weights (*.bin, *.pt) are never fetched or loaded.
+CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "tokenizer*", "*.txt", "*.jinja", "*.model")
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    seen: set[Path] = set()
+    for pattern in CHECKPOINT_PATTERNS:
+        seen.update(p for p in directory.glob(pattern) if p.is_file() and not p.name.startswith("."))
+    return sorted(seen)

@@ -1,0 +1,158 @@
+"""Garbage collection: drop store entries no lockfile references, locally beyond an LRU size budget, remotely all.
+
+Like publish and pull it reads lockfiles, never recipes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from qbuild.store.files import discard_path
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest
+from qbuild.store.s3 import POOL_THREADS, S3Remote
+from qbuild.core.threads import map_all
+
+ORPHAN_GRACE_S = 3600.0   # a blob no manifest names may belong to a push or build still in flight
+
+
+@dataclass
+class Removal:
+    where: str                              # "local" or the remote URL
+    what: Literal["manifest", "blob"]
+    name: str                               # key or digest
+    size: int
+    kind: str = ""                          # the manifest's action kind
+
+
+@dataclass
+class GcReport:
+    removed: list[Removal] = field(default_factory=list)
+    kept_manifests: int = 0
+    kept_blobs: int = 0
+    young_orphans: int = 0       # blobs no manifest names, kept because they are younger than the grace period
+    dry_run: bool = False
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(r.size for r in self.removed if r.what == "blob")
+
+    def to_json(self) -> dict:
+        return {"dry_run": self.dry_run, "removed": [asdict(r) for r in self.removed],
+                "kept_manifests": self.kept_manifests, "kept_blobs": self.kept_blobs,
+                "young_orphans": self.young_orphans,
+                "bytes_freed": self.bytes_freed}
+
+
+def referenced_keys(docs: Iterable[dict]) -> set[str]:
+    return {node["key"] for doc in docs for node in doc["nodes"].values()}
+
+
+def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bool = False,
+             grace_s: float = ORPHAN_GRACE_S) -> GcReport:
+    """Keep the manifests the lockfiles reference, then the most recently used others while their blobs fit in
+    `keep_size` bytes; remove the remaining manifests, then every blob no kept manifest names (blobs no manifest
+    names at all only once older than `grace_s`), then the plan cache entries that witnessed any of them."""
+    report = GcReport(dry_run=dry_run)
+    locked = referenced_keys(docs)
+    entries: list[tuple[float, Manifest, Path]] = []
+    for path in sorted((store.root / "ac").glob("*/*.json")):
+        manifest = _read_manifest(path)
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        if manifest is None:
+            continue  # unreadable: `qbuild store verify --repair` reports and removes it
+        entries.append((max(st.st_atime, st.st_mtime), manifest, path))
+    named = {o["digest"] for _, m, _ in entries for o in m.outputs.values()}
+    kept_blobs = {o["digest"] for _, m, _ in entries if m.key in locked for o in m.outputs.values()}
+    budget = keep_size
+    doomed: list[tuple[Manifest, Path]] = []
+    for _, m, path in sorted(entries, key=lambda e: -e[0]):   # most recently used first
+        if m.key in locked:
+            report.kept_manifests += 1
+            continue
+        extra = {o["digest"]: o["size"] for o in m.outputs.values() if o["digest"] not in kept_blobs}
+        cost = sum(extra.values()) + len(m.to_bytes())     # the manifest counts too: --keep-size 0 keeps none
+        if cost <= budget:
+            budget -= cost
+            kept_blobs.update(extra)
+            report.kept_manifests += 1
+        else:
+            doomed.append((m, path))
+    for m, path in doomed:   # manifests first: no reader may find a manifest whose blobs are gone
+        report.removed.append(Removal("local", "manifest", m.key, len(m.to_bytes()), m.kind))
+        if not dry_run:
+            discard_path(path)   # a read-only store stops here, before any blob goes: exit 3, nothing lost
+    now = time.time()
+    for blob in sorted((store.root / "cas").glob("*/*")):
+        if blob.name.startswith(".") or blob.name in kept_blobs:
+            report.kept_blobs += blob.name in kept_blobs
+            continue
+        try:
+            st = blob.stat()
+        except FileNotFoundError:
+            continue
+        if blob.name not in named and now - st.st_ctime < grace_s:
+            report.young_orphans += 1
+            continue
+        report.removed.append(Removal("local", "blob", blob.name, st.st_size))
+        if not dry_run:
+            discard_path(blob)
+    return report
+
+
+def gc_remote(remote: S3Remote, docs: list[dict], *, dry_run: bool = False,
+              grace_s: float = ORPHAN_GRACE_S) -> GcReport:
+    """Remove every remote manifest no lockfile references, then every blob no remaining manifest names (blobs no
+    manifest names at all only once older than `grace_s`: a publish uploads blobs before its manifest)."""
+    report = GcReport(dry_run=dry_run)
+    locked = referenced_keys(docs)
+    listed = {m.name: m for m in remote.list_manifests()}
+    blobs = list(remote.list_blobs())
+    manifests = dict(zip(listed, map_all(remote.get_manifest, list(listed), POOL_THREADS)))
+    named = {o["digest"] for m in manifests.values() if m for o in m.outputs.values()}
+    kept_blobs = {o["digest"] for k, m in manifests.items() if m and k in locked for o in m.outputs.values()}
+    doomed = sorted(k for k in listed if k not in locked)
+    report.kept_manifests = len(listed) - len(doomed)
+    for key in doomed:
+        m = manifests.get(key)
+        report.removed.append(Removal(remote.url, "manifest", key, listed[key].size, m.kind if m else ""))
+    if not dry_run:
+        remote.delete([remote.manifest_key(k) for k in doomed])
+    now = time.time()
+    gone = []
+    for blob in blobs:
+        if blob.name in kept_blobs:
+            report.kept_blobs += 1
+            continue
+        if blob.name not in named and now - blob.modified.timestamp() < grace_s:
+            report.young_orphans += 1
+            continue
+        report.removed.append(Removal(remote.url, "blob", blob.name, blob.size))
+        gone.append(remote.blob_key(blob.name))
+    if not dry_run:
+        remote.delete(gone)
+    return report
+
+
+def _read_manifest(path: Path) -> Manifest | None:
+    """Read a manifest without marking it used (O_NOATIME where allowed), so gc does not disturb the LRU order."""
+    import json
+
+    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
+    try:
+        try:
+            fd = os.open(path, flags)
+        except PermissionError:
+            fd = os.open(path, os.O_RDONLY)   # O_NOATIME needs ownership of the file
+        with os.fdopen(fd, "rb") as f:
+            return Manifest.from_json(json.loads(f.read()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,213 @@
+"""artifacts.lock: what each recipe resolved to and produced. Deterministic, sorted, diff-friendly JSON.
+
+    {"version": 1,
+     "recipes": {name: {"recipe": path, "model": {source, revision, files}, "nodes": {role: node id},
+                        "bundle": tree digest of the package output, "verified": bool,
+                        "verify_failure": why the last verify failed (only when it did)}},
+     "nodes": {node id: {"kind", "name", "key", "preimage", "digest", "outputs": {path: {digest, size}}}}}
+
+A recipe's `recipe` path is relative to the lockfile's directory (absolute when the file lies outside it), and
+recipe names are unique per lockfile. A node's preimage holds its params, input digests, action source hash and
+toolchain versions, so `qbuild explain` can name the field that changed. The serialiser is a pure function; writes
+go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes wrote
+meanwhile.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Mapping
+
+from qbuild.core import jsonio
+from qbuild.core.errors import InfraError, UserError
+from qbuild.store.local import atomic_write
+from qbuild.store.manifest import Manifest
+from qbuild.core.userfile import read_small_file
+
+LOCK_VERSION = 1
+MAX_LOCK_BYTES = 256 << 20   # a lockfile of every shipped recipe is a few hundred KiB
+
+
+def empty() -> dict:
+    return {"version": LOCK_VERSION, "recipes": {}, "nodes": {}}
+
+
+def read(path: Path) -> dict:
+    if not path.exists() and not path.is_symlink():
+        return empty()
+    try:
+        doc = json.loads(read_small_file(path, MAX_LOCK_BYTES, "the lockfile"))
+    except ValueError as e:   # invalid JSON or not UTF-8
+        raise UserError(f"{path}: unreadable lockfile: {e}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{path}: not a lockfile (expected a JSON object)")
+    if doc.get("version") != LOCK_VERSION:
+        raise UserError(f"{path}: lockfile version {doc.get('version')!r}; this qbuild reads {LOCK_VERSION}")
+    return doc
+
+
+def dumps(doc: dict) -> str:
+    return jsonio.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def node_entry(node, manifest: Manifest) -> dict:
+    return {"kind": node.kind, "name": node.name, "key": manifest.key, "preimage": manifest.preimage,
+            "digest": manifest.digest, "outputs": manifest.outputs}
+
+
+def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], lock_path: Path,
+                 verify_failure: str | None = None) -> dict:
+    """The lock entry of one recipe, given the manifests of the nodes built so far (and why its verify failed). The
+    recipe file is recorded relative to the lockfile's directory (absolute when outside it), so it names the same
+    file from any working directory."""
+    try:
+        recipe_path = planned.loaded.path.relative_to(lock_path.parent.resolve()).as_posix()
+    except ValueError:
+        recipe_path = planned.loaded.path.as_posix()
+    bundle = manifests.get(planned.bundle)
+    entry = {"recipe": recipe_path, "model": model,
+             "nodes": {role: nid for role, nid in sorted(planned.nodes.items()) if nid in manifests},
+             "bundle": bundle.digest if bundle else None,
+             "verified": planned.verify in manifests}
+    if verify_failure is not None and planned.verify not in manifests:
+        entry["verify_failure"] = verify_failure   # what `qbuild pull` names when it refuses the bundle
+    return entry
+
+
+def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
+    """`doc` with the given recipe and node entries replaced, and nodes no recipe names any more dropped."""
+    out = {"version": LOCK_VERSION, "recipes": dict(doc["recipes"]), "nodes": dict(doc["nodes"])}
+    out["recipes"].update(recipes)
+    out["nodes"].update(nodes)
+    live = {nid for entry in out["recipes"].values() for nid in entry["nodes"].values()}
+    out["nodes"] = {nid: n for nid, n in out["nodes"].items() if nid in live}
+    return out
+
+
+def update(path: Path, recipes: dict[str, dict], nodes: dict[str, dict]) -> bool:
+    """Merge entries into the lockfile on disk atomically; returns whether its content changed."""
+    with _directory_locked(path.parent):
+        old = read(path)
+        new = merge(old, recipes, nodes)
+        if dumps(new) == dumps(old) and path.exists():
+            return False
+        atomic_write(path, dumps(new).encode())
+        return True
+
+
+def recipe_file(entry: dict, lock_path: Path) -> Path:
+    """The recipe file a lock entry recorded (relative to the lockfile's directory, or absolute)."""
+    return (lock_path.parent.resolve() / entry["recipe"]).resolve()
+
+
+def resolve_recipe(doc: dict, lock_path: Path, arg: str) -> str:
+    """The locked recipe a command-line argument names: a recipe name, or a recipe file written any way `compile`
+    accepts it (relative to the working directory, absolute, through ../), matched by the file it resolves to.
+    Every command that takes a recipe of the lockfile (publish, pull, run, bench, lock check) resolves it here."""
+    if arg in doc["recipes"]:
+        return arg
+    target = Path(arg).resolve()
+    for name, entry in sorted(doc["recipes"].items()):
+        if recipe_file(entry, lock_path) == target:
+            return name
+    known = ", ".join(sorted(doc["recipes"])) or "none"
+    raise UserError(f"{lock_path}: recipe {arg!r} is not in the lockfile (locked: {known})")
+
+
+def check_unique_names(doc: dict, lock_path: Path, recipes: list[tuple[str, Path]]) -> None:
+    """Recipe names are unique per lockfile: refuse (name, file) pairs whose name the lock holds for another file
+    that still exists (a recipe that moved may take its entry over)."""
+    for name, path in recipes:
+        entry = doc["recipes"].get(name)
+        if entry is None:
+            continue
+        locked = recipe_file(entry, lock_path)
+        if locked != path.resolve() and locked.is_file():
+            raise UserError(f"{path}: recipe name {name!r} is already locked in {lock_path} for {locked}; recipe "
+                            "names must be unique per lockfile: rename one (its name: field)")
+
+
+@contextmanager
+def _directory_locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive flock of `directory` itself: it serialises the writers of the lockfiles in it and, unlike a
+    lock file beside artifacts.lock, leaves nothing in the working tree (the kernel drops it with the process)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError as e:
+        raise InfraError(f"{directory}: cannot lock the lockfile's directory: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class LockedNode:
+    """What the lock recorded for a node: its key, the key's preimage, and the digest of its output tree."""
+
+    key: str
+    preimage: dict
+    digest: str
+
+
+def locked_nodes(doc: dict, roles: Mapping[str, list[tuple[str, str]]]) -> dict[str, LockedNode]:
+    """The lock's entry for each node (node id -> the (recipe, role) pairs it serves): the entry recorded for the
+    first of its roles that the lock holds. The lock's node ids may differ from the plan's (a changed param changes
+    the id), so nodes are matched by role."""
+    out = {}
+    for nid, pairs in roles.items():
+        for recipe, role in pairs:
+            locked_id = doc["recipes"].get(recipe, {}).get("nodes", {}).get(role)
+            entry = doc["nodes"].get(locked_id) if locked_id else None
+            if entry is not None:
+                out[nid] = LockedNode(entry["key"], entry["preimage"], entry["digest"])
+                break
+    return out
+
+
+def check(doc: dict, store, recipes: list[str] | None = None) -> list[str]:
+    """Every artifact the lockfile names must be in `store` with the right digest. Returns one line per problem.
+
+    Blobs in the local store are re-hashed. With a remote-backed store an entry need not be local: its manifest may
+    come from the remote (checked as on every read: key, tree digest, and here the locked digest) and the blobs the
+    local store lacks must exist on the remote (checked by presence, without downloading them; their bytes are
+    checked whenever they are downloaded)."""
+    from qbuild.core.hashing import digest_file
+
+    remote = getattr(store, "remote", None)
+    problems = []
+    names = recipes if recipes is not None else sorted(doc["recipes"])
+    for name in names:
+        entry = doc["recipes"].get(name)
+        if entry is None:
+            problems.append(f"{name}: not in the lockfile")
+            continue
+        for role, nid in sorted(entry["nodes"].items()):
+            node = doc["nodes"].get(nid)
+            if node is None:
+                problems.append(f"{name}: {role}: node {nid} missing from the lockfile")
+                continue
+            manifest = store.get_manifest(node["key"])
+            if manifest is None or manifest.digest != node["digest"]:
+                problems.append(f"{name}: {role}: no store entry for key {node['key'][:16]}")
+                continue
+            elsewhere: dict[str, str] = {}
+            for rel, meta in sorted(node["outputs"].items()):
+                blob = store.blob_path(meta["digest"])
+                if remote is not None and not blob.is_file():
+                    elsewhere.setdefault(meta["digest"], rel)
+                elif not blob.is_file() or blob.stat().st_size != meta["size"] or digest_file(blob) != meta["digest"]:
+                    problems.append(f"{name}: {role}: {rel} missing or corrupt in the store")
+            if elsewhere:
+                on_remote = remote.has_blobs(elsewhere)
+                for digest, rel in sorted(elsewhere.items(), key=lambda kv: kv[1]):
+                    if digest not in on_remote:
+                        problems.append(f"{name}: {role}: {rel} is in neither the local store nor {remote.url}")
+    return problems

@@ -1,0 +1,112 @@
+"""Moving locked artifacts between stores: publish them to the remote, pull a bundle out of the store.
+
+    publish    the lockfile's nodes of some recipes -> the remote (blobs first, manifests last, conditionally)
+    pull       one recipe's locked bundle (its package node's outputs) -> a directory, every digest checked
+
+Both read the lockfile, never the recipes, so a serving host needs nothing but qbuild and artifacts.lock.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qbuild.core.errors import InfraError, UserError
+from qbuild.store.lock import resolve_recipe
+from qbuild.store import Store
+from qbuild.store.files import staged
+from qbuild.store.manifest import Manifest
+from qbuild.store.remote import PushReport, RemoteStore, push_manifests
+
+
+# --- choosing locked nodes -----------------------------------------------------------------------------------------
+
+def recipe_names(doc: dict, lock_path: Path, recipes: list[str], all_: bool) -> list[str]:
+    """Lock entries named by recipe name or recipe file (see lock.resolve_recipe); --all takes every one."""
+    if all_:
+        if not doc["recipes"]:
+            raise UserError(f"{lock_path}: --all, but the lockfile names no recipes; run `qbuild compile` first")
+        return sorted(doc["recipes"])
+    if not recipes:
+        raise UserError("name at least one recipe (as in the lockfile), or pass --all")
+    return list(dict.fromkeys(resolve_recipe(doc, lock_path, r) for r in recipes))
+
+
+def locked_nodes(doc: dict, lock_path: Path, names: list[str]) -> dict[str, tuple[str, str, dict]]:
+    """node id -> (recipe, role, lock node entry) for every node the named recipes lock."""
+    out: dict[str, tuple[str, str, dict]] = {}
+    for name in names:
+        for role, nid in sorted(doc["recipes"][name]["nodes"].items()):
+            node = doc["nodes"].get(nid)
+            if node is None:
+                raise UserError(f"{lock_path}: {name}: {role}: node {nid} is missing from the lockfile")
+            out.setdefault(nid, (name, role, node))
+    return out
+
+
+# --- publish -------------------------------------------------------------------------------------------------------
+
+def publish(store: RemoteStore, doc: dict, lock_path: Path, names: list[str], *,
+            verify_remote: bool = False) -> PushReport:
+    """Upload every locked node of `names` that the remote lacks. Idempotent: a second run uploads nothing.
+    `verify_remote` reads back every blob the remote has for them and re-uploads the ones that do not match."""
+    manifests: list[Manifest] = []
+    absent: dict[str, tuple[str, str]] = {}
+    for recipe, role, node in locked_nodes(doc, lock_path, names).values():
+        m = store.local.get_manifest(node["key"])
+        if m is None:
+            absent[node["key"]] = (recipe, role)
+            continue
+        if m.digest != node["digest"]:
+            raise UserError(f"{lock_path}: {recipe}: {role}: the store's entry for key {node['key'][:16]} has digest "
+                            f"{m.digest[:16]}, the lockfile {node['digest'][:16]}; rebuild with `qbuild compile`")
+        manifests.append(m)
+    if absent:
+        on_remote = store.remote.has_manifests(absent)
+        for key, (recipe, role) in absent.items():
+            if key not in on_remote:
+                raise UserError(f"{recipe}: {role} (key {key[:16]}) is in neither the local store ({store.root}) "
+                                f"nor {store.remote.url}; run `qbuild compile` for it first")
+    report = push_manifests(store.local, store.remote, manifests, store.progress, verify_remote=verify_remote)
+    report.manifests_present += len(absent)
+    return report
+
+
+# --- pull ----------------------------------------------------------------------------------------------------------
+
+def pull_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, dest: Path, *, share: bool,
+                allow_unverified: bool = False) -> Manifest:
+    """Lay out the locked bundle of `recipe` in `dest` (new or empty), checking every digest first. With `share` the
+    files are the store's own read-only blobs (hardlinks); without, they share no inode with it (see materialize).
+    A bundle whose verify did not pass is refused unless `allow_unverified`.
+
+    Through a RemoteStore only the manifest is read at lookup; `materialize` then downloads (ensure_blobs) and
+    verifies exactly the bundle's blobs; a blob that does not match aborts the pull before anything is written to
+    `dest`."""
+    name = recipe_names(doc, lock_path, [recipe], False)[0]
+    entry = doc["recipes"][name]
+    nid = entry["nodes"].get("package")
+    node = doc["nodes"].get(nid) if nid else None
+    if node is None:
+        raise UserError(f"{lock_path}: {name} has no locked bundle (its package step has not been built)")
+    if not entry.get("verified") and not allow_unverified:
+        why = entry.get("verify_failure") or "its verify step has not run"
+        raise UserError(f"{lock_path}: {name}: the bundle is not verified ({why}); refusing to lay it out. Fix the "
+                        "recipe and rebuild, or pass --allow-unverified")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise UserError(f"{dest}: exists and is not an empty directory; pull into a new or empty one")
+    manifest = store.get_manifest(node["key"])
+    if manifest is None:
+        if isinstance(store, RemoteStore):
+            raise InfraError(f"{name}: bundle {node['key'][:16]} is in neither the local store ({store.root}) nor "
+                             f"{store.remote.url}; publish it there with `qbuild publish {name}`")
+        raise InfraError(f"{name}: bundle {node['key'][:16]} is not in the local store ({store.root}); "
+                         "pass --remote s3://bucket/prefix to fetch it")
+    if manifest.digest != node["digest"] or manifest.outputs != node["outputs"]:
+        raise InfraError(f"{name}: the stored bundle {node['key'][:16]} differs from the one {lock_path} locks "
+                         f"(digest {manifest.digest[:16]} vs {node['digest'][:16]}); refusing it")
+    try:
+        with staged(dest, directory=True) as stage:
+            store.materialize(manifest.outputs, stage, verify=True, share=share)
+    except OSError as e:
+        raise InfraError(f"{dest}: {e.strerror or e}") from None
+    return manifest
