@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Literal
 
 Backend = Literal["neuron", "inductor", "export"]
+NAMES: tuple[str, ...] = ("neuron", "inductor", "export")   # what a recipe's `backend:` and `--backend` may name
 CpuBackend = Literal["inductor", "export"]
 Target = Literal["trn2", "trn1", "inf2"]
 
