@@ -107,12 +107,12 @@ def test_missing_or_bad_field_names_config_json_and_the_field():
     assert "model_type 'llama' is not supported" in _error({"model_type": "llama"})
     config = _vl()
     config["text_config"]["hidden_size"] = "64"
-    assert "text_config.hidden_size must be a non-negative integer, got '64'" in _error(config)
+    assert "text_config.hidden_size must be a valid integer, got '64'" in _error(config)
     assert "layer_types must list" in _error(dict(_next("new"), layer_types=["full_attention"]))
     assert "rope_type 'yarn' is not supported" in _error(dict(_next("new"), rope_parameters={"rope_type": "yarn"}))
     config = _vl()
     config["vision_config"]["hidden_act"] = "gelu"
-    assert "vision_config.hidden_act 'gelu' is not supported" in _error(config)
+    assert "vision_config.hidden_act must be 'gelu_pytorch_tanh', got 'gelu'" in _error(config)
     config = _vl()
     del config["vision_config"]["depth"]
     assert "vision_config.depth is missing" in _error(config)
@@ -157,7 +157,7 @@ def test_converter_reads_the_one_arch():
     broken["text_config"]["num_attention_heads"] = -1
     with pytest.raises(CheckpointError) as info:
         arch_of(broken)
-    assert str(info.value).startswith("config.json: text_config.num_attention_heads must be a non-negative")
+    assert str(info.value).startswith("config.json: text_config.num_attention_heads must be greater than 0, got -1")
 
 
 def test_arch_imports_without_torch():

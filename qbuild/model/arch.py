@@ -9,7 +9,8 @@ compile keys), the converter, the reference model and the backends all take the 
   `rope_theta` / `partial_rotary_factor`, `rope_scaling`, `full_attention_interval`).
 
 Planning must work offline and without torch, so this module reads JSON only; the family facts it applies come
-from qbuild.model.families. Finding a recipe's config.json is qbuild.recipe.source's job, checking a recipe against the
+from qbuild.model.families, and the schema every field is checked against (types, ranges, relations) from
+qbuild.model.config. Finding a recipe's config.json is qbuild.recipe.source's job, checking a recipe against the
 architecture qbuild.recipe.checks'.
 """
 
@@ -20,12 +21,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from qbuild.core.errors import UserError
 from qbuild.model.families import FAMILIES, MODEL_TYPES
 
-ROPE_TYPES = ("default", "mrope")  # "mrope" is the older name of default RoPE with an mrope_section
-# transformers' Qwen3.5 text rotary takes mrope_section from rope_parameters with this default.
-DEFAULT_MROPE_SECTION = (11, 11, 10)
-# Config fields holding token ids (eos_token_id may list several). Each indexes the embedding.
-TOKEN_ID_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id",
-                   "eos_token_id", "bos_token_id", "pad_token_id")
 MAX_CONFIG_BYTES = 4 << 20   # a config.json is a few KiB
 VISION_HIDDEN_ACT = "gelu_pytorch_tanh"
 
@@ -279,117 +274,6 @@ class Arch:
 
 # --- reading config.json -------------------------------------------------------------------------------------
 
-_REQUIRED = object()
-
-
-class _Section:
-    """Typed reads of one config section; errors name the file, the field (with its section) and the model_type.
-
-    A field set to null counts as absent (HF writes null for unset optional fields)."""
-
-    def __init__(self, section: dict, origin: str, where: str, model_type: str):
-        self.section, self.origin, self.where, self.model_type = section, origin, where, model_type
-
-    def fail(self, key: str, what: str) -> ConfigError:
-        return ConfigError(self.origin, self.where + key, f"{self.where}{key} {what}")
-
-    def raw(self, key: str, default=_REQUIRED):
-        value = self.section.get(key)
-        if value is None:
-            if default is _REQUIRED:
-                raise self.fail(key, f"is missing (model_type {self.model_type} needs it)")
-            return default
-        return value
-
-    def int(self, key: str, default=_REQUIRED) -> int:
-        value = self.raw(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise self.fail(key, f"must be a non-negative integer, got {value!r}")
-        return value
-
-    def float(self, key: str, default=_REQUIRED, value=None) -> float:
-        value = self.raw(key, default) if value is None else value
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise self.fail(key, f"must be a number, got {value!r}")
-        return float(value)
-
-    def bool(self, key: str, default: bool) -> bool:
-        value = self.raw(key, default)
-        if not isinstance(value, bool):
-            raise self.fail(key, f"must be true or false, got {value!r}")
-        return value
-
-    def ints(self, key: str) -> tuple[int, ...]:
-        value = self.raw(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise self.fail(key, f"must be a list of integers, got {value!r}")
-        return tuple(value)
-
-    def object(self, key: str) -> dict | None:
-        value = self.section.get(key)
-        if value is not None and not isinstance(value, dict):
-            raise self.fail(key, f"must be an object, got {value!r}")
-        return value
-
-    def optional_id(self, key: str, fallback: dict | None = None) -> int | None:
-        value = self.section[key] if key in self.section else (fallback or {}).get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _layer_types(f: _Section, num_layers: int) -> tuple[str, ...]:
-    types = f.raw("layer_types", None)
-    if types is None:  # the older form (and HF's default): every `full_attention_interval`-th layer is full
-        interval = f.int("full_attention_interval", 4)
-        if interval == 0:
-            raise f.fail("full_attention_interval", "must be a positive integer, got 0")
-        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if (not isinstance(types, list) or len(types) != num_layers
-            or not all(t in ("full_attention", "linear_attention") for t in types)):
-        raise f.fail("layer_types", f"must list full_attention / linear_attention for each of the {num_layers} "
-                                    "layers")
-    return tuple(types)
-
-
-def _rope(f: _Section, family: str) -> tuple[tuple[str, object], ...]:
-    """The normalised rope of either form: rope_parameters (transformers 5), else rope_scaling plus top-level
-    rope_theta / partial_rotary_factor; a key in rope_parameters wins over the same key elsewhere. mRoPE follows
-    transformers: interleaved with a default section for the mRoPE families, absent for the others."""
-    params: dict = {}
-    for key in ("rope_scaling", "rope_parameters"):
-        params.update(f.object(key) or {})
-    source = "rope_parameters" if f.section.get("rope_parameters") else "rope_scaling"
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(f.origin, f"{f.where}{source}.rope_type", f"{f.where}{source}: rope_type {rope_type!r} "
-                                                                    f"is not supported (only {' / '.join(ROPE_TYPES)})")
-    def number(key: str, default: float) -> float:  # from the rope dict where it has the key, else top level
-        return f.float(f"{source}.{key}" if key in params else key, default, value=params.get(key))
-
-    theta, partial = number("rope_theta", 10000.0), number("partial_rotary_factor", 1.0)
-    rope: dict = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial}
-    if not FAMILIES[family].mrope:
-        return tuple(sorted(rope.items()))
-    section = params.get("mrope_section") or list(DEFAULT_MROPE_SECTION)
-    if (not isinstance(section, list) or len(section) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in section)):
-        raise f.fail(f"{source}.mrope_section", f"must be a list of 3 non-negative integers, got {section!r}")
-    if params.get("mrope_interleaved", True) is not True:
-        raise f.fail(f"{source}.mrope_interleaved", f"is {params['mrope_interleaved']!r}, but transformers' "
-                                                    f"{family} always interleaves mRoPE; set it to true or remove it")
-    rope.update(mrope_section=tuple(section), mrope_interleaved=True)
-    return tuple(sorted(rope.items()))
-
-
-def _check_token_ids(sections: list[_Section], vocab_size: int) -> None:
-    """Every token id a config names must index the vocabulary (an id past it fails deep in a build)."""
-    for f in sections:
-        for key in TOKEN_ID_FIELDS:
-            value = f.section.get(key)
-            for token in value if isinstance(value, list) else [] if value is None else [value]:
-                if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token < vocab_size:
-                    raise f.fail(key, f"is {value!r}; token ids must be integers below vocab_size {vocab_size}")
-
-
 def _model_type(config: dict, origin: str) -> tuple[str, str, bool]:
     """(model_type, family, whether it is a VL wrapper) of a config."""
     if not isinstance(config, dict):
@@ -402,78 +286,84 @@ def _model_type(config: dict, origin: str) -> tuple[str, str, bool]:
     return model_type, entry.family.name, entry.wrapped
 
 
+def _vision_arch(v) -> VisionArch:
+    """The VisionArch of a validated qbuild.model.config.VisionConfig."""
+    return VisionArch(depth=v.depth, hidden_size=v.hidden_size, num_heads=v.num_heads,
+                      intermediate_size=v.intermediate_size, out_hidden_size=v.out_hidden_size,
+                      patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                      spatial_merge_size=v.spatial_merge_size, num_position_embeddings=v.num_position_embeddings,
+                      in_channels=v.in_channels)
+
+
+def _single_id(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _text_id(text, top, key: str) -> int | None:
+    """A token id of the text model; a wrapper's text_config without it takes the wrapper's."""
+    return text.single_id(key) if getattr(text, key) is not None else top.single_id(key)
+
+
 def vision_from_config(config: dict, origin: str = "config.json") -> tuple[VisionArch, dict] | None:
     """The vision encoder of a VL wrapper (None where the config has no vision_config), and its host-side facts
     {"vision_rope_theta", "image_token_id", "vision_start_token_id"} (ids None where absent).
 
     Reads model_type and vision_config only, so that a vision graph's config needs no text_config.
     """
+    # qbuild.model.config imports pydantic: only reading a config.json needs it, not a worker that rebuilds an Arch
+    # from its fingerprint.
+    from qbuild.model.config import validated_vision
+
     model_type, _, wrapped = _model_type(config, origin)
-    top = _Section(config, origin, "", model_type)
-    section = top.object("vision_config") if wrapped else None
+    section = config.get("vision_config") if wrapped else None
     if section is None:
         return None
-    f = _Section(section, origin, "vision_config.", model_type)
-    act = f.raw("hidden_act", VISION_HIDDEN_ACT)
-    if act != VISION_HIDDEN_ACT:
-        raise f.fail("hidden_act", f"{act!r} is not supported (expected {VISION_HIDDEN_ACT})")
-    vision = VisionArch(
-        depth=f.int("depth"), hidden_size=f.int("hidden_size"), num_heads=f.int("num_heads"),
-        intermediate_size=f.int("intermediate_size"), out_hidden_size=f.int("out_hidden_size"),
-        patch_size=f.int("patch_size", 16), temporal_patch_size=f.int("temporal_patch_size", 2),
-        spatial_merge_size=f.int("spatial_merge_size", 2),
-        num_position_embeddings=f.int("num_position_embeddings", 2304), in_channels=f.int("in_channels", 3))
-    rope = f.object("rope_parameters") or {}
-    return vision, {"vision_rope_theta": f.float("rope_parameters.rope_theta", 10000.0, value=rope.get("rope_theta")),
-                    "image_token_id": top.optional_id("image_token_id"),
-                    "vision_start_token_id": top.optional_id("vision_start_token_id")}
+    vision = validated_vision(section, origin, model_type)
+    return _vision_arch(vision), {"vision_rope_theta": vision.rope_parameters.rope_theta,
+                                  "image_token_id": _single_id(config.get("image_token_id")),
+                                  "vision_start_token_id": _single_id(config.get("vision_start_token_id"))}
 
 
 def arch_from_config(config: dict, origin: str = "config.json") -> Arch:
     """Normalise a HF config (a VL wrapper or a text-only one, either config form) into an Arch.
 
-    `origin` names the file in errors: a ConfigError (a UserError) of one line naming it and the field.
+    `origin` names the file in errors: a ConfigError (a UserError) of one line naming it and the field, raised by
+    qbuild.model.config's schema before anything is built from the config.
     """
-    model_type, family, wrapped = _model_type(config, origin)
-    top = _Section(config, origin, "", model_type)
-    if wrapped:
-        text = config.get("text_config")
-        if not isinstance(text, dict):
-            raise top.fail("text_config", "is missing or not an object")
-        f = _Section(text, origin, "text_config.", model_type)
-    else:
-        text, f = config, top
-    moe, layout_fields = FAMILIES[family].moe, FAMILIES[family].moe_layout_fields
-    n = f.int("num_hidden_layers")
-    layer_types = _layer_types(f, n)
-    heads, hidden = f.int("num_attention_heads"), f.int("hidden_size")
-    step = (f.int("decoder_sparse_step", 1) or 1) if layout_fields else 1
-    mlp_only = f.ints("mlp_only_layers") if layout_fields else ()
-    has_dense = not all(_is_moe_layer(i, moe, step, mlp_only) for i in range(n))
-    vision, host = vision_from_config(config, origin) or (None, {})
-    tie = config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    vocab_size = f.int("vocab_size")
-    _check_token_ids([top, f] if wrapped else [f], vocab_size)
-    max_positions = f.raw("max_position_embeddings", None)
-    if max_positions is not None:
-        max_positions = f.int("max_position_embeddings")
-    return Arch(
-        family=family, vocab_size=vocab_size, hidden_size=hidden, num_layers=n, layer_types=layer_types,
-        num_heads=heads, num_kv_heads=f.int("num_key_value_heads"),
-        head_dim=f.int("head_dim", hidden // heads if heads else 0),
-        # An MoE model's dense MLP size matters only where it has dense layers.
-        intermediate_size=f.int("intermediate_size") if has_dense else None,
-        num_k_heads=f.int("linear_num_key_heads"), num_v_heads=f.int("linear_num_value_heads"),
-        k_head_dim=f.int("linear_key_head_dim"), v_head_dim=f.int("linear_value_head_dim"),
-        conv_kernel=f.int("linear_conv_kernel_dim", 4),
-        num_experts=f.int("num_experts") if moe else None,
-        num_experts_per_tok=f.int("num_experts_per_tok") if moe else None,
-        moe_intermediate_size=f.int("moe_intermediate_size") if moe else None,
-        shared_intermediate_size=f.int("shared_expert_intermediate_size") if moe else None,
-        rope=_rope(f, family), rms_norm_eps=f.float("rms_norm_eps", 1e-6), tie_word_embeddings=bool(tie),
-        vision=vision,
-        norm_topk_prob=f.bool("norm_topk_prob", True) if layout_fields else True,
-        decoder_sparse_step=step, mlp_only_layers=mlp_only,
-        max_position_embeddings=max_positions,
-        pad_token_id=f.optional_id("pad_token_id", config), eos_token_id=f.optional_id("eos_token_id", config), **host)
+    from qbuild.model.config import validated  # pydantic: see vision_from_config
 
+    _, family, wrapped = _model_type(config, origin)
+    parsed = validated(config, origin)
+    text = parsed.text_config if wrapped else parsed
+    vision = parsed.vision_config if wrapped else None
+    moe, layout_fields = FAMILIES[family].moe, FAMILIES[family].moe_layout_fields
+    n = text.num_hidden_layers
+    step = text.decoder_sparse_step if layout_fields else 1
+    mlp_only = tuple(text.mlp_only_layers) if layout_fields else ()
+    has_dense = not all(_is_moe_layer(i, moe, step, mlp_only) for i in range(n))
+    host = {}
+    if vision is not None:
+        host = {"vision_rope_theta": vision.rope_parameters.rope_theta,
+                "image_token_id": parsed.single_id("image_token_id"),
+                "vision_start_token_id": parsed.single_id("vision_start_token_id")}
+    tie = parsed.tie_word_embeddings if parsed.tie_word_embeddings is not None else text.tie_word_embeddings
+    return Arch(
+        family=family, vocab_size=text.vocab_size, hidden_size=text.hidden_size, num_layers=n,
+        layer_types=text.layer_kinds, num_heads=text.num_attention_heads, num_kv_heads=text.num_key_value_heads,
+        head_dim=text.attention_head_dim,
+        # An MoE model's dense MLP size matters only where it has dense layers.
+        intermediate_size=text.intermediate_size if has_dense else None,
+        num_k_heads=text.linear_num_key_heads, num_v_heads=text.linear_num_value_heads,
+        k_head_dim=text.linear_key_head_dim, v_head_dim=text.linear_value_head_dim,
+        conv_kernel=text.linear_conv_kernel_dim,
+        num_experts=text.num_experts if moe else None,
+        num_experts_per_tok=text.num_experts_per_tok if moe else None,
+        moe_intermediate_size=text.moe_intermediate_size if moe else None,
+        shared_intermediate_size=text.shared_expert_intermediate_size if moe else None,
+        rope=tuple(sorted(text.rope().items())), rms_norm_eps=text.rms_norm_eps, tie_word_embeddings=bool(tie),
+        vision=None if vision is None else _vision_arch(vision),
+        norm_topk_prob=text.norm_topk_prob if layout_fields else True,
+        decoder_sparse_step=step, mlp_only_layers=mlp_only,
+        max_position_embeddings=text.max_position_embeddings,
+        pad_token_id=_text_id(text, parsed, "pad_token_id"), eos_token_id=_text_id(text, parsed, "eos_token_id"),
+        **host)
