@@ -158,11 +158,22 @@ def print_build_result(plan: Plan, result: BuildResult, progress: BuildProgress,
 
 
 def result_json(plan: Plan, result: BuildResult) -> dict:
+    """`qbuild compile --json`: every node keyed by its id (names are not unique: recipes can share a step), and
+    the names of the nodes by outcome, for a reader that only counts or greps."""
     def names(ids):
         return sorted(plan.nodes[n].name for n in ids)
 
-    return {"ok": result.ok, "built": names(result.built), "cached": names(result.cached),
-            "failed": {plan.nodes[n].name: e for n, e in sorted(result.failed.items())},
+    outcome = {n: "not run" for n in plan.nodes}
+    for kind, ids in (("built", result.built), ("cached", result.cached), ("failed", result.failed),
+                      ("skipped", result.skipped), ("deferred", result.deferred)):
+        outcome.update(dict.fromkeys(ids, kind))
+    nodes = {}
+    for nid, status in sorted(outcome.items()):
+        nodes[nid] = {"name": plan.nodes[nid].name, "kind": plan.nodes[nid].kind, "status": status}
+        if nid in result.failed:
+            nodes[nid]["error"] = result.failed[nid]
+    return {"ok": result.ok, "nodes": nodes, "built": names(result.built), "cached": names(result.cached),
+            "failed": {n: {"name": plan.nodes[n].name, "error": e} for n, e in sorted(result.failed.items())},
             "skipped": names(result.skipped), "deferred": names(result.deferred),
             "bundles": {name: result.manifests[pr.bundle].digest if pr.bundle in result.manifests else None
                         for name, pr in sorted(plan.recipes.items())}}
@@ -382,8 +393,8 @@ def generation_text(gen) -> None:
 
 
 def bench_table(doc: dict) -> None:
-    """A human summary of `qbuild bench` on stderr (the JSON goes to stdout)."""
+    """`qbuild bench`'s table on stdout: one row per prompt length, the median TTFT and TPOT and the decode rate."""
+    print(f"{'prompt':>6}  {'bucket':>6}  {'TTFT ms':>9}  {'TPOT ms':>9}  {'tok/s':>8}")
     for p in doc["points"]:
-        console_err().print(f"prompt {p['prompt_len']:>6} (bucket {p['cte_bucket']}): TTFT {p['ttft_ms']['median']:.1f}"
-                            f" ms median, TPOT {p['tpot_ms']['median']:.2f} ms median, {p['decode_tok_s']:.1f} tok/s",
-                            markup=False, highlight=False)
+        print(f"{p['prompt_len']:>6}  {p['cte_bucket']:>6}  {p['ttft_ms']['median']:>9.1f}  "
+              f"{p['tpot_ms']['median']:>9.2f}  {p['decode_tok_s']:>8.1f}")
