@@ -1,7 +1,5 @@
 """The qbuild command line: parse flags, call the library, render. stdout carries data; stderr the rest."""
 
-from __future__ import annotations
-
 import os
 import sys
 from collections.abc import Iterator

@@ -249,7 +249,11 @@ class BuildProgress:
                f"{len(result.skipped)} skipped in {took:.1f}s")
         if result.deferred:
             msg += f"; {len(result.deferred)} left unbuilt (--skip-device)"
-        console_err().print(msg, markup=False, highlight=False)
+        if self.tty:
+            console_err().print(msg, markup=False, highlight=False)
+        else:
+            # Words and numbers, which rich would write unchanged: a no-op build does not load rich for one line.
+            print(msg, file=sys.stderr)
 
 
 # --- transfers and gc ------------------------------------------------------------------------------------------
