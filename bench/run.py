@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,6 +43,19 @@ def timed(cmd: list[str], repeat: int = 5, before=None, **kw) -> float:
         subprocess.run(cmd, check=True, capture_output=True, **kw)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
+
+
+def timed_wall_cpu(cmd: list[str], repeat: int = 11, **kw) -> tuple[float, float]:
+    """Median wall time and median CPU time (user + system) of a command, in seconds. CPU time hardly moves when
+    other work shares the machine, so its ratios hold where wall-time ratios are noise."""
+    wall, cpu = [], []
+    for _ in range(repeat):
+        before, t = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True, **kw)
+        wall.append(time.perf_counter() - t)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def bench_env(**extra: str) -> dict:
@@ -167,13 +181,13 @@ def bench_planning(args) -> dict:
     plan, plan_json, noop = [QBUILD, "plan", "--all"], [QBUILD, "plan", "--all", "--json"], [QBUILD, "compile", "--all"]
     for cmd in (plan, plan_json, noop):
         warm_up(cmd, env=env, cwd=cwd)
-    baseline = timed([sys.executable, "-c", "pass"], env=env, cwd=cwd, repeat=11)
-    out = {"python_pass_s": baseline, "plan_s": timed(plan, env=env, cwd=cwd, repeat=11),
-           "plan_json_s": timed(plan_json, env=env, cwd=cwd, repeat=11),
-           "noop_compile_s": timed(noop, env=env, cwd=cwd, repeat=11)}
-    out.update({"plan_ratio_vs_python": out["plan_s"] / baseline,
-                "plan_json_ratio_vs_python": out["plan_json_s"] / baseline,
-                "noop_ratio_vs_python": out["noop_compile_s"] / baseline})
+    out = {}
+    for name, cmd in (("python_pass", [sys.executable, "-c", "pass"]), ("plan", plan), ("plan_json", plan_json),
+                      ("noop_compile", noop)):
+        out[f"{name}_s"], out[f"{name}_cpu_s"] = timed_wall_cpu(cmd, env=env, cwd=cwd)
+    for name in ("plan", "plan_json", "noop_compile"):
+        out[f"{name}_ratio_vs_python"] = out[f"{name}_s"] / out["python_pass_s"]
+        out[f"{name}_cpu_ratio_vs_python"] = out[f"{name}_cpu_s"] / out["python_pass_cpu_s"]
     plan_doc = json.loads(subprocess.run(plan_json, env=env, cwd=cwd, check=True, capture_output=True,
                                          text=True).stdout)
     out["stages"] = len(plan_doc["nodes"])
@@ -186,13 +200,13 @@ def bench_planning(args) -> dict:
     subprocess.run(["git", "init", "-q"], cwd=d, check=True)
     subprocess.run([str(dvc), "init", "-q"], cwd=d, check=True)
     subprocess.run([str(dvc), "repro", "-q"], cwd=d, check=True, capture_output=True)
-    repro = timed([str(dvc), "repro", "-q"], cwd=d, repeat=5)
-    status = timed([str(dvc), "status", "-q"], cwd=d, repeat=5)
-    out.update({"dvc_repro_noop_s": repro, "dvc_status_s": status,
-                "plan_speedup_vs_dvc_status": status / out["plan_s"],
-                "plan_speedup_vs_dvc_repro": repro / out["plan_s"],
-                "noop_speedup_vs_dvc_status": status / out["noop_compile_s"],
-                "noop_speedup_vs_dvc_repro": repro / out["noop_compile_s"]})
+    out["dvc_repro_noop_s"], out["dvc_repro_noop_cpu_s"] = timed_wall_cpu([str(dvc), "repro", "-q"], cwd=d, repeat=5)
+    out["dvc_status_s"], out["dvc_status_cpu_s"] = timed_wall_cpu([str(dvc), "status", "-q"], cwd=d, repeat=5)
+    for name in ("plan", "noop_compile"):
+        for dvc_cmd in ("dvc_status", "dvc_repro_noop"):
+            versus = dvc_cmd.removesuffix("_noop")
+            out[f"{name}_speedup_vs_{versus}"] = out[f"{dvc_cmd}_s"] / out[f"{name}_s"]
+            out[f"{name}_cpu_speedup_vs_{versus}"] = out[f"{dvc_cmd}_cpu_s"] / out[f"{name}_cpu_s"]
     return out
 
 
@@ -296,9 +310,9 @@ BENCHES = {"planning": bench_planning, "plan_scale": bench_plan_scale, "hashing"
 # The targets: (benchmark, figure, comparison, bound, what it says).
 GOALS = [
     ("planning", "plan_ratio_vs_python", "<=", 6.0, "plan --all, x python -c pass"),
-    ("planning", "noop_ratio_vs_python", "<=", 6.0, "no-op compile --all, x python -c pass"),
+    ("planning", "noop_compile_ratio_vs_python", "<=", 6.0, "no-op compile --all, x python -c pass"),
     ("planning", "plan_speedup_vs_dvc_status", ">=", 5.0, "plan --all, times faster than dvc status"),
-    ("planning", "noop_speedup_vs_dvc_repro", ">=", 5.0, "no-op compile --all, times faster than dvc repro"),
+    ("planning", "noop_compile_speedup_vs_dvc_repro", ">=", 5.0, "no-op compile --all, times faster than dvc repro"),
     ("plan_scale", ("n100", "plan_s"), "<", 2.0, "plan --all --json of 100 recipes, seconds"),
 ]
 
