@@ -50,7 +50,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="print the version and exit")) -> None:
-    """Build, verify and publish compiled Qwen3.5 / Qwen3-Next artifacts from YAML recipes."""
+    pass   # a callback only for --version; the commands do the work
 
 
 def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, push: bool = False,
@@ -115,7 +115,8 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
                                                        "(needs a remote; see docs/ray.md)"),
             address: Optional[str] = typer.Option(
                 None, "--address", metavar="auto|HOST:PORT|ray://HOST:PORT", envvar="RAY_ADDRESS",
-                help="Ray cluster for --executor ray [default: auto: the cluster `ray start` runs on this machine]")) -> None:
+                help="Ray cluster for --executor ray [default: auto: the cluster `ray start` runs on this "
+                     "machine]")) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
     from qbuild.build.engine import BuildOptions, raise_for
     from qbuild.render import BuildProgress, TransferDisplay, print_build_result
