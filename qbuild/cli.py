@@ -1,21 +1,22 @@
 """The qbuild command line: parse flags, call the library, render. stdout carries data; stderr the rest."""
 
-from __future__ import annotations
-
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+import qbuild
+from qbuild.backends import NAMES as BACKEND_NAMES
 from qbuild.core import jsonio
 from qbuild.core.errors import QbuildError, UserError
 from qbuild.model.families import FAMILIES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build, verify and publish compiled Qwen3.5 / Qwen3-Next artifacts from YAML recipes.")
 recipe_app = typer.Typer(no_args_is_help=True, help="Validate recipes and print their schema.")
 lock_app = typer.Typer(no_args_is_help=True, help="Check the lockfile against the store.")
@@ -24,19 +25,36 @@ app.add_typer(recipe_app, name="recipe")
 app.add_typer(lock_app, name="lock")
 app.add_typer(store_app, name="store")
 
-StoreOpt = typer.Option(None, "--store", help="local store directory [default: $QBUILD_STORE or ~/.cache/qbuild/store]")
+# Enums make click check the value and name the choices in --help and in its usage error.
+BackendName = Enum("BackendName", {name: name for name in BACKEND_NAMES}, type=str)
+ExecutorName = Enum("ExecutorName", {name: name for name in ("local", "ray")}, type=str)
+
+StoreOpt = typer.Option(None, "--store", envvar="QBUILD_STORE",
+                        help="local store directory [default: $XDG_CACHE_HOME/qbuild/store, or ~/.cache/qbuild/store]")
 LockOpt = typer.Option(Path("artifacts.lock"), "--lock", help="lockfile path")
 JsonOpt = typer.Option(False, "--json", help="machine-readable output on stdout")
 AllOpt = typer.Option(False, "--all", help="every recipe in ./recipes")
-BackendOpt = typer.Option(None, "--backend", metavar="[neuron|inductor|export]",
+BackendOpt = typer.Option(None, "--backend",
                           help="build on this backend instead of the recipe's (e.g. a CPU proof of a neuron recipe; "
                                "locked as <name>@<backend>)")
-RemoteOpt = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX",
-                         help="remote store to read through [default: $QBUILD_REMOTE, else remote: in ./qbuild.yaml]")
+RemoteOpt = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX", envvar="QBUILD_REMOTE",
+                         help="remote store to read through [default: remote: in ./qbuild.yaml]")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"qbuild {qbuild.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    pass   # a callback only for --version; the commands do the work
 
 
 def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, push: bool = False,
-               backend: Optional[str] = None, transfers=None):
+               backend: Optional[BackendName] = None, transfers=None):
     """The command's Workspace; `transfers` (a render.TransferDisplay) shows what its remote-backed store moves."""
     from qbuild.store import StoreSpec, default_store_path, resolve_remote
     from qbuild.build.workspace import Workspace
@@ -50,10 +68,8 @@ def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, 
         from qbuild.store.s3 import parse_remote
 
         parse_remote(url)  # a malformed URL is a one-line error before any work starts
-    if backend is not None and backend not in ("neuron", "inductor", "export"):
-        raise UserError(f"--backend: {backend!r} is not one of neuron, inductor, export")
     spec = StoreSpec(local=str(root.resolve()), remote=url, push=push)
-    return Workspace(spec, lock_path=lock, backend=backend, progress=transfers)
+    return Workspace(spec, lock_path=lock, backend=None if backend is None else backend.value, progress=transfers)
 
 
 def _err(msg: str) -> None:
@@ -67,7 +83,7 @@ def _err(msg: str) -> None:
 @app.command()
 def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: bool = AllOpt,
          json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-         remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt) -> None:
+         remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt) -> None:
     """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
     from qbuild.render import print_plan
 
@@ -79,7 +95,7 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
 # --- compile ---------------------------------------------------------------------------------------------------
 
 @app.command()
-def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: bool = AllOpt,
+def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="recipe files"), all_: bool = AllOpt,
             jobs: Optional[int] = typer.Option(None, "-j", "--jobs", min=1,
                                                help="steps run at once (default: 1 locally, 256 in flight on Ray)"),
             mem: Optional[str] = typer.Option(None, "--mem", help="memory budget for concurrent steps, e.g. 20G"),
@@ -91,16 +107,16 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
                                              help="leave steps that need a Neuron device (verifying a neuron bundle) "
                                                   "unbuilt on a host without one, instead of failing"),
             json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-            remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt,
+            remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt,
             verbose: bool = typer.Option(False, "-v", "--verbose",
                                          help="also show what each step's libraries printed (warnings, progress)"),
-            executor: str = typer.Option("local", "--executor", metavar="[local|ray]",
-                                         help="where steps run: a local process pool, or a Ray cluster (needs a "
-                                              "remote; see docs/ray.md)"),
+            executor: ExecutorName = typer.Option(ExecutorName.local, "--executor",
+                                                  help="where steps run: a local process pool, or a Ray cluster "
+                                                       "(needs a remote; see docs/ray.md)"),
             address: Optional[str] = typer.Option(
-                None, "--address", metavar="auto|HOST:PORT|ray://HOST:PORT",
-                help="Ray cluster for --executor ray (default: $RAY_ADDRESS, else auto: the cluster `ray start` "
-                     "runs on this machine)")) -> None:
+                None, "--address", metavar="auto|HOST:PORT|ray://HOST:PORT", envvar="RAY_ADDRESS",
+                help="Ray cluster for --executor ray [default: auto: the cluster `ray start` runs on this "
+                     "machine]")) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
     from qbuild.build.engine import BuildOptions, raise_for
     from qbuild.render import BuildProgress, TransferDisplay, print_build_result
@@ -108,7 +124,10 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
 
     explicit_budget = None if mem is None else parse_size(mem, "--mem", allow_zero=False)
     ws = _workspace(store, lock, remote, push=push, backend=backend, transfers=TransferDisplay(bars=False))
-    factory, jobs, default_mem = _executor(executor, address, jobs, ws)
+    # $RAY_ADDRESS is meant for Ray: a local build ignores it; only an --address given here must go with Ray.
+    source = ctx.get_parameter_source("address")
+    address_given = source is not None and source.name == "COMMANDLINE"
+    factory, jobs, default_mem = _executor(executor.value, address, address_given, jobs, ws)
     loaded = ws.load(recipes or [], all_)
     budget = explicit_budget if mem is not None else default_mem
     options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict,
@@ -123,10 +142,10 @@ def compile(recipes: list[str] = typer.Argument(None, help="recipe files"), all_
 RAY_JOBS = 256      # steps in flight on a Ray cluster by default; Ray queues them by their declared resources
 
 
-def _executor(name: str, address: Optional[str], jobs: Optional[int], ws):
+def _executor(name: str, address: Optional[str], address_given: bool, jobs: Optional[int], ws):
     """(executor factory, jobs, default memory budget) for --executor. Ray is imported only when a step runs."""
     if name == "local":
-        if address is not None:
+        if address_given:
             raise UserError("--address: only used with --executor ray")
         from qbuild.build.executors.local import LocalExecutor
 
@@ -136,10 +155,10 @@ def _executor(name: str, address: Optional[str], jobs: Optional[int], ws):
         from qbuild.build.executors.ray import RayExecutor, require_remote
 
         require_remote(ws.store_spec)
-        address = address or os.environ.get("RAY_ADDRESS") or "auto"
+        address = address or "auto"
         # No default budget: each Ray task reserves its own memory estimate on the worker that runs it.
         return (lambda: RayExecutor(ws.store, address, ws.registry)), jobs or RAY_JOBS, None
-    raise UserError(f"--executor: {name!r} is not one of local, ray")
+    raise AssertionError(f"--executor {name}: click lets only the ExecutorName choices through")
 
 
 def _push_results(ws, result):
@@ -165,7 +184,7 @@ def _default_mem() -> int:
 def explain(target: str = typer.Argument(..., help="a recipe file, or a node id (prefix) / name from `qbuild plan`"),
             recipes: list[str] = typer.Option(None, "--recipe", help="recipes to search for a node (default: --all)"),
             json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-            remote: Optional[str] = RemoteOpt, backend: Optional[str] = BackendOpt) -> None:
+            remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt) -> None:
     """Say why a node (or each node of a recipe) would rebuild: the key fields that changed, or "cached"."""
     ws = _workspace(store, lock, remote, backend=backend)
     if target.endswith((".yaml", ".yml")) or Path(target).is_file():
@@ -459,9 +478,10 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
           repeats: int = typer.Option(5, "--repeats", min=1, help="timed runs per prompt length"),
           warmup: int = typer.Option(1, "--warmup", min=0, help="untimed runs first"),
           new_tokens: int = typer.Option(16, "--new-tokens", min=2, help="tokens generated per run"),
-          out: Optional[Path] = typer.Option(None, "--out", help="also write the JSON here"),
-          store: Optional[Path] = StoreOpt, lock: Path = LockOpt, remote: Optional[str] = RemoteOpt) -> None:
-    """Sweep prompt lengths 16, 64, 256, ... up to the largest CTE bucket; print TTFT / TPOT statistics as JSON."""
+          out: Optional[Path] = typer.Option(None, "--out", help="also write the JSON document here"),
+          json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+          remote: Optional[str] = RemoteOpt) -> None:
+    """Sweep prompt lengths 16, 64, 256, ... up to the largest CTE bucket; print TTFT / TPOT statistics."""
     from qbuild.render import bench_table
     from qbuild.model.runtime.bench import bench as run_bench, to_json
 
@@ -472,8 +492,10 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         from qbuild.store import atomic_write
 
         atomic_write(out, (text + "\n").encode())
-    print(text)
-    bench_table(doc)
+    if json_:
+        print(text)
+    else:
+        bench_table(doc)
 
 
 def main() -> None:

@@ -1,19 +1,18 @@
 """Rendering for the CLI: plan trees, build progress, JSON documents. The only module that prints.
 
-It imports neither the planner nor the engine (their types are only annotations here), and rich only when it draws
-something rich must draw: the plan cache's fast path renders cached plans with these same functions.
+It imports neither the planner nor the engine (their types are only annotations here), and rich only when it draws:
+a command that prints JSON, or nothing, does not pay for loading it.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from functools import cache
+from typing import TYPE_CHECKING
 
 from qbuild.core import jsonio
 
-TYPE_CHECKING = False   # typing.TYPE_CHECKING without loading typing, which a cached answer does not need
 if TYPE_CHECKING:
     from qbuild.build.engine import BuildResult, Event
     from qbuild.store.gc import GcReport
@@ -39,44 +38,6 @@ def console_out():
     return Console(highlight=False)
 
 
-# A line rich would print unchanged: no emoji codes (":"), markup ("["), tabs or control characters to rewrite.
-_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 ,.()-_/+%")
-
-
-def _rich_width() -> int:
-    """The width rich's Console gives itself (rich.console.Console.size, off Windows and Jupyter)."""
-    width = None
-    for fd in (0, 1, 2):
-        try:
-            width = os.get_terminal_size(fd)[0]
-            break
-        except (AttributeError, ValueError, OSError):
-            continue
-    columns = os.environ.get("COLUMNS")
-    if columns is not None and columns.isdigit():
-        width = int(columns)
-    return width or 80
-
-
-def plain_text_context(stream) -> str | None:
-    """What rich's output to `stream` depends on when it is plain text (no terminal, none forced): the width and
-    the encoding (tree guides are ASCII off UTF-8). None where rich would write escape codes."""
-    if stream.isatty() or "FORCE_COLOR" in os.environ or "TTY_COMPATIBLE" in os.environ:
-        return None
-    return f"{_rich_width()}:{(getattr(stream, 'encoding', None) or 'utf-8').lower()}"
-
-
-def print_err_line(msg: str) -> None:
-    """`msg` on stderr exactly as console_err().print(msg, markup=False, highlight=False) prints it, without
-    importing rich where that is plain text: not a terminal, nothing to rewrite, no wrapping."""
-    plain = plain_text_context(sys.stderr) is not None and set(msg) <= _PLAIN and len(msg) < _rich_width()
-    if plain:
-        sys.stderr.write(msg + "\n")
-        sys.stderr.flush()
-    else:
-        console_err().print(msg, markup=False, highlight=False)
-
-
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -95,17 +56,11 @@ def _label(plan: Plan, nid: str, st: NodeStatus) -> str:
             f"{why}  [dim]out {human_bytes(node.est_out_bytes)}, peak {human_bytes(node.est_peak_bytes)}[/]")
 
 
-def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> str:
-    """One tree per recipe, rooted at its verify node; each node's children are its inputs. Returns what it
-    printed (rendered as printing it would, then written at once)."""
+def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
+    """One tree per recipe, rooted at its verify node; each node's children are its inputs."""
     from rich.tree import Tree
 
-    out = console_out()
-    with out.capture() as captured:
-        _print_trees(out, Tree, plan, status)
-    text = captured.get()
-    sys.stdout.write(text)
-    return text
+    _print_trees(console_out(), Tree, plan, status)
 
 
 def _print_trees(out, Tree, plan: Plan, status: dict[str, NodeStatus]) -> None:
@@ -129,26 +84,12 @@ def _print_trees(out, Tree, plan: Plan, status: dict[str, NodeStatus]) -> None:
         out.print(root)
 
 
-def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool, replay: dict[str, str] | None = None) \
-        -> dict[str, str]:
-    """`qbuild plan`'s output: the JSON document on stdout, or the trees.
-
-    What it printed is returned as {context: text}, where the context is "json" or the plain-text context of the
-    trees; given back as `replay` for the same plan and statuses, a matching text is written as is, without loading
-    rich or reading the plan again (a replayed plan is plain attribute objects: no properties, no methods)."""
+def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool) -> None:
+    """`qbuild plan`'s output: the JSON document on stdout, or the trees."""
     if as_json:
-        if replay and "json" in replay:
-            sys.stdout.write(replay["json"])
-            return {"json": replay["json"]}
-        text = jsonio.dumps(plan_json(plan, status), indent=1, sort_keys=True) + "\n"
-        sys.stdout.write(text)
-        return {"json": text}
-    context = plain_text_context(sys.stdout)
-    if context is not None and replay and context in replay:
-        sys.stdout.write(replay[context])
-        return {context: replay[context]}
-    text = plan_tree(plan, status)
-    return {} if context is None else {context: text}
+        sys.stdout.write(jsonio.dumps(plan_json(plan, status), indent=1, sort_keys=True) + "\n")
+    else:
+        plan_tree(plan, status)
 
 
 def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
@@ -217,11 +158,22 @@ def print_build_result(plan: Plan, result: BuildResult, progress: BuildProgress,
 
 
 def result_json(plan: Plan, result: BuildResult) -> dict:
+    """`qbuild compile --json`: every node keyed by its id (names are not unique: recipes can share a step), and
+    the names of the nodes by outcome, for a reader that only counts or greps."""
     def names(ids):
         return sorted(plan.nodes[n].name for n in ids)
 
-    return {"ok": result.ok, "built": names(result.built), "cached": names(result.cached),
-            "failed": {plan.nodes[n].name: e for n, e in sorted(result.failed.items())},
+    outcome = {n: "not run" for n in plan.nodes}
+    for kind, ids in (("built", result.built), ("cached", result.cached), ("failed", result.failed),
+                      ("skipped", result.skipped), ("deferred", result.deferred)):
+        outcome.update(dict.fromkeys(ids, kind))
+    nodes = {}
+    for nid, status in sorted(outcome.items()):
+        nodes[nid] = {"name": plan.nodes[nid].name, "kind": plan.nodes[nid].kind, "status": status}
+        if nid in result.failed:
+            nodes[nid]["error"] = result.failed[nid]
+    return {"ok": result.ok, "nodes": nodes, "built": names(result.built), "cached": names(result.cached),
+            "failed": {n: {"name": plan.nodes[n].name, "error": e} for n, e in sorted(result.failed.items())},
             "skipped": names(result.skipped), "deferred": names(result.deferred),
             "bundles": {name: result.manifests[pr.bundle].digest if pr.bundle in result.manifests else None
                         for name, pr in sorted(plan.recipes.items())}}
@@ -297,7 +249,11 @@ class BuildProgress:
                f"{len(result.skipped)} skipped in {took:.1f}s")
         if result.deferred:
             msg += f"; {len(result.deferred)} left unbuilt (--skip-device)"
-        print_err_line(msg)
+        if self.tty:
+            console_err().print(msg, markup=False, highlight=False)
+        else:
+            # Words and numbers, which rich would write unchanged: a no-op build does not load rich for one line.
+            print(msg, file=sys.stderr)
 
 
 # --- transfers and gc ------------------------------------------------------------------------------------------
@@ -441,8 +397,8 @@ def generation_text(gen) -> None:
 
 
 def bench_table(doc: dict) -> None:
-    """A human summary of `qbuild bench` on stderr (the JSON goes to stdout)."""
+    """`qbuild bench`'s table on stdout: one row per prompt length, the median TTFT and TPOT and the decode rate."""
+    print(f"{'prompt':>6}  {'bucket':>6}  {'TTFT ms':>9}  {'TPOT ms':>9}  {'tok/s':>8}")
     for p in doc["points"]:
-        console_err().print(f"prompt {p['prompt_len']:>6} (bucket {p['cte_bucket']}): TTFT {p['ttft_ms']['median']:.1f}"
-                            f" ms median, TPOT {p['tpot_ms']['median']:.2f} ms median, {p['decode_tok_s']:.1f} tok/s",
-                            markup=False, highlight=False)
+        print(f"{p['prompt_len']:>6}  {p['cte_bucket']:>6}  {p['ttft_ms']['median']:>9.1f}  "
+              f"{p['tpot_ms']['median']:>9.2f}  {p['decode_tok_s']:>8.1f}")

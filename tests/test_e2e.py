@@ -139,7 +139,8 @@ def test_pulled_vl_bundle_runs_an_image_prompt_unpickling_only_graph_examples_an
     assert tokens == image_record["greedy"][:len(tokens)] and tokens  # the run may stop early at EOS
     # The run loaded the text and vision graphs under the pickle audit, and unpickled nothing else.
     assert violations(events(log)) == [] and any(e["api"] == "torch.load" for e in events(log))
-    proc = ws.qbuild("bench", str(dest), "--repeats", "2", "--warmup", "0", "--new-tokens", "4", check=True)
+    proc = ws.qbuild("bench", str(dest), "--repeats", "2", "--warmup", "0", "--new-tokens", "4", "--json",
+                     check=True)
     points = json.loads(proc.stdout)["points"]
     assert [p["prompt_len"] for p in points] == [16, 32]
     assert all(p["ttft_ms"]["median"] > 0 and p["tpot_ms"]["mean"] > 0 and p["decode_tok_s"] > 0 for p in points)

@@ -371,7 +371,7 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_
             assert f.get_slice(la + "in_proj_qkv.weight").get_shape() == [conv_dim, config["hidden_size"]]
 
     result, stderr = build.compile(write_recipe(build.root / "recipes" / "r27-main.yaml", checkpoint, port))
-    (message,) = [str(v) for k, v in result["failed"].items() if k.startswith("package")]
+    (message,) = [v["error"] for v in result["failed"].values() if v["name"].startswith("package")]
     assert "linear_attn" in message, message
 
 

@@ -106,7 +106,7 @@ class Workspace:
             self.write_lock(plan, result)
         if frozen:
             new = lockmod.merge(lockmod.read(self.lock_path), *self._lock_entries(plan, result))
-            if lockmod.dumps(new) != lockmod.dumps(lockmod.read(self.lock_path)):
+            if not lockmod.same(new, lockmod.read(self.lock_path)):
                 raise BuildError(f"{self.lock_path}: --frozen, but this build would change the lockfile; "
                                  "run `qbuild compile` without --frozen and commit the lockfile")
         return plan, result

@@ -44,6 +44,7 @@ class ActionSpec:
 Registry = Mapping[str, ActionSpec]           # kind -> spec
 
 
+@cache
 def _source_files(name: str) -> list[Path]:
     """The files of module or package `name`, found without importing it or its parents: find_spec of a submodule
     imports its package, and qbuild.model.convert's imports torch, which planning must not."""
@@ -69,8 +70,14 @@ def _source_hash(sources: tuple[str, ...]) -> str:
     parts = []
     for name in sources:
         for path in _source_files(name):
-            parts.append(f"{name}:{path.name}:{digest_bytes(path.read_bytes())}")
+            parts.append(f"{name}:{path.name}:{_file_digest(path)}")
     return digest_bytes("\n".join(sorted(parts)).encode())[:32]
+
+
+@cache
+def _file_digest(path: Path) -> str:
+    """Most actions share modules (families, arch, convert): each file is read and hashed once per process."""
+    return digest_bytes(path.read_bytes())
 
 
 @cache
@@ -78,11 +85,24 @@ def _toolchain(required: tuple[str, ...], optional: tuple[str, ...]) -> dict[str
     out = {}
     for dist in required + optional:
         try:
-            out[dist] = importlib.metadata.version(dist)
+            out[dist] = _installed_version(dist)
         except importlib.metadata.PackageNotFoundError:
             if dist in required:
                 out[dist] = "absent"
     return out
+
+
+@cache
+def _installed_version(name: str) -> str:
+    """importlib.metadata.version(name), without parsing the whole METADATA file as an email message (which took
+    most of a plan's keying time): the Version field is one line of the header block, before the first empty line."""
+    dist = importlib.metadata.distribution(name)
+    for line in (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").splitlines():
+        if not line:
+            break
+        if line.startswith("Version:"):
+            return line.removeprefix("Version:").strip()
+    return dist.version
 
 
 _SRC = "qbuild.build.actions"

@@ -57,7 +57,7 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
              grace_s: float = ORPHAN_GRACE_S) -> GcReport:
     """Keep the manifests the lockfiles reference, then the most recently used others while their blobs fit in
     `keep_size` bytes; remove the remaining manifests, then every blob no kept manifest names (blobs no manifest
-    names at all only once older than `grace_s`), then the plan cache entries that witnessed any of them."""
+    names at all only once older than `grace_s`)."""
     report = GcReport(dry_run=dry_run)
     locked = referenced_keys(docs)
     entries: list[tuple[float, Manifest, Path]] = []
