@@ -246,7 +246,8 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
            keep_size: str = typer.Option("10G", "--keep-size", metavar="SIZE",
                                          help="unlocked entries kept locally, most recently used first (e.g. 20G, 0)"),
            grace: str = typer.Option("1h", "--grace", metavar="AGE",
-                                     help="blobs no manifest names are kept until this old (in-flight builds)"),
+                                     help="entries written this recently are kept, as is everything a running "
+                                          "build holds (e.g. 30m, 2h, 0)"),
            remote: Optional[str] = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX",
                                                 help="also remove remote entries no given lockfile references "
                                                      "(only when passed here, never from config)"),
