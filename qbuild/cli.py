@@ -278,7 +278,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     if remote is not None:
         from qbuild.store.s3 import S3Remote
 
-        reports.append(gc_remote(S3Remote(remote), docs, dry_run=dry_run, grace_s=grace_s))
+        reports.append(gc_remote(S3Remote(remote, probe=True), docs, dry_run=dry_run, grace_s=grace_s))
     print_gc(reports, ["local store", remote], json_)
 
 

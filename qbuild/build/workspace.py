@@ -50,7 +50,7 @@ class Workspace:
     def store(self) -> Store:
         """The one store of this command, opened on first use: a remote-backed store keeps the remote manifests it
         has checked, so each is read from the remote once."""
-        return open_store(self.store_spec, self.progress)
+        return open_store(self.store_spec, self.progress, probe=True)
 
     # --- recipes and plans -----------------------------------------------------------------------------------
     def recipe_files(self, files: list[str], all_: bool) -> list[Path]:
