@@ -265,7 +265,8 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
            keep_size: str = typer.Option("10G", "--keep-size", metavar="SIZE",
                                          help="unlocked entries kept locally, most recently used first (e.g. 20G, 0)"),
            grace: str = typer.Option("1h", "--grace", metavar="AGE",
-                                     help="blobs no manifest names are kept until this old (in-flight builds)"),
+                                     help="entries written this recently are kept, as is everything a running "
+                                          "build holds (e.g. 30m, 2h, 0)"),
            remote: Optional[str] = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX",
                                                 help="also remove remote entries no given lockfile references "
                                                      "(only when passed here, never from config)"),
@@ -296,7 +297,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     if remote is not None:
         from qbuild.store.s3 import S3Remote
 
-        reports.append(gc_remote(S3Remote(remote), docs, dry_run=dry_run, grace_s=grace_s))
+        reports.append(gc_remote(S3Remote(remote, probe=True), docs, dry_run=dry_run, grace_s=grace_s))
     print_gc(reports, ["local store", remote], json_)
 
 

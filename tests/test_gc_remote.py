@@ -52,11 +52,13 @@ def test_gc_removes_exactly_the_unreferenced_entries_locally_and_remotely(s3, tm
     # A generous budget keeps everything; --dry-run lists what would go and removes nothing.
     out = ok(run_qbuild(project, "gc", "--keep-size", "1G", "--store", "store")).stdout
     assert out == "" and local_keys(store) == locked | stale
-    dry = json.loads(ok(run_qbuild(project, "gc", "--dry-run", "--keep-size", "0", "--store", "store", "--remote",
-                                   remote, "--json")).stdout)
+    # --grace 0: the entries were written a moment ago, and within the grace period gc keeps them.
+    dry = json.loads(ok(run_qbuild(project, "gc", "--dry-run", "--keep-size", "0", "--grace", "0", "--store", "store",
+                                   "--remote", remote, "--json")).stdout)
     assert local_keys(store) == locked | stale and set(remote_state(s3, BUCKET, "p")[0]) == locked | stale
 
-    proc = ok(run_qbuild(project, "gc", "--keep-size", "0", "--store", "store", "--remote", remote, "--json"))
+    proc = ok(run_qbuild(project, "gc", "--keep-size", "0", "--grace", "0", "--store", "store", "--remote", remote,
+                         "--json"))
     local_report, remote_report = json.loads(proc.stdout)
     assert [r["removed"] for r in dry] == [local_report["removed"], remote_report["removed"]]
     for report, keys, blob_set in ((local_report, stale, want_local_blobs), (remote_report, stale, want_remote_blobs)):
@@ -71,7 +73,8 @@ def test_gc_removes_exactly_the_unreferenced_entries_locally_and_remotely(s3, tm
     ok(run_qbuild(project, "lock", "check", "--store", "store"))
 
     # The human form names each removal; a second gc has nothing left to do.
-    out = ok(run_qbuild(project, "gc", "--keep-size", "0", "--store", "store", "--remote", remote)).stdout
+    out = ok(run_qbuild(project, "gc", "--keep-size", "0", "--grace", "0", "--store", "store", "--remote",
+                        remote)).stdout
     assert out == ""
     host = tmp_path / "host"
     host.mkdir()
@@ -108,7 +111,8 @@ def test_local_gc_keeps_the_most_recently_used_within_the_budget(tmp_path):
     doc = {"version": 1, "recipes": {}, "nodes": {"n": {"key": locked.key}}}
 
     # Budget for two unlocked entries: the two most recently used stay (mid's shared blob is already kept).
-    report = gc_local(store, [doc], keep_size=7000)   # blobs of two entries plus their small manifests
+    # blobs of two entries plus their small manifests; a grace shorter than every entry's age, so none is in use
+    report = gc_local(store, [doc], keep_size=7000, grace_s=60)
     gone = {r.name for r in report.removed}
     assert gone == {old.key, old.outputs["out.bin"]["digest"]}
     assert report.young_orphans == 1 and store.has_blob(orphan)

@@ -19,6 +19,7 @@ from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, 
 from qbuild.planning.plan import NodeStatus, Plan, build_plan, evaluate, explain
 from qbuild.recipe.schema import HFSource, LoadedRecipe, load_recipe
 from qbuild.store import Store, StoreSpec, open_store
+from qbuild.store.lease import open_lease
 
 if TYPE_CHECKING:
     from qbuild.store.remote import Progress
@@ -49,7 +50,7 @@ class Workspace:
     def store(self) -> Store:
         """The one store of this command, opened on first use: a remote-backed store keeps the remote manifests it
         has checked, so each is read from the remote once."""
-        return open_store(self.store_spec, self.progress)
+        return open_store(self.store_spec, self.progress, probe=True)
 
     # --- recipes and plans -----------------------------------------------------------------------------------
     def recipe_files(self, files: list[str], all_: bool) -> list[Path]:
@@ -92,18 +93,26 @@ class Workspace:
             self._check_frozen(plan)
         self._check_sources(plan)
         seen = BuildResult()
+        # Held until the lockfile names what was built: a concurrent `qbuild gc` keeps what this build uses.
+        lease = open_lease(self.store.local.root)
 
         def track(event: Event) -> None:
             if event.manifest is not None:
                 seen.manifests[event.node.id] = event.manifest
+                if lease is not None:
+                    lease.add(event.manifest.key)
             # The lock entry of each step is written as soon as it succeeds, so an interrupted run keeps it.
             if event.kind == "built" and not frozen:
                 self.write_lock(plan, seen)
             on_event(event)
 
-        result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry)
-        if not frozen:
-            self.write_lock(plan, result)
+        try:
+            result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry)
+            if not frozen:
+                self.write_lock(plan, result)
+        finally:
+            if lease is not None:
+                lease.close()
         if frozen:
             new = lockmod.merge(lockmod.read(self.lock_path), *self._lock_entries(plan, result))
             if not lockmod.same(new, lockmod.read(self.lock_path)):

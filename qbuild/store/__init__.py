@@ -62,13 +62,14 @@ def resolve_remote(flag: str | None, cwd: Path | None = None) -> str | None:
     return remote or None
 
 
-def open_store(spec: StoreSpec, progress: Progress | None = None) -> Store:
+def open_store(spec: StoreSpec, progress: Progress | None = None, *, probe: bool = False) -> Store:
     """The local store, read through to spec.remote when one is set (boto3 is imported only then), its downloads
-    reported to `progress`. Open it once per command: a remote-backed store keeps what it has checked."""
+    reported to `progress`. Open it once per command: a remote-backed store keeps what it has checked. With `probe`
+    (a command's own store, not a worker's), the remote's bucket is checked on its first use."""
     local = LocalStore(Path(spec.local))
     if spec.remote is None:
         return local
     from qbuild.store.remote import RemoteStore
     from qbuild.store.s3 import S3Remote
 
-    return RemoteStore(local, S3Remote(spec.remote), push=spec.push, progress=progress)
+    return RemoteStore(local, S3Remote(spec.remote, probe=probe), push=spec.push, progress=progress)

@@ -13,12 +13,15 @@ from pathlib import Path
 from typing import Literal
 
 from qbuild.store.files import discard_path
+from qbuild.store.lease import live_leases
 from qbuild.store.local import LocalStore
 from qbuild.store.manifest import Manifest
 from qbuild.store.s3 import POOL_THREADS, S3Remote
 from qbuild.core.threads import map_all
 
-ORPHAN_GRACE_S = 3600.0   # a blob no manifest names may belong to a push or build still in flight
+# What was written this recently is kept: a blob no manifest names may belong to a push still in flight, and a
+# fresh manifest to a build or pull that has not written the lockfile naming it yet.
+GRACE_S = 3600.0
 
 
 @dataclass
@@ -36,6 +39,7 @@ class GcReport:
     kept_manifests: int = 0
     kept_blobs: int = 0
     young_orphans: int = 0       # blobs no manifest names, kept because they are younger than the grace period
+    in_use: int = 0              # manifests kept because a running build holds them or they are within the grace
     dry_run: bool = False
 
     @property
@@ -45,7 +49,7 @@ class GcReport:
     def to_json(self) -> dict:
         return {"dry_run": self.dry_run, "removed": [asdict(r) for r in self.removed],
                 "kept_manifests": self.kept_manifests, "kept_blobs": self.kept_blobs,
-                "young_orphans": self.young_orphans,
+                "young_orphans": self.young_orphans, "in_use": self.in_use,
                 "bytes_freed": self.bytes_freed}
 
 
@@ -54,11 +58,15 @@ def referenced_keys(docs: Iterable[dict]) -> set[str]:
 
 
 def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bool = False,
-             grace_s: float = ORPHAN_GRACE_S) -> GcReport:
-    """Keep the manifests the lockfiles reference, then the most recently used others while their blobs fit in
-    `keep_size` bytes; remove the remaining manifests, then every blob no kept manifest names (blobs no manifest
-    names at all only once older than `grace_s`)."""
+             grace_s: float = GRACE_S) -> GcReport:
+    """Keep the manifests the lockfiles reference, those a running build holds (see store/lease.py) and those
+    written within `grace_s`, then the most recently used others while their blobs fit in `keep_size` bytes; remove
+    the remaining manifests, then every blob no kept manifest names (blobs no manifest names at all only once older
+    than `grace_s` and than every running build)."""
     report = GcReport(dry_run=dry_run)
+    # Leases are read before the entries: an entry a build writes after this point is younger than its lease.
+    live = live_leases(store.root, reap=not dry_run)
+    now = time.time()
     locked = referenced_keys(docs)
     entries: list[tuple[float, Manifest, Path]] = []
     for path in sorted((store.root / "ac").glob("*/*.json")):
@@ -69,6 +77,10 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
             continue  # removed meanwhile
         if manifest is None:
             continue  # unreadable: `qbuild store verify --repair` reports and removes it
+        if manifest.key not in locked and (manifest.key in live.keys or live.protects(st.st_mtime)
+                                           or now - st.st_mtime < grace_s):
+            report.in_use += 1
+            locked.add(manifest.key)
         entries.append((max(st.st_atime, st.st_mtime), manifest, path))
     named = {o["digest"] for _, m, _ in entries for o in m.outputs.values()}
     kept_blobs = {o["digest"] for _, m, _ in entries if m.key in locked for o in m.outputs.values()}
@@ -90,7 +102,6 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
         report.removed.append(Removal("local", "manifest", m.key, len(m.to_bytes()), m.kind))
         if not dry_run:
             discard_path(path)   # a read-only store stops here, before any blob goes: exit 3, nothing lost
-    now = time.time()
     for blob in sorted((store.root / "cas").glob("*/*")):
         if blob.name.startswith(".") or blob.name in kept_blobs:
             report.kept_blobs += blob.name in kept_blobs
@@ -99,8 +110,8 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
             st = blob.stat()
         except FileNotFoundError:
             continue
-        if blob.name not in named and now - st.st_ctime < grace_s:
-            report.young_orphans += 1
+        if blob.name not in named and (now - st.st_ctime < grace_s or live.protects(st.st_ctime)):
+            report.young_orphans += 1   # e.g. a running build's output whose manifest is not committed yet
             continue
         report.removed.append(Removal("local", "blob", blob.name, st.st_size))
         if not dry_run:
@@ -109,7 +120,7 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
 
 
 def gc_remote(remote: S3Remote, docs: list[dict], *, dry_run: bool = False,
-              grace_s: float = ORPHAN_GRACE_S) -> GcReport:
+              grace_s: float = GRACE_S) -> GcReport:
     """Remove every remote manifest no lockfile references, then every blob no remaining manifest names (blobs no
     manifest names at all only once older than `grace_s`: a publish uploads blobs before its manifest)."""
     report = GcReport(dry_run=dry_run)

@@ -153,14 +153,23 @@ class LocalStore:
         for rel, meta in sorted(outputs.items()):
             target = safe_join(dest, rel)
             blob = self.blob_path(meta["digest"])
-            if verify and (not blob.is_file() or digest_file(blob) != meta["digest"]):
-                # Never serve it: drop the blob so every entry naming it becomes a miss and is rebuilt.
-                discard_path(blob)
-                raise CorruptBlobError(meta["digest"], f"{rel}: stored blob {meta['digest'][:16]} was corrupt "
-                                                       "and has been removed; it will be rebuilt")
-            if target.exists() or target.is_symlink():
-                target.unlink()
-            (link_or_copy if share else clone_or_copy)(blob, target)
+            try:
+                if verify and (not blob.is_file() or digest_file(blob) != meta["digest"]):
+                    # Never serve it: drop the blob so every entry naming it becomes a miss and is rebuilt.
+                    discard_path(blob)
+                    raise CorruptBlobError(meta["digest"], f"{rel}: stored blob {meta['digest'][:16]} was corrupt "
+                                                           "and has been removed; it will be rebuilt")
+                if target.exists() or target.is_symlink():
+                    target.unlink()
+                (link_or_copy if share else clone_or_copy)(blob, target)
+            except CorruptBlobError:
+                raise
+            except (FileNotFoundError, InfraError):   # link_or_copy reports a vanished source as an InfraError
+                if blob.is_file():
+                    raise
+                # Removed under us (by gc, or by hand): every entry naming it is a miss now, so it is rebuilt.
+                raise CorruptBlobError(meta["digest"], f"{rel}: stored blob {meta['digest'][:16]} is missing from "
+                                                       "the store; it will be rebuilt") from None
 
     # --- staging and locks ---------------------------------------------------------------------------------
     def check_writable(self) -> None:
@@ -197,7 +206,12 @@ class LocalStore:
         bad_blobs: set[str] = set()
         for blob in sorted((self.root / "cas").glob("*/*")):
             # Anything but a regular file (a directory, a FIFO someone put there) is as corrupt as wrong bytes.
-            if blob.name.startswith(".") or not blob.is_file() or blob.is_symlink() or digest_file(blob) != blob.name:
+            try:
+                bad = (blob.name.startswith(".") or not blob.is_file() or blob.is_symlink()
+                       or digest_file(blob) != blob.name)
+            except FileNotFoundError:
+                continue   # removed meanwhile (by gc): nothing left to check
+            if bad:
                 problems.append(f"corrupt blob {blob}")
                 bad_blobs.add(blob.name)
                 if repair:
@@ -209,6 +223,8 @@ class LocalStore:
                 if not path.is_file():
                     raise OSError("not a regular file")
                 m = Manifest.from_json(json.loads(path.read_bytes()))
+            except FileNotFoundError:
+                continue
             except (OSError, ValueError, KeyError, TypeError):
                 problems.append(f"unreadable manifest {path}")
                 if repair:

@@ -82,9 +82,14 @@ def endpoint_url() -> str | None:
 class S3Remote:
     """One bucket/prefix. Thread-safe: boto3 clients may be shared between threads (sessions may not)."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, *, probe: bool = False):
+        """With `probe`, the first 404 this remote answers is checked against the bucket itself (HeadBucket): an
+        endpoint that answers 404 to everything, or a missing bucket, must not look like an empty remote. A command
+        probes in its own process; the workers it starts do not."""
         self.url = url.rstrip("/")
         self.bucket, self.prefix = parse_remote(url)
+        self._probe = probe
+        self._probe_lock = threading.Lock()
         self._client = None
         self._session = None
         self._init_lock = threading.Lock()
@@ -131,6 +136,22 @@ class S3Remote:
         return TransferConfig(multipart_threshold=MULTIPART_THRESHOLD, multipart_chunksize=MULTIPART_CHUNK,
                               max_concurrency=TRANSFER_THREADS, num_download_attempts=DOWNLOAD_ATTEMPTS)
 
+    def _check_bucket(self, where: str) -> None:
+        """Called on a 404 that would mean "absent": raise unless the bucket exists at this endpoint (asked once)."""
+        with self._probe_lock:
+            if not self._probe:
+                return
+            try:
+                self.client.head_bucket(Bucket=self.bucket)
+            except Exception as e:
+                if _status(e) == 404 or _code(e) == "NoSuchBucket":
+                    raise InfraError(f"{where}: no such bucket {self.bucket} at {_endpoint_host()} (HeadBucket "
+                                     "answered 404): the bucket does not exist or the endpoint is not its S3 server; "
+                                     "check the --remote URL and QBUILD_S3_ENDPOINT_URL") from None
+                # Anything else (403 without s3:ListBucket, a redirect) says the bucket is there, or is left to the
+                # next request, whose error names what it was after.
+            self._probe = False
+
     # --- manifests -----------------------------------------------------------------------------------------------
     def get_manifest(self, key: str) -> Manifest | None:
         name = self.manifest_key(key)
@@ -138,6 +159,7 @@ class S3Remote:
             body = self.client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
         except Exception as e:
             if _status(e) == 404 and _code(e) != "NoSuchBucket":
+                self._check_bucket(self.object_url(name))
                 return None
             raise self.error(e, self.object_url(name)) from None
         try:
@@ -195,6 +217,7 @@ class S3Remote:
                                       Callback=callback)
         except Exception as e:
             if _status(e) == 404:
+                self._check_bucket(self.object_url(name))
                 raise InfraError(f"{self.object_url(name)}: blob missing on the remote although a manifest names "
                                  f"it; {self.repair_hint()}") from None
             raise self.error(e, self.object_url(name)) from None
@@ -214,6 +237,7 @@ class S3Remote:
                     callback(len(chunk))
         except Exception as e:
             if _status(e) == 404 and _code(e) != "NoSuchBucket":
+                self._check_bucket(self.object_url(name))
                 return None
             raise self.error(e, self.object_url(name)) from None
         return hasher.hexdigest()
@@ -255,6 +279,8 @@ class S3Remote:
                 for obj in page.get("Contents", []):
                     yield RemoteObject(obj["Key"], obj["Size"], obj["LastModified"])
         except Exception as e:
+            if _status(e) == 404:
+                self._check_bucket(self.object_url(prefix))
             raise self.error(e, self.object_url(prefix)) from None
 
     def _present(self, names: dict[str, str]) -> set[str]:
@@ -267,6 +293,7 @@ class S3Remote:
                 self.client.head_object(Bucket=self.bucket, Key=name)
             except Exception as e:
                 if _status(e) == 404:
+                    self._check_bucket(self.object_url(name))
                     return None
                 raise self.error(e, self.object_url(name)) from None
             return ident
@@ -317,7 +344,7 @@ def _client_error(e: BaseException) -> BaseException | None:
 
 
 _CODES = {
-    "NoSuchBucket": "no such bucket {bucket}",
+    "NoSuchBucket": "no such bucket {bucket} at {endpoint}",
     "AccessDenied": "access denied (the credentials need s3:GetObject, s3:PutObject, s3:ListBucket and, for gc, "
                     "s3:DeleteObject on this bucket and prefix)",
     "AllAccessDisabled": "access to bucket {bucket} is disabled",
@@ -340,7 +367,7 @@ def _describe(e: BaseException, bucket: str) -> str:
     if ce is not None:
         code = _code(ce) or str(_status(ce) or "")
         if code in _CODES:
-            return _CODES[code].format(bucket=bucket)
+            return _CODES[code].format(bucket=bucket, endpoint=_endpoint_host())
         message = ce.response.get("Error", {}).get("Message") or ""
         return f"{code or 'error'} (HTTP {_status(ce)}){': ' + message if message else ''}"
     if isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)):
