@@ -181,19 +181,22 @@ def _value(tp, value, where: str):
 
 
 def _union(args: tuple, value, where: str):
-    """X | None, or a union of params dataclasses: the first whose Literal fields (its tags: source, graph, backend)
-    all hold the value's."""
+    """X | None, or a union of params dataclasses: the one whose Literal fields (its tags: source, graph, backend)
+    hold the most of the value's, then the one that names the most of its fields, so that a value none fits is refused
+    naming the field that does not."""
     if value is None and type(None) in args:
         return None
     options = [a for a in args if a is not type(None)]
     if len(options) == 1:
         return _value(options[0], value, where)
     _require_object(value, where)
-    for cls in options:
-        if all(_tag_matches(hint, value.get(name)) for name, hint in _hints(cls).items()
-               if get_origin(hint) is Literal):
-            return _parse(cls, value, where)
-    raise ParamsError(f"{where}: matches none of {', '.join(c.__name__ for c in options)}")
+
+    def fit(cls) -> tuple[int, int]:
+        hints = _hints(cls)
+        tags = sum(_tag_matches(hint, value.get(name)) for name, hint in hints.items() if get_origin(hint) is Literal)
+        return tags, len(set(hints) & set(value))
+
+    return _parse(max(options, key=fit), value, where)
 
 
 def _tag_matches(hint, value) -> bool:

@@ -27,7 +27,7 @@ from qbuild.model.convert.layout import program
 from qbuild.model.convert.safetensors_io import DTYPE_NAMES, DTYPES, MappedSources, PlannedFile, contiguous
 from qbuild.model.convert.steps import Step
 from qbuild.model.convert.writer import DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles, meta_specs, write_json
-from qbuild.model.fp8 import FP8PolicyNameName, policy as fp8_policy
+from qbuild.model.fp8 import FP8PolicyName, policy as fp8_policy
 from qbuild.store.files import staged
 from qbuild.core.threads import run_all
 
