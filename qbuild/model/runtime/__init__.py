@@ -48,7 +48,8 @@ class Runtime:
         root = Path(root)
         # The bundle is checked before torch is imported, so a bad one is refused at once.
         manifest = read_manifest(root)
-        if not all(path.startswith("graphs/") for path in manifest["graphs"].values()):
+        # A CPU bundle's graphs are under graphs/; a neuron bundle's compiled model is NxDI's model.pt.
+        if not all(path.startswith("graphs/") for path in manifest.get("graphs", {}).values()):
             raise UserError(f"{root}: a neuron bundle runs on a Neuron host through NxDI, not on this runtime")
         check_files(root, manifest, digests=verify_digests)
 
