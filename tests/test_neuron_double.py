@@ -6,7 +6,7 @@ $NXDI_DOUBLE_LOG, and ships two fake ports, one per lineage. These tests build t
 and `--skip-device` (verify needs NeuronCores) and assert what reached the SDK: the configuration, the environment, the
 compiler arguments, the compile cache, and that the bundle loads as NxDI's compiled directory.
 Packaging checks every shard against the weights the double's metaneff names (NxD's keys and per-rank shapes, derived
-by the fake ports from nxdi-api.md section 4), so a bundle that packages carries shards in NxD's exact format.
+by the fake ports from docs/nxdi.md section 4), so a bundle that packages carries shards in NxD's exact format.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from qbuild.model.fp8 import FP8Policy, policy as fp8_policy
 from qbuild.recipe.params import ParamsError, parse
 
 FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}   # PR 173 qwen36_27b_compile_fp8.py
-# NxDI's BlockwiseMatmulConfig per MoE backend (nxdi-api.md section 3). shard_hidden is NxD's LNC=2 default kernel
+# NxDI's BlockwiseMatmulConfig per MoE backend (docs/nxdi.md section 3). shard_hidden is NxD's LNC=2 default kernel
 # (_call_shard_hidden_kernel): it is selected by turning every alternative off, so a changed default cannot switch it.
 BLOCKWISE = {
     "shard_on_intermediate": {"use_shard_on_intermediate_dynamic_while": True},
