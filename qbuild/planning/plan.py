@@ -165,6 +165,12 @@ def _add_step(nodes: dict[str, Node], recipe: str, step: PlannedStep, roles: dic
                 step.context, neffs=step.neffs)
 
 
+def validate_recipe(loaded: LoadedRecipe, arch: Arch) -> None:
+    """Every check of a recipe against its architecture: the recipe layer's, then its backend's own."""
+    checks.validate(loaded, arch)
+    resolve_backend(loaded).validate(loaded, arch)
+
+
 def resolve_backend(loaded: LoadedRecipe) -> Backend:
     """The backend a recipe names; RecipeError at the recipe's `backend:` for a name no backend has."""
     try:
@@ -183,8 +189,7 @@ def build_plan(recipes: list[LoadedRecipe], env: Environment) -> Plan:
             raise RecipeError(f"{loaded.path}: name: recipe name {loaded.name!r} is also used by "
                               f"{planned[loaded.name].loaded.path}")
         arch = env.arch(loaded)
-        checks.validate(loaded, arch)
-        resolve_backend(loaded).validate(loaded, arch)
+        validate_recipe(loaded, arch)
         planned[loaded.name] = plan_recipe(nodes, loaded, arch, env)
     return Plan(nodes, planned)
 
