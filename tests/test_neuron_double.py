@@ -484,6 +484,7 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     way NxDI's accuracy check calls it; thresholds of 0 pass whatever the double returns."""
     from qbuild.build.actions import RunContext
     from qbuild.build.actions import verify
+    from qbuild.recipe.params import VerifyParams
 
     require_bundle(dense.result, dense.stderr)
     inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "reference", "port")}
@@ -493,7 +494,7 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(SITE))
     out = tmp_path / "out"
     out.mkdir()
-    params = {"top1_min": 0.0, "token_match_min": 0.0, "max_logit_err": 1e9}
+    params = VerifyParams(top1_min=0.0, token_match_min=0.0, max_logit_err=1e9)
     verify.run(RunContext("verify", params, {"bundle": inputs["package"], "reference": inputs["reference"],
                                              "port": inputs["port"]}, out, tmp_path / "scratch", log=lambda s: None))
     assert json.loads((out / "report.json").read_text())["ok"] is True

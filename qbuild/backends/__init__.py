@@ -6,7 +6,8 @@ and run.
 - neuron: NxDI / neuronx-cc where the Neuron SDK is installed (its config translation is pure).
 
 Callers name a backend only by a recipe's (or --backend's) string and ask `get(name)` for its implementation, which
-is imported on first use; no implementation imports torch at module level, so planning stays light.
+is imported on first use. The backend classes import torch and the SDK only inside the methods that build, so
+planning stays light.
 """
 
 from __future__ import annotations

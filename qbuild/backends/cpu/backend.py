@@ -14,7 +14,6 @@ from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, Sizes
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile, graph_file
 from qbuild.core import jsonio
 from qbuild.core.errors import BuildError
-from qbuild.model import arch as archmod
 from qbuild.model.arch import Arch
 from qbuild.recipe import checks
 from qbuild.recipe.params import PackageParams, ShardParams
