@@ -77,7 +77,8 @@ def test_the_check_sees_what_it_forbids():
     code = ('if b == "neuron": pass\nif "export" != b: pass\nif b in ("inductor", "export"): pass\n'
             'if b not in ("neuron", "inductor", "export"): pass\n'
             'match b:\n    case "neuron": pass\n'
-            'import qbuild.backends.neuron.config\nfrom qbuild.backends import neuron\nfrom qbuild.backends import get\n')
+            'import qbuild.backends.neuron.config\nfrom qbuild.backends import neuron\n'
+            'from qbuild.backends import get\n')
     tree = ast.parse(code)
     assert [line for line, _ in _backend_tests(tree)] == [1, 2, 3, 6]
     assert [m for _, m in _imports(tree) if _implementation(m)] == ["qbuild.backends.neuron.config",

@@ -2,8 +2,9 @@
 
 A node's id is structural (its kind, params and the ids of its inputs), so equal work in two recipes is one
 node: the tp4 and tp8 recipes of a model share fetch, convert and reference. A node's key is the content key of
-docs/architecture.md (qbuild.planning.keys); it is known once every input's output digest is known, that is once the upstream nodes
-are cached or built.
+docs/architecture.md (qbuild.planning.keys); it is known once every input's output digest is known, that is once the
+upstream nodes are cached or built. The backend a recipe names plans its own part (qbuild.backends.base.Backend.plan):
+extra source nodes, the shard layout, the compile nodes and the package.
 
 What planning needs of this machine (checkpoint files' digests, the HF cache, config.json) comes through an
 `Environment` the caller passes in; the store and the lock come in as a lookup and the locked nodes.
@@ -147,9 +148,10 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
         nodes, name, "package", f"package {name}", bp.package, deps,
         weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2)
     v = r.verify
+    prompts = None if v.prompts is None else tuple(v.prompts)
     roles["reference"] = reference = _add(
         nodes, name, "reference", f"reference {label}",
-        ReferenceParams(None if v.prompts is None else tuple(v.prompts), v.new_tokens, bool(r.vision and v.image_prompt)),
+        ReferenceParams(prompts, v.new_tokens, bool(r.vision and v.image_prompt)),
         {"snapshot": fetch}, 4 << 20, checks.weight_bytes(arch, "float32", "none") + vision_bytes * 2 + GIB, fctx)
     roles["verify"] = verify = _add(
         nodes, name, "verify", f"verify {name}", VerifyParams(v.top1_min, v.token_match_min, v.max_logit_err),

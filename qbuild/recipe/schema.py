@@ -151,7 +151,8 @@ class Compiler(_Strict):
 
 
 class Port(_Strict):
-    """The NxDI contrib port a neuron build runs (qbuild.backends.neuron.ports): its lineage and where its source lives."""
+    """The NxDI contrib port a neuron build runs (qbuild.backends.neuron.ports): its lineage and where its source
+    lives."""
 
     lineage: LineageName | None = Field(None, description="main | main-replicated | moe; default per family "
                                                           "(Coder-Next: moe)")

@@ -135,8 +135,9 @@ class NeuronBackend:
                                 {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB, neffs=neffs)]
         for b in (r.vision.buckets if r.vision else []):
             compiles.append(PlannedStep(f"compile vision-{b}", "compile", f"compile vision-{b} (neuron)",
-                                        vision_compile_params(loaded, arch, b), {"port": "port", "converted": "convert"},
-                                        64 << 20, 4 * sizes.vision + 8 * GIB, neffs=1))
+                                        vision_compile_params(loaded, arch, b),
+                                        {"port": "port", "converted": "convert"}, 64 << 20, 4 * sizes.vision + 8 * GIB,
+                                        neffs=1))
         package = NeuronPackageParams(
             family=arch.family, backend="neuron", tp=r.parallel.tp, ep=r.parallel.ep, ranks=ranks,
             batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),

@@ -101,8 +101,9 @@ def locked(path: Path):
 
 
 def run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
-    """Run one SDK operation in a fresh interpreter (qbuild.backends.neuron.sdk_worker), so that the environment NxD reads at
-    import (NEURON_LOGICAL_NC_CONFIG, BASE_COMPILE_WORK_DIR, ...) and the port on sys.path are this node's alone."""
+    """Run one SDK operation in a fresh interpreter (qbuild.backends.neuron.sdk_worker), so that the environment
+    NxD reads at import (NEURON_LOGICAL_NC_CONFIG, BASE_COMPILE_WORK_DIR, ...) and the port on sys.path are this node's
+    alone."""
     import subprocess
 
     cwd.mkdir(parents=True, exist_ok=True)
@@ -152,8 +153,8 @@ def compile_vision(params: NeuronVisionCompile, port: Path, weights: Path, out: 
     return cfg
 
 
-# The requests of qbuild.backends.neuron.sdk_worker (its functions name the fields they read): JSON, because the SDK side
-# runs in a fresh interpreter; each is made here from the typed params and the NxDI configuration made from them.
+# The requests of qbuild.backends.neuron.sdk_worker (its functions name the fields they read): JSON, because the SDK
+# side runs in a fresh interpreter; each is made here from the typed params and the NxDI configuration made from them.
 
 def text_request(params: NeuronTextCompile, cfg: dict, port: Path, model_dir: Path, out: Path, wd: Path) -> dict:
     lineage = LINEAGES[params.lineage]

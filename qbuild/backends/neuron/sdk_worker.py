@@ -2,9 +2,9 @@
 
     python -m qbuild.backends.neuron.sdk_worker {text|vision|verify} REQUEST.json RESULT.json
 
-qbuild.backends.neuron.driver prepares each request (pure data: the NxDI configuration, the flattened text config, the port
-directory) and sets the environment NxD reads at import; this module only calls the SDK and the port with it. Every
-call is the one the public ports make (cited per function); nothing here is imported by the planner.
+qbuild.backends.neuron.driver prepares each request (pure data: the NxDI configuration, the flattened text config,
+the port directory) and sets the environment NxD reads at import; this module only calls the SDK and the port with it.
+Every call is the one the public ports make (cited per function); nothing here is imported by the planner.
 """
 
 from __future__ import annotations

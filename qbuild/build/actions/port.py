@@ -2,7 +2,8 @@
 
 Output: the port's Python files (tests excluded) under their relative paths, checked against the digests the planner
 took (its params, the neuron backend's PortFiles, or PortMissing where the port was not found). A neuron compile puts
-this tree on sys.path (qbuild.backends.neuron.ports.Lineage.module_dir), so a Ray worker or a CI runner compiles exactly what was planned, and a changed port changes the keys of what it affects: shard, compile, package.
+this tree on sys.path (qbuild.backends.neuron.ports.Lineage.module_dir), so a Ray worker or a CI runner compiles
+exactly what was planned, and a changed port changes the keys of what it affects: shard, compile, package.
 """
 
 from __future__ import annotations

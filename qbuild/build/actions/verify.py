@@ -1,4 +1,5 @@
-"""verify: run the bundle (through its backend: Backend.run_prompts) on the reference's prompts and gate the build on agreement.
+"""verify: run the bundle through its backend (Backend.run_prompts) on the reference's prompts and gate the build on
+agreement.
 
 Metrics, over every prompt: top-1 agreement of the prefill logits at every prompt position, greedy token match
 over the reference's N tokens (position by position, EOS not stopping), and max |logit - reference| over the
