@@ -90,7 +90,7 @@ def run(ctx: RunContext) -> None:
     reference = json.loads((ref_dir / "reference.json").read_text())
     ref_logits = load_file(ref_dir / "logits.safetensors")
     backend = backends.get(json.loads((ctx.inputs["bundle"] / "bundle.json").read_text())["backend"])
-    reports = [_report(run, ref_logits) for run in backend.run_prompts(ctx, reference, ref_dir)]
+    reports = [_report(ran, ref_logits) for ran in backend.run_prompts(ctx, reference, ref_dir)]
     failed = failures(reports, thresholds)
     doc = {"ok": not failed, "thresholds": asdict(thresholds), "failures": failed, "prompts": [asdict(r) for r in reports]}
     if failed:
