@@ -93,19 +93,18 @@ def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool) -> None
 
 
 def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
+    from qbuild import backends
+    from qbuild.recipe.params import to_json
+
     nodes = []
     for nid, node in plan.nodes.items():
         st = status[nid]
         nodes.append({"id": nid, "kind": node.kind, "name": node.name, "recipes": sorted(node.recipes),
                       "key": st.key, "deps": dict(sorted(node.deps.items())), "status": st.status, "why": st.why,
-                      "params": node.params, "est_out_bytes": node.est_out_bytes,
+                      "params": to_json(node.params), "est_out_bytes": node.est_out_bytes,
                       "est_peak_bytes": node.est_peak_bytes, "neuron_cores": node.neuron_cores})
-        if node.kind == "compile" and node.params.get("backend") == "neuron":
-            nodes[-1]["neffs"] = node.neffs
-            from qbuild.backends.neuron import neuron_config
-            from qbuild.recipe.params import parse_compile
-
-            nodes[-1]["neuron_config"] = neuron_config(parse_compile(node.params))
+        if node.kind == "compile":
+            nodes[-1].update(backends.get(node.params.backend).describe_compile(node.params))
     recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "backend": pr.loaded.recipe.backend,
                       "port": _port_json(pr), "nodes": dict(sorted(pr.nodes.items()))}
                for name, pr in plan.recipes.items()}
@@ -113,17 +112,11 @@ def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
 
 
 def _port_json(pr) -> dict | None:
-    """The port a neuron recipe resolves to: lineage, module and class names, and where its source is found."""
-    r = pr.loaded.recipe
-    if r.backend != "neuron":
-        return None
-    from qbuild.recipe.ports import lineage_for
+    """The port a recipe resolves to (lineage, module and class names, where its source is found); None where its
+    backend runs none."""
+    from qbuild import backends
 
-    lineage = lineage_for(pr.arch.family, r.port.lineage)
-    where = pr.loaded.port_dir
-    return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
-            "config_class": lineage.config_class, "vision_module": lineage.vision_module,
-            "path": str(where) if where else None, "found": bool(where and where.is_dir())}
+    return backends.get(pr.loaded.recipe.backend).port_info(pr.loaded, pr.arch)
 
 
 def print_explain(plan: Plan, status: dict[str, NodeStatus], why: dict[str, str], chosen: list[str],

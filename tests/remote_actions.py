@@ -28,20 +28,28 @@ def _tree_seed(root: Path) -> str:
     return ",".join(f"{p.relative_to(root)}={digest_file(p)}" for p in sorted(root.rglob("*")) if p.is_file())
 
 
+def _params_json(ctx) -> str:
+    """The step's typed params (as the planner built them) in the canonical JSON its key holds."""
+    from qbuild.core.hashing import canonical_json
+    from qbuild.recipe.params import to_json
+
+    return canonical_json(to_json(ctx.params)).decode()
+
+
 def convert_action(ctx) -> None:
-    seed = _tree_seed(ctx.inputs["snapshot"]) + json.dumps(ctx.params, sort_keys=True)
+    seed = _tree_seed(ctx.inputs["snapshot"]) + _params_json(ctx)
     (ctx.out / "weights.safetensors").write_bytes(blob_bytes(seed, 96 << 10))
-    (ctx.out / "config.json").write_text(json.dumps({"family": ctx.params["family"]}))
+    (ctx.out / "config.json").write_text(json.dumps({"family": ctx.params.family}))
 
 
 def shard_action(ctx) -> None:
     seed = _tree_seed(ctx.inputs["converted"])
-    for rank in range(ctx.params["tp"]):
+    for rank in range(ctx.params.tp):
         (ctx.out / f"tp{rank}_sharded_checkpoint.safetensors").write_bytes(blob_bytes(f"{seed}/{rank}", 64 << 10))
 
 
 def compile_action(ctx) -> None:
-    (ctx.out / "graph.pt2").write_bytes(blob_bytes(json.dumps(ctx.params, sort_keys=True), 24 << 10))
+    (ctx.out / "graph.pt2").write_bytes(blob_bytes(_params_json(ctx), 24 << 10))
 
 
 def package_action(ctx) -> None:
@@ -54,7 +62,7 @@ def package_action(ctx) -> None:
         (ctx.out / "weights").mkdir(exist_ok=True)
         shutil.copyfile(shard, ctx.out / "weights" / shard.name)
     shutil.copyfile(ctx.inputs["converted"] / "config.json", ctx.out / "config.json")
-    (ctx.out / "neuron_config.json").write_text(json.dumps(ctx.params, sort_keys=True))
+    (ctx.out / "neuron_config.json").write_text(_params_json(ctx))
 
 
 def reference_action(ctx) -> None:

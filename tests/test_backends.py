@@ -12,14 +12,15 @@ import pytest
 from qbuild.build.actions import RunContext
 from qbuild.model.arch import arch_from_config
 from qbuild.core.errors import BuildError
-from qbuild.recipe.params import CompileParams, parse_compile
-from qbuild.planning.plan import compile_params
+from qbuild.backends.cpu.backend import compile_params
+from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile
+from qbuild.recipe.params import parse, to_json
 from qbuild.recipe.schema import load_recipe
 from qbuild.recipe.source import load_arch
 
 
 def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: str = "export", tp: int = 1,
-            ep: int = 1, vision: bool = False) -> CompileParams:
+            ep: int = 1, vision: bool = False) -> CpuCompile:
     f = tmp_path / f"r-{graph}-{bucket}-{backend}.yaml"
     f.write_text(textwrap.dedent(f"""
         model: {{path: {checkpoint}}}
@@ -29,7 +30,9 @@ def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: 
         text: {{seq_len: 64, cte_buckets: [16], tkg_buckets: [64]}}
     """) + ("vision: {buckets: [64]}\n" if vision else ""))
     loaded = load_recipe(f)
-    return parse_compile(compile_params(loaded, load_arch(loaded), graph, bucket))
+    params = compile_params(loaded, load_arch(loaded), graph, bucket)
+    assert parse(CpuCompile, to_json(params)) == params   # what the planner built is what its JSON reads back as
+    return params
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
@@ -48,7 +51,7 @@ def test_architecture_round_trips_through_compile_params(tmp_path, tiny_checkpoi
 def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
     import torch
 
-    from qbuild.backends.export import export_graph
+    from qbuild.backends.cpu.export import export_graph
 
     params = _params(tmp_path, tiny_checkpoints["qwen3_5_moe"], "tkg", 64, tp=2, ep=2)
     traced = export_graph(params)
@@ -64,7 +67,7 @@ def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
 
 def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints):
     from qbuild.build.actions.compile import run
-    from qbuild.planning.plan import neuron_text_params
+    from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.store import StoreSpec
 
     f = tmp_path / "next.yaml"
@@ -73,7 +76,7 @@ def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints
                  "            neuronx_distributed_inference: 0.10.17970, torch_neuronx: 2.9.0.2}\n"
                  "text: {seq_len: 64, cte_buckets: [16]}\n")
     loaded = load_recipe(f)
-    params = neuron_text_params(loaded, load_arch(loaded))
+    params = text_compile_params(loaded, load_arch(loaded))
     (tmp_path / "port").mkdir()
     ctx = RunContext("compile", params, {"port": tmp_path / "port"}, tmp_path / "out", tmp_path / "scratch",
                      log=lambda s: None, store=StoreSpec(local=str(tmp_path / "store")))
@@ -93,7 +96,7 @@ def test_bundle_runs_take_turns_on_the_neuron_cores_unless_ray_assigned_them(mon
 
     from filelock import FileLock
 
-    from qbuild.backends.neuron import neuron_cores
+    from qbuild.backends.neuron.deploy import neuron_cores
     from qbuild.core.userdir import runtime_dir
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
@@ -119,3 +122,40 @@ def test_bundle_runs_take_turns_on_the_neuron_cores_unless_ray_assigned_them(mon
     with neuron_cores(lambda line: pytest.fail(f"waited with assigned cores: {line}")):
         pass
     held.release()
+
+
+def test_the_registry_names_every_backend_and_imports_it_on_first_use():
+    from qbuild import backends
+
+    assert {backends.get(name).name for name in backends.NAMES} == set(backends.NAMES)
+    with pytest.raises(ValueError, match="'tpu' is not one of neuron, inductor, export"):
+        backends.get("tpu")
+
+
+def test_a_backend_registered_through_using_replaces_it_only_within_the_block():
+    from qbuild import backends
+
+    real = backends.get("export")
+
+    class Double:
+        name = "export"
+
+    with backends.using(Double()) as double:
+        assert backends.get("export") is double
+    assert backends.get("export") is real
+
+
+@pytest.mark.parametrize("backend", ["export", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_cpu_compile_given_typed_params_writes_its_graph_and_signature(tmp_path, tiny_checkpoints, backend):
+    """The compile action receives the typed params the planner built and asks their backend to compile them."""
+    from qbuild.build.actions.compile import run
+
+    params = _params(tmp_path, tiny_checkpoints["qwen3_5"], "tkg", 64, backend=backend)
+    assert isinstance(params, CpuTextCompile)
+    ctx = RunContext("compile", params, {}, tmp_path / "out", tmp_path / "scratch", log=lambda s: None)
+    ctx.out.mkdir()
+    ctx.scratch.mkdir()
+    run(ctx)
+    signature = json.loads((ctx.out / "tkg-64.json").read_text())
+    assert (ctx.out / "tkg-64.pt2").is_file() and signature["backend"] == backend
+    assert signature["format"] == {"export": "exported-program", "inductor": "aoti-package"}[backend]

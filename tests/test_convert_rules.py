@@ -1,4 +1,4 @@
-"""Each layout rule of nxdi-layout.md, on its worked example or on hand-made tensors, then on a tiny checkpoint."""
+"""Each layout rule of docs/nxd-layout.md, on its worked example or on hand-made tensors, then on a tiny checkpoint."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from qbuild.build.actions import RunContext
+from qbuild.recipe.params import FetchParams, parse
 from qbuild.build.actions.fetch import run as fetch_run
 from qbuild.core.errors import InfraError, UserError
 from qbuild.core.hashing import StatCache, digest_file
@@ -39,9 +40,11 @@ def populate_hf_cache(hub: Path, repo: str, checkpoint: Path, commit: str = COMM
 
 
 def _ctx(tmp: Path, params: dict, context: dict) -> RunContext:
+    """The fetch step's context, its params typed from the JSON the planner's would have."""
     out = tmp / "out"
     out.mkdir()
-    return RunContext(kind="fetch", params=params, inputs={}, out=out, scratch=tmp, context=context, log=lambda m: None)
+    return RunContext(kind="fetch", params=parse(FetchParams, params), inputs={}, out=out, scratch=tmp,
+                      context=context, log=lambda m: None)
 
 
 def test_hf_cache_offline_uses_hub_digests(tmp_path, tiny_checkpoints, monkeypatch):

@@ -112,3 +112,22 @@ def test_sharded_scales_follow_fused_qkv_reorder_and_row_splits():
     s = text["layers.0.linear_attn.in_proj_qkv.scale"]
     assert torch.equal(torch.cat([r["layers.0.linear_attn.in_proj_qkv.scale"] for r in ranks]),
                        reorder_qkv_channels(s, arch, 2))
+
+
+def test_each_policy_is_one_object_every_stage_asks():
+    """The recipe's fp8 names one policy: which layers' MLPs it quantises, whether attention too, and what a weight
+    costs in the estimates; the converter's rule for a tensor follows it."""
+    from qbuild.model.convert.fp8 import is_quantised
+    from qbuild.model.fp8 import NAMES, policy
+
+    assert NAMES == ("none", "mlp_only", "full")
+    none, mlp_only, full = (policy(n) for n in NAMES)
+    assert not none.quantises and none.mlp_layers(4) == range(0) and none.mlp_bytes(2) == 2
+    assert mlp_only.mlp_layers(4) == range(1, 3) and not mlp_only.quantises_attention and mlp_only.mlp_bytes(2) == 1
+    assert full.mlp_layers(4) == range(4) and full.quantises_attention
+    for p in (none, mlp_only, full):
+        for layer in range(4):
+            assert is_quantised(f"layers.{layer}.mlp.down_proj.weight", p.name, 4) == (layer in p.mlp_layers(4))
+            assert is_quantised(f"layers.{layer}.self_attn.o_proj.weight", p.name, 4) == p.quantises_attention
+    with pytest.raises(ValueError, match="fp8 must be one of none, mlp_only, full, got 'half'"):
+        policy("half")

@@ -72,7 +72,7 @@ def checkpoints(tiny_checkpoints, tmp_path_factory):
 
 
 def _mirror_pad_row_zeroing(hf, text: dict, config: dict) -> None:
-    """The converter zeroes embed_tokens[pad_token_id] for qwen3_next (the Coder-Next port's choice, nxdi-layout.md
+    """The converter zeroes embed_tokens[pad_token_id] for qwen3_next (the Coder-Next port's choice, docs/nxd-layout.md
     section 3), which changes the model wherever that token (<|endoftext|>, also EOS) is an input, e.g. when greedy
     decoding produces it. That is a conversion decision, not modeling: give the oracle the same row so these tests
     check the model. Applied only when the converted row really is zero."""

@@ -1,5 +1,5 @@
 """The recipe -> NxDI configuration translation, pinned against the public ports' configurations (models.md,
-nxdi-api.md sections 1-3) and the facts read from NxDI's source (nxdi-api.md)."""
+docs/nxdi.md sections 1-3) and the facts read from NxDI's source (docs/nxdi.md)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.backends.neuron import modules_to_not_convert, neff_reuse, neuron_config, nxd_parallel
-from qbuild.recipe.params import parse_compile
-from qbuild.planning.plan import neuron_text_params, neuron_vision_params
+from dataclasses import replace
+
+from qbuild.backends.neuron.backend import text_compile_params, vision_compile_params
+from qbuild.backends.neuron.config import modules_to_not_convert, neff_reuse, neuron_config, nxd_parallel
+from qbuild.backends.neuron.params import NxdParallel
+from qbuild.model.fp8 import policy
+from qbuild.recipe.params import to_json
 from qbuild.recipe.schema import load_recipe
 from qbuild.recipe.source import load_arch
 
-# What each lineage's get_compiler_args() returns (nxdi-api.md section 1).
+# What each lineage's get_compiler_args() returns (docs/nxdi.md section 1).
 MAIN_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
              "--auto-cast=none")
 MOE_ARGS = MAIN_ARGS + " --internal-enable-dge-levels vector_dynamic_offsets"
@@ -35,7 +39,7 @@ def _recipe(tmp_path: Path, name: str, body: str):
 
 def _text(tmp_path, name, body) -> dict:
     loaded, arch = _recipe(tmp_path, name, body)
-    return neuron_config(parse_compile(neuron_text_params(loaded, arch)))
+    return neuron_config(text_compile_params(loaded, arch))
 
 
 def test_35b_a3b_tp8_one_compile_with_every_bucket(tmp_path):
@@ -74,7 +78,7 @@ def test_vision_is_one_traced_encoder_per_bucket(tmp_path):
         text: {seq_len: 512, cte_buckets: [512]}
         vision: {buckets: [1024, 4096]}
     """)
-    cfg = neuron_config(parse_compile(neuron_vision_params(loaded, arch, 4096)))
+    cfg = neuron_config(vision_compile_params(loaded, arch, 4096))
     assert cfg["module"] == "src.modeling_qwen35_vision" and cfg["model_class"] == "CPUVisionModel"
     assert cfg["file"] == "vision_encoder_4096.pt" and cfg["neffs"] == 1
     assert cfg["compiler_args"].startswith("--model-type=transformer --auto-cast=none -O1 "
@@ -128,9 +132,10 @@ def test_36_27b_fp8_mlp_only_as_the_fp8_port(tmp_path):
 
 
 def test_mlp_only_keeps_first_and_last_mlp():
-    keep = modules_to_not_convert(4)
+    keep = modules_to_not_convert(policy("mlp_only"), 4)
     assert "layers.0.mlp" in keep and "model.layers.3.mlp" in keep
     assert "layers.1.mlp" not in keep and "layers.2.mlp" not in keep
+    assert "layers.1.self_attn" in keep
 
 
 @pytest.mark.parametrize("backend,expected", [
@@ -149,10 +154,10 @@ def test_other_moe_backends(tmp_path, backend, expected):
 
 
 def test_parallel_degrees_per_lineage():
-    assert nxd_parallel("main", True, 8, 1)["world_size"] == 8
-    assert nxd_parallel("moe", True, 8, 2) == {"tp_degree": 8, "ep_degree": 2, "moe_tp_degree": 8,
-                                                "moe_ep_degree": 2, "world_size": 16}
-    assert nxd_parallel("main", False, 4, 1)["moe_tp_degree"] is None
+    assert nxd_parallel("main", True, 8, 1).world_size == 8
+    assert nxd_parallel("moe", True, 8, 2) == NxdParallel(tp_degree=8, ep_degree=2, moe_tp_degree=8, moe_ep_degree=2,
+                                                          world_size=16)
+    assert nxd_parallel("main", False, 4, 1).moe_tp_degree is None
 
 
 def test_neff_reuse_says_what_adding_a_bucket_costs(tmp_path):
@@ -161,21 +166,25 @@ def test_neff_reuse_says_what_adding_a_bucket_costs(tmp_path):
         parallel: {tp: 8}
         text: {seq_len: 512, cte_buckets: [128, 512]}
     """)
-    base = neuron_text_params(loaded, arch)
-    assert neff_reuse(base, {**base, "cte_buckets": [128, 512, 1024]}) == \
+    # The locked params are JSON (read back from artifacts.lock); the planned ones are typed.
+    now = text_compile_params(loaded, arch)
+    base = to_json(now)
+    assert neff_reuse(base, replace(now, cte_buckets=(128, 512, 1024))) == \
         "1 new NEFF (cte-1024), 3 reused from the Neuron compile cache"
     # NxD hashes each bucket's work-dir path (_tp0_bk<i>) into its key: an inserted bucket shifts those after it.
-    assert neff_reuse(base, {**base, "cte_buckets": [128, 256, 512]}) == \
+    assert neff_reuse(base, replace(now, cte_buckets=(128, 256, 512))) == \
         "2 new NEFFs (cte-256, cte-512), 2 reused from the Neuron compile cache"
-    assert neff_reuse(base, {**base, "batch_size": 2}) is None
-    assert neff_reuse(base, {**base, "compiler": {**base["compiler"], "lnc": 1}}) is None
-    assert "all 3 NEFFs recompile" in neff_reuse(base, {**base, "tkg_buckets": [256]})
+    assert neff_reuse(base, replace(now, batch_size=2)) is None
+    assert neff_reuse(base, replace(now, compiler=replace(now.compiler, lnc=1))) is None
+    assert "all 3 NEFFs recompile" in neff_reuse(base, replace(now, tkg_buckets=(256,)))
     # A lock written by another qbuild, whose params this one does not read: more than the buckets changed.
-    assert neff_reuse({k: v for k, v in base.items() if k != "pad_token_id"}, base) is None
+    assert neff_reuse({k: v for k, v in base.items() if k != "pad_token_id"}, now) is None
+    assert neff_reuse({**base, "graph": "vision"}, now) is None
 
 
 def test_pure_function_imports_without_torch():
-    code = ("import sys, qbuild.backends.neuron as n, qbuild.planning.plan; "
+    code = ("import sys, qbuild.backends.neuron.config as n, qbuild.planning.plan, qbuild.render; "
+            "from qbuild import backends; [backends.get(name) for name in backends.NAMES]; "
             "assert 'torch' not in sys.modules, 'torch imported'; print(n.nxd_parallel('main', False, 2, 1))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -201,7 +210,7 @@ def test_plan_json_shows_lineage_neffs_and_config(tmp_path):
     assert all(n["neuron_cores"] == 0 for n in doc["nodes"] if n["kind"] != "verify")
 
 
-def _shard_params(tmp_path, name: str, body: str) -> dict:
+def _shard_params(tmp_path, name: str, body: str):
     from qbuild.planning.environment import HostEnvironment
     from qbuild.core.hashing import StatCache
     from qbuild.planning.plan import plan_recipe
@@ -222,8 +231,8 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     """)
     # NxDI's world is tp_degree * ep_degree = 4 rank files; non-expert layers split over tp_degree 2; experts over
     # moe_ep_degree 2 groups of moe_tp_degree 2.
-    assert params["layout"] == "nxd-moe"
-    assert (params["tp"], params["ep"], params["dense_tp"], params["moe_tp"]) == (4, 2, 2, 2)
+    assert params.layout == "nxd-moe"
+    assert (params.tp, params.ep, params.dense_tp, params.moe_tp) == (4, 2, 2, 2)
     # The shard action runs those params as planned: 4 rank files, attention split over 2.
     from qbuild.build.actions import RunContext
     from qbuild.build.actions.shard import run
@@ -244,4 +253,4 @@ def test_dense_main_lineage_shard_has_no_expert_parallelism(tmp_path, tiny_check
         text: {{seq_len: 128, cte_buckets: [128]}}
     """)
     # nxd_parallel gives a dense model no moe_ep_degree; the shard step still needs ep 1.
-    assert (params["layout"], params["tp"], params["ep"], params["dense_tp"]) == ("nxd-main", 2, 1, 2)
+    assert (params.layout, params.tp, params.ep, params.dense_tp) == ("nxd-main", 2, 1, 2)

@@ -6,7 +6,7 @@ $NXDI_DOUBLE_LOG, and ships two fake ports, one per lineage. These tests build t
 and `--skip-device` (verify needs NeuronCores) and assert what reached the SDK: the configuration, the environment, the
 compiler arguments, the compile cache, and that the bundle loads as NxDI's compiled directory.
 Packaging checks every shard against the weights the double's metaneff names (NxD's keys and per-rank shapes, derived
-by the fake ports from nxdi-api.md section 4), so a bundle that packages carries shards in NxD's exact format.
+by the fake ports from docs/nxdi.md section 4), so a bundle that packages carries shards in NxD's exact format.
 """
 
 from __future__ import annotations
@@ -484,6 +484,7 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     way NxDI's accuracy check calls it; thresholds of 0 pass whatever the double returns."""
     from qbuild.build.actions import RunContext
     from qbuild.build.actions import verify
+    from qbuild.recipe.params import VerifyParams
 
     require_bundle(dense.result, dense.stderr)
     inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "reference", "port")}
@@ -493,7 +494,7 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(SITE))
     out = tmp_path / "out"
     out.mkdir()
-    params = {"top1_min": 0.0, "token_match_min": 0.0, "max_logit_err": 1e9}
+    params = VerifyParams(top1_min=0.0, token_match_min=0.0, max_logit_err=1e9)
     verify.run(RunContext("verify", params, {"bundle": inputs["package"], "reference": inputs["reference"],
                                              "port": inputs["port"]}, out, tmp_path / "scratch", log=lambda s: None))
     assert json.loads((out / "report.json").read_text())["ok"] is True

@@ -92,7 +92,7 @@ def test_tiny_family_on_neuron(port_name, tiny_checkpoints, tmp_path):
     bundle = tmp_path / "bundle"
     qbuild("pull", family, "--to", str(bundle), "--lock", str(lock), env=env, check=True)
 
-    from qbuild.model.families import LINEAGES
+    from qbuild.backends.neuron.ports import LINEAGES
     from qbuild.store import default_store_path
     from qbuild.store.local import LocalStore
 

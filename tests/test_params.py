@@ -1,5 +1,5 @@
-"""Typed step params: every params dict the planner writes parses and writes back unchanged (its JSON is in the
-key), and a missing, unknown or mistyped field is refused naming it."""
+"""Typed step params: each step has one definition, the planner builds its typed objects, their JSON (the key's
+"params") parses back to the same object, and a missing, unknown or mistyped field is refused naming it."""
 
 from __future__ import annotations
 
@@ -13,20 +13,25 @@ from qbuild.model.arch import Arch, VisionArch
 from qbuild.recipe.source import load_arch
 from qbuild.planning.environment import HostEnvironment
 from qbuild.core.hashing import StatCache, canonical_json
-from qbuild.recipe.params import (CpuTextCompile, CpuVisionCompile, NeuronPackageParams, NeuronTextCompile,
-                           NeuronVisionCompile, PackageParams, ParamsError, VerifyParams, parse_compile,
-                           parse_package, parse_verify, to_json)
+from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile
+from qbuild.backends.neuron.params import (NeuronCompile, NeuronPackageParams, NeuronTextCompile, NeuronVisionCompile,
+                                           PortFiles, PortMissing, PortParams)
+from qbuild.recipe.params import (ConvertParams, FetchHub, FetchParams, FetchPath, PackageParams, ParamsError,
+                                  ReferenceParams, ShardParams, VerifyParams, parse, to_json)
 from qbuild.planning.plan import plan_recipe
 from qbuild.recipe.schema import load_recipe
 
-PARSERS = {"compile": parse_compile, "package": parse_package, "verify": parse_verify}
+# The one type of each step's params (a union where a step has several forms).
+TYPES = {"fetch": FetchParams, "port": PortParams, "convert": ConvertParams, "shard": ShardParams,
+         "compile": CpuCompile | NeuronCompile, "package": PackageParams | NeuronPackageParams,
+         "reference": ReferenceParams, "verify": VerifyParams}
 PINS = """toolchain: {neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492,
             neuronx_distributed_inference: 0.10.18399, torch_neuronx: 2.9.0.2}
 """
 
 
 def _planned(tmp_path: Path, name: str, body: str, extra: str = "") -> dict:
-    """{node kind: [params of each node of that kind]} of one recipe, as the planner writes them."""
+    """{node kind: [params of each node of that kind]} of one recipe, as the planner builds them."""
     f = tmp_path / f"{name}.yaml"
     f.write_text(textwrap.dedent(body) + extra)
     loaded = load_recipe(f)
@@ -72,34 +77,58 @@ def _recipes(tmp_path: Path, tiny_checkpoints) -> dict[str, dict]:
     }
 
 
-def test_every_planned_params_round_trips_byte_for_byte(tmp_path, tiny_checkpoints):
+def test_the_planner_builds_typed_params_that_round_trip_through_their_json(tmp_path, tiny_checkpoints):
+    """Every node's params are a frozen dataclass of its step's one definition, and parsing their canonical JSON (what
+    the key is computed over) gives the same object back, byte for byte."""
     seen = set()
     for name, kinds in _recipes(tmp_path, tiny_checkpoints).items():
-        for kind, parse in PARSERS.items():
-            for params in kinds[kind]:
-                typed = parse(params)
-                seen.add(type(typed))
-                # Byte for byte what the key is computed over (the planner's own dicts may hold tuples).
-                assert canonical_json(to_json(typed)) == canonical_json(params), (name, kind)
-    assert seen == {CpuTextCompile, CpuVisionCompile, NeuronTextCompile, NeuronVisionCompile, PackageParams,
-                    NeuronPackageParams, VerifyParams}
+        assert set(kinds) == set(TYPES) - ({"port"} if name.startswith("cpu") else set()), name
+        for kind, params in ((k, p) for k, ps in kinds.items() for p in ps):
+            assert not isinstance(params, dict), (name, kind)
+            as_json = to_json(params)
+            back = parse(TYPES[kind], as_json, f"{kind} params")
+            assert back == params and type(back) is type(params), (name, kind)
+            assert canonical_json(to_json(back)) == canonical_json(as_json), (name, kind)
+            seen.add(type(params))
+    assert seen == {FetchHub, FetchPath, PortMissing, ConvertParams, ShardParams, CpuTextCompile, CpuVisionCompile,
+                    NeuronTextCompile, NeuronVisionCompile, PackageParams, NeuronPackageParams, ReferenceParams,
+                    VerifyParams}
 
 
-def test_parsed_fields_are_typed(tmp_path, tiny_checkpoints):
+def test_a_port_that_is_not_found_is_planned_and_refused_when_built(tmp_path):
+    from qbuild.core.errors import UserError
+
+    missing = parse(PortParams, {"missing": "./port"})
+    assert missing == PortMissing("./port") and to_json(missing) == {"missing": "./port"}
+    with pytest.raises(UserError, match="^port: ./port is not a directory here"):
+        missing.planned_files()
+    assert PortFiles({"a.py": "blake3:1"}).planned_files() == {"a.py": "blake3:1"}
+
+
+def test_planned_fields_are_typed(tmp_path, tiny_checkpoints):
     kinds = _recipes(tmp_path, tiny_checkpoints)["neuron-vl-fp8"]
-    text = next(parse_compile(p) for p in kinds["compile"] if p["graph"] == "text")
-    vision = next(parse_compile(p) for p in kinds["compile"] if p["graph"] == "vision")
+    text = next(p for p in kinds["compile"] if p.graph == "text")
+    vision = next(p for p in kinds["compile"] if p.graph == "vision")
     assert isinstance(text.text, Arch) and text.text.is_moe and text.text.vision is None
     assert isinstance(vision.vision, VisionArch)
     assert text.cte_buckets == (128, 512) and text.parallel.world_size == 8 and text.compiler.lnc == 2
     assert text.port_env == {"QWEN36_FLAG": "1"} and text.fp8 == "mlp_only"
-    package = parse_package(kinds["package"][0])
+    package = kinds["package"][0]
     assert isinstance(package, NeuronPackageParams) and package.lineage == "main" and package.vision_buckets == (1024,)
+    assert package.bundle_meta()["ranks"] == 8 and "ranks" not in PackageParams.bundle_meta(package)
+    shard = kinds["shard"][0]
+    assert shard.layout == "nxd-main" and shard.tp == 8 and shard.dense_tp == 8 and shard.dtype == "bfloat16"
+    cpu_shard = _recipes(tmp_path, tiny_checkpoints)["cpu-moe"]["shard"][0]
+    assert cpu_shard == ShardParams("cpu", 2, 2, 2, 1, False, None, "bfloat16")
 
 
 def _cpu_text(tmp_path, tiny_checkpoints) -> dict:
     kinds = _recipes(tmp_path, tiny_checkpoints)["cpu-moe"]
-    return copy.deepcopy(next(p for p in kinds["compile"] if p["graph"] == "cte"))
+    return to_json(next(p for p in kinds["compile"] if p.graph == "cte"))
+
+
+def parse_compile(params: dict):
+    return parse(CpuCompile | NeuronCompile, params, "compile params")
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -125,7 +154,7 @@ def test_a_field_that_does_not_fit_is_refused_by_name(tmp_path, tiny_checkpoints
 
 def test_nested_and_list_fields_are_checked(tmp_path, tiny_checkpoints):
     kinds = _recipes(tmp_path, tiny_checkpoints)["neuron-next"]
-    text = next(p for p in kinds["compile"] if p["graph"] == "text")
+    text = to_json(next(p for p in kinds["compile"] if p.graph == "text"))
     for edit, message in [
         (lambda p: p["parallel"].pop("world_size"), "compile params.parallel.world_size: missing"),
         (lambda p: p["compiler"].update(target="trn3"), "compile params.compiler.target: 'trn3' is not one of"),
@@ -137,9 +166,9 @@ def test_nested_and_list_fields_are_checked(tmp_path, tiny_checkpoints):
         edit(params)
         with pytest.raises(ParamsError, match="^" + message.replace("[", r"\[").replace("]", r"\]")):
             parse_compile(params)
-    package = copy.deepcopy(kinds["package"][0])
+    package = to_json(kinds["package"][0])
     package.pop("fp8")
     with pytest.raises(ParamsError, match="^package params.fp8: missing"):
-        parse_package(package)
+        parse(PackageParams | NeuronPackageParams, package, "package params")
     with pytest.raises(ParamsError, match="^verify params: expected an object, got list"):
-        parse_verify([0.9, 1.0, 1e-3])
+        parse(VerifyParams, [0.9, 1.0, 1e-3], "verify params")

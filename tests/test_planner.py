@@ -15,6 +15,7 @@ from qbuild.core.errors import RecipeError
 from qbuild.planning.keys import walk
 from qbuild.planning.plan import build_plan, evaluate
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
+from qbuild.recipe.params import FetchHub, FetchPath, to_json
 
 CONFIG = Path(qbuild.__file__).parent / "configs" / "Qwen--Qwen3.5-2B.json"
 COMMIT = "a" * 40
@@ -92,7 +93,9 @@ def test_a_local_checkpoint_is_its_files_digests(tmp_path):
     env = FakeEnvironment(checkpoints={ck: {"config.json": "blake3:1", "model.safetensors": "blake3:2"}})
     first = build_plan([_cpu(tmp_path, "w")], env)
     fetch = first.nodes[_roles(first, "w")["fetch"]]
-    assert fetch.params == {"source": "path", "files": {"config.json": "blake3:1", "model.safetensors": "blake3:2"}}
+    assert fetch.params == FetchPath("path", {"config.json": "blake3:1", "model.safetensors": "blake3:2"})
+    assert to_json(fetch.params) == {"source": "path",
+                                     "files": {"config.json": "blake3:1", "model.safetensors": "blake3:2"}}
     assert fetch.context == {"path": str(ck)}
     env.checkpoints[ck]["model.safetensors"] = "blake3:3"      # new weights
     second = build_plan([_cpu(tmp_path, "w")], env)
@@ -107,11 +110,12 @@ def test_a_hub_model_is_pinned_to_the_commit_the_hf_cache_resolves(tmp_path):
     loaded = _cpu(tmp_path, "hub", model="{hf: Qwen/Qwen3.5-2B}")
     cached = build_plan([loaded], FakeEnvironment(hf_cache={("Qwen/Qwen3.5-2B", "main"): COMMIT}))
     fetch = cached.nodes[_roles(cached, "hub")["fetch"]]
-    assert fetch.params == {"source": "hf", "repo": "Qwen/Qwen3.5-2B", "revision": COMMIT}
+    assert to_json(fetch.params) == {"source": "hf", "repo": "Qwen/Qwen3.5-2B", "revision": COMMIT}
+    assert fetch.params == FetchHub("hf", "Qwen/Qwen3.5-2B", COMMIT)
     assert fetch.context == {"requested_revision": "main"}
     # Not downloaded yet: planned at the requested revision, which the fetch step resolves.
     absent = build_plan([loaded], FakeEnvironment())
-    assert absent.nodes[_roles(absent, "hub")["fetch"]].params["revision"] == "main"
+    assert absent.nodes[_roles(absent, "hub")["fetch"]].params.revision == "main"
 
 
 def test_a_port_is_its_source_files_digests_and_planned_when_missing(tmp_path):
@@ -119,12 +123,12 @@ def test_a_port_is_its_source_files_digests_and_planned_when_missing(tmp_path):
     env = FakeEnvironment(ports={tmp_path / "port": {"modeling_qwen35.py": "blake3:9"}})
     plan = build_plan([loaded], env)
     port = plan.nodes[_roles(plan, "nrn")["port"]]
-    assert port.params == {"files": {"modeling_qwen35.py": "blake3:9"}} and port.name == "port port"
+    assert to_json(port.params) == {"files": {"modeling_qwen35.py": "blake3:9"}} and port.name == "port port"
     compile_text = plan.nodes[_roles(plan, "nrn")["compile text"]]
-    assert compile_text.deps == {"port": port.id} and compile_text.params["toolchain"]["neuronx-cc"] == "2.26.6360.0"
+    assert compile_text.deps == {"port": port.id} and compile_text.params.toolchain["neuronx-cc"] == "2.26.6360.0"
     missing = build_plan([loaded], FakeEnvironment())
     port = missing.nodes[_roles(missing, "nrn")["port"]]
-    assert port.params == {"missing": "port"} and port.name == "port port (not found)"
+    assert to_json(port.params) == {"missing": "port"} and port.name == "port port (not found)"
 
 
 def test_the_same_environment_plans_the_same_keys(tmp_path):
@@ -165,3 +169,13 @@ def test_a_recipe_the_architecture_cannot_support_is_refused(tmp_path):
     env = FakeEnvironment(checkpoints={tmp_path / "ck": {}})
     with pytest.raises(RecipeError, match="parallel.tp: tp=3 does not divide"):
         build_plan([_cpu(tmp_path, "bad", tp=3)], env)
+
+
+def test_a_backend_no_implementation_has_is_refused_at_its_field(tmp_path):
+    """The recipe's backend is a name, resolved where the plan asks for the backend: an unknown one is the recipe's
+    error at its file:line:column, listing the names there are."""
+    loaded = _recipe(tmp_path, "tpu", CPU.format(model="{path: ck}", tp=1).replace("backend: export", "backend: tpu"))
+    env = FakeEnvironment(checkpoints={tmp_path / "ck": {"config.json": "blake3:1"}})
+    with pytest.raises(RecipeError) as err:
+        build_plan([loaded], env)
+    assert str(err.value) == f"{loaded.path}:5:10: backend: 'tpu' is not one of neuron, inductor, export"

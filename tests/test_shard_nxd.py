@@ -1,4 +1,4 @@
-"""The nxd shard layouts against NxD's sharded-checkpoint format (reference/nxdi-api.md section 4).
+"""The nxd shard layouts against NxD's sharded-checkpoint format (docs/nxdi.md section 4).
 
 The expected per-rank tensors are built here from the HF tensors, following the two ports' converters and NxD's
 sharding as the reference describes them (head slots, channel lists, expert groups), without qbuild's placement

@@ -50,37 +50,84 @@ def test_shipped_golden_prompts_are_pinned():
     assert doc["prompts"] and all(isinstance(p, str) and p for p in doc["prompts"]) and doc["image_prompt"]
 
 
-def test_a_neuron_bundle_is_compared_up_to_its_first_generated_pad_token(tmp_path, monkeypatch):
-    """The ports feed a generated pad token back as padding, so a neuron bundle's tokens after it are not comparable
-    with transformers': the comparison stops after it, on both sides, and only there."""
+def _reference(tmp_path, prompts) -> tuple:
+    """A reference (reference.json, logits.safetensors with an eye per prompt) and an empty bundle directory."""
     import json
 
     from safetensors.torch import save_file
 
-    from qbuild.build.actions import RunContext, verify
-    from qbuild.backends import neuron
-
-    pad = 2
-    prompts = [{"text": "a", "ids": [0, 1], "greedy": [5, pad, 7, 7], "image": False},
-               {"text": "b", "ids": [0, 1], "greedy": [5, 6, 7, 8], "image": False}]
     ref, bundle = tmp_path / "reference", tmp_path / "bundle"
     ref.mkdir()
     bundle.mkdir()
     (ref / "reference.json").write_text(json.dumps({"prompts": prompts}))
-    logits = {f"prompt{i}": torch.eye(2, 10) for i in range(2)}
+    logits = {f"prompt{i}": torch.eye(2, 10) for i in range(len(prompts))}
     save_file(logits, ref / "logits.safetensors")
-    (bundle / "bundle.json").write_text(json.dumps({"backend": "neuron"}))
-    (bundle / neuron.QBUILD_RECORD).write_text(json.dumps({"params": {"pad_token_id": pad}}))
-    # The device run itself needs NeuronCores: its result is given. After the pad the device's tokens differ; the
-    # second prompt generates no pad, so its whole comparison stands and its last token is wrong.
-    device = [[5, pad, 9, 9], [5, 6, 7, 0]]
-    monkeypatch.setattr(neuron, "run_bundle", lambda *a: (device, {f"prompt{k}": logits[f"prompt{k}"][-1:]
-                                                                  for k in range(2)}))
+    return ref, bundle, logits
+
+
+def _verify(tmp_path, ref, bundle, thresholds=None) -> list[dict]:
+    import json
+
+    from qbuild.build.actions import RunContext, verify
+
     out = tmp_path / "out"
     out.mkdir()
-    params = {"top1_min": 0.0, "token_match_min": 0.0, "max_logit_err": 1e9}
+    params = thresholds or VerifyParams(top1_min=0.0, token_match_min=0.0, max_logit_err=1e9)
     verify.run(RunContext("verify", params, {"bundle": bundle, "reference": ref, "port": tmp_path}, out,
                           tmp_path / "scratch", log=lambda s: None))
-    first, second = json.loads((out / "report.json").read_text())["prompts"]
+    return json.loads((out / "report.json").read_text())["prompts"]
+
+
+def test_verify_runs_the_bundle_through_its_backend(tmp_path):
+    """The verify step asks the backend the bundle names (a double registered through qbuild.backends.using) to run
+    it, and compares what it returns: every position of a full prefill, the last one alone where the backend says so."""
+    import json
+
+    from qbuild import backends
+    from qbuild.backends.base import PromptRun
+
+    prompts = [{"text": "a", "ids": [0, 1], "greedy": [5, 6], "image": False},
+               {"text": "b", "ids": [0, 1], "greedy": [5, 6], "image": False}]
+    ref, bundle, logits = _reference(tmp_path, prompts)
+    (bundle / "bundle.json").write_text(json.dumps({"backend": "export"}))
+
+    class Double:
+        name = "export"
+
+        def run_prompts(self, ctx, reference, ref_dir):
+            assert ctx.inputs["bundle"] == bundle and ref_dir == ref
+            return [PromptRun(0, reference["prompts"][0], logits["prompt0"], [5, 6], last_only=False),
+                    PromptRun(1, reference["prompts"][1], logits["prompt1"][-1:], [5, 0], last_only=True)]
+
+    with backends.using(Double()):
+        first, second = _verify(tmp_path, ref, bundle)
+    assert first["tokens"] == 2 and first["top1"] == 1.0 and first["token_match"] == 1.0
+    assert second["tokens"] == 1 and second["max_logit_err"] == 0.0 and second["first_mismatch"] == 1
+
+
+def test_a_neuron_bundle_is_compared_up_to_its_first_generated_pad_token(tmp_path):
+    """The ports feed a generated pad token back as padding, so a neuron bundle's tokens after it are not comparable
+    with transformers': the comparison stops after it, on both sides, and only there."""
+    import json
+
+    from qbuild import backends
+    from qbuild.backends.neuron.backend import NeuronBackend
+    from qbuild.backends.neuron.deploy import QBUILD_RECORD
+
+    pad = 2
+    prompts = [{"text": "a", "ids": [0, 1], "greedy": [5, pad, 7, 7], "image": False},
+               {"text": "b", "ids": [0, 1], "greedy": [5, 6, 7, 8], "image": False}]
+    ref, bundle, logits = _reference(tmp_path, prompts)
+    (bundle / "bundle.json").write_text(json.dumps({"backend": "neuron"}))
+    (bundle / QBUILD_RECORD).write_text(json.dumps({"params": {"pad_token_id": pad}}))
+    # The device run itself needs NeuronCores: the neuron backend is given a double of it. After the pad the device's
+    # tokens differ; the second prompt generates no pad, so its whole comparison stands and its last token is wrong.
+    device = [[5, pad, 9, 9], [5, 6, 7, 0]]
+
+    def run_bundle(*args):
+        return device, {f"prompt{k}": logits[f"prompt{k}"][-1:] for k in range(2)}
+
+    with backends.using(NeuronBackend(run_bundle=run_bundle)):
+        first, second = _verify(tmp_path, ref, bundle)
     assert first["reference"] == [5, pad] and first["greedy"] == [5, pad] and first["token_match"] == 1.0
     assert second["token_match"] == 0.75 and second["first_mismatch"] == 3

@@ -1,23 +1,55 @@
-"""Compile backends: how one graph (a submodel at a bucket) becomes an artifact.
+"""Compile backends, behind one seam (qbuild.backends.base.Backend): how a recipe's graphs are compiled, packaged
+and run.
 
 - export: a torch.export program (.pt2), weights as graph inputs; fast, for tests and for inspecting graphs.
 - inductor: an AOTInductor package (.pt2) compiled to native CPU code from the same exported program.
-- neuron: NxDI / neuronx-cc where the Neuron SDK is installed (neuron.py; its config translation is pure).
+- neuron: NxDI / neuronx-cc where the Neuron SDK is installed (its config translation is pure).
 
-Each backend takes the typed compile params of qbuild.recipe.params. Nothing here imports torch at module level: the planner
-imports qbuild.backends.neuron for `plan --json`.
+Callers name a backend only by a recipe's (or --backend's) string and ask `get(name)` for its implementation, which
+is imported on first use. The backend classes import torch and the SDK only inside the methods that build, so
+planning stays light.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
-Backend = Literal["neuron", "inductor", "export"]
+if TYPE_CHECKING:
+    from qbuild.backends.base import Backend
+
 NAMES: tuple[str, ...] = ("neuron", "inductor", "export")   # what a recipe's `backend:` and `--backend` may name
-CpuBackend = Literal["inductor", "export"]
-Target = Literal["trn2", "trn1", "inf2"]
+# name -> "module:factory" called with the name
+_IMPLEMENTATIONS = {"neuron": "qbuild.backends.neuron.backend:NeuronBackend",
+                    "inductor": "qbuild.backends.cpu.backend:CpuBackend",
+                    "export": "qbuild.backends.cpu.backend:CpuBackend"}
+_loaded: dict[str, "Backend"] = {}
+_overrides: dict[str, "Backend"] = {}
 
 
-def graph_file(graph: str, bucket: int) -> str:
-    """The file name of a compiled CPU graph, inside a compile output and under a bundle's graphs/."""
-    return f"{graph}-{bucket}.pt2"
+def get(name: str) -> "Backend":
+    """The backend `name` names; ValueError listing NAMES for any other name."""
+    if name in _overrides:
+        return _overrides[name]
+    if name not in _IMPLEMENTATIONS:
+        raise ValueError(f"{name!r} is not one of {', '.join(NAMES)}")
+    if name not in _loaded:
+        module, factory = _IMPLEMENTATIONS[name].split(":")
+        _loaded[name] = getattr(importlib.import_module(module), factory)(name)
+    return _loaded[name]
+
+
+@contextmanager
+def using(backend: "Backend") -> Iterator["Backend"]:
+    """Within the block, `get(backend.name)` returns `backend` (a test double, or one configured otherwise) in this
+    process."""
+    previous = _overrides.get(backend.name)
+    _overrides[backend.name] = backend
+    try:
+        yield backend
+    finally:
+        if previous is None:
+            del _overrides[backend.name]
+        else:
+            _overrides[backend.name] = previous

@@ -38,7 +38,7 @@ class Job:
     name: str
     key: str
     preimage: dict
-    params: dict
+    params: object                   # the node's typed params (frozen dataclasses, so a job pickles)
     inputs: dict[str, dict]          # input name -> that input's output tree {path: {digest, size}}
     store_spec: StoreSpec            # the store the worker opens (plain data, so a job pickles)
     entry: str                       # "module:function" the worker imports and calls

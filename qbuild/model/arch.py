@@ -207,6 +207,13 @@ class Arch:
         d["rope"] = dict(self.rope)
         return d
 
+    def text_model(self) -> "Arch":
+        """The text model alone, as compile params hold it: no vision encoder, host-side fields at their defaults
+        (what from_fingerprint reads back from the params' JSON)."""
+        fp = self.fingerprint()
+        del fp["vision"]
+        return Arch.from_fingerprint(fp)
+
     @classmethod
     def from_fingerprint(cls, fp: dict) -> "Arch":
         """The Arch whose fingerprint() is `fp` (also after a JSON round trip; "vision" may be absent, as in

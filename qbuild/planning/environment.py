@@ -6,10 +6,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.recipe import ports, source
-from qbuild.model.arch import Arch
 from qbuild.core.hashing import StatCache
+from qbuild.model.arch import Arch
+from qbuild.recipe import source
 from qbuild.recipe.schema import LoadedRecipe
+
+# A port's source: its Python files, minus tests (editing a port's tests must not rebuild anything).
+_SKIP_DIRS = {"test", "tests", "__pycache__", ".git"}
+
+
+def source_files(port_dir: Path) -> list[Path]:
+    """The files whose digests identify a port: every .py under it, tests excluded, sorted."""
+    out = []
+    for path in port_dir.rglob("*.py"):
+        rel = path.relative_to(port_dir)
+        if not _SKIP_DIRS.intersection(rel.parts[:-1]) and path.is_file():
+            out.append(path)
+    return sorted(out)
 
 
 @dataclass(frozen=True)
@@ -30,4 +43,4 @@ class HostEnvironment:
         if not port_dir.is_dir():
             return None
         return {p.relative_to(port_dir).as_posix(): "blake3:" + self.stat_cache.digest(p)
-                for p in ports.source_files(port_dir)}
+                for p in source_files(port_dir)}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping
 
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
+from qbuild.recipe.params import to_json
 
 if TYPE_CHECKING:
     from qbuild.planning.plan import Node, Plan
@@ -106,28 +107,29 @@ def _installed_version(name: str) -> str:
 
 
 _SRC = "qbuild.build.actions"
+# The backends an action asks through qbuild.backends.get (compile, package, verify, and the neuron port's params),
+# with the recipe modules the backends import.
+_BACKENDS = ("qbuild.backends", "qbuild.recipe.params", "qbuild.recipe.schema", "qbuild.recipe.checks")
+_MODEL = ("qbuild.model.families", "qbuild.model.fp8", "qbuild.model.arch")
 # An action runs the function `entry` names (imported only in the worker, so planning stays light); the source it
 # is made of is hashed into every key it produces, so editing a converter rebuilds conversions and nothing else.
 REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
     ActionSpec("fetch", f"{_SRC}.fetch:run", (f"{_SRC}.fetch",), ("huggingface_hub",)),
-    ActionSpec("port", f"{_SRC}.port:run", (f"{_SRC}.port",)),
-    ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.model.convert", "qbuild.model.families",
-                                                  "qbuild.model.arch"), ("safetensors", "torch")),
-    ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.model.convert", "qbuild.model.families", "qbuild.model.arch"),
+    ActionSpec("port", f"{_SRC}.port:run", (f"{_SRC}.port", *_BACKENDS)),
+    ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.model.convert", *_MODEL),
+               ("safetensors", "torch")),
+    ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.model.convert", *_MODEL),
                ("safetensors", "torch")),
     # A neuron compile pins its toolchain in its params (the recipe's `toolchain`), which then replaces these.
-    ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", "qbuild.recipe.params", "qbuild.backends",
-                                                  "qbuild.model.modeling", "qbuild.model.kernels", "qbuild.recipe.ports",
-                                                  "qbuild.model.families", "qbuild.model.arch"), ("torch",)),
-    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", "qbuild.recipe.params", "qbuild.store.bundle",
-                                                  "qbuild.backends.neuron", "qbuild.model.families", "qbuild.model.arch",
-                                                  "qbuild.model.convert.hybrid")),
-    ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference", "qbuild.model.families", "qbuild.core.numerics"),
-               ("torch", "transformers")),
-    ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", "qbuild.recipe.params", "qbuild.model.runtime",
-                                                "qbuild.model.modeling", "qbuild.model.kernels", "qbuild.backends",
-                                                "qbuild.model.families", "qbuild.model.arch", "qbuild.model.convert", "qbuild.core.numerics"),
-               ("torch",)),
+    ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", *_BACKENDS, "qbuild.model.modeling",
+                                                  "qbuild.model.kernels", *_MODEL), ("torch",)),
+    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", *_BACKENDS, "qbuild.store.bundle",
+                                                  "qbuild.store.files", *_MODEL, "qbuild.model.convert.hybrid")),
+    ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference", "qbuild.model.families",
+                                                      "qbuild.core.numerics"), ("torch", "transformers")),
+    ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", *_BACKENDS, "qbuild.model.runtime",
+                                                "qbuild.model.modeling", "qbuild.model.kernels", *_MODEL,
+                                                "qbuild.model.convert", "qbuild.core.numerics"), ("torch",)),
 )}
 
 
@@ -136,9 +138,10 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
 def preimage(node: "Node", inputs: dict[str, str], registry: Registry = REGISTRY) -> dict:
     """The key preimage of `node` given its inputs' output digests (input name -> digest)."""
     spec = registry[node.kind]
+    params = to_json(node.params)
     # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
-    toolchain = node.params["toolchain"] if "toolchain" in node.params else spec.toolchain_versions()
-    return {"action": node.kind, "version": spec.source_hash, "params": node.params, "inputs": inputs,
+    toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions()
+    return {"action": node.kind, "version": spec.source_hash, "params": params, "inputs": inputs,
             "toolchain": toolchain}
 
 

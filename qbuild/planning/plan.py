@@ -2,8 +2,9 @@
 
 A node's id is structural (its kind, params and the ids of its inputs), so equal work in two recipes is one
 node: the tp4 and tp8 recipes of a model share fetch, convert and reference. A node's key is the content key of
-DESIGN.md (qbuild.planning.keys); it is known once every input's output digest is known, that is once the upstream nodes
-are cached or built.
+docs/architecture.md (qbuild.planning.keys); it is known once every input's output digest is known, that is once the
+upstream nodes are cached or built. The backend a recipe names plans its own part (qbuild.backends.base.Backend.plan):
+extra source nodes, the shard layout, the compile nodes and the package.
 
 What planning needs of this machine (checkpoint files' digests, the HF cache, config.json) comes through an
 `Environment` the caller passes in; the store and the lock come in as a lookup and the locked nodes.
@@ -15,17 +16,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Mapping, Protocol
 
-from qbuild.model import arch as archmod
-from qbuild.recipe import checks, ports
-from qbuild.model.arch import Arch
+from qbuild import backends
+from qbuild.backends.base import GIB, Backend, PlannedStep, Sizes
 from qbuild.core.dtypes import DTYPE_BYTES
+from qbuild.core.errors import RecipeError
 from qbuild.core.hashing import digest_json
+from qbuild.model.arch import Arch
 from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, walk
+from qbuild.recipe import checks
+from qbuild.recipe.params import (ConvertParams, FetchHub, FetchParams, FetchPath, ReferenceParams, VerifyParams,
+                                  to_json)
+from qbuild.recipe.schema import HFSource, LoadedRecipe, PathSource, recipe_field_location
 from qbuild.store.lock import LockedNode
-from qbuild.recipe.schema import HFSource, LoadedRecipe, PathSource
 from qbuild.store.manifest import Manifest
-
-GIB = 1 << 30
 
 
 class Environment(Protocol):
@@ -41,7 +44,8 @@ class Environment(Protocol):
         """The commit the local HF cache resolves `revision` of `repo` to; None where it is not cached."""
 
     def port_digests(self, port_dir: Path) -> dict[str, str] | None:
-        """Relative path -> "blake3:<hex>" of a port's source files; None where the directory does not exist."""
+        """Relative path -> "blake3:<hex>" of a port's source files (every .py, tests excluded); None where the
+        directory does not exist."""
 
 
 @dataclass
@@ -49,7 +53,7 @@ class Node:
     id: str
     kind: str
     name: str                       # what a person reads: "compile cte-128", "fetch Qwen/Qwen3.5-2B"
-    params: dict                    # the allow-listed inputs that enter the key
+    params: object                  # the step's typed params (qbuild.recipe.params); their JSON enters the key
     deps: dict[str, str]            # input name -> node id
     est_out_bytes: int
     est_peak_bytes: int
@@ -83,9 +87,9 @@ class Plan:
 
 # --- building the graph ---------------------------------------------------------------------------------------
 
-def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params: dict, deps: dict[str, str],
+def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params, deps: dict[str, str],
          out: int, peak: int, context: dict | None = None, neuron_cores: int = 0, neffs: int = 0) -> str:
-    node_id = digest_json({"kind": kind, "params": params, "deps": deps})[:16]
+    node_id = digest_json({"kind": kind, "params": to_json(params), "deps": deps})[:16]
     node = nodes.get(node_id)
     if node is None:
         node = nodes[node_id] = Node(node_id, kind, name, params, deps, out, peak, dict(context or {}),
@@ -95,79 +99,13 @@ def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params: dict
     return node_id
 
 
-def _fetch_params(loaded: LoadedRecipe, env: Environment) -> tuple[dict, dict]:
+def _fetch_params(loaded: LoadedRecipe, env: Environment) -> tuple[FetchParams, dict]:
     """(params, context) of the fetch node. A local dir is identified by its files' digests, never its path."""
     src = loaded.recipe.model
     if isinstance(src, PathSource):
-        files = env.checkpoint_digests(loaded.source_dir)
-        return {"source": "path", "files": files}, {"path": str(loaded.source_dir)}
+        return FetchPath("path", env.checkpoint_digests(loaded.source_dir)), {"path": str(loaded.source_dir)}
     revision = env.hf_revision(src.hf, src.revision) or src.revision
-    return {"source": "hf", "repo": src.hf, "revision": revision}, {"requested_revision": src.revision}
-
-
-def _port_params(loaded: LoadedRecipe, env: Environment) -> tuple[dict, dict, str]:
-    """(params, context, label) of the port node: the port is identified by its source files' digests."""
-    port_dir = loaded.port_dir
-    written = loaded.recipe.port.path or loaded.recipe.port.module
-    files = None if port_dir is None else env.port_digests(port_dir)
-    if files is None:
-        # Planned anyway, so `plan` shows the whole graph; building it fails with one line saying where to put it.
-        return {"missing": written}, {}, f"port {written} (not found)"
-    return {"files": files}, {"path": str(port_dir)}, f"port {port_dir.name}"
-
-
-def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) -> dict:
-    """The allow-listed inputs of one CPU-compiled graph: architecture, parallelism, shapes and backend.
-
-    Weight values never enter (a compile serves every fine-tune of an architecture). The text graphs do not
-    depend on the vision encoder and the vision graphs do not depend on the text model or on tp.
-    """
-    r = loaded.recipe
-    common = {"graph": graph, "bucket": bucket, "backend": r.backend, "dtype": r.dtype}
-    if graph == "vision":
-        return {**common, "vision": archmod.asdict(arch.vision)}
-    text = arch.fingerprint()
-    text.pop("vision")
-    return {**common, "text": text, "tp": r.parallel.tp, "ep": r.parallel.ep,
-            "moe_tp": r.parallel.effective_moe_tp if arch.is_moe else None,
-            "batch_size": r.text.batch_size, "seq_len": r.text.seq_len, "fp8": r.fp8,
-            "moe_backend": checks.moe_backend(loaded, arch), "fused_qkv": r.fused_qkv}
-
-
-def neuron_text_params(loaded: LoadedRecipe, arch: Arch) -> dict:
-    """The allow-listed inputs of a recipe's ONE neuron text compile (NxDI builds every CTE and TKG bucket of both
-    submodels in one compile(): nxdi-api.md section 2). The toolchain is the recipe's pin, never what is installed,
-    so every machine plans the same key."""
-    from qbuild.backends.neuron import nxd_parallel
-
-    r = loaded.recipe
-    text = arch.fingerprint()
-    text.pop("vision")
-    lineage = ports.lineage_for(arch.family, r.port.lineage)
-    return {"graph": "text", "backend": "neuron", "lineage": lineage.name, "text": text,
-            "parallel": nxd_parallel(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
-            "batch_size": r.text.batch_size, "seq_len": r.text.seq_len,
-            "cte_buckets": list(r.text.cte_buckets), "tkg_buckets": list(r.text.token_buckets),
-            "dtype": r.dtype, "fp8": r.fp8, "moe_backend": checks.moe_backend(loaded, arch),
-            "fused_qkv": r.fused_qkv, "compiler": _compiler(r), "toolchain": r.toolchain.pins(),
-            "port_env": dict(sorted(r.port.env.items())),
-            # A bundle with vision encoders needs a context-encoding graph that takes the image features.
-            "vision_inputs": bool(r.vision and r.vision.buckets),
-            # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
-            "pad_token_id": arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id}
-
-
-def neuron_vision_params(loaded: LoadedRecipe, arch: Arch, bucket: int) -> dict:
-    """One traced vision encoder at one patch bucket (its weights are inlined: the node depends on them)."""
-    r = loaded.recipe
-    lineage = ports.lineage_for(arch.family, r.port.lineage)
-    return {"graph": "vision", "bucket": bucket, "backend": "neuron", "lineage": lineage.name,
-            "vision": archmod.asdict(arch.vision), "dtype": r.dtype, "compiler": _compiler(r),
-            "toolchain": r.toolchain.pins(), "port_env": dict(sorted(r.port.env.items()))}
-
-
-def _compiler(r) -> dict:
-    return {"target": r.compiler.target, "lnc": r.compiler.effective_lnc, "flags": list(r.compiler.flags)}
+    return FetchHub("hf", src.hf, revision), {"requested_revision": src.revision}
 
 
 def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
@@ -178,7 +116,7 @@ def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
 
 def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: Environment) -> PlannedRecipe:
     r, name = loaded.recipe, loaded.name
-    neuron = r.backend == "neuron"
+    backend = resolve_backend(loaded)
     dbytes = DTYPE_BYTES[r.dtype]
     weights = checks.weight_bytes(arch, r.dtype, r.fp8)
     vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * dbytes
@@ -191,80 +129,57 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
                                   checks.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx)
     roles["convert"] = convert = _add(
         nodes, name, "convert", f"convert {arch.family} {r.dtype} fp8={r.fp8}",
-        {"family": arch.family, "dtype": r.dtype, "fp8": r.fp8}, {"snapshot": fetch},
-        weights + vision_bytes, 3 * big + GIB // 2, fctx)
-    port_dep: dict[str, str] = {}
-    if neuron:
-        pparams, pctx, plabel = _port_params(loaded, env)
-        roles["port"] = _add(nodes, name, "port", plabel, pparams, {}, 1 << 20, GIB // 4, pctx)
-        port_dep = {"port": roles["port"]}
-
-    if neuron:
-        lineage = ports.lineage_for(arch.family, r.port.lineage)
-        par = neuron_text_params(loaded, arch)["parallel"]
-        # One file per rank of NxD's world; every non-expert layer is split over tp_degree (dense_tp), which is
-        # smaller than the world where ep_degree > 1 (qbuild.model.convert.nxd). A dense model has no moe_ep_degree
-        # (None), and its shard step takes ep 1.
-        shard_params = {"layout": lineage.shard_layout, "tp": par["world_size"],
-                        "ep": par["moe_ep_degree"] if arch.is_moe else 1, "dense_tp": par["tp_degree"],
-                        "moe_tp": par["moe_tp_degree"] if arch.is_moe else None, "fused_qkv": r.fused_qkv,
-                        "pad_intermediate_to": None, "dtype": r.dtype}
-        ranks = par["world_size"]
-    else:
-        shard_params = {"layout": "cpu", "tp": r.parallel.tp, "ep": r.parallel.ep,
-                        "moe_tp": r.parallel.effective_moe_tp if arch.is_moe else None, "fused_qkv": r.fused_qkv,
-                        "pad_intermediate_to": None}
-        ranks = r.parallel.tp
+        ConvertParams(arch.family, r.dtype, r.fp8), {"snapshot": fetch}, weights + vision_bytes, 3 * big + GIB // 2,
+        fctx)
+    bp = backend.plan(loaded, arch, env, Sizes(weights, vision_bytes))
+    for step in bp.sources:
+        roles[step.role] = _add_step(nodes, name, step, roles)
+    # Every source node a backend adds (a port) is an input of the shard, package and verify steps.
+    sources = {step.role: roles[step.role] for step in bp.sources}
+    shard_label = "" if bp.shard.layout == "cpu" else bp.shard.layout + " "
     roles["shard"] = shard = _add(
-        nodes, name, "shard", f"shard {'' if not neuron else shard_params['layout'] + ' '}tp{r.parallel.tp} "
-                              f"ep{r.parallel.ep}", shard_params,
-        {"converted": convert, **port_dep}, weights, 3 * big + GIB // 2)
-
-    compile_ids = {}
-    if neuron:
-        params = neuron_text_params(loaded, arch)
-        neffs = len(params["cte_buckets"]) + len(params["tkg_buckets"])
-        # neuronx-cc runs on any host with the SDK: CPUs and memory, no device.
-        compile_ids["compile text"] = _add(
-            nodes, name, "compile", f"compile text ({neffs} NEFFs, neuron)", params, port_dep,
-            64 << 20, 4 * weights // ranks + 8 * GIB, neffs=neffs)
-        for b in (r.vision.buckets if r.vision else []):
-            compile_ids[f"compile vision-{b}"] = _add(
-                nodes, name, "compile", f"compile vision-{b} (neuron)", neuron_vision_params(loaded, arch, b),
-                {**port_dep, "converted": convert}, 64 << 20, 4 * vision_bytes + 8 * GIB, neffs=1)
-    else:
-        graphs = [("cte", b) for b in r.text.cte_buckets] + [("tkg", b) for b in r.text.token_buckets]
-        graphs += [("vision", b) for b in (r.vision.buckets if r.vision else [])]
-        for graph, bucket in graphs:
-            model_bytes = vision_bytes if graph == "vision" else weights
-            compile_ids[f"compile {graph}-{bucket}"] = _add(
-                nodes, name, "compile", f"compile {graph}-{bucket} ({r.backend})",
-                compile_params(loaded, arch, graph, bucket), {}, 64 << 20, GIB + model_bytes)
+        nodes, name, "shard", f"shard {shard_label}tp{r.parallel.tp} ep{r.parallel.ep}", bp.shard,
+        {"converted": convert, **sources}, weights, 3 * big + GIB // 2)
+    compile_ids = {step.role: _add_step(nodes, name, step, roles) for step in bp.compiles}
     roles.update(compile_ids)
-    deps = {"converted": convert, "shard": shard, **port_dep,
+    deps = {"converted": convert, "shard": shard, **sources,
             **{role.replace(" ", ":"): nid for role, nid in compile_ids.items()}}
-    package_params = {"family": arch.family, "backend": r.backend, "tp": r.parallel.tp, "ep": r.parallel.ep,
-                      "ranks": ranks, "batch_size": r.text.batch_size, "seq_len": r.text.seq_len,
-                      "cte_buckets": r.text.cte_buckets, "tkg_buckets": r.text.token_buckets,
-                      "vision_buckets": r.vision.buckets if r.vision else [], "dtype": r.dtype}
-    if neuron:
-        package_params.update(lineage=lineage.name, fp8=r.fp8)
     roles["package"] = package = _add(
-        nodes, name, "package", f"package {name}", package_params, deps,
+        nodes, name, "package", f"package {name}", bp.package, deps,
         weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2)
     v = r.verify
+    prompts = None if v.prompts is None else tuple(v.prompts)
     roles["reference"] = reference = _add(
         nodes, name, "reference", f"reference {label}",
-        {"prompts": v.prompts, "new_tokens": v.new_tokens, "image": bool(r.vision and v.image_prompt)},
-        {"snapshot": fetch},
-        4 << 20, checks.weight_bytes(arch, "float32", "none") + vision_bytes * 2 + GIB, fctx)
-    # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
+        ReferenceParams(prompts, v.new_tokens, bool(r.vision and v.image_prompt)),
+        {"snapshot": fetch}, 4 << 20, checks.weight_bytes(arch, "float32", "none") + vision_bytes * 2 + GIB, fctx)
     roles["verify"] = verify = _add(
-        nodes, name, "verify", f"verify {name}",
-        {"top1_min": v.top1_min, "token_match_min": v.token_match_min, "max_logit_err": v.max_logit_err},
-        {"bundle": package, "reference": reference, **port_dep}, 1 << 20, 2 * weights + GIB,
-        neuron_cores=ranks if neuron else 0)
+        nodes, name, "verify", f"verify {name}", VerifyParams(v.top1_min, v.token_match_min, v.max_logit_err),
+        {"bundle": package, "reference": reference, **sources}, 1 << 20, 2 * weights + GIB,
+        neuron_cores=bp.verify_cores)
     return PlannedRecipe(loaded, arch, roles, package, verify)
+
+
+def _add_step(nodes: dict[str, Node], recipe: str, step: PlannedStep, roles: dict[str, str]) -> str:
+    """A backend's node, its inputs named by the roles of nodes already planned."""
+    deps = {name: roles[role] for name, role in step.deps.items()}
+    return _add(nodes, recipe, step.kind, step.name, step.params, deps, step.est_out_bytes, step.est_peak_bytes,
+                step.context, neffs=step.neffs)
+
+
+def validate_recipe(loaded: LoadedRecipe, arch: Arch) -> None:
+    """Every check of a recipe against its architecture: the recipe layer's, then its backend's own."""
+    checks.validate(loaded, arch)
+    resolve_backend(loaded).validate(loaded, arch)
+
+
+def resolve_backend(loaded: LoadedRecipe) -> Backend:
+    """The backend a recipe names; RecipeError at the recipe's `backend:` for a name no backend has."""
+    try:
+        return backends.get(loaded.recipe.backend)
+    except ValueError:
+        raise RecipeError(f"{recipe_field_location(loaded, 'backend')}: backend: {loaded.recipe.backend!r} is not one "
+                          f"of {', '.join(backends.NAMES)}") from None
 
 
 def build_plan(recipes: list[LoadedRecipe], env: Environment) -> Plan:
@@ -273,11 +188,10 @@ def build_plan(recipes: list[LoadedRecipe], env: Environment) -> Plan:
     planned: dict[str, PlannedRecipe] = {}
     for loaded in recipes:
         if loaded.name in planned:
-            from qbuild.core.errors import RecipeError
             raise RecipeError(f"{loaded.path}: name: recipe name {loaded.name!r} is also used by "
                               f"{planned[loaded.name].loaded.path}")
         arch = env.arch(loaded)
-        checks.validate(loaded, arch)
+        validate_recipe(loaded, arch)
         planned[loaded.name] = plan_recipe(nodes, loaded, arch, env)
     return Plan(nodes, planned)
 
@@ -348,11 +262,8 @@ def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, L
 
 def _what_changed(node: Node, old: dict, pre: dict, otherwise: str) -> str:
     """The fields of `pre` that differ from the locked preimage `old` (`otherwise` where none does), and for a
-    neuron text compile, which NEFFs the compile can still reuse."""
-    new = as_locked(pre)
-    parts = ["; ".join(diff_preimages(old, new)) or otherwise]
-    if node.kind == "compile" and node.params.get("graph") == "text" and node.params.get("backend") == "neuron":
-        from qbuild.backends.neuron import neff_reuse
-
-        parts.append(neff_reuse(old["params"], new["params"]))
+    compile, what its backend can still reuse (a neuron text compile's NEFFs)."""
+    parts = ["; ".join(diff_preimages(old, as_locked(pre))) or otherwise]
+    if node.kind == "compile":
+        parts.append(backends.get(node.params.backend).explain_reuse(old["params"], node.params))
     return "; ".join(p for p in parts if p)

@@ -1,15 +1,13 @@
-"""The typed params of the compile, package and verify steps, read once from the JSON the planner writes.
+"""The typed params of every build step: one frozen dataclass per step, the only definition of what a step takes.
 
-The planner writes a node's params as a JSON-able dict, and that dict enters the node's content key, so its shape is
-fixed. An action parses it here at its entry, and everything below the action (the backends) takes the typed object.
-Parsing refuses a missing or unknown field and a value outside its Literal; `to_json` writes the same dict back (a
-neuron compile's record and its work-dir name are made from it).
+The planner builds these objects; a plan node holds one, its canonical JSON (`to_json`) is the "params" of the node's
+key preimage, and the action that builds the node receives the same object. `parse` reads the JSON back (a locked
+preimage, a record in a bundle) with the same definitions: it refuses a missing or unknown field and a value outside
+its Literal.
 
-Compile params are a tagged union on (backend, graph):
-    CpuTextCompile      export / inductor, graph cte | tkg: one text graph at one bucket
-    CpuVisionCompile    export / inductor, graph vision: the vision encoder at one patch bucket
-    NeuronTextCompile   neuron, graph text: NxDI's one compile of every CTE and TKG bucket
-    NeuronVisionCompile neuron, graph vision: the port's traced vision encoder at one patch bucket
+Steps defined here: fetch (hub or path), convert, shard, package, reference, verify. A backend defines its own
+compile params (and the neuron backend its port params and its package params) in qbuild.backends.<backend>.params,
+with the machinery below.
 """
 
 from __future__ import annotations
@@ -19,12 +17,10 @@ from dataclasses import asdict, dataclass, fields, is_dataclass
 from functools import cache
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
-from qbuild.model.arch import Arch, VisionArch
-from qbuild.backends import CpuBackend, Target
 from qbuild.core.dtypes import DType
-from qbuild.model.families import FP8Policy, LineageName, MoEBackend
-
-TextGraph = Literal["cte", "tkg"]
+from qbuild.model.arch import Arch, VisionArch
+from qbuild.model.families import FamilyName
+from qbuild.model.fp8 import FP8PolicyName
 
 
 class ParamsError(ValueError):
@@ -32,94 +28,52 @@ class ParamsError(ValueError):
 
 
 @dataclass(frozen=True)
-class CpuTextCompile:
-    graph: TextGraph
-    bucket: int
-    backend: CpuBackend
+class FetchHub:
+    """A Hub checkpoint, pinned to the commit the local cache resolves the recipe's revision to (else the revision)."""
+
+    source: Literal["hf"]
+    repo: str
+    revision: str
+
+
+@dataclass(frozen=True)
+class FetchPath:
+    """A local checkpoint directory, identified by its files' digests, never its path."""
+
+    source: Literal["path"]
+    files: dict[str, str]            # file name -> "blake3:<hex>"
+
+
+FetchParams = Union[FetchHub, FetchPath]
+
+
+@dataclass(frozen=True)
+class ConvertParams:
+    family: FamilyName
     dtype: DType
-    text: Arch                       # the text model's fingerprint (no vision encoder)
-    tp: int
+    fp8: FP8PolicyName
+
+
+@dataclass(frozen=True)
+class ShardParams:
+    """How converted text weights are split into one file per rank (qbuild.model.convert.shard_checkpoint)."""
+
+    layout: str                      # "cpu" or an NxD layout (qbuild.model.convert.shard.LAYOUTS)
+    tp: int                          # the number of ranks
     ep: int
+    dense_tp: int                    # the tensor-parallel degree of every non-expert layer (tp on the cpu layout)
     moe_tp: int | None               # None for a dense model
-    batch_size: int
-    seq_len: int
-    fp8: FP8Policy
-    moe_backend: MoEBackend | None   # None for a dense model
     fused_qkv: bool
-
-
-@dataclass(frozen=True)
-class CpuVisionCompile:
-    graph: Literal["vision"]
-    bucket: int
-    backend: CpuBackend
+    pad_intermediate_to: int | None
     dtype: DType
-    vision: VisionArch
-
-
-@dataclass(frozen=True)
-class NxdParallel:
-    """NxDI's parallel degrees (qbuild.backends.neuron.nxd_parallel); world_size is the number of ranks."""
-
-    tp_degree: int
-    ep_degree: int
-    moe_tp_degree: int | None        # None for a dense model
-    moe_ep_degree: int | None
-    world_size: int
-
-
-@dataclass(frozen=True)
-class CompilerSettings:
-    target: Target
-    lnc: int                         # logical NeuronCore config (the recipe's, or the target's default)
-    flags: tuple[str, ...]           # appended after the port's own compiler arguments
-
-
-@dataclass(frozen=True)
-class NeuronTextCompile:
-    graph: Literal["text"]
-    backend: Literal["neuron"]
-    lineage: LineageName
-    text: Arch
-    parallel: NxdParallel
-    dtype: DType
-    fp8: FP8Policy
-    moe_backend: MoEBackend | None
-    fused_qkv: bool
-    batch_size: int
-    seq_len: int
-    cte_buckets: tuple[int, ...]
-    tkg_buckets: tuple[int, ...]
-    compiler: CompilerSettings
-    toolchain: dict[str, str]        # distribution -> the recipe's pinned version
-    port_env: dict[str, str]         # the only port switches a compile sees
-    pad_token_id: int | None
-    vision_inputs: bool              # the context-encoding graph takes vision embeddings (the recipe has vision)
-
-
-@dataclass(frozen=True)
-class NeuronVisionCompile:
-    graph: Literal["vision"]
-    bucket: int
-    backend: Literal["neuron"]
-    lineage: LineageName
-    vision: VisionArch
-    dtype: DType
-    compiler: CompilerSettings
-    toolchain: dict[str, str]
-    port_env: dict[str, str]
-
-
-CompileParams = Union[CpuTextCompile, CpuVisionCompile, NeuronTextCompile, NeuronVisionCompile]
-NeuronCompile = Union[NeuronTextCompile, NeuronVisionCompile]
 
 
 @dataclass(frozen=True)
 class PackageParams:
-    """A CPU bundle: its shards and one compiled graph per bucket."""
+    """A bundle: its shards and the compiled graphs of every bucket."""
 
     family: str
-    backend: CpuBackend
+    backend: str
     tp: int
     ep: int
     ranks: int
@@ -130,14 +84,19 @@ class PackageParams:
     vision_buckets: tuple[int, ...]
     dtype: DType
 
+    def bundle_meta(self) -> dict:
+        """What bundle.json records of these params."""
+        return {"family": self.family, "backend": self.backend, "tp": self.tp, "ep": self.ep,
+                "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": self.dtype,
+                "buckets": {"cte": list(self.cte_buckets), "tkg": list(self.tkg_buckets),
+                            "vision": list(self.vision_buckets)}}
+
 
 @dataclass(frozen=True)
-class NeuronPackageParams(PackageParams):
-    """A neuron bundle: NxDI's compiled directory, loaded by the lineage's port."""
-
-    backend: Literal["neuron"]
-    lineage: LineageName
-    fp8: FP8Policy
+class ReferenceParams:
+    prompts: tuple[str, ...] | None  # None: the shipped golden prompts
+    new_tokens: int
+    image: bool                      # also a prompt with the synthetic image
 
 
 @dataclass(frozen=True)
@@ -147,28 +106,16 @@ class VerifyParams:
     max_logit_err: float
 
 
-def parse_compile(params: dict) -> CompileParams:
-    """The typed params of a compile node; raises ParamsError naming the first field that does not fit."""
-    _require_object(params, "compile params")
-    if params.get("backend") == "neuron":
-        cls = NeuronVisionCompile if params.get("graph") == "vision" else NeuronTextCompile
-    else:
-        cls = CpuVisionCompile if params.get("graph") == "vision" else CpuTextCompile
-    return _parse(cls, params, "compile params")
-
-
-def parse_package(params: dict) -> PackageParams:
-    _require_object(params, "package params")
-    cls = NeuronPackageParams if params.get("backend") == "neuron" else PackageParams
-    return _parse(cls, params, "package params")
-
-
-def parse_verify(params: dict) -> VerifyParams:
-    return _parse(VerifyParams, params, "verify params")
+def parse(cls, value, where: str = "params"):
+    """The `cls` (a params dataclass, or a Union of them told apart by a Literal field) that `value`, its JSON, holds;
+    raises ParamsError naming the first field that does not fit."""
+    return _value(cls, value, where)
 
 
 def to_json(params) -> dict:
-    """The params dict a typed object was parsed from (tuples written as lists)."""
+    """The canonical JSON of typed params (tuples written as lists); a plain dict is returned as JSON unchanged."""
+    if isinstance(params, dict):
+        return _to_json(params)
     return {f.name: _to_json(getattr(params, f.name)) for f in fields(params)}
 
 
@@ -221,10 +168,8 @@ def _value(tp, value, where: str):
         if value not in args:
             raise ParamsError(f"{where}: {value!r} is not one of {', '.join(map(repr, args))}")
         return value
-    if origin in (Union, types.UnionType):   # X | None
-        if value is None and type(None) in args:
-            return None
-        return _value(next(a for a in args if a is not type(None)), value, where)
+    if origin in (Union, types.UnionType):
+        return _union(args, value, where)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise ParamsError(f"{where}: expected a list, got {type(value).__name__}")
@@ -233,6 +178,29 @@ def _value(tp, value, where: str):
         _require_object(value, where)
         return {_value(args[0], k, where): _value(args[1], v, f"{where}.{k}") for k, v in value.items()}
     return _scalar(tp, value, where)
+
+
+def _union(args: tuple, value, where: str):
+    """X | None, or a union of params dataclasses: the one whose Literal fields (its tags: source, graph, backend)
+    hold the most of the value's, then the one that names the most of its fields, so that a value none fits is refused
+    naming the field that does not."""
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:
+        return _value(options[0], value, where)
+    _require_object(value, where)
+
+    def fit(cls) -> tuple[int, int]:
+        hints = _hints(cls)
+        tags = sum(_tag_matches(hint, value.get(name)) for name, hint in hints.items() if get_origin(hint) is Literal)
+        return tags, len(set(hints) & set(value))
+
+    return _parse(max(options, key=fit), value, where)
+
+
+def _tag_matches(hint, value) -> bool:
+    return value in get_args(hint)
 
 
 def _scalar(tp, value, where: str):

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, FiniteFloat, StrictBool,
                       StrictInt, Tag, ValidationError, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
-from qbuild.backends import Backend, Target
 from qbuild.core.dtypes import DType
 from qbuild.core.errors import RecipeError
-from qbuild.model.families import FP8Policy, LineageName, MoEBackend
+from qbuild.model.families import MoEBackend
+from qbuild.model.fp8 import FP8PolicyName
 from qbuild.core.userfile import read_small_file
 
 
@@ -21,6 +21,10 @@ def _not_a_bool(value: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError("expected a number, got true/false")
     return value
+
+
+Target = Literal["trn2", "trn1", "inf2"]                 # the Neuron device a compile targets
+LineageName = Literal["main", "main-replicated", "moe"]  # the NxDI contrib port lineages (qbuild.backends)
 
 
 # Integers and booleans are strict: `tp: true`, `tp: 1.0`, `seq_len: "512"` or `fused_qkv: 1` are errors, never
@@ -147,7 +151,8 @@ class Compiler(_Strict):
 
 
 class Port(_Strict):
-    """The NxDI contrib port a neuron build runs (qbuild.recipe.ports): its lineage and where its source lives."""
+    """The NxDI contrib port a neuron build runs (qbuild.backends.neuron.ports): its lineage and where its source
+    lives."""
 
     lineage: LineageName | None = Field(None, description="main | main-replicated | moe; default per family "
                                                           "(Coder-Next: moe)")
@@ -196,11 +201,12 @@ class Recipe(_Strict):
     text: Text
     vision: Vision | None = None
     dtype: DType = "bfloat16"
-    fp8: FP8Policy = "none"
+    fp8: FP8PolicyName = "none"
     moe_backend: MoEBackend | None = Field(None, description="MoE families only; default per family")
     fused_qkv: StrictBool = False
     compiler: Compiler = Compiler()
-    backend: Backend = Field("neuron", description="neuron, or a CPU backend (inductor, export) that proves every stage")
+    # A name of qbuild.backends.NAMES, checked where the plan resolves it (the recipe layer sits below the backends).
+    backend: str = Field("neuron", description="neuron, or a CPU backend (inductor, export) that proves every stage")
     port: Port = Port()
     toolchain: Toolchain = Toolchain()
     verify: Verify = Verify()
@@ -229,18 +235,6 @@ class LoadedRecipe(BaseModel):
             return self
         recipe = self.recipe.model_copy(update={"backend": backend, "name": f"{self.recipe.name}@{backend}"})
         return LoadedRecipe(recipe=recipe, path=self.path)
-
-    @property
-    def port_dir(self) -> Path | None:
-        """The port directory named by `port.path` or `port.module` (None where neither is given or importable)."""
-        port = self.recipe.port
-        if port.path is not None:
-            return (self.path.parent / port.path).resolve()
-        if port.module is not None:
-            from qbuild.recipe.ports import module_dir
-
-            return module_dir(port.module)
-        return None
 
 
 # --- YAML with positions -------------------------------------------------------------------------------------
@@ -397,8 +391,11 @@ def recipe_field_location(loaded: LoadedRecipe, field: str) -> str:
     return _locate(marks, loc, loaded.path)
 
 
-def recipe_json_schema() -> dict:
+def recipe_json_schema(backend_names: tuple[str, ...] = ()) -> dict:
+    """The recipe's JSON Schema for editors; `backend_names` (qbuild.backends.NAMES) become the backend's enum."""
     schema = Recipe.model_json_schema()
+    if backend_names:
+        schema["properties"]["backend"]["enum"] = list(backend_names)
     schema["properties"]["extends"] = {"type": "string", "description": "a base recipe file this one overrides"}
     schema["required"] = [r for r in schema.get("required", []) if r != "name"]
     return schema

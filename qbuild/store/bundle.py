@@ -7,7 +7,7 @@ Layout (CPU backends):
     vision/model.safetensors                      the vision encoder's weights (VL bundles)
     graphs/<graph>-<bucket>.pt2                   one compiled graph per submodel x bucket, weights as inputs
     graphs/<graph>-<bucket>.json                  that graph's call signature
-For the neuron backend the text graphs follow NxDI's layout instead (nxdi-layout.md section 7):
+For the neuron backend the text graphs follow NxDI's layout instead (docs/nxd-layout.md section 7):
     neuron_config.json, model.pt (under graphs/<graph>-<bucket>/ per node), vision_encoder_<bucket>.pt.
 
 bundle.json = {format, family, backend, tp, ep, batch_size, seq_len, dtype, buckets: {cte, tkg, vision},

@@ -65,6 +65,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> None:
+    """link_or_copy every file under `src` to the same relative path under `dst`, but those under a top-level
+    folder named in `skip`."""
+    for path in sorted(src.rglob("*")):
+        rel = path.relative_to(src)
+        if path.is_file() and rel.parts[0] not in skip:
+            link_or_copy(path, dst / rel)
+
+
 def link_or_copy(src: Path, dst: Path) -> None:
     """Place the immutable file `src` at `dst` by hardlink, copying where a link cannot be made (another filesystem,
     a filesystem without links, an inode at its link limit)."""

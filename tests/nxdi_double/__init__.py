@@ -2,7 +2,7 @@
 
 The Neuron SDK cannot be installed on a CPU host, so the neuron backend is tested against these. They are built only
 from the facts in /work/notes (nxdi-core-facts.md, nxdi-port-facts.md, nxd-ep-facts.md) and
-shared/reference/nxdi-api.md, each with its source in a comment, and are stricter than the real SDK wherever the facts
+docs/nxdi.md, each with its source in a comment, and are stricter than the real SDK wherever the facts
 are silent. Nothing under qbuild/ imports them: a test puts site/ on the CLI's PYTHONPATH.
 
 site/ also holds a *.dist-info/METADATA per SDK distribution, so importlib.metadata reports the versions of a real

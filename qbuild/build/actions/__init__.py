@@ -20,7 +20,7 @@ class RunContext:
     """What an action sees: its params, materialised inputs (read-only), an empty output dir, and a scratch dir."""
 
     kind: str
-    params: dict
+    params: object                                 # the step's typed params (qbuild.recipe.params, a backend's)
     inputs: dict[str, Path]
     out: Path
     scratch: Path

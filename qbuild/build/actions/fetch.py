@@ -13,15 +13,16 @@ from pathlib import Path
 from qbuild.core import jsonio
 from qbuild.build.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
+from qbuild.recipe.params import FetchParams, FetchPath
 from qbuild.recipe.source import CHECKPOINT_PATTERNS, check_checkpoint, checkpoint_files, hf_cache_dir
 
 
 def run(ctx: RunContext) -> None:
-    p = ctx.params
-    if p["source"] == "path":
-        snapshot = _local(Path(ctx.context["path"]), p["files"])
+    p: FetchParams = ctx.params
+    if isinstance(p, FetchPath):
+        snapshot = _local(Path(ctx.context["path"]), p.files)
     else:
-        snapshot = _hub(p["repo"], ctx.context.get("requested_revision", p["revision"]), ctx)
+        snapshot = _hub(p.repo, ctx.context.get("requested_revision", p.revision), ctx)
     (ctx.out / "snapshot.json").write_text(jsonio.dumps(snapshot, indent=1, sort_keys=True))
 
 

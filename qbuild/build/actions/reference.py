@@ -17,6 +17,7 @@ from qbuild.build.actions import RunContext
 from qbuild.core.numerics import fix_threads
 from qbuild.core.errors import BuildError
 from qbuild.model.families import MODEL_TYPES
+from qbuild.recipe.params import ReferenceParams
 from qbuild.recipe.source import locate, read_snapshot
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "prompts.json"
@@ -91,14 +92,14 @@ def run(ctx: RunContext) -> None:
     from transformers import AutoTokenizer
 
     fix_threads()
-    p = ctx.params
+    p: ReferenceParams = ctx.params
     files = locate(read_snapshot(ctx.inputs["snapshot"]), ctx.context)
     src = next(iter(files.values())).parent
     config = json.loads(files["config.json"].read_text())
     model, tokenizer = _model(src, config), AutoTokenizer.from_pretrained(str(src))
     shipped = golden()
-    prompts = [(text, None) for text in (p["prompts"] or shipped["prompts"])]
-    if p["image"]:
+    prompts = [(text, None) for text in (p.prompts or shipped["prompts"])]
+    if p.image:
         prompts.append((shipped["image_prompt"], ctx.out / "image.png"))
     records, logits = [], {}
     for i, (text, image) in enumerate(prompts):
@@ -107,13 +108,13 @@ def run(ctx: RunContext) -> None:
         if image is not None:
             synthetic_image(image)
             ids, extra = _image_prompt(src, config, tokenizer, image, ids)
-        prefill, tokens = _greedy(model, ids, p["new_tokens"], extra, config.get("image_token_id"))
+        prefill, tokens = _greedy(model, ids, p.new_tokens, extra, config.get("image_token_id"))
         logits[f"prompt{i}"] = prefill.contiguous()
         records.append({"text": text, "ids": ids, "greedy": tokens, "image": image is not None})
         ctx.log(f"reference prompt {i}: {len(ids)} tokens -> {tokens[:8]}...")
     save_file(logits, ctx.out / "logits.safetensors")
     doc = {"model_type": config["model_type"], "transformers": transformers.__version__,
-           "new_tokens": p["new_tokens"], "prompts": records}
+           "new_tokens": p.new_tokens, "prompts": records}
     (ctx.out / "reference.json").write_text(jsonio.dumps(doc, indent=1, sort_keys=True))
 
 

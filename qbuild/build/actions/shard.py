@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from qbuild.build.actions import RunContext
+from qbuild.recipe.params import ShardParams
 
 
 def run(ctx: RunContext) -> None:
     from qbuild.model.convert import shard_checkpoint
 
-    p = ctx.params
-    shard_checkpoint(ctx.inputs["converted"], ctx.out, tp=p["tp"], ep=p["ep"], fused_qkv=p["fused_qkv"],
-                     pad_intermediate_to=p["pad_intermediate_to"], layout=p.get("layout", "cpu"),
-                     dtype=p.get("dtype"), dense_tp=p.get("dense_tp"))
+    p: ShardParams = ctx.params
+    shard_checkpoint(ctx.inputs["converted"], ctx.out, tp=p.tp, ep=p.ep, fused_qkv=p.fused_qkv,
+                     pad_intermediate_to=p.pad_intermediate_to, layout=p.layout, dtype=p.dtype, dense_tp=p.dense_tp)

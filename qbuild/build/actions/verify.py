@@ -1,4 +1,5 @@
-"""verify: run the bundle through the runtime on the reference's prompts and gate the build on agreement.
+"""verify: run the bundle through its backend (Backend.run_prompts) on the reference's prompts and gate the build on
+agreement.
 
 Metrics, over every prompt: top-1 agreement of the prefill logits at every prompt position, greedy token match
 over the reference's N tokens (position by position, EOS not stopping), and max |logit - reference| over the
@@ -15,11 +16,13 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 
-from qbuild.core import jsonio
+from qbuild import backends
+from qbuild.backends.base import PromptRun
 from qbuild.build.actions import RunContext
-from qbuild.core.numerics import fix_threads
+from qbuild.core import jsonio
 from qbuild.core.errors import BuildError
-from qbuild.recipe.params import VerifyParams, parse_verify
+from qbuild.core.numerics import fix_threads
+from qbuild.recipe.params import VerifyParams
 
 
 @dataclass
@@ -82,14 +85,12 @@ def run(ctx: RunContext) -> None:
     from safetensors.torch import load_file
 
     fix_threads()
-    thresholds = parse_verify(ctx.params)
+    thresholds: VerifyParams = ctx.params
     ref_dir = ctx.inputs["reference"]
     reference = json.loads((ref_dir / "reference.json").read_text())
     ref_logits = load_file(ref_dir / "logits.safetensors")
-    if json.loads((ctx.inputs["bundle"] / "bundle.json").read_text())["backend"] == "neuron":
-        reports = _neuron_reports(ctx, reference, ref_logits)
-    else:
-        reports = _cpu_reports(ctx, reference, ref_logits, ref_dir)
+    backend = backends.get(json.loads((ctx.inputs["bundle"] / "bundle.json").read_text())["backend"])
+    reports = [_report(ran, ref_logits) for ran in backend.run_prompts(ctx, reference, ref_dir)]
     failed = failures(reports, thresholds)
     doc = {"ok": not failed, "thresholds": asdict(thresholds), "failures": failed, "prompts": [asdict(r) for r in reports]}
     if failed:
@@ -99,53 +100,9 @@ def run(ctx: RunContext) -> None:
         ctx.log(_line(r))
 
 
-def _neuron_reports(ctx: RunContext, reference: dict, ref_logits: dict) -> list[PromptReport]:
-    """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns the
-    last position's logits only, so top-1 and the logit error compare the first generated token's logits with the
-    reference's last prompt position; greedy tokens compare over every step up to the first generated pad token
-    (until_pad). Image prompts need the port's VL application, which qbuild does not drive: they are left to the CPU
-    proof of the same recipe."""
-    from qbuild.backends.neuron import QBUILD_RECORD, run_bundle
-
-    text = [(i, r) for i, r in enumerate(reference["prompts"]) if not r["image"]]
-    n = max(len(r["greedy"]) for _, r in text)
-    greedy, logits = run_bundle(ctx.inputs["bundle"], ctx.inputs["port"], [r["ids"] for _, r in text], n,
-                                ctx.scratch, ctx.log)
-    pad = json.loads((ctx.inputs["bundle"] / QBUILD_RECORD).read_text())["params"]["pad_token_id"]
-    reports = []
-    for k, (i, record) in enumerate(text):
-        record = until_pad(record, pad)
-        r = compare(i, record, logits[f"prompt{k}"], ref_logits[f"prompt{i}"][-1:],
-                    greedy[k][:len(record["greedy"])])
-        reports.append(replace(r, tokens=1))
-    return reports
-
-
-def until_pad(record: dict, pad: int | None) -> dict:
-    """`record` with its greedy tokens cut after the first one that is the bundle's pad id. On a neuron bundle a
-    generated pad token is fed back as padding: the main ports zero a decode token's DeltaNet update where the input id
-    is the pad id (_qwen36_deltanet_padding_mask, contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py:5108-5166 @
-    4bcdc54) and the Coder-Next converter zeroes its embedding row (convert/nxd.py hidden_columns_pad_row_zeroed), so
-    the tokens after it follow another input than transformers' did."""
-    tokens = record["greedy"]
-    if pad is None or pad not in tokens:
-        return record
-    return {**record, "greedy": tokens[:tokens.index(pad) + 1]}
-
-
-def _cpu_reports(ctx: RunContext, reference: dict, ref_logits: dict, ref_dir) -> list[PromptReport]:
-    from qbuild.model.runtime import Runtime
-
-    runtime = Runtime.load(ctx.inputs["bundle"])
-    reports = []
-    for i, record in enumerate(reference["prompts"]):
-        image = ref_dir / "image.png" if record["image"] else None
-        text_ids = record["ids"]
-        if image is not None:  # the runtime puts the image tokens in front itself
-            text_ids = record["ids"][record["ids"].index(runtime.config["vision_end_token_id"]) + 1:]
-        gen = runtime.generate(text_ids, len(record["greedy"]), image=image, stop_at_eos=False)
-        if gen.prompt_ids != record["ids"]:
-            raise BuildError(f"verify: prompt {i}: the runtime built prompt ids {gen.prompt_ids[:12]}..., the "
-                             f"reference {record['ids'][:12]}...")
-        reports.append(compare(i, record, gen.prefill_logits, ref_logits[f"prompt{i}"], gen.token_ids))
-    return reports
+def _report(run: PromptRun, ref_logits: dict) -> PromptReport:
+    """A bundle that returns the last prompt position's logits only is compared there, as a prompt of one position."""
+    ref = ref_logits[f"prompt{run.index}"]
+    if not run.last_only:
+        return compare(run.index, run.record, run.logits, ref, run.greedy)
+    return replace(compare(run.index, run.record, run.logits, ref[-1:], run.greedy), tokens=1)

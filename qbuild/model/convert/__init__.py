@@ -1,6 +1,6 @@
 """Weight conversion (HF -> NxDI layout, tp-independent) and sharding (per tensor-parallel rank).
 
-The layout rules follow /work/shared/reference/nxdi-layout.md; each lives once, in the module of its concern:
+The layout rules follow docs/nxd-layout.md; each lives once, in the module of its concern:
 norms (+1), attention (q/gate split, kv heads, fused Wqkv), deltanet (renames, Qwen3-Next de-interleave, per-rank
 [Q|K|V]), mlp / moe (experts, expert parallelism, padding), embeddings (tied head, pad row), vision (renames),
 fp8 (quantisation and policies). layout.py assembles them per family; safetensors_header.py and checkpoint.py read

@@ -1,4 +1,4 @@
-"""Gated GQA full attention (nxdi-layout.md section 2): the q/gate split at convert time, and how the
+"""Gated GQA full attention (docs/nxd-layout.md section 2): the q/gate split at convert time, and how the
 attention tensors are divided across tensor-parallel ranks at shard time.
 """
 

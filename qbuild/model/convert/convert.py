@@ -27,7 +27,7 @@ from qbuild.model.convert.layout import program
 from qbuild.model.convert.safetensors_io import DTYPE_NAMES, DTYPES, MappedSources, PlannedFile, contiguous
 from qbuild.model.convert.steps import Step
 from qbuild.model.convert.writer import DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles, meta_specs, write_json
-from qbuild.model.families import FP8_POLICIES, FP8Policy
+from qbuild.model.fp8 import FP8PolicyName, policy as fp8_policy
 from qbuild.store.files import staged
 from qbuild.core.threads import run_all
 
@@ -35,11 +35,10 @@ FORMAT_VERSION = 1
 
 
 def check_policy(fp8: str) -> None:
-    if fp8 not in FP8_POLICIES:
-        raise ValueError(f"fp8 must be one of {', '.join(FP8_POLICIES)}, got {fp8!r}")
+    fp8_policy(fp8)
 
 
-def run_step(step: Step, inputs: list[torch.Tensor], dtype: torch.dtype, fp8: FP8Policy,
+def run_step(step: Step, inputs: list[torch.Tensor], dtype: torch.dtype, fp8: FP8PolicyName,
              num_layers: int) -> dict[str, torch.Tensor]:
     """One step's NxDI outputs: the rule, then the cast to `dtype` (except float32-kept norms), or FP8 quantisation
     of the tensors the policy selects (from the uncast values, to lose precision only once)."""
@@ -53,7 +52,7 @@ def run_step(step: Step, inputs: list[torch.Tensor], dtype: torch.dtype, fp8: FP
 
 
 def convert_state_dict(config: dict, tensors: Mapping[str, torch.Tensor], *, dtype: str = "bfloat16",
-                       fp8: FP8Policy = "none") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                       fp8: FP8PolicyName = "none") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """HF config dict + HF state dict -> (NxDI text tensors, vision tensors), in memory. Same rules and validation
     as convert_checkpoint; for tests and small models."""
     torch_dtype = dtype_of(dtype)
@@ -74,7 +73,7 @@ def convert_state_dict(config: dict, tensors: Mapping[str, torch.Tensor], *, dty
 
 
 def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None = None, dtype: str = "bfloat16",
-                       fp8: FP8Policy = "none", workers: int = 1,
+                       fp8: FP8PolicyName = "none", workers: int = 1,
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
     """HF checkpoint directory `src` -> converted directory `dst` (layout in the module docstring).
 
@@ -86,7 +85,7 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
     ck = open_checkpoint(Path(src), files)
     layers = ck.arch.num_layers
 
-    def plan(steps: list[Step], policy: FP8Policy) -> list[list]:
+    def plan(steps: list[Step], policy: FP8PolicyName) -> list[list]:
         return [meta_specs(run_step(s, _plan_inputs([ck.tensors[n].entry for n in s.sources]), torch_dtype,
                                     policy, layers)) for s in steps]
 
@@ -102,7 +101,7 @@ def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None
 
 
 def _write_converted(tmp: Path, ck, sources: SourceFiles, text_plan, vision_plan, torch_dtype: torch.dtype,
-                     dtype: str, fp8: FP8Policy, workers: int, max_shard_bytes: int) -> dict:
+                     dtype: str, fp8: FP8PolicyName, workers: int, max_shard_bytes: int) -> dict:
     """Run every step into the planned files under `tmp`, copy the non-weight files, write convert.json."""
     (tmp / "text").mkdir()
     text_out = ShardedOutput.open(tmp / "text", text_plan, max_shard_bytes)
@@ -111,7 +110,7 @@ def _write_converted(tmp: Path, ck, sources: SourceFiles, text_plan, vision_plan
         (tmp / "vision").mkdir()
         vision_out = PlannedFile(tmp / "vision" / "model.safetensors", [s for g in vision_plan for s in g])
 
-    def task(step: Step, policy: FP8Policy, write):
+    def task(step: Step, policy: FP8PolicyName, write):
         def run() -> None:  # the step's mappings are unmapped when its tensors go out of scope here
             mapped = MappedSources()
             inputs = [mapped.map(sources.fd(ck.tensors[n].path), ck.tensors[n].entry) for n in step.sources]

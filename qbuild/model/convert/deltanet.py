@@ -1,4 +1,4 @@
-"""Gated DeltaNet (linear_attn, nxdi-layout.md section 3): renames and reshapes at convert time, Qwen3-Next's
+"""Gated DeltaNet (linear_attn, docs/nxd-layout.md section 3): renames and reshapes at convert time, Qwen3-Next's
 grouped-projection de-interleave, and the per-rank [Q_r | K_r | V_r] channel selection used at shard time.
 
 Channels of in_proj_qkv / conv1d are [Q all heads (key_dim) | K all heads (key_dim) | V all heads (value_dim)], so a

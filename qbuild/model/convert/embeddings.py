@@ -1,4 +1,5 @@
-"""Token embeddings and the LM head: tied embeddings and the Coder-Next pad-row zeroing (nxdi-layout.md 0, 3)."""
+"""Token embeddings and the LM head: tied embeddings and the Coder-Next pad-row zeroing (docs/nxd-layout.md
+sections 0 and 3)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Offline FP8 weight quantisation (nxdi-layout.md section 5): per-channel symmetric float8 e4m3.
+"""Offline FP8 weight quantisation (docs/nxd-layout.md section 5): per-channel symmetric float8 e4m3.
 
 scale = max |w| over a channel's inputs / 240, floored at 1e-5, float32, stored as `<name>.scale` next to the fp8
 `<name>.weight`. 240, not e4m3fn's 448: Neuron's FP8 saturates at the IEEE-style e4m3 range.
 The reduction is over dim 1 in both weight layouts: a linear (out, in) gets a scale (out, 1), an NxDI expert tensor
 (E, in, out) gets (E, 1, out), one scale per output channel of each expert.
 
-Policies (qbuild.model.families: which layers; here: which tensors, by layer-relative NxDI name):
+Policies (qbuild.model.fp8: which layers; here: which tensors, by layer-relative NxDI name):
 - "mlp_only", the validated 128K serving path: the MLP of every layer but the first and the last. For the MoE
   families "the MLP" is the routed experts (gate_up, down) and the shared expert (shared_{gate,up,down}_proj): they
   hold nearly all of an MoE layer's bytes and are the same SwiGLU matmuls as a dense MLP. The router and
@@ -23,7 +23,7 @@ import re
 import torch
 
 from qbuild.model.convert.moe import DOWN, GATE_UP
-from qbuild.model.families import FP8Policy, fp8_mlp_layers, fp8_quantises_attention
+from qbuild.model.fp8 import FP8PolicyName, policy as fp8_policy
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 240.0
@@ -42,15 +42,15 @@ ATTENTION_WEIGHTS = frozenset({
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-def is_quantised(name: str, policy: FP8Policy, num_layers: int) -> bool:
+def is_quantised(name: str, policy: FP8PolicyName, num_layers: int) -> bool:
     """Whether the NxDI tensor `name` is stored as FP8 under `policy`."""
     m = _LAYER.fullmatch(name)
     if m is None:
         return False
-    layer, rest = int(m[1]), m[2]
+    layer, rest, rules = int(m[1]), m[2], fp8_policy(policy)
     if rest in MLP_WEIGHTS:
-        return layer in fp8_mlp_layers(policy, num_layers)
-    return rest in ATTENTION_WEIGHTS and fp8_quantises_attention(policy)
+        return layer in rules.mlp_layers(num_layers)
+    return rest in ATTENTION_WEIGHTS and rules.quantises_attention
 
 
 def scale_name(weight_name: str) -> str:
@@ -81,7 +81,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-def apply_policy(name: str, tensor: torch.Tensor, policy: FP8Policy, num_layers: int) -> dict[str, torch.Tensor]:
+def apply_policy(name: str, tensor: torch.Tensor, policy: FP8PolicyName, num_layers: int) -> dict[str, torch.Tensor]:
     """{name: tensor}, or {name: fp8 weight, <name>.scale: scale} when the policy quantises it."""
     if not is_quantised(name, policy, num_layers):
         return {name: tensor}

@@ -1,4 +1,4 @@
-"""Mixture of experts (nxdi-layout.md section 4): HF's two expert storage forms -> NxDI ExpertMLPsV2, and how
+"""Mixture of experts (docs/nxd-layout.md section 4): HF's two expert storage forms -> NxDI ExpertMLPsV2, and how
 experts are divided across expert-parallel groups and moe_tp ranks at shard time.
 
 NxDI layout (E experts, H hidden, I expert intermediate):

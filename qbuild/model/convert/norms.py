@@ -1,4 +1,4 @@
-"""RMSNorm "+1" (nxdi-layout.md section 1): HF's decoder norms are zero-centred (out = rmsnorm(x) * (1 + w)),
+"""RMSNorm "+1" (docs/nxd-layout.md section 1): HF's decoder norms are zero-centred (out = rmsnorm(x) * (1 + w)),
 NxDI's are standard (out = rmsnorm(x) * w), so w -> w + 1, computed and kept in float32.
 
 This table is the one place the +1 applies. The DeltaNet gated norm (`linear_attn.norm`, initialised to ones, a

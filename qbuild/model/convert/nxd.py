@@ -1,4 +1,4 @@
-"""The sharded checkpoints NxD itself writes (nxdi-api.md section 4), for the three public port lineages, so the neuron
+"""The sharded checkpoints NxD itself writes (docs/nxdi.md section 4), for the three public port lineages, so the neuron
 backend ships per-rank files that NxD loads as they are.
 
 How NxD produces them (NxD = aws-neuron/neuronx-distributed @ fbac349, NxDI = aws-neuron/neuronx-distributed-inference

@@ -1,4 +1,4 @@
-"""Vision encoder (nxdi-layout.md section 6): HF `model.visual.*` -> the traced encoder's names.
+"""Vision encoder (docs/nxd-layout.md section 6): HF `model.visual.*` -> the traced encoder's names.
 
 The blocks keep their names; the merger's modules are flattened (merger.norm -> merger_norm, merger.linear_fc1 ->
 merger_fc1, merger.linear_fc2 -> merger_fc2); patch_embed.proj and pos_embed run on the host and keep their names.

@@ -1,6 +1,6 @@
 """Reference decoder of the hybrid Qwen3.5 / Qwen3-Next models over NxDI-layout weights, in plain PyTorch.
 
-It consumes exactly the per-rank shards the neuron backend gets (names and math: shared/reference/nxdi-layout.md)
+It consumes exactly the per-rank shards the neuron backend gets (names and math: docs/nxd-layout.md)
 and simulates tensor / expert parallelism in one process. Every sharded tensor is a parameter with a leading
 rank dim R holding each rank's shard, under its NxDI name (`model.state_dict()` keys are the NxDI names);
 replicated tensors are stored once. Each rank computes its partial output from its own shard; summing the

@@ -1,6 +1,6 @@
 """The VL side of the reference model: the vision encoder and the host-side glue to the text decoder.
 
-Split as the Neuron port splits it (nxdi-layout.md section 6):
+Split as the Neuron port splits it (docs/nxd-layout.md section 6):
 - host (`VisionHost`, plain tensors in and out): patch embedding (Conv3d), bilinear interpolation of the learned
   position grid, the 2-D rotary tables and the block-diagonal attention mask (-65504, not -inf), padded to a
   static bucket of patch tokens;

@@ -48,7 +48,8 @@ class Runtime:
         root = Path(root)
         # The bundle is checked before torch is imported, so a bad one is refused at once.
         manifest = read_manifest(root)
-        if manifest["backend"] == "neuron":
+        # A CPU bundle's graphs are under graphs/; a neuron bundle's compiled model is NxDI's model.pt.
+        if not all(path.startswith("graphs/") for path in manifest.get("graphs", {}).values()):
             raise UserError(f"{root}: a neuron bundle runs on a Neuron host through NxDI, not on this runtime")
         check_files(root, manifest, digests=verify_digests)
 
@@ -74,6 +75,7 @@ class Runtime:
         return cls(root, manifest, config, _tokenizer(root), weights, arch, vision)
 
     def signature(self, name: str) -> dict:
+        """A graph's call signature, written beside it by its compile (qbuild.backends.cpu)."""
         if name not in self._signatures:
             self._signatures[name] = json.loads((self.root / "graphs" / f"{name}.json").read_text())
         return self._signatures[name]
@@ -82,14 +84,7 @@ class Runtime:
         """The callable of one compiled graph, loaded on first use."""
         if name not in self._graphs:
             path = self.root / self.manifest["graphs"][name]
-            if self.manifest["backend"] == "inductor":
-                from qbuild.backends.inductor import load
-
-                self._graphs[name] = load(path)
-            else:
-                import torch
-
-                self._graphs[name] = torch.export.load(str(path)).module()
+            self._graphs[name] = _load_graph(path, self.signature(name)["format"])
         return self._graphs[name]
 
     # --- text --------------------------------------------------------------------------------------------------
@@ -258,3 +253,15 @@ def _load_vision(root: Path, arch, config: dict, dtype):
     from qbuild.model.runtime.images import VisionRuntime
 
     return VisionRuntime.load(root, arch, config, dtype)
+
+
+def _load_graph(path: Path, file_format: str):
+    """A callable (weights, *args) -> outputs of a compiled graph file: an AOTInductor package or an exported
+    program."""
+    import torch
+
+    if file_format == "aoti-package":
+        return torch._inductor.aoti_load_package(str(path))
+    if file_format == "exported-program":
+        return torch.export.load(str(path)).module()
+    raise UserError(f"{path}: unknown graph format {file_format!r}")

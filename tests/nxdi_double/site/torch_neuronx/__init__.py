@@ -1,4 +1,4 @@
-"""Contract double of torch-neuronx: `trace`, as the ports' compile_vision_encoder.py calls it (nxdi-api.md section
+"""Contract double of torch-neuronx: `trace`, as the ports' compile_vision_encoder.py calls it (docs/nxdi.md section
 5; contrib/models/Qwen3.5-35B-A3B/test/integration/compile_vision_encoder.py @ 4bcdc54):
 
     torch_neuronx.trace(cpu_model, (hidden_states, attention_mask, cos, sin),

@@ -5,7 +5,7 @@ It keeps what qbuild depends on (nxdi-port-facts.md section 3): FLAT imports of 
 Qwen35MoeInferenceConfig's required attributes, text_config flattening and the router settings it forces, the app's
 get_compiler_args() (with the DGE flag), and, in NeuronQwen35MoeModel.rank_weights, the weights the compiled model
 takes per rank: fully replicated DeltaNet (plain nn.Linear / nn.Conv1d / nn.Parameter), MoE directly under `mlp.`,
-the sigmoid-gated shared expert around NxD's SharedExperts (nxdi-api.md sections 1 and 4, nxd-ep-facts.md Q2-Q3).
+the sigmoid-gated shared expert around NxD's SharedExperts (docs/nxdi.md sections 1 and 4, nxd-ep-facts.md Q2-Q3).
 Key names the notes abbreviate ("mlp.router...", "mlp.shared_experts.sigmoid_gate") are completed from a copy of the
 port's converter read through the search index (find_string id 54218507205: router.linear_router.weight,
 sigmoid_gate.weight, q_layernorm / k_layernorm, conv1d.weight, A_log, dt_bias, norm.weight).

@@ -4,7 +4,7 @@ the 2B, 27B and 3.6-27B ports share these parts), for the NxDI contract double.
 It keeps what qbuild depends on (nxdi-port-facts.md section 2): the `src.` imports, Qwen35InferenceConfig's required
 attributes and MoE detection, get_neuron_config_cls() returning NeuronConfig even for MoE, the app's
 get_compiler_args(), the QWEN36_* switches read while tracing, and, in NeuronQwen35Model.rank_weights, the weights
-the compiled model takes per rank under NxD's names (nxdi-api.md section 4). Defaults the real config fills in for
+the compiled model takes per rank under NxD's names (docs/nxdi.md section 4). Defaults the real config fills in for
 missing fields (DeltaNet head counts, layer_types) are left out: a field qbuild forgot fails validation here instead
 of silently taking the 35B's value.
 """
@@ -101,7 +101,7 @@ class NeuronQwen35Model:
     @staticmethod
     def rank_weights(config) -> dict[str, Weight]:
         """{shard key: per-rank Weight} of the compiled model: the module's state dict after the port's
-        convert_hf_to_neuron_state_dict and NxD's preshard hooks (nxdi-api.md section 4, main lineage)."""
+        convert_hf_to_neuron_state_dict and NxD's preshard hooks (docs/nxdi.md section 4, main lineage)."""
         nc = config.neuron_config
         if nc.quantized and (config._is_moe or nc.quantization_type != "per_channel_symmetric"
                              or nc.quantization_dtype != "f8e4m3"):

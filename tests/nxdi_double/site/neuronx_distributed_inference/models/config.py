@@ -2,7 +2,7 @@
 InferenceConfig and how they are written to and read back from neuron_config.json.
 
 Facts: nxdi-core-facts.md sections 2 (save/load), 6 (every kwarg below, its default and its checks) and 7 (LNC,
-platform target); nxdi-api.md section 3 (BlockwiseMatmulConfig keys, router dtype); nxd-ep-facts.md Q1 (world size).
+platform target); docs/nxdi.md section 3 (BlockwiseMatmulConfig keys, router dtype); nxd-ep-facts.md Q1 (world size).
 Where the real classes log and drop something, the double raises instead, except where NxDI itself relies on the
 dropping (reading a saved config back: section 2).
 """
@@ -90,7 +90,7 @@ class BlockShardingStrategy(enum.Enum):
 
 
 class BlockwiseMatmulConfig:
-    """NxD modules/moe/moe_configs.py BlockwiseMatmulConfig with exactly the keys nxdi-api.md section 3 records.
+    """NxD modules/moe/moe_configs.py BlockwiseMatmulConfig with exactly the keys docs/nxdi.md section 3 records.
     `from_kwargs` in NxD silently ignores unknown keys; the double rejects them (a misspelt kernel switch would
     otherwise select NxD's default kernel without a word)."""
 
@@ -296,7 +296,7 @@ class MoENeuronConfig(NeuronConfig):
         super().__init__(**kwargs)
         blockwise_lnc = self.blockwise_matmul_config.logical_nc_config
         if blockwise_lnc != self.logical_nc_config:
-            # nxdi-api.md section 2: its default is the compile host's LNC, not NeuronConfig's; a difference means the
+            # docs/nxdi.md section 2: its default is the compile host's LNC, not NeuronConfig's; a difference means the
             # MoE kernels are built for another LNC than the model.
             raise ValueError(f"blockwise_matmul_config.logical_nc_config={blockwise_lnc} differs from "
                              f"logical_nc_config={self.logical_nc_config}")

@@ -1,6 +1,6 @@
 """Contract double of NxDI modules/attention/gqa.py: how many q and kv heads each rank holds.
 
-nxdi-api.md section 4 states the tp > n_kv case (kv heads replicated to tp, q heads zero-padded to a multiple of tp);
+docs/nxdi.md section 4 states the tp > n_kv case (kv heads replicated to tp, q heads zero-padded to a multiple of tp);
 the exact conditions below are NxDI's `determine_sharding_strategy` / `get_shardable_head_counts` as read through the
 search index (gqa.py, find_string id 12754004973): kv heads change only when n_kv < tp or n_kv % tp != 0.
 """
@@ -44,7 +44,7 @@ def get_shardable_head_counts(tp_degree: int, num_attention_heads: int, num_key_
 def attention_weights(prefix: str, tp: int, num_heads: int, num_kv_heads: int, head_dim: int, hidden: int,
                       dtype: str, fused_qkv: bool) -> dict:
     """The per-rank q/k/v/o weights of NxDI's GQA attention under the names its preshard hooks give them
-    (nxdi-api.md section 4: `self_attn.{q,k,v}_proj` -> `self_attn.qkv_proj.{q,k,v}_proj`, `Wqkv` ->
+    (docs/nxdi.md section 4: `self_attn.{q,k,v}_proj` -> `self_attn.qkv_proj.{q,k,v}_proj`, `Wqkv` ->
     `qkv_proj.Wqkv`, `o_proj` -> `o_proj.o_proj`; fused Wqkv per rank is [Q_r|K_r|V_r] of the padded lengths; o_proj
     padded like q on dim 1). No biases: the Qwen3.5 attention has none, and a shard that carried one is refused."""
     from neuronx_distributed_inference._nxd import column, row

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from qbuild.core.dtypes import torch_dtype
-from qbuild.recipe.params import CpuTextCompile, CpuVisionCompile
+from qbuild.backends.cpu.params import CpuTextCompile, CpuVisionCompile
 
 
 class Functional(torch.nn.Module):

@@ -1,10 +1,10 @@
 """The part of the neuron backend that runs inside the Neuron SDK, one operation per fresh interpreter.
 
-    python -m qbuild.backends.neuron_sdk {text|vision|verify} REQUEST.json RESULT.json
+    python -m qbuild.backends.neuron.sdk_worker {text|vision|verify} REQUEST.json RESULT.json
 
-qbuild.backends.neuron prepares each request (pure data: the NxDI configuration, the flattened text config, the port
-directory) and sets the environment NxD reads at import; this module only calls the SDK and the port with it. Every
-call is the one the public ports make (cited per function); nothing here is imported by the planner.
+qbuild.backends.neuron.driver prepares each request (pure data: the NxDI configuration, the flattened text config,
+the port directory) and sets the environment NxD reads at import; this module only calls the SDK and the port with it.
+Every call is the one the public ports make (cited per function); nothing here is imported by the planner.
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ from qbuild.core import jsonio
 from qbuild.core.dtypes import torch_dtype
 
 
-
 def _port_module(port: str, module: str):
     # Main-lineage ports import `src.*` (the port directory on sys.path), moe-lineage ports import flat (src/ on it);
-    # the caller passes the directory each lineage needs (qbuild.model.families.Lineage.module_dir).
+    # the caller passes the directory each lineage needs (qbuild.backends.neuron.ports.Lineage.module_dir).
     sys.path.insert(0, port)
     return importlib.import_module(module)
 

@@ -1,0 +1,114 @@
+"""The Backend protocol: what the planner, the checks, the actions, the renderer and the CLI may ask of a backend.
+
+A backend offers capabilities and decisions (which extra source nodes a recipe needs, how its weights are sharded,
+which graphs it compiles and how, what a bundle is and how it runs), never its own identity: nothing outside
+qbuild.backends tests which backend it holds. Planning-time methods are pure over their inputs and import no torch;
+the build-time methods (compile, package, run_prompts) import what they need when they run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from qbuild.model.arch import Arch
+from qbuild.recipe.params import PackageParams, ShardParams
+from qbuild.recipe.schema import LoadedRecipe
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The planner's estimates of a recipe's weights, which a backend's own estimates build on."""
+
+    weights: int                     # the text weights, in the recipe's dtype and FP8 policy
+    vision: int                      # the vision encoder's weights (0 without one)
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """One node a backend adds to a recipe's plan: a source node (a port) or a compile node."""
+
+    role: str                        # the recipe's name for it: "port", "compile text", "compile cte-128"
+    kind: str                        # the action kind
+    name: str                        # what a person reads
+    params: object                   # the step's typed params
+    deps: dict[str, str]             # input name -> the role of the recipe node it takes ("convert", "port")
+    est_out_bytes: int
+    est_peak_bytes: int
+    context: dict = field(default_factory=dict)
+    neffs: int = 0                   # NEFFs a Neuron compile produces
+
+
+@dataclass(frozen=True)
+class BackendPlan:
+    """A backend's part of a recipe's plan. Every source node is an input of the shard, package and verify nodes
+    under its role; each compile node names its own inputs."""
+
+    sources: tuple[PlannedStep, ...]
+    shard: ShardParams
+    compiles: tuple[PlannedStep, ...]
+    package: PackageParams
+    verify_cores: int                # NeuronCores verifying the bundle runs on (0: any host)
+
+
+@dataclass(frozen=True)
+class PromptRun:
+    """One reference prompt as a bundle ran it, for the verify gate to compare."""
+
+    index: int                       # the prompt's index in the reference
+    record: dict                     # the reference's record it is compared with (greedy tokens possibly cut)
+    logits: object                   # the bundle's prefill logits: (n, V), or (1, V) where last_only
+    greedy: list[int]
+    last_only: bool                  # the bundle returns the last prompt position's logits only
+
+
+class StepContext(Protocol):
+    """What a backend reads of an action's context (qbuild.build.actions.RunContext)."""
+
+    params: object
+    inputs: dict[str, Path]
+    out: Path
+    scratch: Path
+    store: object
+    log: Callable[[str], None]
+
+
+class SourceEnvironment(Protocol):
+    """What a backend's planning reads of the machine (a part of qbuild.planning.plan.Environment)."""
+
+    def port_digests(self, port_dir: Path) -> dict[str, str] | None:
+        """Relative path -> "blake3:<hex>" of a port's source files; None where the directory does not exist."""
+
+
+class Backend(Protocol):
+    name: str
+
+    def validate(self, loaded: LoadedRecipe, arch: Arch) -> None:
+        """Raise RecipeError (at the field's file:line:column) for what this backend cannot build of the recipe."""
+
+    def plan(self, loaded: LoadedRecipe, arch: Arch, env: SourceEnvironment, sizes: Sizes) -> BackendPlan:
+        """The recipe's source, shard, compile and package steps on this backend."""
+
+    def explain_reuse(self, old: dict, new: object) -> str | None:
+        """What a compile whose locked params were `old` (JSON) can still reuse now that they are `new`."""
+
+    def describe_compile(self, params: object) -> dict:
+        """Extra fields of a compile node in `plan --json`."""
+
+    def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
+        """The port source the recipe resolves to, for `plan --json` (None where the backend runs none)."""
+
+    def compile(self, ctx: StepContext) -> None:
+        """Build one compile node into ctx.out."""
+
+    def package(self, ctx: StepContext) -> dict[str, str]:
+        """Put the compiled graphs into the bundle at ctx.out; returns graph name -> file in the bundle."""
+
+    def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
+        """Run the bundle (ctx.inputs["bundle"]) on the reference's prompts."""
+
+    def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
+        """How to serve a pulled bundle (None where the backend has no server to name)."""

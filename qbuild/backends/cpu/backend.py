@@ -1,0 +1,131 @@
+"""The CPU backends (export, inductor): one class, parameterised by name, that plans, compiles, packages and runs a
+recipe's graphs on this host's CPUs.
+
+Each graph (a submodel at one bucket) is its own compile node, with no weights at all: <graph>-<bucket>.pt2 (a
+torch.export program or an AOTInductor package; weights are graph inputs) and <graph>-<bucket>.json (its call
+signature). Timings go to the log, never into outputs, so the same key gives byte-identical artifacts on any machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, Sizes, StepContext
+from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile, graph_file
+from qbuild.core import jsonio
+from qbuild.core.errors import BuildError
+from qbuild.model.arch import Arch
+from qbuild.recipe import checks
+from qbuild.recipe.params import PackageParams, ShardParams
+from qbuild.recipe.schema import LoadedRecipe
+
+# The file format each backend's graphs are written in; the runtime loads a graph by it (qbuild.model.runtime).
+_FORMATS = {"export": "exported-program", "inductor": "aoti-package"}
+
+
+def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) -> CpuCompile:
+    """The allow-listed inputs of one CPU-compiled graph: architecture, parallelism, shapes and backend.
+
+    Weight values never enter (a compile serves every fine-tune of an architecture). The text graphs do not
+    depend on the vision encoder and the vision graphs do not depend on the text model or on tp.
+    """
+    r = loaded.recipe
+    if graph == "vision":
+        return CpuVisionCompile(graph, bucket, r.backend, r.dtype, arch.vision)
+    return CpuTextCompile(graph, bucket, r.backend, r.dtype, arch.text_model(), r.parallel.tp, r.parallel.ep,
+                          r.parallel.effective_moe_tp if arch.is_moe else None, r.text.batch_size, r.text.seq_len,
+                          r.fp8, checks.moe_backend(loaded, arch), r.fused_qkv)
+
+
+class CpuBackend:
+    def __init__(self, name: str):
+        self.name = name
+
+    # --- planning ------------------------------------------------------------------------------------------------
+
+    def validate(self, loaded: LoadedRecipe, arch: Arch) -> None:
+        """Every recipe the schema and the architecture checks accept builds on the CPU."""
+
+    def plan(self, loaded: LoadedRecipe, arch: Arch, env, sizes: Sizes) -> BackendPlan:
+        r = loaded.recipe
+        moe_tp = r.parallel.effective_moe_tp if arch.is_moe else None
+        shard = ShardParams("cpu", r.parallel.tp, r.parallel.ep, r.parallel.tp, moe_tp, r.fused_qkv, None, r.dtype)
+        graphs = [("cte", b) for b in r.text.cte_buckets] + [("tkg", b) for b in r.text.token_buckets]
+        graphs += [("vision", b) for b in (r.vision.buckets if r.vision else [])]
+        compiles = tuple(
+            PlannedStep(f"compile {graph}-{bucket}", "compile", f"compile {graph}-{bucket} ({self.name})",
+                        compile_params(loaded, arch, graph, bucket), {}, 64 << 20,
+                        GIB + (sizes.vision if graph == "vision" else sizes.weights))
+            for graph, bucket in graphs)
+        package = PackageParams(arch.family, self.name, r.parallel.tp, r.parallel.ep, r.parallel.tp,
+                                r.text.batch_size, r.text.seq_len, tuple(r.text.cte_buckets),
+                                tuple(r.text.token_buckets), tuple(r.vision.buckets if r.vision else ()), r.dtype)
+        return BackendPlan((), shard, compiles, package, 0)
+
+    def explain_reuse(self, old: dict, new) -> str | None:
+        return None
+
+    def describe_compile(self, params) -> dict:
+        return {}
+
+    def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
+        return None
+
+    # --- building ------------------------------------------------------------------------------------------------
+
+    def compile(self, ctx: StepContext) -> None:
+        import torch
+
+        from qbuild.backends.cpu.export import export_graph
+
+        p = ctx.params
+        name = f"{p.graph}-{p.bucket}"
+        traced = export_graph(p)
+        signature = dict(traced.signature, backend=p.backend, format=_FORMATS[self.name])
+        target = ctx.out / graph_file(p.graph, p.bucket)
+        if self.name == "inductor":
+            from qbuild.backends.cpu.inductor import package
+
+            ctx.log(f"{name}: AOTInductor {package(traced.program, target, ctx.scratch):.1f}s")
+        else:
+            torch.export.save(traced.program, target)
+        (ctx.out / f"{name}.json").write_text(jsonio.dumps(signature, indent=1, sort_keys=True))
+        ctx.log(f"{name}: exported in {traced.seconds:.1f}s")
+
+    def package(self, ctx: StepContext) -> dict[str, str]:
+        """One graph per bucket under graphs/, with its signature."""
+        from qbuild.store.files import link_tree
+
+        p: PackageParams = ctx.params
+        graphs = {}
+        for name, tree in sorted(ctx.inputs.items()):
+            if name.startswith("compile:"):
+                graph = name.removeprefix("compile:")
+                link_tree(tree, ctx.out / "graphs")
+                graphs[graph] = f"graphs/{graph}.pt2"
+        expected = {f"cte-{b}" for b in p.cte_buckets} | {f"tkg-{b}" for b in p.tkg_buckets} | \
+            {f"vision-{b}" for b in p.vision_buckets}
+        if set(graphs) != expected:
+            raise ValueError(f"package got graphs {sorted(graphs)}, planned {sorted(expected)}")
+        return graphs
+
+    def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
+        """Every prompt, image prompts included, through qbuild's runtime."""
+        from qbuild.model.runtime import Runtime
+
+        runtime = Runtime.load(ctx.inputs["bundle"])
+        runs = []
+        for i, record in enumerate(reference["prompts"]):
+            image = ref_dir / "image.png" if record["image"] else None
+            text_ids = record["ids"]
+            if image is not None:  # the runtime puts the image tokens in front itself
+                text_ids = record["ids"][record["ids"].index(runtime.config["vision_end_token_id"]) + 1:]
+            gen = runtime.generate(text_ids, len(record["greedy"]), image=image, stop_at_eos=False)
+            if gen.prompt_ids != record["ids"]:
+                raise BuildError(f"verify: prompt {i}: the runtime built prompt ids {gen.prompt_ids[:12]}..., the "
+                                 f"reference {record['ids'][:12]}...")
+            runs.append(PromptRun(i, record, gen.prefill_logits, gen.token_ids, last_only=False))
+        return runs
+
+    def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
+        return None

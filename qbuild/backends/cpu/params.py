@@ -1,0 +1,48 @@
+"""The compile params of the CPU backends: one text graph (cte or tkg) or the vision encoder at one bucket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from qbuild.core.dtypes import DType
+from qbuild.model.arch import Arch, VisionArch
+from qbuild.model.families import MoEBackend
+from qbuild.model.fp8 import FP8PolicyName
+
+CpuBackendName = Literal["inductor", "export"]
+TextGraph = Literal["cte", "tkg"]
+
+
+@dataclass(frozen=True)
+class CpuTextCompile:
+    graph: TextGraph
+    bucket: int
+    backend: CpuBackendName
+    dtype: DType
+    text: Arch                       # the text model's fingerprint (no vision encoder)
+    tp: int
+    ep: int
+    moe_tp: int | None               # None for a dense model
+    batch_size: int
+    seq_len: int
+    fp8: FP8PolicyName
+    moe_backend: MoEBackend | None   # None for a dense model
+    fused_qkv: bool
+
+
+@dataclass(frozen=True)
+class CpuVisionCompile:
+    graph: Literal["vision"]
+    bucket: int
+    backend: CpuBackendName
+    dtype: DType
+    vision: VisionArch
+
+
+CpuCompile = Union[CpuTextCompile, CpuVisionCompile]
+
+
+def graph_file(graph: str, bucket: int) -> str:
+    """The file name of a compiled CPU graph, inside a compile output and under a bundle's graphs/."""
+    return f"{graph}-{bucket}.pt2"

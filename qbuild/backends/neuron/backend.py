@@ -1,0 +1,204 @@
+"""The neuron backend: a recipe built with a public NxDI contrib port, compiled by neuronx-cc and run by NxDI.
+
+Planning (pure, no SDK): the port is a source node every later step takes; the shard step writes NxD's format for the
+port's lineage, one file per rank of NxD's world; ONE text compile builds every CTE and TKG bucket (NxDI builds both
+submodels in one compile(): docs/nxdi.md section 2) and each vision bucket is its own traced encoder; verifying the
+bundle runs it on one host's NeuronCores, one per rank. The toolchain is the recipe's pin, never what is installed, so
+every machine plans the same keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, SourceEnvironment, Sizes, StepContext
+from qbuild.backends.neuron import config, deploy
+from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
+                                           NeuronVisionCompile, PortFiles, PortMissing)
+from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, lineage_for, port_dir
+from qbuild.model.arch import Arch
+from qbuild.model.fp8 import policy as fp8_policy
+from qbuild.recipe import checks
+from qbuild.recipe.params import ShardParams
+from qbuild.recipe.schema import LoadedRecipe
+
+
+def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
+    """The allow-listed inputs of a recipe's ONE neuron text compile."""
+    r = loaded.recipe
+    lineage = lineage_for(arch.family, r.port.lineage)
+    return NeuronTextCompile(
+        graph="text", backend="neuron", lineage=lineage.name, text=arch.text_model(),
+        parallel=config.nxd_parallel(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
+        dtype=r.dtype, fp8=r.fp8, moe_backend=checks.moe_backend(loaded, arch), fused_qkv=r.fused_qkv,
+        batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
+        tkg_buckets=tuple(r.text.token_buckets), compiler=_compiler(r), toolchain=r.toolchain.pins(),
+        port_env=dict(sorted(r.port.env.items())),
+        # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
+        pad_token_id=arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id,
+        # A bundle with vision encoders needs a context-encoding graph that takes the image features.
+        vision_inputs=bool(r.vision and r.vision.buckets))
+
+
+def vision_compile_params(loaded: LoadedRecipe, arch: Arch, bucket: int) -> NeuronVisionCompile:
+    """One traced vision encoder at one patch bucket (its weights are inlined: the node depends on them)."""
+    r = loaded.recipe
+    lineage = lineage_for(arch.family, r.port.lineage)
+    return NeuronVisionCompile(graph="vision", bucket=bucket, backend="neuron", lineage=lineage.name,
+                               vision=arch.vision, dtype=r.dtype, compiler=_compiler(r), toolchain=r.toolchain.pins(),
+                               port_env=dict(sorted(r.port.env.items())))
+
+
+def _compiler(r) -> CompilerSettings:
+    return CompilerSettings(target=r.compiler.target, lnc=r.compiler.effective_lnc, flags=tuple(r.compiler.flags))
+
+
+def port_step(loaded: LoadedRecipe, env: SourceEnvironment) -> PlannedStep:
+    """The port node: the port is identified by its source files' digests."""
+    where = port_dir(loaded)
+    written = loaded.recipe.port.path or loaded.recipe.port.module
+    files = None if where is None else env.port_digests(where)
+    if files is None:
+        # Planned anyway, so `plan` shows the whole graph; building it fails with one line saying where to put it.
+        return PlannedStep("port", "port", f"port {written} (not found)", PortMissing(written), {}, 1 << 20, GIB // 4)
+    return PlannedStep("port", "port", f"port {where.name}", PortFiles(files), {}, 1 << 20, GIB // 4,
+                       context={"path": str(where)})
+
+
+class NeuronBackend:
+    """`run_bundle` runs a bundle on this host's NeuronCores (deploy.run_bundle); a test passes a double of it."""
+
+    def __init__(self, name: str = "neuron", run_bundle: Callable = deploy.run_bundle):
+        self.name = name
+        self._run_bundle = run_bundle
+
+    # --- planning ------------------------------------------------------------------------------------------------
+
+    def validate(self, loaded: LoadedRecipe, arch: Arch) -> None:
+        """The checks that only a neuron build needs: a port that can serve the recipe, and a pinned toolchain."""
+        r = loaded.recipe
+        served_by = FAMILY_LINEAGES[arch.family]
+        lineage = lineage_for(arch.family, r.port.lineage)
+        if lineage.name not in served_by:
+            checks.fail(loaded, "port.lineage", f"the {lineage.name} lineage has no port for {arch.family}; use "
+                                                f"{' or '.join(served_by)}")
+        if r.port.path is None and r.port.module is None:
+            checks.fail(loaded, "port", "a neuron build runs an NxDI contrib port: set port.path (the port directory, "
+                                        "e.g. a checkout of contrib/models/<Port>) or port.module")
+        self._validate_fp8(loaded, arch)
+        if r.vision is not None and lineage.vision_module is None:
+            checks.fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use "
+                                          "main")
+        if r.vision is not None and r.dtype != "bfloat16":
+            # NeuronQwen35VisionModelWrapper casts every encoder input to bfloat16
+            # (contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35_vision.py:790-820 @ 4bcdc54), so an encoder traced in
+            # another dtype would be fed inputs it was not traced for.
+            checks.fail(loaded, "dtype", f"the port's vision encoder runs in bfloat16; a neuron recipe with vision "
+                                         f"builds in bfloat16, not {r.dtype}")
+        if r.parallel.ep > 1:
+            # NxD's ExpertMLPsV2 refuses EP in selective-loading decode (it raises) (expert_mlps_v2.py @
+            # fbac349; Qwen3.5-35B-A3B README). Coder-Next's README works around it with a patch of
+            # ExpertMLPsV2.forward that is in no public commit of the port (PR 170 @ 753c7f5).
+            checks.fail(loaded, "parallel.ep", f"no public {lineage.name}-lineage port runs expert parallelism in "
+                                               "decode (NxD refuses it without an unpublished patch); use ep: 1")
+        for dist, version in r.toolchain.pins().items():
+            if version is None:
+                checks.fail(loaded, "toolchain", f"a neuron build pins the Neuron SDK: set "
+                                                 f"toolchain.{dist.replace('-', '_')} (see recipes/bases/trn2.yaml)")
+
+    @staticmethod
+    def _validate_fp8(loaded: LoadedRecipe, arch: Arch) -> None:
+        policy = fp8_policy(loaded.recipe.fp8)
+        if policy.quantises_attention:
+            checks.fail(loaded, "fp8", f"a neuron build makes the FP8 port's mlp_only configuration (PR 173); "
+                                       f"{policy.name} is for the CPU backends")
+        if policy.quantises and arch.is_moe:
+            # The FP8 port is dense; NxD reads per-expert scales only as expert_wise_per_channel_symmetric, which no
+            # public port configures.
+            checks.fail(loaded, "fp8", f"no public NxDI port builds FP8 experts; {arch.family} builds with fp8: none "
+                                       "on neuron")
+
+    def plan(self, loaded: LoadedRecipe, arch: Arch, env: SourceEnvironment, sizes: Sizes) -> BackendPlan:
+        r = loaded.recipe
+        text = text_compile_params(loaded, arch)
+        par, ranks = text.parallel, text.parallel.world_size
+        # One file per rank of NxD's world; every non-expert layer is split over tp_degree (dense_tp), which is
+        # smaller than the world where ep_degree > 1 (qbuild.model.convert.nxd). A dense model has no moe_ep_degree
+        # (None), and its shard step takes ep 1.
+        shard = ShardParams(LINEAGES[text.lineage].shard_layout, ranks, par.moe_ep_degree if arch.is_moe else 1,
+                            par.tp_degree, par.moe_tp_degree if arch.is_moe else None, r.fused_qkv, None, r.dtype)
+        neffs = len(text.cte_buckets) + len(text.tkg_buckets)
+        # neuronx-cc runs on any host with the SDK: CPUs and memory, no device.
+        compiles = [PlannedStep("compile text", "compile", f"compile text ({neffs} NEFFs, neuron)", text,
+                                {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB, neffs=neffs)]
+        for b in (r.vision.buckets if r.vision else []):
+            compiles.append(PlannedStep(f"compile vision-{b}", "compile", f"compile vision-{b} (neuron)",
+                                        vision_compile_params(loaded, arch, b),
+                                        {"port": "port", "converted": "convert"}, 64 << 20, 4 * sizes.vision + 8 * GIB,
+                                        neffs=1))
+        package = NeuronPackageParams(
+            family=arch.family, backend="neuron", tp=r.parallel.tp, ep=r.parallel.ep, ranks=ranks,
+            batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
+            tkg_buckets=tuple(r.text.token_buckets), vision_buckets=tuple(r.vision.buckets if r.vision else ()),
+            dtype=r.dtype, lineage=text.lineage, fp8=r.fp8)
+        # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
+        return BackendPlan((port_step(loaded, env),), shard, tuple(compiles), package, ranks)
+
+    def explain_reuse(self, old: dict, new) -> str | None:
+        return config.neff_reuse(old, new)
+
+    def describe_compile(self, params) -> dict:
+        cfg = config.neuron_config(params)
+        return {"neffs": cfg["neffs"], "neuron_config": cfg}
+
+    def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
+        """The port a recipe resolves to: lineage, module and class names, and where its source is found."""
+        lineage = lineage_for(arch.family, loaded.recipe.port.lineage)
+        where = port_dir(loaded)
+        return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
+                "config_class": lineage.config_class, "vision_module": lineage.vision_module,
+                "path": str(where) if where else None, "found": bool(where and where.is_dir())}
+
+    # --- building ------------------------------------------------------------------------------------------------
+
+    def compile(self, ctx: StepContext) -> None:
+        """The text node is NxDI's compiled directory of the whole text model (model.pt with every CTE and TKG bucket,
+        NxDI's neuron_config.json, metaneff/); a vision node is one traced encoder, vision_encoder_<bucket>.pt, with
+        the vision weights inlined (its input `converted`)."""
+        from qbuild.backends.neuron import driver
+
+        p = ctx.params
+        cache = driver.compile_cache_url(ctx.store)
+        if isinstance(p, NeuronVisionCompile):
+            driver.compile_vision(p, ctx.inputs["port"], ctx.inputs["converted"] / "vision" / "model.safetensors",
+                                  ctx.out, ctx.scratch, cache, ctx.log)
+        else:
+            driver.compile_text(p, ctx.inputs["port"], ctx.out, ctx.scratch, cache, ctx.log)
+
+    def package(self, ctx: StepContext) -> dict[str, str]:
+        from qbuild.backends.neuron.package import package
+
+        return package(ctx)
+
+    def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
+        """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns
+        the last position's logits only, so the comparison takes the first generated token's logits against the
+        reference's last prompt position; greedy tokens compare over every step up to the first generated pad token
+        (deploy.until_pad). Image prompts need the port's VL application, which qbuild does not drive: they are left
+        to the CPU proof of the same recipe."""
+        bundle = ctx.inputs["bundle"]
+        text = [(i, r) for i, r in enumerate(reference["prompts"]) if not r["image"]]
+        n = max(len(r["greedy"]) for _, r in text)
+        greedy, logits = self._run_bundle(bundle, ctx.inputs["port"], [r["ids"] for _, r in text], n, ctx.scratch,
+                                          ctx.log)
+        pad = json.loads((bundle / deploy.QBUILD_RECORD).read_text())["params"]["pad_token_id"]
+        runs = []
+        for k, (i, record) in enumerate(text):
+            record = deploy.until_pad(record, pad)
+            runs.append(PromptRun(i, record, logits[f"prompt{k}"], greedy[k][:len(record["greedy"])], last_only=True))
+        return runs
+
+    def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
+        return deploy.serve_instructions(bundle, manifest)

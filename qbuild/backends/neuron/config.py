@@ -1,0 +1,192 @@
+"""The neuron backend's pure translation: a recipe's typed compile params -> the NxDI port's configuration.
+
+Facts about NxDI, NxD and the ports come from their public source; docs/nxdi.md cites each one (NxDI main @ 4bcdc54,
+models/config.py @ c63afe0; NxD @ fbac349; the Qwen3.5 ports on main @ 4bcdc54, Coder-Next PR 170 @ 753c7f5,
+Qwen3.6-27B FP8 PR 173 @ 03db3ef). Where the code below depends on one, the comment names it.
+
+Nothing here imports torch or the SDK: `qbuild plan --json` shows `neuron_config(params)` and the tests pin it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from qbuild.backends.neuron.params import (CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile,
+                                           NxdParallel)
+from qbuild.backends.neuron.ports import LINEAGES, VISION_COMPILER_ARGS
+from qbuild.model.fp8 import FP8Policy, policy as fp8_policy
+from qbuild.recipe.params import ParamsError, parse
+
+FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}   # PR 173 qwen36_27b_compile_fp8.py
+# NxDI's BlockwiseMatmulConfig per MoE backend (docs/nxdi.md section 3). shard_hidden is NxD's LNC=2 default kernel
+# (_call_shard_hidden_kernel): it is selected by turning every alternative off, so a changed default cannot switch it.
+BLOCKWISE = {
+    "shard_on_intermediate": {"use_shard_on_intermediate_dynamic_while": True},
+    "torch_blockwise": {"use_torch_block_wise": True},
+    "shard_hidden": {"use_torch_block_wise": False, "use_shard_on_intermediate_dynamic_while": False,
+                     "use_shard_on_block_dynamic_while": False},
+    "shard_on_block": {"block_size": 128, "use_shard_on_block_dynamic_while": True,
+                       "block_sharding_strategy": "PING_PONG"},
+}
+# FP8 mlp_only as PR 173 builds it (`_mlp_only_modules_to_not_convert`): WHOLE modules, each with and without the
+# `model.` prefix, because NxD matches them as substrings of module paths (`self_attn.q_proj` would match nothing:
+# the real path is `self_attn.qkv_proj.q_proj`).
+_FP8_KEEP_TOP = ("embed_tokens", "lm_head", "norm", "rotary_emb")
+_FP8_KEEP_LAYER = ("self_attn", "linear_attn", "input_layernorm", "post_attention_layernorm")
+# PR 173 `_FP8_WLO_SKIP_PATTERNS`.
+FP8_SKIP_LAYOUT_OPTIMIZATION = (r".*\.scale$", r".*\.weight_scale$", r".*linear_attn\.conv1d_weight\.weight$")
+
+
+# --- the pure translation ----------------------------------------------------------------------------------------
+
+def nxd_parallel(lineage: str, is_moe: bool, tp: int, ep: int) -> NxdParallel:
+    """NxDI's parallel degrees for a recipe's tp/ep, and the number of ranks (shard files, NeuronCores).
+
+    NxDI: world_size = tp_degree * pp_degree * ep_degree (models/config.py). The moe lineage runs expert parallelism
+    the way Coder-Next validated it: ep_degree = moe_ep_degree = ep, moe_tp_degree = tp (PR 170 README), so ep
+    multiplies the ranks. The main lineage has no EP (qbuild.recipe.checks refuses ep > 1 there): moe_tp_degree = tp.
+    """
+    if lineage == "moe" and is_moe and ep > 1:
+        return NxdParallel(tp_degree=tp, ep_degree=ep, moe_tp_degree=tp, moe_ep_degree=ep, world_size=tp * ep)
+    return NxdParallel(tp_degree=tp, ep_degree=1, moe_tp_degree=tp if is_moe else None,
+                       moe_ep_degree=1 if is_moe else None, world_size=tp)
+
+
+def modules_to_not_convert(policy: FP8Policy, num_layers: int) -> list[str]:
+    """Every module but the MLPs that `policy` quantises stays in the model dtype (PR 173 builds mlp_only so)."""
+    keep = []
+    for name in _FP8_KEEP_TOP:
+        keep += [name, f"model.{name}"]
+    for i in range(num_layers):
+        for prefix in ("layers", "model.layers"):
+            keep += [f"{prefix}.{i}.{m}" for m in _FP8_KEEP_LAYER]
+    quantised = policy.mlp_layers(num_layers)
+    for i in range(num_layers):
+        if i not in quantised:
+            keep += [f"layers.{i}.mlp", f"model.layers.{i}.mlp"]
+    return keep
+
+
+def compiler_args(port_args: tuple[str, ...], compiler: CompilerSettings) -> str:
+    """What the app's get_compiler_args() returns (or what the vision trace is given): the port's own arguments, the
+    target and LNC (which NxDI adds only when get_compiler_args() returns None: model_wrapper.py), then the recipe's
+    flags."""
+    return " ".join((*port_args, f"--target={compiler.target}", f"--lnc={compiler.lnc}", *compiler.flags))
+
+
+def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
+    """(NeuronConfig class, constructor kwargs, attributes set after construction) of a text compile."""
+    par = p.parallel
+    cfg = {
+        "tp_degree": par.tp_degree, "batch_size": p.batch_size, "max_batch_size": p.batch_size,
+        "ctx_batch_size": p.batch_size, "tkg_batch_size": p.batch_size,
+        "seq_len": p.seq_len, "max_length": p.seq_len, "max_context_length": max(p.cte_buckets),
+        "torch_dtype": p.dtype, "logical_nc_config": p.compiler.lnc, "fused_qkv": p.fused_qkv,
+        # Both lists explicit: with one left None NxDI generates powers of two up to the max (autobucketing.py).
+        "enable_bucketing": True, "context_encoding_buckets": list(p.cte_buckets),
+        "token_generation_buckets": list(p.tkg_buckets),
+        # qbuild's shard step writes weights/ in NxD's format; load() reads them from there.
+        "save_sharded_checkpoint": True, "skip_sharding": True,
+    }
+    if par.ep_degree > 1:
+        cfg["ep_degree"] = par.ep_degree
+    attributes: dict = {}
+    fp8 = fp8_policy(p.fp8)
+    if fp8.quantises:
+        # NeuronConfig asserts a path when quantized (config.py @ c63afe0); with skip_sharding nothing reads it at
+        # compile, and load() reads weights/ (save_sharded_checkpoint): it names the bundle's own FP8 shards.
+        cfg.update(quantized=True, quantized_checkpoints_path="weights", quantization_type="per_channel_symmetric",
+                   quantization_dtype="f8e4m3", kv_cache_quant=False, quantized_mlp_kernel_enabled=False,
+                   activation_quantization_type=None,
+                   modules_to_not_convert=modules_to_not_convert(fp8, p.text.num_layers),
+                   weights_to_skip_layout_optimization=list(FP8_SKIP_LAYOUT_OPTIMIZATION))
+    if p.text.num_experts is None:
+        return "NeuronConfig", cfg, attributes
+    cfg.update(moe_tp_degree=par.moe_tp_degree, moe_ep_degree=par.moe_ep_degree,
+               blockwise_matmul_config=dict(BLOCKWISE[p.moe_backend], logical_nc_config=p.compiler.lnc))
+    # Router in fp32 with softmax, set as attributes after construction as the ports do (run_text_smoke.py @ 4bcdc54;
+    # the moe lineage's config sets them itself). MoENeuronConfig has no normalize_top_k_affinities argument.
+    attributes = {"router_config.dtype": "float32", "router_config.act_fn": "softmax"}
+    return "MoENeuronConfig", cfg, attributes
+
+
+def neuron_config(params: NeuronCompile) -> dict:
+    """The NxDI configuration of one neuron compile node, from its planned params (pure; no torch, no SDK)."""
+    lineage = LINEAGES[params.lineage]
+    if isinstance(params, NeuronVisionCompile):
+        return {"lineage": lineage.name, "module": lineage.vision_module, "model_class": "CPUVisionModel",
+                "bucket": params.bucket, "file": vision_file(params.bucket),
+                "compiler_args": compiler_args(VISION_COMPILER_ARGS, params.compiler),
+                "env": dict(params.port_env), "neffs": 1}
+    cls, cfg, attributes = _text_neuron_config(params)
+    env = dict(FP8_ENV) if fp8_policy(params.fp8).quantises else {}
+    env.update(params.port_env)
+    env.update(NEURON_PLATFORM_TARGET_OVERRIDE=params.compiler.target,
+               NEURON_LOGICAL_NC_CONFIG=str(params.compiler.lnc))
+    return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
+            "config_class": lineage.config_class, "neuron_config_class": cls, "neuron_config": cfg,
+            "attributes": attributes, "compiler_args": compiler_args(lineage.compiler_args, params.compiler),
+            "env": env, "buckets": {"context_encoding": cfg["context_encoding_buckets"],
+                                    "token_generation": cfg["token_generation_buckets"]},
+            "neffs": len(cfg["context_encoding_buckets"]) + len(cfg["token_generation_buckets"]),
+            "ranks": params.parallel.world_size}
+
+
+def vision_file(bucket: int) -> str:
+    """The name the port's NeuronQwen35VisionModelWrapper.load_compiled(dir) globs for (vision_encoder_<bucket>.pt)."""
+    return f"vision_encoder_{bucket}.pt"
+
+
+def neff_reuse(old: dict, new: NeuronCompile) -> str | None:
+    """What the Neuron compile cache will reuse when a text compile's only change is its bucket lists (else None).
+    `old` is a neuron compile's params as locked (JSON), `new` as planned now.
+
+    Each bucket's NEFF is cached under a hash of its HLO and flags (NxD trace/model_builder.py get_hash_module @
+    fbac349), and every bucket's HLO carries the weight layout chosen by token-generation bucket 0, the priority
+    model (model_builder.py _add_layout_optimization_to_remaining_hlo): so buckets added or removed cost one NEFF
+    each, unless token-generation bucket 0 itself changed, which recompiles everything. The flags hashed include
+    `--logfile=<work dir>/<tag>/_tp0_bk<i>/log-neuron-cc.txt` (model_builder.py L643-644, L721-722): a bucket keeps
+    its NEFF only at the same index of its list, so a bucket inserted before others recompiles those after it.
+    """
+    a = _locked_text_compile(old)
+    b = new
+    if a is None or not isinstance(b, NeuronTextCompile) or \
+            replace(a, cte_buckets=(), tkg_buckets=()) != replace(b, cte_buckets=(), tkg_buckets=()):
+        return None
+    if a.tkg_buckets[0] != b.tkg_buckets[0]:
+        return (f"token-generation bucket 0 changed ({a.tkg_buckets[0]} -> {b.tkg_buckets[0]}): its weight "
+                f"layout feeds every bucket, so all {len(b.cte_buckets) + len(b.tkg_buckets)} NEFFs recompile")
+    added = [f"cte-{x}" for i, x in enumerate(b.cte_buckets) if a.cte_buckets[i:i + 1] != (x,)]
+    added += [f"tkg-{x}" for i, x in enumerate(b.tkg_buckets) if a.tkg_buckets[i:i + 1] != (x,)]
+    kept = len(b.cte_buckets) + len(b.tkg_buckets) - len(added)
+    return (f"{len(added)} new NEFF{'s' if len(added) != 1 else ''} ({', '.join(added) or 'none'}), {kept} reused from "
+            "the Neuron compile cache")
+
+
+def _locked_text_compile(params: dict) -> NeuronTextCompile | None:
+    """The locked params of a neuron text compile, or None where a lock written by another qbuild holds params this
+    one does not read (then more than the bucket lists changed)."""
+    try:
+        return parse(NeuronTextCompile, params)
+    except ParamsError:
+        return None
+
+
+def inference_kwargs(params: NeuronTextCompile) -> dict:
+    """The port InferenceConfig's kwargs: the text config FLATTENED (NxDI's load_pretrained_config leaves text_config
+    nested, and both ports require the text fields at the top: get_required_attributes of Qwen35InferenceConfig and
+    Qwen35MoeInferenceConfig), with the RoPE fields and pad token the ports' scripts add (run_text_smoke.py @ 4bcdc54)."""
+    hf = params.text.to_hf_config()
+    text = dict(hf.get("text_config", hf))
+    rope = text.get("rope_parameters", {})
+    for key in ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved"):
+        if key in rope:
+            text[key] = rope[key]
+    text["pad_token_id"] = params.pad_token_id
+    if params.lineage == "main":
+        text["use_hybrid_cache_manager"] = False
+        # The main ports trace context encoding without vision inputs unless told otherwise (Qwen35InferenceConfig
+        # sets use_text_only_cte_inputs=True by default: 35B-A3B modeling_qwen35.py:2324, 2B :2230 @ 4bcdc54); their
+        # VL flow compiles the text model with it False (35B-A3B test/integration/run_vl_smoke.py:97).
+        text["use_text_only_cte_inputs"] = not params.vision_inputs
+    return text

@@ -1,0 +1,112 @@
+"""The typed params of the neuron backend's own steps: the port, the compiles, and the package.
+
+    PortFiles / PortMissing  the NxDI contrib port's source files by digest (or where it was looked for)
+    NeuronTextCompile        graph text: NxDI's one compile of every CTE and TKG bucket
+    NeuronVisionCompile      graph vision: the port's traced vision encoder at one patch bucket
+    NeuronPackageParams      a bundle that is NxDI's compiled directory, loaded by the lineage's port
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from qbuild.core.dtypes import DType
+from qbuild.core.errors import UserError
+from qbuild.model.arch import Arch, VisionArch
+from qbuild.model.families import MoEBackend
+from qbuild.model.fp8 import FP8PolicyName
+from qbuild.recipe.params import PackageParams
+from qbuild.recipe.schema import LineageName, Target
+
+
+@dataclass(frozen=True)
+class PortFiles:
+    files: dict[str, str]            # relative path -> "blake3:<hex>" of each source file (tests excluded)
+
+    def planned_files(self) -> dict[str, str]:
+        return self.files
+
+
+@dataclass(frozen=True)
+class PortMissing:
+    """A port planned where its directory does not exist, so that `plan` shows the whole graph; building it fails
+    with one line saying where to put it."""
+
+    missing: str                     # the recipe's port.path or port.module
+
+    def planned_files(self) -> dict[str, str]:
+        raise UserError(f"port: {self.missing} is not a directory here; check out the NxDI contrib port there "
+                        "(aws-neuron/neuronx-distributed-inference, contrib/models/<Port>) or set port.path / "
+                        "port.module in the recipe")
+
+
+PortParams = Union[PortFiles, PortMissing]
+
+
+@dataclass(frozen=True)
+class NxdParallel:
+    """NxDI's parallel degrees (qbuild.backends.neuron.config.nxd_parallel); world_size is the number of ranks."""
+
+    tp_degree: int
+    ep_degree: int
+    moe_tp_degree: int | None        # None for a dense model
+    moe_ep_degree: int | None
+    world_size: int
+
+
+@dataclass(frozen=True)
+class CompilerSettings:
+    target: Target
+    lnc: int                         # logical NeuronCore config (the recipe's, or the target's default)
+    flags: tuple[str, ...]           # appended after the port's own compiler arguments
+
+
+@dataclass(frozen=True)
+class NeuronTextCompile:
+    graph: Literal["text"]
+    backend: Literal["neuron"]
+    lineage: LineageName
+    text: Arch
+    parallel: NxdParallel
+    dtype: DType
+    fp8: FP8PolicyName
+    moe_backend: MoEBackend | None
+    fused_qkv: bool
+    batch_size: int
+    seq_len: int
+    cte_buckets: tuple[int, ...]
+    tkg_buckets: tuple[int, ...]
+    compiler: CompilerSettings
+    toolchain: dict[str, str]        # distribution -> the recipe's pinned version
+    port_env: dict[str, str]         # the only port switches a compile sees
+    pad_token_id: int | None
+    vision_inputs: bool              # the context-encoding graph takes vision embeddings (the recipe has vision)
+
+
+@dataclass(frozen=True)
+class NeuronVisionCompile:
+    graph: Literal["vision"]
+    bucket: int
+    backend: Literal["neuron"]
+    lineage: LineageName
+    vision: VisionArch
+    dtype: DType
+    compiler: CompilerSettings
+    toolchain: dict[str, str]
+    port_env: dict[str, str]
+
+
+NeuronCompile = Union[NeuronTextCompile, NeuronVisionCompile]
+
+
+@dataclass(frozen=True)
+class NeuronPackageParams(PackageParams):
+    """A neuron bundle: NxDI's compiled directory, loaded by the lineage's port."""
+
+    backend: Literal["neuron"]
+    lineage: LineageName
+    fp8: FP8PolicyName
+
+    def bundle_meta(self) -> dict:
+        return {**super().bundle_meta(), "lineage": self.lineage, "ranks": self.ranks}
