@@ -27,7 +27,9 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import REPO, dense_project_stderr, qbuild
+from tests.conftest import REPO, dense_project_stderr, qbuild, wait_until
+
+STARTUP = REPO / "tests" / "startup"
 
 # One worker takes the whole file, so the module-scoped build `built` is built once.
 pytestmark = pytest.mark.xdist_group("hostile-inputs")
@@ -504,15 +506,17 @@ def test_sigkill_of_the_driver_ends_its_workers(built, tmp_path):
 
     project = copy_project(built, tmp_path / "p")
     write_recipe(project, "wide", built["checkpoint"], text=NEW_BUCKET)
-    env = dict(os.environ, QBUILD_STORE=str(project / "store"))
+    # tests/crash_points.py holds the compile step in its worker, once started, until it is killed; the key it
+    # writes to the marker says the worker is there to be watched.
+    marker = tmp_path / "compile-started"
+    env = dict(os.environ, QBUILD_STORE=str(project / "store"), QBUILD_CRASH_AT="compile:start",
+               QBUILD_CRASH_MARKER=str(marker), PYTHONPATH=os.pathsep.join([str(STARTUP), str(REPO)]))
     driver = subprocess.Popen([sys.executable, "-m", "qbuild.cli", "compile", "wide.yaml"], cwd=project, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     descendants: list = []
     try:
-        for line in driver.stderr:
-            if line.startswith("start  compile"):
-                break
-        time.sleep(1.5)   # the step is running in its worker (importing torch, tracing)
+        wait_until(lambda: marker.exists() or driver.poll() is not None, 120, "the compile step to start")
+        assert marker.exists(), f"the build ended before its compile step started:\n{driver.stderr.read()}"
         descendants = psutil.Process(driver.pid).children(recursive=True)
         assert descendants, "no worker was started"
         driver.kill()
