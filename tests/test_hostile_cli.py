@@ -26,8 +26,8 @@ from qbuild.core.hashing import digest_file
 from tests.s3server import s3_env, shared_server
 from tests.test_remote_pipeline import make_locked_project, make_project
 
-# One worker takes the whole file, so the module-scoped project `built` (used by slow cases only) is built once.
-pytestmark = pytest.mark.xdist_group("hostile-cli")
+# The cases on the module-scoped build `built` run on one worker, so it is built once; the others spread.
+ONE_WORKER = pytest.mark.xdist_group("hostile-cli")
 
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "tests.remote_actions"     # the real CLI with the fast test actions registered
@@ -198,14 +198,21 @@ def test_tiny_refuses_a_directory_under_a_file(tmp_path):
     one_line(cli(tmp_path, "tiny", "qwen3_next", "file"), 2, "exists and is not a directory")
 
 
-def test_tiny_force_replaces_the_directory_whole(tmp_path, tiny_checkpoints):
-    from qbuild.model.tinymodel import install_tiny_checkpoint
+def test_tiny_force_replaces_the_directory_whole(tmp_path, monkeypatch):
+    import qbuild.model.tinymodel as tinymodel
 
+    def fake_write(out, family, *, seed, fused_experts):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(family)
+
+    # No public seam takes the writer, and the real one costs about 10 s on 2 cores; what is under test is how
+    # install_tiny_checkpoint stages and swaps the directory around it.
+    monkeypatch.setattr(tinymodel, "write_tiny_checkpoint", fake_write)
     out = tmp_path / "ckpt"
     out.mkdir()
     (out / "stale-shard.safetensors").write_bytes(b"old")
-    install_tiny_checkpoint(out, "qwen3_next", replace=True)
-    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in tiny_checkpoints["qwen3_next"].iterdir())
+    tinymodel.install_tiny_checkpoint(out, "qwen3_next", replace=True)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]     # no staging left behind
 
 
@@ -291,6 +298,7 @@ def test_stat_cache_rehashes_a_file_modified_within_the_racy_window(tmp_path, mo
     assert cache.digest(f) == digest_file(f)
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_a_checkpoint_rewritten_with_its_old_mtime_is_rebuilt_and_relocked(built_project):
     weights = built_project / "model" / "model.safetensors"
@@ -306,6 +314,7 @@ def test_a_checkpoint_rewritten_with_its_old_mtime_is_rebuilt_and_relocked(built
 
 # --- 4. store verify finds lost blobs and unreadable manifests ------------------------------------------------------
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_store_verify_reports_a_lost_blob_and_repair_lets_it_rebuild(built_project):
     report = locked(built_project, "alpha", "verify")
@@ -322,6 +331,7 @@ def test_store_verify_reports_a_lost_blob_and_repair_lets_it_rebuild(built_proje
     assert ok(cli(built_project, "store", "verify")).stderr == ""
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_store_verify_reports_an_unreadable_manifest_and_repair_removes_it(built_project):
     node = locked(built_project, "beta", "package")
@@ -568,6 +578,7 @@ def test_a_recipe_name_locked_for_another_file_is_refused_naming_both(project):
     assert state(project / "store", project / "artifacts.lock") == before
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_a_recipe_file_that_moved_takes_its_lock_entry_over(built_project):
     other = built_project / "elsewhere"
@@ -616,6 +627,7 @@ def test_a_damaged_lockfile_is_one_line_and_left_as_it_is(project, text, needle)
     assert state(project / "store", project / "artifacts.lock") == before and not (project / "b").exists()
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_a_corrupt_local_blob_is_found_dropped_and_rebuilt(built_project):
     meta = locked(built_project, "beta", "reference")["outputs"]["reference.json"]

@@ -18,8 +18,8 @@ import pytest
 from tests.s3server import FAKE_CREDENTIALS, s3_env, shared_server
 from tests.remote_actions import blob_bytes
 
-# One worker takes the whole file, so the module-scoped build `built` (used by slow cases only) is built once.
-pytestmark = pytest.mark.xdist_group("remote-pipeline")
+# The cases on the module-scoped build `built` run on one worker, so it is built once; the others spread.
+ONE_WORKER = pytest.mark.xdist_group("remote-pipeline")
 
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "tests.remote_actions"     # the CLI with the test actions registered
@@ -201,6 +201,7 @@ def test_publish_then_pull_into_an_empty_machine(s3, tmp_path):
     assert local_blobs(host / "store") == {o["digest"] for o in package["outputs"].values()}
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_second_store_reads_through_and_builds_nothing(built, published, tmp_path):
     project = tmp_path / "clone"
@@ -237,6 +238,7 @@ def test_strict_names_the_node_it_would_have_to_build(s3, tmp_path):
     assert not (project / "empty" / "ac").exists()
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_corrupt_blob_on_the_server_is_refused_and_nothing_is_written(built, published, s3, tmp_path):
     lock = json.loads((built / "artifacts.lock").read_text())
@@ -266,6 +268,7 @@ def test_corrupt_blob_on_the_server_is_refused_and_nothing_is_written(built, pub
     assert out["built"] == [] and meta["digest"] not in local_blobs(clone / "s")
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_corrupt_input_blob_on_the_server_is_refused_by_the_step_that_needs_it(built, s3, tmp_path):
     """A step that must build downloads its inputs; a corrupt one is refused, naming the object, and nothing of
@@ -292,6 +295,7 @@ def test_corrupt_input_blob_on_the_server_is_refused_by_the_step_that_needs_it(b
     assert not {convert["key"], shard["key"], nodes["package"]["key"]} & local_keys(clone / "s")
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_second_machine_downloads_only_what_it_needs(built, published, tmp_path):
     """A fresh machine compiling a fully built recipe through the remote writes the same lockfile while downloading
@@ -326,6 +330,7 @@ def test_second_machine_downloads_only_what_it_needs(built, published, tmp_path)
         {snapshot} | {o["digest"] for o in package["outputs"].values()}
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_compile_push_uploads_blobs_before_manifests(built, s3, tmp_path):
     project = tmp_path / "p"
