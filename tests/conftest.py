@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -121,3 +122,15 @@ def qbuild(*args: str, cwd: Path | None = None, env: dict | None = None, check: 
     if check and proc.returncode != 0:
         raise AssertionError(f"qbuild {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.02):
+    """Poll `condition` until it returns something true, and return that; fail naming `what` after `timeout` seconds.
+    For an event another process shows only as state (a file it writes, an object on a server): the poll ends the
+    moment the state appears, and the deadline turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+    return value

@@ -23,6 +23,7 @@ ACTION_KINDS = ("fetch", "convert", "shard", "compile", "package", "reference", 
 HOLD_S = 600.0     # how long a stopped step waits for the kill before it gives up and the build goes on
 
 
+# The points lie inside an action's run and the store's commit, where no public hook reaches: they are wrapped.
 def install(point: str, marker: str, after_import) -> None:
     kind, phase = point.split(":")
     assert kind in ACTION_KINDS and phase in PHASES, point

@@ -81,7 +81,7 @@ def register_fake_actions() -> None:
     for kind in FAKE_KINDS:
         REGISTRY[kind] = ActionSpec(kind, f"{MODULE}:{kind}_action", (MODULE,))
     # The projects here pair a real config with placeholder weights and no tokenizer, read only by the fake steps:
-    # the check a real checkpoint gets before a build does not apply to them.
+    # the check a real checkpoint gets before a build does not apply to them, and nothing public turns it off.
     qbuild.recipe.source.check_checkpoint = lambda directory, files=None: None
 
 

@@ -1,6 +1,7 @@
 """A real S3 API on loopback for tests: moto's standalone server in its own process, plus a TCP relay.
 
-The relay (`python tests/s3server.py relay LISTEN_PORT TARGET_PORT`) stands between qbuild and the server, so a
+Each runs in its own process (`python tests/s3server.py moto|relay ...`) and serves a socket this module listens on
+before starting it, so it is reachable the moment it is started. The relay stands between qbuild and the server, so a
 test can make "the server" vanish mid-transfer by killing the relay while the objects written so far stay
 inspectable on the real server behind it.
 """
@@ -31,17 +32,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(port: int, timeout: float = 20.0, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process for port {port} exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+def _listen(port: int = 0) -> socket.socket:
+    """A socket listening on 127.0.0.1:port (any free port for 0), to hand to a server process: a client may connect
+    as soon as this returns, its connection waits in the backlog until the server accepts it."""
+    return socket.create_server(("127.0.0.1", port), backlog=128)
+
+
+def _serve(args: list[str], sock: socket.socket, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python tests/s3server.py ARGS FD` in a new session, FD being `sock` (closed here: the child owns it)."""
+    with sock:
+        return subprocess.Popen([sys.executable, __file__, *args, str(sock.fileno())], pass_fds=(sock.fileno(),),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                env={**os.environ, **(env or {})})
 
 
 def s3_env(endpoint: str) -> dict[str, str]:
@@ -72,22 +74,14 @@ class S3Server:
         stop_process(self.proc)
 
 
-def start_server(port: int | None = None, env: dict[str, str] | None = None) -> S3Server:
-    """moto_server on 127.0.0.1 in a separate process; returns once it accepts connections.
+def start_server(env: dict[str, str] | None = None) -> S3Server:
+    """moto's S3 server on 127.0.0.1 in a separate process, serving a socket already listening (see _listen).
 
     env adds variables to the server's environment, e.g. INITIAL_NO_AUTH_ACTION_COUNT=N to enforce IAM after N
     requests."""
-    port = port or free_port()
-    exe = Path(sys.executable).with_name("moto_server")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "moto.server"]
-    proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True, env={**os.environ, **(env or {})})
-    try:
-        wait_for_port(port, proc=proc)
-    except BaseException:
-        stop_process(proc)
-        raise
-    return S3Server(proc, port)
+    sock = _listen()
+    port = sock.getsockname()[1]
+    return S3Server(_serve(["moto"], sock, {"MOTO_PORT": str(port), **(env or {})}), port)
 
 
 _SHARED: S3Server | None = None
@@ -106,10 +100,7 @@ def shared_server() -> S3Server:
 
 def start_relay(listen: int, target: int, bytes_per_s: int = 0) -> subprocess.Popen:
     """A TCP relay 127.0.0.1:listen -> 127.0.0.1:target, optionally slowing each upload stream to bytes_per_s."""
-    proc = subprocess.Popen([sys.executable, __file__, "relay", str(listen), str(target), str(bytes_per_s)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    wait_for_port(listen, proc=proc)
-    return proc
+    return _serve(["relay", str(target), str(bytes_per_s)], _listen(listen))
 
 
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -122,8 +113,19 @@ def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
             proc.wait()
 
 
-def _relay(listen: int, target: int, bytes_per_s: int) -> None:
-    server = socket.create_server(("127.0.0.1", listen))
+def _moto(fd: int) -> None:
+    """moto_server's main, serving the inherited listening socket `fd`."""
+    from moto.server import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+    from werkzeug.serving import make_server
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    app = DomainDispatcherApplication(create_backend_app)
+    make_server("127.0.0.1", int(os.environ["MOTO_PORT"]), app, threaded=True, request_handler=MotoRequestHandler,
+                fd=fd).serve_forever()
+
+
+def _relay(target: int, bytes_per_s: int, fd: int) -> None:
+    server = socket.socket(fileno=fd)
 
     def pump(src: socket.socket, dst: socket.socket, rate: int) -> None:
         try:
@@ -148,5 +150,7 @@ def _relay(listen: int, target: int, bytes_per_s: int) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["relay"]:
+    if sys.argv[1:2] == ["moto"]:
+        _moto(int(sys.argv[2]))
+    elif sys.argv[1:2] == ["relay"]:
         _relay(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))

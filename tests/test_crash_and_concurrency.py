@@ -7,18 +7,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from qbuild.store import LocalStore
-from tests.conftest import REPO, qbuild
+from tests.conftest import REPO, qbuild, wait_until
 
 pytestmark = pytest.mark.slow
 
 STARTUP = Path(__file__).resolve().parent / "startup"
-POLL_S = 0.02
 # Each run is killed at the next of these points and the one after resumes from what it left. With -j 1 the steps
 # run in plan order (fetch, convert, shard, compile cte, compile tkg, package, reference, verify), so a point of a
 # kind names the first of its steps not yet committed. Every phase is hit on a cheap step, and every kind of step
@@ -57,8 +55,7 @@ def _compile_killed_at(recipe: Path, store: Path, lock: Path, point: str, tmp: P
         proc = subprocess.Popen([sys.executable, "-m", "qbuild.cli", "compile", str(recipe), "--store", str(store),
                                  "--lock", str(lock), "-j", "1"], stderr=log, stdout=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
-        while proc.poll() is None and not marker.exists():
-            time.sleep(POLL_S)
+        wait_until(lambda: marker.exists() or proc.poll() is not None, 600, f"{point} or the end of the build")
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)

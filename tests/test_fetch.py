@@ -108,19 +108,20 @@ def test_pickled_weights_are_never_part_of_a_snapshot(tmp_path, tiny_checkpoints
     assert "pytorch_model.bin" not in {p.name for p in checkpoint_files(src)}
 
 
-def test_stat_cache_hashes_an_unchanged_file_once(tmp_path, monkeypatch):
+def test_stat_cache_hashes_an_unchanged_file_once(tmp_path):
     f = tmp_path / "big.bin"
     f.write_bytes(os.urandom(1 << 20))
     hour_ago = time.time_ns() - 3600 * 10**9
     os.utime(f, ns=(hour_ago, hour_ago))   # older than the racy window, so the cache may answer for it
-    cache = StatCache(tmp_path / "stat.sqlite")
     calls = []
-    import qbuild.core.hashing as hashing
 
-    real = hashing.digest_file
-    monkeypatch.setattr(hashing, "digest_file", lambda p: calls.append(p) or real(p))
+    def counted(p):
+        calls.append(p)
+        return digest_file(p)
+
+    cache = StatCache(tmp_path / "stat.sqlite", hash_file=counted)
     first = cache.digest(f)
-    second = StatCache(tmp_path / "stat.sqlite").digest(f)   # a new process would open it afresh
+    second = StatCache(tmp_path / "stat.sqlite", hash_file=counted).digest(f)   # as a new process opens it afresh
     assert first == second == digest_file(f) and len(calls) == 1
     f.write_bytes(os.urandom(1 << 20))
     assert cache.digest(f) != first and len(calls) == 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -23,10 +24,10 @@ import pytest
 
 from qbuild.core.hashing import digest_file
 from tests.s3server import s3_env, shared_server
-from tests.test_remote_pipeline import make_project
+from tests.test_remote_pipeline import make_locked_project, make_project
 
-# One worker takes the whole file, so the module-scoped project `built` is built once.
-pytestmark = pytest.mark.xdist_group("hostile-cli")
+# The cases on the module-scoped build `built` run on one worker, so it is built once; the others spread.
+ONE_WORKER = pytest.mark.xdist_group("hostile-cli")
 
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "tests.remote_actions"     # the real CLI with the fast test actions registered
@@ -107,16 +108,23 @@ def blob(project: Path, digest: str) -> Path:
 
 # --- fixtures ------------------------------------------------------------------------------------------------------
 
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A project with its store and lockfile, as make_locked_project writes them: no build."""
+    return make_locked_project(tmp_path / "p")
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
-    """A project (recipes alpha and beta over one checkpoint) built into its store, with its lockfile."""
+    """A project (recipes alpha and beta over one checkpoint) built into its store, with its lockfile. Only the
+    slow cases use it: they check that the next build repairs what a fault damaged."""
     root = make_project(tmp_path_factory.mktemp("hostile"))
     ok(cli(root, "compile", "--all", "--mem", "1T"))
     return root
 
 
 @pytest.fixture
-def project(built, tmp_path) -> Path:
+def built_project(built, tmp_path) -> Path:
     """A private copy of `built`, free to damage."""
     dst = tmp_path / "p"
     shutil.copytree(built, dst, symlinks=True)
@@ -197,6 +205,8 @@ def test_tiny_force_replaces_the_directory_whole(tmp_path, monkeypatch):
         out.mkdir(parents=True)
         (out / "config.json").write_text(family)
 
+    # No public seam takes the writer, and the real one costs about 10 s on 2 cores; what is under test is how
+    # install_tiny_checkpoint stages and swaps the directory around it.
     monkeypatch.setattr(tinymodel, "write_tiny_checkpoint", fake_write)
     out = tmp_path / "ckpt"
     out.mkdir()
@@ -206,37 +216,45 @@ def test_tiny_force_replaces_the_directory_whole(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]     # no staging left behind
 
 
-SLOW_TORCH = """\
-import os, pathlib, sys, time
+HELD_TORCH = """\
+import os, signal, sys
 
 
-class _SlowTorch:
-    # Holds `import torch` until the test interrupts it, so SIGINT lands inside the command, never after it.
+class _HeldTorch:
+    # Holds `import torch` until a signal ends it, so SIGINT lands inside the command, never after it. The line on
+    # the inherited pipe tells the test that the command got there.
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
-            pathlib.Path(os.environ["QBUILD_TEST_READY"]).touch()
-            time.sleep(60)
+            os.write(int(os.environ["QBUILD_TEST_READY_FD"]), b"ready\\n")
+            while True:
+                signal.pause()
         return None
 
 
-sys.meta_path.insert(0, _SlowTorch())
+sys.meta_path.insert(0, _HeldTorch())
 """
 
 
 def test_sigint_exits_130_with_one_line_and_writes_nothing(tmp_path):
-    out, hook, ready = tmp_path / "ckpt", tmp_path / "hook", tmp_path / "ready"
+    out, hook = tmp_path / "ckpt", tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_TORCH)
+    (hook / "sitecustomize.py").write_text(HELD_TORCH)
+    ready_r, ready_w = os.pipe()
     env = env_for(tmp_path)
-    env.update(PYTHONPATH=f"{hook}{os.pathsep}{env['PYTHONPATH']}", QBUILD_TEST_READY=str(ready))
+    env.update(PYTHONPATH=f"{hook}{os.pathsep}{env['PYTHONPATH']}", QBUILD_TEST_READY_FD=str(ready_w))
     proc = subprocess.Popen([sys.executable, "-m", MODULE, "tiny", "qwen3_next", str(out)], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert ready.exists(), "the command never reached its torch import"
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=60)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, pass_fds=(ready_w,))
+    os.close(ready_w)    # the child holds the only write end: its exit ends the read below
+    try:
+        with os.fdopen(ready_r, "rb") as ready:
+            assert select.select([ready], [], [], 60)[0] and ready.readline() == b"ready\n", \
+                "the command never reached its torch import"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130 and stderr.strip() == "interrupted" and "Traceback" not in stderr + stdout
     assert not [p.name for p in tmp_path.iterdir() if "ckpt" in p.name]
 
@@ -274,51 +292,58 @@ def test_stat_cache_rehashes_a_file_modified_within_the_racy_window(tmp_path, mo
     # (never trust a digest of a file modified in the last minute) can notice.
     first = f.stat()
     real_stat = Path.stat
+    # No filesystem here has a clock that coarse: Path.stat answers as one would.
     monkeypatch.setattr(Path, "stat", lambda self, **kw: first if self == f else real_stat(self, **kw))
     f.write_bytes(b"b" * 4096)
     assert cache.digest(f) == digest_file(f)
 
 
-def test_a_checkpoint_rewritten_with_its_old_mtime_is_rebuilt_and_relocked(project):
-    weights = project / "model" / "model.safetensors"
-    for p in (project / "model").iterdir():
+@ONE_WORKER
+@pytest.mark.slow
+def test_a_checkpoint_rewritten_with_its_old_mtime_is_rebuilt_and_relocked(built_project):
+    weights = built_project / "model" / "model.safetensors"
+    for p in (built_project / "model").iterdir():
         os.utime(p, ns=(time.time_ns() - HOUR_NS,) * 2)
-    ok(cli(project, "plan", "--all", "--json"))           # hashes and caches the (old) files
+    ok(cli(built_project, "plan", "--all", "--json"))           # hashes and caches the (old) files
     _rewrite_keeping_times(weights, bytes(reversed(weights.read_bytes())))
-    out = json.loads(ok(cli(project, "compile", "recipes/alpha.yaml", "--mem", "1T", "--json")).stdout)
+    out = json.loads(ok(cli(built_project, "compile", "recipes/alpha.yaml", "--mem", "1T", "--json")).stdout)
     assert any(n.startswith("fetch") for n in out["built"]), out["built"]
-    assert lock_doc(project)["recipes"]["alpha"]["model"]["files"]["model.safetensors"] == \
+    assert lock_doc(built_project)["recipes"]["alpha"]["model"]["files"]["model.safetensors"] == \
         "blake3:" + digest_file(weights)
 
 
 # --- 4. store verify finds lost blobs and unreadable manifests ------------------------------------------------------
 
-def test_store_verify_reports_a_lost_blob_and_repair_lets_it_rebuild(project):
-    report = locked(project, "alpha", "verify")
-    blob(project, report["outputs"]["report.json"]["digest"]).unlink()
-    proc = cli(project, "store", "verify")
+@ONE_WORKER
+@pytest.mark.slow
+def test_store_verify_reports_a_lost_blob_and_repair_lets_it_rebuild(built_project):
+    report = locked(built_project, "alpha", "verify")
+    blob(built_project, report["outputs"]["report.json"]["digest"]).unlink()
+    proc = cli(built_project, "store", "verify")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [f"manifest {report['key'][:16]} (verify) lost report.json"]
-    proc = ok(cli(project, "store", "verify", "--repair"))
+    proc = ok(cli(built_project, "store", "verify", "--repair"))
     assert proc.stderr.strip().splitlines() == [f"repaired: manifest {report['key'][:16]} (verify) lost report.json"]
-    assert not list((project / "store" / "ac").glob(f"*/{report['key']}.json"))
-    out = json.loads(ok(cli(project, "compile", "--all", "--mem", "1T", "--json")).stdout)
+    assert not list((built_project / "store" / "ac").glob(f"*/{report['key']}.json"))
+    out = json.loads(ok(cli(built_project, "compile", "--all", "--mem", "1T", "--json")).stdout)
     assert out["built"] == ["verify alpha"]
-    ok(cli(project, "lock", "check"))
-    assert ok(cli(project, "store", "verify")).stderr == ""
+    ok(cli(built_project, "lock", "check"))
+    assert ok(cli(built_project, "store", "verify")).stderr == ""
 
 
-def test_store_verify_reports_an_unreadable_manifest_and_repair_removes_it(project):
-    node = locked(project, "beta", "package")
-    path = project / "store" / "ac" / node["key"][:2] / f"{node['key']}.json"
+@ONE_WORKER
+@pytest.mark.slow
+def test_store_verify_reports_an_unreadable_manifest_and_repair_removes_it(built_project):
+    node = locked(built_project, "beta", "package")
+    path = built_project / "store" / "ac" / node["key"][:2] / f"{node['key']}.json"
     path.write_text("{not json")
-    proc = cli(project, "store", "verify")
+    proc = cli(built_project, "store", "verify")
     assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [f"unreadable manifest {path}"]
-    ok(cli(project, "store", "verify", "--repair"))
+    ok(cli(built_project, "store", "verify", "--repair"))
     assert not path.exists()
-    out = json.loads(ok(cli(project, "compile", "--all", "--mem", "1T", "--json")).stdout)
+    out = json.loads(ok(cli(built_project, "compile", "--all", "--mem", "1T", "--json")).stdout)
     assert "package beta" in out["built"]
-    ok(cli(project, "lock", "check"))
+    ok(cli(built_project, "lock", "check"))
 
 
 # --- 5. a corrupted or missing blob on the remote -------------------------------------------------------------------
@@ -551,10 +576,16 @@ def test_a_recipe_name_locked_for_another_file_is_refused_naming_both(project):
     one_line(cli(project, "compile", "elsewhere/alpha.yaml", "--mem", "1T"), 2, "'alpha'",
              str(other / "alpha.yaml"), str(project / "recipes" / "alpha.yaml"))
     assert state(project / "store", project / "artifacts.lock") == before
-    # a recipe file that moved (the locked path is gone) takes its entry over
-    (project / "recipes" / "alpha.yaml").unlink()
-    ok(cli(project, "compile", "elsewhere/alpha.yaml", "--mem", "1T"))
-    assert lock_doc(project)["recipes"]["alpha"]["recipe"] == "elsewhere/alpha.yaml"
+
+
+@ONE_WORKER
+@pytest.mark.slow
+def test_a_recipe_file_that_moved_takes_its_lock_entry_over(built_project):
+    other = built_project / "elsewhere"
+    other.mkdir()
+    shutil.move(built_project / "recipes" / "alpha.yaml", other / "alpha.yaml")   # the locked path is gone
+    ok(cli(built_project, "compile", "elsewhere/alpha.yaml", "--mem", "1T"))
+    assert lock_doc(built_project)["recipes"]["alpha"]["recipe"] == "elsewhere/alpha.yaml"
 
 
 def test_two_recipes_of_one_name_in_one_run_are_refused(project):
@@ -596,16 +627,18 @@ def test_a_damaged_lockfile_is_one_line_and_left_as_it_is(project, text, needle)
     assert state(project / "store", project / "artifacts.lock") == before and not (project / "b").exists()
 
 
-def test_a_corrupt_local_blob_is_found_dropped_and_rebuilt(project):
-    meta = locked(project, "beta", "reference")["outputs"]["reference.json"]
-    path = blob(project, meta["digest"])
+@ONE_WORKER
+@pytest.mark.slow
+def test_a_corrupt_local_blob_is_found_dropped_and_rebuilt(built_project):
+    meta = locked(built_project, "beta", "reference")["outputs"]["reference.json"]
+    path = blob(built_project, meta["digest"])
     path.chmod(0o644)
     path.write_text('{"seed": "tampered"}')
-    proc = cli(project, "store", "verify")
+    proc = cli(built_project, "store", "verify")
     assert proc.returncode == 1 and f"corrupt blob {path}" in proc.stderr and "Traceback" not in proc.stderr
-    ok(cli(project, "store", "verify", "--repair"))
-    ok(cli(project, "compile", "--all", "--mem", "1T"))
-    ok(cli(project, "lock", "check"))
+    ok(cli(built_project, "store", "verify", "--repair"))
+    ok(cli(built_project, "compile", "--all", "--mem", "1T"))
+    ok(cli(built_project, "lock", "check"))
     assert digest_file(path) == meta["digest"]
 
 

@@ -27,10 +27,12 @@ from typing import Callable
 
 import pytest
 
-from tests.conftest import REPO, dense_project_stderr, qbuild
+from tests.conftest import REPO, dense_project_stderr, qbuild, wait_until
 
-# One worker takes the whole file, so the module-scoped build `built` is built once.
-pytestmark = pytest.mark.xdist_group("hostile-inputs")
+STARTUP = REPO / "tests" / "startup"
+
+# The cases on the module-scoped build `built` run on one worker, so it is built once; the others spread.
+ONE_WORKER = pytest.mark.xdist_group("hostile-inputs")
 
 FAMILY = "qwen3_next"
 INDEX = "model.safetensors.index.json"
@@ -363,6 +365,7 @@ def locked(project: Path, recipe: str, role: str) -> dict:
     return doc["nodes"][doc["recipes"][recipe]["nodes"][role]]
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_library_output_stays_off_the_terminal_and_v_shows_it(built):
     quiet, verbose = built["quiet"], built["verbose"]
@@ -374,12 +377,14 @@ def test_library_output_stays_off_the_terminal_and_v_shows_it(built):
     assert any(line.startswith("Loading weights") for line in output)
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_the_lockfile_leaves_no_lock_file_beside_it(built):
     assert sorted(p.name for p in built["root"].iterdir()) == ["artifacts.lock", "recipes", "store"]
     assert sorted(p.name for p in (built["root"] / "recipes").iterdir()) == ["tiny-dense.yaml", "unverified.yaml"]
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_pull_refuses_an_unverified_bundle_naming_the_failed_report(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
@@ -394,6 +399,7 @@ def test_pull_refuses_an_unverified_bundle_naming_the_failed_report(built, tmp_p
     assert proc.returncode == 0, proc.stderr
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
@@ -416,6 +422,7 @@ def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_p
     assert qbuild("store", "verify", cwd=project, env=env).returncode == 0
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_manifest_replaced_by_a_fifo_neither_hangs_nor_stays(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
@@ -443,6 +450,7 @@ def _read_only(path: Path):
     return lambda: subprocess.run(["umount", str(path)], check=True)
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_read_only_store_is_one_line_exit_3_then_the_next_run_finishes(built, tmp_path):
     project = copy_project(built, tmp_path / "p")
@@ -471,6 +479,7 @@ def test_read_only_store_is_one_line_exit_3_then_the_next_run_finishes(built, tm
 NEW_BUCKET = "text: {seq_len: 48, cte_buckets: [8, 32], tkg_buckets: [48]}"   # one new graph: compile cte-8
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_full_disk_during_compile_is_one_line_exit_3_then_the_next_run_finishes(built, tmp_path):
     mnt = tmp_path / "small"
@@ -498,21 +507,24 @@ def test_full_disk_during_compile_is_one_line_exit_3_then_the_next_run_finishes(
         subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_sigkill_of_the_driver_ends_its_workers(built, tmp_path):
     import psutil
 
     project = copy_project(built, tmp_path / "p")
     write_recipe(project, "wide", built["checkpoint"], text=NEW_BUCKET)
-    env = dict(os.environ, QBUILD_STORE=str(project / "store"))
+    # tests/crash_points.py holds the compile step in its worker, once started, until it is killed; the key it
+    # writes to the marker says the worker is there to be watched.
+    marker = tmp_path / "compile-started"
+    env = dict(os.environ, QBUILD_STORE=str(project / "store"), QBUILD_CRASH_AT="compile:start",
+               QBUILD_CRASH_MARKER=str(marker), PYTHONPATH=os.pathsep.join([str(STARTUP), str(REPO)]))
     driver = subprocess.Popen([sys.executable, "-m", "qbuild.cli", "compile", "wide.yaml"], cwd=project, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
     descendants: list = []
     try:
-        for line in driver.stderr:
-            if line.startswith("start  compile"):
-                break
-        time.sleep(1.5)   # the step is running in its worker (importing torch, tracing)
+        wait_until(lambda: marker.exists() or driver.poll() is not None, 120, "the compile step to start")
+        assert marker.exists(), f"the build ended before its compile step started:\n{driver.stderr.read()}"
         descendants = psutil.Process(driver.pid).children(recursive=True)
         assert descendants, "no worker was started"
         driver.kill()

@@ -28,6 +28,7 @@ from qbuild.core.errors import InfraError, UserError
 from qbuild.build.executors import ray as rayexec
 from qbuild.planning.plan import Node, Plan, _add
 from qbuild.store import StoreSpec
+from tests.conftest import wait_until
 from tests.s3server import free_port, s3_env, shared_server
 from tests.engine_actions import read_log
 from tests.ray_actions import RAY_REGISTRY
@@ -214,18 +215,23 @@ def _ray_start(args: list[str], env: dict) -> int:
 
 def _end_group(pgid: int) -> None:
     """SIGTERM the group, then SIGKILL what is left after a grace period (Ray's own daemons ignore TERM at times)."""
+    def gone() -> bool:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
     for sig, grace in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
             return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.2)
+        try:
+            wait_until(gone, grace, f"process group {pgid} to end", interval=0.1)
+            return
+        except AssertionError:
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -332,12 +338,12 @@ def test_worker_killed_mid_task_is_retried_and_never_half_published(cluster, dri
     killed: dict = {}
 
     def kill_first_attempt() -> None:
-        deadline = time.monotonic() + BUILD_TIMEOUT_S / 2
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if marker.exists():
-            killed["pid"] = int(marker.read_text())
-            os.kill(killed["pid"], signal.SIGKILL)
+        try:
+            wait_until(marker.exists, BUILD_TIMEOUT_S / 2, "the first attempt")
+        except AssertionError:
+            return      # the test fails below: "the first attempt never started"
+        killed["pid"] = int(marker.read_text())
+        os.kill(killed["pid"], signal.SIGKILL)
 
     killer = threading.Thread(target=kill_first_attempt, daemon=True)
     killer.start()

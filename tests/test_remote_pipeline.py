@@ -18,8 +18,8 @@ import pytest
 from tests.s3server import FAKE_CREDENTIALS, s3_env, shared_server
 from tests.remote_actions import blob_bytes
 
-# One worker takes the whole file, so the module-scoped build `built` is built once.
-pytestmark = pytest.mark.xdist_group("remote-pipeline")
+# The cases on the module-scoped build `built` run on one worker, so it is built once; the others spread.
+ONE_WORKER = pytest.mark.xdist_group("remote-pipeline")
 
 REPO = Path(__file__).resolve().parent.parent
 MODULE = "tests.remote_actions"     # the CLI with the test actions registered
@@ -44,6 +44,43 @@ def make_project(root: Path) -> Path:
     (root / "recipes").mkdir()
     write_recipe(root, "alpha", tp=1, buckets=[32, 64])
     write_recipe(root, "beta", tp=2, buckets=[32])
+    return root
+
+
+def make_locked_project(root: Path) -> Path:
+    """make_project's recipes (alpha, beta) with a store and an artifacts.lock as a build leaves them, written by
+    the store and lockfile libraries instead of a build: per recipe a package step (the bundle: config.json and one
+    weight shard per rank, no bundle.json) and a passed verify step. For the cases that need what a lockfile names,
+    not the steps that made it."""
+    from qbuild.core.hashing import digest_json
+    from qbuild.store import LocalStore, Manifest
+    from qbuild.store import lock as lockmod
+
+    make_project(root)
+    store = LocalStore(root / "store")
+    recipes, nodes = {}, {}
+    for name, tp in (("alpha", 1), ("beta", 2)):
+        steps = {"package": {"config.json": b'{"family": "qwen3_5"}',
+                             **{f"weights/tp{rank}_sharded_checkpoint.safetensors": blob_bytes(f"{name}/{rank}", 4096)
+                                for rank in range(tp)}},
+                 "verify": {"report.json": json.dumps({"ok": True, "recipe": name}).encode()}}
+        roles = {}
+        for kind, files in steps.items():
+            staging = root / ".staging"
+            for rel, data in files.items():
+                (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                (staging / rel).write_bytes(data)
+            outputs = store.ingest_tree(staging)
+            shutil.rmtree(staging)
+            preimage = {"action": kind, "recipe": name}
+            manifest = Manifest(digest_json(preimage), kind, preimage, outputs)
+            store.put_manifest(manifest)
+            roles[kind] = nid = f"n{manifest.key[:15]}"
+            nodes[nid] = {"kind": kind, "name": f"{kind} {name}", "key": manifest.key, "preimage": preimage,
+                          "digest": manifest.digest, "outputs": outputs}
+        recipes[name] = {"recipe": f"recipes/{name}.yaml", "model": {"source": "path", "revision": None, "files": {}},
+                         "nodes": roles, "bundle": nodes[roles["package"]]["digest"], "verified": True}
+    lockmod.update(root / "artifacts.lock", recipes, nodes)
     return root
 
 
@@ -133,23 +170,24 @@ def published(built, s3):
 
 # --- tests -----------------------------------------------------------------------------------------------------------
 
-def test_publish_then_pull_into_an_empty_machine(built, s3, tmp_path):
+def test_publish_then_pull_into_an_empty_machine(s3, tmp_path):
+    project = make_locked_project(tmp_path / "project")
     remote = "s3://qb-pipeline/roundtrip"
-    first = json.loads(ok(run_qbuild(built, "publish", "--all", "--store", "store", "--remote", remote,
+    first = json.loads(ok(run_qbuild(project, "publish", "--all", "--store", "store", "--remote", remote,
                                      "--json")).stdout)
-    lock = json.loads((built / "artifacts.lock").read_text())
+    lock = json.loads((project / "artifacts.lock").read_text())
     locked_blobs = {o["digest"]: o["size"] for n in lock["nodes"].values() for o in n["outputs"].values()}
     assert first["bytes_uploaded"] == sum(locked_blobs.values()) and first["manifests_uploaded"] == len(lock["nodes"])
     assert_no_dangling_manifest(s3, "qb-pipeline", "roundtrip")
 
-    second = json.loads(ok(run_qbuild(built, "publish", "--all", "--store", "store", "--remote", remote,
+    second = json.loads(ok(run_qbuild(project, "publish", "--all", "--store", "store", "--remote", remote,
                                       "--json")).stdout)
     assert second["bytes_uploaded"] == 0 and second["blobs_uploaded"] == 0 and second["manifests_uploaded"] == 0
 
     # A serving host: nothing but the lockfile, an empty store, and the remote.
     host = tmp_path / "host"
     host.mkdir()
-    shutil.copyfile(built / "artifacts.lock", host / "artifacts.lock")
+    shutil.copyfile(project / "artifacts.lock", host / "artifacts.lock")
     ok(run_qbuild(host, "pull", "alpha", "--to", "bundle", "--store", "store", "--remote", remote))
     package = lock["nodes"][lock["recipes"]["alpha"]["nodes"]["package"]]
     got = {p.relative_to(host / "bundle").as_posix(): p for p in (host / "bundle").rglob("*") if p.is_file()}
@@ -163,6 +201,8 @@ def test_publish_then_pull_into_an_empty_machine(built, s3, tmp_path):
     assert local_blobs(host / "store") == {o["digest"] for o in package["outputs"].values()}
 
 
+@ONE_WORKER
+@pytest.mark.slow
 def test_second_store_reads_through_and_builds_nothing(built, published, tmp_path):
     project = tmp_path / "clone"
     shutil.copytree(built, project, ignore=shutil.ignore_patterns("store"))
@@ -188,9 +228,8 @@ def test_second_store_reads_through_and_builds_nothing(built, published, tmp_pat
     assert out["built"] == []
 
 
-def test_strict_names_the_node_it_would_have_to_build(built, s3, tmp_path):
-    project = tmp_path / "p"
-    shutil.copytree(built, project, ignore=shutil.ignore_patterns("store"))
+def test_strict_names_the_node_it_would_have_to_build(s3, tmp_path):
+    project = make_project(tmp_path / "p")
     proc = run_qbuild(project, "compile", "recipes/alpha.yaml", "--strict", "--store", "empty", "--mem", "1T",
                       "--remote", "s3://qb-pipeline/nothing-here")
     assert proc.returncode == 1
@@ -199,6 +238,8 @@ def test_strict_names_the_node_it_would_have_to_build(built, s3, tmp_path):
     assert not (project / "empty" / "ac").exists()
 
 
+@ONE_WORKER
+@pytest.mark.slow
 def test_corrupt_blob_on_the_server_is_refused_and_nothing_is_written(built, published, s3, tmp_path):
     lock = json.loads((built / "artifacts.lock").read_text())
     package = lock["nodes"][lock["recipes"]["beta"]["nodes"]["package"]]
@@ -227,6 +268,8 @@ def test_corrupt_blob_on_the_server_is_refused_and_nothing_is_written(built, pub
     assert out["built"] == [] and meta["digest"] not in local_blobs(clone / "s")
 
 
+@ONE_WORKER
+@pytest.mark.slow
 def test_corrupt_input_blob_on_the_server_is_refused_by_the_step_that_needs_it(built, s3, tmp_path):
     """A step that must build downloads its inputs; a corrupt one is refused, naming the object, and nothing of
     it (blob or manifest) is recorded locally."""
@@ -252,6 +295,7 @@ def test_corrupt_input_blob_on_the_server_is_refused_by_the_step_that_needs_it(b
     assert not {convert["key"], shard["key"], nodes["package"]["key"]} & local_keys(clone / "s")
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_second_machine_downloads_only_what_it_needs(built, published, tmp_path):
     """A fresh machine compiling a fully built recipe through the remote writes the same lockfile while downloading
@@ -286,6 +330,7 @@ def test_second_machine_downloads_only_what_it_needs(built, published, tmp_path)
         {snapshot} | {o["digest"] for o in package["outputs"].values()}
 
 
+@ONE_WORKER
 @pytest.mark.slow
 def test_compile_push_uploads_blobs_before_manifests(built, s3, tmp_path):
     project = tmp_path / "p"
@@ -310,10 +355,11 @@ def test_compile_push_uploads_blobs_before_manifests(built, s3, tmp_path):
     assert not any(v in lock_text for v in FAKE_CREDENTIALS.values()) and "qb-pipeline" not in lock_text
 
 
-def test_push_without_a_remote_is_a_user_error(built, tmp_path):
+def test_push_without_a_remote_is_a_user_error(tmp_path):
+    project = make_locked_project(tmp_path / "p")
     env = base_env()
-    proc = run_qbuild(built, "compile", "--all", "--push", "--store", str(tmp_path / "s"), env=env)
+    proc = run_qbuild(project, "compile", "--all", "--push", "--store", str(tmp_path / "s"), env=env)
     assert proc.returncode == 2 and "--push needs a remote" in proc.stderr
-    proc = run_qbuild(built, "publish", "--all", "--store", "store", "--remote", "https://example.com/x", env=env)
+    proc = run_qbuild(project, "publish", "--all", "--store", "store", "--remote", "https://example.com/x", env=env)
     assert proc.returncode == 2 and "not an s3://bucket/prefix URL" in proc.stderr
 

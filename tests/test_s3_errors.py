@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from qbuild.core.hashing import digest_json
 from qbuild.store import LocalStore, Manifest
 from tests.s3server import (FAKE_CREDENTIALS, free_port, s3_env, shared_server, start_relay, start_server,
                             stop_process)
+from tests.conftest import wait_until
 from tests.remote_actions import blob_bytes
 
 BUCKET = "qb-errors"
@@ -135,10 +135,9 @@ def test_server_gone_mid_publish_leaves_no_visible_manifest_and_rerun_completes(
             [sys.executable, "-m", "qbuild.cli", "publish", "--all", "--store", "store", "--remote",
              f"s3://{BUCKET}/{prefix}"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**s3_env(f"http://127.0.0.1:{relay_port}"), "XDG_CACHE_HOME": str(tmp_path / ".cache")})
-        deadline = time.monotonic() + 60
-        while not client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/cas/").get("KeyCount"):
-            assert publish.poll() is None and time.monotonic() < deadline, "publish ended before any blob landed"
-            time.sleep(0.02)
+        wait_until(lambda: client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/cas/").get("KeyCount")
+                   or publish.poll() is not None, 60, "the first blob to land")
+        assert publish.poll() is None, "publish ended before any blob landed"
         stop_process(relay, sig=9)   # the server vanishes for the client mid-upload
         out, err = publish.communicate(timeout=90)
     finally:
@@ -231,10 +230,14 @@ def test_lookups_download_no_blobs_and_get_each_manifest_once(server, tmp_path, 
     push_manifests(LocalStore(tmp_path / "store"), remote, [LocalStore(tmp_path / "store").get_manifest(node["key"])])
 
     gets: list[str] = []
-    real_get = S3Remote.get_manifest
-    monkeypatch.setattr(S3Remote, "get_manifest", lambda self, key: gets.append(key) or real_get(self, key))
+
+    class CountingRemote(S3Remote):
+        def get_manifest(self, key):
+            gets.append(key)
+            return super().get_manifest(key)
+
     reader_root = tmp_path / "reader"
-    reader = RemoteStore(LocalStore(reader_root), remote)
+    reader = RemoteStore(LocalStore(reader_root), CountingRemote(remote.url))
     hit = reader.get_manifest(node["key"])
     assert hit is not None and hit.digest == node["digest"] and gets == [node["key"]]
     assert not (reader_root / "cas").exists() and not (reader_root / "ac").exists()

@@ -46,7 +46,7 @@ def test_link_or_copy_links_and_copies_across_filesystems(tmp_path, monkeypatch)
     def cross_device(a, b):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr(os, "link", cross_device)
+    monkeypatch.setattr(os, "link", cross_device)   # an OS-level fault: no second filesystem is sure to exist
     link_or_copy(src, tmp_path / "d" / "copied")
     assert (tmp_path / "d" / "copied").read_bytes() == b"data"
     assert not os.path.samefile(src, tmp_path / "d" / "copied")

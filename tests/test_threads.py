@@ -23,6 +23,8 @@ def test_after_the_first_failure_no_further_call_starts(monkeypatch):
             super().__init__()
             events.append(self)
 
+    # No public seam: only the pool's own "failed" flag orders item 1's end after item 0's failure (anything the
+    # test could wait on instead leaves a window in which the pool may legitimately start item 2).
     monkeypatch.setattr(qbuild.core.threads.threading, "Event", Recorded)
     started: list[int] = []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,10 @@ class StatCache:
     qbuild processes can share it; a lost write only costs a re-hash.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, hash_file: Callable[[Path], str] | None = None):
+        """`hash_file` digests a file the cache cannot answer for (default digest_file)."""
         self.path = path
+        self.hash_file = hash_file or digest_file
         self._local = threading.local()
 
     def _db(self) -> sqlite3.Connection:
@@ -74,13 +77,13 @@ class StatCache:
     def digest(self, path: Path) -> str:
         st = path.stat()
         if time.time_ns() - st.st_mtime_ns < RACY_WINDOW_NS:
-            return digest_file(path)
+            return self.hash_file(path)
         ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         row = self._db().execute("SELECT digest FROM files_v2 WHERE dev=? AND ino=? AND size=? AND mtime=? AND ctime=?",
                                  ident).fetchone()
         if row:
             return row[0]
-        digest = digest_file(path)
+        digest = self.hash_file(path)
         with self._db() as db:
             db.execute("INSERT OR REPLACE INTO files_v2 VALUES (?, ?, ?, ?, ?, ?)", (*ident, digest))
         return digest
