@@ -343,7 +343,7 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
 @recipe_app.command("validate")
 def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files"), json_: bool = JsonOpt) -> None:
     """Validate recipes against the schema and against their model's architecture."""
-    from qbuild.recipe.checks import validate
+    from qbuild.planning.plan import validate_recipe
     from qbuild.recipe.source import load_arch
     from qbuild.recipe.schema import load_recipe
 
@@ -351,7 +351,7 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
     for f in files:
         loaded = load_recipe(f)
         arch = load_arch(loaded)
-        validate(loaded, arch)
+        validate_recipe(loaded, arch)
         valid.append({"file": str(f), "name": loaded.name, "family": arch.family})
         if not json_:
             _err(f"{f}: ok")
@@ -362,9 +362,10 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
 @recipe_app.command("schema")
 def recipe_schema() -> None:
     """Print the recipe JSON Schema (for editors)."""
+    from qbuild.backends import NAMES
     from qbuild.recipe.schema import recipe_json_schema
 
-    print(jsonio.dumps(recipe_json_schema(), indent=1, sort_keys=True))
+    print(jsonio.dumps(recipe_json_schema(NAMES), indent=1, sort_keys=True))
 
 
 @app.command()

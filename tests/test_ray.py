@@ -129,7 +129,7 @@ def test_cli_refuses_ray_without_a_remote_in_one_line(tmp_path):
     proc = _cli("compile", "--all", "--address", "auto", cwd=tmp_path)
     assert proc.returncode == 2 and "--address: only used with --executor ray" in proc.stderr
     proc = _cli("compile", "--all", "--executor", "dask", cwd=tmp_path)
-    assert proc.returncode == 2 and "not one of local, ray" in proc.stderr
+    assert proc.returncode == 2 and "'dask' is not one of 'local', 'ray'" in proc.stderr
 
 
 def test_ray_is_not_imported_on_the_planning_path():

@@ -8,6 +8,8 @@ and run.
 Callers name a backend only by a recipe's (or --backend's) string and ask `get(name)` for its implementation, which
 is imported on first use. The backend classes import torch and the SDK only inside the methods that build, so
 planning stays light.
+
+May import: qbuild.core, qbuild.store, qbuild.model, qbuild.recipe. Nothing outside this package names a backend.
 """
 
 from __future__ import annotations

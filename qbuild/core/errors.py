@@ -29,3 +29,14 @@ class InfraError(QbuildError):
     """The environment failed us: a remote, the disk, a cluster."""
 
     exit_code = 3
+
+
+class ConfigError(UserError, ValueError):
+    """A config.json that qbuild cannot read: one line naming the file (`origin`) and the field.
+
+    `message` is the line without the file, so that the converter can re-raise it as its own CheckpointError.
+    """
+
+    def __init__(self, origin: str, field: str, message: str):
+        self.origin, self.field, self.message = origin, field, message
+        super().__init__(f"{origin}: {message}")

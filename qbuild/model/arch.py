@@ -18,22 +18,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from qbuild.core.errors import UserError
+from qbuild.core.errors import ConfigError
 from qbuild.model.families import FAMILIES, MODEL_TYPES
 
 MAX_CONFIG_BYTES = 4 << 20   # a config.json is a few KiB
-VISION_HIDDEN_ACT = "gelu_pytorch_tanh"
-
-
-class ConfigError(UserError, ValueError):
-    """A config.json that qbuild cannot read: one line naming the file (`origin`) and the field.
-
-    `message` is the line without the file, so that the converter can re-raise it as its own CheckpointError.
-    """
-
-    def __init__(self, origin: str, field: str, message: str):
-        self.origin, self.field, self.message = origin, field, message
-        super().__init__(f"{origin}: {message}")
 
 
 def _is_moe_layer(layer: int, moe: bool, decoder_sparse_step: int, mlp_only_layers: tuple[int, ...]) -> bool:
@@ -68,6 +56,8 @@ class VisionArch:
 
     def to_hf_config(self) -> dict:
         """This encoder as a transformers-5 vision_config."""
+        from qbuild.model.config import VISION_HIDDEN_ACT
+
         return {**asdict(self), "hidden_act": VISION_HIDDEN_ACT}
 
     @property

@@ -23,8 +23,10 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import (BaseModel, ConfigDict, Field, FiniteFloat, StrictBool, StrictInt, StrictStr, ValidationError,
                       model_validator)
 
-from qbuild.model.arch import VISION_HIDDEN_ACT, ConfigError
+from qbuild.core.errors import ConfigError
 from qbuild.model.families import FAMILIES, MODEL_TYPES, FamilyName
+
+VISION_HIDDEN_ACT = "gelu_pytorch_tanh"   # the encoder activation qbuild's vision model implements
 
 ROPE_TYPES = ("default", "mrope")  # "mrope" is the older name of default RoPE with an mrope_section
 # transformers' Qwen3.5 text rotary takes mrope_section from rope_parameters with this default.

@@ -17,13 +17,22 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping
+from typing import Callable, Mapping, Protocol
 
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
 from qbuild.recipe.params import to_json
 
-if TYPE_CHECKING:
-    from qbuild.planning.plan import Node, Plan
+
+class Node(Protocol):
+    """What keying reads of a plan node (qbuild.planning.plan.Node, which imports this module)."""
+
+    kind: str
+    params: object
+    deps: dict[str, str]
+
+
+class Plan(Protocol):
+    nodes: dict[str, Node]
 
 
 @dataclass(frozen=True)
@@ -135,7 +144,7 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
 
 # --- the preimage ----------------------------------------------------------------------------------------------
 
-def preimage(node: "Node", inputs: dict[str, str], registry: Registry = REGISTRY) -> dict:
+def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY) -> dict:
     """The key preimage of `node` given its inputs' output digests (input name -> digest)."""
     spec = registry[node.kind]
     params = to_json(node.params)
@@ -182,7 +191,7 @@ class NodeKey:
     unknown: tuple[str, ...]    # input names whose digests the source did not know
 
 
-def key_node(node: "Node", digests: Mapping[str, str], registry: Registry = REGISTRY) -> NodeKey:
+def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGISTRY) -> NodeKey:
     """`node`'s preimage and key, given the output digests known so far (node id -> digest)."""
     unknown = tuple(sorted(name for name, dep in node.deps.items() if dep not in digests))
     if unknown:
@@ -195,7 +204,7 @@ def key_node(node: "Node", digests: Mapping[str, str], registry: Registry = REGI
 DigestSource = Callable[[str, str], "str | None"]
 
 
-def walk(plan: "Plan", source: DigestSource, registry: Registry = REGISTRY) -> dict[str, NodeKey]:
+def walk(plan: Plan, source: DigestSource, registry: Registry = REGISTRY) -> dict[str, NodeKey]:
     """Key every node of `plan` in topological order, taking each keyed node's output digest from `source`."""
     digests: dict[str, str] = {}
     out: dict[str, NodeKey] = {}

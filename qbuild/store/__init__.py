@@ -1,4 +1,8 @@
-"""Stores: where action outputs live. A local store, optionally backed by a remote one (S3)."""
+"""Stores: where action outputs live. A local store, optionally backed by a remote one (S3); the lockfile (lock),
+publishing and pulling (transfer), garbage collection (gc), build leases (lease) and the deployable bundle (bundle).
+
+May import: qbuild.core.
+"""
 
 from __future__ import annotations
 
