@@ -1,13 +1,13 @@
 """The NxDI contract double: fakes of the Neuron SDK's public surface (site/) and of the port lineages (ports/).
 
 The Neuron SDK cannot be installed on a CPU host, so the neuron backend is tested against these. They are built only
-from the facts in /work/notes (nxdi-core-facts.md, nxdi-port-facts.md, nxd-ep-facts.md) and
+from the facts in docs/nxdi.md and docs/nxd-layout.md, and
 docs/nxdi.md, each with its source in a comment, and are stricter than the real SDK wherever the facts
 are silent. Nothing under qbuild/ imports them: a test puts site/ on the CLI's PYTHONPATH.
 
 site/ also holds a *.dist-info/METADATA per SDK distribution, so importlib.metadata reports the versions of a real
-install: the ones recipes/bases/trn2.yaml pins, with the local `+hash` suffix real wheels carry (nxdi-core-facts.md
-section 8: neuronx-cc 2.26.6360.0+6f180f47, neuronx-distributed 0.19.28492+435aae2b, neuronx-distributed-inference
+install: the ones recipes/bases/trn2.yaml pins, with the local `+hash` suffix real wheels carry (docs/nxdi.md
+section 12: neuronx-cc 2.26.6360.0+6f180f47, neuronx-distributed 0.19.28492+435aae2b, neuronx-distributed-inference
 0.10.18399+ed62453e, torch-neuronx 2.9.0.2.15.32035+de43f57c). `metadata_overlay` writes other versions into a
 directory that goes before site/ on the path (importlib.metadata takes the first match on sys.path).
 """

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-# The variables the SDK and the ports read (nxdi-core-facts.md sections 3, 4, 7; nxdi-port-facts.md sections 2, 5).
+# The variables the SDK and the ports read (docs/nxdi.md sections 10, 9; docs/nxdi.md sections 15, 16).
 ENV_KEYS = ("BASE_COMPILE_WORK_DIR", "NEURON_COMPILE_CACHE_URL", "NEURON_CC_FLAGS", "NEURON_LOGICAL_NC_CONFIG",
             "NEURON_PLATFORM_TARGET_OVERRIDE", "XLA_HANDLE_SPECIAL_SCALAR", "UNSAFE_FP8FNCAST")
 ENV_PREFIXES = ("QWEN36_",)

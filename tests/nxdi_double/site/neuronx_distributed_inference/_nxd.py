@@ -1,7 +1,7 @@
 """What NxD does to the weights the ports declare, as the double models it: per-rank shapes of the parallel layers,
 the SPMD rank tensors, the MoE process groups, and ExpertMLPsV2's choice of forward (which can fail a trace).
 
-Sources: docs/nxdi.md section 4 (@ NxD fbac349, NxDI 4bcdc54) and nxd-ep-facts.md Q1-Q4. A Weight is what one rank's
+Sources: docs/nxdi.md section 4 (@ NxD fbac349, NxDI 4bcdc54) and docs/nxdi.md section 14. A Weight is what one rank's
 `tp{r}_sharded_checkpoint.safetensors` must hold under that name: shape, dtype and, for the int32 rank tensors, the
 value (NxD's initialize does not check values; the double does, since a wrong rank tensor computes the wrong slice).
 """

@@ -1,13 +1,12 @@
 """Fake of the moe-lineage port module contrib/models/Qwen3-Coder-Next/src/modeling_qwen35_moe.py (NxDI PR 170 @
 753c7f5), for the NxDI contract double.
 
-It keeps what qbuild depends on (nxdi-port-facts.md section 3): FLAT imports of its siblings (src/ on sys.path),
+It keeps what qbuild depends on (docs/nxdi.md section 15): FLAT imports of its siblings (src/ on sys.path),
 Qwen35MoeInferenceConfig's required attributes, text_config flattening and the router settings it forces, the app's
 get_compiler_args() (with the DGE flag), and, in NeuronQwen35MoeModel.rank_weights, the weights the compiled model
 takes per rank: fully replicated DeltaNet (plain nn.Linear / nn.Conv1d / nn.Parameter), MoE directly under `mlp.`,
-the sigmoid-gated shared expert around NxD's SharedExperts (docs/nxdi.md sections 1 and 4, nxd-ep-facts.md Q2-Q3).
-Key names the notes abbreviate ("mlp.router...", "mlp.shared_experts.sigmoid_gate") are completed from a copy of the
-port's converter read through the search index (find_string id 54218507205: router.linear_router.weight,
+the sigmoid-gated shared expert around NxD's SharedExperts (docs/nxdi.md sections 1 and 4, docs/nxdi.md section 14).
+Key names are completed from the port's converter (docs/nxdi.md section 15: router.linear_router.weight,
 sigmoid_gate.weight, q_layernorm / k_layernorm, conv1d.weight, A_log, dt_bias, norm.weight).
 """
 
@@ -39,7 +38,7 @@ class Qwen35MoeInferenceConfig(InferenceConfig):
         # Tail of __init__: the sigmoid-gated shared expert is the port's own (n_shared_experts 0), the experts are
         # built from intermediate_size, and the router settings are forced whatever the caller passed.
         # maybe_pad_intermediate() is left out: the port computes a pad that neither its converter nor its modules
-        # use (nxd-ep-facts.md Q5).
+        # use (docs/nxdi.md section 14).
         self.num_local_experts = self.num_experts
         self.n_shared_experts = 0
         self.intermediate_size = self.moe_intermediate_size

@@ -1,5 +1,5 @@
 """Fake of the port's src/nki_deltanet.py: modeling_qwen35_moe.py imports it FLAT (`from nki_deltanet import
-deltanet_recurrent_fwd`, l.50), so the port's src/ directory must be on sys.path (nxdi-port-facts.md section 3)."""
+deltanet_recurrent_fwd`, l.50), so the port's src/ directory must be on sys.path (docs/nxdi.md section 15)."""
 
 
 def deltanet_recurrent_fwd(*args, **kwargs):

@@ -1,5 +1,5 @@
 """Fake of the port's src/hybrid_apc.py: modeling_qwen35.py imports it as `from src.hybrid_apc import (` (l.138),
-which is why the PORT DIRECTORY, not src/, must be on sys.path for the main lineage (nxdi-port-facts.md section 2)."""
+which is why the PORT DIRECTORY, not src/, must be on sys.path for the main lineage (docs/nxdi.md section 15)."""
 
 
 def init_hybrid_apc_scheduler_bridge(app) -> None:

@@ -1,7 +1,7 @@
 """Fake of the main-lineage port module contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py (NxDI main @ 4bcdc54;
 the 2B, 27B and 3.6-27B ports share these parts), for the NxDI contract double.
 
-It keeps what qbuild depends on (nxdi-port-facts.md section 2): the `src.` imports, Qwen35InferenceConfig's required
+It keeps what qbuild depends on (docs/nxdi.md section 15): the `src.` imports, Qwen35InferenceConfig's required
 attributes and MoE detection, get_neuron_config_cls() returning NeuronConfig even for MoE, the app's
 get_compiler_args(), the QWEN36_* switches read while tracing, and, in NeuronQwen35Model.rank_weights, the weights
 the compiled model takes per rank under NxD's names (docs/nxdi.md section 4). Defaults the real config fills in for

@@ -1,5 +1,5 @@
 """Fake of the main-lineage port's src/modeling_qwen35_vision.py (Qwen3.5-35B-A3B @ 4bcdc54): CPUVisionModel, the module
-compile_vision_encoder.py traces with the real weights (nxdi-port-facts.md section 4).
+compile_vision_encoder.py traces with the real weights (docs/nxdi.md section 5).
 
 `CPUVisionModel(config)` takes the vision config only (no weights) and has exactly the parameter names the port's
 load_cpu_model fills: blocks.{i}.{norm1,norm2,attn.qkv,attn.proj,mlp.linear_fc1,mlp.linear_fc2}.{weight,bias},

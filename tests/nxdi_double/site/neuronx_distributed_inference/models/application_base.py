@@ -1,6 +1,6 @@
 """Contract double of NxDI models/application_base.py (@ ef2731e) and of the NxD ModelBuilder.trace it drives.
 
-compile() follows nxdi-core-facts.md section 1 step by step: neuron_config.json first, then trace (which wipes
+compile() follows docs/nxdi.md section 9 step by step: neuron_config.json first, then trace (which wipes
 BASE_COMPILE_WORK_DIR: section 4) with every bucket of every submodel, token-generation bucket 0 first (the priority /
 weight-layout model), each NEFF through the persistent compile cache (section 3), then the configs into the work dir,
 then model.pt, then sharding only if save_sharded_checkpoint and not skip_sharding. load() follows section 2: model.pt,
@@ -38,7 +38,7 @@ COMPILED_MODEL_FILE_NAME = "model.pt"
 # Inside model.pt (torch.jit extra file): what the double compiled. The real model.pt embeds NEFFs and metaneffs.
 COMPILED_SPEC = "nxdi_double/compiled.json"
 DEFAULT_WORK_DIR = "/tmp/nxd_model/"
-# metaneff DataType per weight dtype (nxdi-core-facts.md section 5). float16 is not among the recorded values.
+# metaneff DataType per weight dtype (docs/nxdi.md section 11). float16 is not among the recorded values.
 _DATA_TYPES = {"float32": 1, "int32": 2, "bfloat16": 14, "float8_e4m3fn": 15, "float8_e5m2": 16}
 
 
@@ -229,7 +229,7 @@ class NeuronApplicationBase:
         return neffs, work_dir, weights
 
     def _compiler_flags(self, sub: Submodel, bucket_dir: str, priority: bool) -> str:
-        """The flags NxD hashes and passes to neuronx-cc for one bucket (nxdi-core-facts.md section 7)."""
+        """The flags NxD hashes and passes to neuronx-cc for one bucket (docs/nxdi.md section 10)."""
         args = sub.compiler_args
         if args is None:
             raise DoubleRefusal("get_compiler_args() returned None: the double does not build NxDI's default "
@@ -288,7 +288,7 @@ class NeuronApplicationBase:
                 "traced": traced}
 
     def _write_metaneff(self, bucket_dir: str, weights: dict[str, Weight], tokens_shape: list[int]) -> None:
-        """metaneff.pb: the graph's inputs (nxdi-core-facts.md section 5). The weights are INPUT_WEIGHT entries with
+        """metaneff.pb: the graph's inputs (docs/nxdi.md section 11). The weights are INPUT_WEIGHT entries with
         the shard key as bytes and the per-rank shape; the user input and a state input are there too, so a reader
         must filter by type."""
         from torch_neuronx.proto import metaneff_pb2

@@ -1,8 +1,8 @@
 """Contract double of NxDI models/config.py (@ c63afe0, unchanged at main 4bcdc54): NeuronConfig, MoENeuronConfig,
 InferenceConfig and how they are written to and read back from neuron_config.json.
 
-Facts: nxdi-core-facts.md sections 2 (save/load), 6 (every kwarg below, its default and its checks) and 7 (LNC,
-platform target); docs/nxdi.md section 3 (BlockwiseMatmulConfig keys, router dtype); nxd-ep-facts.md Q1 (world size).
+Facts: docs/nxdi.md section 8 (save/load), 6 (every kwarg below, its default and its checks) and 7 (LNC,
+platform target); docs/nxdi.md section 3 (BlockwiseMatmulConfig keys, router dtype); docs/nxdi.md section 14 (world size).
 Where the real classes log and drop something, the double raises instead, except where NxDI itself relies on the
 dropping (reading a saved config back: section 2).
 """
@@ -74,7 +74,7 @@ def _leftover(cls_name: str, kwargs: dict, mode: str) -> None:
 
 
 class OnDeviceSamplingConfig:
-    """cfg.py OnDeviceSamplingConfig; the fields of nxdi-core-facts.md section 6. Defaults the facts do not give are
+    """cfg.py OnDeviceSamplingConfig; the fields of docs/nxdi.md section 8. Defaults the facts do not give are
     off (False / 1)."""
 
     def __init__(self, do_sample=False, top_k=1, top_p=1.0, temperature=1.0, dynamic=False, deterministic=False,
@@ -122,7 +122,7 @@ class BlockwiseMatmulConfig:
                 raise ValueError(f"block_sharding_strategy: {strategy!r} is not HI_LO or PING_PONG")
             strategy = BlockShardingStrategy[strategy]
         self.block_sharding_strategy = strategy
-        # moe_configs.py:96: kwargs.pop("parallelize_token_to_block_mapping", True) (nxd-ep-facts.md Q3).
+        # moe_configs.py:96: kwargs.pop("parallelize_token_to_block_mapping", True) (docs/nxdi.md section 14).
         self.parallelize_token_to_block_mapping = kwargs.pop("parallelize_token_to_block_mapping", True)
         self.blockwise_nki_autograd_cls = kwargs.pop("blockwise_nki_autograd_cls", None)
         self.num_static_blocks = kwargs.pop("num_static_blocks", None)
@@ -163,7 +163,7 @@ def _get_lnc(kwargs: dict) -> int:
 
 
 class NeuronConfig:
-    """cfg.py NeuronConfig(**kwargs) with the kwargs and defaults of nxdi-core-facts.md section 6."""
+    """cfg.py NeuronConfig(**kwargs) with the kwargs and defaults of docs/nxdi.md section 8."""
 
     def __init__(self, **kwargs):
         mode = kwargs.pop(_ON_UNKNOWN, "raise")
@@ -216,7 +216,7 @@ class NeuronConfig:
         self.quantization_dtype = kwargs.pop("quantization_dtype", "int8")
         self.modules_to_not_convert = kwargs.pop("modules_to_not_convert", None)
         self.kv_cache_quant = kwargs.pop("kv_cache_quant", False)
-        # PR 173 qwen36_27b_compile_fp8.py @ 03db3ef passes these to NeuronConfig (nxdi-port-facts.md section 5).
+        # PR 173 qwen36_27b_compile_fp8.py @ 03db3ef passes these to NeuronConfig (docs/nxdi.md section 16).
         self.kv_quant_config = kwargs.pop("kv_quant_config", None)
         self.quantized_mlp_kernel_enabled = kwargs.pop("quantized_mlp_kernel_enabled", False)
         self.activation_quantization_type = kwargs.pop("activation_quantization_type", None)
@@ -228,7 +228,7 @@ class NeuronConfig:
         self.attention_dp_degree = kwargs.pop("attention_dp_degree", 1)
         self.pp_degree = kwargs.pop("pp_degree", 1)
         self.ep_degree = kwargs.pop("ep_degree", 1)
-        # config.py L382-390 (nxd-ep-facts.md Q1): one shard file per global rank.
+        # config.py L382-390 (docs/nxdi.md section 14): one shard file per global rank.
         self.world_size = kwargs.pop("world_size", None)
         if self.world_size is None:
             self.world_size = self.tp_degree * self.pp_degree * self.ep_degree
@@ -242,7 +242,7 @@ class NeuronConfig:
         self.logical_nc_config = _get_lnc(kwargs)
         self.target = kwargs.pop("target", None)
         self.weights_to_skip_layout_optimization = kwargs.pop("weights_to_skip_layout_optimization", [])
-        # PR 173's APC / long-context settings (nxdi-port-facts.md section 5); defaults not recorded, so off.
+        # PR 173's APC / long-context settings (docs/nxdi.md section 16); defaults not recorded, so off.
         for key in ("is_block_kv_layout", "is_prefix_caching", "vocab_parallel"):
             setattr(self, key, kwargs.pop(key, False))
         for key in ("pa_block_size", "pa_num_blocks", "prefix_buckets", "context_encoding_bucket_pairs"):

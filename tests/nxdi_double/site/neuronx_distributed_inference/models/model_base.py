@@ -1,7 +1,7 @@
 """Contract double of NxDI models/model_base.py (@ ef2731e): NeuronBaseForCausalLM.
 
 Its __init__ enables BOTH submodels, and each asks the app for its compiler arguments right then (mbase.py
-L3027-3071, L3102-3149; nxdi-core-facts.md section 1): so one compile() always builds every context-encoding and
+L3027-3071, L3102-3149; docs/nxdi.md section 9): so one compile() always builds every context-encoding and
 token-generation bucket, and get_compiler_args() runs at construction. Buckets (docs/nxdi.md section 2):
 enable_bucketing False -> [max_context_length] / [max_length]; True with explicit lists -> the lists; True with a list
 left None -> powers of two from 128 to the max (autobucketing.py), which the double records as auto_buckets.

@@ -1,6 +1,6 @@
 """Contract double of NxDI utils/hf_adapter.py (@ ef2731e): HuggingFaceGenerationAdapter.
 
-Called as NxDI's own accuracy check calls it (nxdi-core-facts.md section 9, utils/accuracy.py L631-655):
+Called as NxDI's own accuracy check calls it (docs/nxdi.md section 13, utils/accuracy.py L631-655):
 `generate(input_ids=..., attention_mask=..., max_new_tokens=n, min_new_tokens=n, do_sample=False,
 return_dict_in_generate=True, output_scores=True, generation_config=gc)` -> `.sequences` [B, prompt + n] and
 `.scores`, a tuple of n [B, V] tensors. The double cannot run the model, so its tokens are a fixed function of the

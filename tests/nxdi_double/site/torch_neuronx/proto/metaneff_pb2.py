@@ -1,11 +1,11 @@
 """Contract double of torch_neuronx.proto.metaneff_pb2 (closed source): MetaNeff, MetaTensor and the enums NxD reads.
 
-Used as NxD uses it (nxdi-core-facts.md section 5; NxD trace/hlo_utils.py read_metaneff / get_input_order @
+Used as NxD uses it (docs/nxdi.md section 11; NxD trace/hlo_utils.py read_metaneff / get_input_order @
 fbac349): `m = MetaNeff(); m.ParseFromString(data)`, `m.input_tensors[i].type == MetaTensor.Type.INPUT_WEIGHT`,
 `checkpoint_key` as BYTES (`.decode()` is the shard key), `shape`, `data_type`.
 
 The protobuf wire format is written by hand so the double needs no protobuf package. MetaTensor's field numbers and
-enum values follow the only description in the facts (third-party reverse engineering, find_string id 59789158060:
+enum values follow the only description in the facts (third-party reverse engineering, docs/nxdi.md section 11:
 1 name, 2 shape, 3 data_type, 6 checkpoint_key, 7 type, 8 user_input_key); MetaNeff's own field numbers are not
 recorded, so bytes written here round-trip only through this module.
 """

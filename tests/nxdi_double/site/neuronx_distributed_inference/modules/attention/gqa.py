@@ -2,7 +2,7 @@
 
 docs/nxdi.md section 4 states the tp > n_kv case (kv heads replicated to tp, q heads zero-padded to a multiple of tp);
 the exact conditions below are NxDI's `determine_sharding_strategy` / `get_shardable_head_counts` as read through the
-search index (gqa.py, find_string id 12754004973): kv heads change only when n_kv < tp or n_kv % tp != 0.
+source (gqa.py; docs/nxdi.md section 4): kv heads change only when n_kv < tp or n_kv % tp != 0.
 """
 
 from __future__ import annotations
