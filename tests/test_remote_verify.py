@@ -61,7 +61,7 @@ def test_verify_remote_repairs_from_a_store_that_has_the_blobs_and_names_them_fr
     # A sound remote passes from the empty store, every locked blob read back.
     out = json.loads(ok(run_qbuild(host, "publish", "--all", "--verify-remote", "--store", "s", "--remote", remote,
                                    "--json")).stdout)
-    assert out["blobs_present"] == len(locked) and out["blobs_uploaded"] == 0
+    assert out["blobs_present"] == len(locked) and out["blobs_uploaded"] == 0, out
 
     # (b) From the empty store: exit 3, one line per bad blob naming it and the command that repairs it; the remote
     # is left as it was.

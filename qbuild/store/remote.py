@@ -218,7 +218,7 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
             blobs.setdefault(meta["digest"], (rel, meta["size"]))
     have = remote.has_blobs(blobs)
     if verify_remote:
-        sound = _remote_blobs_matching(remote, {d: blobs[d] for d in have}, progress)
+        sound = remote_blobs_matching(remote, {d: blobs[d] for d in have}, progress)
         named_remotely = {o["digest"] for k, m in checked.items() if k in present for o in m.outputs.values()}
         report.blobs_repaired = len((have - sound) | (named_remotely - have))
         have = sound
@@ -263,7 +263,7 @@ def upload_blobs(store: LocalStore, remote: S3Remote, blobs: dict[str, tuple[str
         progress.end()
 
 
-def _remote_blobs_matching(remote: S3Remote, blobs: dict[str, tuple[str, int]], progress: Progress) -> set[str]:
+def remote_blobs_matching(remote: S3Remote, blobs: dict[str, tuple[str, int]], progress: Progress) -> set[str]:
     """The subset of `blobs` (digest -> (path, size)) whose bytes on the remote hash to their digest."""
     sound: set[str] = set()
     lock = threading.Lock()

@@ -15,7 +15,7 @@ from qbuild.store.lock import resolve_recipe
 from qbuild.store import Store
 from qbuild.store.files import staged
 from qbuild.store.manifest import Manifest
-from qbuild.store.remote import PushReport, RemoteStore, push_manifests
+from qbuild.store.remote import NoProgress, PushReport, RemoteStore, remote_blobs_matching, push_manifests
 
 
 # --- choosing locked nodes -----------------------------------------------------------------------------------------
@@ -66,9 +66,41 @@ def publish(store: RemoteStore, doc: dict, lock_path: Path, names: list[str], *,
             if key not in on_remote:
                 raise UserError(f"{recipe}: {role} (key {key[:16]}) is in neither the local store ({store.root}) "
                                 f"nor {store.remote.url}; run `qbuild compile` for it first")
+    unchecked = _remote_only_blobs(doc, lock_path, names, absent) if verify_remote else {}
+    sound = _check_remote_only(store, unchecked)
     report = push_manifests(store.local, store.remote, manifests, store.progress, verify_remote=verify_remote)
     report.manifests_present += len(absent)
+    report.blobs_present += len(sound)
     return report
+
+
+def _remote_only_blobs(doc: dict, lock_path: Path, names: list[str], absent: dict) -> dict[str, tuple[str, str, int]]:
+    """digest -> (first recipe naming it, path, size) of the locked outputs of nodes this store has no entry for: the
+    remote's copy is the only one, so verifying the remote reads those back too."""
+    out: dict[str, tuple[str, str, int]] = {}
+    for recipe, _, node in sorted(locked_nodes(doc, lock_path, names).values(), key=lambda v: v[0]):
+        if node["key"] in absent:
+            for rel, meta in sorted(node["outputs"].items()):
+                out.setdefault(meta["digest"], (recipe, rel, meta["size"]))
+    return out
+
+
+def _check_remote_only(store: RemoteStore, blobs: dict[str, tuple[str, str, int]]) -> set[str]:
+    """The digests of `blobs` whose remote bytes match. Nothing here can repair the others (this store lacks them):
+    raise one line per bad blob, naming it and the publish that repairs it from a store that holds it."""
+    if not blobs:
+        return set()
+    sound = remote_blobs_matching(store.remote, {d: (rel, size) for d, (_, rel, size) in blobs.items()},
+                                   store.progress or NoProgress())
+    have = store.remote.has_blobs(blobs)
+    bad = sorted(set(blobs) - sound)
+    if bad:
+        url = store.remote.url
+        raise InfraError("\n".join(
+            f"{store.remote.object_url(store.remote.blob_key(d))}: {'corrupt' if d in have else 'missing'} (blob {d}); "
+            f"this store lacks it: run `qbuild publish {blobs[d][0]} --verify-remote --remote {url}` where it is built"
+            for d in bad))
+    return sound
 
 
 # --- pull ----------------------------------------------------------------------------------------------------------
