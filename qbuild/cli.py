@@ -50,7 +50,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                        help="print the version and exit")) -> None:
-    pass   # a callback only for --version; the commands do the work
+    """Takes --version before any command runs; the commands do the work."""
 
 
 def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, push: bool = False,

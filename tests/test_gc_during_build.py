@@ -18,19 +18,11 @@ from qbuild.store import LocalStore
 from qbuild.store.gc import gc_local
 from qbuild.store.lease import LEASES_DIR, Lease, live_leases
 from tests.remote_actions import MODULE, blob_bytes
+from tests.test_remote_pipeline import write_recipe
 
 REPO = Path(__file__).resolve().parent.parent
 STARTUP = Path(__file__).resolve().parent / "startup"
 GC_LOOP_LIMIT_S = 240      # a loop is stopped by its test long before this; the bound only guards a hung test
-
-RECIPE = """name: {name}
-model: {{path: ../model}}
-parallel: {{tp: {tp}}}
-text: {{seq_len: 128, cte_buckets: {buckets}, tkg_buckets: [128]}}
-dtype: float32
-backend: export
-"""
-
 
 def make_project(root: Path) -> Path:
     """A checkpoint (a real Qwen3.5 config, placeholder weights) built by tests/remote_actions.py's fast steps."""
@@ -41,10 +33,6 @@ def make_project(root: Path) -> Path:
     write_recipe(root, "alpha", 1, [32, 64])
     (root / "other.lock").write_text(json.dumps({"version": 1, "recipes": {}, "nodes": {}}))
     return root
-
-
-def write_recipe(root: Path, name: str, tp: int, buckets: list[int]) -> None:
-    (root / "recipes" / f"{name}.yaml").write_text(RECIPE.format(name=name, tp=tp, buckets=buckets))
 
 
 def env(**extra: str) -> dict:
