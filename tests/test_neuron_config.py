@@ -236,7 +236,7 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     # The shard action runs those params as planned: 4 rank files, attention split over 2.
     from qbuild.build.actions import RunContext
     from qbuild.build.actions.shard import run
-    from qbuild.model.convert import convert_checkpoint
+    from qbuild.model.convert.convert import convert_checkpoint
 
     convert_checkpoint(tiny_checkpoints["qwen3_next"], tmp_path / "conv", dtype="bfloat16")
     (tmp_path / "out").mkdir()
