@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, SourceEnvironment, Sizes, StepContext
-from qbuild.backends.neuron import config, deploy
+from qbuild.backends.neuron import config, deploy, releases
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, lineage_for, port_dir
@@ -34,7 +34,7 @@ def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
         parallel=config.nxd_parallel(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
         dtype=r.dtype, fp8=r.fp8, moe_backend=checks.moe_backend(loaded, arch), fused_qkv=r.fused_qkv,
         batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
-        tkg_buckets=tuple(r.text.token_buckets), compiler=_compiler(r), toolchain=r.toolchain.pins(),
+        tkg_buckets=tuple(r.text.token_buckets), compiler=_compiler(r), toolchain=toolchain(loaded),
         port_env=dict(sorted(r.port.env.items())),
         # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
         pad_token_id=arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id,
@@ -47,8 +47,14 @@ def vision_compile_params(loaded: LoadedRecipe, arch: Arch, bucket: int) -> Neur
     r = loaded.recipe
     lineage = lineage_for(arch.family, r.port.lineage)
     return NeuronVisionCompile(graph="vision", bucket=bucket, backend="neuron", lineage=lineage.name,
-                               vision=arch.vision, dtype=r.dtype, compiler=_compiler(r), toolchain=r.toolchain.pins(),
+                               vision=arch.vision, dtype=r.dtype, compiler=_compiler(r), toolchain=toolchain(loaded),
                                port_env=dict(sorted(r.port.env.items())))
+
+
+def toolchain(loaded: LoadedRecipe) -> dict[str, str]:
+    """The exact SDK versions the recipe's toolchain names (a release, or four versions of one release)."""
+    t = loaded.recipe.toolchain
+    return releases.resolve(t.sdk, t.pins(), tuple(f.replace("_", "-") for f in t.from_source))
 
 
 def _compiler(r) -> CompilerSettings:
@@ -103,10 +109,10 @@ class NeuronBackend:
             # ExpertMLPsV2.forward that is in no public commit of the port (PR 170 @ 753c7f5).
             checks.fail(loaded, "parallel.ep", f"no public {lineage.name}-lineage port runs expert parallelism in "
                                                "decode (NxD refuses it without an unpublished patch); use ep: 1")
-        for dist, version in r.toolchain.pins().items():
-            if version is None:
-                checks.fail(loaded, "toolchain", f"a neuron build pins the Neuron SDK: set "
-                                                 f"toolchain.{dist.replace('-', '_')} (see recipes/bases/trn2.yaml)")
+        try:
+            toolchain(loaded)
+        except releases.ToolchainError as e:
+            checks.fail(loaded, f"toolchain.{e.field}", e.msg)
 
     @staticmethod
     def _validate_fp8(loaded: LoadedRecipe, arch: Arch) -> None:
