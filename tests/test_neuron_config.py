@@ -215,7 +215,7 @@ def _shard_params(tmp_path, name: str, body: str):
     from qbuild.core.hashing import StatCache
     from qbuild.planning.plan import plan_recipe
 
-    # plan_recipe without the recipe checks: qbuild refuses ep > 1 on neuron (no public port decodes with EP), but
+    # plan_recipe without the recipe checks: qbuild refuses ep > 1 on neuron (NxD raises decoding with EP at batch 1), but
     # the NxD EP layout is planned and sharded exactly, ready for a port that does.
     loaded, arch = _recipe(tmp_path, name, body)
     nodes = {}

@@ -104,11 +104,17 @@ class NeuronBackend:
             checks.fail(loaded, "dtype", f"the port's vision encoder runs in bfloat16; a neuron recipe with vision "
                                          f"builds in bfloat16, not {r.dtype}")
         if r.parallel.ep > 1:
-            # NxD's ExpertMLPsV2 refuses EP in selective-loading decode (it raises) (expert_mlps_v2.py @
-            # fbac349; Qwen3.5-35B-A3B README). Coder-Next's README works around it with a patch of
-            # ExpertMLPsV2.forward that is in no public commit of the port (PR 170 @ 753c7f5).
-            checks.fail(loaded, "parallel.ep", f"no public {lineage.name}-lineage port runs expert parallelism in "
-                                               "decode (NxD refuses it without an unpublished patch); use ep: 1")
+            # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is under
+            # DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0) and raises NotImplementedError for that path under an
+            # expert-parallel group (expert_mlps_v2.py L1471-1481, model_utils.py L93 @ fbac349); no public port
+            # patches it. Above the threshold decode would run, but context encoding's non-blockwise paths index
+            # all experts while a rank holds experts/ep: PR 170's README (L155 @ 753c7f5) patches that with code
+            # that is not in the port. docs/nxdi.md section 14.
+            load = r.text.batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
+            checks.fail(loaded, "parallel.ep", f"NxD raises NotImplementedError when decoding with expert "
+                                               f"parallelism below one routed expert per expert (batch_size x "
+                                               f"top_k / experts = {load:.3g} here), and its context encoding "
+                                               "under EP needs a patch no public port has; use ep: 1")
         try:
             toolchain(loaded)
         except releases.ToolchainError as e:
