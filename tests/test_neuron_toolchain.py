@@ -52,6 +52,9 @@ def test_a_mixed_set_is_refused_naming_the_release_of_each_version():
     assert "neuronx_cc 2.25.3371.0 (SDK 2.30.0)" in str(e.value)
     assert "neuronx_distributed 0.19.28492 (SDK 2.31.0, 2.31.1)" in str(e.value)
     assert resolve(None, {**pins, "neuronx-cc": "2.26.6360.0"}) == {**pins, "neuronx-cc": "2.26.6360.0"}
+    # Versions written short resolve to the release's exact ones: one key for one toolchain.
+    short = {**pins, "neuronx-cc": "2.26.6360", "torch-neuronx": "2.9.0.2.15"}
+    assert resolve(None, short) == RELEASES["2.31.0"]
 
 
 def test_a_pin_beside_a_release_must_be_that_release_s():

@@ -95,4 +95,8 @@ def resolve(sdk: str | None, pins: dict[str, str | None], from_source: tuple[str
                  for dist, field in FIELDS.items() if field in belongs]
         raise ToolchainError("sdk", f"the toolchain mixes Neuron SDK releases: {'; '.join(parts)}; name one "
                                     "release with toolchain.sdk")
-    return {dist: pins[dist] for dist in FIELDS}
+    if candidates is None:          # every distribution is from source
+        return {dist: pins[dist] for dist in FIELDS}
+    # Spelled out as the release has it, so that `2.26.6360` and `2.26.6360.0` make one key.
+    release = RELEASES[min(candidates, key=list(RELEASES).index)]
+    return {dist: pins[dist] if dist in from_source else release[dist] for dist in FIELDS}
