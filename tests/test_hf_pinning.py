@@ -92,8 +92,8 @@ def _one_line(proc, code: int) -> str:
     return lines[0]
 
 
-def _unresolved(recipe: Path, reason: str) -> str:
-    """The line a recipe's unresolved hub model gives, after its file:line:column."""
+def _unresolved(reason: str) -> str:
+    """The line the recipe's unresolved hub model gives, after its file:line:column."""
     return f"model.hf: {REPO_ID}@main is not resolved ({reason})"
 
 
@@ -179,6 +179,11 @@ def test_compile_refuses_a_snapshot_of_another_commit(tmp_path, hub):
     assert error.startswith(f"error: {FETCH}: model.hf: {REPO_ID}: asked for commit {hub.a[:12]}, the Hub served "
                             f"{hub.b[:12]}; refusing"), proc.stderr
     assert _manifests(tmp_path / "store") == []
+    # Planning's own download of the commit's config.json is refused the same way.
+    shutil.rmtree(tmp_path / "xdg-cache" / "qbuild" / "hf-configs")
+    line = _one_line(qbuild("plan", str(recipe), cwd=tmp_path, env=hub.online), 3)
+    assert line.endswith(f"model.hf: {REPO_ID}: asked for config.json at {hub.a[:12]}, the Hub served commit "
+                         f"{hub.b[:12]}"), line
 
 
 # --- offline, unreachable, unknown: one line, nothing written ----------------------------------------------------
@@ -188,7 +193,7 @@ def test_offline_without_a_pin_is_one_line_and_writes_nothing(tmp_path, hub):
     for command in (["compile", str(recipe)], ["plan", str(recipe)], ["explain", str(recipe)]):
         line = _one_line(qbuild(*command, cwd=tmp_path, env={**hub.online, **OFFLINE}), 3)
         assert line.startswith(f"error: {recipe}:2:") and line.endswith(
-            f": {_unresolved(recipe, 'offline')}; pin a commit in the recipe or run 'qbuild lock update' online"), line
+            f": {_unresolved('offline')}; pin a commit in the recipe or run 'qbuild lock update' online"), line
     assert not (tmp_path / "artifacts.lock").exists() and _manifests(tmp_path / "store") == []
     assert hub.double.requests == []
 
@@ -199,11 +204,12 @@ def test_an_unreachable_hub_is_infrastructure_and_an_unknown_revision_the_recipe
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
     recipe = _recipe(tmp_path)
     line = _one_line(qbuild("compile", str(recipe), cwd=tmp_path, env={**hub.online, "HF_ENDPOINT": dead}), 3)
-    assert f"{_unresolved(recipe, f'Hub unreachable at {dead}: ConnectError')}; pin a commit" in line, line
-    line = _one_line(qbuild("compile", str(_recipe(tmp_path, "nope", revision="nope")), cwd=tmp_path, env=hub.online), 2)
+    assert f"{_unresolved(f'Hub unreachable at {dead}: ConnectError')}; pin a commit" in line, line
+    unknown = _recipe(tmp_path, "nope", revision="nope")
+    line = _one_line(qbuild("compile", str(unknown), cwd=tmp_path, env=hub.online), 2)
     assert line.endswith(f"model.hf: {REPO_ID}@nope is not resolved (the Hub has no revision nope)"), line
     line = _one_line(qbuild("lock", "update", str(recipe), cwd=tmp_path, env={**hub.online, **OFFLINE}), 3)
-    assert line.endswith(f"{_unresolved(recipe, 'offline')}; pin a commit in the recipe or run 'qbuild lock update' "
+    assert line.endswith(f"{_unresolved('offline')}; pin a commit in the recipe or run 'qbuild lock update' "
                          "online"), line
     assert not (tmp_path / "artifacts.lock").exists() and _manifests(tmp_path / "store") == []
 

@@ -131,6 +131,11 @@ def test_a_pin_or_a_commit_in_the_recipe_is_used_without_asking_the_hub(tmp_path
     assert pinned.nodes[_roles(pinned, "hub")["fetch"]].params.revision == OTHER and env.asked == []
     by_commit = build_plan([_cpu(tmp_path, "sha", model="{hf: Qwen/Qwen3.5-2B, revision: %s}" % OTHER)], env)
     assert by_commit.nodes[_roles(by_commit, "sha")["fetch"]].params.revision == OTHER and env.asked == []
+    # A build on another backend is its recipe's build of the same model: it shares the recipe's pin.
+    cpu_proof = load_recipe(loaded.path).with_backend("inductor")
+    assert cpu_proof.name == "hub@inductor"
+    proof = build_plan([cpu_proof], env, {"hub": HubPin("Qwen/Qwen3.5-2B", "main", OTHER)})
+    assert proof.nodes[_roles(proof, "hub@inductor")["fetch"]].params.revision == OTHER and env.asked == []
     # A pin of another revision, another repo or another recipe does not answer for this one: the Hub does.
     for pins in ({"hub": HubPin("Qwen/Qwen3.5-2B", "v1", OTHER)}, {"hub": HubPin("Qwen/Other", "main", OTHER)},
                  {"other": HubPin("Qwen/Qwen3.5-2B", "main", OTHER)}):

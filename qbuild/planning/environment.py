@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qbuild.core.errors import QbuildError
+from qbuild.core.errors import InfraError, QbuildError
 from qbuild.core.hashing import StatCache
 from qbuild.model.arch import Arch
 from qbuild.recipe import source
-from qbuild.recipe.schema import HFSource, LoadedRecipe
+from qbuild.recipe.schema import HFSource, LoadedRecipe, recipe_field_location
 
 # A port's source: its Python files, minus tests (editing a port's tests must not rebuild anything).
 _SKIP_DIRS = {"test", "tests", "__pycache__", ".git"}
@@ -35,15 +35,18 @@ class HostEnvironment:
     _resolved: dict[tuple[str, str], str | QbuildError] = field(default_factory=dict, compare=False, repr=False)
 
     def arch(self, loaded: LoadedRecipe, commit: str | None = None) -> Arch:
+        """A hub model's config.json at `commit`: on this machine, else downloaded (into qbuild's config cache), else
+        the shipped copy where there is one."""
         src = loaded.recipe.model
-        if isinstance(src, HFSource) and commit is not None and source.hub_config_path(src.hf, commit) is None \
-                and not source.hub_offline():
+        if isinstance(src, HFSource) and commit is not None and source.hub_config_path(src.hf, commit) is None:
             try:
+                if source.hub_offline():
+                    raise InfraError(f"model.hf: {src.hf}@{commit[:12]}: config.json is not on this machine and the "
+                                     "Hub cannot be asked (offline)")
                 source.download_hub_config(src.hf, commit)
-            except QbuildError:
-                # The shipped config stands in where it exists (as it does offline); otherwise this is the error.
+            except QbuildError as e:
                 if not source.shipped_config_path(src.hf).is_file():
-                    raise
+                    raise type(e)(f"{recipe_field_location(loaded, 'model.hf')}: {e}") from None
         return source.load_arch(loaded, commit)
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Mapping, Protocol
+from typing import Callable, Literal, Mapping, Protocol, Sequence
 
 from qbuild import backends
 from qbuild.backends.base import GIB, Backend, PlannedStep, Sizes
@@ -120,14 +120,16 @@ class HubRevision:
 
 def resolve_hub(loaded: LoadedRecipe, env: Environment, pins: Mapping[str, HubPin] | None = None) -> HubRevision | None:
     """The commit a recipe's hub model is keyed on, in order: the recipe's revision where it is a full commit; the
-    lock's pin for this recipe when it pins the same repo and revision; what the Hub resolves the revision to now.
-    None for a local checkpoint."""
+    lock's pin for this recipe when it pins the same repo and revision (a build on another backend, locked as
+    `<name>@<backend>`, takes its recipe's pin where it has none of its own); what the Hub resolves the revision to
+    now. None for a local checkpoint."""
     src = loaded.recipe.model
     if not isinstance(src, HFSource):
         return None
     if is_commit(src.revision):
         return HubRevision(src.hf, src.revision, src.revision)
-    pin = (pins or {}).get(loaded.name)
+    pins = pins or {}
+    pin = pins.get(loaded.name) or pins.get(loaded.name.partition("@")[0])
     if pin is not None and (pin.repo, pin.requested) == (src.hf, src.revision):
         return HubRevision(src.hf, src.revision, pin.revision)
     try:
@@ -334,7 +336,7 @@ def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, L
     return out
 
 
-def _what_changed(node: Node, old: dict, pre: dict, otherwise: str, pins: list[str] = ()) -> str:
+def _what_changed(node: Node, old: dict, pre: dict, otherwise: str, pins: Sequence[str] = ()) -> str:
     """The hub pins that moved below the node (`pins`), the fields of `pre` that differ from the locked preimage `old`
     (`otherwise` where none does), and for a compile, what its backend can still reuse (a neuron text compile's
     NEFFs). A fetch's moved pin is its changed revision, so that field is named once, as the pin."""
@@ -359,6 +361,7 @@ def _moved_pins(plan: Plan, locked: Mapping[str, LockedNode]) -> dict[str, list[
             new = node.params.revision
             if old.get("source") == "hf" and old.get("repo") == node.params.repo and old.get("revision") != new:
                 requested = node.context.get("requested_revision", new)
+                requested = requested[:12] if is_commit(requested) else requested
                 lines.append(f"model {node.params.repo}@{requested}: {str(old.get('revision'))[:8]} -> {new[:8]}")
         if lines:
             moved[nid] = list(dict.fromkeys(lines))

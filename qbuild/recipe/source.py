@@ -1,6 +1,7 @@
 """Model sources: a recipe's config.json and where its checkpoint is (a local directory, the Hugging Face cache, or
-a shipped config only), where a fetched snapshot's bytes live on this machine, checked against the snapshot's
-digests, and the check of a checkpoint before anything is built from it.
+a shipped config only), the Hub's answers (the commit a branch resolves to, config.json at a commit), where a fetched
+snapshot's bytes live on this machine, checked against the snapshot's digests, and the check of a checkpoint before
+anything is built from it. A hub model is looked up in the HF cache by commit only, never through a branch's ref.
 
 A snapshot (the fetch action's output) names files by content digest only, so keys are the same on every
 machine. The bytes stay where they are: in the local checkpoint directory, or in the Hugging Face cache.
@@ -19,6 +20,7 @@ from typing import Mapping
 from qbuild.model.arch import MAX_CONFIG_BYTES, Arch, arch_from_config
 from qbuild.core.errors import InfraError, QbuildError, RecipeError, UserError
 from qbuild.core.hashing import default_stat_cache
+from qbuild.store.files import atomic_write
 from qbuild.recipe.schema import LoadedRecipe, PathSource, recipe_field_location
 from qbuild.core.userfile import read_small_file
 
@@ -97,11 +99,13 @@ def hub_error(e: Exception, what: str) -> QbuildError:
     """One line for a failed Hub request: a repo or revision the Hub does not have (or will not show with this token) is
     the recipe's to fix (UserError); an unreachable or failing Hub is infrastructure (InfraError)."""
     import httpx2
-    from huggingface_hub.errors import (HfHubHTTPError, OfflineModeIsEnabled, RepositoryNotFoundError,
-                                        RevisionNotFoundError)
+    from huggingface_hub.errors import (HfHubHTTPError, OfflineModeIsEnabled, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
 
     if isinstance(e, RevisionNotFoundError):
         return UserError(f"the Hub has no revision {what}")
+    if isinstance(e, RemoteEntryNotFoundError):
+        return UserError(f"the Hub has no such file at {what}")
     if isinstance(e, RepositoryNotFoundError):
         return UserError("no such repo on the Hub, or not visible with the current token")
     if isinstance(e, OfflineModeIsEnabled):
@@ -151,23 +155,30 @@ def hub_config_path(repo: str, commit: str) -> Path | None:
 
 
 def download_hub_config(repo: str, commit: str) -> Path:
-    """Download config.json of `repo` at `commit` into qbuild's config cache; refuses one of another commit."""
+    """Download config.json of `repo` at `commit` into qbuild's config cache, in one request: no retries (planning
+    should say at once that the Hub cannot be reached) and no HF cache entry. Refuses a config.json of another commit
+    (the X-Repo-Commit the Hub answers with, as huggingface_hub's own downloads check it: file_download.py
+    `get_hf_file_metadata`, 2.4.0)."""
     if hub_offline():
         raise InfraError("offline")
     _hub_online()
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import get_session, hf_hub_url, hf_raise_for_status
+    from huggingface_hub.utils import build_hf_headers
 
-    cache = config_cache_dir()
+    url = hf_hub_url(repo, "config.json", revision=commit, endpoint=hub_endpoint())
     try:
-        path = Path(hf_hub_download(repo, "config.json", revision=commit, cache_dir=cache, endpoint=hub_endpoint(),
-                                    etag_timeout=HUB_TIMEOUT_S))
+        response = get_session().get(url, headers=build_hf_headers(), timeout=HUB_TIMEOUT_S, follow_redirects=True)
+        hf_raise_for_status(response)
     except Exception as e:
         err = hub_error(e, commit)
         raise type(err)(f"model.hf: {repo}@{commit[:12]}: cannot download config.json ({err})") from None
-    if path.parent.name != commit:
-        served = hf_served_commit(repo, commit, cache) or path.parent.name
+    served = response.headers.get("X-Repo-Commit")
+    if served != commit:
         raise InfraError(f"model.hf: {repo}: asked for config.json at {commit[:12]}, the Hub served commit "
-                         f"{served[:12]}")
+                         f"{(served or 'none')[:12]}")
+    path = hf_repo_dir(repo, config_cache_dir()) / "snapshots" / commit / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, response.content)
     return path
 
 
