@@ -19,7 +19,7 @@ from qbuild.model.families import FAMILIES
 app = typer.Typer(add_completion=True, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build, verify and publish compiled Qwen3.5 / Qwen3-Next artifacts from YAML recipes.")
 recipe_app = typer.Typer(no_args_is_help=True, help="Validate recipes and print their schema.")
-lock_app = typer.Typer(no_args_is_help=True, help="Check the lockfile against the store.")
+lock_app = typer.Typer(no_args_is_help=True, help="Check the lockfile against the store; move its Hub pins.")
 store_app = typer.Typer(no_args_is_help=True, help="Inspect and repair the local store.")
 app.add_typer(recipe_app, name="recipe")
 app.add_typer(lock_app, name="lock")
@@ -101,6 +101,9 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
             mem: Optional[str] = typer.Option(None, "--mem", help="memory budget for concurrent steps, e.g. 20G"),
             keep_going: bool = typer.Option(False, "--keep-going", help="build what does not depend on a failure"),
             frozen: bool = typer.Option(False, "--frozen", help="fail instead of changing the lockfile (CI)"),
+            update: bool = typer.Option(False, "--update",
+                                        help="first resolve these recipes' Hub revisions again and move their pins "
+                                             "(as `qbuild lock update`)"),
             strict: bool = typer.Option(False, "--strict", help="fail, naming the step, instead of building anything"),
             push: bool = typer.Option(False, "--push", help="upload what was built (and anything the remote lacks)"),
             skip_device: bool = typer.Option(False, "--skip-device",
@@ -122,6 +125,8 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
     from qbuild.render import BuildProgress, TransferDisplay, print_build_result
     from qbuild.core.units import parse_size
 
+    if update and frozen:
+        raise UserError("--update and --frozen: --update changes the lockfile's pins, --frozen forbids any change")
     explicit_budget = None if mem is None else parse_size(mem, "--mem", allow_zero=False)
     ws = _workspace(store, lock, remote, push=push, backend=backend, transfers=TransferDisplay(bars=False))
     # $RAY_ADDRESS is meant for Ray: a local build ignores it; only an --address given here must go with Ray.
@@ -132,6 +137,10 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
     budget = explicit_budget if mem is not None else default_mem
     options = BuildOptions(jobs=jobs, mem_budget=budget, keep_going=keep_going, strict=strict,
                            skip_device=skip_device)
+    if update:
+        from qbuild.render import print_pin_moves
+
+        print_pin_moves(ws.update_pins(loaded), False)
     with BuildProgress(verbose=verbose) as progress:
         the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
@@ -324,6 +333,50 @@ def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names or f
         raise typer.Exit(1)
     if not json_:
         _err(f"{lock}: every locked artifact is in the store with the right digest")
+
+
+@lock_app.command("update")
+def lock_update(recipes: list[str] = typer.Argument(None, help="recipe names or files (default: every locked one)"),
+                lock: Path = LockOpt, json_: bool = JsonOpt) -> None:
+    """Resolve the recipes' Hub revisions (branches, tags) again and move their pins; nothing else changes."""
+    from qbuild.render import print_pin_moves
+    from qbuild.recipe.schema import load_recipe
+    from qbuild.store import lock as lockmod
+
+    ws = _workspace(None, lock)   # it plans nothing and opens no store: it only asks the Hub
+    doc = lockmod.read(lock)
+    if recipes:
+        loaded = [_locked_or_file(doc, lock, r, load_recipe) for r in recipes]
+    else:
+        if not doc["recipes"]:
+            raise UserError(f"{lock}: no locked recipes; name the recipe files to pin")
+        loaded = [_locked_recipe(doc, lock, name, load_recipe) for name in sorted(doc["recipes"])]
+    print_pin_moves(ws.update_pins(loaded), json_)
+
+
+def _locked_or_file(doc: dict, lock: Path, arg: str, load_recipe):
+    """A recipe a command-line argument names: a locked recipe (by name or file), else a recipe file."""
+    from qbuild.store import lock as lockmod
+
+    try:
+        return _locked_recipe(doc, lock, lockmod.resolve_recipe(doc, lock, arg), load_recipe)
+    except UserError:
+        if not Path(arg).is_file():
+            raise
+        return load_recipe(Path(arg))
+
+
+def _locked_recipe(doc: dict, lock: Path, name: str, load_recipe):
+    """A locked recipe, loaded from the file the lock records, under its locked name (`<name>@<backend>` for a build
+    on another backend, which shares the recipe's model)."""
+    from qbuild.store import lock as lockmod
+
+    path = lockmod.recipe_file(doc["recipes"][name], lock)
+    if not path.is_file():
+        raise UserError(f"{lock}: recipe {name!r} was locked from {path}, which no longer exists")
+    loaded = load_recipe(path)
+    backend = name.partition("@")[2]
+    return loaded.with_backend(backend) if backend else loaded
 
 
 @store_app.command("verify")

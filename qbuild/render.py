@@ -15,13 +15,14 @@ from qbuild.core import jsonio
 
 if TYPE_CHECKING:
     from qbuild.build.engine import BuildResult, Event
+    from qbuild.build.workspace import PinMove
     from qbuild.store.gc import GcReport
     from qbuild.store.manifest import Manifest
     from qbuild.store.remote import PushReport
     from qbuild.planning.plan import NodeStatus, Plan
 
-STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting"}
-STATUS_STYLE = {"cached": "green", "build": "yellow", "waiting": "dim"}
+STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting", "unresolved": "not resolved"}
+STATUS_STYLE = {"cached": "green", "build": "yellow", "waiting": "dim", "unresolved": "red"}
 
 
 @cache
@@ -66,9 +67,10 @@ def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
 def _print_trees(out, Tree, plan: Plan, status: dict[str, NodeStatus]) -> None:
     for name, pr in plan.recipes.items():
         counts = {s: sum(status[n].status == s for n in set(pr.nodes.values())) for s in STATUS_TEXT}
+        unresolved = f", {counts['unresolved']} not resolved" if counts["unresolved"] else ""
         root = Tree(f"[bold cyan]{name}[/] ({pr.loaded.path.name}, {pr.arch.family}, tp{pr.loaded.recipe.parallel.tp}"
                     f" ep{pr.loaded.recipe.parallel.ep}): {counts['cached']} cached, {counts['build']} to build, "
-                    f"{counts['waiting']} waiting")
+                    f"{counts['waiting']} waiting{unresolved}")
         shown: set[str] = set()
 
         def add(parent, nid: str) -> None:
@@ -129,6 +131,26 @@ def print_explain(plan: Plan, status: dict[str, NodeStatus], why: dict[str, str]
         return
     for row in rows:
         print(f"{row['name']} [{row['id'][:8]}]: {row['why']}")
+
+
+def print_pin_moves(moves: list[PinMove], as_json: bool) -> None:
+    """What `qbuild lock update` (or `compile --update`) did to each recipe's Hub pin: JSON on stdout, or one line per
+    recipe on stderr."""
+    if as_json:
+        print(jsonio.dumps([{"recipe": m.recipe, "repo": m.pin.repo, "requested": m.pin.requested,
+                             "revision": m.pin.revision, "before": m.before.revision if m.before else None,
+                             "moved": m.moved} for m in moves], indent=1, sort_keys=True))
+        return
+    if not moves:
+        _err_line("no Hub models to pin")
+    for m in moves:
+        where = f"{m.recipe}: model {m.pin.repo}@{m.pin.requested}"
+        if not m.moved:
+            _err_line(f"{where}: {m.pin.revision[:8]} (unchanged)")
+        elif m.before is None or (m.before.repo, m.before.requested) != (m.pin.repo, m.pin.requested):
+            _err_line(f"{where}: pinned to {m.pin.revision[:8]}")
+        else:
+            _err_line(f"{where}: {m.before.revision[:8]} -> {m.pin.revision[:8]}")
 
 
 def serve_text(serve: dict) -> None:

@@ -49,8 +49,9 @@ def _ctx(tmp: Path, params: dict, context: dict) -> RunContext:
 
 def test_hf_cache_offline_uses_hub_digests(tmp_path, tiny_checkpoints, monkeypatch):
     hub = tmp_path / "hf-home" / "hub"
-    populate_hf_cache(hub, "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
-    assert hf_cached_snapshot("tiny-org/tiny-next", "main")[0] == COMMIT
+    snap = populate_hf_cache(hub, "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    assert hf_cached_snapshot("tiny-org/tiny-next", COMMIT) == snap
+    assert hf_cached_snapshot("tiny-org/tiny-next", "main") is None     # a branch's ref never answers
     ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT},
                {"requested_revision": "main"})
     fetch_run(ctx)
@@ -63,10 +64,19 @@ def test_hf_cache_offline_uses_hub_digests(tmp_path, tiny_checkpoints, monkeypat
 
 
 def test_hf_missing_offline_is_one_clear_error(tmp_path):
-    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/absent", "revision": "main"}, {})
-    with pytest.raises((InfraError, UserError)) as e:
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/absent", "revision": COMMIT}, {})
+    with pytest.raises(InfraError) as e:
         fetch_run(ctx)
-    assert "tiny-org/absent" in str(e.value) and "\n" not in str(e.value)
+    assert str(e.value) == (f"model.hf: tiny-org/absent@{COMMIT[:12]} is not in the HF cache and the Hub cannot be "
+                            "reached (HF_HUB_OFFLINE or no network)")
+
+
+def test_a_fetch_keyed_on_a_branch_is_refused(tmp_path, tiny_checkpoints):
+    """The planner keys a hub fetch on a commit only; a branch in a key would name whatever the branch holds later."""
+    populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": "main"}, {})
+    with pytest.raises(UserError, match="^model.hf: tiny-org/tiny-next@main is not a commit"):
+        fetch_run(ctx)
 
 
 def test_hf_token_never_reaches_the_snapshot(tmp_path, tiny_checkpoints, monkeypatch):

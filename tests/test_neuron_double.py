@@ -426,13 +426,15 @@ def test_mismatching_toolchain_fails_compile_naming_both_versions(dense, tmp_pat
 
 
 def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
-    """recipes/35b-a3b-tp8.yaml (its port pointed at the fake) plans offline to the same keys whether or not the SDK
-    is importable: keys are made from the pins, never from what is installed. Without the SDK its compile fails with
-    one line naming the missing package, and the exit code of a failed step."""
+    """recipes/35b-a3b-tp8.yaml (its port pointed at the fake, its model pinned to a commit so that it is keyed
+    offline) plans offline to the same keys whether or not the SDK is importable: keys are made from the pins, never
+    from what is installed. Without the SDK its compile fails with one line naming the missing package, and the exit
+    code of a failed step."""
     recipe = tmp_path / "35b-a3b-tp8.yaml"
     doc = yaml.safe_load((REPO / "recipes/35b-a3b-tp8.yaml").read_text())
     doc["extends"] = str(REPO / "recipes/bases/trn2.yaml")
     doc["port"]["path"] = str(MAIN_PORT)
+    doc["model"]["revision"] = "0123456789abcdef0123456789abcdef01234567"
     recipe.write_text(yaml.safe_dump(doc))
     build = Build(tmp_path)
     plans = []
@@ -442,7 +444,7 @@ def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
         plans.append({n["id"]: (n["key"], n["status"]) for n in json.loads(proc.stdout)["nodes"]})
     assert plans[0] == plans[1]
     proc = build.cli("compile", str(recipe), "--keep-going", "--skip-device", "--mem", "1T", sdk=False)
-    # Offline, the Hub fetch fails too (infrastructure, exit 3); what matters is the compile's own line.
+    # Offline, the commit's fetch fails too (infrastructure, exit 3); what matters is the compile's own line.
     assert proc.returncode in (1, 3)
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("FAILED compile text")]
     assert "neuronx-distributed-inference" in line and "not installed" in line

@@ -111,11 +111,15 @@ def test_changing_weights_changes_fetch_but_no_compile_key(tmp_path, tiny_checkp
 
 
 def test_plan_never_imports_torch_and_plans_shipped_recipes_offline(tmp_path):
+    """Offline and without pins (an empty lockfile), the shipped recipes' `revision: main` cannot be resolved: each
+    fetch is planned without a key and says why, and the rest of the plan is still shown."""
     code = ("import sys, io, contextlib; from qbuild.cli import app\n"
             "out = io.StringIO()\n"
             "with contextlib.redirect_stdout(out):\n"
-            "    app(['plan', '--all', '--json'], standalone_mode=False)\n"
-            "heavy = [m for m in ('torch', 'transformers', 'boto3', 'ray', 'safetensors') if m in sys.modules]\n"
+            f"    app(['plan', '--all', '--json', '--lock', {str(tmp_path / 'artifacts.lock')!r}], "
+            "standalone_mode=False)\n"
+            "heavy = [m for m in ('torch', 'transformers', 'boto3', 'ray', 'safetensors', 'huggingface_hub')"
+            " if m in sys.modules]\n"
             "print(heavy); print(out.getvalue())\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
@@ -127,6 +131,11 @@ def test_plan_never_imports_torch_and_plans_shipped_recipes_offline(tmp_path):
     # The 27B and 3.6-27B recipes differ in weights only through the model source.
     kinds = {n["kind"] for n in plan["nodes"]}
     assert kinds == {"fetch", "port", "convert", "shard", "compile", "package", "reference", "verify"}
+    for fetch in (n for n in plan["nodes"] if n["kind"] == "fetch"):
+        repo = fetch["params"]["repo"]
+        assert fetch["status"] == "unresolved" and fetch["key"] is None, fetch
+        assert fetch["why"].endswith(f"model.hf: {repo}@main is not resolved (offline); pin a commit in the recipe "
+                                     "or run 'qbuild lock update' online"), fetch["why"]
     # Every shipped recipe is a neuron build: one text compile with every bucket, one vision compile per bucket.
     by_id = {n["id"]: n for n in plan["nodes"]}
     assert {name: entry["port"]["lineage"] for name, entry in plan["recipes"].items()} == {

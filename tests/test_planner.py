@@ -11,14 +11,16 @@ import pytest
 
 import qbuild
 from qbuild.model.arch import Arch, arch_from_config
-from qbuild.core.errors import RecipeError
+from qbuild.core.errors import InfraError, RecipeError, UserError
 from qbuild.planning.keys import walk
-from qbuild.planning.plan import build_plan, evaluate
+from qbuild.planning.plan import build_plan, evaluate, require_resolved
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
 from qbuild.recipe.params import FetchHub, FetchPath, to_json
+from qbuild.store.lock import HubPin
 
 CONFIG = Path(qbuild.__file__).parent / "configs" / "Qwen--Qwen3.5-2B.json"
 COMMIT = "a" * 40
+OTHER = "b" * 40
 CPU = """\
 model: {model}
 parallel: {{tp: {tp}}}
@@ -43,18 +45,23 @@ class FakeEnvironment:
     """A machine described by data: every model has the 2B architecture."""
 
     checkpoints: dict[Path, dict[str, str]] = field(default_factory=dict)
-    hf_cache: dict[tuple[str, str], str] = field(default_factory=dict)
+    hub: dict[tuple[str, str], str | Exception] = field(default_factory=dict)   # what the Hub resolves
     ports: dict[Path, dict[str, str]] = field(default_factory=dict)
     arch_of: Arch = field(default_factory=lambda: arch_from_config(json.loads(CONFIG.read_text()), str(CONFIG)))
+    asked: list[tuple[str, str]] = field(default_factory=list)                  # every question to the Hub
 
-    def arch(self, loaded: LoadedRecipe) -> Arch:
+    def arch(self, loaded: LoadedRecipe, commit: str | None = None) -> Arch:
         return self.arch_of
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:
         return dict(self.checkpoints[directory])
 
-    def hf_revision(self, repo: str, revision: str) -> str | None:
-        return self.hf_cache.get((repo, revision))
+    def hf_commit(self, repo: str, revision: str) -> str:
+        self.asked.append((repo, revision))
+        found = self.hub.get((repo, revision), InfraError("offline"))
+        if isinstance(found, Exception):
+            raise found
+        return found
 
     def port_digests(self, port_dir: Path) -> dict[str, str] | None:
         return self.ports.get(port_dir)
@@ -106,16 +113,67 @@ def test_a_local_checkpoint_is_its_files_digests(tmp_path):
         assert a[role] == b[role], role
 
 
-def test_a_hub_model_is_pinned_to_the_commit_the_hf_cache_resolves(tmp_path):
+def test_a_hub_model_is_keyed_on_the_commit_the_hub_resolves(tmp_path):
     loaded = _cpu(tmp_path, "hub", model="{hf: Qwen/Qwen3.5-2B}")
-    cached = build_plan([loaded], FakeEnvironment(hf_cache={("Qwen/Qwen3.5-2B", "main"): COMMIT}))
-    fetch = cached.nodes[_roles(cached, "hub")["fetch"]]
+    env = FakeEnvironment(hub={("Qwen/Qwen3.5-2B", "main"): COMMIT})
+    plan = build_plan([loaded], env)
+    fetch = plan.nodes[_roles(plan, "hub")["fetch"]]
     assert to_json(fetch.params) == {"source": "hf", "repo": "Qwen/Qwen3.5-2B", "revision": COMMIT}
-    assert fetch.params == FetchHub("hf", "Qwen/Qwen3.5-2B", COMMIT)
+    assert fetch.params == FetchHub("hf", "Qwen/Qwen3.5-2B", COMMIT) and fetch.unresolved is None
     assert fetch.context == {"requested_revision": "main"}
-    # Not downloaded yet: planned at the requested revision, which the fetch step resolves.
-    absent = build_plan([loaded], FakeEnvironment())
-    assert absent.nodes[_roles(absent, "hub")["fetch"]].params.revision == "main"
+    assert env.asked == [("Qwen/Qwen3.5-2B", "main")]
+
+
+def test_a_pin_or_a_commit_in_the_recipe_is_used_without_asking_the_hub(tmp_path):
+    loaded = _cpu(tmp_path, "hub", model="{hf: Qwen/Qwen3.5-2B}")
+    env = FakeEnvironment(hub={("Qwen/Qwen3.5-2B", "main"): COMMIT})
+    pinned = build_plan([loaded], env, {"hub": HubPin("Qwen/Qwen3.5-2B", "main", OTHER)})
+    assert pinned.nodes[_roles(pinned, "hub")["fetch"]].params.revision == OTHER and env.asked == []
+    by_commit = build_plan([_cpu(tmp_path, "sha", model="{hf: Qwen/Qwen3.5-2B, revision: %s}" % OTHER)], env)
+    assert by_commit.nodes[_roles(by_commit, "sha")["fetch"]].params.revision == OTHER and env.asked == []
+    # A build on another backend is its recipe's build of the same model: it shares the recipe's pin.
+    cpu_proof = load_recipe(loaded.path).with_backend("inductor")
+    assert cpu_proof.name == "hub@inductor"
+    proof = build_plan([cpu_proof], env, {"hub": HubPin("Qwen/Qwen3.5-2B", "main", OTHER)})
+    assert proof.nodes[_roles(proof, "hub@inductor")["fetch"]].params.revision == OTHER and env.asked == []
+    # A pin of another revision, another repo or another recipe does not answer for this one: the Hub does.
+    for pins in ({"hub": HubPin("Qwen/Qwen3.5-2B", "v1", OTHER)}, {"hub": HubPin("Qwen/Other", "main", OTHER)},
+                 {"other": HubPin("Qwen/Qwen3.5-2B", "main", OTHER)}):
+        plan = build_plan([loaded], env, pins)
+        assert plan.nodes[_roles(plan, "hub")["fetch"]].params.revision == COMMIT
+
+
+def test_the_hub_is_asked_once_per_repo_and_revision(tmp_path):
+    """Planning asks the environment for each recipe; the host environment answers each repo and revision once per
+    command (tests/test_hf_pinning.py counts the Hub's requests), so two recipes of one model plan one fetch."""
+    env = FakeEnvironment(hub={("Qwen/Qwen3.5-2B", "main"): COMMIT})
+    plan = build_plan([_cpu(tmp_path, "one", model="{hf: Qwen/Qwen3.5-2B}"),
+                       _cpu(tmp_path, "two", tp=2, model="{hf: Qwen/Qwen3.5-2B}")], env)
+    assert _roles(plan, "one")["fetch"] == _roles(plan, "two")["fetch"]
+
+
+def test_an_unresolved_hub_model_has_no_key_and_a_build_refuses_it(tmp_path):
+    loaded = _cpu(tmp_path, "hub", model="{hf: Qwen/Qwen3.5-2B}")
+    plan = build_plan([loaded], FakeEnvironment())      # the Hub cannot be asked
+    roles = _roles(plan, "hub")
+    looked_up: list[str] = []
+    status = evaluate(plan, lambda key: looked_up.append(key), {})
+    # Keyed on the branch name only for an id: no store entry may answer for it (an old one keyed so would).
+    assert walk(plan, lambda nid, key: None)[roles["fetch"]].key not in looked_up
+    fetch = status[roles["fetch"]]
+    line = (f"{loaded.path}:1:13: model.hf: Qwen/Qwen3.5-2B@main is not resolved (offline); pin a commit in the "
+            "recipe or run 'qbuild lock update' online")
+    assert (fetch.status, fetch.key, fetch.why) == ("unresolved", None, line)
+    assert status[roles["convert"]].status == "waiting" and status[roles["convert"]].why == "waits on snapshot"
+    # Steps that do not read the weights are keyed as ever: a compile depends on the architecture only.
+    assert status[roles["compile cte-32"]].key is not None
+    with pytest.raises(InfraError) as err:
+        require_resolved(plan)
+    assert str(err.value) == line
+    # A revision the Hub does not have is the recipe's to fix: exit 2, not 3.
+    env = FakeEnvironment(hub={("Qwen/Qwen3.5-2B", "main"): UserError("the Hub has no revision main")})
+    with pytest.raises(UserError, match=r"is not resolved \(the Hub has no revision main\)$"):
+        require_resolved(build_plan([loaded], env))
 
 
 def test_a_port_is_its_source_files_digests_and_planned_when_missing(tmp_path):
@@ -147,7 +205,8 @@ def test_planning_reads_no_file(tmp_path):
     """Planning and evaluating open no file and list no directory: the recipes are loaded already, and all else is
     the environment's."""
     env = FakeEnvironment(checkpoints={tmp_path / "ck": {"config.json": "blake3:1"}},
-                          ports={tmp_path / "port": {"m.py": "blake3:9"}})
+                          ports={tmp_path / "port": {"m.py": "blake3:9"}},
+                          hub={("Qwen/Qwen3.5-2B", "main"): COMMIT})
     recipes = [_cpu(tmp_path, "cpu"), _recipe(tmp_path, "nrn", NEURON)]
     evaluate(build_plan(recipes, env), lambda key: None, {})     # imports and source hashes happen once
     opened: list[str] = []

@@ -16,8 +16,9 @@ from qbuild.planning.environment import HostEnvironment
 from qbuild.core.errors import BuildError, UserError
 from qbuild.core.hashing import StatCache, default_stat_cache
 from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, key_node, walk
-from qbuild.planning.plan import NodeStatus, Plan, build_plan, evaluate, explain
-from qbuild.recipe.schema import HFSource, LoadedRecipe, load_recipe
+from qbuild.planning.plan import NodeStatus, Plan, build_plan, evaluate, explain, require_resolved, resolve_hub
+from qbuild.recipe.params import FetchHub
+from qbuild.recipe.schema import LoadedRecipe, load_recipe
 from qbuild.store import Store, StoreSpec
 from qbuild.store.remote import open_store
 from qbuild.store.lease import open_lease
@@ -26,6 +27,19 @@ if TYPE_CHECKING:
     from qbuild.store.remote import Progress
 
 RECIPES_DIR = Path("recipes")
+
+
+@dataclass(frozen=True)
+class PinMove:
+    """What `qbuild lock update` did to one recipe's pin."""
+
+    recipe: str
+    pin: lockmod.HubPin
+    before: lockmod.HubPin | None       # None: the recipe had no pin
+
+    @property
+    def moved(self) -> bool:
+        return self.before != self.pin
 
 
 def roles_by_node(plan: Plan) -> dict[str, list[tuple[str, str]]]:
@@ -67,12 +81,16 @@ class Workspace:
     def load(self, files: list[str], all_: bool = False) -> list[LoadedRecipe]:
         return [load_recipe(f).with_backend(self.backend) for f in self.recipe_files(files, all_)]
 
-    @property
+    @cached_property
     def environment(self) -> HostEnvironment:
+        """One per command, so that the Hub is asked once per repo and revision whatever the command plans."""
         return HostEnvironment(self.stat_cache)
 
+    def _build_plan(self, recipes: list[LoadedRecipe]) -> Plan:
+        return build_plan(recipes, self.environment, lockmod.hub_pins(lockmod.read(self.lock_path)))
+
     def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
-        plan = build_plan(recipes, self.environment)
+        plan = self._build_plan(recipes)
         status = evaluate(plan, self.store.get_manifest, self._locked(plan), self.registry)
         return plan, status
 
@@ -89,7 +107,8 @@ class Workspace:
         # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
         lockmod.check_unique_names(lockmod.read(self.lock_path), self.lock_path,
                                    [(r.name, r.path) for r in recipes])
-        plan = build_plan(recipes, self.environment)
+        plan = self._build_plan(recipes)
+        require_resolved(plan)
         if frozen:
             self._check_frozen(plan)
         self._check_sources(plan)
@@ -152,7 +171,8 @@ class Workspace:
             if self.store.get_manifest(key_node(plan.nodes[nid], {}, self.registry).key) is not None:
                 continue
             checked.add(nid)
-            directory = source_directory(planned.loaded)
+            params = plan.nodes[nid].params
+            directory = source_directory(planned.loaded, params.revision if isinstance(params, FetchHub) else None)
             if directory is not None:
                 check_checkpoint(directory)
 
@@ -160,26 +180,53 @@ class Workspace:
         recipes, nodes = {}, {}
         for name, planned in plan.recipes.items():
             fetch_manifest = result.manifests.get(planned.nodes["fetch"])
-            model = self._model_entry(planned, fetch_manifest)
+            model = self._model_entry(plan, planned, fetch_manifest)
             recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.lock_path,
                                                  result.failed.get(planned.verify))
             for nid in recipes[name]["nodes"].values():
                 nodes[nid] = lockmod.node_entry(plan.nodes[nid], result.manifests[nid])
         return recipes, nodes
 
-    def _model_entry(self, planned, fetch_manifest) -> dict:
-        src = planned.loaded.recipe.model
-        model = {"source": f"hf:{src.hf}" if isinstance(src, HFSource) else "path", "revision": None, "files": {}}
+    def _model_entry(self, plan: Plan, planned, fetch_manifest) -> dict:
+        """The recipe's model as locked: a local checkpoint's digests, or the commit its hub fetch is keyed on (the
+        pin), with the built snapshot's digests."""
+        snap = None
         if fetch_manifest is not None:
             import json
 
             snapshot = fetch_manifest.outputs["snapshot.json"]
             self.store.ensure_blobs({"snapshot.json": snapshot})   # a remote hit's blobs come down only on use
-            blob = self.store.blob_path(snapshot["digest"])
-            snap = json.loads(blob.read_text())
-            model["revision"] = snap["revision"]
-            model["files"] = {n: m["digest"] for n, m in sorted(snap["files"].items())}
-        return model
+            snap = json.loads(self.store.blob_path(snapshot["digest"]).read_text())
+        params = plan.nodes[planned.nodes["fetch"]].params
+        pin = None if not isinstance(params, FetchHub) else \
+            lockmod.HubPin(params.repo, planned.loaded.recipe.model.revision, params.revision)
+        return lockmod.model_entry(pin, snap)
+
+    def update_pins(self, recipes: list[LoadedRecipe]) -> list[PinMove]:
+        """Resolve the hub revision of each recipe through the Hub, ignoring its pin, and write the pins (nothing
+        else) into the lockfile. Every recipe is resolved before anything is written: one that cannot be leaves the
+        lockfile as it was."""
+        lockmod.check_unique_names(lockmod.read(self.lock_path), self.lock_path,
+                                   [(r.name, r.path) for r in recipes])
+        pins, moves = {}, []
+        for loaded in recipes:
+            hub = resolve_hub(loaded, self.environment)
+            if hub is None:
+                continue
+            if hub.unresolved is not None:
+                raise type(hub.unresolved)(str(hub.unresolved))
+            pins[loaded.name] = (self._recorded_path(loaded.path), lockmod.HubPin(hub.repo, hub.requested, hub.commit))
+        before = lockmod.set_pins(self.lock_path, pins) if pins else {}
+        for name, (_, pin) in pins.items():
+            moves.append(PinMove(name, pin, before[name]))
+        return moves
+
+    def _recorded_path(self, path: Path) -> str:
+        """A recipe file as the lock records it (lockmod.recipe_entry)."""
+        try:
+            return path.resolve().relative_to(self.lock_path.parent.resolve()).as_posix()
+        except ValueError:
+            return path.resolve().as_posix()
 
     def write_lock(self, plan: Plan, result: BuildResult) -> bool:
         return lockmod.update(self.lock_path, *self._lock_entries(plan, result))

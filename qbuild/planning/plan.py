@@ -6,20 +6,23 @@ docs/architecture.md (qbuild.planning.keys); it is known once every input's outp
 upstream nodes are cached or built. The backend a recipe names plans its own part (qbuild.backends.base.Backend.plan):
 extra source nodes, the shard layout, the compile nodes and the package.
 
-What planning needs of this machine (checkpoint files' digests, the HF cache, config.json) comes through an
-`Environment` the caller passes in; the store and the lock come in as a lookup and the locked nodes.
+What planning needs of this machine (checkpoint files' digests, the commit a Hub branch resolves to, config.json)
+comes through an `Environment` the caller passes in; the store and the lock come in as a lookup, the locked nodes and
+the lock's Hub pins. A hub model's fetch is keyed on a commit: the recipe's own where it names one, else the lock's
+pin, else what the Hub resolves now (docs/architecture.md section 4); where none is known the fetch node is
+unresolved, has no key, and a build refuses to start.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Mapping, Protocol
+from typing import Callable, Literal, Mapping, Protocol, Sequence
 
 from qbuild import backends
 from qbuild.backends.base import GIB, Backend, PlannedStep, Sizes
 from qbuild.core.dtypes import DTYPE_BYTES
-from qbuild.core.errors import RecipeError
+from qbuild.core.errors import InfraError, QbuildError, RecipeError, UserError
 from qbuild.core.hashing import digest_json
 from qbuild.model.arch import Arch
 from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, walk
@@ -27,21 +30,25 @@ from qbuild.recipe import checks
 from qbuild.recipe.params import (ConvertParams, FetchHub, FetchParams, FetchPath, ReferenceParams, VerifyParams,
                                   to_json)
 from qbuild.recipe.schema import HFSource, LoadedRecipe, PathSource, recipe_field_location
-from qbuild.store.lock import LockedNode
+from qbuild.recipe.source import is_commit
+from qbuild.store.lock import HubPin, LockedNode
 from qbuild.store.manifest import Manifest
 
 
 class Environment(Protocol):
     """What the planner may know of the machine it plans on; it reads nothing else."""
 
-    def arch(self, loaded: LoadedRecipe) -> Arch:
-        """The architecture of the recipe's model, from its config.json."""
+    def arch(self, loaded: LoadedRecipe, commit: str | None = None) -> Arch:
+        """The architecture of the recipe's model, from its config.json: a hub model's at `commit` (None: not
+        resolved; then only a config that does not depend on this machine's caches may stand in)."""
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:
         """File name -> "blake3:<hex>" of each file a build needs from a local checkpoint directory."""
 
-    def hf_revision(self, repo: str, revision: str) -> str | None:
-        """The commit the local HF cache resolves `revision` of `repo` to; None where it is not cached."""
+    def hf_commit(self, repo: str, revision: str) -> str:
+        """The commit the Hub resolves `revision` (a branch or tag) of `repo` to, asked once per command. Raises the
+        reason it cannot: InfraError (offline, the Hub unreachable) or UserError (no such repo or revision). Never
+        the local HF cache's refs: two machines must plan the same keys."""
 
     def port_digests(self, port_dir: Path) -> dict[str, str] | None:
         """Relative path -> "blake3:<hex>" of a port's source files (every .py, tests excluded); None where the
@@ -62,6 +69,7 @@ class Node:
     recipes: list[str] = field(default_factory=list)
     neuron_cores: int = 0           # NeuronCores the step runs on (verifying a neuron bundle); 0: any host
     neffs: int = 0                  # NEFFs a neuron compile produces (one per bucket of each submodel)
+    unresolved: QbuildError | None = None   # why a hub fetch has no commit (so no key); None when it has one
 
     @property
     def needs_device(self) -> bool:
@@ -90,24 +98,70 @@ class Plan:
 
 def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params, deps: dict[str, str],
          out: int, peak: int, context: dict | None = None, neuron_cores: int = 0, neffs: int = 0,
-         backend: str | None = None) -> str:
+         backend: str | None = None, unresolved: QbuildError | None = None) -> str:
     node_id = digest_json({"kind": kind, "params": to_json(params), "deps": deps, "backend": backend})[:16]
     node = nodes.get(node_id)
     if node is None:
         node = nodes[node_id] = Node(node_id, kind, name, params, deps, backend, out, peak, dict(context or {}),
-                                     neuron_cores=neuron_cores, neffs=neffs)
+                                     neuron_cores=neuron_cores, neffs=neffs, unresolved=unresolved)
     if recipe not in node.recipes:
         node.recipes.append(recipe)
     return node_id
 
 
-def _fetch_params(loaded: LoadedRecipe, env: Environment) -> tuple[FetchParams, dict]:
-    """(params, context) of the fetch node. A local dir is identified by its files' digests, never its path."""
+@dataclass(frozen=True)
+class HubRevision:
+    """A hub model as planned: the commit its fetch is keyed on, or (commit None) why no commit is known."""
+
+    repo: str
+    requested: str                  # the recipe's revision: a branch, a tag or a commit
+    commit: str | None
+    unresolved: QbuildError | None = None
+
+
+def resolve_hub(loaded: LoadedRecipe, env: Environment, pins: Mapping[str, HubPin] | None = None) -> HubRevision | None:
+    """The commit a recipe's hub model is keyed on, in order: the recipe's revision where it is a full commit; the
+    lock's pin for this recipe when it pins the same repo and revision (a build on another backend, locked as
+    `<name>@<backend>`, takes its recipe's pin where it has none of its own); what the Hub resolves the revision to
+    now. None for a local checkpoint."""
+    src = loaded.recipe.model
+    if not isinstance(src, HFSource):
+        return None
+    if is_commit(src.revision):
+        return HubRevision(src.hf, src.revision, src.revision)
+    pins = pins or {}
+    pin = pins.get(loaded.name) or pins.get(loaded.name.partition("@")[0])
+    if pin is not None and (pin.repo, pin.requested) == (src.hf, src.revision):
+        return HubRevision(src.hf, src.revision, pin.revision)
+    try:
+        return HubRevision(src.hf, src.revision, env.hf_commit(src.hf, src.revision))
+    except QbuildError as e:
+        where = recipe_field_location(loaded, "model.hf")
+        line = f"{where}: model.hf: {src.hf}@{src.revision} is not resolved ({e})"
+        if isinstance(e, InfraError):
+            return HubRevision(src.hf, src.revision, None, InfraError(
+                f"{line}; pin a commit in the recipe or run 'qbuild lock update' online"))
+        return HubRevision(src.hf, src.revision, None, UserError(line))
+
+
+def _fetch_params(loaded: LoadedRecipe, env: Environment,
+                  hub: HubRevision | None) -> tuple[FetchParams, dict, QbuildError | None]:
+    """(params, context, why it has no key) of the fetch node. A local dir is identified by its files' digests, never
+    its path; a hub model by its commit (the requested revision stands in, unkeyed, where none is known)."""
     src = loaded.recipe.model
     if isinstance(src, PathSource):
-        return FetchPath("path", env.checkpoint_digests(loaded.source_dir)), {"path": str(loaded.source_dir)}
-    revision = env.hf_revision(src.hf, src.revision) or src.revision
-    return FetchHub("hf", src.hf, revision), {"requested_revision": src.revision}
+        return FetchPath("path", env.checkpoint_digests(loaded.source_dir)), {"path": str(loaded.source_dir)}, None
+    assert hub is not None
+    return (FetchHub("hf", hub.repo, hub.commit or hub.requested), {"requested_revision": hub.requested},
+            hub.unresolved)
+
+
+def require_resolved(plan: Plan) -> None:
+    """Refuse a plan that has a node without a commit to key it on, with that node's one line (exit 3 where the Hub
+    could not be asked, 2 where the recipe names what the Hub does not have)."""
+    for node in plan.nodes.values():
+        if node.unresolved is not None:
+            raise type(node.unresolved)(str(node.unresolved))
 
 
 def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
@@ -116,7 +170,10 @@ def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
     return max(emb, experts) * dtype_bytes
 
 
-def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: Environment) -> PlannedRecipe:
+def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: Environment,
+                hub: HubRevision | None = None) -> PlannedRecipe:
+    """Add one recipe's nodes to `nodes`. `hub`: its model's resolved revision (resolve_hub; resolved here, without
+    the lock's pins, when not given)."""
     r, name = loaded.recipe, loaded.name
     backend = resolve_backend(loaded)
     dbytes = DTYPE_BYTES[r.dtype]
@@ -125,10 +182,11 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
     big = _largest_tensor_bytes(arch, 4)
     roles: dict[str, str] = {}
 
-    fparams, fctx = _fetch_params(loaded, env)
+    fparams, fctx, unresolved = _fetch_params(loaded, env, hub or resolve_hub(loaded, env))
     label = r.model.hf if isinstance(r.model, HFSource) else Path(r.model.path).name
     roles["fetch"] = fetch = _add(nodes, name, "fetch", f"fetch {label}", fparams, {},
-                                  checks.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx)
+                                  checks.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx,
+                                  unresolved=unresolved)
     roles["convert"] = convert = _add(
         nodes, name, "convert", f"convert {arch.family} {r.dtype} fp8={r.fp8}",
         ConvertParams(arch.family, r.dtype, r.fp8), {"snapshot": fetch}, weights + vision_bytes, 3 * big + GIB // 2,
@@ -184,17 +242,25 @@ def resolve_backend(loaded: LoadedRecipe) -> Backend:
                           f"of {', '.join(backends.NAMES)}") from None
 
 
-def build_plan(recipes: list[LoadedRecipe], env: Environment) -> Plan:
-    """Validate each recipe against its architecture and expand all of them into one deduplicated DAG."""
+def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str, HubPin] | None = None) -> Plan:
+    """Validate each recipe against its architecture and expand all of them into one deduplicated DAG. `pins`: the
+    lock's hub pins by recipe name (qbuild.store.lock.hub_pins)."""
     nodes: dict[str, Node] = {}
     planned: dict[str, PlannedRecipe] = {}
     for loaded in recipes:
         if loaded.name in planned:
             raise RecipeError(f"{loaded.path}: name: recipe name {loaded.name!r} is also used by "
                               f"{planned[loaded.name].loaded.path}")
-        arch = env.arch(loaded)
+        hub = resolve_hub(loaded, env, pins)
+        try:
+            arch = env.arch(loaded, hub.commit if hub else None)
+        except QbuildError:
+            if hub is None or hub.unresolved is None:
+                raise
+            # Without a commit there is no config.json to read but a shipped one: the reason is the missing commit.
+            raise type(hub.unresolved)(str(hub.unresolved)) from None
         validate_recipe(loaded, arch)
-        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env)
+        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env, hub)
     return Plan(nodes, planned)
 
 
@@ -202,7 +268,7 @@ def build_plan(recipes: list[LoadedRecipe], env: Environment) -> Plan:
 
 @dataclass
 class NodeStatus:
-    status: Literal["cached", "build", "waiting"]
+    status: Literal["cached", "build", "waiting", "unresolved"]
     key: str | None
     preimage: dict | None
     manifest: Manifest | None
@@ -214,8 +280,11 @@ def evaluate(plan: Plan, lookup: Callable[[str], Manifest | None], locked: Mappi
     """Status of every node, keyed with the store's digests: `lookup(key)` reads the store, and `locked` (node id ->
     the lock's entry for it) says what changed since the lock was written."""
     manifests: dict[str, Manifest] = {}
+    moved = _moved_pins(plan, locked)
 
     def from_store(nid: str, key: str) -> str | None:
+        if plan.nodes[nid].unresolved is not None:
+            return None     # keyed on a branch name only to have an id: no store entry may answer for it
         manifest = lookup(key)
         if manifest is None:
             return None
@@ -224,14 +293,18 @@ def evaluate(plan: Plan, lookup: Callable[[str], Manifest | None], locked: Mappi
 
     result: dict[str, NodeStatus] = {}
     for nid, nk in walk(plan, from_store, registry).items():
-        if nk.key is None:
-            result[nid] = NodeStatus("waiting", None, None, None, f"waits on {', '.join(nk.unknown)}")
+        pins = moved.get(nid, [])
+        if plan.nodes[nid].unresolved is not None:
+            result[nid] = NodeStatus("unresolved", None, None, None, str(plan.nodes[nid].unresolved))
+        elif nk.key is None:
+            result[nid] = NodeStatus("waiting", None, None, None,
+                                     "; ".join([f"waits on {', '.join(nk.unknown)}", *pins]))
         elif nid in manifests:
             result[nid] = NodeStatus("cached", nk.key, nk.preimage, manifests[nid], "cached")
         else:
             entry = locked.get(nid)
             why = "no entry" if entry is None else \
-                _what_changed(plan.nodes[nid], entry.preimage, nk.preimage, "not in the store")
+                _what_changed(plan.nodes[nid], entry.preimage, nk.preimage, "not in the store", pins)
             result[nid] = NodeStatus("build", nk.key, nk.preimage, None, why)
     return result
 
@@ -242,6 +315,8 @@ def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, L
     unknown until it is built, so there the node is keyed with the lock's digests for it: what the node itself
     changed since the lock, whatever its inputs turn out to be."""
     def store_then_lock(nid: str, key: str) -> str | None:
+        if plan.nodes[nid].unresolved is not None:
+            return None
         manifest = status[nid].manifest
         if manifest is not None:
             return manifest.digest
@@ -262,10 +337,33 @@ def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, L
     return out
 
 
-def _what_changed(node: Node, old: dict, pre: dict, otherwise: str) -> str:
-    """The fields of `pre` that differ from the locked preimage `old` (`otherwise` where none does), and for a
-    compile, what its backend can still reuse (a neuron text compile's NEFFs)."""
-    parts = ["; ".join(diff_preimages(old, as_locked(pre))) or otherwise]
+def _what_changed(node: Node, old: dict, pre: dict, otherwise: str, pins: Sequence[str] = ()) -> str:
+    """The hub pins that moved below the node (`pins`), the fields of `pre` that differ from the locked preimage `old`
+    (`otherwise` where none does), and for a compile, what its backend can still reuse (a neuron text compile's
+    NEFFs). A fetch's moved pin is its changed revision, so that field is named once, as the pin."""
+    changed = diff_preimages(old, as_locked(pre))
+    if pins and node.kind == "fetch":
+        changed = [c for c in changed if not c.startswith("params.revision")]
+    parts = [*pins, "; ".join(changed) or ("" if pins else otherwise)]
     if node.kind == "compile":
         parts.append(backends.get(node.params.backend).explain_reuse(old["params"], node.params))
     return "; ".join(p for p in parts if p)
+
+
+def _moved_pins(plan: Plan, locked: Mapping[str, LockedNode]) -> dict[str, list[str]]:
+    """node id -> the hub pins below it whose commit differs from the one the lock's build was keyed on, as
+    "model <repo>@<requested>: <old> -> <new>" (commits to 8 characters), for the nodes that rebuild because of them."""
+    moved: dict[str, list[str]] = {}
+    for nid, node in plan.nodes.items():          # topological: a node's inputs come first
+        lines = [line for dep in node.deps.values() for line in moved.get(dep, [])]
+        if node.kind == "fetch" and isinstance(node.params, FetchHub) and node.unresolved is None \
+                and nid in locked:
+            old = locked[nid].preimage.get("params", {})
+            new = node.params.revision
+            if old.get("source") == "hf" and old.get("repo") == node.params.repo and old.get("revision") != new:
+                requested = node.context.get("requested_revision", new)
+                requested = requested[:12] if is_commit(requested) else requested
+                lines.append(f"model {node.params.repo}@{requested}: {str(old.get('revision'))[:8]} -> {new[:8]}")
+        if lines:
+            moved[nid] = list(dict.fromkeys(lines))
+    return moved

@@ -29,7 +29,7 @@ class ParamsError(ValueError):
 
 @dataclass(frozen=True)
 class FetchHub:
-    """A Hub checkpoint, pinned to the commit the local cache resolves the recipe's revision to (else the revision)."""
+    """A Hub checkpoint at one commit: the recipe's own, the lock's pin, or what the Hub resolves when locking."""
 
     source: Literal["hf"]
     repo: str

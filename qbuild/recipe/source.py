@@ -1,6 +1,7 @@
 """Model sources: a recipe's config.json and where its checkpoint is (a local directory, the Hugging Face cache, or
-a shipped config only), where a fetched snapshot's bytes live on this machine, checked against the snapshot's
-digests, and the check of a checkpoint before anything is built from it.
+a shipped config only), the Hub's answers (the commit a branch resolves to, config.json at a commit), where a fetched
+snapshot's bytes live on this machine, checked against the snapshot's digests, and the check of a checkpoint before
+anything is built from it. A hub model is looked up in the HF cache by commit only, never through a branch's ref.
 
 A snapshot (the fetch action's output) names files by content digest only, so keys are the same on every
 machine. The bytes stay where they are: in the local checkpoint directory, or in the Hugging Face cache.
@@ -12,12 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Mapping
 
 from qbuild.model.arch import MAX_CONFIG_BYTES, Arch, arch_from_config
-from qbuild.core.errors import RecipeError, UserError
+from qbuild.core.errors import InfraError, QbuildError, RecipeError, UserError
 from qbuild.core.hashing import default_stat_cache
+from qbuild.store.files import atomic_write
 from qbuild.recipe.schema import LoadedRecipe, PathSource, recipe_field_location
 from qbuild.core.userfile import read_small_file
 
@@ -28,6 +31,14 @@ _SHIPPED = Path(__file__).resolve().parents[1] / "configs"
 
 # --- the Hugging Face cache, read without importing huggingface_hub ---------------------------------------------
 
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+def is_commit(revision: str) -> bool:
+    """Whether a revision is a full commit id (what a key may hold), not a branch, a tag or a short sha."""
+    return bool(_COMMIT.fullmatch(revision))
+
+
 def hf_cache_dir() -> Path:
     if os.environ.get("HF_HUB_CACHE"):
         return Path(os.environ["HF_HUB_CACHE"])
@@ -35,22 +46,140 @@ def hf_cache_dir() -> Path:
     return Path(home) / "hub"
 
 
-def hf_repo_dir(repo: str) -> Path:
+def hf_repo_dir(repo: str, cache: Path | None = None) -> Path:
     """The HF cache directory of a model repo (holding refs/ and snapshots/)."""
-    return hf_cache_dir() / ("models--" + repo.replace("/", "--"))
+    return (cache or hf_cache_dir()) / ("models--" + repo.replace("/", "--"))
 
 
-def hf_cached_snapshot(repo: str, revision: str) -> tuple[str, Path] | None:
-    """(commit, snapshot dir) of `repo` at `revision` in the local HF cache."""
-    repo_dir = hf_repo_dir(repo)
-    commit = revision
-    if not (len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)):
-        ref = repo_dir / "refs" / revision
-        if not ref.is_file():
-            return None
-        commit = ref.read_text().strip()
-    snap = repo_dir / "snapshots" / commit
-    return (commit, snap) if snap.is_dir() else None
+def hf_cached_snapshot(repo: str, commit: str) -> Path | None:
+    """The snapshot directory of `repo` at `commit` in the local HF cache. Only a commit: a branch's ref in the cache
+    says what this machine downloaded last, which must never decide what a build uses."""
+    if not is_commit(commit):
+        return None
+    snap = hf_repo_dir(repo) / "snapshots" / commit
+    return snap if snap.is_dir() else None
+
+
+def hf_served_commit(repo: str, commit: str, cache: Path | None = None) -> str | None:
+    """What the Hub answered when asked for `commit`, where it answered another commit: huggingface_hub records the
+    X-Repo-Commit of a download under refs/<requested revision> whenever the two differ
+    (huggingface_hub/file_download.py `_cache_commit_hash_for_specific_revision`, 2.4.0)."""
+    ref = hf_repo_dir(repo, cache) / "refs" / commit
+    served = ref.read_text().strip() if ref.is_file() else None
+    return served if served and served != commit else None
+
+
+# --- the Hugging Face Hub, through huggingface_hub ---------------------------------------------------------------
+
+DEFAULT_HUB = "https://huggingface.co"
+HUB_TIMEOUT_S = 10.0   # seconds to wait for the Hub to answer one API request
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), read when asked: huggingface_hub reads it once at import, which may
+    predate this process's settings (constants.py HF_HUB_OFFLINE, 2.4.0)."""
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_endpoint() -> str:
+    """HF_ENDPOINT, read when asked (huggingface_hub reads it at import), passed to every call explicitly."""
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_HUB).rstrip("/")
+
+
+def _hub_online() -> None:
+    """Make huggingface_hub's offline switch what the environment says now: its request hook refuses every request
+    while its import-time copy is set (utils/_http.py `hf_request_event_hook`, 2.4.0). Callers check offline first."""
+    from huggingface_hub import constants
+
+    constants.HF_HUB_OFFLINE = hub_offline()
+
+
+def hub_error(e: Exception, what: str) -> QbuildError:
+    """One line for a failed Hub request: a repo or revision the Hub does not have (or will not show with this token) is
+    the recipe's to fix (UserError); an unreachable or failing Hub is infrastructure (InfraError)."""
+    import httpx2
+    from huggingface_hub.errors import (HfHubHTTPError, OfflineModeIsEnabled, RemoteEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    if isinstance(e, RevisionNotFoundError):
+        return UserError(f"the Hub has no revision {what}")
+    if isinstance(e, RemoteEntryNotFoundError):
+        return UserError(f"the Hub has no such file at {what}")
+    if isinstance(e, RepositoryNotFoundError):
+        return UserError("no such repo on the Hub, or not visible with the current token")
+    if isinstance(e, OfflineModeIsEnabled):
+        return InfraError("offline")
+    if isinstance(e, HfHubHTTPError):
+        status = getattr(e.response, "status_code", None)
+        if status in (401, 403):
+            return UserError(f"the Hub refused access ({status}); check the token")
+        return InfraError(f"Hub error {status}" if status else "Hub error")
+    if isinstance(e, (httpx2.HTTPError, OSError)):
+        return InfraError(f"Hub unreachable at {hub_endpoint()}: {type(e).__name__}")
+    raise e
+
+
+def resolve_hub_revision(repo: str, revision: str) -> str:
+    """The commit the Hub resolves `revision` (a branch or tag) of `repo` to: HfApi.model_info(...).sha, with the
+    endpoint, token and offline switch of this moment. Raises the reason as InfraError (offline, unreachable) or
+    UserError (no such repo or revision)."""
+    if hub_offline():
+        raise InfraError("offline")
+    _hub_online()
+    from huggingface_hub import HfApi
+
+    try:
+        sha = HfApi(endpoint=hub_endpoint()).model_info(repo, revision=revision, timeout=HUB_TIMEOUT_S).sha
+    except Exception as e:   # huggingface_hub raises httpx2, OSError and its own HTTP errors; hub_error sorts them
+        raise hub_error(e, revision) from None
+    if not sha or not is_commit(sha):
+        raise InfraError(f"the Hub answered no commit for {revision}")
+    return sha
+
+
+def config_cache_dir() -> Path:
+    """qbuild's own HF-layout cache of config.json files by commit. Planning downloads a config.json here, never into
+    the HF cache: a snapshot there holding only config.json would pass for the whole checkpoint offline."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "qbuild" / "hf-configs"
+
+
+def hub_config_path(repo: str, commit: str) -> Path | None:
+    """config.json of `repo` at `commit` on this machine: in its HF cache snapshot, or in qbuild's config cache."""
+    for cache in (hf_cache_dir(), config_cache_dir()):
+        path = hf_repo_dir(repo, cache) / "snapshots" / commit / "config.json"
+        if path.is_file():
+            return path
+    return None
+
+
+def download_hub_config(repo: str, commit: str) -> Path:
+    """Download config.json of `repo` at `commit` into qbuild's config cache, in one request: no retries (planning
+    should say at once that the Hub cannot be reached) and no HF cache entry. Refuses a config.json of another commit
+    (the X-Repo-Commit the Hub answers with, as huggingface_hub's own downloads check it: file_download.py
+    `get_hf_file_metadata`, 2.4.0)."""
+    if hub_offline():
+        raise InfraError("offline")
+    _hub_online()
+    from huggingface_hub import get_session, hf_hub_url, hf_raise_for_status
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(repo, "config.json", revision=commit, endpoint=hub_endpoint())
+    try:
+        response = get_session().get(url, headers=build_hf_headers(), timeout=HUB_TIMEOUT_S, follow_redirects=True)
+        hf_raise_for_status(response)
+    except Exception as e:
+        err = hub_error(e, commit)
+        raise type(err)(f"model.hf: {repo}@{commit[:12]}: cannot download config.json ({err})") from None
+    served = response.headers.get("X-Repo-Commit")
+    if served != commit:
+        raise InfraError(f"model.hf: {repo}: asked for config.json at {commit[:12]}, the Hub served commit "
+                         f"{(served or 'none')[:12]}")
+    path = hf_repo_dir(repo, config_cache_dir()) / "snapshots" / commit / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, response.content)
+    return path
 
 
 def shipped_config_path(repo: str) -> Path:
@@ -59,8 +188,11 @@ def shipped_config_path(repo: str) -> Path:
 
 # --- a recipe's config.json ---------------------------------------------------------------------------------------
 
-def config_for(loaded: LoadedRecipe) -> tuple[dict, str]:
-    """The config.json a recipe's model has, and where it was read: the local dir, the HF cache, or the shipped copy."""
+def config_for(loaded: LoadedRecipe, commit: str | None = None) -> tuple[dict, str]:
+    """The config.json a recipe's model has, and where it was read: the local dir; for a hub model, the one of
+    `commit` (or of the recipe's revision where that is a commit) in the HF cache or qbuild's config cache, else the
+    shipped copy. A branch is never looked up in the HF cache: what it pointed to when this machine last downloaded
+    must not decide an architecture, and so a key."""
     src = loaded.recipe.model
     if isinstance(src, PathSource):
         cfg = loaded.source_dir / "config.json"
@@ -69,13 +201,13 @@ def config_for(loaded: LoadedRecipe) -> tuple[dict, str]:
             raise RecipeError(f"{recipe_field_location(loaded, 'model.path')}: model.path: "
                               f"{loaded.source_dir} is not a directory")
     else:
-        cached = hf_cached_snapshot(src.hf, src.revision)
-        cfg = cached[1] / "config.json" if cached and (cached[1] / "config.json").exists() else \
-            shipped_config_path(src.hf)
+        commit = commit or (src.revision if is_commit(src.revision) else None)
+        cfg = (hub_config_path(src.hf, commit) if commit else None) or shipped_config_path(src.hf)
         where = f"{loaded.path}: model.hf"
         if not cfg.exists():
-            raise RecipeError(f"{recipe_field_location(loaded, 'model.hf')}: model.hf: {src.hf} is neither in the "
-                              f"HF cache nor a shipped config; download it first or use `path:`")
+            at = f"@{commit[:12]}" if commit else f"@{src.revision} (not resolved)"
+            raise RecipeError(f"{recipe_field_location(loaded, 'model.hf')}: model.hf: {src.hf}{at} has no "
+                              "config.json on this machine and no shipped config; plan it online or use `path:`")
     raw = read_small_file(cfg, MAX_CONFIG_BYTES, "config.json")
     try:
         return json.loads(raw), str(cfg)
@@ -83,8 +215,8 @@ def config_for(loaded: LoadedRecipe) -> tuple[dict, str]:
         raise UserError(f"{cfg}: cannot read config.json ({where}): {e}") from None
 
 
-def load_arch(loaded: LoadedRecipe) -> Arch:
-    config, origin = config_for(loaded)
+def load_arch(loaded: LoadedRecipe, commit: str | None = None) -> Arch:
+    config, origin = config_for(loaded, commit)
     return arch_from_config(config, origin)
 
 
@@ -114,7 +246,7 @@ def locate(snapshot: dict, context: dict) -> dict[str, Path]:
         raise UserError(f"{snapshot['repo']}@{snapshot['revision'][:12]}: not in the HF cache on this machine")
     files = {}
     for name, meta in snapshot["files"].items():
-        path = found[1] / name
+        path = found / name
         if not path.is_file() or path.stat().st_size != meta["size"]:
             raise UserError(f"{path}: missing or truncated in the HF cache; run `qbuild compile` to fetch it again")
         files[name] = path
@@ -123,14 +255,14 @@ def locate(snapshot: dict, context: dict) -> dict[str, Path]:
 
 # --- checking a checkpoint before a build --------------------------------------------------------------------
 
-def source_directory(loaded: LoadedRecipe) -> Path | None:
-    """Where a recipe's checkpoint is on this machine: its local directory, or its HF cache snapshot (None when a
-    hub model is not downloaded yet; the fetch step checks it after downloading)."""
+def source_directory(loaded: LoadedRecipe, commit: str | None = None) -> Path | None:
+    """Where a recipe's checkpoint is on this machine: its local directory, or the HF cache snapshot of the commit
+    its fetch step is keyed on (None when that commit is not downloaded yet; the fetch step checks it after
+    downloading)."""
     src = loaded.recipe.model
     if isinstance(src, PathSource):
         return loaded.source_dir
-    cached = hf_cached_snapshot(src.hf, src.revision)
-    return cached[1] if cached else None
+    return hf_cached_snapshot(src.hf, commit) if commit else None
 
 
 def check_checkpoint(directory: Path, files: Mapping[str, Path] | None = None) -> None:

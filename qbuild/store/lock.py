@@ -1,10 +1,15 @@
 """artifacts.lock: what each recipe resolved to and produced. Deterministic, sorted, diff-friendly JSON.
 
     {"version": 1,
-     "recipes": {name: {"recipe": path, "model": {source, revision, files}, "nodes": {role: node id},
+     "recipes": {name: {"recipe": path, "model": model, "nodes": {role: node id},
                         "bundle": tree digest of the package output, "verified": bool,
                         "verify_failure": why the last verify failed (only when it did)}},
      "nodes": {node id: {"kind", "name", "key", "preimage", "digest", "outputs": {path: {digest, size}}}}}
+
+A recipe's model is {"source": "path", "revision": null, "files": {name: digest}} for a local checkpoint, and for a
+hub model its pin: {"source": "hf", "repo", "requested": the recipe's revision, "revision": the commit it is pinned
+to, "files": the built snapshot's digests, empty until that commit is fetched}. Planning keys a hub fetch on the pin
+while the recipe asks for the same repo and revision; `qbuild lock update` moves pins, and nothing else does.
 
 A recipe's `recipe` path is relative to the lockfile's directory (absolute when the file lies outside it), and
 recipe names are unique per lockfile. A node's preimage holds its params, input digests, action source hash and
@@ -83,6 +88,66 @@ def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], lock_path
     if verify_failure is not None and planned.verify not in manifests:
         entry["verify_failure"] = verify_failure   # what `qbuild pull` names when it refuses the bundle
     return entry
+
+
+@dataclass(frozen=True)
+class HubPin:
+    """A recipe's hub model pinned to a commit, as uv or Cargo lock a version: the repo, the revision the recipe
+    asks for (a branch, a tag or the commit itself) and the commit it was resolved to."""
+
+    repo: str
+    requested: str
+    revision: str
+
+    def model(self, files: Mapping[str, str] | None = None) -> dict:
+        """The lock's model entry for this pin, with the digests of the fetched snapshot's files where known."""
+        return {"source": "hf", "repo": self.repo, "requested": self.requested, "revision": self.revision,
+                "files": dict(sorted((files or {}).items()))}
+
+
+def _is_commit(value) -> bool:
+    return isinstance(value, str) and len(value) == 40 and all(c in "0123456789abcdef" for c in value)
+
+
+def model_entry(pin: HubPin | None, snapshot: dict | None) -> dict:
+    """A recipe's model entry: a local checkpoint's file digests, or a hub model's pin, with the files of its fetched
+    snapshot (`snapshot`: snapshot.json of the recipe's fetch step, None where it is not built)."""
+    files = {n: m["digest"] for n, m in sorted(snapshot["files"].items())} if snapshot else {}
+    if pin is None:
+        return {"source": "path", "revision": None, "files": files}
+    return pin.model(files if snapshot and snapshot.get("revision") == pin.revision else {})
+
+
+def hub_pins(doc: dict) -> dict[str, HubPin]:
+    """recipe name -> its hub pin, for each locked recipe whose model is pinned to a commit."""
+    out = {}
+    for name, entry in sorted(doc["recipes"].items()):
+        model = entry.get("model") or {}
+        if model.get("source") == "hf" and isinstance(model.get("repo"), str) \
+                and isinstance(model.get("requested"), str) and _is_commit(model.get("revision")):
+            out[name] = HubPin(model["repo"], model["requested"], model["revision"])
+    return out
+
+
+def set_pins(path: Path, pins: Mapping[str, tuple[str, HubPin]]) -> dict[str, HubPin | None]:
+    """Write hub pins (recipe name -> (its recipe file as recorded in the lock, its pin)) into the lockfile on disk,
+    atomically, and nothing else: a locked recipe keeps its nodes, bundle and verify state, and its model's file
+    digests where the commit did not move; a recipe the lock does not hold gets an entry with its pin only.
+    Returns recipe name -> the pin it had before (None: none)."""
+    with _directory_locked(path.parent):
+        old = read(path)
+        before = hub_pins(old)
+        recipes = {}
+        for name, (recipe_path, pin) in sorted(pins.items()):
+            entry = dict(old["recipes"].get(name) or {"recipe": recipe_path, "nodes": {}, "bundle": None,
+                                                       "verified": False})
+            kept = entry.get("model", {}).get("files") if before.get(name) == pin else None
+            entry["model"] = pin.model(kept)
+            recipes[name] = entry
+        new = merge(old, recipes, {})
+        if not same(new, old) or not path.exists():
+            atomic_write(path, dumps(new).encode())
+    return {name: before.get(name) for name in pins}
 
 
 def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
