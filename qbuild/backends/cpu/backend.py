@@ -147,7 +147,7 @@ class CpuBackend:
         from qbuild.backends.cpu.serve import serve
         from qbuild.model.runtime import Runtime
 
-        options.log(f"loading {bundle}")
+        options.log(f"loading the {self.name} bundle {options.name}")
         runtime = Runtime.load(bundle, verify_digests=not options.digests_checked)
         for graph in manifest["graphs"]:
             if not graph.startswith("vision-"):   # images are not part of the OpenAI routes served here
