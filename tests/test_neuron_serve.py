@@ -225,6 +225,71 @@ def test_serving_without_vllm_is_one_line_exit_3(dense):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+# --- the pieces, without a build ----------------------------------------------------------------------------------
+
+def test_flat_config_copies_the_text_fields_up_and_leaves_flat_configs(tiny_checkpoints):
+    from qbuild.backends.neuron.package import flat_config
+
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        config = json.loads((tiny_checkpoints[family] / "config.json").read_text())
+        text = config["text_config"]
+        flat = flat_config(config)
+        assert flat["text_config"] == text and flat["architectures"] == config["architectures"]
+        assert flat["model_type"] == config["model_type"] != text["model_type"]
+        for key in ("num_key_value_heads", "head_dim", "num_hidden_layers", "layer_types", "vocab_size"):
+            assert flat[key] == text[key], key
+        assert flat["rope_theta"] == text["rope_parameters"]["rope_theta"]
+        assert flat["intermediate_size"] == text.get("intermediate_size", text.get("moe_intermediate_size"))
+        assert {k: flat[k] for k in config} == config          # what the top level had, it keeps
+    flat_next = json.loads((tiny_checkpoints["qwen3_next"] / "config.json").read_text())
+    assert "text_config" not in flat_next and flat_config(flat_next) == flat_next
+
+
+def test_a_neuron_bundle_without_the_vllm_glue_is_refused_naming_the_file(tmp_path):
+    from qbuild.store.bundle import write_manifest
+
+    write_manifest(tmp_path, {"backend": "neuron", "batch_size": 1})
+    proc = qbuild("serve", str(tmp_path), "--dry-run")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"error: {tmp_path / 'vllm' / 'serve.json'}: missing; this neuron bundle was "
+                                   "packaged without vLLM's glue (by an older qbuild): build it again")
+
+
+def test_the_registry_key_is_what_vllm_neuron_derives():
+    from qbuild.backends.neuron.package import nxdi_registry_key
+    from qbuild.core.errors import BuildError
+
+    assert nxdi_registry_key("Qwen3_5ForConditionalGeneration") == ("qwen3_5", "causal-lm")
+    assert nxdi_registry_key("Qwen3_5MoeForConditionalGeneration") == ("qwen3_5moe", "causal-lm")
+    assert nxdi_registry_key("Qwen3NextForCausalLM") == ("qwen3next", "causal-lm")
+    with pytest.raises(BuildError, match="no \"For\""):
+        nxdi_registry_key("Qwen3Next")
+
+
+def test_the_plugin_registers_a_config_class_only_where_transformers_has_none(tmp_path):
+    """A model type transformers does not know gets a permissive class whose text_config is a config object (what
+    vllm-neuron's get_text_config().vocab_size needs); one it knows is left to transformers."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    from qbuild.backends.neuron import vllm_plugin
+    from qbuild.backends.neuron.package import flat_config
+
+    known = type(AutoConfig.for_model("qwen3_5"))
+    vllm_plugin.register_hf_config({"model_type": "qwen3_5", "text_model_type": "qwen3_5_text"})
+    assert type(AutoConfig.for_model("qwen3_5")) is known
+
+    model_type = f"qbuild_test_{tmp_path.name.replace('-', '_').lower()}"
+    spec = {"model_type": model_type, "text_model_type": f"{model_type}_text"}
+    for _ in range(2):   # once per vLLM process, and harmless again
+        vllm_plugin.register_hf_config(spec)
+    text = {"model_type": spec["text_model_type"], "vocab_size": 11, "num_key_value_heads": 2, "head_dim": 8}
+    (tmp_path / "config.json").write_text(json.dumps(flat_config({"model_type": model_type, "text_config": text,
+                                                                 "architectures": ["TestForCausalLM"]})))
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert isinstance(config.text_config, PretrainedConfig)
+    assert config.get_text_config().vocab_size == 11 and config.num_key_value_heads == 2 and config.head_dim == 8
+
+
 # --- on a Trainium host --------------------------------------------------------------------------------------------
 
 def _real_sdk_skip() -> str | None:
