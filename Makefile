@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[build,s3,ray,test]'
+	$(PY) -m pip install -q -e '.[build,s3,ray,serve,test]'
 	touch $@
 
 $(DEMO)/tiny/%/config.json: | install
@@ -25,6 +25,22 @@ demo: install $(DEMO)/tiny/qwen3_5/config.json $(DEMO)/tiny/qwen3_5_moe/config.j
 	$(QBUILD) compile recipes/tiny/*.yaml -j 2 --lock $(DEMO)/artifacts.lock
 	$(QBUILD) lock check --lock $(DEMO)/artifacts.lock
 	$(QBUILD) run recipes/tiny/dense-tp2.yaml --lock $(DEMO)/artifacts.lock --prompt "The quick brown fox" --max-new-tokens 16
+	rm -f $(DEMO)/serve.url
+	$(QBUILD) serve recipes/tiny/dense-tp2.yaml --lock $(DEMO)/artifacts.lock --port 0 --ready-file $(DEMO)/serve.url & \
+	pid=$$!; trap 'kill -INT $$pid 2>/dev/null' EXIT; \
+	for i in $$(seq 600); do [ -s $(DEMO)/serve.url ] && break; kill -0 $$pid 2>/dev/null || exit 1; sleep 0.5; done; \
+	[ -s $(DEMO)/serve.url ] || { echo "qbuild serve did not answer within 300 s" >&2; exit 1; }; \
+	$(PY) -c "$$SERVE_REQUEST" "$$(cat $(DEMO)/serve.url)" && kill -INT $$pid && wait $$pid
+
+# The demo's last step: one completion from `qbuild serve` through the OpenAI client (argument: the base URL).
+export SERVE_REQUEST
+define SERVE_REQUEST
+import sys, openai
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused")
+model = client.models.list().data[0].id
+reply = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=16, temperature=0)
+print(f"{model} over HTTP ({sys.argv[1]}): {reply.choices[0].text!r}, {reply.usage.completion_tokens} tokens")
+endef
 
 # The suite starts hundreds of interpreters (the CLI, its workers): with bytecode writing turned off in the
 # environment, each of them would compile qbuild from source again. An empty value turns it back on.
@@ -49,7 +65,7 @@ lock-check: install
 # On a Trainium host with the Neuron SDK in the interpreter that runs it (e.g. make neuron-check PY=/opt/<sdk venv>/bin/
 # python) and QBUILD_TEST_PORTS naming the port checkouts: the tiny families compiled, run and checked on the device.
 neuron-check:
-	$(PY) -m pytest -n 0 -q -rs tests/test_neuron_sdk.py
+	$(PY) -m pytest -n 0 -q -rs tests/test_neuron_sdk.py tests/test_neuron_serve.py::test_serve_a_tiny_neuron_bundle_with_vllm
 
 bench: install
 	$(PY) bench/run.py

@@ -554,6 +554,93 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         bench_table(doc)
 
 
+# --- serve -----------------------------------------------------------------------------------------------------
+
+@app.command()
+def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbuild pull`), or a locked recipe"),
+          host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
+          port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
+          dry_run: bool = typer.Option(False, "--dry-run",
+                                       help="print how the bundle would be served (for a neuron bundle the exact vLLM "
+                                            "command and environment) and exit; a recipe's bundle is then laid out "
+                                            "in a temporary directory that is gone afterwards"),
+          ready_file: Optional[Path] = typer.Option(None, "--ready-file",
+                                                    help="write the server's base URL to this file once it answers "
+                                                         "requests"),
+          allow_unverified: bool = typer.Option(False, "--allow-unverified",
+                                                help="serve a locked recipe whose verify did not pass"),
+          json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+          remote: Optional[str] = RemoteOpt) -> None:
+    """Serve a bundle's OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions) until Ctrl-C:
+    qbuild's runtime for a CPU bundle, vLLM with the Neuron plugin for a neuron bundle."""
+    from qbuild import backends
+    from qbuild.backends.base import ServeOptions
+    from qbuild.render import serve_text
+    from qbuild.store import atomic_write
+    from qbuild.store.bundle import read_manifest
+
+    if ready_file is not None:
+        _check_new_dir(ready_file.parent, "the --ready-file's directory", None)
+        if ready_file.is_dir():
+            raise UserError(f"--ready-file {ready_file}: is a directory")
+
+    def on_ready(url: str) -> None:
+        print(jsonio.dumps({"url": url}) if json_ else url, flush=True)
+        _err(f"serving {options.name} at {url} (Ctrl-C stops it)")
+        if ready_file is not None:
+            atomic_write(ready_file, (url + "\n").encode())
+
+    with _served_bundle(target, store, lock, remote, allow_unverified) as (bundle, name, checked):
+        manifest = read_manifest(bundle)
+        if manifest.get("backend") not in backends.NAMES:
+            raise UserError(f"{bundle}/bundle.json: backend {manifest.get('backend')!r} is not one of "
+                            f"{', '.join(backends.NAMES)}; only a bundle qbuild built can be served")
+        backend = backends.get(manifest["backend"])
+        options = ServeOptions(name=name, host=host, port=port, log=_err, on_ready=on_ready, digests_checked=checked)
+        if dry_run:
+            doc = backend.serve_command(bundle, manifest, options)
+            if json_:
+                print(jsonio.dumps(doc, indent=1, sort_keys=True))
+            else:
+                serve_text(doc)
+            return
+        code = backend.serve(bundle, manifest, options)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _served_bundle(target: str, store: Optional[Path], lock: Path, remote: Optional[str],
+                   allow_unverified: bool) -> Iterator[tuple[Path, str, bool]]:
+    """(bundle directory, the model name clients send, whether every file was checked against its digest just now):
+    a pulled bundle directory as it is, named by its directory; or a locked recipe's bundle, named by the recipe,
+    laid out in a temporary directory for as long as it is served. Like `pull`, serving a recipe refuses an
+    unverified bundle unless allowed. Errors name the recipe, never the temporary directory."""
+    import tempfile
+
+    if Path(target).is_dir():
+        bundle = Path(target).resolve()
+        yield bundle, bundle.name, False
+        return
+    from qbuild.store import lock as lockmod
+    from qbuild.store.transfer import pull_bundle
+
+    if not lock.exists():
+        raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
+    ws = _workspace(store, lock, remote)
+    doc = lockmod.read(lock)
+    name = lockmod.resolve_recipe(doc, lock, target)
+    with tempfile.TemporaryDirectory(prefix="qbuild-serve-") as tmp:
+        bundle = Path(tmp) / name
+        try:
+            # As `pull` lays a bundle out: root gets copies, so that no server process can change the store's blobs.
+            pull_bundle(ws.store, doc, lock, name, bundle, share=os.geteuid() != 0,
+                        allow_unverified=allow_unverified)
+            yield bundle, name, True
+        except QbuildError as e:
+            e.args = (str(e).replace(str(bundle), f"{target} (its locked bundle)"),)
+            raise
+
+
 def main() -> None:
     try:
         # Without standalone mode, click returns a command's typer.Exit code instead of raising it.

@@ -154,13 +154,16 @@ def print_pin_moves(moves: list[PinMove], as_json: bool) -> None:
 
 
 def serve_text(serve: dict) -> None:
-    """The lines that serve a pulled neuron bundle with vLLM: data, so on stdout."""
+    """How a bundle is served (`qbuild serve --dry-run`, and `qbuild pull` for a bundle served by another program):
+    its facts as comments, then the environment and command line, as one line a shell runs. Data, so on stdout."""
     import shlex
 
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(serve["env"].items()))
-    print("# register the port's class with NxDI in every vLLM process (e.g. from a sitecustomize.py):")
-    print(f"#   {serve['register']}")
-    print(f"{env} {shlex.join(serve['command'])}")
+    for key, value in serve.items():
+        if key not in ("env", "command"):
+            print(f"# {key}: {value if isinstance(value, (str, int)) else jsonio.dumps(value)}")
+    if "command" in serve:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(serve.get("env", {}).items()))
+        print(f"{env} {shlex.join(serve['command'])}".lstrip())
 
 
 def print_build_result(plan: Plan, result: BuildResult, progress: BuildProgress, as_json: bool,

@@ -475,10 +475,11 @@ def test_pull_prints_the_vllm_command(dense, tmp_path):
     command = [ln for ln in proc.stdout.splitlines() if not ln.startswith("#")]
     assert len(command) == 1, proc.stdout
     assert f"NEURON_COMPILED_ARTIFACTS={bundle.resolve()}" in command[0]
-    assert "vllm serve" in command[0] and "--tensor-parallel-size 2" in command[0]
+    assert "python -m vllm.entrypoints.openai.api_server" in command[0] and "--tensor-parallel-size 2" in command[0]
     # The bundle's KV cache is contiguous: no paged (prefix-cached) or chunked prefill serving.
     assert "--no-enable-prefix-caching" in command[0] and "--no-enable-chunked-prefill" in command[0]
-    assert "MODEL_TYPES" in proc.stdout and "NeuronQwen35ForCausalLM" in proc.stdout
+    # The bundle registers the port's class itself: its vLLM plugin is on the path and allowed (docs/vllm.md).
+    assert "VLLM_PLUGINS=neuron,qbuild_bundle" in command[0] and f"PYTHONPATH={bundle.resolve()}/vllm:" in command[0]
 
 
 @pytest.mark.slow

@@ -65,6 +65,18 @@ class PromptRun:
     last_only: bool                  # the bundle returns the last prompt position's logits only
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """How `qbuild serve` was asked to serve a bundle."""
+
+    name: str                        # the model name clients send (a recipe's name, or the bundle directory's)
+    host: str
+    port: int                        # 0: any free port
+    log: Callable[[str], None]       # progress lines for a person (stderr)
+    on_ready: Callable[[str], None]  # called once with the base URL (".../v1") when requests are answered
+    digests_checked: bool = False    # every file of the bundle was checked against its digest just now (a pull)
+
+
 class StepContext(Protocol):
     """What a backend reads of an action's context (qbuild.build.actions.RunContext)."""
 
@@ -111,4 +123,12 @@ class Backend(Protocol):
         """Run the bundle (ctx.inputs["bundle"]) on the reference's prompts."""
 
     def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
-        """How to serve a pulled bundle (None where the backend has no server to name)."""
+        """What `qbuild pull` prints beside a pulled bundle about serving it elsewhere (None: `qbuild serve` alone)."""
+
+    def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
+        """What `qbuild serve --dry-run` prints: the server this bundle would get, its URL and limits, and, where the
+        server is another program, its exact command line and environment. Reads the bundle's own record only."""
+
+    def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
+        """Serve the bundle's OpenAI-compatible endpoint until SIGINT or SIGTERM; returns the exit code (0 when
+        stopped so). Raises InfraError where this host cannot run the server."""

@@ -7,8 +7,14 @@ Layout (CPU backends):
     vision/model.safetensors                      the vision encoder's weights (VL bundles)
     graphs/<graph>-<bucket>.pt2                   one compiled graph per submodel x bucket, weights as inputs
     graphs/<graph>-<bucket>.json                  that graph's call signature
-For the neuron backend the text graphs follow NxDI's layout instead (docs/nxd-layout.md section 7):
-    neuron_config.json, model.pt (under graphs/<graph>-<bucket>/ per node), vision_encoder_<bucket>.pt.
+A neuron bundle is NxDI's compiled directory instead (qbuild/backends/neuron/package.py; docs/nxd-layout.md
+section 7), with the same bundle.json, tokenizer files and weights/ (in NxD's format), and at its top level:
+    model.pt, neuron_config.json                  NxDI's compiled text model (every bucket) and its saved config
+    qbuild-neuron.json                            qbuild's record of the text compile (params, NxDI configuration)
+    vision_encoder_<bucket>.pt                    one traced vision encoder per vision bucket
+    port/                                         the port's source, which the app class is imported from
+    config.json                                   the checkpoint's, with its text fields also at the top level
+    vllm/                                         what vLLM's Neuron plugin needs to serve it (docs/vllm.md)
 
 bundle.json = {format, family, backend, tp, ep, batch_size, seq_len, dtype, buckets: {cte, tkg, vision},
                graphs: {"cte-32": path, ...}, files: {path: {digest (blake3), size}}}; `files` lists every file

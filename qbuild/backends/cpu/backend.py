@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, Sizes, StepContext
+from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, Sizes, StepContext
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile, graph_file
 from qbuild.core import jsonio
 from qbuild.core.errors import BuildError
@@ -129,3 +129,27 @@ class CpuBackend:
 
     def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
         return None
+
+    # --- serving -------------------------------------------------------------------------------------------------
+
+    def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
+        """qbuild's own server (qbuild.backends.cpu.serve) in this process; its limits are the bundle's buckets."""
+        buckets = manifest["buckets"]
+        host = f"[{options.host}]" if ":" in options.host else options.host
+        return {"server": "qbuild", "backend": self.name, "bundle": str(bundle), "model": options.name,
+                "url": f"http://{host}:{options.port}/v1", "routes": ["/v1/models", "/v1/completions",
+                                                                   "/v1/chat/completions"],
+                "max_prompt_tokens": max(buckets["cte"]), "max_model_len": max(buckets["tkg"])}
+
+    def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
+        """Load the bundle into qbuild's runtime, with every text graph, so the first request is as fast as the
+        others, then answer requests until stopped."""
+        from qbuild.backends.cpu.serve import serve
+        from qbuild.model.runtime import Runtime
+
+        options.log(f"loading the {self.name} bundle {options.name}")
+        runtime = Runtime.load(bundle, verify_digests=not options.digests_checked)
+        for graph in manifest["graphs"]:
+            if not graph.startswith("vision-"):   # images are not part of the OpenAI routes served here
+                runtime.graph(graph)
+        return serve(runtime, options)

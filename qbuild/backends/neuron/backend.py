@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, SourceEnvironment, Sizes, StepContext
+from qbuild.backends.base import (GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, SourceEnvironment, Sizes,
+                                  StepContext)
 from qbuild.backends.neuron import config, deploy, releases
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortMissing)
@@ -212,5 +213,16 @@ class NeuronBackend:
             runs.append(PromptRun(i, record, logits[f"prompt{k}"], greedy[k][:len(record["greedy"])], last_only=True))
         return runs
 
+    # --- serving -------------------------------------------------------------------------------------------------
+
     def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
-        return deploy.serve_instructions(bundle, manifest)
+        """The vLLM command for a host that serves the pulled bundle without qbuild (`qbuild serve DIR` runs it)."""
+        return deploy.serve_command(bundle, manifest, bundle.name, "127.0.0.1", 8000, "python")
+
+    def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
+        import sys
+
+        return deploy.serve_command(bundle, manifest, options.name, options.host, options.port, sys.executable)
+
+    def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
+        return deploy.serve(bundle, manifest, options)

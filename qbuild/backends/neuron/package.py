@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from qbuild.backends.base import StepContext
 from qbuild.backends.neuron import driver
 from qbuild.backends.neuron.config import vision_file
 from qbuild.backends.neuron.params import NeuronPackageParams
+from qbuild.backends.neuron.ports import LINEAGES
 from qbuild.core import jsonio
+from qbuild.core.errors import BuildError
 from qbuild.model.fp8 import policy as fp8_policy
 from qbuild.store.files import atomic_write, link_or_copy, link_tree, staged
 
@@ -18,13 +21,15 @@ def package(ctx: StepContext) -> dict[str, str]:
     """NxDI's compiled directory: model.pt and NxDI's neuron_config.json from the text compile, weights/ from the
     shard step, vision_encoder_<bucket>.pt per vision bucket (the names NxDI's load() and the port's
     NeuronQwen35VisionModelWrapper.load_compiled() read: application_base.py @ ef2731e, modeling_qwen35_vision.py
-    @ 4bcdc54). On a host with the SDK, every shard is checked against the weights the compiled model takes."""
+    @ 4bcdc54), and what vLLM's Neuron plugin needs to serve it (`vllm_glue`). On a host with the SDK, every shard
+    is checked against the weights the compiled model takes."""
     p: NeuronPackageParams = ctx.params
     text = ctx.inputs["compile:text"]
     for name in ("model.pt", "neuron_config.json", driver.QBUILD_RECORD):
         link_or_copy(text / name, ctx.out / name)
     # The port's source travels with the bundle: serving hosts import the app class from it (bundle/port/).
     link_tree(ctx.inputs["port"], ctx.out / "port")
+    vllm_glue(ctx.out, p, json.loads((text / driver.QBUILD_RECORD).read_text()))
     graphs = {"text": "model.pt"}
     for b in p.vision_buckets:
         name = vision_file(b)
@@ -40,6 +45,81 @@ def package(ctx: StepContext) -> dict[str, str]:
         for shard in shards:
             driver.check_shards(expected, shard)
     return graphs
+
+
+# --- what vLLM's Neuron plugin needs (docs/vllm.md) ------------------------------------------------------------
+
+VLLM_DIR = "vllm"                       # goes on PYTHONPATH: the plugin module and its distribution metadata
+VLLM_SERVE = "vllm/serve.json"          # the bundle's own facts the vLLM command line is made of
+VLLM_PLUGIN = "qbuild_bundle"           # the entry point's name, which VLLM_PLUGINS must list
+_PLUGIN_MODULE = "qbuild_vllm_plugin"
+_PLUGIN_DIST = "qbuild_bundle_vllm_plugin-1.dist-info"
+
+
+def vllm_glue(out: Path, p: NeuronPackageParams, record: dict) -> None:
+    """A flattened config.json, the vLLM plugin that registers the bundle's model (qbuild.backends.neuron.vllm_plugin)
+    and vllm/serve.json, all from this bundle's own params and compile record, so that serving never reads the recipe
+    and a bundle copied to another host serves the same way. Paths inside are relative to the bundle."""
+    config = json.loads((out / "config.json").read_text())
+    # config.json is a hardlink to the converted checkpoint's blob: atomic_write replaces the link, never the blob.
+    atomic_write(out / "config.json", (jsonio.dumps(flat_config(config), indent=2, sort_keys=True) + "\n").encode())
+    lineage = LINEAGES[p.lineage]
+    architecture = (config.get("architectures") or [None])[0]
+    model, task = nxdi_registry_key(architecture)
+    text = config.get("text_config")
+    spec = {"model_type": config["model_type"], "text_model_type": text.get("model_type") if isinstance(text, dict)
+            else None, "architecture": architecture, "nxdi_model": model, "nxdi_task": task,
+            "module": lineage.text_module, "app_class": lineage.app_class,
+            "port_dir": Path("..", lineage.module_dir(Path("port"))).as_posix()}
+    glue = out / VLLM_DIR
+    (glue / _PLUGIN_DIST).mkdir(parents=True)
+    (glue / f"{_PLUGIN_MODULE}.py").write_bytes(Path(__file__).with_name("vllm_plugin.py").read_bytes())
+    (glue / f"{_PLUGIN_MODULE}.json").write_text(jsonio.dumps(spec, indent=1, sort_keys=True) + "\n")
+    (glue / _PLUGIN_DIST / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {_PLUGIN_DIST.split('-')[0]}\nVersion: 1\n")
+    (glue / _PLUGIN_DIST / "entry_points.txt").write_text(
+        f"[vllm.general_plugins]\n{VLLM_PLUGIN} = {_PLUGIN_MODULE}:register\n")
+    serve = {"max_model_len": min(max(p.cte_buckets), max(p.tkg_buckets)), "tensor_parallel_size": p.tp,
+             "max_num_seqs": p.batch_size, "dtype": p.dtype, "lineage": p.lineage, "env": record["config"]["env"]}
+    (out / VLLM_SERVE).write_text(jsonio.dumps(serve, indent=1, sort_keys=True) + "\n")
+
+
+def flat_config(config: dict) -> dict:
+    """`config` with its text model's fields also at the top level, as the ports' own loaders lay them out
+    (Qwen35InferenceConfig.from_pretrained, contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py L2193-2213 @ 4bcdc54;
+    vllm/hf_qwen35_config.py L24-35, PR 173 @ 03db3ef).
+
+    vllm-neuron reads num_key_value_heads and head_dim from the top level (neuronx_distributed_model_loader.py L612-631
+    @ a5ef7c8) and builds the port's InferenceConfig from this file through NxDI's load_pretrained_config (L162-167),
+    which keeps text_config nested (utils/hf_adapter.py L69-76 @ ef2731e), so validate_config would find the text
+    fields missing (models/config.py L905-910 @ c63afe0). text_config stays for the readers that want it, and a field
+    the top level has keeps its value. A flat config (Coder-Next's) comes back unchanged."""
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        return config
+    flat = dict(config)
+    for key, value in text.items():
+        if key not in ("architectures", "model_type"):
+            flat.setdefault(key, value)
+    rope = text.get("rope_parameters") or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key not in flat and key in rope:
+            flat[key] = rope[key]
+    if "intermediate_size" not in flat and "moe_intermediate_size" in text:
+        flat["intermediate_size"] = text["moe_intermediate_size"]
+    return flat
+
+
+def nxdi_registry_key(architecture: str | None) -> tuple[str, str]:
+    """The MODEL_TYPES entry (model, task) vllm-neuron looks the app class up under for a config's architecture
+    (_get_neuron_model_cls, neuronx_distributed_model_loader.py L639-659 @ a5ef7c8): the part before "For" in lower
+    case, and the rest in kebab case, ConditionalGeneration read as CausalLM."""
+    if not architecture or "For" not in architecture:
+        raise BuildError(f"config.json: architecture {architecture!r} has no \"For\"; vllm-neuron cannot look a model "
+                         "class up for it")
+    model, task = architecture.split("For", 1)
+    task = "CausalLM" if task == "ConditionalGeneration" else task
+    return model.lower(), re.sub("([a-z0-9])([A-Z])", r"\1-\2", re.sub("(.)([A-Z][a-z]+)", r"\1-\2", task)).lower()
 
 
 def _fp8_port_steps(ctx: StepContext, p: NeuronPackageParams, shards: list[Path],

@@ -33,8 +33,9 @@ def compile_text(req: dict) -> dict:
     As contrib/models/Qwen3.5-35B-A3B/test/integration/run_text_smoke.py @ 4bcdc54 builds it: the NeuronConfig
     (MoENeuronConfig for MoE), the router set to fp32 softmax as attributes, the port's InferenceConfig from the
     flattened text fields, then `App(model_path, config).compile(out)`. The app is subclassed only to return the
-    recipe's compiler arguments from get_compiler_args(), which NxDI's ModelWrapper uses verbatim (model_wrapper.py
-    @ ef2731e).
+    recipe's compiler arguments from get_compiler_args(), which NxDI's ModelWrapper takes in place of its own defaults
+    and then appends to: always `--internal-hlo2tensorizer-options='... --verify-hlo=true'`, and the output
+    completion notifications where the config enables them (model_wrapper.py L145-165 @ ef2731e).
     """
     from neuronx_distributed_inference.models.config import MoENeuronConfig, NeuronConfig
 

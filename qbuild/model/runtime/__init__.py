@@ -12,6 +12,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from qbuild.store.bundle import check_files, read_manifest
 from qbuild.core.errors import UserError
@@ -101,9 +102,29 @@ class Runtime:
     def _tkg_bucket(self, position: int) -> int:
         return next(b for b in self.tkg if b > position)
 
+    def max_new_tokens_after(self, n: int) -> int:
+        """The most tokens a prompt of `n` tokens can be followed by: the last one is never written to the cache."""
+        return self.tkg[-1] - n + 1
+
+    def check_lengths(self, n: int, max_new_tokens: int) -> int:
+        """The CTE bucket a prompt of `n` tokens followed by `max_new_tokens` tokens runs in; UserError naming the limit
+        it exceeds. A server checks a request with it before answering, so a refusal is an error status, never a
+        stream cut short."""
+        if max_new_tokens < 1:
+            raise UserError("--max-new-tokens must be at least 1")
+        if n == 0:
+            raise UserError("the prompt is empty")
+        bucket = self.cte_bucket(n)
+        kv_len = self.tkg[-1]
+        if n + max_new_tokens - 1 > kv_len:
+            raise UserError(f"a prompt of {n} tokens plus {max_new_tokens} new tokens needs {n + max_new_tokens - 1} "
+                            f"KV slots; this bundle's largest token-generation bucket is {kv_len}")
+        return bucket
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, image: Path | None = None,
-                 stop_at_eos: bool = True) -> Generation:
-        """Greedy generation of up to `max_new_tokens` tokens after `prompt_ids` (with an image, if given)."""
+                 stop_at_eos: bool = True, on_token: Callable[[int], bool | None] | None = None) -> Generation:
+        """Greedy generation of up to `max_new_tokens` tokens after `prompt_ids` (with an image, if given).
+        `on_token` is called with each token as it is chosen; a true return ends the generation there."""
         import torch
 
         if max_new_tokens < 1:
@@ -112,13 +133,8 @@ class Runtime:
         if image is not None:
             prompt_ids, images = self.with_image_tokens(prompt_ids, image)
         n = len(prompt_ids)
-        if n == 0:
-            raise UserError("the prompt is empty")
-        bucket = self.cte_bucket(n)
+        bucket = self.check_lengths(n, max_new_tokens)
         kv_len = self.tkg[-1]
-        if n + max_new_tokens - 1 > kv_len:
-            raise UserError(f"a prompt of {n} tokens plus {max_new_tokens} new tokens needs {n + max_new_tokens - 1} "
-                            f"KV slots; this bundle's largest token-generation bucket is {kv_len}")
         eos = self.eos_ids() if stop_at_eos else set()
         self.graph(f"cte-{bucket}")  # graphs load before the clock starts: TTFT is a serving figure
         for b in {self._tkg_bucket(p) for p in range(n, n + max_new_tokens - 1)}:
@@ -129,15 +145,17 @@ class Runtime:
             token = int(logits[0, n - 1].argmax())
             ttft = time.perf_counter() - start
             tokens, steps = [token], []
+            stop = bool(on_token and on_token(token))
             state = self._full_cache(state, kv_len)
             for i in range(max_new_tokens - 1):
-                if token in eos:
+                if token in eos or stop:
                     break
                 step = time.perf_counter()
                 out, state = self._decode(token, n + i, state, deltas)
                 token = int(out[0, 0].argmax())
                 tokens.append(token)
                 steps.append(time.perf_counter() - step)
+                stop = bool(on_token and on_token(token))
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return Generation(prompt_ids=list(prompt_ids), token_ids=tokens, text=text, ttft_ms=ttft * 1e3,
                           tpot_ms=(sum(steps) / len(steps) * 1e3) if steps else None, cte_bucket=bucket,

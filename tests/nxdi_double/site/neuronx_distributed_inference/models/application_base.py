@@ -144,6 +144,11 @@ class NeuronApplicationBase:
     def get_config_cls(cls):
         raise NotImplementedError("get_config_cls")
 
+    @classmethod
+    def get_neuron_config_cls(cls):
+        """ab.py L224-226 @ ef2731e: the config class's (vllm-neuron builds its NeuronConfig with it)."""
+        return cls.get_config_cls().get_neuron_config_cls()
+
     def get_compiler_args(self):
         return None
 

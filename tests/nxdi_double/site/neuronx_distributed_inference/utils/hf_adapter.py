@@ -1,4 +1,5 @@
-"""Contract double of NxDI utils/hf_adapter.py (@ ef2731e): HuggingFaceGenerationAdapter.
+"""Contract double of NxDI utils/hf_adapter.py (@ ef2731e): HuggingFaceGenerationAdapter, and load_pretrained_config
+(the hook vllm-neuron builds a port's InferenceConfig with: docs/vllm.md).
 
 Called as NxDI's own accuracy check calls it (docs/nxdi.md section 13, utils/accuracy.py L631-655):
 `generate(input_ids=..., attention_mask=..., max_new_tokens=n, min_new_tokens=n, do_sample=False,
@@ -16,6 +17,40 @@ from dataclasses import dataclass
 import torch
 
 from neuronx_distributed_inference._double import record
+
+def load_pretrained_config(model_path_or_name=None, hf_config=None):
+    """L36-80: a load_config hook for InferenceConfig that reads the HF config with transformers' AutoConfig and sets
+    its fields on the config: `dtype` (or `torch_dtype`) goes to the neuron_config unless that overrides it, and a
+    nested PretrainedConfig (text_config) becomes a SimpleNamespace, left nested."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, PretrainedConfig
+
+    from neuronx_distributed_inference.models.config import to_torch_dtype
+
+    def load_config(self):
+        if (model_path_or_name is None) == (hf_config is None):
+            raise ValueError('Please provide only one of "model_path_or_name" or "hf_config"')
+        config = AutoConfig.from_pretrained(model_path_or_name) if model_path_or_name is not None else hf_config
+        config_dict = config.to_dict()
+        if config.transformers_version is not None:
+            config_dict["transformers_version"] = config.transformers_version
+        hf_dtype = config_dict.get("dtype", config_dict.get("torch_dtype", None))
+        if hf_dtype is not None:
+            if self.neuron_config is not None and not self.neuron_config.overrides_torch_dtype:
+                self.neuron_config.torch_dtype = to_torch_dtype(hf_dtype) if isinstance(hf_dtype, str) else hf_dtype
+            config_dict.pop("dtype", None)
+            config_dict.pop("torch_dtype", None)
+        for k, v in config_dict.items():
+            if isinstance(getattr(config, k), PretrainedConfig):
+                config_dict[k] = SimpleNamespace(**v)
+        self.__dict__.update(config_dict)
+        if hasattr(config, "attribute_map"):
+            self.attribute_map = config.attribute_map
+        record("load_pretrained_config", path=str(model_path_or_name), keys=sorted(config_dict))
+
+    return load_config
+
 
 _GENERATE_KWARGS = {"max_new_tokens", "min_new_tokens", "do_sample", "return_dict_in_generate", "output_scores"}
 
