@@ -42,11 +42,11 @@ def _pythonpath(sdk: bool = True, overlay: tuple[Path, ...] = ()) -> str:
     return os.pathsep.join(str(p) for p in (*parts, REPO))
 
 
-def write_recipe(path: Path, checkpoint: Path, port_dir: Path, **changes) -> Path:
+def write_recipe(path: Path, checkpoint: Path, port_dir: Path | None, **changes) -> Path:
     """A tiny neuron recipe (JSON is YAML): the shipped toolchain pins, tp 2, tiny buckets, thresholds that pass any
     output (the double cannot compute), short prompts that fit the buckets. `changes` replace top-level fields;
-    a `text` or `port` mapping is merged."""
-    doc = {"model": {"path": str(checkpoint)}, "backend": "neuron", "port": {"path": str(port_dir)},
+    a `text` or `port` mapping is merged (without `port_dir`, `port` names the port: a git port)."""
+    doc = {"model": {"path": str(checkpoint)}, "backend": "neuron", "port": {"path": str(port_dir)} if port_dir else {},
            "parallel": {"tp": 2}, "dtype": "bfloat16",
            "text": {"batch_size": 1, "seq_len": 128, "cte_buckets": [32, 64], "tkg_buckets": [64]},
            "compiler": {"target": "trn2", "lnc": 2, "flags": [RECIPE_FLAG]}, "toolchain": TOOLCHAIN,
