@@ -1,10 +1,11 @@
 """The neuron backend end to end through the CLI, against the NxDI contract double (tests/nxdi_double).
 
 The Neuron SDK does not install on a CPU host. The double plays its public surface (NeuronConfig, the application's
-compile and load, the metaneff, torch_neuronx.trace, the HF generation adapter) strictly, records every call in
-the log its settings name (tests.nxdi_double.settings_dir), and ships two fake ports, one per lineage. These tests build tiny checkpoints with `backend: neuron`
-and `--skip-device` (verify needs NeuronCores) and assert what reached the SDK: the configuration, the environment, the
-compiler arguments, the compile cache, and that the bundle loads as NxDI's compiled directory.
+compile and load, the metaneff, torch_neuronx.trace, the HF generation adapter) strictly, records every call in the
+log its settings name (tests.nxdi_double.settings_dir), and ships two fake ports, one per lineage. These tests build
+tiny checkpoints with `backend: neuron` and `--skip-device` (verify needs NeuronCores) and assert what reached the SDK:
+the configuration, the environment, the compiler arguments, the compile cache, and that the bundle loads as NxDI's
+compiled directory.
 Packaging checks every shard against the weights the double's metaneff names (NxD's keys and per-rank shapes, derived
 by the fake ports from docs/nxdi.md section 4), so a bundle that packages carries shards in NxD's exact format.
 """

@@ -26,7 +26,8 @@ SITE = ROOT / "site"
 MAIN_PORT = ROOT / "ports" / "qwen35"      # main lineage: this directory on sys.path, `import src.modeling_qwen35`
 MOE_PORT = ROOT / "ports" / "coder_next"   # moe lineage: its src/ on sys.path, `import modeling_qwen35_moe`
 SETTINGS_FILE = "nxdi_double_settings.json"   # read by site/neuronx_distributed_inference/_double.py
-# Where the fake ports sit in the fake NxDI repository (port_repository), as in aws-neuron/neuronx-distributed-inference.
+# Where the fake ports sit in the fake NxDI repository (port_repository), as in
+# aws-neuron/neuronx-distributed-inference.
 MAIN_SUBDIR = "contrib/models/Qwen3.5-35B-A3B"
 MOE_SUBDIR = "contrib/models/Qwen3-Coder-Next"
 

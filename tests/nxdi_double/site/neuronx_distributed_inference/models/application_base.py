@@ -277,9 +277,12 @@ class NeuronApplicationBase:
             # failed compile, which the wrapper reuses as a failure (docs/nxdi.md section 10).
             entry = os.path.join(cache, f"neuronxcc-{cc_version}",
                                  f"MODULE_{key}+{hashlib.md5(flags.encode()).hexdigest()[:8]}")
-            done = all(os.path.isfile(os.path.join(entry, f)) for f in ("model.neff", "model.done"))
-            if os.path.isfile(os.path.join(entry, "model.log")) and not os.path.isfile(os.path.join(entry, "model.neff")) \
-                    and "--retry_failed_compilation" not in os.environ.get("NEURON_CC_FLAGS", ""):
+            def has(name: str) -> bool:
+                return os.path.isfile(os.path.join(entry, name))
+
+            done = has("model.neff") and has("model.done")
+            if has("model.log") and not has("model.neff") and \
+                    "--retry_failed_compilation" not in os.environ.get("NEURON_CC_FLAGS", ""):
                 raise RuntimeError(f"Got a cached failed neff at {entry}/model.neff. Will skip compilation, please set "
                                    "--retry_failed_compilation for recompilation.")
             hit = done
