@@ -265,7 +265,8 @@ def _serve_instructions(bundle: Path) -> dict | None:
 def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what would be removed; remove nothing"),
            keep_size: str = typer.Option("10G", "--keep-size", metavar="SIZE",
                                          help="unlocked entries and Neuron compile cache kept locally, most "
-                                              "recently used first; the cache's budget on --remote too (e.g. 20G, 0)"),
+                                              "recently used first; the cache's budget also on the remote (e.g. 20G, "
+                                              "0)"),
            grace: str = typer.Option("1h", "--grace", metavar="AGE",
                                      help="entries written this recently are kept, as is everything a running "
                                           "build holds (e.g. 30m, 2h, 0)"),
