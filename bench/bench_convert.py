@@ -117,7 +117,7 @@ def synthesize(src: Path, layers: int) -> tuple[int, int]:
 CHILD = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from qbuild.model.convert import convert_checkpoint
+    from qbuild.model.convert.convert import convert_checkpoint
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))

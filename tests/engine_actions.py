@@ -10,11 +10,10 @@ from pathlib import Path
 from qbuild.build.actions import RunContext
 from qbuild.planning.keys import ActionSpec
 
-_SOURCES = ("tests.engine_actions",)
-SLEEP = ActionSpec("test-sleep", "tests.engine_actions:sleep", _SOURCES)
-FAIL = ActionSpec("test-fail", "tests.engine_actions:fail", _SOURCES)
-BIG = ActionSpec("test-big", "tests.engine_actions:big", _SOURCES)
-RENDEZVOUS = ActionSpec("test-rendezvous", "tests.engine_actions:rendezvous", _SOURCES)
+SLEEP = ActionSpec("test-sleep", "tests.engine_actions:sleep")
+FAIL = ActionSpec("test-fail", "tests.engine_actions:fail")
+BIG = ActionSpec("test-big", "tests.engine_actions:big")
+RENDEZVOUS = ActionSpec("test-rendezvous", "tests.engine_actions:rendezvous")
 # What the engine's tests build with, passed to the engine: the production registry stays as shipped.
 TEST_REGISTRY = {spec.kind: spec for spec in (SLEEP, FAIL, BIG, RENDEZVOUS)}
 

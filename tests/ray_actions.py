@@ -14,10 +14,9 @@ from pathlib import Path
 from qbuild.build.actions import RunContext
 from qbuild.planning.keys import REGISTRY, ActionSpec
 
-_SOURCES = ("tests.ray_actions",)
-TEXT = ActionSpec("ray-text", "tests.ray_actions:text", _SOURCES)
-CRASH_ONCE = ActionSpec("ray-crash-once", "tests.ray_actions:crash_once", _SOURCES)
-FAIL = ActionSpec("ray-fail", "tests.ray_actions:fail", _SOURCES)
+TEXT = ActionSpec("ray-text", "tests.ray_actions:text")
+CRASH_ONCE = ActionSpec("ray-crash-once", "tests.ray_actions:crash_once")
+FAIL = ActionSpec("ray-fail", "tests.ray_actions:fail")
 # The standard actions and these: what the Ray tests' engine and executor plan and run with.
 RAY_REGISTRY = {**REGISTRY, **{spec.kind: spec for spec in (TEXT, CRASH_ONCE, FAIL)}}
 

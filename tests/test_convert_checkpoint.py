@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from qbuild.model.convert import convert_checkpoint, convert_state_dict
+from qbuild.model.convert.convert import convert_checkpoint, convert_state_dict
 from tests.conftest import REPO
 from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qbuild.model.convert import CheckpointError, convert_checkpoint
+from qbuild.model.convert import CheckpointError
+from qbuild.model.convert.convert import convert_checkpoint
 from tests.conftest_convert import tiny
 
 P = "model.language_model."

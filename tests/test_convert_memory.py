@@ -62,7 +62,7 @@ def _write_checkpoint(src) -> None:
 CHILD = textwrap.dedent("""
     import json, resource, sys
     from pathlib import Path
-    from qbuild.model.convert import convert_checkpoint
+    from qbuild.model.convert.convert import convert_checkpoint
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     report = convert_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]), dtype="bfloat16", workers=1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from qbuild.model.arch import arch_from_config
-from qbuild.model.convert import CheckpointError, convert_state_dict
+from qbuild.model.convert import CheckpointError
+from qbuild.model.convert.convert import convert_state_dict
 from qbuild.model.convert.attention import kv_head_shards, split_query_gate
 from qbuild.model.convert.deltanet import rank_channels, reorder_qkv_channels, split_ba, split_qkvz
 from qbuild.model.convert.moe import down_from_experts, down_from_fused, gate_up_from_experts, gate_up_from_fused

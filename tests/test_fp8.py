@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from qbuild.model.arch import arch_from_config
-from qbuild.model.convert import convert_state_dict, shard_state_dict
+from qbuild.model.convert.convert import convert_state_dict
+from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.convert.deltanet import reorder_qkv_channels
 from qbuild.model.convert.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, dequantize, quantize
 from tests.conftest_convert import hf_state_dict

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+
 from qbuild.planning.keys import ActionSpec, as_locked, key_node, key_of, preimage, walk
 from qbuild.store.lock import LockedNode
 from qbuild.planning.plan import Plan, _add, evaluate, explain
@@ -26,9 +28,12 @@ def _manifest(key: str, digest: str) -> Manifest:
 def test_the_preimage_holds_the_action_source_hash_under_version():
     plan, (a, _, _) = _chain()
     pre = preimage(plan.nodes[a], {}, TEST_REGISTRY)
-    assert pre == {"action": "test-sleep", "version": SLEEP.source_hash, "params": {"name": "a"}, "inputs": {},
-                   "toolchain": {}}
-    other = ActionSpec("test-sleep", SLEEP.entry, ("tests.test_keys",))
+    assert pre == {"action": "test-sleep", "version": SLEEP.source_hash(), "params": {"name": "a"}, "inputs": {},
+                   "toolchain": SLEEP.toolchain_versions()}
+    # tests.engine_actions imports the keys module, which imports pydantic (through the typed params): a
+    # third-party distribution of the closure is in the key with its installed version.
+    assert pre["toolchain"]["pydantic"] == importlib.metadata.version("pydantic")
+    other = ActionSpec("test-sleep", "tests.test_keys:_manifest")
     assert key_of(preimage(plan.nodes[a], {}, {"test-sleep": other})) != key_of(pre)
 
 

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from qbuild.model.arch import arch_from_config
-from qbuild.model.convert import convert_state_dict, shard_state_dict
+from qbuild.model.convert.convert import convert_state_dict
+from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.modeling import EntryPoint, TextModel, text_position_ids
 
 BUCKET, MAX_SEQ_LEN, BATCH = 72, 96, 2

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from qbuild.model.arch import arch_from_config
-from qbuild.model.convert import convert_state_dict, shard_state_dict
+from qbuild.model.convert.convert import convert_state_dict
+from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.modeling import TextModel
 from qbuild.model.modeling.vision import (
     MASK_VALUE,

@@ -215,7 +215,7 @@ def _shard_params(tmp_path, name: str, body: str):
     from qbuild.core.hashing import StatCache
     from qbuild.planning.plan import plan_recipe
 
-    # plan_recipe without the recipe checks: qbuild refuses ep > 1 on neuron (no public port decodes with EP), but
+    # plan_recipe without the recipe checks: qbuild refuses ep > 1 on neuron (NxD raises decoding with EP at batch 1), but
     # the NxD EP layout is planned and sharded exactly, ready for a port that does.
     loaded, arch = _recipe(tmp_path, name, body)
     nodes = {}
@@ -236,7 +236,7 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     # The shard action runs those params as planned: 4 rank files, attention split over 2.
     from qbuild.build.actions import RunContext
     from qbuild.build.actions.shard import run
-    from qbuild.model.convert import convert_checkpoint
+    from qbuild.model.convert.convert import convert_checkpoint
 
     convert_checkpoint(tiny_checkpoints["qwen3_next"], tmp_path / "conv", dtype="bfloat16")
     (tmp_path / "out").mkdir()

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qbuild.backends.neuron.releases import RELEASES
 from tests.conftest import REPO, qbuild
 from tests.nxdi_double import (MAIN_PORT, MAIN_SUBDIR, MOE_PORT, ROOT, SITE, metadata_overlay, port_repository,
                                 read_log, replicated_deltanet_port, settings_dir)
@@ -432,7 +433,8 @@ def test_mismatching_toolchain_fails_compile_naming_both_versions(dense, tmp_pat
                      log=tmp_path / "log.jsonl")
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if installed in ln]
-    assert lines and all(TOOLCHAIN["neuronx_distributed_inference"] in ln for ln in lines), proc.stderr
+    pinned = RELEASES[TOOLCHAIN["sdk"]]["neuronx-distributed-inference"]
+    assert lines and all(pinned in ln for ln in lines), proc.stderr
     assert not [c for c in read_log(tmp_path / "log.jsonl") if c["call"] == "compile"]
 
 

@@ -44,7 +44,7 @@ ON_THE_CLUSTER = pytest.mark.xdist_group("ray-cluster")
 
 
 def _node(name: str, peak: int = GIB, needs_device: bool = False) -> Node:
-    return Node(id=name, kind="ray-text", name=name, params={}, deps={}, est_out_bytes=1, est_peak_bytes=peak,
+    return Node(id=name, kind="ray-text", name=name, params={}, deps={}, backend=None, est_out_bytes=1, est_peak_bytes=peak,
                 neuron_cores=8 if needs_device else 0)
 
 
@@ -105,13 +105,14 @@ def test_remote_is_required():
 def test_worker_with_other_action_source_refuses_to_build():
     from qbuild.build.job import Job
 
-    action = ActionSpec("ray-text", "tests.ray_actions:text", ("tests.ray_actions",))
+    action = ActionSpec("ray-text", "tests.ray_actions:text")
     pre = {"action": "ray-text", "version": "0" * 32, "params": {}, "inputs": {}, "toolchain": {}}
     job = Job("n", "ray-text", "text a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"),
               action.entry)
     with pytest.raises(InfraError, match="not set up like the driver.*action source"):
         rayexec._check_same_action(job, action)
-    rayexec._check_same_action(Job(**{**job.__dict__, "preimage": {**pre, "version": action.source_hash}}), action)
+    same = {**pre, "version": action.source_hash(), "toolchain": action.toolchain_versions()}
+    rayexec._check_same_action(Job(**{**job.__dict__, "preimage": same}), action)
 
 
 def _cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -298,7 +299,7 @@ def _graph(log: Path, spec: list[tuple[str, str, list[str], float]], **extra) ->
 def _build(plan: Plan, spec: StoreSpec, cluster: Cluster, **opts):
     """engine.build on the Ray executor, in a thread so that a hang fails the test instead of stalling it."""
     from qbuild.build.engine import BuildOptions, build
-    from qbuild.store import open_store
+    from qbuild.store.remote import open_store
 
     box: dict = {"events": []}
 
@@ -355,7 +356,7 @@ def test_worker_killed_mid_task_is_retried_and_never_half_published(cluster, dri
     assert [e["event"] for e in runs] == ["first-attempt", "start", "end"]
     assert runs[0]["pid"] == killed["pid"] and runs[1]["pid"] != killed["pid"]
     # The result is the retry's, complete; the killed attempt's half output went nowhere.
-    from qbuild.store import open_store
+    from qbuild.store.remote import open_store
 
     ids = {plan.nodes[n].name: n for n in plan.nodes}
     store = open_store(spec)

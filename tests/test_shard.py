@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from qbuild.model.arch import arch_from_config
-from qbuild.model.convert import ShardError, convert_checkpoint, convert_state_dict, shard_checkpoint, shard_state_dict
+from qbuild.model.convert import ShardError
+from qbuild.model.convert.convert import convert_checkpoint, convert_state_dict
+from qbuild.model.convert.shard import shard_checkpoint, shard_state_dict
 from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
 
 COLUMN = re.compile(r".*(self_attn\.(q_proj|output_gate_proj)|linear_attn\.(in_proj_z|in_proj_a|in_proj_b|A_log_weight"

@@ -12,8 +12,10 @@ import json
 import pytest
 import torch
 
-from qbuild.model.convert import CheckpointError, ShardError, convert_checkpoint, convert_state_dict, shard_checkpoint
-from qbuild.model.convert import shard_state_dict
+from qbuild.model.convert import CheckpointError, ShardError
+from qbuild.model.convert.convert import convert_checkpoint, convert_state_dict
+from qbuild.model.convert.shard import shard_checkpoint
+from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.tinymodel import TP4_TEXT, write_tiny_checkpoint
 from tests.conftest_convert import _ROOT, bits, hf_state_dict, load_config, load_dir, same_tensors, tiny
 

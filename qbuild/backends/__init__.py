@@ -30,6 +30,13 @@ _loaded: dict[str, "Backend"] = {}
 _overrides: dict[str, "Backend"] = {}
 
 
+def implementation_module(name: str) -> str:
+    """The module that implements backend `name`: what a node running it imports beyond its action's own code."""
+    if name not in _IMPLEMENTATIONS:
+        raise ValueError(f"{name!r} is not one of {', '.join(NAMES)}")
+    return _IMPLEMENTATIONS[name].partition(":")[0]
+
+
 def get(name: str) -> "Backend":
     """The backend `name` names; ValueError listing NAMES for any other name."""
     if name in _overrides:

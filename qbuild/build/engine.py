@@ -138,7 +138,8 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     continue
                 job = Job(node_id=nid, kind=node.kind, name=node.name, key=key, preimage=pre, params=node.params,
                           inputs={name: result.manifests[d].outputs for name, d in node.deps.items()},
-                          store_spec=spec, entry=registry[node.kind].entry, context=node.context)
+                          store_spec=spec, entry=registry[node.kind].entry, context=node.context,
+                          backend=node.backend)
                 waiting.remove(nid)
                 running[executor.submit(job, node)] = (nid, time.monotonic())
                 mem_in_use += node.est_peak_bytes

@@ -19,7 +19,8 @@ from typing import Iterator
 
 from qbuild.build.actions import RunContext
 from qbuild.core.errors import BuildError, InfraError, QbuildError
-from qbuild.store import Store, StoreSpec, open_store
+from qbuild.store import Store, StoreSpec
+from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest
 
 # What a step's libraries print (warnings, progress bars, compiler chatter) is kept, this much of its end, in the
@@ -43,6 +44,7 @@ class Job:
     store_spec: StoreSpec            # the store the worker opens (plain data, so a job pickles)
     entry: str                       # "module:function" the worker imports and calls
     context: dict = field(default_factory=dict)
+    backend: str | None = None       # the backend whose code the node runs (part of its action source)
 
 
 def run_job(job: Job) -> Manifest:

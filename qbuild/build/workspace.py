@@ -18,7 +18,8 @@ from qbuild.core.hashing import StatCache, default_stat_cache
 from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, key_node, walk
 from qbuild.planning.plan import NodeStatus, Plan, build_plan, evaluate, explain
 from qbuild.recipe.schema import HFSource, LoadedRecipe, load_recipe
-from qbuild.store import Store, StoreSpec, open_store
+from qbuild.store import Store, StoreSpec
+from qbuild.store.remote import open_store
 from qbuild.store.lease import open_lease
 
 if TYPE_CHECKING:

@@ -1,7 +1,9 @@
 """Content keys: the action specs, a node's key preimage, and the one walk that keys a plan.
 
 A node's key is blake3 of its preimage {action, version, params, inputs, toolchain}: the action's kind and source
-hash, the node's allow-listed params, its inputs' output digests, and the toolchain it runs with. An input's
+hash (the digest of its import closure and data files, qbuild.planning.sources), the node's typed params, its inputs'
+output digests, and the toolchain it runs with (the installed versions of the third-party distributions its closure
+imports, or the versions a neuron compile pins). An input's
 digest is known only once that input is built, so a walk over the plan takes the upstream digests from a source
 the caller chooses: the store (what is built), the lockfile (what was built when the lock was written), or both.
 A node whose inputs have no known digest has no key.
@@ -11,15 +13,13 @@ The preimage's "version" field holds the source hash; its name is in every lockf
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
 from typing import Callable, Mapping, Protocol
 
+from qbuild import backends
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
+from qbuild.planning.sources import DEFAULT, Closure, Sources, distribution_versions
 from qbuild.recipe.params import to_json
 
 
@@ -29,6 +29,7 @@ class Node(Protocol):
     kind: str
     params: object
     deps: dict[str, str]
+    backend: str | None             # the backend whose code the node runs (qbuild.backends.get), if any
 
 
 class Plan(Protocol):
@@ -37,108 +38,49 @@ class Plan(Protocol):
 
 @dataclass(frozen=True)
 class ActionSpec:
+    """An action: the function a worker calls, and the data files it reads besides code. What it is made of (its
+    source and its third-party distributions) is read from the code: qbuild.planning.sources."""
+
     kind: str
     entry: str                                 # "package.module:function", called as function(ctx)
-    sources: tuple[str, ...]                   # modules or packages whose source files are hashed into keys
-    toolchain: tuple[str, ...] = ()            # distributions whose installed versions are hashed into keys
-    optional_toolchain: tuple[str, ...] = ()   # the same, where installed (e.g. the Neuron SDK)
+    data: tuple[str, ...] = ()                 # files it reads, relative to its top-level package's directory
 
     @property
-    def source_hash(self) -> str:
-        return _source_hash(self.sources)
+    def module(self) -> str:
+        return self.entry.partition(":")[0]
 
-    def toolchain_versions(self) -> dict[str, str]:
-        return _toolchain(self.toolchain, self.optional_toolchain)
+    def closure(self, backend: str | None = None, sources: Sources = DEFAULT) -> Closure:
+        """The action's import closure; with the implementation of `backend` where the node runs one (the action
+        reaches it through qbuild.backends.get, which the static walk cannot see)."""
+        entries = (self.module,) if backend is None else (self.module, backends.implementation_module(backend))
+        return sources.closure(entries)
+
+    def source_hash(self, backend: str | None = None, sources: Sources = DEFAULT) -> str:
+        closure = self.closure(backend, sources)
+        parts = [sources.digest(closure)]
+        root = sources.root(self.module.split(".")[0])
+        for rel in self.data:
+            parts.append(f"{rel}:{digest_bytes((root / rel).read_bytes())}")
+        return digest_bytes("\n".join(parts).encode())[:32]
+
+    def toolchain_versions(self, backend: str | None = None, sources: Sources = DEFAULT) -> dict[str, str]:
+        return distribution_versions(self.closure(backend, sources).third_party)
 
 
 Registry = Mapping[str, ActionSpec]           # kind -> spec
 
 
-@cache
-def _source_files(name: str) -> list[Path]:
-    """The files of module or package `name`, found without importing it or its parents: find_spec of a submodule
-    imports its package, and qbuild.model.convert's imports torch, which planning must not."""
-    top, *rest = name.split(".")
-    spec = importlib.util.find_spec(top)
-    if spec is None or spec.origin is None:
-        raise ValueError(f"action source {name!r} is not importable")
-    path = Path(spec.origin)
-    for part in rest:
-        if path.name != "__init__.py":
-            raise ValueError(f"action source {name!r} is not importable")
-        package, module = path.parent / part / "__init__.py", path.parent / f"{part}.py"
-        path = package if package.is_file() else module
-        if not path.is_file():
-            raise ValueError(f"action source {name!r} is not importable")
-    if path.name == "__init__.py":
-        return sorted(path.parent.rglob("*.py"))
-    return [path]
-
-
-@cache
-def _source_hash(sources: tuple[str, ...]) -> str:
-    parts = []
-    for name in sources:
-        for path in _source_files(name):
-            parts.append(f"{name}:{path.name}:{_file_digest(path)}")
-    return digest_bytes("\n".join(sorted(parts)).encode())[:32]
-
-
-@cache
-def _file_digest(path: Path) -> str:
-    """Most actions share modules (families, arch, convert): each file is read and hashed once per process."""
-    return digest_bytes(path.read_bytes())
-
-
-@cache
-def _toolchain(required: tuple[str, ...], optional: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for dist in required + optional:
-        try:
-            out[dist] = _installed_version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            if dist in required:
-                out[dist] = "absent"
-    return out
-
-
-@cache
-def _installed_version(name: str) -> str:
-    """importlib.metadata.version(name), without parsing the whole METADATA file as an email message (which took
-    most of a plan's keying time): the Version field is one line of the header block, before the first empty line."""
-    dist = importlib.metadata.distribution(name)
-    for line in (dist.read_text("METADATA") or dist.read_text("PKG-INFO") or "").splitlines():
-        if not line:
-            break
-        if line.startswith("Version:"):
-            return line.removeprefix("Version:").strip()
-    return dist.version
-
-
 _SRC = "qbuild.build.actions"
-# The backends an action asks through qbuild.backends.get (compile, package, verify, and the neuron port's params),
-# with the recipe modules the backends import.
-_BACKENDS = ("qbuild.backends", "qbuild.recipe.params", "qbuild.recipe.schema", "qbuild.recipe.checks")
-_MODEL = ("qbuild.model.families", "qbuild.model.fp8", "qbuild.model.arch")
-# An action runs the function `entry` names (imported only in the worker, so planning stays light); the source it
-# is made of is hashed into every key it produces, so editing a converter rebuilds conversions and nothing else.
+# An action runs the function `entry` names (imported only in the worker, so planning stays light).
 REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
-    ActionSpec("fetch", f"{_SRC}.fetch:run", (f"{_SRC}.fetch",), ("huggingface_hub",)),
-    ActionSpec("port", f"{_SRC}.port:run", (f"{_SRC}.port", *_BACKENDS)),
-    ActionSpec("convert", f"{_SRC}.convert:run", (f"{_SRC}.convert", "qbuild.model.convert", *_MODEL),
-               ("safetensors", "torch")),
-    ActionSpec("shard", f"{_SRC}.shard:run", (f"{_SRC}.shard", "qbuild.model.convert", *_MODEL),
-               ("safetensors", "torch")),
-    # A neuron compile pins its toolchain in its params (the recipe's `toolchain`), which then replaces these.
-    ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", *_BACKENDS, "qbuild.model.modeling",
-                                                  "qbuild.model.kernels", *_MODEL), ("torch",)),
-    ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", *_BACKENDS, "qbuild.store.bundle",
-                                                  "qbuild.store.files", *_MODEL, "qbuild.model.convert.hybrid")),
-    ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference", "qbuild.model.families",
-                                                      "qbuild.core.numerics"), ("torch", "transformers")),
-    ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", *_BACKENDS, "qbuild.model.runtime",
-                                                "qbuild.model.modeling", "qbuild.model.kernels", *_MODEL,
-                                                "qbuild.model.convert", "qbuild.core.numerics"), ("torch",)),
+    ActionSpec("fetch", f"{_SRC}.fetch:run"),
+    ActionSpec("port", f"{_SRC}.port:run"),
+    ActionSpec("convert", f"{_SRC}.convert:run"),
+    ActionSpec("shard", f"{_SRC}.shard:run"),
+    ActionSpec("compile", f"{_SRC}.compile:run"),
+    ActionSpec("package", f"{_SRC}.package:run"),
+    ActionSpec("reference", f"{_SRC}.reference:run", data=("golden/prompts.json",)),
+    ActionSpec("verify", f"{_SRC}.verify:run"),
 )}
 
 
@@ -149,8 +91,8 @@ def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY) 
     spec = registry[node.kind]
     params = to_json(node.params)
     # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
-    toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions()
-    return {"action": node.kind, "version": spec.source_hash, "params": params, "inputs": inputs,
+    toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions(node.backend)
+    return {"action": node.kind, "version": spec.source_hash(node.backend), "params": params, "inputs": inputs,
             "toolchain": toolchain}
 
 

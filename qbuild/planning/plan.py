@@ -55,6 +55,7 @@ class Node:
     name: str                       # what a person reads: "compile cte-128", "fetch Qwen/Qwen3.5-2B"
     params: object                  # the step's typed params (qbuild.recipe.params); their JSON enters the key
     deps: dict[str, str]            # input name -> node id
+    backend: str | None             # the backend whose code the node runs, if any (its code joins the key)
     est_out_bytes: int
     est_peak_bytes: int
     context: dict = field(default_factory=dict)   # where things are on this machine; never in a key
@@ -88,11 +89,12 @@ class Plan:
 # --- building the graph ---------------------------------------------------------------------------------------
 
 def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params, deps: dict[str, str],
-         out: int, peak: int, context: dict | None = None, neuron_cores: int = 0, neffs: int = 0) -> str:
-    node_id = digest_json({"kind": kind, "params": to_json(params), "deps": deps})[:16]
+         out: int, peak: int, context: dict | None = None, neuron_cores: int = 0, neffs: int = 0,
+         backend: str | None = None) -> str:
+    node_id = digest_json({"kind": kind, "params": to_json(params), "deps": deps, "backend": backend})[:16]
     node = nodes.get(node_id)
     if node is None:
-        node = nodes[node_id] = Node(node_id, kind, name, params, deps, out, peak, dict(context or {}),
+        node = nodes[node_id] = Node(node_id, kind, name, params, deps, backend, out, peak, dict(context or {}),
                                      neuron_cores=neuron_cores, neffs=neffs)
     if recipe not in node.recipes:
         node.recipes.append(recipe)
@@ -133,20 +135,20 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
         fctx)
     bp = backend.plan(loaded, arch, env, Sizes(weights, vision_bytes))
     for step in bp.sources:
-        roles[step.role] = _add_step(nodes, name, step, roles)
+        roles[step.role] = _add_step(nodes, name, step, roles, r.backend)
     # Every source node a backend adds (a port) is an input of the shard, package and verify steps.
     sources = {step.role: roles[step.role] for step in bp.sources}
     shard_label = "" if bp.shard.layout == "cpu" else bp.shard.layout + " "
     roles["shard"] = shard = _add(
         nodes, name, "shard", f"shard {shard_label}tp{r.parallel.tp} ep{r.parallel.ep}", bp.shard,
         {"converted": convert, **sources}, weights, 3 * big + GIB // 2)
-    compile_ids = {step.role: _add_step(nodes, name, step, roles) for step in bp.compiles}
+    compile_ids = {step.role: _add_step(nodes, name, step, roles, r.backend) for step in bp.compiles}
     roles.update(compile_ids)
     deps = {"converted": convert, "shard": shard, **sources,
             **{role.replace(" ", ":"): nid for role, nid in compile_ids.items()}}
     roles["package"] = package = _add(
         nodes, name, "package", f"package {name}", bp.package, deps,
-        weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2)
+        weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2, backend=r.backend)
     v = r.verify
     prompts = None if v.prompts is None else tuple(v.prompts)
     roles["reference"] = reference = _add(
@@ -156,15 +158,15 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
     roles["verify"] = verify = _add(
         nodes, name, "verify", f"verify {name}", VerifyParams(v.top1_min, v.token_match_min, v.max_logit_err),
         {"bundle": package, "reference": reference, **sources}, 1 << 20, 2 * weights + GIB,
-        neuron_cores=bp.verify_cores)
+        neuron_cores=bp.verify_cores, backend=r.backend)
     return PlannedRecipe(loaded, arch, roles, package, verify)
 
 
-def _add_step(nodes: dict[str, Node], recipe: str, step: PlannedStep, roles: dict[str, str]) -> str:
+def _add_step(nodes: dict[str, Node], recipe: str, step: PlannedStep, roles: dict[str, str], backend: str) -> str:
     """A backend's node, its inputs named by the roles of nodes already planned."""
     deps = {name: roles[role] for name, role in step.deps.items()}
     return _add(nodes, recipe, step.kind, step.name, step.params, deps, step.est_out_bytes, step.est_peak_bytes,
-                step.context, neffs=step.neffs)
+                step.context, neffs=step.neffs, backend=backend)
 
 
 def validate_recipe(loaded: LoadedRecipe, arch: Arch) -> None:

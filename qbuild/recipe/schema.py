@@ -215,16 +215,23 @@ class Port(_Strict):
 
 
 class Toolchain(_Strict):
-    """The Neuron SDK versions a neuron build is keyed on and must run with (pinned, never probed)."""
+    """The Neuron SDK a neuron build is keyed on and must run with (pinned, never probed): a release, or the exact
+    versions of its four distributions (qbuild.backends.neuron.releases checks they are one release's)."""
 
+    sdk: str | None = Field(None, pattern=r"^\d+\.\d+\.\d+$", description="a Neuron SDK release, e.g. 2.31.0")
     neuronx_cc: str | None = Field(None, description="neuronx-cc version, e.g. 2.26.6360.0")
     neuronx_distributed: str | None = Field(None, description="neuronx-distributed (NxD) version")
     neuronx_distributed_inference: str | None = Field(None, description="neuronx-distributed-inference version")
     torch_neuronx: str | None = Field(None, description="torch-neuronx version")
+    from_source: list[Literal["neuronx_cc", "neuronx_distributed", "neuronx_distributed_inference",
+                              "torch_neuronx"]] = Field(
+        default_factory=list, description="distributions installed from a source tree, not from the release "
+                                          "(their version is pinned as that tree reports it)")
 
     def pins(self) -> dict[str, str | None]:
         """{distribution name: pinned version}."""
-        return {name.replace("_", "-"): getattr(self, name) for name in type(self).model_fields}
+        return {name.replace("_", "-"): getattr(self, name)
+                for name in ("neuronx_cc", "neuronx_distributed", "neuronx_distributed_inference", "torch_neuronx")}
 
 
 class Verify(_Strict):

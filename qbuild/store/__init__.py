@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 Store = Union[LocalStore, "RemoteStore"]    # `store.local` is the local part of either (a LocalStore is its own)
 
-__all__ = ["LocalStore", "Manifest", "Store", "StoreSpec", "atomic_write", "default_store_path", "open_store",
-           "resolve_remote", "safe_join", "tree_digest"]
+__all__ = ["LocalStore", "Manifest", "Store", "StoreSpec", "atomic_write", "default_store_path", "resolve_remote",
+           "safe_join", "tree_digest"]
 
 CONFIG_FILE = "qbuild.yaml"
 
@@ -64,16 +64,3 @@ def resolve_remote(flag: str | None, cwd: Path | None = None) -> str | None:
     if remote is not None and not isinstance(remote, str):
         raise UserError(f"{config}: remote: expected an s3://bucket/prefix string, got {type(remote).__name__}")
     return remote or None
-
-
-def open_store(spec: StoreSpec, progress: Progress | None = None, *, probe: bool = False) -> Store:
-    """The local store, read through to spec.remote when one is set (boto3 is imported only then), its downloads
-    reported to `progress`. Open it once per command: a remote-backed store keeps what it has checked. With `probe`
-    (a command's own store, not a worker's), the remote's bucket is checked on its first use."""
-    local = LocalStore(Path(spec.local))
-    if spec.remote is None:
-        return local
-    from qbuild.store.remote import RemoteStore
-    from qbuild.store.s3 import S3Remote
-
-    return RemoteStore(local, S3Remote(spec.remote, probe=probe), push=spec.push, progress=progress)

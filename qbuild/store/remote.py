@@ -30,6 +30,7 @@ from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_file, digest_json
 from qbuild.core.threads import map_all
 from qbuild.store.files import safe_join
+from qbuild.store import Store, StoreSpec
 from qbuild.store.local import LocalStore
 from qbuild.store.manifest import Manifest, tree_digest
 from qbuild.store.s3 import TRANSFER_THREADS, S3Remote
@@ -281,3 +282,14 @@ def remote_blobs_matching(remote: S3Remote, blobs: dict[str, tuple[str, int]], p
     finally:
         progress.end()
     return sound
+
+
+def open_store(spec: StoreSpec, progress: Progress | None = None, *, probe: bool = False) -> Store:
+    """The local store, read through to spec.remote when one is set, its downloads reported to `progress`. Open it
+    once per command: a remote-backed store keeps what it has checked. With `probe` (a command's own store, not a
+    worker's), the remote's bucket is checked on its first use. It lives here, not in the package, so that code
+    which only writes files (an action) does not have the remote's code, and boto3, in its keys."""
+    local = LocalStore(Path(spec.local))
+    if spec.remote is None:
+        return local
+    return RemoteStore(local, S3Remote(spec.remote, probe=probe), push=spec.push, progress=progress)

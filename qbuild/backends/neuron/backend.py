@@ -14,8 +14,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, SourceEnvironment, Sizes, StepContext
-from qbuild.backends.neuron import config, deploy
-from qbuild.backends.neuron import worker_env
+from qbuild.backends.neuron import config, deploy, releases, worker_env
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, lineage_for, port_dir
@@ -35,7 +34,7 @@ def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
         parallel=config.nxd_parallel(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
         dtype=r.dtype, fp8=r.fp8, moe_backend=checks.moe_backend(loaded, arch), fused_qkv=r.fused_qkv,
         batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
-        tkg_buckets=tuple(r.text.token_buckets), compiler=_compiler(r), toolchain=r.toolchain.pins(),
+        tkg_buckets=tuple(r.text.token_buckets), compiler=_compiler(r), toolchain=toolchain(loaded),
         port_env=dict(sorted(r.port.env.items())),
         # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
         pad_token_id=arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id,
@@ -48,8 +47,14 @@ def vision_compile_params(loaded: LoadedRecipe, arch: Arch, bucket: int) -> Neur
     r = loaded.recipe
     lineage = lineage_for(arch.family, r.port.lineage)
     return NeuronVisionCompile(graph="vision", bucket=bucket, backend="neuron", lineage=lineage.name,
-                               vision=arch.vision, dtype=r.dtype, compiler=_compiler(r), toolchain=r.toolchain.pins(),
+                               vision=arch.vision, dtype=r.dtype, compiler=_compiler(r), toolchain=toolchain(loaded),
                                port_env=dict(sorted(r.port.env.items())))
+
+
+def toolchain(loaded: LoadedRecipe) -> dict[str, str]:
+    """The exact SDK versions the recipe's toolchain names (a release, or four versions of one release)."""
+    t = loaded.recipe.toolchain
+    return releases.resolve(t.sdk, t.pins(), tuple(f.replace("_", "-") for f in t.from_source))
 
 
 def _compiler(r) -> CompilerSettings:
@@ -106,15 +111,21 @@ class NeuronBackend:
             checks.fail(loaded, "dtype", f"the port's vision encoder runs in bfloat16; a neuron recipe with vision "
                                          f"builds in bfloat16, not {r.dtype}")
         if r.parallel.ep > 1:
-            # NxD's ExpertMLPsV2 refuses EP in selective-loading decode (it raises) (expert_mlps_v2.py @
-            # fbac349; Qwen3.5-35B-A3B README). Coder-Next's README works around it with a patch of
-            # ExpertMLPsV2.forward that is in no public commit of the port (PR 170 @ 753c7f5).
-            checks.fail(loaded, "parallel.ep", f"no public {lineage.name}-lineage port runs expert parallelism in "
-                                               "decode (NxD refuses it without an unpublished patch); use ep: 1")
-        for dist, version in r.toolchain.pins().items():
-            if version is None:
-                checks.fail(loaded, "toolchain", f"a neuron build pins the Neuron SDK: set "
-                                                 f"toolchain.{dist.replace('-', '_')} (see recipes/bases/trn2.yaml)")
+            # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is under
+            # DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0) and raises NotImplementedError for that path under an
+            # expert-parallel group (expert_mlps_v2.py L1471-1481, model_utils.py L93 @ fbac349); no public port
+            # patches it. Above the threshold decode would run, but context encoding's non-blockwise paths index
+            # all experts while a rank holds experts/ep: PR 170's README (L155 @ 753c7f5) patches that with code
+            # that is not in the port. docs/nxdi.md section 14.
+            load = r.text.batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
+            checks.fail(loaded, "parallel.ep", f"NxD raises NotImplementedError when decoding with expert "
+                                               f"parallelism below one routed expert per expert (batch_size x "
+                                               f"top_k / experts = {load:.3g} here), and its context encoding "
+                                               "under EP needs a patch no public port has; use ep: 1")
+        try:
+            toolchain(loaded)
+        except releases.ToolchainError as e:
+            checks.fail(loaded, f"toolchain.{e.field}", e.msg)
 
     @staticmethod
     def _validate_port_env(loaded: LoadedRecipe) -> None:

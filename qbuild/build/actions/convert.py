@@ -10,7 +10,7 @@ from qbuild.recipe.source import locate, read_snapshot
 
 
 def run(ctx: RunContext) -> None:
-    from qbuild.model.convert import convert_checkpoint
+    from qbuild.model.convert.convert import convert_checkpoint
 
     p: ConvertParams = ctx.params
     files = locate(read_snapshot(ctx.inputs["snapshot"]), ctx.context)

@@ -7,7 +7,7 @@ from qbuild.recipe.params import ShardParams
 
 
 def run(ctx: RunContext) -> None:
-    from qbuild.model.convert import shard_checkpoint
+    from qbuild.model.convert.shard import shard_checkpoint
 
     p: ShardParams = ctx.params
     shard_checkpoint(ctx.inputs["converted"], ctx.out, tp=p.tp, ep=p.ep, fused_qkv=p.fused_qkv,

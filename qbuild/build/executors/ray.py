@@ -28,7 +28,8 @@ from qbuild.planning.keys import REGISTRY, ActionSpec, Registry
 from qbuild.core.errors import InfraError, QbuildError, UserError
 from qbuild.build.job import Job, build_job
 from qbuild.planning.plan import Node
-from qbuild.store import StoreSpec, default_store_path, open_store
+from qbuild.store import StoreSpec, default_store_path
+from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest
 from qbuild.store.remote import RemoteStore, push_manifests, upload_blobs
 
@@ -151,10 +152,11 @@ def _check_same_action(job: Job, action: ActionSpec) -> None:
     """A worker whose action source or toolchain differs from the driver's would file its output under a key
     that does not describe it; refuse rather than publish a wrong artifact."""
     differs = []
-    if action.source_hash != job.preimage.get("version"):
-        differs.append(f"{job.kind} action source {action.source_hash[:12]} (driver: "
+    source_hash = action.source_hash(job.backend)
+    if source_hash != job.preimage.get("version"):
+        differs.append(f"{job.kind} action source {source_hash[:12]} (driver: "
                        f"{str(job.preimage.get('version'))[:12]})")
-    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions()
+    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions(job.backend)
     differs += [f"{d} {ours.get(d, 'absent')} (driver: {theirs.get(d, 'absent')})"
                 for d in sorted(set(theirs) | set(ours)) if ours.get(d) != theirs.get(d)]
     if differs:

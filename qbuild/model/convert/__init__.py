@@ -11,19 +11,6 @@ itself writes for the three port lineages.
 
 from __future__ import annotations
 
-import importlib
-
 from qbuild.model.convert.errors import CheckpointError, ShardError
 
-# The entry points import torch, and a header check (checkpoint.py) runs where nothing else needs it: they load when
-# first named.
-_ENTRY_POINTS = {"convert_checkpoint": "convert", "convert_state_dict": "convert", "shard_checkpoint": "shard",
-                 "shard_state_dict": "shard"}
-
-__all__ = ["CheckpointError", "ShardError", *_ENTRY_POINTS]
-
-
-def __getattr__(name: str):
-    if name not in _ENTRY_POINTS:
-        raise AttributeError(f"module 'qbuild.model.convert' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"qbuild.model.convert.{_ENTRY_POINTS[name]}"), name)
+__all__ = ["CheckpointError", "ShardError"]

@@ -1,0 +1,183 @@
+"""Keys come from the code itself: for every module under qbuild/, a code edit changes exactly the keys of the actions
+whose import closure holds it, a comment or docstring edit changes none, and the closure agrees with an independent
+reading of the bytecode (the standard library's modulefinder). Generated from the tree, never hand-listed."""
+
+from __future__ import annotations
+
+import ast
+import json
+import modulefinder
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from qbuild import backends
+from qbuild.planning.keys import REGISTRY
+from qbuild.planning.sources import Sources
+from tests.conftest import REPO, qbuild
+
+PACKAGE = REPO / "qbuild"
+# (kind, backend): an action alone, or with the backend whose code a node of it runs (qbuild.backends.get).
+PAIRS = [(kind, backend) for kind in REGISTRY for backend in (None, *backends.NAMES)]
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    out = {}
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root.parent).with_suffix("")
+        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
+        out[".".join(parts)] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    """A copy of the qbuild package, edited by the tests and restored after each edit."""
+    root = tmp_path_factory.mktemp("hermetic") / "qbuild"
+    shutil.copytree(PACKAGE, root, ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def _hashes(sources: Sources) -> dict[tuple, str]:
+    return {(kind, backend): REGISTRY[kind].source_hash(backend, sources) for kind, backend in PAIRS}
+
+
+def _code_edit(text: str) -> str:
+    return text + "\n_hermetic_probe = 1\n"
+
+
+def _comment_edit(text: str) -> str:
+    """A comment, blank lines, a re-wrapped line's worth of whitespace, and a changed docstring: no code."""
+    tree = ast.parse(text)
+    lines = text.splitlines(keepends=True)
+    doc = ast.get_docstring(tree, clean=False)
+    if doc is not None:
+        node = tree.body[0].value
+        line = lines[node.lineno - 1]
+        col = node.col_offset
+        while line[col] not in "\"'":
+            col += 1
+        quote = line[col:col + 3] if line[col:col + 3] in ('"""', "'''") else line[col]
+        col += len(quote)
+        lines[node.lineno - 1] = line[:col] + "Edited. " + line[col:]
+    return "# an edited comment\n\n" + "".join(lines) + "\n\n# another one\n"
+
+
+def test_every_module_edit_changes_exactly_the_keys_whose_closure_holds_it(tree):
+    facts: dict = {}
+    base = Sources({"qbuild": tree}, _facts=facts)
+    before = _hashes(base)
+    closures = {pair: {name for name, _ in REGISTRY[pair[0]].closure(pair[1], base).modules} for pair in PAIRS}
+    modules = _modules(tree)
+    assert len(modules) > 80, "the walk found the package"
+    for name, path in modules.items():
+        original = path.read_text()
+        try:
+            path.write_text(_comment_edit(original))
+            after = _hashes(Sources({"qbuild": tree}, _facts=facts))
+            assert after == before, f"a comment/docstring edit of {name} changed keys"
+            path.write_text(_code_edit(original))
+            after = _hashes(Sources({"qbuild": tree}, _facts=facts))
+            changed = {pair for pair in PAIRS if after[pair] != before[pair]}
+            expected = {pair for pair in PAIRS if name in closures[pair]}
+            assert changed == expected, f"a code edit of {name}: changed {sorted(map(str, changed))}, " \
+                                        f"expected {sorted(map(str, expected))}"
+        finally:
+            path.write_text(original)
+
+
+def test_a_data_file_edit_changes_the_keys_of_the_actions_that_declare_it(tree):
+    facts: dict = {}
+    before = _hashes(Sources({"qbuild": tree}, _facts=facts))
+    golden = tree / "golden" / "prompts.json"
+    original = golden.read_text()
+    try:
+        doc = json.loads(original)
+        golden.write_text(json.dumps(doc, indent=3) + "\n")   # same data, other bytes: still an edit of the input
+        after = _hashes(Sources({"qbuild": tree}, _facts=facts))
+    finally:
+        golden.write_text(original)
+    assert {pair for pair in PAIRS if after[pair] != before[pair]} == {pair for pair in PAIRS if pair[0] == "reference"}
+
+
+def _type_checking_imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING"):
+            for child in node.body:
+                for sub in ast.walk(child):
+                    if isinstance(sub, ast.ImportFrom) and sub.module:
+                        out.add(sub.module)
+                        out.update(f"{sub.module}.{a.name}" for a in sub.names)
+                    elif isinstance(sub, ast.Import):
+                        out.update(a.name for a in sub.names)
+    return out
+
+
+@pytest.mark.parametrize("kind,backend", PAIRS)
+def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(kind, backend):
+    """modulefinder follows every import instruction of the compiled code (nested functions too). It also follows
+    imports under `if TYPE_CHECKING:`, which never run, so those it is told to skip; then it finds exactly the
+    closure."""
+    sources = Sources({"qbuild": PACKAGE})
+    ours = {name for name, _ in REGISTRY[kind].closure(backend, sources).modules}
+    typing_only = set()
+    for name, path in _modules(PACKAGE).items():
+        if name in ours:
+            typing_only |= _type_checking_imports(path)
+    finder = modulefinder.ModuleFinder(path=[str(REPO)], excludes=sorted(typing_only - ours))
+    for module in [REGISTRY[kind].module] + ([backends.implementation_module(backend)] if backend else []):
+        finder.import_hook(module)
+    theirs = {name for name in finder.modules if name == "qbuild" or name.startswith("qbuild.")}
+    assert ours == theirs
+
+
+ALLOWED_DYNAMIC_IMPORTS = {
+    "qbuild.build.job",                     # the action entry itself (its closure is the key)
+    "qbuild.backends",                      # a backend's implementation (joins the key of nodes that run it)
+    "qbuild.backends.neuron.sdk_worker",    # a port's modules in the SDK worker (keyed as the port's files)
+}
+
+
+def test_no_import_is_hidden_from_the_walk():
+    """An import the static walk cannot see is a key that misses code: each dynamic import is accounted for."""
+    found = set()
+    for name, path in _modules(PACKAGE).items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = ast.unparse(node.func)
+                if func in ("importlib.import_module", "__import__", "import_module", "importlib.__import__"):
+                    found.add(name)
+    assert found == ALLOWED_DYNAMIC_IMPORTS
+
+
+@pytest.mark.slow
+def test_keys_do_not_depend_on_the_directory_user_tmpdir_or_unrelated_environment(dense_project, tmp_path):
+    """A built project planned from elsewhere, as another user (HOME, USER, caches), with another TMPDIR and
+    unrelated variables set: every node is cached under the same key."""
+    project = tmp_path / "project"
+    shutil.copytree(dense_project, project, symlinks=True)
+    lock = project / "artifacts.lock"
+    store = project / "store"
+
+    def keys(cwd: Path, env: dict) -> dict:
+        proc = qbuild("plan", str(project / "recipes" / "tiny-dense.yaml"), "--json", "--lock", str(lock),
+                      "--store", str(store), cwd=cwd, env=env, check=True)
+        return {n["id"]: (n["key"], n["status"]) for n in json.loads(proc.stdout)["nodes"]}
+
+    reference = keys(project, {})
+    assert reference and all(status == "cached" for _, status in reference.values())
+    elsewhere = tmp_path / "elsewhere" / "deeper"
+    elsewhere.mkdir(parents=True)
+    other_home = tmp_path / "other-home"
+    other_home.mkdir()
+    other_tmp = tmp_path / "other-tmp"
+    other_tmp.mkdir()
+    env = {"HOME": str(other_home), "USER": "someone-else", "LOGNAME": "someone-else",
+           "XDG_CACHE_HOME": str(other_home / ".cache"), "TMPDIR": str(other_tmp), "LANG": "C",
+           "SKIP_MOE_COMPUTE": "1", "CUDA_VISIBLE_DEVICES": "3", "OMP_NUM_THREADS": "1", "SOME_UNRELATED": "x"}
+    assert keys(elsewhere, env) == reference
+    os.utime(project / "recipes" / "tiny-dense.yaml")   # a touched recipe: same content, same keys
+    assert keys(project, {"TMPDIR": str(other_tmp)}) == reference

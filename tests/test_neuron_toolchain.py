@@ -1,0 +1,88 @@
+"""A neuron recipe names a Neuron SDK release, or four versions of one release: what a standard host can have. The
+release table is docs/neuron-sdk.md's (the SDK's package manifest); these tests check the recipes and the refusals
+against it."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from qbuild.backends.neuron.releases import RELEASES, ToolchainError, resolve
+from tests.conftest import REPO, qbuild
+from tests.nxdi_double import MAIN_PORT
+
+SHIPPED = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def _plan_toolchain(recipe) -> dict:
+    import json
+
+    proc = qbuild("plan", str(recipe), "--json", check=True)
+    compiles = [n for n in json.loads(proc.stdout)["nodes"] if n["kind"] == "compile"]
+    assert compiles
+    pins = {json.dumps(n["params"]["toolchain"], sort_keys=True) for n in compiles}
+    assert len(pins) == 1, "every compile of a recipe runs one toolchain"
+    return json.loads(pins.pop())
+
+
+def test_coder_next_builds_with_the_sdk_its_port_was_validated_on():
+    # Its README names neuronx-cc 2.25.3371 and NxDI 0.10.17970: SDK 2.30.0, with that release's NxD and torch-neuronx.
+    assert _plan_toolchain(REPO / "recipes" / "coder-next-tp8.yaml") == {
+        "neuronx-cc": "2.25.3371.0", "neuronx-distributed": "0.19.28093",
+        "neuronx-distributed-inference": "0.10.17970", "torch-neuronx": "2.9.0.2.14.27725"}
+
+
+@pytest.mark.parametrize("recipe", [r for r in SHIPPED if "36-27b" not in r.name], ids=lambda p: p.name)
+def test_every_shipped_recipe_pins_one_release_exactly(recipe):
+    toolchain = _plan_toolchain(recipe)
+    assert toolchain in RELEASES.values()
+
+
+def test_a_component_from_a_source_tree_is_pinned_as_the_tree_reports_it():
+    toolchain = _plan_toolchain(REPO / "recipes" / "36-27b-fp8-128k.yaml")
+    release = RELEASES[yaml.safe_load((REPO / "recipes/bases/trn2.yaml").read_text())["toolchain"]["sdk"]]
+    assert toolchain == {**release, "neuronx-distributed-inference": "0.9.0"}
+
+
+def test_a_mixed_set_is_refused_naming_the_release_of_each_version():
+    pins = {"neuronx-cc": "2.25.3371.0", "neuronx-distributed": "0.19.28492",
+            "neuronx-distributed-inference": "0.10.18399", "torch-neuronx": "2.9.0.2.15.32035"}
+    with pytest.raises(ToolchainError) as e:
+        resolve(None, pins)
+    assert "neuronx_cc 2.25.3371.0 (SDK 2.30.0)" in str(e.value)
+    assert "neuronx_distributed 0.19.28492 (SDK 2.31.0, 2.31.1)" in str(e.value)
+    assert resolve(None, {**pins, "neuronx-cc": "2.26.6360.0"}) == {**pins, "neuronx-cc": "2.26.6360.0"}
+    # Versions written short resolve to the release's exact ones: one key for one toolchain.
+    short = {**pins, "neuronx-cc": "2.26.6360", "torch-neuronx": "2.9.0.2.15"}
+    assert resolve(None, short) == RELEASES["2.31.0"]
+
+
+def test_a_pin_beside_a_release_must_be_that_release_s():
+    with pytest.raises(ToolchainError, match=r"2.25.3371 is not SDK 2.31.0's \(2.26.6360.0\); it ships with SDK "
+                                             r"2.30.0") as e:
+        resolve("2.31.0", {"neuronx-cc": "2.25.3371"})
+    assert e.value.field == "neuronx_cc"
+    assert resolve("2.31.0", {"neuronx-cc": "2.26.6360"})["neuronx-cc"] == "2.26.6360.0"
+    with pytest.raises(ToolchainError, match="no SDK release ships it"):
+        resolve("2.31.0", {"neuronx-distributed-inference": "0.9.0"})
+    with pytest.raises(ToolchainError, match="'2.99.0' is not a Neuron SDK release"):
+        resolve("2.99.0", {})
+
+
+def _recipe(tmp_path, toolchain: dict):
+    base = yaml.safe_load((REPO / "recipes" / "2b-tp8.yaml").read_text())
+    base["extends"] = str(REPO / "recipes" / "bases" / "trn2.yaml")
+    base["port"] = {"lineage": "main", "path": str(MAIN_PORT)}
+    base["toolchain"] = toolchain
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(base, sort_keys=False))
+    return path
+
+
+def test_validate_refuses_a_mixed_toolchain_in_one_line_naming_the_field(tmp_path):
+    recipe = _recipe(tmp_path, {"sdk": "2.31.0", "neuronx_cc": "2.25.3371.0"})
+    proc = qbuild("recipe", "validate", str(recipe))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "toolchain.neuronx_cc" in lines[0] and "SDK 2.30.0" in lines[0], proc.stderr
+    assert str(recipe) in lines[0]
