@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.backends.neuron.releases import RELEASES
 from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_file
 from qbuild.store import LocalStore, compile_cache
@@ -174,7 +175,8 @@ def test_compiles_share_neffs_through_the_remote_and_the_store_drops_cached_fail
     recipe = write_recipe(a.root / "recipes" / "dense.yaml", checkpoint, MAIN_PORT)
     result, stderr = a.compile(recipe, "--remote", url, "--push", **s3)
     compiled(result, stderr)
-    (group,) = [g for g in compile_cache.groups(a.store) if g.name.startswith(f"{TOOLCHAIN['neuronx_cc']}/trn2/")]
+    pin = RELEASES[TOOLCHAIN["sdk"]]["neuronx-cc"]
+    (group,) = [g for g in compile_cache.groups(a.store) if g.name.startswith(f"{pin}/trn2/")]
     layout = {p.relative_to(e).as_posix() for e in compile_cache.entries(group.path) for p in e.iterdir()}
     assert layout == {"model.hlo_module.pb", "compile_flags.json", "model.neff", "model.done"}
     keys = [o["Key"] for o in server.client().list_objects_v2(Bucket=BUCKET, Prefix="share/neuron-compile-cache/")

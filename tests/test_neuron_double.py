@@ -196,7 +196,8 @@ def test_compile_environment(dense):
     work_dir = Path(env["BASE_COMPILE_WORK_DIR"])
     assert work_dir.is_absolute() and work_dir.parent == dense.work and dense.work.stat().st_mode & 0o777 == 0o700
     cache = Path(env["NEURON_COMPILE_CACHE_URL"])
-    assert cache.parent == dense.store.resolve() / "neuron-compile-cache" / TOOLCHAIN["neuronx_cc"] / "trn2"
+    pin = RELEASES[TOOLCHAIN["sdk"]]["neuronx-cc"]
+    assert cache.parent == dense.store.resolve() / "neuron-compile-cache" / pin / "trn2"
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and env["NEURON_PLATFORM_TARGET_OVERRIDE"] == "trn2"
     (init,) = dense.calls("app_init")
     port_module = Path(init["files"]["src.modeling_qwen35.NeuronQwen35ForCausalLM"])

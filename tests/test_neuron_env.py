@@ -19,9 +19,7 @@ from tests.conftest import qbuild
 from tests.nxdi_double import MOE_PORT
 from tests.test_neuron_double import Build, compiled, write_recipe
 
-PINS = """toolchain: {neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492,
-            neuronx_distributed_inference: 0.10.18399, torch_neuronx: 2.9.0.2}
-"""
+PINS = 'toolchain: {sdk: "2.31.0"}\n'
 # What qbuild itself sets for a compile (qbuild.backends.neuron.driver, worker_env).
 COMPILE_SET = {"BASE_COMPILE_WORK_DIR", "NEURON_COMPILE_CACHE_URL", "NEURON_LOGICAL_NC_CONFIG",
                "NEURON_PLATFORM_TARGET_OVERRIDE", "TMPDIR"}

@@ -27,9 +27,7 @@ from tests.nxdi_double import MAIN_PORT, MAIN_SUBDIR, MOE_SUBDIR, port_repositor
 from tests.test_neuron_double import Build, compiled, require_bundle, write_recipe
 
 MISSING = "0123456789abcdef0123456789abcdef01234567"
-PINS = """toolchain: {neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492,
-            neuronx_distributed_inference: 0.10.18399, torch_neuronx: 2.9.0.2}
-"""
+PINS = 'toolchain: {sdk: "2.31.0"}\n'
 
 
 @pytest.fixture(scope="module")
