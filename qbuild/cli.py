@@ -273,7 +273,9 @@ def _serve_instructions(bundle: Path) -> dict | None:
 @app.command("gc")
 def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what would be removed; remove nothing"),
            keep_size: str = typer.Option("10G", "--keep-size", metavar="SIZE",
-                                         help="unlocked entries kept locally, most recently used first (e.g. 20G, 0)"),
+                                         help="unlocked entries and Neuron compile cache kept locally, most "
+                                              "recently used first; the cache's budget also on the remote (e.g. 20G, "
+                                              "0)"),
            grace: str = typer.Option("1h", "--grace", metavar="AGE",
                                      help="entries written this recently are kept, as is everything a running "
                                           "build holds (e.g. 30m, 2h, 0)"),
@@ -307,7 +309,8 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     if remote is not None:
         from qbuild.store.s3 import S3Remote
 
-        reports.append(gc_remote(S3Remote(remote, probe=True), docs, dry_run=dry_run, grace_s=grace_s))
+        reports.append(gc_remote(S3Remote(remote, probe=True), docs, keep_size=budget, dry_run=dry_run,
+                                 grace_s=grace_s))
     print_gc(reports, ["local store", remote], json_)
 
 
@@ -380,7 +383,8 @@ def _locked_recipe(doc: dict, lock: Path, name: str, load_recipe):
 
 
 @store_app.command("verify")
-def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corrupt entries and orphaned staging"),
+def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corrupt entries, orphaned staging and "
+                                                                     "incomplete compile cache entries"),
                  store: Optional[Path] = StoreOpt, json_: bool = JsonOpt) -> None:
     """Check every blob's digest and every manifest; with --repair, remove what is broken so it gets rebuilt."""
     ws = _workspace(store, Path("artifacts.lock"))

@@ -389,12 +389,16 @@ def print_gc(reports: list[GcReport], wheres: list[str], as_json: bool) -> None:
     for report in reports:
         for r in report.removed:
             label = f" ({r.kind})" if r.kind else ""
-            print(f"{verb} {r.what} {r.name[:16]}{label} {human_bytes(r.size)} [{r.where}]")
+            name = r.name if r.what == "cache" else r.name[:16]   # a cache group is named by its folder
+            print(f"{verb} {r.what} {name}{label} {human_bytes(r.size)} [{r.where}]")
     for report, where in zip(reports, wheres):
         manifests = sum(r.what == "manifest" for r in report.removed)
-        _err_line(f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests} blobs "
-                  f"({human_bytes(report.bytes_freed)}); kept {report.kept_manifests} manifests, "
+        caches = sum(r.what == "cache" for r in report.removed)
+        _err_line(f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests - caches} blobs"
+                  + (f" and {caches} compile cache groups" if caches else "")
+                  + f" ({human_bytes(report.bytes_freed)}); kept {report.kept_manifests} manifests, "
                   f"{report.kept_blobs} blobs"
+                  + (f", {report.kept_cache} compile cache groups" if report.kept_cache else "")
                   + (f", {report.young_orphans} unnamed blobs younger than --grace" if report.young_orphans else ""))
 
 

@@ -1,16 +1,18 @@
 """The neuron backend end to end through the CLI, against the NxDI contract double (tests/nxdi_double).
 
 The Neuron SDK does not install on a CPU host. The double plays its public surface (NeuronConfig, the application's
-compile and load, the metaneff, torch_neuronx.trace, the HF generation adapter) strictly, records every call in
-$NXDI_DOUBLE_LOG, and ships two fake ports, one per lineage. These tests build tiny checkpoints with `backend: neuron`
-and `--skip-device` (verify needs NeuronCores) and assert what reached the SDK: the configuration, the environment, the
-compiler arguments, the compile cache, and that the bundle loads as NxDI's compiled directory.
+compile and load, the metaneff, torch_neuronx.trace, the HF generation adapter) strictly, records every call in the
+log its settings name (tests.nxdi_double.settings_dir), and ships two fake ports, one per lineage. These tests build
+tiny checkpoints with `backend: neuron` and `--skip-device` (verify needs NeuronCores) and assert what reached the SDK:
+the configuration, the environment, the compiler arguments, the compile cache, and that the bundle loads as NxDI's
+compiled directory.
 Packaging checks every shard against the weights the double's metaneff names (NxD's keys and per-rank shapes, derived
 by the fake ports from docs/nxdi.md section 4), so a bundle that packages carries shards in NxD's exact format.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -24,7 +26,8 @@ import yaml
 
 from qbuild.backends.neuron.releases import RELEASES
 from tests.conftest import REPO, qbuild
-from tests.nxdi_double import MAIN_PORT, MOE_PORT, ROOT, SITE, metadata_overlay, read_log, replicated_deltanet_port
+from tests.nxdi_double import (MAIN_PORT, MAIN_SUBDIR, MOE_PORT, ROOT, SITE, metadata_overlay, port_repository,
+                                read_log, replicated_deltanet_port, settings_dir)
 
 # One worker takes the whole file, so the module-scoped build `dense` is built once.
 pytestmark = pytest.mark.xdist_group("neuron-double")
@@ -35,16 +38,17 @@ PORT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation -
              "--auto-cast=none")    # contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py get_compiler_args @ 4bcdc54
 MOE_PORT_ARGS = PORT_ARGS + " --internal-enable-dge-levels vector_dynamic_offsets"   # Coder-Next PR 170 @ 753c7f5
 def _pythonpath(sdk: bool = True, overlay: tuple[Path, ...] = ()) -> str:
-    """The CLI's PYTHONPATH: version overlays, the double's site (when the SDK should be there), this checkout."""
-    parts = [*overlay, SITE] if sdk else []
+    """The CLI's PYTHONPATH: the double's settings and version overlays, the double's site (when the SDK should be
+    there), this checkout."""
+    parts = [*overlay, SITE] if sdk else list(overlay)
     return os.pathsep.join(str(p) for p in (*parts, REPO))
 
 
-def write_recipe(path: Path, checkpoint: Path, port_dir: Path, **changes) -> Path:
+def write_recipe(path: Path, checkpoint: Path, port_dir: Path | None, **changes) -> Path:
     """A tiny neuron recipe (JSON is YAML): the shipped toolchain pins, tp 2, tiny buckets, thresholds that pass any
     output (the double cannot compute), short prompts that fit the buckets. `changes` replace top-level fields;
-    a `text` or `port` mapping is merged."""
-    doc = {"model": {"path": str(checkpoint)}, "backend": "neuron", "port": {"path": str(port_dir)},
+    a `text` or `port` mapping is merged (without `port_dir`, `port` names the port: a git port)."""
+    doc = {"model": {"path": str(checkpoint)}, "backend": "neuron", "port": {"path": str(port_dir)} if port_dir else {},
            "parallel": {"tp": 2}, "dtype": "bfloat16",
            "text": {"batch_size": 1, "seq_len": 128, "cte_buckets": [32, 64], "tkg_buckets": [64]},
            "compiler": {"target": "trn2", "lnc": 2, "flags": [RECIPE_FLAG]}, "toolchain": TOOLCHAIN,
@@ -82,15 +86,21 @@ class Build:
     def work(self) -> Path:
         return self.root / "nxd-work"
 
-    def env(self, sdk: bool = True, overlay: tuple[Path, ...] = (), **extra) -> dict:
-        return {"PYTHONPATH": _pythonpath(sdk, overlay), "NXDI_DOUBLE_LOG": str(self.log),
-                "QBUILD_NEURON_WORKDIR": str(self.work), "HF_HUB_OFFLINE": "1", "HF_HOME": str(self.root / "hf"),
-                "XDG_CACHE_HOME": str(self.root / "xdg"), **extra}
+    def env(self, sdk: bool = True, overlay: tuple[Path, ...] = (), log: Path | None = None,
+            barrier: str | None = None, **extra) -> dict:
+        """The CLI's environment: the double's settings (its call log: `log`, else this build's) first on PYTHONPATH,
+        the work-dir root, no network."""
+        log = log or self.log
+        settings = settings_dir(self.root / "double-settings" / hashlib.sha256(f"{log}|{barrier}".encode()).hexdigest()
+                                [:12], log=log, barrier=barrier)
+        return {"PYTHONPATH": _pythonpath(sdk, (settings, *overlay)), "QBUILD_NEURON_WORKDIR": str(self.work),
+                "HF_HUB_OFFLINE": "1", "HF_HOME": str(self.root / "hf"), "XDG_CACHE_HOME": str(self.root / "xdg"),
+                **extra}
 
     def cli(self, *args: str, lock: Path | None = None, sdk: bool = True, overlay: tuple[Path, ...] = (),
-            **extra) -> subprocess.CompletedProcess:
+            log: Path | None = None, **extra) -> subprocess.CompletedProcess:
         return qbuild(*args, "--store", str(self.store), "--lock", str(lock or self.lock),
-                      env=self.env(sdk, overlay, **extra))
+                      env=self.env(sdk, overlay, log, **extra))
 
     def compile(self, recipe: Path, *flags: str, lock: Path | None = None, **kw) -> tuple[dict, str]:
         """`qbuild compile --skip-device --json`: (the result document, stderr)."""
@@ -102,7 +112,8 @@ class Build:
         return [c for c in read_log(self.log) if c["call"] == name]
 
     def cache_entries(self) -> list[Path]:
-        return sorted((self.store / "neuron-compile-cache").glob("neuronxcc-*/MODULE_*"))
+        """The compile cache's entries: <pin>/<target>/<group>/neuronxcc-<version>/MODULE_<key>."""
+        return sorted((self.store / "neuron-compile-cache").glob("*/*/*/neuronxcc-*/MODULE_*"))
 
     def node_outputs(self, recipe: str, role: str, dest: Path) -> Path:
         """A locked node's outputs laid out in `dest` (hardlinks from the store)."""
@@ -177,13 +188,16 @@ def test_one_compile_builds_every_bucket_of_both_submodels(dense):
 
 @pytest.mark.slow
 def test_compile_environment(dense):
-    """What the compile subprocess saw: its own absolute work dir under QBUILD_NEURON_WORKDIR, the store's compile
-    cache, LNC and target set before NxDI was imported, and the port directory (not src/) first on sys.path."""
+    """What the compile subprocess saw: its own absolute work dir under QBUILD_NEURON_WORKDIR (made 0700), the store's
+    compile cache for the recipe's neuronx-cc pin and target, LNC and target set before NxDI was imported, and the
+    port directory (not src/) first on sys.path."""
     call = _compile_call(dense)
     env = call["env"]
     work_dir = Path(env["BASE_COMPILE_WORK_DIR"])
-    assert work_dir.is_absolute() and work_dir.parent == dense.work
-    assert env["NEURON_COMPILE_CACHE_URL"] == str(dense.store.resolve() / "neuron-compile-cache")
+    assert work_dir.is_absolute() and work_dir.parent == dense.work and dense.work.stat().st_mode & 0o777 == 0o700
+    cache = Path(env["NEURON_COMPILE_CACHE_URL"])
+    pin = RELEASES[TOOLCHAIN["sdk"]]["neuronx-cc"]
+    assert cache.parent == dense.store.resolve() / "neuron-compile-cache" / pin / "trn2"
     assert env["NEURON_LOGICAL_NC_CONFIG"] == "2" and env["NEURON_PLATFORM_TARGET_OVERRIDE"] == "trn2"
     (init,) = dense.calls("app_init")
     port_module = Path(init["files"]["src.modeling_qwen35.NeuronQwen35ForCausalLM"])
@@ -232,7 +246,7 @@ def test_concurrent_builds_get_distinct_work_dirs(dense, tmp_path):
                write_recipe(tmp_path / "conc-b.yaml", Path(json.loads(dense.recipe.read_text())["model"]["path"]),
                             MAIN_PORT, port={"env": {"QWEN36_DELTANET_CTE_IMPL": "legacy_direct"}})]
     log = tmp_path / "concurrent.jsonl"
-    env = dict(os.environ, **dense.env(NXDI_DOUBLE_LOG=str(log), NXDI_DOUBLE_BARRIER=f"{tmp_path / 'barrier'}:2"))
+    env = dict(os.environ, **dense.env(log=log, barrier=f"{tmp_path / 'barrier'}:2"))
     procs = [subprocess.Popen([sys.executable, "-m", "qbuild.cli", "compile", str(r), "--skip-device", "--json",
                                "--store", str(dense.store), "--lock", str(tmp_path / f"{r.stem}.lock")],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -269,7 +283,7 @@ def test_adding_a_bucket_compiles_one_neff(dense, tmp_path):
     assert "1 new NEFF (tkg-128), 3 reused from the Neuron compile cache" in line, explained.stdout
     before = dense.cache_entries()
     log = tmp_path / "log.jsonl"
-    result, stderr = dense.compile(recipe, lock=lock, NXDI_DOUBLE_LOG=str(log))
+    result, stderr = dense.compile(recipe, lock=lock, log=log)
     compiled(result, stderr)
     assert len(dense.cache_entries()) == len(before) + 1
     first = _compile_call(dense)
@@ -286,7 +300,7 @@ def test_adding_a_bucket_compiles_one_neff(dense, tmp_path):
     (line,) = [ln for ln in explained.stdout.splitlines() if ln.startswith("compile text")]
     assert "3 new NEFFs (cte-16, cte-32, cte-64), 2 reused from the Neuron compile cache" in line, explained.stdout
     before = dense.cache_entries()
-    result, stderr = dense.compile(recipe, lock=lock, NXDI_DOUBLE_LOG=str(log))
+    result, stderr = dense.compile(recipe, lock=lock, log=log)
     compiled(result, stderr)
     assert len(dense.cache_entries()) == len(before) + 3
     third = [c for c in read_log(log) if c["call"] == "compile"][-1]
@@ -305,7 +319,7 @@ def test_bundle_loads_with_the_port_class(dense, tmp_path):
     script = ("import sys; sys.path.insert(0, sys.argv[2]); from src.modeling_qwen35 import NeuronQwen35ForCausalLM; "
               "m = NeuronQwen35ForCausalLM(sys.argv[1]); m.load(sys.argv[1])")
     proc = subprocess.run([sys.executable, "-c", script, str(bundle), str(bundle / "port")], capture_output=True,
-                          text=True, env=dict(os.environ, **dense.env(NXDI_DOUBLE_LOG=str(tmp_path / "load.jsonl")),
+                          text=True, env=dict(os.environ, **dense.env(log=tmp_path / "load.jsonl"),
                                               **record["config"]["env"]))
     assert proc.returncode == 0, proc.stderr
     (load,) = [c for c in read_log(tmp_path / "load.jsonl") if c["call"] == "load"]
@@ -417,7 +431,7 @@ def test_mismatching_toolchain_fails_compile_naming_both_versions(dense, tmp_pat
     checkpoint = Path(json.loads(dense.recipe.read_text())["model"]["path"])
     recipe = write_recipe(tmp_path / "sdk.yaml", checkpoint, MAIN_PORT, text={"cte_buckets": [16, 64]})
     proc = dense.cli("compile", str(recipe), "--skip-device", lock=lock, overlay=(overlay,),
-                     NXDI_DOUBLE_LOG=str(tmp_path / "log.jsonl"))
+                     log=tmp_path / "log.jsonl")
     assert proc.returncode == 1, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if installed in ln]
     pinned = RELEASES[TOOLCHAIN["sdk"]]["neuronx-distributed-inference"]
@@ -426,14 +440,13 @@ def test_mismatching_toolchain_fails_compile_naming_both_versions(dense, tmp_pat
 
 
 def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
-    """recipes/35b-a3b-tp8.yaml (its port pointed at the fake, its model pinned to a commit so that it is keyed
-    offline) plans offline to the same keys whether or not the SDK is importable: keys are made from the pins, never
-    from what is installed. Without the SDK its compile fails with one line naming the missing package, and the exit
-    code of a failed step."""
+    """recipes/35b-a3b-tp8.yaml (its model pinned to a commit, so that it is keyed offline) plans offline, its git
+    port neither fetched nor read by planning, to the same keys whether or not the SDK is importable: keys are made
+    from the pins, never from what is installed. With its port fetched from a local repository instead, its compile
+    without the SDK fails with one line naming the missing package, and the exit code of a failed step."""
     recipe = tmp_path / "35b-a3b-tp8.yaml"
     doc = yaml.safe_load((REPO / "recipes/35b-a3b-tp8.yaml").read_text())
     doc["extends"] = str(REPO / "recipes/bases/trn2.yaml")
-    doc["port"]["path"] = str(MAIN_PORT)
     doc["model"]["revision"] = "0123456789abcdef0123456789abcdef01234567"
     recipe.write_text(yaml.safe_dump(doc))
     build = Build(tmp_path)
@@ -443,6 +456,9 @@ def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
         assert proc.returncode == 0, proc.stderr
         plans.append({n["id"]: (n["key"], n["status"]) for n in json.loads(proc.stdout)["nodes"]})
     assert plans[0] == plans[1]
+    repo = port_repository(tmp_path / "nxdi")
+    doc["port"].update(git=repo.url, rev=repo.first, subdir=MAIN_SUBDIR)
+    recipe.write_text(yaml.safe_dump(doc))
     proc = build.cli("compile", str(recipe), "--keep-going", "--skip-device", "--mem", "1T", sdk=False)
     # Offline, the commit's fetch fails too (infrastructure, exit 3); what matters is the compile's own line.
     assert proc.returncode in (1, 3)
@@ -494,7 +510,7 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     require_bundle(dense.result, dense.stderr)
     inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "reference", "port")}
     log = tmp_path / "verify.jsonl"
-    for key, value in dense.env(NXDI_DOUBLE_LOG=str(log)).items():
+    for key, value in dense.env(log=log).items():
         monkeypatch.setenv(key, value)
     monkeypatch.syspath_prepend(str(SITE))
     out = tmp_path / "out"
@@ -606,7 +622,7 @@ def test_double_metaneff_and_expert_parallel_weights(sdk, monkeypatch):
     assert [rank_value(indices, r, 2) for r in range(4)] == [[[0, 1, 2, 3]]] * 2 + [[[4, 5, 6, 7]]] * 2
     assert [rank_value(weights["rank_util.rank"], r, 2) for r in range(4)] == [[0], [1], [0], [1]]
     assert rank_value(weights["layers.0.mlp.expert_mlps.spmd_rank.rank"], 3, 2) == [3]
-    assert NeuronQwen35MoeModel.trace(config, "context_encoding_model", 64, 64, 64) == {"experts": "forward_blockwise"}
+    assert NeuronQwen35MoeModel.trace(config, "context_encoding_model", 64, 64, 64)["experts"] == "forward_blockwise"
     with pytest.raises(NotImplementedError, match="Selective Loading with Expert parallelism"):
         NeuronQwen35MoeModel.trace(config, "token_generation_model", 64, 1, 1)
 

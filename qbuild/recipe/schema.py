@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -150,12 +151,24 @@ class Compiler(_Strict):
         return self.lnc if self.lnc is not None else (2 if self.target == "trn2" else 1)
 
 
+# A git URL a port is fetched from: https, ssh, git or file URLs, or scp-like `user@host:path`. Never a leading "-",
+# which git would read as an option, nor a transport such as `ext::`, which runs a command.
+_GIT_URL = re.compile(r"^(?:(?:https?|ssh|git|file)://[^\s]+|[\w.-]+@[\w.-]+:[^\s]+)$")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
 class Port(_Strict):
     """The NxDI contrib port a neuron build runs (qbuild.backends.neuron.ports): its lineage and where its source
-    lives."""
+    lives: a pinned commit of a git repository (`git`, `rev`, `subdir`), or, while working on a port, a local
+    directory (`path`) or importable package (`module`)."""
 
     lineage: LineageName | None = Field(None, description="main | main-replicated | moe; default per family "
                                                           "(Coder-Next: moe)")
+    git: str | None = Field(None, description="the git repository holding the port, e.g. "
+                                              "https://github.com/aws-neuron/neuronx-distributed-inference.git")
+    rev: str | None = Field(None, description="the full 40-hex commit of `git` to build (never a branch or tag)")
+    subdir: str | None = Field(None, description="the port's directory in that commit, e.g. "
+                                                 "contrib/models/Qwen3.5-2B")
     path: str | None = Field(None, description="the port directory (holds src/), relative to the recipe file")
     module: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*$",
                                description="an importable package whose directory is the port directory")
@@ -163,10 +176,41 @@ class Port(_Strict):
                                 description="the port's own switches (e.g. QWEN36_DELTANET_CTE_IMPL), read while "
                                             "tracing; part of the compile key")
 
+    @field_validator("git")
+    @classmethod
+    def _git_url(cls, v: str | None) -> str | None:
+        if v is not None and not _GIT_URL.match(v):
+            raise ValueError(f"{v!r} is not a git URL (https://, ssh://, git://, file:// or user@host:path)")
+        return v
+
+    @field_validator("rev")
+    @classmethod
+    def _full_commit(cls, v: str | None) -> str | None:
+        if v is not None and not _COMMIT.match(v):
+            raise ValueError(f"{v!r} is not a full commit: give the 40-hex sha (a branch, tag or short sha can name "
+                             "another commit tomorrow)")
+        return v
+
+    @field_validator("subdir")
+    @classmethod
+    def _inside_the_repository(cls, v: str | None) -> str | None:
+        if v is not None:
+            parts = v.strip("/").split("/")
+            if v.startswith("/") or not v.strip("/") or any(p in ("", ".", "..") for p in parts):
+                raise ValueError(f"{v!r} is not a directory of the repository: give a relative path such as "
+                                 "contrib/models/Qwen3.5-2B")
+        return v
+
     @model_validator(mode="after")
     def _one_source(self) -> "Port":
-        if self.path is not None and self.module is not None:
-            raise ValueError("give at most one of `path` or `module`")
+        given = [name for name in ("git", "path", "module") if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give only one of `git`, `path` or `module` (got {' and '.join(given)})")
+        if self.git is not None and (self.rev is None or self.subdir is None):
+            missing = " and ".join(f"`{f}`" for f in ("rev", "subdir") if getattr(self, f) is None)
+            raise ValueError(f"a git port needs {missing}: the full commit and the port's directory in it")
+        if self.git is None and (self.rev is not None or self.subdir is not None):
+            raise ValueError("`rev` and `subdir` pin a git port: give `git` too, or drop them")
         return self
 
 

@@ -1,4 +1,6 @@
-"""Garbage collection: drop store entries no lockfile references, locally beyond an LRU size budget, remotely all.
+"""Garbage collection: drop store entries no lockfile references, locally beyond an LRU size budget, remotely all;
+and the Neuron compile cache's groups (qbuild.store.compile_cache), least recently used first, beyond the same budget
+here and on the remote.
 
 Like publish and pull it reads lockfiles, never recipes.
 """
@@ -12,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from qbuild.store import compile_cache
 from qbuild.store.files import discard_path
 from qbuild.store.lease import live_leases
 from qbuild.store.local import LocalStore
@@ -27,8 +30,8 @@ GRACE_S = 3600.0
 @dataclass
 class Removal:
     where: str                              # "local" or the remote URL
-    what: Literal["manifest", "blob"]
-    name: str                               # key or digest
+    what: Literal["manifest", "blob", "cache"]
+    name: str                               # key, digest, or a compile cache group ("<pin>/<target>/<group>")
     size: int
     kind: str = ""                          # the manifest's action kind
 
@@ -40,15 +43,17 @@ class GcReport:
     kept_blobs: int = 0
     young_orphans: int = 0       # blobs no manifest names, kept because they are younger than the grace period
     in_use: int = 0              # manifests kept because a running build holds them or they are within the grace
+    kept_cache: int = 0          # compile cache groups kept
     dry_run: bool = False
 
     @property
     def bytes_freed(self) -> int:
-        return sum(r.size for r in self.removed if r.what == "blob")
+        """Blobs, and a local cache group's files (a remote group's files are its blobs)."""
+        return sum(r.size for r in self.removed if r.what == "blob" or (r.what == "cache" and r.where == "local"))
 
     def to_json(self) -> dict:
         return {"dry_run": self.dry_run, "removed": [asdict(r) for r in self.removed],
-                "kept_manifests": self.kept_manifests, "kept_blobs": self.kept_blobs,
+                "kept_manifests": self.kept_manifests, "kept_blobs": self.kept_blobs, "kept_cache": self.kept_cache,
                 "young_orphans": self.young_orphans, "in_use": self.in_use,
                 "bytes_freed": self.bytes_freed}
 
@@ -62,13 +67,14 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
     """Keep the manifests the lockfiles reference, those a running build holds (see store/lease.py) and those
     written within `grace_s`, then the most recently used others while their blobs fit in `keep_size` bytes; remove
     the remaining manifests, then every blob no kept manifest names (blobs no manifest names at all only once older
-    than `grace_s` and than every running build)."""
+    than `grace_s` and than every running build). The compile cache's groups compete for the same budget by their
+    last use; one used within `grace_s` or since a running build began, or held by a compile, is kept."""
     report = GcReport(dry_run=dry_run)
     # Leases are read before the entries: an entry a build writes after this point is younger than its lease.
     live = live_leases(store.root, reap=not dry_run)
     now = time.time()
     locked = referenced_keys(docs)
-    entries: list[tuple[float, Manifest, Path]] = []
+    entries: list[tuple[float, Manifest | compile_cache.Group, Path | None]] = []
     for path in sorted((store.root / "ac").glob("*/*.json")):
         manifest = _read_manifest(path)
         try:
@@ -82,11 +88,26 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
             report.in_use += 1
             locked.add(manifest.key)
         entries.append((max(st.st_atime, st.st_mtime), manifest, path))
-    named = {o["digest"] for _, m, _ in entries for o in m.outputs.values()}
-    kept_blobs = {o["digest"] for _, m, _ in entries if m.key in locked for o in m.outputs.values()}
+    for group in compile_cache.groups(store.root):
+        if live.protects(group.used) or now - group.used < grace_s:
+            report.in_use += 1
+            report.kept_cache += 1
+        else:
+            entries.append((group.used, group, None))
+    manifests = [(m, path) for _, m, path in entries if isinstance(m, Manifest)]
+    named = {o["digest"] for m, _ in manifests for o in m.outputs.values()}
+    kept_blobs = {o["digest"] for m, _ in manifests if m.key in locked for o in m.outputs.values()}
     budget = keep_size
     doomed: list[tuple[Manifest, Path]] = []
+    doomed_groups: list[compile_cache.Group] = []
     for _, m, path in sorted(entries, key=lambda e: -e[0]):   # most recently used first
+        if isinstance(m, compile_cache.Group):
+            if m.size <= budget:
+                budget -= m.size
+                report.kept_cache += 1
+            else:
+                doomed_groups.append(m)
+            continue
         if m.key in locked:
             report.kept_manifests += 1
             continue
@@ -102,6 +123,12 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
         report.removed.append(Removal("local", "manifest", m.key, len(m.to_bytes()), m.kind))
         if not dry_run:
             discard_path(path)   # a read-only store stops here, before any blob goes: exit 3, nothing lost
+    for group in doomed_groups:
+        if dry_run or compile_cache.remove_group(store, group):
+            report.removed.append(Removal("local", "cache", group.name, group.size, compile_cache.CACHE_DIR))
+        else:   # a compile took it meanwhile
+            report.in_use += 1
+            report.kept_cache += 1
     for blob in sorted((store.root / "cas").glob("*/*")):
         if blob.name.startswith(".") or blob.name in kept_blobs:
             report.kept_blobs += blob.name in kept_blobs
@@ -119,25 +146,51 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
     return report
 
 
-def gc_remote(remote: S3Remote, docs: list[dict], *, dry_run: bool = False,
+def gc_remote(remote: S3Remote, docs: list[dict], *, keep_size: int = 0, dry_run: bool = False,
               grace_s: float = GRACE_S) -> GcReport:
-    """Remove every remote manifest no lockfile references, then every blob no remaining manifest names (blobs no
-    manifest names at all only once older than `grace_s`: a publish uploads blobs before its manifest)."""
+    """Remove every remote manifest no lockfile references, and the compile cache's index objects beyond the
+    `keep_size` budget (most recently written kept first; those written within `grace_s` always), then every blob
+    no remaining manifest or index names (blobs nothing names at all only once older than `grace_s`: a publish
+    uploads blobs before its manifest, a cache upload before its index)."""
     report = GcReport(dry_run=dry_run)
     locked = referenced_keys(docs)
     listed = {m.name: m for m in remote.list_manifests()}
     blobs = list(remote.list_blobs())
     manifests = dict(zip(listed, map_all(remote.get_manifest, list(listed), POOL_THREADS)))
+    indexes = [o for o in remote.list_objects(remote.object_key(compile_cache.CACHE_DIR) + "/")
+               if o.name.endswith(".json")]
+    cached = dict(zip((o.name for o in indexes),
+                      map_all(lambda o: compile_cache.read_index(remote, o.name), indexes, POOL_THREADS)))
+    sizes = {b.name: b.size for b in blobs}
+
+    def index_blobs(name: str) -> set[str]:
+        return {m["digest"] for files in cached[name].values() for m in files.values()}
+
     named = {o["digest"] for m in manifests.values() if m for o in m.outputs.values()}
+    named |= {d for name in cached for d in index_blobs(name)}
     kept_blobs = {o["digest"] for k, m in manifests.items() if m and k in locked for o in m.outputs.values()}
     doomed = sorted(k for k in listed if k not in locked)
     report.kept_manifests = len(listed) - len(doomed)
     for key in doomed:
         m = manifests.get(key)
         report.removed.append(Removal(remote.url, "manifest", key, listed[key].size, m.kind if m else ""))
-    if not dry_run:
-        remote.delete([remote.manifest_key(k) for k in doomed])
     now = time.time()
+    budget = keep_size
+    doomed_indexes = []
+    for index in sorted(indexes, key=lambda o: -o.modified.timestamp()):   # most recently written first
+        extra = index_blobs(index.name) - kept_blobs
+        cost = sum(sizes.get(d, 0) for d in extra)
+        young = now - index.modified.timestamp() < grace_s
+        if young or cost <= budget:
+            budget -= 0 if young else cost
+            kept_blobs |= extra
+            report.kept_cache += 1
+        else:
+            doomed_indexes.append(index)
+            group = index.name.split(f"{compile_cache.CACHE_DIR}/", 1)[-1].removesuffix(".json")
+            report.removed.append(Removal(remote.url, "cache", group, index.size, compile_cache.CACHE_DIR))
+    if not dry_run:   # manifests and indexes before the blobs they name
+        remote.delete([remote.manifest_key(k) for k in doomed] + [o.name for o in doomed_indexes])
     gone = []
     for blob in blobs:
         if blob.name in kept_blobs:

@@ -201,7 +201,8 @@ class LocalStore:
 
     # --- maintenance ---------------------------------------------------------------------------------------
     def verify(self, repair: bool = False) -> list[str]:
-        """Check every blob's digest and every manifest's blobs; returns one line per problem found."""
+        """Check every blob's digest, every manifest's blobs and every Neuron compile cache entry
+        (qbuild.store.compile_cache); returns one line per problem found."""
         problems: list[str] = []
         bad_blobs: set[str] = set()
         for blob in sorted((self.root / "cas").glob("*/*")):
@@ -248,4 +249,6 @@ class LocalStore:
                         shutil.rmtree(d, ignore_errors=True)
             except TimeoutError:
                 continue  # a live build owns it
-        return problems
+        from qbuild.store import compile_cache
+
+        return problems + compile_cache.verify(self, repair)

@@ -3,7 +3,8 @@
     {"version": 1,
      "recipes": {name: {"recipe": path, "model": model, "nodes": {role: node id},
                         "bundle": tree digest of the package output, "verified": bool,
-                        "verify_failure": why the last verify failed (only when it did)}},
+                        "verify_failure": why the last verify failed (only when it did),
+                        "port": {url, rev, subdir (a git port), digest: its files' tree digest} (neuron recipes)}},
      "nodes": {node id: {"kind", "name", "key", "preimage", "digest", "outputs": {path: {digest, size}}}}}
 
 A recipe's model is {"source": "path", "revision": null, "files": {name: digest}} for a local checkpoint, and for a
@@ -87,6 +88,10 @@ def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], lock_path
              "verified": planned.verify in manifests}
     if verify_failure is not None and planned.verify not in manifests:
         entry["verify_failure"] = verify_failure   # what `qbuild pull` names when it refuses the bundle
+    port = manifests.get(planned.nodes.get("port", ""))
+    if port is not None:   # where the compiled port came from (a git port: url, rev, subdir) and its tree digest
+        source = {k: v for k, v in port.preimage["params"].items() if k in ("url", "rev", "subdir")}
+        entry["port"] = {**source, "digest": port.digest}
     return entry
 
 

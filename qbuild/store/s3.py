@@ -2,6 +2,7 @@
 
     <prefix>/cas/ab/<blake3>       immutable blobs
     <prefix>/ac/ab/<key>.json      manifests (the same JSON as the local store), written last and only if absent
+    <prefix>/neuron-compile-cache/ small index objects of the compile cache (qbuild.store.compile_cache)
 
 boto3 is imported when a remote is first used, never on the planning path of a build without one. Credentials come
 from boto3's standard chain; `QBUILD_S3_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`) points at an
@@ -247,6 +248,30 @@ class S3Remote:
         re-uploads it from a store that holds it."""
         return (f"repair the remote from a machine whose store holds it: `qbuild publish --all --verify-remote "
                 f"--remote {self.url}`")
+
+    # --- small objects by name (the compile cache's index objects) ----------------------------------------------
+    def object_key(self, *parts: str) -> str:
+        return self._key(*parts)
+
+    def get_object(self, name: str) -> bytes | None:
+        """The bytes of object `name` (a full key), or None where there is none."""
+        try:
+            return self.client.get_object(Bucket=self.bucket, Key=name)["Body"].read()
+        except Exception as e:
+            if _status(e) == 404 and _code(e) != "NoSuchBucket":
+                self._check_bucket(self.object_url(name))
+                return None
+            raise self.error(e, self.object_url(name)) from None
+
+    def put_object(self, name: str, data: bytes) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=name, Body=data, ContentType="application/json")
+        except Exception as e:
+            raise self.error(e, self.object_url(name)) from None
+
+    def list_objects(self, prefix: str) -> Iterator[RemoteObject]:
+        """The objects whose full key starts with `prefix` (named by their full key)."""
+        return self._list(prefix)
 
     # --- listing and deleting (gc) -------------------------------------------------------------------------------
     def list_manifests(self) -> Iterator[RemoteObject]:

@@ -15,13 +15,71 @@ directory that goes before site/ on the path (importlib.metadata takes the first
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 SITE = ROOT / "site"
 MAIN_PORT = ROOT / "ports" / "qwen35"      # main lineage: this directory on sys.path, `import src.modeling_qwen35`
 MOE_PORT = ROOT / "ports" / "coder_next"   # moe lineage: its src/ on sys.path, `import modeling_qwen35_moe`
+SETTINGS_FILE = "nxdi_double_settings.json"   # read by site/neuronx_distributed_inference/_double.py
+# Where the fake ports sit in the fake NxDI repository (port_repository), as in
+# aws-neuron/neuronx-distributed-inference.
+MAIN_SUBDIR = "contrib/models/Qwen3.5-35B-A3B"
+MOE_SUBDIR = "contrib/models/Qwen3-Coder-Next"
+
+
+def settings_dir(directory: Path, log: Path | None = None, barrier: str | None = None) -> Path:
+    """A directory holding the double's settings (its call log, a barrier "<dir>:<n>"), to put first on PYTHONPATH:
+    the SDK worker's environment is hermetic, its PYTHONPATH is how it finds the SDK."""
+    directory.mkdir(parents=True, exist_ok=True)
+    doc = {k: str(v) for k, v in (("log", log), ("barrier", barrier)) if v is not None}
+    (directory / SETTINGS_FILE).write_text(json.dumps(doc))
+    return directory
+
+
+@dataclass(frozen=True)
+class PortRepository:
+    """A git repository laid out like NxDI's, holding the fake ports; `url` is its file:// URL."""
+
+    path: Path
+    url: str
+    first: str          # both ports as shipped, plus a test file and a README that no build may copy
+    second: str         # the main port changed (a module edited, one added); reachable only from refs/pull/1/head
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "double", "GIT_AUTHOR_EMAIL": "double@example.invalid",
+           "GIT_COMMITTER_NAME": "double", "GIT_COMMITTER_EMAIL": "double@example.invalid",
+           "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def port_repository(dest: Path) -> PortRepository:
+    """Two commits of a fake NxDI repository at `dest`: `first` on main, `second` only on a pull-request ref, as
+    the Qwen ports' PR commits are upstream (the build fetches a commit by its id, whatever ref reaches it)."""
+    _git(dest.parent if dest.parent.exists() else Path.cwd(), "init", "--quiet", "--initial-branch=main", str(dest))
+    for src, subdir in ((MAIN_PORT, MAIN_SUBDIR), (MOE_PORT, MOE_SUBDIR)):
+        shutil.copytree(src, dest / subdir, ignore=shutil.ignore_patterns("__pycache__"))
+        (dest / subdir / "test").mkdir()
+        (dest / subdir / "test" / "test_port.py").write_text("raise AssertionError('tests are not port source')\n")
+        (dest / subdir / "README.md").write_text("not Python\n")
+    _git(dest, "add", "-A")
+    _git(dest, "commit", "--quiet", "-m", "ports")
+    first = _git(dest, "rev-parse", "HEAD")
+    module = dest / MAIN_SUBDIR / "src" / "modeling_qwen35.py"
+    module.write_text(module.read_text() + "\n# the second commit's edit\n")
+    (dest / MAIN_SUBDIR / "src" / "added_in_second.py").write_text("ADDED = True\n")
+    _git(dest, "add", "-A")
+    _git(dest, "commit", "--quiet", "-m", "change the main port")
+    second = _git(dest, "rev-parse", "HEAD")
+    _git(dest, "update-ref", "refs/pull/1/head", second)
+    _git(dest, "reset", "--quiet", "--hard", first)
+    return PortRepository(dest, dest.resolve().as_uri(), first, second)
 
 
 def replicated_deltanet_port(dest: Path) -> Path:
@@ -45,7 +103,7 @@ def metadata_overlay(directory: Path, versions: dict[str, str]) -> Path:
 
 
 def read_log(path: Path) -> list[dict]:
-    """The calls the double recorded (one JSON object per line of $NXDI_DOUBLE_LOG)."""
+    """The calls the double recorded (one JSON object per line of the log its settings name)."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

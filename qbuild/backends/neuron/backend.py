@@ -10,14 +10,14 @@ every machine plans the same keys.
 from __future__ import annotations
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from qbuild.backends.base import (GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, SourceEnvironment, Sizes,
                                   StepContext)
-from qbuild.backends.neuron import config, deploy, releases
+from qbuild.backends.neuron import config, deploy, releases, worker_env
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
-                                           NeuronVisionCompile, PortFiles, PortMissing)
+                                           NeuronVisionCompile, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, lineage_for, port_dir
 from qbuild.model.arch import Arch
 from qbuild.model.fp8 import policy as fp8_policy
@@ -63,9 +63,14 @@ def _compiler(r) -> CompilerSettings:
 
 
 def port_step(loaded: LoadedRecipe, env: SourceEnvironment) -> PlannedStep:
-    """The port node: the port is identified by its source files' digests."""
+    """The port node. A git port is identified by (url, rev, subdir) alone: planning reads nothing of it, so it needs
+    no checkout and no network. A local port (path or module) is identified by its source files' digests."""
+    port = loaded.recipe.port
+    if port.git is not None:
+        return PlannedStep("port", "port", f"port {PurePosixPath(port.subdir).name} @ {port.rev[:12]}",
+                           PortGit(port.git, port.rev, port.subdir.strip("/")), {}, 1 << 20, GIB // 4)
     where = port_dir(loaded)
-    written = loaded.recipe.port.path or loaded.recipe.port.module
+    written = port.path or port.module
     files = None if where is None else env.port_digests(where)
     if files is None:
         # Planned anyway, so `plan` shows the whole graph; building it fails with one line saying where to put it.
@@ -91,9 +96,11 @@ class NeuronBackend:
         if lineage.name not in served_by:
             checks.fail(loaded, "port.lineage", f"the {lineage.name} lineage has no port for {arch.family}; use "
                                                 f"{' or '.join(served_by)}")
-        if r.port.path is None and r.port.module is None:
-            checks.fail(loaded, "port", "a neuron build runs an NxDI contrib port: set port.path (the port directory, "
-                                        "e.g. a checkout of contrib/models/<Port>) or port.module")
+        if r.port.git is None and r.port.path is None and r.port.module is None:
+            checks.fail(loaded, "port", "a neuron build runs an NxDI contrib port: set port.git with port.rev (a full "
+                                        "commit) and port.subdir (contrib/models/<Port>), or port.path / port.module "
+                                        "for a local checkout")
+        self._validate_port_env(loaded)
         self._validate_fp8(loaded, arch)
         if r.vision is not None and lineage.vision_module is None:
             checks.fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use "
@@ -120,6 +127,21 @@ class NeuronBackend:
             toolchain(loaded)
         except releases.ToolchainError as e:
             checks.fail(loaded, f"toolchain.{e.field}", e.msg)
+
+    @staticmethod
+    def _validate_port_env(loaded: LoadedRecipe) -> None:
+        """port.env reaches the trace as given and is keyed; what qbuild sets itself (the work dir, the compile cache,
+        the target and LNC from `compiler`) it may not replace, nor move the compile cache out of the store through
+        the cache flags the Neuron compiler wrapper reads from NEURON_CC_FLAGS (docs/nxdi.md section 10)."""
+        env = loaded.recipe.port.env
+        for name in sorted(env):
+            if name in worker_env.QBUILD_SET:
+                checks.fail(loaded, f"port.env.{name}", f"qbuild sets {name} itself ({worker_env.QBUILD_SET[name]})")
+        flags = env.get("NEURON_CC_FLAGS", "").split()
+        cache_flags = sorted({f.split("=")[0] for f in flags if f.split("=")[0] in worker_env.CACHE_FLAGS})
+        if cache_flags:
+            checks.fail(loaded, "port.env.NEURON_CC_FLAGS", f"{', '.join(cache_flags)} would take the Neuron compile "
+                                                            "cache out of the store; qbuild keeps it there")
 
     @staticmethod
     def _validate_fp8(loaded: LoadedRecipe, arch: Arch) -> None:
@@ -168,11 +190,14 @@ class NeuronBackend:
 
     def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
         """The port a recipe resolves to: lineage, module and class names, and where its source is found."""
-        lineage = lineage_for(arch.family, loaded.recipe.port.lineage)
+        port = loaded.recipe.port
+        lineage = lineage_for(arch.family, port.lineage)
+        info = {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
+                "config_class": lineage.config_class, "vision_module": lineage.vision_module}
+        if port.git is not None:   # fetched when the port node is built; planning never looks
+            return {**info, "git": port.git, "rev": port.rev, "subdir": port.subdir, "path": None, "found": None}
         where = port_dir(loaded)
-        return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
-                "config_class": lineage.config_class, "vision_module": lineage.vision_module,
-                "path": str(where) if where else None, "found": bool(where and where.is_dir())}
+        return {**info, "path": str(where) if where else None, "found": bool(where and where.is_dir())}
 
     # --- building ------------------------------------------------------------------------------------------------
 
@@ -183,12 +208,11 @@ class NeuronBackend:
         from qbuild.backends.neuron import driver
 
         p = ctx.params
-        cache = driver.compile_cache_url(ctx.store)
         if isinstance(p, NeuronVisionCompile):
             driver.compile_vision(p, ctx.inputs["port"], ctx.inputs["converted"] / "vision" / "model.safetensors",
-                                  ctx.out, ctx.scratch, cache, ctx.log)
+                                  ctx.out, ctx.scratch, ctx.store, ctx.log)
         else:
-            driver.compile_text(p, ctx.inputs["port"], ctx.out, ctx.scratch, cache, ctx.log)
+            driver.compile_text(p, ctx.inputs["port"], ctx.out, ctx.scratch, ctx.store, ctx.log)
 
     def package(self, ctx: StepContext) -> dict[str, str]:
         from qbuild.backends.neuron.package import package

@@ -1,6 +1,7 @@
 """The neuron backend's compiles through the Neuron SDK: the SDK and toolchain checks, the work directories and
-their locks, the Neuron compile cache, and the driver that runs each SDK operation in a fresh interpreter
-(qbuild.backends.neuron.sdk_worker).
+their locks, the store's Neuron compile cache (qbuild.store.compile_cache), and the driver that runs each SDK operation
+in a fresh interpreter (qbuild.backends.neuron.sdk_worker) with a hermetic environment
+(qbuild.backends.neuron.worker_env).
 
 - `compile_text` runs ONE NxDI `compile()` for a recipe: NxDI always builds both submodels with every CTE and TKG
   bucket into one `model.pt` (application_base.py); per-bucket reuse is the Neuron compile cache's job.
@@ -23,20 +24,18 @@ from pathlib import Path
 from qbuild.backends.neuron.config import inference_kwargs, neuron_config
 from qbuild.backends.neuron.params import NeuronCompile, NeuronTextCompile, NeuronVisionCompile
 from qbuild.backends.neuron.ports import LINEAGES
+from qbuild.backends.neuron.worker_env import worker_env
 from qbuild.core import jsonio
-from qbuild.core.errors import BuildError
+from qbuild.core.errors import BuildError, InfraError
 from qbuild.recipe.params import to_json
+from qbuild.store import compile_cache
+from qbuild.store.local import LocalStore
 
 REQUIRED_PACKAGES = (("neuronx_distributed_inference", "neuronx-distributed-inference"),
                      ("neuronx_distributed", "neuronx-distributed"),
                      ("torch_neuronx", "torch-neuronx"))
-# Switches the ports read while tracing (contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py @ 4bcdc54 reads
-# QWEN36_*, USE_NKI*, DELTANET_*, ...; the Coder-Next script sets NEURON_CC_FLAGS). A compile sees only the
-# recipe's `port.env`, never the host's, so the compiled graph is a function of its key.
-PORT_ENV_PREFIXES = ("QWEN36_", "USE_NKI", "DELTANET_", "USE_PYTORCH_CHUNK", "USE_NEWTON_RMSNORM",
-                     "USE_PYTHON_RMSNORM", "NEURON_CC_FLAGS")
 QBUILD_RECORD = "qbuild-neuron.json"   # qbuild's own record; NxDI's neuron_config.json is never touched
-
+WORK_DIR = "neuron-work"               # under the user's cache directory (qbuild.core.userdir.cache_dir)
 
 
 def require_sdk() -> None:
@@ -66,29 +65,41 @@ def check_toolchain(pins: dict) -> None:
                              f"{dist.replace('-', '_')}); use the pinned SDK or change the pin")
 
 
-def compile_cache_url(store) -> str:
-    """The Neuron persistent compile cache a build uses: a qbuild-owned folder of the store, or the remote's prefix
-    (NEURON_COMPILE_CACHE_URL accepts s3:// URLs: aws-neuron-sdk neuron-caching.rst @ 539a73c5)."""
-    if store is None:
-        raise BuildError("backend neuron: no store to keep the Neuron compile cache in")
-    if store.remote:
-        return store.remote.rstrip("/") + "/neuron-compile-cache"
-    return str(Path(store.local) / "neuron-compile-cache")
+def work_root() -> Path:
+    """Where the compile work directories live: $QBUILD_NEURON_WORKDIR, else a folder of this user's cache directory;
+    made 0700 and refused where another user could write in it (trace() wipes and rewrites what it finds there)."""
+    from qbuild.core.userdir import cache_dir, private_dir
+
+    root = Path(os.environ.get("QBUILD_NEURON_WORKDIR") or cache_dir(WORK_DIR))
+    try:
+        return private_dir(root)
+    except (OSError, ValueError) as e:
+        raise InfraError(f"backend neuron: the compile work directory {root}: {e}; set QBUILD_NEURON_WORKDIR to a "
+                         "directory of your own") from None
 
 
 def work_dir(params: NeuronCompile) -> Path:
-    """BASE_COMPILE_WORK_DIR of a compile: the same absolute path on every host and every run of an architecture.
+    """BASE_COMPILE_WORK_DIR of a compile: the same absolute path on every run of an architecture by this user.
 
     trace() wipes it (model_builder.py @ fbac349), so concurrent compiles each need their own; and NxD hashes a
     `--logfile=<absolute work dir>/...` flag into every NEFF's compile-cache key, so a path that changed with the
     buckets would make every bucket miss. The folder is therefore named by the params without the bucket lists,
-    and held under a file lock while a compile uses it.
+    and held under a file lock while a compile uses it. Hosts share NEFFs through a remote only where the work
+    directory's path is the same (QBUILD_NEURON_WORKDIR set alike).
     """
     from qbuild.core.hashing import digest_json
 
     stable = {k: v for k, v in to_json(params).items() if k not in ("cte_buckets", "tkg_buckets")}
-    root = Path(os.environ.get("QBUILD_NEURON_WORKDIR", "/tmp/qbuild-nxd"))
-    return root / f"{params.graph}-{digest_json(stable)[:16]}"
+    return work_root() / f"{params.graph}-{digest_json(stable)[:16]}"
+
+
+def cache_group(params: NeuronCompile, wd: Path) -> tuple[str, str, str]:
+    """(toolchain, target, group) of a compile's folder of the store's compile cache: the recipe's neuronx-cc pin, the
+    target, and the work directory (only compiles in one work directory can share a NEFF: its path is in the key)."""
+    from qbuild.core.hashing import digest_bytes
+
+    return (params.toolchain["neuronx-cc"], params.compiler.target,
+            f"{params.graph}-{digest_bytes(str(wd).encode())[:16]}")
 
 
 @contextmanager
@@ -103,16 +114,15 @@ def locked(path: Path):
 def run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
     """Run one SDK operation in a fresh interpreter (qbuild.backends.neuron.sdk_worker), so that the environment
     NxD reads at import (NEURON_LOGICAL_NC_CONFIG, BASE_COMPILE_WORK_DIR, ...) and the port on sys.path are this node's
-    alone."""
+    alone: `env` over the few host variables worker_env allows, nothing else of the host."""
     import subprocess
 
     cwd.mkdir(parents=True, exist_ok=True)
     req = cwd / f"{op}-request.json"
     res = cwd / f"{op}-result.json"
     req.write_text(jsonio.dumps(request, indent=1, sort_keys=True))
-    base = {k: v for k, v in os.environ.items() if not k.startswith(PORT_ENV_PREFIXES)}
     proc = subprocess.run([sys.executable, "-m", "qbuild.backends.neuron.sdk_worker", op, str(req), str(res)],
-                          cwd=cwd, env={**base, **env}, capture_output=True, text=True)
+                          cwd=cwd, env=worker_env(env, cwd, runtime=op == "verify"), capture_output=True, text=True)
     for line in (proc.stdout + proc.stderr).splitlines()[-200:]:
         log(line)
     if proc.returncode != 0:
@@ -121,32 +131,45 @@ def run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
     return json.loads(res.read_text())
 
 
-def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path, cache_url: str, log) -> dict:
+@contextmanager
+def compile_dirs(params: NeuronCompile, store, log):
+    """(work dir, compile cache folder) of a compile, both held for it: the work dir under its lock, the store's
+    cache folder through qbuild.store.compile_cache.using (pruned, and synchronised with the remote, if any)."""
+    if store is None:
+        raise BuildError("backend neuron: no store to keep the Neuron compile cache in")
+    local = LocalStore(Path(store.local))
+    with locked(work_dir(params)) as wd, \
+            compile_cache.using(local, store.remote, store.push, *cache_group(params, wd), log) as cache:
+        yield wd, cache
+
+
+def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path, store, log) -> dict:
     """ONE NxDI compile of a recipe's text model: `out` becomes NxDI's compiled directory (model.pt and NxDI's own
-    neuron_config.json), plus metaneff/ (each NEFF's expected weights) and qbuild-neuron.json."""
+    neuron_config.json), plus metaneff/ (each NEFF's expected weights) and qbuild-neuron.json. `store` is the
+    StoreSpec the build writes to (its compile cache)."""
     require_sdk()
     check_toolchain(params.toolchain)
     cfg = neuron_config(params)
     model_dir = scratch / "hf"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(jsonio.dumps(inference_kwargs(params), indent=1, sort_keys=True))
-    with locked(work_dir(params)) as wd:
-        env = {**cfg["env"], "BASE_COMPILE_WORK_DIR": f"{wd}/", "NEURON_COMPILE_CACHE_URL": cache_url}
+    with compile_dirs(params, store, log) as (wd, cache):
+        env = {**cfg["env"], "BASE_COMPILE_WORK_DIR": f"{wd}/", "NEURON_COMPILE_CACHE_URL": str(cache)}
         run_sdk("text", text_request(params, cfg, port, model_dir, out, wd), env, scratch, log)
     write_record(out, {"params": to_json(params), "config": cfg})
     log(f"neuron: compiled {cfg['neffs']} NEFFs into model.pt ({cfg['app_class']})")
     return cfg
 
 
-def compile_vision(params: NeuronVisionCompile, port: Path, weights: Path, out: Path, scratch: Path, cache_url: str,
+def compile_vision(params: NeuronVisionCompile, port: Path, weights: Path, out: Path, scratch: Path, store,
                    log) -> dict:
     """Trace the port's CPUVisionModel at one patch bucket with the real weights inlined -> vision_encoder_<b>.pt."""
     require_sdk()
     check_toolchain(params.toolchain)
     cfg = neuron_config(params)
-    with locked(work_dir(params)) as wd:
+    with compile_dirs(params, store, log) as (wd, cache):
         run_sdk("vision", vision_request(params, cfg, port, weights, out, wd),
-                 {**cfg["env"], "NEURON_COMPILE_CACHE_URL": cache_url,
+                 {**cfg["env"], "NEURON_COMPILE_CACHE_URL": str(cache),
                   "NEURON_PLATFORM_TARGET_OVERRIDE": params.compiler.target}, scratch, log)
     write_record(out, {"params": to_json(params), "config": cfg}, name=f"qbuild-vision-{params.bucket}.json")
     log(f"neuron: traced the vision encoder at bucket {params.bucket}")

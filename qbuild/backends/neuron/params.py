@@ -1,6 +1,7 @@
 """The typed params of the neuron backend's own steps: the port, the compiles, and the package.
 
-    PortFiles / PortMissing  the NxDI contrib port's source files by digest (or where it was looked for)
+    PortGit                  the NxDI contrib port as a pinned git source: url, full commit, directory in it
+    PortFiles / PortMissing  a local port directory's source files by digest (or where it was looked for)
     NeuronTextCompile        graph text: NxDI's one compile of every CTE and TKG bucket
     NeuronVisionCompile      graph vision: the port's traced vision encoder at one patch bucket
     NeuronPackageParams      a bundle that is NxDI's compiled directory, loaded by the lineage's port
@@ -18,6 +19,16 @@ from qbuild.model.families import MoEBackend
 from qbuild.model.fp8 import FP8PolicyName
 from qbuild.recipe.params import PackageParams
 from qbuild.recipe.schema import LineageName, Target
+
+
+@dataclass(frozen=True)
+class PortGit:
+    """A port pinned by its repository, commit and directory: the key a build of it has everywhere, known without
+    reading the port (planning needs no network). The port action fetches it (qbuild.build.actions.port)."""
+
+    url: str
+    rev: str                         # the full 40-hex commit
+    subdir: str                      # the port's directory in that commit (contrib/models/<Port>)
 
 
 @dataclass(frozen=True)
@@ -41,7 +52,7 @@ class PortMissing:
                         "port.module in the recipe")
 
 
-PortParams = Union[PortFiles, PortMissing]
+PortParams = Union[PortGit, PortFiles, PortMissing]
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ sigmoid_gate.weight, q_layernorm / k_layernorm, conv1d.weight, A_log, dt_bias, n
 
 from __future__ import annotations
 
+import os
+
 import torch
 from nki_deltanet import deltanet_recurrent_fwd as _deltanet_nki_kernel  # noqa: F401  (l.50: flat import)
 
@@ -29,6 +31,13 @@ from neuronx_distributed_inference._nxd import (
 from neuronx_distributed_inference.models.config import InferenceConfig, MoENeuronConfig
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
 from neuronx_distributed_inference.modules.attention.gqa import attention_weights
+
+
+# The switches the real module reads from the environment while tracing, each of which changes the traced graph:
+# DELTANET_FP32 (l.643), SKIP_CONV1D (l.723), SKIP_LAYER_COMPUTE (l.1713), DELTANET_PROJ_ONLY (l.1734),
+# SKIP_ATTN_COMPUTE (l.1771), SKIP_MOE_COMPUTE (l.1854) (docs/nxdi.md section 19).
+TRACE_SWITCHES = ("DELTANET_FP32", "SKIP_CONV1D", "SKIP_LAYER_COMPUTE", "DELTANET_PROJ_ONLY", "SKIP_ATTN_COMPUTE",
+                  "SKIP_MOE_COMPUTE")
 
 
 class Qwen35MoeInferenceConfig(InferenceConfig):
@@ -109,8 +118,12 @@ class NeuronQwen35MoeModel:
 
     @staticmethod
     def trace(config, tag: str, bucket: int, tokens: int, seq_len: int) -> dict:
-        return {"experts": expert_dispatch(config.neuron_config, tokens, config.num_experts_per_tok,
-                                           config.num_experts, seq_len)}
+        """NxD's expert dispatch, and the switches read while tracing ("env": each one's value, None where unset),
+        both in the bucket's "HLO": with SKIP_MOE_COMPUTE=1 the layers trace no MoE (l.1854-1858)."""
+        switches = {name: os.environ.get(name) for name in TRACE_SWITCHES}
+        experts_path = None if switches["SKIP_MOE_COMPUTE"] == "1" else expert_dispatch(
+            config.neuron_config, tokens, config.num_experts_per_tok, config.num_experts, seq_len)
+        return {"experts": experts_path, "env": switches}
 
 
 def _moe(prefix: str, config, tp: int, dt: str) -> dict:

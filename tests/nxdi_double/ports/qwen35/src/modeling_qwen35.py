@@ -149,7 +149,9 @@ class NeuronQwen35Model:
         # l.7055: context encoding takes vision_embeddings / vision_mask of the bucket's length only when
         # use_text_only_cte_inputs is False; else empty ones, and get_model_output never scatters image features.
         traced = {"deltanet_cte_impl": cte_impl if cte else None,
-                  "vision_inputs": cte and not config.use_text_only_cte_inputs}
+                  "vision_inputs": cte and not config.use_text_only_cte_inputs,
+                  "env": {name: os.environ.get(name) for name in ("QWEN36_DELTANET_CTE_IMPL",
+                                                                  "QWEN36_DELTANET_CHUNK_SIZE")}}
         if config._is_moe:
             traced["experts"] = expert_dispatch(config.neuron_config, tokens, config.num_experts_per_tok,
                                                 config.num_experts, seq_len)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from neuronx_distributed_inference._double import DoubleRefusal, env_snapshot, record
+from neuronx_distributed_inference._double import DoubleRefusal, env_snapshot, record, settings
 from neuronx_distributed_inference._nxd import Weight, rank_value
 from neuronx_distributed_inference.models.config import to_dict
 
@@ -96,9 +96,9 @@ def _write(path: str, data: bytes) -> None:
 
 
 def _barrier() -> None:
-    """NXDI_DOUBLE_BARRIER=<dir>:<n> holds every compile inside trace until n have arrived, so a test can prove two
-    compiles really ran at the same time (and so needed distinct work dirs)."""
-    spec = os.environ.get("NXDI_DOUBLE_BARRIER")
+    """A "barrier": "<dir>:<n>" setting (_double.settings) holds every compile inside trace until n have arrived, so a
+    test can prove two compiles really ran at the same time (and so needed distinct work dirs)."""
+    spec = settings().get("barrier")
     if not spec:
         return
     directory, n = spec.rsplit(":", 1)
@@ -277,13 +277,26 @@ class NeuronApplicationBase:
         neff = f"nxdi-double NEFF {key}\n".encode()
         hit, entry = False, None
         if cache is not None:
-            # <cache>/neuronxcc-<compiler version>/MODULE_<key>+<8-hex flags hash>/model.neff (neuron-caching.rst)
+            # <cache>/neuronxcc-<compiler version>/MODULE_<key>+<8-hex flags hash>/ (neuron-caching.rst), holding
+            # what the wrapper writes: the HLO, the flags, the NEFF, then model.done; model.log without a NEFF is a
+            # failed compile, which the wrapper reuses as a failure (docs/nxdi.md section 10).
             entry = os.path.join(cache, f"neuronxcc-{cc_version}",
                                  f"MODULE_{key}+{hashlib.md5(flags.encode()).hexdigest()[:8]}")
-            hit = os.path.isfile(os.path.join(entry, "model.neff"))
+            def has(name: str) -> bool:
+                return os.path.isfile(os.path.join(entry, name))
+
+            done = has("model.neff") and has("model.done")
+            if has("model.log") and not has("model.neff") and \
+                    "--retry_failed_compilation" not in os.environ.get("NEURON_CC_FLAGS", ""):
+                raise RuntimeError(f"Got a cached failed neff at {entry}/model.neff. Will skip compilation, please set "
+                                   "--retry_failed_compilation for recompilation.")
+            hit = done
             if not hit:
                 os.makedirs(entry, exist_ok=True)
+                _write(os.path.join(entry, "model.hlo_module.pb"), hlo.encode())
+                _write(os.path.join(entry, "compile_flags.json"), json.dumps(flags.split()).encode())
                 _write(os.path.join(entry, "model.neff"), neff)
+                _write(os.path.join(entry, "model.done"), b"")
         _write(os.path.join(bucket_dir, "graph.neff"), neff)
         _write(os.path.join(bucket_dir, "model", "graph.hlo"), hlo.encode())
         _write(os.path.join(bucket_dir, "log-neuron-cc.txt"), flags.encode() + b"\n")
