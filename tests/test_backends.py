@@ -72,8 +72,7 @@ def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints
 
     f = tmp_path / "next.yaml"
     f.write_text(f"model: {{path: {tiny_checkpoints['qwen3_next']}}}\nbackend: neuron\nport: {{path: ./port}}\n"
-                 "toolchain: {neuronx_cc: 2.25.3371, neuronx_distributed: 0.19.28492,\n"
-                 "            neuronx_distributed_inference: 0.10.17970, torch_neuronx: 2.9.0.2}\n"
+                 "toolchain: {sdk: \"2.30.0\"}\n"
                  "text: {seq_len: 64, cte_buckets: [16]}\n")
     loaded = load_recipe(f)
     params = text_compile_params(loaded, load_arch(loaded))

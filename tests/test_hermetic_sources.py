@@ -138,6 +138,7 @@ ALLOWED_DYNAMIC_IMPORTS = {
     "qbuild.build.job",                     # the action entry itself (its closure is the key)
     "qbuild.backends",                      # a backend's implementation (joins the key of nodes that run it)
     "qbuild.backends.neuron.sdk_worker",    # a port's modules in the SDK worker (keyed as the port's files)
+    "qbuild.backends.neuron.vllm_plugin",   # a port's modules inside vLLM, when a bundle is served (no key)
 }
 
 
