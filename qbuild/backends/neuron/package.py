@@ -73,7 +73,11 @@ def vllm_glue(out: Path, p: NeuronPackageParams, record: dict) -> None:
             "port_dir": Path("..", lineage.module_dir(Path("port"))).as_posix()}
     glue = out / VLLM_DIR
     (glue / _PLUGIN_DIST).mkdir(parents=True)
-    (glue / f"{_PLUGIN_MODULE}.py").write_bytes(Path(__file__).with_name("vllm_plugin.py").read_bytes())
+    # Imported (it has no effect until vLLM calls register()) rather than read by path, so that its source is in
+    # this step's key like any code the step runs (qbuild.planning.sources).
+    from qbuild.backends.neuron import vllm_plugin
+
+    (glue / f"{_PLUGIN_MODULE}.py").write_bytes(Path(vllm_plugin.__file__).read_bytes())
     (glue / f"{_PLUGIN_MODULE}.json").write_text(jsonio.dumps(spec, indent=1, sort_keys=True) + "\n")
     (glue / _PLUGIN_DIST / "METADATA").write_text(
         f"Metadata-Version: 2.1\nName: {_PLUGIN_DIST.split('-')[0]}\nVersion: 1\n")
