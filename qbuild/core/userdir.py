@@ -1,5 +1,6 @@
-"""A directory on this host that only this user can enter, for sockets and locks that must not be shared with other
-users: the resident planner's socket, the NeuronCores lock."""
+"""This user's directories on this host: one only this user can enter, for sockets and locks that must not be shared
+with other users (the NeuronCores lock), and the cache directory (what qbuild may recompute, such as the platform
+probe's answer)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,9 @@ def runtime_dir() -> str | None:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         return None
     return path
+
+
+def cache_dir() -> str:
+    """qbuild's directory in this user's cache: $XDG_CACHE_HOME/qbuild, else ~/.cache/qbuild (not created here)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "qbuild")

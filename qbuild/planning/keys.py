@@ -1,7 +1,10 @@
 """Content keys: the action specs, a node's key preimage, and the one walk that keys a plan.
 
-A node's key is blake3 of its preimage {action, version, params, inputs, toolchain}: the action's kind and source
-hash, the node's allow-listed params, its inputs' output digests, and the toolchain it runs with. An input's
+A node's key is blake3 of its preimage {action, version, params, inputs, toolchain[, platform]}: the action's kind
+and source hash, the node's allow-listed params, its inputs' output digests, the toolchain it runs with, and for a
+node whose output is not portable, this host's platform tag (qbuild.core.platform). A node is portable when its
+action's output is the same on every platform (ActionSpec.portable, or for compile and package, the backend's
+answer) and so is every input's: a bundle of native graphs is native, and so is the verify report of it. An input's
 digest is known only once that input is built, so a walk over the plan takes the upstream digests from a source
 the caller chooses: the store (what is built), the lockfile (what was built when the lock was written), or both.
 A node whose inputs have no known digest has no key.
@@ -19,6 +22,8 @@ from functools import cache
 from pathlib import Path
 from typing import Callable, Mapping, Protocol
 
+from qbuild import backends
+from qbuild.core.platform import host_tag
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
 from qbuild.recipe.params import to_json
 
@@ -42,6 +47,9 @@ class ActionSpec:
     sources: tuple[str, ...]                   # modules or packages whose source files are hashed into keys
     toolchain: tuple[str, ...] = ()            # distributions whose installed versions are hashed into keys
     optional_toolchain: tuple[str, ...] = ()   # the same, where installed (e.g. the Neuron SDK)
+    # Whether the output is the same on every platform (machine, libc, Python, torch's CPU kernels); None: the
+    # backend the node's params name decides (Backend.portable).
+    portable: bool | None = True
 
     @property
     def source_hash(self) -> str:
@@ -131,27 +139,53 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
                ("safetensors", "torch")),
     # A neuron compile pins its toolchain in its params (the recipe's `toolchain`), which then replaces these.
     ActionSpec("compile", f"{_SRC}.compile:run", (f"{_SRC}.compile", *_BACKENDS, "qbuild.model.modeling",
-                                                  "qbuild.model.kernels", *_MODEL), ("torch",)),
+                                                  "qbuild.model.kernels", *_MODEL), ("torch",), portable=None),
     ActionSpec("package", f"{_SRC}.package:run", (f"{_SRC}.package", *_BACKENDS, "qbuild.store.bundle",
-                                                  "qbuild.store.files", *_MODEL, "qbuild.model.convert.hybrid")),
+                                                  "qbuild.store.files", *_MODEL, "qbuild.model.convert.hybrid"),
+               portable=None),
+    # Logits computed with torch's vectorised CPU kernels, whose last bits depend on the capability they run with.
     ActionSpec("reference", f"{_SRC}.reference:run", (f"{_SRC}.reference", "qbuild.model.families",
-                                                      "qbuild.core.numerics"), ("torch", "transformers")),
+                                                      "qbuild.core.numerics"), ("torch", "transformers"),
+               portable=False),
     ActionSpec("verify", f"{_SRC}.verify:run", (f"{_SRC}.verify", *_BACKENDS, "qbuild.model.runtime",
                                                 "qbuild.model.modeling", "qbuild.model.kernels", *_MODEL,
-                                                "qbuild.model.convert", "qbuild.core.numerics"), ("torch",)),
+                                                "qbuild.model.convert", "qbuild.core.numerics"), ("torch",),
+               portable=False),
 )}
+
+
+# --- portability -------------------------------------------------------------------------------------------------
+
+def action_portable(node: Node, registry: Registry = REGISTRY) -> bool:
+    """Whether `node`'s action, whatever its inputs, writes the same output on every platform."""
+    portable = registry[node.kind].portable
+    if portable is None:
+        return backends.get(node.params.backend).portable(node.kind)
+    return portable
+
+
+def portability(plan: Plan, registry: Registry = REGISTRY) -> dict[str, bool]:
+    """Node id -> whether the node's output is the same on every platform: its action's is, and every input's."""
+    out: dict[str, bool] = {}
+    for nid, node in plan.nodes.items():    # topological order: every input is decided first
+        out[nid] = action_portable(node, registry) and all(out[dep] for dep in node.deps.values())
+    return out
 
 
 # --- the preimage ----------------------------------------------------------------------------------------------
 
-def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY) -> dict:
-    """The key preimage of `node` given its inputs' output digests (input name -> digest)."""
+def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY, platform: str | None = None) -> dict:
+    """The key preimage of `node` given its inputs' output digests (input name -> digest), and for a node that is
+    not portable, the platform tag it is built for (None: a portable node, whose preimage has no platform)."""
     spec = registry[node.kind]
     params = to_json(node.params)
     # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
     toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions()
-    return {"action": node.kind, "version": spec.source_hash, "params": params, "inputs": inputs,
-            "toolchain": toolchain}
+    pre = {"action": node.kind, "version": spec.source_hash, "params": params, "inputs": inputs,
+           "toolchain": toolchain}
+    if platform is not None:
+        pre["platform"] = platform
+    return pre
 
 
 def key_of(pre: dict) -> str:
@@ -172,7 +206,8 @@ def diff_preimages(old: dict, new: dict, prefix: str = "") -> list[str]:
             continue
         if isinstance(a, dict) and isinstance(b, dict):
             out += diff_preimages(a, b, path + ".")
-        elif isinstance(a, (dict, list)) or isinstance(b, (dict, list)) or (isinstance(a, str) and len(a) > 24):
+        elif isinstance(a, (dict, list)) or isinstance(b, (dict, list)) or \
+                (isinstance(a, str) and len(a) > 24 and k != "platform"):   # digests; a platform tag is read
             out.append(f"{path} changed")
         else:
             out.append(f"{path}: {a} -> {b}")
@@ -191,12 +226,14 @@ class NodeKey:
     unknown: tuple[str, ...]    # input names whose digests the source did not know
 
 
-def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGISTRY) -> NodeKey:
-    """`node`'s preimage and key, given the output digests known so far (node id -> digest)."""
+def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGISTRY,
+             platform: str | None = None) -> NodeKey:
+    """`node`'s preimage and key, given the output digests known so far (node id -> digest) and, for a node that is
+    not portable (see portability), the platform tag it is built for."""
     unknown = tuple(sorted(name for name, dep in node.deps.items() if dep not in digests))
     if unknown:
         return NodeKey(None, None, None, unknown)
-    pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()}, registry)
+    pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()}, registry, platform)
     return NodeKey(pre, key_of(pre), None, ())
 
 
@@ -204,12 +241,16 @@ def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGIST
 DigestSource = Callable[[str, str], "str | None"]
 
 
-def walk(plan: Plan, source: DigestSource, registry: Registry = REGISTRY) -> dict[str, NodeKey]:
-    """Key every node of `plan` in topological order, taking each keyed node's output digest from `source`."""
+def walk(plan: Plan, source: DigestSource, registry: Registry = REGISTRY,
+         host: Callable[[], str] = host_tag) -> dict[str, NodeKey]:
+    """Key every node of `plan` in topological order, taking each keyed node's output digest from `source`; nodes
+    that are not portable are keyed for the platform `host()` names (asked only once such a node is keyed)."""
     digests: dict[str, str] = {}
     out: dict[str, NodeKey] = {}
+    portable = portability(plan, registry)
     for nid, node in plan.nodes.items():
-        nk = key_node(node, digests, registry)
+        tag = None if portable[nid] or any(d not in digests for d in node.deps.values()) else host()
+        nk = key_node(node, digests, registry, tag)
         if nk.key is not None:
             digest = source(nid, nk.key)
             if digest is not None:
