@@ -10,9 +10,9 @@ A recipe's `recipe` path is relative to the lockfile's directory (absolute when 
 recipe names are unique per lockfile. A recipe has an entry only once its bundle was built: a build that fails
 before leaves the recipe's entry as it was. A node's preimage holds its params, input digests, action source hash
 and toolchain versions, and for a node whose output is not portable (native code, CPU-dependent numbers) the
-platform it was built for, so `qbuild explain` can name the field that changed. The serialiser is a pure function; writes
-go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes wrote
-meanwhile.
+platform it was built for, so `qbuild explain` can name the field that changed. The serialiser is a pure function;
+writes go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes
+wrote meanwhile.
 """
 
 from __future__ import annotations
