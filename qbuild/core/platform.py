@@ -11,7 +11,8 @@ torch reads the capability once per process: ATEN_CPU_CAPABILITY where it names 
 ("default", "avx2", "avx512" on x86; "vsx", "zvector" on POWER and Z), else the widest the CPU supports; any other
 value it ignores with a warning (aten/src/ATen/native/DispatchStub.cpp:L13-L40 @ a466df454c4c, `compute_cpu_capability`;
 `torch.backends.cpu.get_cpu_capability()` returns it as "DEFAULT", "AVX2", "AVX512", ...). So that variable is the one
-way to build for a narrower capability on a wider CPU, and the tag follows it.
+way to build for a narrower capability on a wider CPU, and the tag follows it. torch takes the value without asking
+the CPU: one wider than the CPU's makes its kernels use instructions the CPU lacks (SIGILL).
 
 Reading the capability means importing torch, which planning never does: a subprocess asks torch, and the answer
 is cached in the user cache directory under what it depends on (torch's installed version, the CPU's flags in
