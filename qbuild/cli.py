@@ -142,9 +142,14 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
 
         print_pin_moves(ws.update_pins(loaded), False)
     with BuildProgress(verbose=verbose) as progress:
-        the_plan, result = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
+        the_plan, result, rebuilt = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
-    print_build_result(the_plan, result, progress, json_, {"pushed": pushed.to_json()} if pushed is not None else None)
+    extra = {"pushed": pushed.to_json()} if pushed is not None else {}
+    if rebuilt is not None:
+        extra["rebuilt_for_platform"] = rebuilt.to_json()
+    print_build_result(the_plan, result, progress, json_, extra or None)
+    if rebuilt is not None:
+        _err(rebuilt.line())
     raise_for(result, the_plan)
 
 

@@ -25,10 +25,28 @@ def pytest_runtest_setup(item):
                     "this pytest (see the pin in pyproject.toml)", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def platform_probe_cache(tmp_path_factory, worker_id) -> Path:
+    """A user cache holding this host's platform probe (qbuild.core.platform) as the tests' environment answers it,
+    made once per run: every test's fresh cache starts with a copy, as a user's cache has it after the first
+    command, instead of importing torch in a subprocess again."""
+    def make(root: Path) -> None:
+        env = dict(os.environ, XDG_CACHE_HOME=str(root), PYTHONPATH=str(REPO))
+        env.pop("ATEN_CPU_CAPABILITY", None)
+        subprocess.run([sys.executable, "-c", "from qbuild.core.platform import host_tag; host_tag()"], env=env,
+                       check=True, timeout=300)
+
+    return _once_per_run(tmp_path_factory, worker_id, "platform-probe", make) / "qbuild" / "platform"
+
+
 @pytest.fixture(autouse=True)
-def isolated_env(tmp_path, monkeypatch):
-    """No test reads or writes the user's caches, store, or the Hub."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+def isolated_env(tmp_path, monkeypatch, platform_probe_cache):
+    """No test reads or writes the user's caches, store, or the Hub. The user cache lies beside tmp_path, so that a
+    test may expect tmp_path to hold only what the test made."""
+    cache = tmp_path.with_name(f"{tmp_path.name}-xdg-cache")
+    shutil.copytree(platform_probe_cache, cache / "qbuild" / "platform")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     monkeypatch.setenv("QBUILD_STORE", str(tmp_path / "store"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)

@@ -14,8 +14,9 @@ SLEEP = ActionSpec("test-sleep", "tests.engine_actions:sleep")
 FAIL = ActionSpec("test-fail", "tests.engine_actions:fail")
 BIG = ActionSpec("test-big", "tests.engine_actions:big")
 RENDEZVOUS = ActionSpec("test-rendezvous", "tests.engine_actions:rendezvous")
+DIE = ActionSpec("test-die", "tests.engine_actions:die")
 # What the engine's tests build with, passed to the engine: the production registry stays as shipped.
-TEST_REGISTRY = {spec.kind: spec for spec in (SLEEP, FAIL, BIG, RENDEZVOUS)}
+TEST_REGISTRY = {spec.kind: spec for spec in (SLEEP, FAIL, BIG, RENDEZVOUS, DIE)}
 
 
 def _record(ctx: RunContext, event: str) -> None:
@@ -35,6 +36,14 @@ def sleep(ctx: RunContext) -> None:
 def fail(ctx: RunContext) -> None:
     _record(ctx, "start")
     raise RuntimeError(f"{ctx.params['name']} failed on purpose")
+
+
+def die(ctx: RunContext) -> None:
+    """The worker process running the step is killed, as the kernel's OOM killer would."""
+    import signal
+
+    _record(ctx, "start")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def rendezvous(ctx: RunContext) -> None:

@@ -46,7 +46,7 @@ def recipe(tmp_path, tiny_checkpoints) -> Path:
 
 def _compile_killed_at(recipe: Path, store: Path, lock: Path, point: str, tmp: Path) -> str:
     """Run `qbuild compile -j 1` until a step reaches `point` (see tests/crash_points.py), then SIGKILL its whole
-    process group: driver, forkserver and worker. Returns the key of the step it stopped in."""
+    process group: driver and worker. Returns the key of the step it stopped in."""
     marker = tmp / "stopped-at"
     marker.unlink(missing_ok=True)
     env = dict(os.environ, QBUILD_CRASH_AT=point, QBUILD_CRASH_MARKER=str(marker),

@@ -130,6 +130,19 @@ def test_keep_going_builds_what_does_not_depend_on_the_failure(tmp_path):
     assert {plan.nodes[n].name for n in result.skipped} == {"after"}
 
 
+def test_a_killed_worker_fails_its_step_only_and_the_next_step_gets_a_new_worker(tmp_path):
+    log = tmp_path / "log"
+    plan = _graph(log, [("killed", "test-die", [], 1), ("after", "test-sleep", ["killed"], 1),
+                        ("x", "test-sleep", [], 1), ("y", "test-sleep", ["x"], 1)], seconds=0.01)
+    result, _ = _run(plan, tmp_path / "store", jobs=1, keep_going=True)
+    (error,) = result.failed.values()
+    assert "killed: its worker process ended (killed by signal 9)" in error
+    assert {plan.nodes[n].name for n in result.built} == {"x", "y"}
+    assert {plan.nodes[n].name for n in result.skipped} == {"after"}
+    pids = {e["node"]: e["pid"] for e in read_log(log)}
+    assert pids["killed"] != pids["x"] == pids["y"]
+
+
 def test_strict_fails_on_a_miss_naming_the_node(tmp_path):
     log = tmp_path / "log"
     plan = _graph(log, [("needed", "test-sleep", [], 1)])

@@ -27,8 +27,9 @@ pytestmark = pytest.mark.xdist_group("modeling")
 # float32 tiny models: our summation orders (rank partials, einsums, chunked DeltaNet) differ from HF's.
 LOGITS_ATOL = 1e-4
 # FP8 e4m3 weights (3 mantissa bits) in every projection of a random tiny model move its logits (magnitude ~2)
-# by up to ~0.35 against float32: a loose sanity bound. The exact check is the dequantised weights themselves.
-FP8_LOGITS_ATOL = 0.5
+# against float32 by a maximum that depends on the draw: 0.35 to 0.88 over seeds 0-4 of the tiny Qwen3.5, while
+# scales 1.5x off move them by 2.1 or more. A loose sanity bound; the exact check is the dequantised weights.
+FP8_LOGITS_ATOL = 1.25
 PROMPT_LENS = (70, 13)  # one prompt past the 64-step DeltaNet chunk, one short
 BUCKET = 80  # static prefill length, longer than both prompts
 MAX_SEQ_LEN = 128  # KV-cache slots: room for the longer prompt and the decode steps

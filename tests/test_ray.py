@@ -115,6 +115,20 @@ def test_worker_with_other_action_source_refuses_to_build():
     rayexec._check_same_action(Job(**{**job.__dict__, "preimage": same}), action)
 
 
+def test_worker_on_another_platform_refuses_a_node_that_is_not_portable():
+    from qbuild.build.job import Job
+    from qbuild.core.platform import host_tag
+
+    action = ActionSpec("ray-text", "tests.ray_actions:text", ("tests.ray_actions",), portable=False)
+    pre = {"action": "ray-text", "version": action.source_hash, "params": {}, "inputs": {}, "toolchain": {},
+           "platform": "aarch64-linux-glibc2.39-cp311-SVE256"}
+    job = Job("n", "ray-text", "text a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"),
+              action.entry)
+    with pytest.raises(InfraError, match=f"not set up like the driver: platform {host_tag()} \\(driver: aarch64"):
+        rayexec._check_same_action(job, action)
+    rayexec._check_same_action(Job(**{**job.__dict__, "preimage": {**pre, "platform": host_tag()}}), action)
+
+
 def _cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     full = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run([sys.executable, "-m", "qbuild.cli", *args], cwd=cwd, env=full, capture_output=True,

@@ -107,6 +107,10 @@ class Backend(Protocol):
     def explain_reuse(self, old: dict, new: object) -> str | None:
         """What a compile whose locked params were `old` (JSON) can still reuse now that they are `new`."""
 
+    def portable(self, kind: str) -> bool:
+        """Whether what this backend's `kind` step (compile, package) writes is the same, and runs, on every platform:
+        False for native code built for this host's machine, libc, Python and CPU."""
+
     def describe_compile(self, params: object) -> dict:
         """Extra fields of a compile node in `plan --json`."""
 

@@ -2,7 +2,8 @@
 
 Scheduling respects three limits at once: the dependency order, the number of jobs (-j), and a memory budget
 (each node declares its estimated peak; running nodes never sum past the budget). A node's key is computed when
-its inputs' digests are known; a hit in the store skips it. By default the first failure stops new work (the
+its inputs' digests are known (for a node whose output is not portable, with this host's platform tag); a hit in the
+store skips it. By default the first failure stops new work (the
 steps already running finish and are kept); with keep_going, only the failed node's dependents are skipped.
 """
 
@@ -15,7 +16,8 @@ from typing import Callable, Literal, Protocol
 
 from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
 from qbuild.build.job import Job
-from qbuild.planning.keys import REGISTRY, Registry, key_node
+from qbuild.core.platform import host_tag
+from qbuild.planning.keys import REGISTRY, Registry, key_node, portability
 from qbuild.planning.plan import Node, Plan
 from qbuild.store import StoreSpec
 from qbuild.store.local import CorruptBlobError
@@ -73,6 +75,7 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
     mem_in_use = 0
     executor: Executor | None = None
     stop = False
+    portable = portability(plan, registry)
 
     def fail(nid: str, error: str, code: int = BuildError.exit_code, output: list[str] | None = None) -> None:
         nonlocal stop
@@ -101,7 +104,8 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                 node = plan.nodes[nid]
                 if stop or nid not in waiting or not all(d in result.manifests for d in node.deps.values()):
                     continue
-                nk = key_node(node, {d: result.manifests[d].digest for d in node.deps.values()}, registry)
+                nk = key_node(node, {d: result.manifests[d].digest for d in node.deps.values()}, registry,
+                              None if portable[nid] else host_tag())
                 pre, key = nk.preimage, nk.key
                 hit = store.get_manifest(key)
                 if hit is not None:

@@ -15,7 +15,7 @@ from qbuild.build.engine import BuildOptions, BuildResult, Event, build
 from qbuild.planning.environment import HostEnvironment
 from qbuild.core.errors import BuildError, UserError
 from qbuild.core.hashing import StatCache, default_stat_cache
-from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, key_node, walk
+from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, key_node, key_of, walk
 from qbuild.planning.plan import NodeStatus, Plan, build_plan, evaluate, explain, require_resolved, resolve_hub
 from qbuild.recipe.params import FetchHub
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
@@ -49,6 +49,23 @@ def roles_by_node(plan: Plan) -> dict[str, list[tuple[str, str]]]:
         for role, nid in pr.nodes.items():
             roles.setdefault(nid, []).append((name, role))
     return roles
+
+
+@dataclass(frozen=True)
+class PlatformRebuild:
+    """The nodes a --frozen build rebuilt for this platform: not portable, and locked as built for another one."""
+
+    host: str
+    locked: tuple[str, ...]          # the platforms the lock names for them
+    nodes: tuple[str, ...]           # their ids, in plan order
+    counts: dict[str, int]           # "reference", "compile inductor", ... -> how many
+
+    def line(self) -> str:
+        what = ", ".join(f"{label} x{n}" for label, n in self.counts.items())
+        return f"rebuilt for {self.host} (locked for {', '.join(self.locked)}): {what}"
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "locked": list(self.locked), "counts": self.counts}
 
 
 @dataclass
@@ -103,14 +120,18 @@ class Workspace:
 
     # --- building --------------------------------------------------------------------------------------------
     def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
-                on_event: Callable[[Event], None] = lambda e: None, frozen: bool = False) -> tuple[Plan, BuildResult]:
+                on_event: Callable[[Event], None] = lambda e: None,
+                frozen: bool = False) -> tuple[Plan, BuildResult, PlatformRebuild | None]:
+        """Build `recipes`; the lockfile gets an entry for each recipe whose bundle was built (written as each step
+        succeeds), and none for the others, whose entries stay as they were. With `frozen`, nothing is written and
+        the build fails unless it reproduces the lock: every node bit for bit, except those that are not portable
+        and that the lock holds for another platform, which are rebuilt for this one (the third value names them)."""
         # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
         lockmod.check_unique_names(lockmod.read(self.lock_path), self.lock_path,
                                    [(r.name, r.path) for r in recipes])
         plan = self._build_plan(recipes)
         require_resolved(plan)
-        if frozen:
-            self._check_frozen(plan)
+        rebuilt = self._check_frozen(plan) if frozen else None
         self._check_sources(plan)
         seen = BuildResult()
         # Held until the lockfile names what was built: a concurrent `qbuild gc` keeps what this build uses.
@@ -134,28 +155,51 @@ class Workspace:
             if lease is not None:
                 lease.close()
         if frozen:
-            new = lockmod.merge(lockmod.read(self.lock_path), *self._lock_entries(plan, result))
-            if not lockmod.same(new, lockmod.read(self.lock_path)):
+            old = lockmod.read(self.lock_path)
+            recipes_now, nodes_now = self._lock_entries(plan, result)
+            # What was rebuilt for this platform differs from the lock by design: compared as the lock has it.
+            for nid in rebuilt.nodes if rebuilt else ():
+                if nid in nodes_now and nid in old["nodes"]:
+                    nodes_now[nid] = old["nodes"][nid]
+            for name, planned in plan.recipes.items():
+                if rebuilt and planned.bundle in rebuilt.nodes and name in recipes_now and name in old["recipes"]:
+                    recipes_now[name]["bundle"] = old["recipes"][name]["bundle"]
+            if not lockmod.same(lockmod.merge(old, recipes_now, nodes_now), old):
                 raise BuildError(f"{self.lock_path}: --frozen, but this build would change the lockfile; "
                                  "run `qbuild compile` without --frozen and commit the lockfile")
-        return plan, result
+        return plan, result, rebuilt
 
-    def _check_frozen(self, plan: Plan) -> None:
-        """Fail before building anything if a node's key differs from the lock's (upstream taken as locked)."""
+    def _check_frozen(self, plan: Plan) -> PlatformRebuild | None:
+        """Fail before building anything if a node's key differs from the lock's (upstream taken as locked), unless
+        the node is not portable and differs only in the platform the lock holds it for: such nodes are returned, to
+        be rebuilt for this platform."""
         roles = roles_by_node(plan)
         # A node must be locked under the role that names it in the error: its first one.
         locked = lockmod.locked_nodes(lockmod.read(self.lock_path), {nid: r[:1] for nid, r in roles.items()})
         keys = walk(plan, lambda nid, key: locked[nid].digest if nid in locked else None, self.registry)
+        elsewhere: dict[str, str] = {}
         for nid, nk in keys.items():
             recipe, role = roles[nid][0]
             entry = locked.get(nid)
             if entry is None:
                 raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} is not in the lockfile; run "
                                  "`qbuild compile` without --frozen and commit the lockfile")
-            if nk.key != entry.key:
-                changed = "; ".join(diff_preimages(entry.preimage, as_locked(nk.preimage))) or "key changed"
-                raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} would change ({changed}); run "
-                                 "`qbuild compile` without --frozen and commit the lockfile")
+            if nk.key == entry.key:
+                continue
+            if _built_for_another_platform(nk.preimage, entry):
+                elsewhere[nid] = entry.platform
+                continue
+            changed = "; ".join(diff_preimages(entry.preimage, as_locked(nk.preimage))) or "key changed"
+            raise BuildError(f"{self.lock_path}: --frozen, but {recipe}: {role} would change ({changed}); run "
+                             "`qbuild compile` without --frozen and commit the lockfile")
+        if not elsewhere:
+            return None
+        counts: dict[str, int] = {}
+        for nid in elsewhere:
+            label = _rebuild_label(plan.nodes[nid])
+            counts[label] = counts.get(label, 0) + 1
+        host = next(keys[nid].preimage["platform"] for nid in elsewhere)
+        return PlatformRebuild(host, tuple(sorted(set(elsewhere.values()))), tuple(elsewhere), counts)
 
     def _check_sources(self, plan: Plan) -> None:
         """Check each checkpoint whose fetch step will run before any step starts, so that a bad checkpoint is
@@ -177,8 +221,12 @@ class Workspace:
                 check_checkpoint(directory)
 
     def _lock_entries(self, plan: Plan, result: BuildResult) -> tuple[dict, dict]:
+        """The lock entries of the recipes whose bundle was built, and of their nodes. A recipe whose bundle was not
+        built gets none: its entry, if the lock has one, stays as it was."""
         recipes, nodes = {}, {}
         for name, planned in plan.recipes.items():
+            if planned.bundle not in result.manifests:
+                continue
             fetch_manifest = result.manifests.get(planned.nodes["fetch"])
             model = self._model_entry(plan, planned, fetch_manifest)
             recipes[name] = lockmod.recipe_entry(planned, model, result.manifests, self.lock_path,
@@ -233,3 +281,15 @@ class Workspace:
 
     def check_lock(self, recipes: list[str] | None = None) -> list[str]:
         return lockmod.check(lockmod.read(self.lock_path), self.store, recipes)
+
+
+def _built_for_another_platform(pre: dict, entry: lockmod.LockedNode) -> bool:
+    """Whether the locked node is this one built for another platform: its key is this preimage's, with the lock's
+    platform in place of this host's (so a portable node, or a locked entry without a platform, never is)."""
+    return "platform" in pre and entry.platform is not None and entry.platform != pre["platform"] \
+        and key_of({**pre, "platform": entry.platform}) == entry.key
+
+
+def _rebuild_label(node) -> str:
+    """How the one line of a platform rebuild counts a node: by kind, and for a compile, by its backend too."""
+    return f"{node.kind} {node.params.backend}" if node.kind == "compile" else node.kind

@@ -1,5 +1,7 @@
-"""Directories on this host that only this user can enter: the runtime directory (the NeuronCores lock) and private
-folders of the user's cache directory (the Neuron compile work directories), never a path shared in /tmp."""
+"""This user's directories on this host: one only this user can enter, for sockets and locks that must not be shared
+with other users (the NeuronCores lock), private folders of the user's cache directory (the Neuron compile work
+directories), never a path shared in /tmp, and the cache directory (what qbuild may recompute, such as the platform
+probe's answer)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,11 @@
 """Tiny random checkpoints of each supported family, written with HF transformers.
 
-The tests and the demo build on these instead of downloading anything. Every parameter is perturbed away
-from its initial value: HF initialises the zero-centred norms to 0 and DeltaNet's A_log / dt_bias to fixed
-values, so a converter that forgot the +1 or a reorder would otherwise pass by luck.
+The tests and the demo build on these instead of downloading anything. transformers builds the model (its parameter
+names, shapes, and the constants its init gives norms and biases) and writes the checkpoint; every value comes from
+numpy's PCG64 stream, drawn in a fixed order and rounded in a fixed way, so a seed gives the same bytes on every CPU
+(torch's own random draws are vectorised, and differ between CPU capabilities). Every parameter is moved away from
+its initial value: HF initialises the zero-centred norms to 0 and DeltaNet's dt_bias to 1, so a converter that
+forgot the +1 or a reorder would otherwise pass by luck.
 """
 
 from __future__ import annotations
@@ -74,17 +77,134 @@ def _make_model(config):
     return getattr(transformers, MODEL_TYPES[config.model_type].transformers_model)(config)
 
 
-def _perturb(model, seed: int) -> None:
+# The scheme transformers' init and the perturbation on top of it give each parameter: matrices (and every tensor
+# of two or more dimensions) N(0, initializer_range) moved by 0.05 noise; norms, biases and dt_bias their init
+# constant moved by 0.2 noise; DeltaNet's A_log log(A) of a decay rate A uniform in (0.01, 16), moved by 0.2 noise.
+INIT_STD = 0.02              # initializer_range of every tiny config (text and vision)
+MATRIX_NOISE = 0.05
+VECTOR_NOISE = 0.2
+A_RANGE = (0.01, 16.0)
+# Only operations whose result IEEE 754 defines to the bit are used, so any CPU computes the same values. Draws are
+# uniform with the standard deviation the scheme names: numpy's normal sampler calls the C library's exp and log1p
+# in its tails, while a uniform double is integer arithmetic on the PCG64 output. The logarithm is a fixed series
+# (_log) rather than numpy's or the C library's, which have CPU-specific implementations (numpy dispatches SIMD
+# kernels for it; glibc picks an FMA variant by CPU).
+_SQRT3 = 1.7320508075688772
+_LN2 = 0.6931471805599453
+_SQRT_HALF = 0.7071067811865476
+
+
+def _unit(gen, shape: tuple[int, ...]):
+    """Uniform noise of mean 0 and standard deviation 1, as float64."""
+    return (gen.random(shape) * 2.0 - 1.0) * _SQRT3
+
+
+def _log(x):
+    """The natural logarithm of positive float64 values by +, -, *, / only: x = m 2^e with m in [sqrt(1/2), sqrt(2)),
+    log m = 2 atanh(t) for t = (m - 1) / (m + 1), |t| < 0.172, summed to t^25 (the rest is below 1e-20)."""
+    import numpy as np
+
+    m, e = np.frexp(x)                   # exact: m in [0.5, 1)
+    low = m < _SQRT_HALF
+    m, e = np.where(low, m * 2.0, m), np.where(low, e - 1, e)
+    t = (m - 1.0) / (m + 1.0)
+    t2 = t * t
+    series = np.zeros_like(t)
+    for k in range(12, -1, -1):          # Horner: 1 + t^2/3 + t^4/5 + ... + t^24/25
+        series = series * t2 + 1.0 / (2 * k + 1)
+    return 2.0 * t * series + e * _LN2
+
+
+def _values(model, seed: int) -> dict:
+    """Parameter name -> its value as a float64 array: one PCG64 stream seeded with `seed`, drawn parameter by
+    parameter in name order (a matrix draws its base, then its noise)."""
+    import numpy as np
+
+    gen = np.random.Generator(np.random.PCG64(seed))
+    out = {}
+    for name, p in sorted(model.named_parameters()):
+        shape = tuple(p.shape)
+        if name.endswith("A_log"):
+            low, high = A_RANGE
+            out[name] = _log(low + gen.random(shape) * (high - low)) + VECTOR_NOISE * _unit(gen, shape)
+        elif p.ndim >= 2:
+            out[name] = INIT_STD * _unit(gen, shape) + MATRIX_NOISE * _unit(gen, shape)
+        else:
+            # Norm weights, biases and dt_bias start at one constant (0 or 1): kept as the centre of the noise.
+            first, last = float(p.detach().min()), float(p.detach().max())
+            if first != last:
+                raise ValueError(f"{name}: transformers initialises it randomly; give it a rule in _values")
+            out[name] = first + VECTOR_NOISE * _unit(gen, shape)
+    return out
+
+
+def _rounded(value, dtype: str):
+    """`value` (float64) as a torch tensor of `dtype`, rounded to nearest, ties to even: numpy's conversions for
+    float32 and float16; bfloat16 from the float32 value's bits (its top 16, rounded on the 16 below)."""
+    import numpy as np
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
+    if dtype == "bfloat16":
+        bits = value.astype(np.float32).view(np.uint32)
+        top = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        return torch.from_numpy(top.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
+    if dtype in ("float32", "float16"):
+        return torch.from_numpy(value.astype(getattr(np, dtype)))
+    raise ValueError(f"tiny checkpoints are float32, float16 or bfloat16, not {dtype}")
+
+
+def _fill(model, seed: int, dtype: str):
+    """`model` in `dtype` with every parameter set from _values."""
+    import torch
+
+    values = _values(model, seed)
+    model = model.to(getattr(torch, dtype))
     with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
-            if p.ndim == 1 or name.endswith(("A_log", "dt_bias")):
-                p.add_((0.2 * noise).to(p.dtype))
-            else:
-                p.copy_((p.float() + 0.05 * noise).to(p.dtype))
+        for name, p in model.named_parameters():
+            p.copy_(_rounded(values[name], dtype).reshape(p.shape))
+    return model
+
+
+def _save_quietly(model, out: Path) -> None:
+    """save_pretrained without the progress bars transformers and huggingface_hub draw, restoring their settings."""
+    import huggingface_hub.utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    transformers_bars, hub_bars = hf_logging.is_progress_bar_enabled(), not hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()    # turns off huggingface_hub's too
+    try:
+        model.save_pretrained(out, max_shard_size="200KB")
+    finally:
+        if transformers_bars:
+            hf_logging.enable_progress_bar()
+        if hub_bars:
+            hub_utils.enable_progress_bars()
+        else:
+            hub_utils.disable_progress_bars()
+
+
+def _normal_modes(out: Path) -> None:
+    """Give every file the mode a newly created file gets (0666 less the umask), as the JSON files have: safetensors
+    writes its files 0600."""
+    mask = _umask()
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~mask)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it where Linux shows it (/proc/self/status, since 4.7)."""
+    import os
+
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_tokenizer(out: Path) -> None:
@@ -144,24 +264,20 @@ def write_tiny_checkpoint(out: Path, family: FamilyName, *, seed: int = 0, fused
     The VL families (qwen3_5, qwen3_5_moe) carry a vision encoder, as the published checkpoints do. MoE
     experts are written per expert (as transformers' save_pretrained does) unless `fused_experts`, which
     writes the fused 3D form of the published Qwen3.5-MoE checkpoints. `text_overrides` changes text-model
-    fields (see make_config).
+    fields (see make_config). The same arguments write the same bytes on any CPU.
     """
-    import torch
-
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {', '.join(FAMILIES)}")
     if fused_experts and not FAMILIES[family].moe:
         raise ValueError("fused_experts applies to the MoE families only")
-    torch.manual_seed(seed)
     config = make_config(family, vision=FAMILIES[family].vl_model_type is not None, text_overrides=text_overrides)
-    model = _make_model(config)
-    _perturb(model, seed)
-    model = model.to(getattr(torch, dtype))
+    model = _fill(_make_model(config), seed, dtype)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, max_shard_size="200KB")
+    _save_quietly(model, out)
     if fused_experts:
         _fuse_experts(out)
     _write_tokenizer(out)
+    _normal_modes(out)
     return out
 
 

@@ -1,9 +1,12 @@
 """Content keys: the action specs, a node's key preimage, and the one walk that keys a plan.
 
-A node's key is blake3 of its preimage {action, version, params, inputs, toolchain}: the action's kind and source
-hash (the digest of its import closure and data files, qbuild.planning.sources), the node's typed params, its inputs'
-output digests, and the toolchain it runs with (the installed versions of the third-party distributions its closure
-imports, or the versions a neuron compile pins). An input's
+A node's key is blake3 of its preimage {action, version, params, inputs, toolchain[, platform]}: the action's kind
+and source hash (the digest of its import closure and data files, qbuild.planning.sources), the node's typed params,
+its inputs' output digests, the toolchain it runs with (the installed versions of the third-party distributions its
+closure imports, or the versions a neuron compile pins), and for a node whose output is not portable, this host's
+platform tag (qbuild.core.platform). A node is portable when its action's output is the same on every platform
+(ActionSpec.portable, or for compile and package, the backend's answer) and so is every input's: a bundle of native
+graphs is native, and so is the verify report of it. An input's
 digest is known only once that input is built, so a walk over the plan takes the upstream digests from a source
 the caller chooses: the store (what is built), the lockfile (what was built when the lock was written), or both.
 A node whose inputs have no known digest has no key.
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
 from qbuild import backends
+from qbuild.core.platform import host_tag
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
 from qbuild.planning.sources import DEFAULT, Closure, Sources, distribution_versions
 from qbuild.recipe.params import to_json
@@ -44,6 +48,9 @@ class ActionSpec:
     kind: str
     entry: str                                 # "package.module:function", called as function(ctx)
     data: tuple[str, ...] = ()                 # files it reads, relative to its top-level package's directory
+    # Whether the output is the same on every platform (machine, libc, Python, torch's CPU kernels); None: the
+    # backend the node's params name decides (Backend.portable).
+    portable: bool | None = True
 
     @property
     def module(self) -> str:
@@ -77,23 +84,46 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
     ActionSpec("port", f"{_SRC}.port:run"),
     ActionSpec("convert", f"{_SRC}.convert:run"),
     ActionSpec("shard", f"{_SRC}.shard:run"),
-    ActionSpec("compile", f"{_SRC}.compile:run"),
-    ActionSpec("package", f"{_SRC}.package:run"),
-    ActionSpec("reference", f"{_SRC}.reference:run", data=("golden/prompts.json",)),
-    ActionSpec("verify", f"{_SRC}.verify:run"),
+    ActionSpec("compile", f"{_SRC}.compile:run", portable=None),
+    ActionSpec("package", f"{_SRC}.package:run", portable=None),
+    # Logits computed with torch's vectorised CPU kernels, whose last bits depend on the capability they run with.
+    ActionSpec("reference", f"{_SRC}.reference:run", data=("golden/prompts.json",), portable=False),
+    ActionSpec("verify", f"{_SRC}.verify:run", portable=False),
 )}
+
+
+# --- portability -------------------------------------------------------------------------------------------------
+
+def action_portable(node: Node, registry: Registry = REGISTRY) -> bool:
+    """Whether `node`'s action, whatever its inputs, writes the same output on every platform."""
+    portable = registry[node.kind].portable
+    if portable is None:
+        return backends.get(node.params.backend).portable(node.kind)
+    return portable
+
+
+def portability(plan: Plan, registry: Registry = REGISTRY) -> dict[str, bool]:
+    """Node id -> whether the node's output is the same on every platform: its action's is, and every input's."""
+    out: dict[str, bool] = {}
+    for nid, node in plan.nodes.items():    # topological order: every input is decided first
+        out[nid] = action_portable(node, registry) and all(out[dep] for dep in node.deps.values())
+    return out
 
 
 # --- the preimage ----------------------------------------------------------------------------------------------
 
-def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY) -> dict:
-    """The key preimage of `node` given its inputs' output digests (input name -> digest)."""
+def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY, platform: str | None = None) -> dict:
+    """The key preimage of `node` given its inputs' output digests (input name -> digest), and for a node that is
+    not portable, the platform tag it is built for (None: a portable node, whose preimage has no platform)."""
     spec = registry[node.kind]
     params = to_json(node.params)
     # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
     toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions(node.backend)
-    return {"action": node.kind, "version": spec.source_hash(node.backend), "params": params, "inputs": inputs,
-            "toolchain": toolchain}
+    pre = {"action": node.kind, "version": spec.source_hash(node.backend), "params": params, "inputs": inputs,
+           "toolchain": toolchain}
+    if platform is not None:
+        pre["platform"] = platform
+    return pre
 
 
 def key_of(pre: dict) -> str:
@@ -114,7 +144,8 @@ def diff_preimages(old: dict, new: dict, prefix: str = "") -> list[str]:
             continue
         if isinstance(a, dict) and isinstance(b, dict):
             out += diff_preimages(a, b, path + ".")
-        elif isinstance(a, (dict, list)) or isinstance(b, (dict, list)) or (isinstance(a, str) and len(a) > 24):
+        elif isinstance(a, (dict, list)) or isinstance(b, (dict, list)) or \
+                (isinstance(a, str) and len(a) > 24 and k != "platform"):   # digests; a platform tag is read
             out.append(f"{path} changed")
         else:
             out.append(f"{path}: {a} -> {b}")
@@ -133,12 +164,14 @@ class NodeKey:
     unknown: tuple[str, ...]    # input names whose digests the source did not know
 
 
-def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGISTRY) -> NodeKey:
-    """`node`'s preimage and key, given the output digests known so far (node id -> digest)."""
+def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGISTRY,
+             platform: str | None = None) -> NodeKey:
+    """`node`'s preimage and key, given the output digests known so far (node id -> digest) and, for a node that is
+    not portable (see portability), the platform tag it is built for."""
     unknown = tuple(sorted(name for name, dep in node.deps.items() if dep not in digests))
     if unknown:
         return NodeKey(None, None, None, unknown)
-    pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()}, registry)
+    pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()}, registry, platform)
     return NodeKey(pre, key_of(pre), None, ())
 
 
@@ -146,12 +179,16 @@ def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGIST
 DigestSource = Callable[[str, str], "str | None"]
 
 
-def walk(plan: Plan, source: DigestSource, registry: Registry = REGISTRY) -> dict[str, NodeKey]:
-    """Key every node of `plan` in topological order, taking each keyed node's output digest from `source`."""
+def walk(plan: Plan, source: DigestSource, registry: Registry = REGISTRY,
+         host: Callable[[], str] = host_tag) -> dict[str, NodeKey]:
+    """Key every node of `plan` in topological order, taking each keyed node's output digest from `source`; nodes
+    that are not portable are keyed for the platform `host()` names (asked only once such a node is keyed)."""
     digests: dict[str, str] = {}
     out: dict[str, NodeKey] = {}
+    portable = portability(plan, registry)
     for nid, node in plan.nodes.items():
-        nk = key_node(node, digests, registry)
+        tag = None if portable[nid] or any(d not in digests for d in node.deps.values()) else host()
+        nk = key_node(node, digests, registry, tag)
         if nk.key is not None:
             digest = source(nid, nk.key)
             if digest is not None:

@@ -13,10 +13,12 @@ to, "files": the built snapshot's digests, empty until that commit is fetched}. 
 while the recipe asks for the same repo and revision; `qbuild lock update` moves pins, and nothing else does.
 
 A recipe's `recipe` path is relative to the lockfile's directory (absolute when the file lies outside it), and
-recipe names are unique per lockfile. A node's preimage holds its params, input digests, action source hash and
-toolchain versions, so `qbuild explain` can name the field that changed. The serialiser is a pure function; writes
-go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes wrote
-meanwhile.
+recipe names are unique per lockfile. A recipe has an entry only once its bundle was built: a build that fails
+before leaves the recipe's entry as it was. A node's preimage holds its params, input digests, action source hash
+and toolchain versions, and for a node whose output is not portable (native code, CPU-dependent numbers) the
+platform it was built for, so `qbuild explain` can name the field that changed. The serialiser is a pure function;
+writes go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes
+wrote meanwhile.
 """
 
 from __future__ import annotations
@@ -166,7 +168,10 @@ def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
 
 
 def update(path: Path, recipes: dict[str, dict], nodes: dict[str, dict]) -> bool:
-    """Merge entries into the lockfile on disk atomically; returns whether its content changed."""
+    """Merge entries into the lockfile on disk atomically; returns whether its content changed. No entries: nothing
+    is written, not even an empty lockfile."""
+    if not recipes and not nodes:
+        return False
     with _directory_locked(path.parent):
         old = read(path)
         new = merge(old, recipes, nodes)
@@ -232,6 +237,11 @@ class LockedNode:
     preimage: dict
     digest: str
 
+    @property
+    def platform(self) -> str | None:
+        """The platform the node was built for; None for a portable node (its preimage names none)."""
+        return self.preimage.get("platform")
+
 
 def locked_nodes(doc: dict, roles: Mapping[str, list[tuple[str, str]]]) -> dict[str, LockedNode]:
     """The lock's entry for each node (node id -> the (recipe, role) pairs it serves): the entry recorded for the
@@ -264,6 +274,11 @@ def check(doc: dict, store, recipes: list[str] | None = None) -> list[str]:
         entry = doc["recipes"].get(name)
         if entry is None:
             problems.append(f"{name}: not in the lockfile")
+            continue
+        if entry.get("bundle") is None:
+            # Written by a qbuild that locked failed builds: the recipe names no artifact to check.
+            problems.append(f"{name}: locked without a bundle (its build did not finish); run `qbuild compile` on "
+                            f"{entry.get('recipe', name)}")
             continue
         for role, nid in sorted(entry["nodes"].items()):
             node = doc["nodes"].get(nid)

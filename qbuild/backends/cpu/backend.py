@@ -21,6 +21,9 @@ from qbuild.recipe.schema import LoadedRecipe
 
 # The file format each backend's graphs are written in; the runtime loads a graph by it (qbuild.model.runtime).
 _FORMATS = {"export": "exported-program", "inductor": "aoti-package"}
+# An AOTInductor package holds a shared library compiled for this host (machine, libc, Python, the CPU's vector
+# unit); a torch.export program is a graph any platform's torch runs.
+_NATIVE = {"export": False, "inductor": True}
 
 
 def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) -> CpuCompile:
@@ -64,6 +67,10 @@ class CpuBackend:
 
     def explain_reuse(self, old: dict, new) -> str | None:
         return None
+
+    def portable(self, kind: str) -> bool:
+        """Compiled graphs and the bundle holding them are native exactly when the graphs are."""
+        return not _NATIVE[self.name]
 
     def describe_compile(self, params) -> dict:
         return {}

@@ -184,6 +184,11 @@ class NeuronBackend:
     def explain_reuse(self, old: dict, new) -> str | None:
         return config.neff_reuse(old, new)
 
+    def portable(self, kind: str) -> bool:
+        """NEFFs run on NeuronCores, not on the host that compiled them, and are keyed by the pinned toolchain and the
+        compiler's target (CompilerSettings), so any host builds the same compile and bundle."""
+        return True
+
     def describe_compile(self, params) -> dict:
         cfg = config.neuron_config(params)
         return {"neffs": cfg["neffs"], "neuron_config": cfg}

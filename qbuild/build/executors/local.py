@@ -1,34 +1,62 @@
 """The local executor: a pool of worker processes on this machine.
 
-Actions run in separate processes so a crash (or an out-of-memory kill) of one step cannot take the driver
-down, and so heavy imports (torch) happen once per worker, never in the planning process. Workers die with the
-driver: a `qbuild compile` killed by SIGKILL (which runs no cleanup) leaves no step running.
+Actions run in separate processes so a crash (or an out-of-memory kill) of one step cannot take the driver down,
+and so heavy imports (torch) happen once per worker, never in the planning process. Each worker is a fresh
+interpreter (never a fork of a driver holding threads or locks) that reads jobs from one pipe and answers on another,
+one job at a time; a thread of the driver feeds each worker.
+
+The pool uses no multiprocessing objects: a multiprocessing queue or lock is a named POSIX semaphore, registered with
+multiprocessing's resource tracker, which prints a "leaked semaphore" warning when the process that made it is
+killed without cleanup (the pool of concurrent.futures makes five).
+
+Workers die with the driver: the driver holds the only write end of each worker's job pipe, so when it exits (even
+by SIGKILL, which runs no cleanup) the worker reads end-of-file and exits, also in the middle of a step.
 """
 
 from __future__ import annotations
 
 import glob
-import multiprocessing
 import os
+import pickle
+import queue
+import struct
+import subprocess
+import sys
 import threading
-import time
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
+from typing import BinaryIO
 
 from qbuild.build.job import Job, run_job
+from qbuild.core.errors import BuildError
 from qbuild.planning.plan import Node
 
-DRIVER_POLL_S = 0.25     # how often a worker checks that its driver is alive
+_HEADER = struct.Struct(">Q")     # the length of the pickle that follows
+_SERVE = "import sys; from qbuild.build.executors.local import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+
+
+class WorkerLost(RuntimeError):
+    """A worker process ended while it held a job (killed, out of memory, or crashed in native code)."""
 
 
 class LocalExecutor:
     def __init__(self, jobs: int):
-        # forkserver: workers start from a clean interpreter, never from a driver holding threads or locks.
-        self._pool = ProcessPoolExecutor(max_workers=max(1, jobs),
-                                         mp_context=multiprocessing.get_context("forkserver"),
-                                         initializer=watch_driver, initargs=(os.getpid(),))
+        self._jobs = max(1, jobs)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()     # (job, future) pairs; None stops a feeder
+        self._feeders: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
 
     def submit(self, job: Job, node: Node) -> Future:
-        return self._pool.submit(run_job, job)
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the local executor is shut down")
+            self._queue.put((job, future))
+            if len(self._feeders) < self._jobs:   # workers start as jobs arrive, up to -j of them
+                feeder = threading.Thread(target=self._feed, name=f"qbuild-worker-{len(self._feeders)}", daemon=True)
+                self._feeders.append(feeder)
+                feeder.start()
+        return future
 
     def capacity_check(self, node: Node) -> str | None:
         if node.needs_device and not neuron_devices():
@@ -37,46 +65,150 @@ class LocalExecutor:
         return None
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Cancel the jobs no worker has started, wait for the running ones, and end every worker."""
+        with self._lock:
+            self._closed = True
+            feeders = list(self._feeders)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1].cancel()
+        for _ in feeders:
+            self._queue.put(None)
+        for feeder in feeders:
+            feeder.join()
+
+    def _feed(self) -> None:
+        """One worker's thread: hand it the next job, wait for its answer, settle the job's future; start a new worker
+        when the last one died."""
+        worker: _Worker | None = None
+        try:
+            while (item := self._queue.get()) is not None:
+                job, future = item
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    if worker is None or not worker.alive():
+                        worker = _Worker()
+                    ok, value = worker.run(job)
+                except WorkerLost as e:
+                    worker = None
+                    future.set_exception(e)
+                    continue
+                except BaseException as e:   # the driver could not start a worker or read its answer
+                    future.set_exception(e)
+                    continue
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+        finally:
+            if worker is not None:
+                worker.close()
+
+
+class _Worker:
+    """One worker process and the driver's ends of its two pipes."""
+
+    def __init__(self) -> None:
+        jobs_r, jobs_w = os.pipe()          # both ends are non-inheritable; the child gets its ends by pass_fds
+        results_r, results_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(jobs_r), str(results_w)],
+                                          pass_fds=(jobs_r, results_w), stdin=subprocess.DEVNULL)
+        except BaseException:
+            for fd in (jobs_r, jobs_w, results_r, results_w):
+                os.close(fd)
+            raise
+        os.close(jobs_r)
+        os.close(results_w)
+        self._jobs = open(jobs_w, "wb")
+        self._results = open(results_r, "rb")
+
+    def alive(self) -> bool:
+        return self._proc.poll() is None
+
+    def run(self, job: Job) -> tuple[bool, object]:
+        """(True, the manifest) or (False, the exception the job raised); WorkerLost if the worker ended first."""
+        try:
+            _send(self._jobs, job)
+            return _receive(self._results)
+        except (EOFError, BrokenPipeError):
+            self.close()
+            raise WorkerLost(f"{job.name}: its worker process ended ({_how_it_ended(self._proc.returncode)})") \
+                from None
+
+    def close(self) -> None:
+        """Close the job pipe (the worker exits when it reads its end) and reap the process."""
+        for f in (self._jobs, self._results):
+            try:
+                f.close()
+            except OSError:
+                pass
+        self._proc.wait()
+
+
+def _how_it_ended(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _send(f: BinaryIO, obj: object) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    f.write(_HEADER.pack(len(data)) + data)
+    f.flush()
+
+
+def _receive(f: BinaryIO) -> object:
+    """The next message on `f`: bytes the other end pickled a moment ago, never a file's. EOFError at the end."""
+    header = f.read(_HEADER.size)
+    if len(header) < _HEADER.size:
+        raise EOFError
+    (size,) = _HEADER.unpack(header)
+    data = f.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+def serve(jobs_fd: int, results_fd: int) -> None:
+    """A worker's main loop: run each job read from `jobs_fd` and answer (ok, manifest or exception) on
+    `results_fd`. A thread reads the jobs, so that end-of-file (the driver is gone) ends the process at once."""
+    # A step's own subprocesses must not hold these pipes: the driver would not see this worker end.
+    os.set_inheritable(jobs_fd, False)
+    os.set_inheritable(results_fd, False)
+    jobs, results = open(jobs_fd, "rb"), open(results_fd, "wb")
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            while True:
+                inbox.put(_receive(jobs))
+        except (EOFError, OSError):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=read, name="qbuild-jobs", daemon=True).start()
+    try:
+        while True:
+            job: Job = inbox.get()
+            try:
+                reply: tuple[bool, object] = (True, run_job(job))
+            except BaseException as e:   # an interrupted step too: the driver decides what the build does next
+                reply = (False, e)
+            try:
+                _send(results, reply)
+            except (pickle.PicklingError, TypeError, AttributeError) as e:
+                _send(results, (False, BuildError(f"{job.name}: {type(reply[1]).__name__}: {reply[1]} (its worker "
+                                                  f"could not send it back: {e})")))
+    except KeyboardInterrupt:   # Ctrl-C between steps: the driver got it too and is shutting down
+        os._exit(130)
 
 
 def neuron_devices() -> list[str]:
     """The Neuron devices of this host (the driver's /dev/neuron<N> nodes)."""
     return sorted(glob.glob("/dev/neuron[0-9]*"))
-def watch_driver(driver: int) -> None:
-    """Worker initializer: exit as soon as the driver (process `driver`) is gone.
-
-    A forkserver's workers are the forkserver's children, and each holds the pipe that would tell the forkserver
-    the driver died, so neither a parent-death signal nor that pipe ends them: a thread watches the driver itself.
-    """
-    identity = _process_identity(driver)
-    if identity is None:   # the driver died while this worker was starting
-        os._exit(1)
-    threading.Thread(target=_watch, args=(driver, identity), name="qbuild-driver-watch", daemon=True).start()
-
-
-def _watch(driver: int, identity: str) -> None:
-    while _process_identity(driver) == identity:
-        time.sleep(DRIVER_POLL_S)
-    os._exit(1)
-
-
-def _process_identity(pid: int) -> str | None:
-    """Something that stays the same while process `pid` lives and differs once it is gone: its start time on
-    Linux (a reused pid starts later; a killed process awaiting its parent's wait is a zombie, state Z, and counts
-    as gone), else just its existence. None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()   # the name before ")" may hold spaces
-        return None if fields[0] == b"Z" else fields[19].decode()    # field 3 is the state, field 22 the start time
-    except FileNotFoundError:
-        return None
-    except OSError:   # no /proc here
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass
-    return "alive"

@@ -24,6 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
+from qbuild.core.platform import host_tag
 from qbuild.planning.keys import REGISTRY, ActionSpec, Registry
 from qbuild.core.errors import InfraError, QbuildError, UserError
 from qbuild.build.job import Job, build_job
@@ -149,9 +150,13 @@ def run_task(job: Job, action: ActionSpec) -> dict:
 
 
 def _check_same_action(job: Job, action: ActionSpec) -> None:
-    """A worker whose action source or toolchain differs from the driver's would file its output under a key
-    that does not describe it; refuse rather than publish a wrong artifact."""
+    """A worker whose action source, toolchain or (for a node that is not portable) platform differs from the
+    driver's would file its output under a key that does not describe it; refuse rather than publish a wrong
+    artifact."""
     differs = []
+    wanted = job.preimage.get("platform")
+    if wanted is not None and wanted != host_tag():
+        differs.append(f"platform {host_tag()} (driver: {wanted})")
     source_hash = action.source_hash(job.backend)
     if source_hash != job.preimage.get("version"):
         differs.append(f"{job.kind} action source {source_hash[:12]} (driver: "
