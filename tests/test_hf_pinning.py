@@ -6,6 +6,7 @@ the CLI as a user runs it."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 from contextlib import contextmanager
@@ -180,7 +181,7 @@ def test_compile_refuses_a_snapshot_of_another_commit(tmp_path, hub):
                             f"{hub.b[:12]}; refusing"), proc.stderr
     assert _manifests(tmp_path / "store") == []
     # Planning's own download of the commit's config.json is refused the same way.
-    shutil.rmtree(tmp_path / "xdg-cache" / "qbuild" / "hf-configs")
+    shutil.rmtree(Path(os.environ["XDG_CACHE_HOME"]) / "qbuild" / "hf-configs")
     line = _one_line(qbuild("plan", str(recipe), cwd=tmp_path, env=hub.online), 3)
     assert line.endswith(f"model.hf: {REPO_ID}: asked for config.json at {hub.a[:12]}, the Hub served commit "
                          f"{hub.b[:12]}"), line

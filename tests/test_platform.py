@@ -98,7 +98,7 @@ def test_the_platform_is_in_the_keys_of_non_portable_nodes_only(tiny_checkpoints
 
 
 def test_a_node_that_takes_a_non_portable_input_is_not_portable():
-    native = ActionSpec("test-native", SLEEP.entry, ("tests.engine_actions",), portable=False)
+    native = ActionSpec("test-native", SLEEP.entry, portable=False)
     registry = {"test-sleep": SLEEP, "test-native": native}
     nodes: dict = {}
     a = _add(nodes, "toy", "test-native", "a", {"name": "a"}, {}, 1, 1)
