@@ -172,7 +172,8 @@ def _check_verify_fits(loaded: LoadedRecipe, arch: Arch) -> None:
     r, v = loaded.recipe, loaded.recipe.verify
     golden = golden_prompts()
     field = "verify.prompts" if v.prompts else "text.cte_buckets"
-    prompts = [(min_prompt_tokens(p), repr(p[:40]), field) for p in (v.prompts or golden["prompts"])]
+    prompts = [(min_prompt_tokens(p), repr(p if len(p) <= 60 else p[:57] + "..."), field)
+               for p in (v.prompts or golden["prompts"])]
     if r.vision is not None and v.image_prompt and arch.vision is not None:
         patches = image_patches(arch.vision, *VERIFY_IMAGE_SIZE)
         if patches > r.vision.buckets[-1]:

@@ -202,6 +202,14 @@ class Verify(_Strict):
     prompts: list[str] | None = Field(None, description="golden prompts; default the shipped set")
     image_prompt: StrictBool = Field(True, description="VL recipes also check a prompt with a synthetic image")
 
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_have_text(cls, v: list[str] | None) -> list[str] | None:
+        # An empty prompt tokenizes to no ids: the reference model cannot run it, nor the bundle prefill it.
+        if v is not None and any(not p for p in v):
+            raise ValueError(f"prompt {next(i for i, p in enumerate(v) if not p)} is empty")
+        return v
+
 
 class Recipe(_Strict):
     """One build configuration: a model, how it is split across ranks, the graphs to compile, and the checks."""
