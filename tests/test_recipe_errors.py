@@ -95,10 +95,12 @@ CASES = {
                        + NEURON_BASE, "fp8"),
     "port-path-and-module": ("model: {hf: Qwen/Qwen3.5-2B}\nport: {path: ./p, module: x}\n" + NEURON_BASE, "port"),
     # fields that can never work together, refused before anything is fetched or built
-    "tkg-below-largest-cte": ("model: {hf: Qwen/Qwen3.5-2B}\n" + BASE.replace("[32, 64]", "[32, 64]\n  tkg_buckets: [48]"),
+    "tkg-below-largest-cte": ("model: {hf: Qwen/Qwen3.5-2B}\n"
+                              + BASE.replace("[32, 64]", "[32, 64]\n  tkg_buckets: [48]"),
                               "text.tkg_buckets: the largest token-generation bucket 48 is smaller than the largest "
                               "context-encoding bucket 64"),
-    "tkg-over-seq-len": ("model: {hf: Qwen/Qwen3.5-2B}\n" + BASE.replace("[32, 64]", "[32, 64]\n  tkg_buckets: [64, 256]"),
+    "tkg-over-seq-len": ("model: {hf: Qwen/Qwen3.5-2B}\n"
+                         + BASE.replace("[32, 64]", "[32, 64]\n  tkg_buckets: [64, 256]"),
                          "text.tkg_buckets: [256] exceed seq_len 128"),
     "vision-bucket-beyond-context": ("model: {hf: Qwen/Qwen3.5-2B}\nvision: {buckets: [64, 65536]}\n" + BASE,
                                      "vision.buckets.1: 65536 patch tokens merge to 16384 image tokens"),

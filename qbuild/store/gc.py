@@ -16,6 +16,7 @@ from qbuild.store.files import discard_path
 from qbuild.store.lease import live_leases
 from qbuild.store.local import LocalStore
 from qbuild.store.manifest import Manifest
+from qbuild.store.remote import holding
 from qbuild.store.s3 import POOL_THREADS, S3Remote
 from qbuild.core.threads import map_all
 
@@ -121,13 +122,26 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
 
 def gc_remote(remote: S3Remote, docs: list[dict], *, dry_run: bool = False,
               grace_s: float = GRACE_S) -> GcReport:
-    """Remove every remote manifest no lockfile references, then every blob no remaining manifest names (blobs no
-    manifest names at all only once older than `grace_s`: a publish uploads blobs before its manifest)."""
+    """Remove every remote manifest no lockfile references and older than `grace_s` (one written since may be a
+    push whose lockfile is not committed yet), then every blob no remaining manifest names (blobs no manifest names
+    at all only once older than `grace_s`). A gc that deletes holds the remote's gc lease (qbuild.store.remote): it
+    waits for the pushes under way, and none starts until it is done, so no blob a push found present goes."""
+    if dry_run:
+        return _gc_remote(remote, docs, dry_run, grace_s)
+    with holding(remote, "gc"):
+        return _gc_remote(remote, docs, dry_run, grace_s)
+
+
+def _gc_remote(remote: S3Remote, docs: list[dict], dry_run: bool, grace_s: float) -> GcReport:
     report = GcReport(dry_run=dry_run)
     locked = referenced_keys(docs)
     listed = {m.name: m for m in remote.list_manifests()}
     blobs = list(remote.list_blobs())
     manifests = dict(zip(listed, map_all(remote.get_manifest, list(listed), POOL_THREADS)))
+    now = time.time()
+    young = {k for k, obj in listed.items() if k not in locked and now - obj.modified.timestamp() < grace_s}
+    report.in_use = len(young)
+    locked |= young
     named = {o["digest"] for m in manifests.values() if m for o in m.outputs.values()}
     kept_blobs = {o["digest"] for k, m in manifests.items() if m and k in locked for o in m.outputs.values()}
     doomed = sorted(k for k in listed if k not in locked)
@@ -137,7 +151,6 @@ def gc_remote(remote: S3Remote, docs: list[dict], *, dry_run: bool = False,
         report.removed.append(Removal(remote.url, "manifest", key, listed[key].size, m.kind if m else ""))
     if not dry_run:
         remote.delete([remote.manifest_key(k) for k in doomed])
-    now = time.time()
     gone = []
     for blob in blobs:
         if blob.name in kept_blobs:
