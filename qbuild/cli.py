@@ -1,5 +1,6 @@
 """The qbuild command line: parse flags, call the library, render. stdout carries data; stderr the rest."""
 
+import errno
 import os
 import signal
 import sys
@@ -12,7 +13,10 @@ def _interrupted_outside_a_command(signum, frame) -> None:
     os._exit(130)
 
 
-signal.signal(signal.SIGINT, _interrupted_outside_a_command)
+# Only where this module is the program (`qbuild`, `python -m qbuild.cli`): a process that imports it as a library
+# keeps its own Ctrl-C.
+if __name__ == "__main__" or os.path.basename((sys.argv or [""])[0]) == "qbuild":
+    signal.signal(signal.SIGINT, _interrupted_outside_a_command)
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -531,19 +535,25 @@ class _GuardedOutput:
     so a failed write is one line naming stdout wherever it happens."""
 
     def __init__(self, stream):
-        self._stream = stream
+        self._stream = stream   # None where the process started with stdout closed (`>&-`)
 
     def write(self, text: str) -> int:
         try:
+            if self._stream is None:
+                raise OSError(errno.EBADF, "stdout is closed")
             return self._stream.write(text)
         except OSError as e:
             raise OutputError(e) from None
 
     def flush(self) -> None:
         try:
-            self._stream.flush()
+            if self._stream is not None:
+                self._stream.flush()
         except OSError as e:
             raise OutputError(e) from None
+
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
@@ -593,7 +603,10 @@ def _exit_code(e: Exception) -> int:
 
     if isinstance(e, OutputError):
         # What could not be written stays in stdout's buffer; the interpreter would try again at exit and fail.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):   # no descriptor behind it
+            pass
         if e.broken_pipe:   # the reader stopped reading (`| head`): quiet, as a tool killed by SIGPIPE
             return 128 + signal.SIGPIPE
     if isinstance(e, QbuildError):

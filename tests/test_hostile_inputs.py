@@ -536,6 +536,15 @@ def test_stdout_that_cannot_be_written_is_one_line_exit_3(args, tiny_checkpoints
     assert proc.stderr == "error: stdout: cannot write the output: No space left on device\n", proc.stderr
 
 
+def test_a_closed_stdout_is_one_line_exit_3(tiny_checkpoints, tmp_path):
+    write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+    proc = subprocess.run([sys.executable, "-m", "qbuild.cli", "plan", "r.yaml", "--json"], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))   # `qbuild plan >&-`
+    assert proc.returncode == 3 and proc.stderr == "error: stdout: cannot write the output: stdout is closed\n", \
+        proc.stderr
+
+
 @pytest.mark.parametrize("args", [["plan", "--all"], ["gc"], ["store", "verify"], ["tiny", "qwen3_5", "ck"],
                                   ["recipe", "validate", "r.yaml"]])
 def test_commands_run_from_a_deleted_directory_are_one_line_exit_3(args, tmp_path):
