@@ -192,7 +192,7 @@ def check_weight_index(directory: Path, files: Mapping[str, Path] | None = None)
         try:
             mode = path.stat().st_mode
         except FileNotFoundError:
-            raise UserError(f"{where} names {name}, which is not in {directory}") from None
+            raise UserError(f"{where} names {name}, which is not found in {directory}") from None
         except OSError as e:
             raise UserError(f"{where} names {name}, which cannot be read: {e.strerror}") from None
         if not stat.S_ISREG(mode):

@@ -1,4 +1,5 @@
-"""Garbage collection: drop store entries no lockfile references, locally beyond an LRU size budget, remotely all.
+"""Garbage collection: drop store entries no lockfile references, locally beyond an LRU size budget, remotely all
+but those written within the grace period.
 
 Like publish and pull it reads lockfiles, never recipes.
 """
