@@ -1,7 +1,22 @@
 """The qbuild command line: parse flags, call the library, render. stdout carries data; stderr the rest."""
 
+import errno
 import os
+import signal
 import sys
+
+
+def _interrupted_outside_a_command(signum, frame) -> None:
+    # Ctrl-C while the modules load or after the command returned: nothing is half-written there, and a
+    # KeyboardInterrupt raised in an import or in the exit path would print a traceback instead of the one line.
+    os.write(2, b"interrupted\n")
+    os._exit(130)
+
+
+# Only where this module is the program (`qbuild`, `python -m qbuild.cli`): a process that imports it as a library
+# keeps its own Ctrl-C.
+if __name__ == "__main__" or os.path.basename((sys.argv or [""])[0]) == "qbuild":
+    signal.signal(signal.SIGINT, _interrupted_outside_a_command)
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -530,6 +545,10 @@ def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild
     _check_prompt_flags(prompt, prompt_ids)
     if image is not None and not image.is_file():
         raise UserError(f"--image: {image} is not a file")
+    if image is not None:   # refused before a bundle is loaded for it
+        from qbuild.model.runtime.images import check_image
+
+        check_image(image)
     with _runtime(target, store, lock, remote) as runtime:
         gen = runtime.generate(_prompt_ids(runtime, prompt, prompt_ids), max_new_tokens, image=image)
     if json_:
@@ -650,16 +669,79 @@ def _served_bundle(target: str, store: Optional[Path], lock: Path, remote: Optio
             raise
 
 
-def main() -> None:
+class OutputError(QbuildError):
+    """stdout cannot take what a command prints (a full disk, /dev/full, a closed pipe): the environment's failure."""
+
+    exit_code = 3
+
+    def __init__(self, e: OSError):
+        super().__init__(f"stdout: cannot write the output: {e.strerror or e}")
+        self.broken_pipe = isinstance(e, BrokenPipeError)
+
+
+class _GuardedOutput:
+    """sys.stdout, whose write errors become OutputError: print(), rich and the JSON writers all write through it,
+    so a failed write is one line naming stdout wherever it happens."""
+
+    def __init__(self, stream):
+        self._stream = stream   # None where the process started with stdout closed (`>&-`)
+
+    def write(self, text: str) -> int:
+        try:
+            if self._stream is None:
+                raise OSError(errno.EBADF, "stdout is closed")
+            return self._stream.write(text)
+        except OSError as e:
+            raise OutputError(e) from None
+
+    def flush(self) -> None:
+        try:
+            if self._stream is not None:
+                self._stream.flush()
+        except OSError as e:
+            raise OutputError(e) from None
+
+    def isatty(self) -> bool:
+        return self._stream is not None and self._stream.isatty()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
+def _check_cwd() -> None:
+    """Every command resolves paths against the working directory; a deleted one fails each differently, deep inside
+    (pathlib, torch's own loader), so it is refused first."""
     try:
+        os.getcwd()
+    except OSError as e:
+        from qbuild.core.errors import InfraError
+
+        raise InfraError(f"the current directory is gone ({e.strerror}: it was deleted or unmounted); cd to an "
+                         "existing directory and run the command again") from None
+
+
+def main() -> None:
+    stdout = sys.stdout
+    sys.stdout = _GuardedOutput(stdout)
+    try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _check_cwd()
         # Without standalone mode, click returns a command's typer.Exit code instead of raising it.
         code = app(standalone_mode=False)
+        sys.stdout.flush()   # output to a file is block-buffered: a full disk shows here, not at interpreter exit
+    except KeyboardInterrupt:   # outside the command's own call, which typer turns into Exit(130)
+        code = 130
     except Exception as e:
         code = _exit_code(e)
+    signal.signal(signal.SIGINT, _interrupted_outside_a_command)
     if code == 130:
         # typer turns KeyboardInterrupt into Exit(130) and, outside standalone mode, returns it without a word;
         # no qbuild command exits 130 itself.
         _err("interrupted")
+    sys.stdout = stdout
+    # The command is done: a Ctrl-C now changes nothing, and the interpreter's shutdown would die of it silently
+    # (it puts back the default handler of every signal it handles, but not of an ignored one).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -668,6 +750,14 @@ def _exit_code(e: Exception) -> int:
     with its traceback."""
     from typer.exceptions import TyperException
 
+    if isinstance(e, OutputError):
+        # What could not be written stays in stdout's buffer; the interpreter would try again at exit and fail.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):   # no descriptor behind it
+            pass
+        if e.broken_pipe:   # the reader stopped reading (`| head`): quiet, as a tool killed by SIGPIPE
+            return 128 + signal.SIGPIPE
     if isinstance(e, QbuildError):
         if os.environ.get("QBUILD_DEBUG"):
             raise e

@@ -9,6 +9,7 @@ inspectable on the real server behind it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -103,6 +104,13 @@ def start_relay(listen: int, target: int, bytes_per_s: int = 0) -> subprocess.Po
     return _serve(["relay", str(target), str(bytes_per_s)], _listen(listen))
 
 
+def start_cutting_relay(listen: int, target: int, cut_after: int, path_part: str = "/cas/") -> subprocess.Popen:
+    """A TCP relay 127.0.0.1:listen -> 127.0.0.1:target that closes a connection once `cut_after` bytes of the body
+    of a GET response whose path holds `path_part` have passed (a remote dropping connections mid-blob). Other
+    requests pass whole; restart a plain relay (start_relay) on the same port to heal it."""
+    return _serve(["cutter", str(target), str(cut_after), path_part], _listen(listen))
+
+
 def stop_process(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
     if proc.poll() is None:
         proc.send_signal(sig)
@@ -149,8 +157,74 @@ def _relay(target: int, bytes_per_s: int, fd: int) -> None:
             threading.Thread(target=pump, args=(a, b, rate), daemon=True).start()
 
 
+def _shut(*socks: socket.socket) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+def _cutting_relay(target: int, cut_after: int, path_part: str, fd: int) -> None:
+    server = socket.socket(fileno=fd)
+
+    def serve(client: socket.socket) -> None:
+        upstream = socket.create_connection(("127.0.0.1", target))
+        cut_next = threading.Event()   # the request just sent is a GET whose response is to be cut
+
+        def requests() -> None:
+            try:
+                while data := client.recv(1 << 14):
+                    # A request line starts a request; boto3 sends one request at a time on a connection.
+                    first = data.split(b"\r\n", 1)[0]
+                    if first.startswith(b"GET ") and path_part.encode() in first:
+                        cut_next.set()
+                    upstream.sendall(data)
+            except OSError:
+                pass
+            finally:
+                _shut(client, upstream)
+
+        def responses() -> None:
+            sent, limit, head = 0, None, b""   # of the response to cut: bytes sent, where to cut, its head so far
+            try:
+                while data := upstream.recv(1 << 14):
+                    if not cut_next.is_set():
+                        client.sendall(data)
+                        continue
+                    if limit is None:
+                        head += data
+                        end = head.find(b"\r\n\r\n")
+                        if end >= 0:
+                            length = re.search(rb"(?im)^content-length:\s*(\d+)", head[:end])
+                            whole = end + 4 + int(length[1]) if length else None
+                            limit = end + 4 + cut_after
+                            if whole is not None and whole <= limit:   # too short to cut: pass it, wait for the next
+                                client.sendall(data)
+                                sent, limit, head = 0, None, b""
+                                cut_next.clear()
+                                continue
+                    if limit is not None and sent + len(data) >= limit:
+                        client.sendall(data[:limit - sent])
+                        return
+                    client.sendall(data)
+                    sent += len(data)
+            except OSError:
+                pass
+            finally:
+                _shut(client, upstream)
+
+        threading.Thread(target=requests, daemon=True).start()
+        threading.Thread(target=responses, daemon=True).start()
+
+    while True:
+        serve(server.accept()[0])
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["moto"]:
         _moto(int(sys.argv[2]))
     elif sys.argv[1:2] == ["relay"]:
         _relay(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    elif sys.argv[1:2] == ["cutter"]:
+        _cutting_relay(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))

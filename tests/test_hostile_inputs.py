@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -329,6 +331,235 @@ def test_store_naming_a_file_is_one_line_exit_3(command, tiny_checkpoints, tmp_p
     proc = qbuild(*command, "--store", "not-a-dir", cwd=tmp_path, timeout=60)
     assert_one_line(proc, 3, "not-a-dir", "not a directory")
     assert (tmp_path / "artifacts.lock").read_bytes() == lock_before
+
+
+# --- hostile paths: links, weight files that are not files, images, signals, stdout, the working directory -----
+
+def test_recipe_that_is_a_symlink_loop_is_one_line_exit_2(tmp_path):
+    (tmp_path / "r.yaml").symlink_to("r.yaml")
+    (tmp_path / "child.yaml").write_text("extends: r.yaml\n")
+    for recipe, fragment in (("r.yaml", "symbolic links form a loop"), ("child.yaml", "extends: r.yaml is a symbolic")):
+        for command in (["plan", recipe], ["recipe", "validate", recipe]):
+            proc = qbuild(*command, "--store", "store", cwd=tmp_path, timeout=60) if command[0] == "plan" else \
+                qbuild(*command, cwd=tmp_path, timeout=60)
+            assert_one_line(proc, 2, recipe, fragment)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name not in ("xdg-cache", "hf-home")) == \
+        ["child.yaml", "r.yaml"]
+
+
+def test_model_path_that_is_a_symlink_loop_is_one_line_exit_2(tmp_path):
+    (tmp_path / "ck").symlink_to("ck")
+    recipe = write_recipe(tmp_path, "r", Path("ck"))
+    before = files_under(tmp_path)
+    for command in (["plan", str(recipe), "--store", "store"], ["recipe", "validate", str(recipe)],
+                    ["compile", str(recipe), "--store", "store"]):
+        assert_one_line(qbuild(*command, cwd=tmp_path, timeout=60), 2, f"{recipe}:1:15: model.path: ck is a symbolic "
+                                                                          "link loop")
+    assert files_under(tmp_path) == before
+
+
+def _first_shard(ck: Path) -> tuple[str, str]:
+    """(the first tensor the index maps to the first shard, that shard's file name)."""
+    weight_map = json.loads((ck / INDEX).read_text())["weight_map"]
+    shard = min(weight_map.values())
+    return min(t for t, f in weight_map.items() if f == shard), shard
+
+
+def _point_index(ck: Path, target: str) -> None:
+    _, shard = _first_shard(ck)
+    _edit_json(ck / INDEX, lambda d: d["weight_map"].update({t: target for t, f in d["weight_map"].items()
+                                                             if f == shard}))
+
+
+def index_names_dev_zero(ck: Path):
+    _point_index(ck, "/dev/zero")
+    return "weight_map[", "is '/dev/zero': a weight file must be a file name in the checkpoint directory"
+
+
+def index_names_a_shard_outside(ck: Path):
+    _, shard = _first_shard(ck)
+    shutil.move(ck / shard, ck.parent / "outside.safetensors")
+    _point_index(ck, "../outside.safetensors")
+    return "is '../outside.safetensors': a weight file must be a file name"
+
+
+def index_names_an_absolute_path(ck: Path):
+    _, shard = _first_shard(ck)
+    outside = Path(shutil.move(ck / shard, ck.parent / "outside.safetensors"))
+    _point_index(ck, str(outside))
+    return f"is '{outside}': a weight file must be a file name"
+
+
+def shard_is_a_device(ck: Path):
+    tensor, shard = _first_shard(ck)
+    (ck / shard).unlink()
+    (ck / shard).symlink_to("/dev/zero")
+    return f"weight_map[{tensor!r}] names {shard}, which is a device, not a regular file"
+
+
+def shard_is_a_fifo(ck: Path):
+    tensor, shard = _first_shard(ck)
+    (ck / shard).unlink()
+    os.mkfifo(ck / shard)
+    return f"weight_map[{tensor!r}] names {shard}, which is a FIFO"
+
+
+def index_is_a_device(ck: Path):
+    (ck / INDEX).unlink()
+    (ck / INDEX).symlink_to("/dev/zero")
+    return INDEX, "must be a regular file"
+
+
+def index_is_a_fifo(ck: Path):
+    (ck / INDEX).unlink()
+    os.mkfifo(ck / INDEX)
+    return INDEX, "must be a regular file"
+
+
+WEIGHT_FILE_CASES = [index_names_dev_zero, index_names_a_shard_outside, index_names_an_absolute_path,
+                     shard_is_a_device, shard_is_a_fifo, index_is_a_device, index_is_a_fifo]
+
+
+@pytest.mark.parametrize("corrupt", WEIGHT_FILE_CASES, ids=lambda f: f.__name__)
+def test_weight_index_naming_what_is_not_a_weight_file_is_one_line_exit_2(corrupt, tiny_checkpoints, tmp_path):
+    """Before these were checked a device or FIFO was "not found", and an index that is itself a device was passed
+    over: the shards converted while transformers, which reads the index, failed the reference step (exit 1)."""
+    ck = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoints["qwen3_5"], ck)
+    fragments = corrupt(ck)
+    recipe = write_recipe(tmp_path, "r", ck)
+    before = files_under(tmp_path)
+    proc = qbuild("compile", str(recipe), "--store", "store", cwd=tmp_path, timeout=120)
+    assert_one_line(proc, 2, str(ck), *fragments)
+    assert files_under(tmp_path) == before
+
+
+def _png(path: Path, width: int, height: int) -> None:
+    """A valid PNG header declaring width x height RGB pixels, with a few compressed rows: kilobytes on disk, however
+    many pixels it declares (a decompression bomb)."""
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    rows = zlib.compress((b"\0" + b"\0" * 3 * width) * 4, 9)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+                     + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("width,height,declared", [(100_000, 100_000, "10000000000 pixels"),
+                                                   (9000, 9000, "81000000 pixels")],
+                         ids=["over-twice-pils-limit", "between-the-limit-and-twice-it"])
+def test_decompression_bomb_image_is_refused_before_decoding(tmp_path, width, height, declared):
+    """PIL only warns between its limit and twice it (and then decodes); the explicit limit refuses both, from the
+    CLI before any bundle is loaded, and from the runtime's own reader."""
+    from qbuild.core.errors import UserError
+    from qbuild.model.runtime.images import MAX_IMAGE_PIXELS, pixels
+
+    bomb = tmp_path / "bomb.png"
+    _png(bomb, width, height)
+    assert bomb.stat().st_size < 1 << 20 and width * height > MAX_IMAGE_PIXELS
+    proc = qbuild("run", "some-recipe", "--prompt", "hi", "--image", str(bomb), cwd=tmp_path, timeout=60)
+    assert_one_line(proc, 2, str(bomb), f"declares {declared}", "refusing to decode it")
+    with pytest.raises(UserError, match="declares"):
+        pixels(None, bomb)
+
+
+def test_an_image_within_the_limit_is_decoded(tmp_path):
+    from PIL import Image
+
+    from qbuild.model.runtime.images import MAX_IMAGE_PIXELS, check_image
+
+    path = tmp_path / "ok.png"
+    Image.new("RGB", (8192, 8192)).save(path)
+    assert 8192 * 8192 == MAX_IMAGE_PIXELS
+    check_image(path)
+
+
+HOLD_IMPORT = """\
+import os, signal, sys
+
+
+class _Hold:
+    # Holds the import of $QBUILD_TEST_HOLD until a signal ends the process, so SIGINT lands exactly there; the line
+    # on the inherited pipe tells the test that the command got there.
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["QBUILD_TEST_HOLD"]:
+            os.write(int(os.environ["QBUILD_TEST_READY_FD"]), b"ready\\n")
+            while True:
+                signal.pause()
+        return None
+
+
+sys.meta_path.insert(0, _Hold())
+"""
+
+
+@pytest.mark.parametrize("held", ["typer", "qbuild.build.workspace", "qbuild.planning.plan"],
+                         ids=["while-the-cli-loads", "as-the-command-starts", "while-planning"])
+def test_sigint_during_plan_exits_130_with_one_line(held, tiny_checkpoints, tmp_path):
+    recipe = write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOLD_IMPORT)
+    ready_r, ready_w = os.pipe()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hook), str(REPO)]), QBUILD_TEST_HOLD=held,
+               QBUILD_TEST_READY_FD=str(ready_w))
+    proc = subprocess.Popen([sys.executable, "-m", "qbuild.cli", "plan", str(recipe), "--store", "store"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            pass_fds=(ready_w,))
+    os.close(ready_w)
+    try:
+        with os.fdopen(ready_r, "rb") as ready:
+            assert select.select([ready], [], [], 60)[0] and ready.readline() == b"ready\n", \
+                f"the command never imported {held}"
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and stderr == "interrupted\n" and stdout == "", (proc.returncode, stderr)
+    assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
+@pytest.mark.parametrize("args", [["plan", "r.yaml"], ["plan", "r.yaml", "--json"], ["recipe", "schema"]],
+                         ids=["plan", "plan-json", "recipe-schema"])
+def test_stdout_that_cannot_be_written_is_one_line_exit_3(args, tiny_checkpoints, tmp_path):
+    write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "qbuild.cli", *args], cwd=tmp_path, env=env, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr == "error: stdout: cannot write the output: No space left on device\n", proc.stderr
+
+
+def test_a_closed_stdout_is_one_line_exit_3(tiny_checkpoints, tmp_path):
+    write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+    proc = subprocess.run([sys.executable, "-m", "qbuild.cli", "plan", "r.yaml", "--json"], cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))   # `qbuild plan >&-`
+    assert proc.returncode == 3 and proc.stderr == "error: stdout: cannot write the output: stdout is closed\n", \
+        proc.stderr
+
+
+@pytest.mark.parametrize("args", [["plan", "--all"], ["gc"], ["store", "verify"], ["tiny", "qwen3_5", "ck"],
+                                  ["recipe", "validate", "r.yaml"]])
+def test_commands_run_from_a_deleted_directory_are_one_line_exit_3(args, tmp_path):
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    # The child removes its own working directory, then runs the command there (as after `rm -rf` of the cwd).
+    code = ("import os, runpy, sys\n"
+            f"os.chdir({str(gone)!r}); os.rmdir({str(gone)!r})\n"
+            f"sys.argv = ['qbuild', *{args!r}]\n"
+            "runpy.run_module('qbuild.cli', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert_one_line(proc, 3, "the current directory is gone")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name not in ("xdg-cache", "hf-home")) == []
 
 
 # --- a built project, and faults of its store ------------------------------------------------------------------

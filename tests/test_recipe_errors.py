@@ -94,6 +94,31 @@ CASES = {
     "neuron-fp8-moe": ("model: {hf: Qwen/Qwen3.5-35B-A3B}\nparallel: {tp: 8}\nfp8: mlp_only\nport: {path: ./p}\n"
                        + NEURON_BASE, "fp8"),
     "port-path-and-module": ("model: {hf: Qwen/Qwen3.5-2B}\nport: {path: ./p, module: x}\n" + NEURON_BASE, "port"),
+    # fields that can never work together, refused before anything is fetched or built
+    "tkg-below-largest-cte": ("model: {hf: Qwen/Qwen3.5-2B}\n"
+                              + BASE.replace("[32, 64]", "[32, 64]\n  tkg_buckets: [48]"),
+                              "text.tkg_buckets: the largest token-generation bucket 48 is smaller than the largest "
+                              "context-encoding bucket 64"),
+    "tkg-over-seq-len": ("model: {hf: Qwen/Qwen3.5-2B}\n"
+                         + BASE.replace("[32, 64]", "[32, 64]\n  tkg_buckets: [64, 256]"),
+                         "text.tkg_buckets: [256] exceed seq_len 128"),
+    "vision-bucket-beyond-context": ("model: {hf: Qwen/Qwen3.5-2B}\nvision: {buckets: [64, 65536]}\n" + BASE,
+                                     "vision.buckets.1: 65536 patch tokens merge to 16384 image tokens"),
+    "vision-bucket-just-beyond-context": ("model: {hf: Qwen/Qwen3.5-2B}\nvision: {buckets: [64, 252]}\n" + BASE,
+                                          "vision.buckets.1: 252 patch tokens merge to 63 image tokens (65 with"),
+    "verify-image-beyond-vision-buckets": ("model: {hf: Qwen/Qwen3.5-2B}\nvision: {buckets: [16]}\n" + BASE,
+                                           "vision.buckets: the verify image (96x64 pixels) is 24 patch tokens"),
+    "new-tokens-beyond-kv": ("model: {hf: Qwen/Qwen3.5-2B}\nverify: {new_tokens: 200}\n" + BASE,
+                             "verify.new_tokens: 200 new tokens"),
+    "golden-prompt-beyond-context": ("model: {hf: Qwen/Qwen3.5-2B}\n" + BASE.replace("[32, 64]", "[4]"),
+                                     "text.cte_buckets: the verify prompt 'The lockfile pins every input, and the "
+                                     "store keeps' is at least 9 tokens"),
+    "recipe-prompt-beyond-context": ("model: {hf: Qwen/Qwen3.5-2B}\nverify: {prompts: [one two three four five]}\n"
+                                     + BASE.replace("[32, 64]", "[4]"), "verify.prompts"),
+    "image-prompt-beyond-context": ("model: {hf: Qwen/Qwen3.5-2B}\nvision: {buckets: [24]}\nverify: {prompts: [hi]}\n"
+                                    + BASE.replace("[32, 64]", "[10]"), "'Describe this image.' with the verify image"),
+    "empty-verify-prompt": ("model: {hf: Qwen/Qwen3.5-2B}\nverify: {prompts: [hi, '']}\n" + BASE,
+                            "verify.prompts: prompt 1 is empty"),
 }
 
 
@@ -196,3 +221,65 @@ def test_schema_is_json_schema():
     proc = qbuild("recipe", "schema", check=True)
     schema = json.loads(proc.stdout)
     assert schema["additionalProperties"] is False and "parallel" in schema["properties"]
+
+
+# --- the bounds the checks rest on ------------------------------------------------------------------------------
+
+def _validate(tmp: Path, text: str):
+    from qbuild.planning.plan import validate_recipe
+    from qbuild.recipe.source import load_arch
+
+    loaded = load_recipe(_write(tmp, "r", text))
+    validate_recipe(loaded, load_arch(loaded))
+
+
+def test_new_tokens_are_refused_exactly_past_the_bound_the_message_names(tmp_path):
+    """With the shipped prompts (the longest is 9 words) and a token-generation bucket of 64, the message's own
+    suggestion passes and one token more does not."""
+    text = "model: {hf: Qwen/Qwen3.5-2B}\nverify: {new_tokens: %d}\n" + BASE.replace("[32, 64]", "[32, 64]\n  "
+                                                                                         "tkg_buckets: [64]")
+    with pytest.raises(RecipeError, match=r"use new_tokens <= 56$"):
+        _validate(tmp_path, text % 57)
+    _validate(tmp_path, text % 56)
+
+
+def test_a_vision_bucket_that_fills_the_context_exactly_is_accepted(tmp_path):
+    """248 patch tokens merge to 62 image tokens, 64 with <|vision_start|> and <|vision_end|>: the largest context
+    bucket of 64 holds them (and the verify prompts still fit beside the 24-patch verify image)."""
+    _validate(tmp_path, "model: {hf: Qwen/Qwen3.5-2B}\nvision: {buckets: [64, 248]}\n" + BASE)
+
+
+def test_the_verify_image_is_cut_into_the_patches_transformers_makes(tiny_checkpoints):
+    """image_patches mirrors transformers' Qwen2-VL processor (which the reference and the runtime use) for the
+    reference's synthetic image and for sizes that resize up, down and to the pixel bounds."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from PIL import Image
+
+    from qbuild.build.actions.reference import IMAGE_SIZE
+    from qbuild.model.arch import arch_from_config
+    from qbuild.recipe.checks import VERIFY_IMAGE_SIZE, image_patches
+
+    assert VERIFY_IMAGE_SIZE == IMAGE_SIZE
+    for config in (shipped_config_path("Qwen/Qwen3.5-2B"), tiny_checkpoints["qwen3_5"] / "config.json"):
+        vision = arch_from_config(json.loads(config.read_text())).vision
+        processor = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
+                                             temporal_patch_size=vision.temporal_patch_size)
+        for height, width in (IMAGE_SIZE, (20, 30), (100, 1000), (3000, 4000), (17, 3000)):
+            grid = processor(images=[Image.new("RGB", (width, height))], return_tensors="pt")["image_grid_thw"]
+            assert image_patches(vision, height, width) == int(grid.prod()), (config, height, width)
+
+
+def test_prompt_token_bound_never_exceeds_what_the_tokenizer_makes(tiny_checkpoints):
+    """min_prompt_tokens is a lower bound: the tiny checkpoints' byte-level BPE (GPT-2's pre-tokenizer, as Qwen's
+    is byte-level BPE with a regex split) makes at least that many tokens of every shipped prompt and of prompts
+    written to tempt a merge across a space."""
+    from tokenizers import Tokenizer
+
+    from qbuild.recipe.checks import golden_prompts, min_prompt_tokens
+
+    tokenizer = Tokenizer.from_file(str(tiny_checkpoints["qwen3_5"] / "tokenizer.json"))
+    golden = golden_prompts()
+    prompts = golden["prompts"] + [golden["image_prompt"], "the the the the", "  leading and trailing  ",
+                                   "a\nb\tc  d", "x" * 200, "1, 2, 3, 4, 5, 6, 7, 8, 9, 10"]
+    for prompt in prompts:
+        assert len(tokenizer.encode(prompt, add_special_tokens=False).ids) >= min_prompt_tokens(prompt), prompt

@@ -105,6 +105,9 @@ def _step_error(job: Job, store: Store, stage: Path, e: Exception) -> QbuildErro
     if _out_of_space(e, stage):
         return InfraError(f"{job.name}: no space left on device under {store.root}; free space or use --store on "
                           "a larger disk")
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:   # the filesystem's largest file, or `ulimit -f`
+        return InfraError(f"{job.name}: a file it wrote under {store.root} outgrew the largest file this process may "
+                          f"write ({e.strerror}); raise `ulimit -f` or use --store on another filesystem")
     if isinstance(e, OSError):
         return BuildError(f"{job.name}: {type(e).__name__}: {e}")
     frame = traceback.extract_tb(e.__traceback__)[-1]

@@ -215,9 +215,26 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
         {"snapshot": fetch}, 4 << 20, checks.weight_bytes(arch, "float32", "none") + vision_bytes * 2 + GIB, fctx)
     roles["verify"] = verify = _add(
         nodes, name, "verify", f"verify {name}", VerifyParams(v.top1_min, v.token_match_min, v.max_logit_err),
-        {"bundle": package, "reference": reference, **sources}, 1 << 20, 2 * weights + GIB,
-        neuron_cores=bp.verify_cores, backend=r.backend)
+        {"bundle": package, "reference": reference, **sources}, 1 << 20,
+        2 * weights + GIB + _run_bytes(loaded, arch), neuron_cores=bp.verify_cores, backend=r.backend)
     return PlannedRecipe(loaded, arch, roles, package, verify)
+
+
+def _run_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
+    """What running the bundle on the verify prompts holds beyond its weights, growing with the buckets: the host's
+    KV cache of the largest token-generation bucket and the slice each decode graph gets of it, the prefill logits of
+    the largest context bucket, and the verify image's pass through its vision bucket (the (1, 1, S, S) mask and
+    each head's attention scores, with softmax's copy) (qbuild.model.runtime)."""
+    r = loaded.recipe
+    d, batch, tp = DTYPE_BYTES[r.dtype], r.text.batch_size, r.parallel.tp
+    kv = 2 * arch.num_attn_layers * tp * batch * r.text.token_buckets[-1] * arch.per_rank(tp).kv_dim * d
+    logits = batch * r.text.cte_buckets[-1] * arch.vocab_size * 4
+    vision = 0
+    if r.vision is not None and r.verify.image_prompt and arch.vision is not None:
+        patches = checks.image_patches(arch.vision, *checks.VERIFY_IMAGE_SIZE)
+        bucket = next((b for b in r.vision.buckets if b >= patches), r.vision.buckets[-1])
+        vision = bucket * bucket * (d + 3 * 4 * arch.vision.num_heads)
+    return 2 * kv + 2 * logits + vision
 
 
 def _add_step(nodes: dict[str, Node], recipe: str, step: PlannedStep, roles: dict[str, str], backend: str) -> str:

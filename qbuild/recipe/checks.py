@@ -7,7 +7,12 @@ memory. What only one backend needs is that backend's own check (qbuild.backends
 
 from __future__ import annotations
 
-from qbuild.model.arch import Arch
+import json
+import math
+from functools import cache
+from pathlib import Path
+
+from qbuild.model.arch import Arch, VisionArch
 from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import RecipeError
 from qbuild.model.families import FAMILIES
@@ -62,9 +67,22 @@ def validate(loaded: LoadedRecipe, arch: Arch) -> None:
             if b % merge:
                 fail(loaded, f"vision.buckets.{i}", f"{b} patch tokens is not a multiple of {merge} "
                                                      "(the 2x2 spatial merge)")
+        context = r.text.cte_buckets[-1]
+        for i, b in enumerate(r.vision.buckets):
+            # The encoder turns a bucket of patch tokens into bucket / merge**2 image tokens, which enter the prompt
+            # between <|vision_start|> and <|vision_end|> and go through one context-encoding graph
+            # (qbuild.model.modeling.vision, docs/models.md section 2).
+            if b // merge + 2 > context:
+                fit = (context - 2) * merge
+                fail(loaded, f"vision.buckets.{i}",
+                     f"{b} patch tokens merge to {b // merge} image tokens ({b // merge + 2} with <|vision_start|> "
+                     f"and <|vision_end|>), more than the largest context-encoding bucket {context} holds: an image "
+                     f"that fills this bucket can never be prompted; use vision buckets of at most {fit} patch "
+                     f"tokens, or a larger text.cte_buckets")
     if arch.max_position_embeddings is not None and r.text.seq_len > arch.max_position_embeddings:
         fail(loaded, "text.seq_len", f"{r.text.seq_len} exceeds the model's max_position_embeddings "
                                       f"{arch.max_position_embeddings}")
+    _check_verify_fits(loaded, arch)
     est = rank_memory_bytes(loaded, arch)
     limit = _HBM_PER_RANK_GIB.get((r.compiler.target, r.compiler.effective_lnc))
     if limit is not None and est > limit << 30:
@@ -101,3 +119,78 @@ def rank_memory_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
     state = r.text.batch_size * n_delta * (rank.num_v_heads * arch.k_head_dim * arch.v_head_dim * 4
                                             + rank.conv_dim * (arch.conv_kernel - 1) * b)
     return weights + kv + state
+
+
+# --- what the verify step will feed the bundle -------------------------------------------------------------------
+
+GOLDEN_PROMPTS = Path(__file__).resolve().parents[1] / "golden" / "prompts.json"
+# The reference's synthetic image, (height, width) in pixels (qbuild/build/actions/reference.py IMAGE_SIZE; a test
+# holds the two equal).
+VERIFY_IMAGE_SIZE = (64, 96)
+# The pixel bounds of transformers' Qwen2-VL image processor when none are configured, which the reference and the
+# runtime use (transformers/models/qwen2_vl/image_processing_pil_qwen2_vl.py, `size` @ 5.24.0).
+_MIN_PIXELS, _MAX_PIXELS = 56 * 56, 28 * 28 * 1280
+
+
+@cache
+def golden_prompts() -> dict:
+    """The shipped verify prompts (qbuild/golden/prompts.json): {"prompts": [...], "image_prompt": str}."""
+    return json.loads(GOLDEN_PROMPTS.read_text())
+
+
+def min_prompt_tokens(text: str) -> int:
+    """A lower bound on the tokens a Qwen tokenizer makes of `text`: one per whitespace-separated word. Qwen's
+    byte-level BPE pre-tokenizer splits the text before merging, and no piece it makes holds whitespace between two
+    non-space characters, so no token spans two words. Exact counts need the checkpoint's tokenizer, which planning
+    does not load."""
+    return max(1, len(text.split()))
+
+
+def image_patches(vision: VisionArch, height: int, width: int) -> int:
+    """Patch tokens the Qwen2-VL image processor makes of one image of height x width pixels: it resizes to
+    multiples of patch_size * spatial_merge_size within its pixel bounds (smart_resize in
+    transformers/models/qwen2_vl/image_processing_qwen2_vl.py @ 5.24.0), then cuts patch_size squares; a still image
+    is one temporal patch."""
+    factor = vision.patch_size * vision.spatial_merge_size
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > _MAX_PIXELS:
+        beta = math.sqrt(height * width / _MAX_PIXELS)
+        h, w = max(factor, math.floor(height / beta / factor) * factor), \
+            max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < _MIN_PIXELS:
+        beta = math.sqrt(_MIN_PIXELS / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return (h // vision.patch_size) * (w // vision.patch_size)
+
+
+def _check_verify_fits(loaded: LoadedRecipe, arch: Arch) -> None:
+    """The verify step runs every verify prompt through the bundle and generates `verify.new_tokens` after it: the
+    prompt must fit the largest context-encoding bucket, and prompt + new_tokens - 1 positions the largest
+    token-generation bucket (qbuild.model.runtime Runtime.generate; NxDI's max_length is seq_len, which bounds the
+    token-generation buckets). Prompt lengths are lower bounds (min_prompt_tokens), so a recipe refused here
+    cannot verify; a recipe passed may still meet a longer prompt than the bound."""
+    r, v = loaded.recipe, loaded.recipe.verify
+    golden = golden_prompts()
+    field = "verify.prompts" if v.prompts else "text.cte_buckets"
+    prompts = [(min_prompt_tokens(p), repr(p if len(p) <= 60 else p[:57] + "..."), field)
+               for p in (v.prompts or golden["prompts"])]
+    if r.vision is not None and v.image_prompt and arch.vision is not None:
+        patches = image_patches(arch.vision, *VERIFY_IMAGE_SIZE)
+        if patches > r.vision.buckets[-1]:
+            fail(loaded, "vision.buckets", f"the verify image ({VERIFY_IMAGE_SIZE[1]}x{VERIFY_IMAGE_SIZE[0]} pixels) "
+                                           f"is {patches} patch tokens, more than the largest vision bucket "
+                                           f"{r.vision.buckets[-1]}; add a bucket of at least {patches} or set "
+                                           "verify.image_prompt: false")
+        image = patches // arch.vision.spatial_merge_size ** 2 + 2
+        prompts.append((image + min_prompt_tokens(golden["image_prompt"]),
+                        f"{golden['image_prompt']!r} with the verify image ({image} tokens)", "text.cte_buckets"))
+    tokens, what, where = max(prompts, key=lambda p: p[0])
+    context, kv = r.text.cte_buckets[-1], r.text.token_buckets[-1]
+    if tokens > context:
+        fail(loaded, where, f"the verify prompt {what} is at least {tokens} tokens, more than the largest "
+                            f"context-encoding bucket {context}; verify could not run it")
+    if tokens + v.new_tokens - 1 > kv:
+        fail(loaded, "verify.new_tokens",
+             f"{v.new_tokens} new tokens after the verify prompt {what} (at least {tokens} tokens) need "
+             f"{tokens + v.new_tokens - 1} positions, more than the largest token-generation bucket {kv} "
+             f"({'text.tkg_buckets' if r.text.tkg_buckets else 'seq_len'}); use new_tokens <= {kv - tokens + 1}")

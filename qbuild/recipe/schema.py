@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, FiniteFloat, StrictBool,
-                      StrictInt, Tag, ValidationError, field_validator, model_validator)
+                      StrictInt, Tag, ValidationError, ValidationInfo, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from qbuild.core.dtypes import DType
@@ -119,15 +119,26 @@ class Text(_Strict):
     tkg_buckets: list[StrictInt] | None = Field(None, description="token-generation buckets (KV length); default "
                                                                   "[seq_len]")
 
-    _buckets = field_validator("cte_buckets", "tkg_buckets")(lambda v: v if v is None else _check_buckets(v))
-
-    @model_validator(mode="after")
-    def _within_seq_len(self) -> "Text":
-        for field in ("cte_buckets", "tkg_buckets"):
-            over = [b for b in getattr(self, field) or [] if b > self.seq_len]
-            if over:
-                raise ValueError(f"{field} {over} exceed seq_len {self.seq_len}")
-        return self
+    # Field validators (not a model validator) so that an error names the list it is about, at its line. Fields
+    # validate in declaration order: `info.data` holds seq_len and cte_buckets where they were valid.
+    @field_validator("cte_buckets", "tkg_buckets")
+    @classmethod
+    def _buckets(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if v is None:
+            return v
+        _check_buckets(v)
+        seq_len = info.data.get("seq_len")
+        over = [b for b in v if seq_len is not None and b > seq_len]
+        if over:
+            raise ValueError(f"{over} exceed seq_len {seq_len}")
+        cte = info.data.get("cte_buckets")
+        if info.field_name == "tkg_buckets" and cte and v[-1] < cte[-1]:
+            # The runtime and NxDI decode a prompt of up to the largest context bucket in the token-generation
+            # buckets; a KV length below it leaves every longer prompt nowhere to decode.
+            raise ValueError(f"the largest token-generation bucket {v[-1]} is smaller than the largest "
+                             f"context-encoding bucket {cte[-1]}: a prompt that fills it could not generate; make "
+                             f"the last tkg bucket at least {cte[-1]} (or drop tkg_buckets: the default is [seq_len])")
+        return v
 
     @property
     def token_buckets(self) -> list[int]:
@@ -241,6 +252,14 @@ class Verify(_Strict):
     new_tokens: StrictInt = Field(16, ge=1, le=1024, description="greedy tokens generated per prompt")
     prompts: list[str] | None = Field(None, description="golden prompts; default the shipped set")
     image_prompt: StrictBool = Field(True, description="VL recipes also check a prompt with a synthetic image")
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_have_text(cls, v: list[str] | None) -> list[str] | None:
+        # An empty prompt tokenizes to no ids: the reference model cannot run it, nor the bundle prefill it.
+        if v is not None and any(not p for p in v):
+            raise ValueError(f"prompt {next(i for i, p in enumerate(v) if not p)} is empty")
+        return v
 
 
 class Recipe(_Strict):
@@ -379,8 +398,17 @@ def _merge(base: dict, child: dict) -> dict:
     return out
 
 
+def _resolved(file: Path) -> Path:
+    """`file` made absolute with its links followed; a link cycle (which resolve() meets as a RuntimeError or, in
+    newer Pythons, an OSError) is a RecipeError naming the file."""
+    try:
+        return file.resolve()
+    except (RuntimeError, OSError):
+        raise RecipeError(f"{file}: cannot read a recipe: its symbolic links form a loop") from None
+
+
 def _load_raw(file: Path, chain: tuple[Path, ...]) -> tuple[dict, Marks]:
-    file = file.resolve()
+    file = _resolved(file)
     if file in chain:
         cycle = " -> ".join(p.name for p in chain + (file,))
         raise RecipeError(f"{chain[-1]}: extends cycle: {cycle}")
@@ -394,7 +422,8 @@ def _load_raw(file: Path, chain: tuple[Path, ...]) -> tuple[dict, Marks]:
     base_file = (file.parent / parent)
     f, line, col = marks[("extends",)]
     if not base_file.exists():
-        raise RecipeError(f"{f}:{line}:{col}: extends: {parent} does not exist")
+        what = "is a symbolic link to nothing, or a link loop" if base_file.is_symlink() else "does not exist"
+        raise RecipeError(f"{f}:{line}:{col}: extends: {parent} {what}")
     if not base_file.is_file():   # a FIFO would block the read, a device would never end
         raise RecipeError(f"{f}:{line}:{col}: extends: {parent} is not a regular file")
     base, base_marks = _load_raw(base_file, chain + (file,))
@@ -432,7 +461,7 @@ def load_recipe(file: Path | str) -> LoadedRecipe:
         if err["type"] == "extra_forbidden":
             msg = "unknown field"
         raise RecipeError(f"{_locate(marks, loc, file)}: {field}: {msg}") from None
-    return LoadedRecipe(recipe=recipe, path=file.resolve())
+    return LoadedRecipe(recipe=recipe, path=_resolved(file))
 
 
 def recipe_field_location(loaded: LoadedRecipe, field: str) -> str:

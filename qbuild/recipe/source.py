@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Mapping
 
@@ -195,11 +196,16 @@ def config_for(loaded: LoadedRecipe, commit: str | None = None) -> tuple[dict, s
     must not decide an architecture, and so a key."""
     src = loaded.recipe.model
     if isinstance(src, PathSource):
-        cfg = loaded.source_dir / "config.json"
+        try:
+            source_dir = loaded.source_dir
+        except (RuntimeError, OSError):   # resolve() meets a link cycle as RuntimeError (OSError in newer Pythons)
+            raise RecipeError(f"{recipe_field_location(loaded, 'model.path')}: model.path: {src.path} is a symbolic "
+                              "link loop") from None
+        cfg = source_dir / "config.json"
         where = f"{loaded.path}: model.path"
-        if not loaded.source_dir.is_dir():
+        if not source_dir.is_dir():
             raise RecipeError(f"{recipe_field_location(loaded, 'model.path')}: model.path: "
-                              f"{loaded.source_dir} is not a directory")
+                              f"{source_dir} is not a directory")
     else:
         commit = commit or (src.revision if is_commit(src.revision) else None)
         cfg = (hub_config_path(src.hf, commit) if commit else None) or shipped_config_path(src.hf)
@@ -276,6 +282,7 @@ def check_checkpoint(directory: Path, files: Mapping[str, Path] | None = None) -
     except ValueError as e:
         raise UserError(f"{config_path}: config.json is not valid JSON ({e})") from None
     check_tokenizer(directory, arch_from_config(config, str(config_path)).vocab_size, files)
+    check_weight_index(directory, files)
     from qbuild.model.convert.checkpoint import open_checkpoint
     from qbuild.model.convert.errors import CheckpointError
 
@@ -283,6 +290,47 @@ def check_checkpoint(directory: Path, files: Mapping[str, Path] | None = None) -
         open_checkpoint(directory, files)
     except CheckpointError as e:
         raise UserError(f"{directory}{os.sep}{e}") from None
+
+
+WEIGHT_INDEX = "model.safetensors.index.json"
+# A published index is a few MiB at most (one line per tensor); the cap only stops a device or a runaway file.
+MAX_INDEX_BYTES = 64 << 20
+
+
+def check_weight_index(directory: Path, files: Mapping[str, Path] | None = None) -> None:
+    """The safetensors index, where there is one, names weight files a build may read: each a plain file name inside
+    the checkpoint directory (no path: `../x.safetensors` or `/dev/zero` would read outside it) that is a regular
+    file (not a device, a FIFO or a link loop, on which a read would block, never end or fail). The index itself
+    is a regular file of bounded size: a build that ignored an index it cannot read would convert the shards while
+    transformers, which reads the index, fails on them."""
+    index = Path((files or {}).get(WEIGHT_INDEX, directory / WEIGHT_INDEX))
+    if not os.path.lexists(index):
+        return
+    try:
+        weight_map = json.loads(read_small_file(index, MAX_INDEX_BYTES, WEIGHT_INDEX))["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{index}: {WEIGHT_INDEX} has no readable weight_map ({type(e).__name__})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(f"{index}: weight_map must map tensor names to file names")
+    first_tensor: dict[str, str] = {}
+    for tensor, name in sorted(weight_map.items()):
+        first_tensor.setdefault(name, tensor)
+    for name, tensor in sorted(first_tensor.items()):
+        where = f"{index}: weight_map[{tensor!r}]"
+        if name in ("", ".", "..") or "/" in name or "\\" in name or os.path.isabs(name):
+            raise UserError(f"{where} is {name!r}: a weight file must be a file name in the checkpoint directory, "
+                            "not a path")
+        path = Path((files or {}).get(name, directory / name))
+        try:
+            mode = path.stat().st_mode
+        except FileNotFoundError:
+            raise UserError(f"{where} names {name}, which is not found in {directory}") from None
+        except OSError as e:
+            raise UserError(f"{where} names {name}, which cannot be read: {e.strerror}") from None
+        if not stat.S_ISREG(mode):
+            kind = "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+                "a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+            raise UserError(f"{where} names {name}, which is {kind}, not a regular file")
 
 
 def check_tokenizer(directory: Path, vocab_size: int, files: Mapping[str, Path] | None = None) -> None:

@@ -1,6 +1,6 @@
-"""Garbage collection: drop store entries no lockfile references, locally beyond an LRU size budget, remotely all;
-and the Neuron compile cache's groups (qbuild.store.compile_cache), least recently used first, beyond the same budget
-here and on the remote.
+"""Garbage collection: drop store entries no lockfile references, locally beyond an LRU size budget, remotely all
+but those written within the grace period; and the Neuron compile cache's groups (qbuild.store.compile_cache), least
+recently used first, beyond the same budget here and on the remote.
 
 Like publish and pull it reads lockfiles, never recipes.
 """
@@ -19,6 +19,7 @@ from qbuild.store.files import discard_path
 from qbuild.store.lease import live_leases
 from qbuild.store.local import LocalStore
 from qbuild.store.manifest import Manifest
+from qbuild.store.remote import holding
 from qbuild.store.s3 import POOL_THREADS, S3Remote
 from qbuild.core.threads import map_all
 
@@ -148,10 +149,20 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
 
 def gc_remote(remote: S3Remote, docs: list[dict], *, keep_size: int = 0, dry_run: bool = False,
               grace_s: float = GRACE_S) -> GcReport:
-    """Remove every remote manifest no lockfile references, and the compile cache's index objects beyond the
-    `keep_size` budget (most recently written kept first; those written within `grace_s` always), then every blob
-    no remaining manifest or index names (blobs nothing names at all only once older than `grace_s`: a publish
-    uploads blobs before its manifest, a cache upload before its index)."""
+    """Remove every remote manifest no lockfile references and older than `grace_s` (one written since may be a
+    push whose lockfile is not committed yet), and the compile cache's index objects beyond the `keep_size` budget
+    (most recently written kept first; those written within `grace_s` always), then every blob no remaining manifest
+    or index names (blobs nothing names at all only once older than `grace_s`: a publish uploads blobs before its
+    manifest, a cache upload before its index). A gc that deletes holds the remote's gc lease
+    (qbuild.store.remote): it waits for the pushes under way, and none starts until it is done, so no blob a push
+    found present goes."""
+    if dry_run:
+        return _gc_remote(remote, docs, keep_size, dry_run, grace_s)
+    with holding(remote, "gc"):
+        return _gc_remote(remote, docs, keep_size, dry_run, grace_s)
+
+
+def _gc_remote(remote: S3Remote, docs: list[dict], keep_size: int, dry_run: bool, grace_s: float) -> GcReport:
     report = GcReport(dry_run=dry_run)
     locked = referenced_keys(docs)
     listed = {m.name: m for m in remote.list_manifests()}
@@ -166,6 +177,10 @@ def gc_remote(remote: S3Remote, docs: list[dict], *, keep_size: int = 0, dry_run
     def index_blobs(name: str) -> set[str]:
         return {m["digest"] for files in cached[name].values() for m in files.values()}
 
+    now = time.time()
+    young = {k for k, obj in listed.items() if k not in locked and now - obj.modified.timestamp() < grace_s}
+    report.in_use = len(young)
+    locked |= young
     named = {o["digest"] for m in manifests.values() if m for o in m.outputs.values()}
     named |= {d for name in cached for d in index_blobs(name)}
     kept_blobs = {o["digest"] for k, m in manifests.items() if m and k in locked for o in m.outputs.values()}
@@ -174,7 +189,6 @@ def gc_remote(remote: S3Remote, docs: list[dict], *, keep_size: int = 0, dry_run
     for key in doomed:
         m = manifests.get(key)
         report.removed.append(Removal(remote.url, "manifest", key, listed[key].size, m.kind if m else ""))
-    now = time.time()
     budget = keep_size
     doomed_indexes = []
     for index in sorted(indexes, key=lambda o: -o.modified.timestamp()):   # most recently written first

@@ -14,14 +14,27 @@ local invariant "a manifest's blobs are present" holds for downloaded entries to
 Pushing uploads blobs first and the manifest last with a conditional put, so a reader of the remote never sees
 a manifest whose blobs are missing, and an interrupted push leaves only unreferenced blobs (which the next push
 reuses and `qbuild gc --remote` clears).
+
+A push and a remote gc never overlap. A push that finds a blob present uploads nothing for it and names it in its
+manifest; a gc running meanwhile could delete that blob (no manifest it read named it) before the manifest lands.
+So each holds a lease object under `<prefix>/leases/` while it works: it writes its own, then lists the others. A
+push that sees a live gc lease withdraws its own and waits; a gc that sees live push leases waits for them to end.
+Listing after writing, with S3's strongly consistent listing, means that of a push and a gc that start together at
+least one sees the other. A lease is live while its holder refreshes it (every LEASE_REFRESH_S), or, written by a
+process of this machine and pid namespace, while that process runs; gc removes dead ones.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import socket
 import threading
 import time
-from collections.abc import Iterable
+import uuid
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +50,142 @@ from qbuild.store.s3 import TRANSFER_THREADS, S3Remote
 
 
 UPLOAD_THREADS = 4      # files going up at once (each large one in TRANSFER_THREADS parts)
+LEASE_REFRESH_S = 30.0  # how often a holder rewrites its lease
+LEASE_TTL_S = 120.0     # a lease not rewritten for this long (by the server's clock) belongs to a process that is gone
+LEASE_WAIT_S = 900.0    # how long a push waits for a gc to finish, or a gc for the pushes under way
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process `pid` in clock ticks since boot (/proc/<pid>/stat field 22): with the pid it names
+    one process, whatever reuses the pid later. None where /proc does not tell."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _pid_namespace() -> str | None:
+    """This boot of this machine and this process's pid namespace: where a lease's pid can be looked up."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None
+
+
+class RemoteLease:
+    """This process's lease on a remote: `kind` "push" or "gc". Written by `write`, rewritten every LEASE_REFRESH_S
+    by a thread once `keep` is called, removed by `release`."""
+
+    def __init__(self, remote: S3Remote, kind: str):
+        self.remote, self.kind = remote, kind
+        self.name = f"{kind}-{uuid.uuid4().hex}"
+        self.body = json.dumps({"kind": kind, "host": socket.gethostname(), "pid": os.getpid(),
+                                "start": _process_start(os.getpid()), "namespace": _pid_namespace(),
+                                "since": time.time()}).encode()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def write(self) -> None:
+        self.remote.put_lease(self.name, self.body)
+
+    def keep(self) -> None:
+        self._stop.clear()
+
+        def refresh() -> None:
+            while not self._stop.wait(LEASE_REFRESH_S):
+                try:
+                    self.write()
+                except InfraError:
+                    pass   # the remote is failing the work too, which reports it; the next refresh may get through
+
+        self._thread = threading.Thread(target=refresh, name=f"qbuild-lease-{self.kind}", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.withdraw()
+
+    def withdraw(self) -> None:
+        """Remove the lease object (the refresh thread, if any, keeps running)."""
+        try:
+            self.remote.delete_lease(self.name)
+        except InfraError:
+            # Without s3:DeleteObject here, mark it released; failing that it goes stale after LEASE_TTL_S.
+            try:
+                self.remote.put_lease(self.name, json.dumps({"kind": self.kind, "released": True}).encode())
+            except InfraError:
+                pass
+
+
+def live_leases(remote: S3Remote, kind: str, *, exclude: str = "", reap: bool = False) -> list[dict]:
+    """The bodies of the live leases of `kind` on `remote` (but `exclude`, the caller's own); with `reap`, dead
+    leases of any kind are deleted."""
+    listed, now = remote.list_leases()
+    live = []
+    for obj in listed:
+        if obj.name == exclude or not (reap or obj.name.startswith(f"{kind}-")):
+            continue
+        body = remote.get_lease(obj.name)
+        if body is None and obj.name.startswith(f"{kind}-"):
+            body = {}   # released meanwhile (gone) or unreadable: judged by its age alone
+        if body is not None and _alive(body, obj.modified, now):
+            if obj.name.startswith(f"{kind}-"):
+                live.append(dict(body, name=obj.name))
+        elif reap:
+            try:
+                remote.delete_lease(obj.name)
+            except InfraError:
+                pass
+    return live
+
+
+def _alive(body: dict, modified, now) -> bool:
+    if body.get("released"):
+        return False
+    if body.get("namespace") is not None and body.get("namespace") == _pid_namespace() and body.get("start"):
+        return _process_start(int(body.get("pid", 0))) == body["start"]
+    age = ((now.timestamp() if now is not None else time.time()) - modified.timestamp())
+    return age < LEASE_TTL_S
+
+
+@contextmanager
+def holding(remote: S3Remote, kind: str, wait_s: float = LEASE_WAIT_S) -> Iterator[RemoteLease]:
+    """Hold a lease of `kind` ("push" or "gc") on `remote` for the block: a push once no gc is live (it withdraws
+    its lease while it waits, so the gc can go on), a gc once no push is live (keeping its lease, so no new push
+    starts). InfraError, one line naming the remote and the holder, after `wait_s` seconds of waiting."""
+    lease = RemoteLease(remote, kind)
+    other = "gc" if kind == "push" else "push"
+    deadline, delay = time.monotonic() + wait_s, 0.1
+    while True:
+        lease.write()
+        try:
+            blocking = live_leases(remote, other, exclude=lease.name, reap=kind == "gc")
+        except BaseException:
+            lease.release()
+            raise
+        if not blocking:
+            break
+        if kind == "push":
+            lease.withdraw()
+        if time.monotonic() > deadline:
+            lease.release()
+            holder = blocking[0]
+            raise InfraError(f"{remote.url}: a {other} (host {holder.get('host', '?')}, pid {holder.get('pid', '?')}) "
+                             f"has held the remote for the {wait_s:.0f} s this {kind} waited; run it again once that "
+                             f"is done, or remove {remote.object_url(remote.lease_key(holder['name']))} if that "
+                             "process is gone")
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+    lease.keep()
+    try:
+        yield lease
+    finally:
+        lease.release()
 
 
 class Progress(Protocol):
@@ -209,6 +358,18 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
     start = time.monotonic()
     report = PushReport()
     todo = {m.key: m for m in manifests}
+    if not todo:
+        return report
+    # From the first presence check to the last manifest: a blob found present must stay until the manifest
+    # naming it is up (see the module docstring).
+    with holding(remote, "push"):
+        _push(store, remote, todo, progress, verify_remote, report)
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _push(store: LocalStore, remote: S3Remote, todo: dict[str, Manifest], progress: Progress, verify_remote: bool,
+          report: PushReport) -> None:
     present = remote.has_manifests(todo)
     report.manifests_present = len(present)
     checked = todo if verify_remote else {k: m for k, m in todo.items() if k not in present}
@@ -234,8 +395,6 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
             report.keys.append(key)
         else:
             report.manifests_present += 1
-    report.seconds = time.monotonic() - start
-    return report
 
 
 def upload_blobs(store: LocalStore, remote: S3Remote, blobs: dict[str, tuple[str, int]],

@@ -221,7 +221,11 @@ class S3Remote:
                 self._check_bucket(self.object_url(name))
                 raise InfraError(f"{self.object_url(name)}: blob missing on the remote although a manifest names "
                                  f"it; {self.repair_hint()}") from None
-            raise self.error(e, self.object_url(name)) from None
+            error = self.error(e, self.object_url(name))
+            if _broken_stream(getattr(e, "last_exception", None) or e):
+                # What came down is in s3transfer's temporary file, which it removes, in the caller's staging.
+                error = InfraError(f"{error}; nothing of the blob was kept: run the command again")
+            raise error from None
 
     def blob_digest(self, digest: str, callback: Callback | None = None) -> str | None:
         """BLAKE3 of the bytes the remote holds for blob `digest`, streamed (nothing is written locally); None when
@@ -272,6 +276,63 @@ class S3Remote:
     def list_objects(self, prefix: str) -> Iterator[RemoteObject]:
         """The objects whose full key starts with `prefix` (named by their full key)."""
         return self._list(prefix)
+
+    # --- leases (qbuild.store.remote: a push and a gc never overlap) -----------------------------------------------
+    def lease_key(self, name: str) -> str:
+        return self._key("leases", f"{name}.json")
+
+    def put_lease(self, name: str, body: bytes) -> None:
+        key = self.lease_key(name)
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ContentType="application/json")
+        except Exception as e:
+            if _status(e) == 404:   # a missing bucket, or an endpoint answering 404 to everything
+                self._check_bucket(self.object_url(key))
+            raise self.error(e, self.object_url(key)) from None
+
+    def get_lease(self, name: str) -> dict | None:
+        """A lease's JSON body; None when it is gone (released meanwhile) or is not a JSON object."""
+        key = self.lease_key(name)
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        except Exception as e:
+            if _status(e) == 404 and _code(e) != "NoSuchBucket":
+                return None
+            raise self.error(e, self.object_url(key)) from None
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def delete_lease(self, name: str) -> None:
+        key = self.lease_key(name)
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as e:
+            raise self.error(e, self.object_url(key)) from None
+
+    def list_leases(self) -> tuple[list[RemoteObject], datetime | None]:
+        """The leases (names without .json) and the server's clock at the listing (its Date header; None where it
+        sends none), so that a lease's age is measured on one clock."""
+        prefix = self._key("leases") + "/"
+        leases, now = [], None
+        try:
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                date = page.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+                if date and now is None:
+                    from email.utils import parsedate_to_datetime
+
+                    now = parsedate_to_datetime(date)
+                for obj in page.get("Contents", []):
+                    name = obj["Key"].rsplit("/", 1)[-1]
+                    if name.endswith(".json"):
+                        leases.append(RemoteObject(name[:-len(".json")], obj["Size"], obj["LastModified"]))
+        except Exception as e:
+            if _status(e) == 404:
+                self._check_bucket(self.object_url(prefix))
+            raise self.error(e, self.object_url(prefix)) from None
+        return leases, now
 
     # --- listing and deleting (gc) -------------------------------------------------------------------------------
     def list_manifests(self) -> Iterator[RemoteObject]:
@@ -386,8 +447,16 @@ _CODES = {
 
 
 def _describe(e: BaseException, bucket: str) -> str:
+    from boto3.exceptions import RetriesExceededError
     from botocore import exceptions as bx
+    from s3transfer.exceptions import RetriesExceededError as TransferRetriesExceededError
 
+    if isinstance(e, (RetriesExceededError, TransferRetriesExceededError)) and e.last_exception is not None:
+        # s3transfer starts a download whose stream broke again, DOWNLOAD_ATTEMPTS times, then raises this (boto3
+        # re-raises its own class) around the last failure, which says what happened.
+        return f"{_describe(e.last_exception, bucket)} ({DOWNLOAD_ATTEMPTS} attempts)"
+    if _broken_stream(e):
+        return f"the connection to {_endpoint_host()} closed in the middle of the transfer"
     ce = _client_error(e)
     if ce is not None:
         code = _code(ce) or str(_status(ce) or "")
@@ -411,6 +480,23 @@ def _describe(e: BaseException, bucket: str) -> str:
     if isinstance(e, OSError):
         return f"local I/O failed: {e.strerror or e}"
     return f"{type(e).__name__}: {e}"
+
+
+def _broken_stream(e: BaseException) -> bool:
+    """Whether `e` (or what it wraps) is a connection that closed or was reset while a body was streaming."""
+    import http.client
+
+    from botocore import exceptions as bx
+    from urllib3 import exceptions as ux
+
+    for _ in range(8):
+        if e is None:
+            return False
+        if isinstance(e, (bx.ResponseStreamingError, bx.IncompleteReadError, ux.ProtocolError, ux.IncompleteRead,
+                          http.client.IncompleteRead, ConnectionResetError, ConnectionAbortedError)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _endpoint_host() -> str:

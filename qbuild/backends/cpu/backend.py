@@ -13,6 +13,7 @@ from pathlib import Path
 from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, Sizes, StepContext
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile, graph_file
 from qbuild.core import jsonio
+from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import BuildError
 from qbuild.model.arch import Arch
 from qbuild.recipe import checks
@@ -40,6 +41,37 @@ def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) ->
                           r.fp8, checks.moe_backend(loaded, arch), r.fused_qkv)
 
 
+# A graph's example inputs are allocated, held by the exported program (torch.export keeps them) and written out
+# again by torch.export.save: a vision compile at 8192 patch tokens peaked at 3.5 times its float32 attention mask
+# above the interpreter's own memory. tests/test_recipe_errors.py holds the estimate within a factor of the measured
+# peak.
+_INPUT_COPIES = 4
+# Tracing the chunked DeltaNet prefill unrolls one loop iteration per chunk of the bucket: the traced graph grows with
+# the bucket, about 10 KiB per token and DeltaNet layer measured on a tiny model.
+_TRACE_BYTES_PER_TOKEN_LAYER = 16 << 10
+
+
+def compile_peak_bytes(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int, sizes: Sizes) -> int:
+    """Estimated peak memory of compiling one graph: the interpreter, the weights (the model's and the zeros
+    passed as example weights) and what grows with the bucket, its example inputs (a vision bucket's
+    (1, 1, S, S) attention mask, a token-generation bucket's KV cache) and the traced graph."""
+    r = loaded.recipe
+    d = DTYPE_BYTES[r.dtype]
+    if graph == "vision":
+        v = arch.vision
+        inputs = bucket * bucket * d + bucket * (v.hidden_size * d + 2 * v.head_dim * 4)
+        return GIB + sizes.vision + _INPUT_COPIES * inputs
+    batch, tp = r.text.batch_size, r.parallel.tp
+    n_delta = arch.num_layers - arch.num_attn_layers
+    if graph == "cte":
+        inputs = batch * bucket * (arch.hidden_size * d + 3 * 8)   # embeddings (or ids) and mRoPE positions
+        traced = bucket * n_delta * _TRACE_BYTES_PER_TOKEN_LAYER
+    else:
+        inputs = 2 * arch.num_attn_layers * tp * batch * bucket * arch.per_rank(tp).kv_dim * d   # the KV cache
+        traced = 0
+    return GIB + sizes.weights + _INPUT_COPIES * inputs + traced
+
+
 class CpuBackend:
     def __init__(self, name: str):
         self.name = name
@@ -58,7 +90,7 @@ class CpuBackend:
         compiles = tuple(
             PlannedStep(f"compile {graph}-{bucket}", "compile", f"compile {graph}-{bucket} ({self.name})",
                         compile_params(loaded, arch, graph, bucket), {}, 64 << 20,
-                        GIB + (sizes.vision if graph == "vision" else sizes.weights))
+                        compile_peak_bytes(loaded, arch, graph, bucket, sizes))
             for graph, bucket in graphs)
         package = PackageParams(arch.family, self.name, r.parallel.tp, r.parallel.ep, r.parallel.tp,
                                 r.text.batch_size, r.text.seq_len, tuple(r.text.cte_buckets),

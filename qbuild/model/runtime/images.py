@@ -26,14 +26,64 @@ def image_processor(root: Path, vision_config: dict):
         image_std=saved.get("image_std", std))
 
 
+# The most pixels an image may have to be decoded. The processor scales every image down to at most 28*28*1280
+# pixels (about 1 MP, transformers' Qwen2-VL default) before the encoder sees it, so a larger picture only costs
+# memory: 64 MP is ~200 MB decoded as RGB. PIL's own default (89 MP, a warning only, an error at twice that) is not
+# relied on: a small PNG can declare billions of pixels (a decompression bomb).
+MAX_IMAGE_PIXELS = 8192 * 8192
+
+
+def _open(image: Path):
+    """The image file opened (its header read, nothing decoded), refused when it is not an image or declares more than
+    MAX_IMAGE_PIXELS pixels."""
+    import warnings
+
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS   # PIL checks it when opening and again when decoding
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(image)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise _too_large(image, str(e)) from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:   # PIL's plugins raise these on corrupt headers
+        raise UserError(f"{image}: cannot read the image: {e}") from None
+    width, height = img.size
+    if width * height > MAX_IMAGE_PIXELS:   # formats whose size PIL learns only when decoding
+        img.close()
+        raise _too_large(image, f"{width}x{height}")
+    return img
+
+
+def _too_large(image: Path, size: str) -> UserError:
+    import re
+
+    declared = re.search(r"\((\d+) pixels\)", size)   # PIL's message: "Image size (N pixels) exceeds limit ..."
+    size = f"{declared[1]} pixels" if declared else f"{size} pixels"
+    return UserError(f"{image}: the image declares {size}, more than the {MAX_IMAGE_PIXELS} (8192x8192) qbuild "
+                     "decodes (a decompression bomb, or a picture to scale down first); refusing to decode it")
+
+
+def check_image(image: Path) -> None:
+    """Refuse an image file `pixels` would refuse, reading only its header (before a bundle is loaded for it)."""
+    _open(image).close()
+
+
 def pixels(processor, image: Path):
     """(pixel_values (N, C*T*P*P), grid_thw (1, 3)) of one image file."""
-    from PIL import Image, UnidentifiedImageError
+    import warnings
+    import zlib
+
+    from PIL import Image
 
     try:
-        with Image.open(image) as img:
+        with _open(image) as img, warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
             rgb = img.convert("RGB")
-    except (OSError, UnidentifiedImageError) as e:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise _too_large(image, str(e)) from None
+    except (OSError, ValueError, SyntaxError, EOFError, zlib.error) as e:
         raise UserError(f"{image}: cannot read the image: {e}") from None
     out = processor(images=[rgb], return_tensors="pt")
     return out["pixel_values"], out["image_grid_thw"]
