@@ -61,7 +61,7 @@ def test_work_dirs_are_this_users_and_never_writable_by_others(tmp_path, monkeyp
 
     monkeypatch.delenv("QBUILD_NEURON_WORKDIR", raising=False)
     root = driver.work_root()
-X
+    assert root == Path(os.environ["XDG_CACHE_HOME"]) / "qbuild" / driver.WORK_DIR   # conftest's per-test cache
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
     shared = tmp_path / "shared"
     shared.mkdir()

@@ -120,8 +120,8 @@ def test_worker_on_another_platform_refuses_a_node_that_is_not_portable():
     from qbuild.core.platform import host_tag
 
     action = ActionSpec("ray-text", "tests.ray_actions:text", portable=False)
-    pre = {"action": "ray-text", "version": action.source_hash, "params": {}, "inputs": {}, "toolchain": {},
-           "platform": "aarch64-linux-glibc2.39-cp311-SVE256"}
+    pre = {"action": "ray-text", "version": action.source_hash(), "params": {}, "inputs": {},
+           "toolchain": action.toolchain_versions(), "platform": "aarch64-linux-glibc2.39-cp311-SVE256"}
     job = Job("n", "ray-text", "text a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"),
               action.entry)
     with pytest.raises(InfraError, match=f"not set up like the driver: platform {host_tag()} \\(driver: aarch64"):
