@@ -86,13 +86,20 @@ class Build:
     def work(self) -> Path:
         return self.root / "nxd-work"
 
+    @property
+    def checkpoint(self) -> Path | None:
+        """The HF checkpoint the fixture's recipe builds from (the double's load checks shard values against it)."""
+        return Path(json.loads(self.recipe.read_text())["model"]["path"]) if self.recipe else None
+
     def env(self, sdk: bool = True, overlay: tuple[Path, ...] = (), log: Path | None = None,
-            barrier: str | None = None, **extra) -> dict:
-        """The CLI's environment: the double's settings (its call log: `log`, else this build's) first on PYTHONPATH,
-        the work-dir root, no network."""
+            barrier: str | None = None, checkpoint: Path | None = None, **extra) -> dict:
+        """The CLI's environment: the double's settings (its call log: `log`, else this build's; the HF checkpoint
+        load() checks values against: `checkpoint`, else the fixture recipe's) first on PYTHONPATH, the work-dir
+        root, no network."""
         log = log or self.log
-        settings = settings_dir(self.root / "double-settings" / hashlib.sha256(f"{log}|{barrier}".encode()).hexdigest()
-                                [:12], log=log, barrier=barrier)
+        checkpoint = checkpoint or self.checkpoint
+        key = hashlib.sha256(f"{log}|{barrier}|{checkpoint}".encode()).hexdigest()[:12]
+        settings = settings_dir(self.root / "double-settings" / key, log=log, barrier=barrier, checkpoint=checkpoint)
         return {"PYTHONPATH": _pythonpath(sdk, (settings, *overlay)), "QBUILD_NEURON_WORKDIR": str(self.work),
                 "HF_HUB_OFFLINE": "1", "HF_HOME": str(self.root / "hf"), "XDG_CACHE_HOME": str(self.root / "xdg"),
                 **extra}
@@ -134,6 +141,42 @@ def compiled(result: dict, stderr: str = "") -> None:
 def require_bundle(result: dict, stderr: str = "") -> None:
     """The build packaged its bundle (packaging refuses shards the compiled model does not take)."""
     assert not result["failed"], f"build failed: {json.dumps(result['failed'], indent=1)}\n{stderr}"
+    names = [n for n in result["built"] + result["cached"] if n.startswith("package")]
+    assert len(names) == 1, f"no package step: {json.dumps(result, indent=1)}\n{stderr}"
+
+
+_LOAD_SCRIPT = """
+import importlib, json, sys
+module, app_class, port, dirs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+sys.path.insert(0, port)
+app = getattr(importlib.import_module(module), app_class)
+out = []
+for d in dirs:
+    try:
+        app(d).load(d)
+        out.append("ok")
+    except Exception as e:
+        out.append(f"{type(e).__name__}: {e}")
+print(json.dumps(out))
+"""
+
+
+def load_bundles(build: Build, bundle: Path, *others: Path, checkpoint: Path | None = None,
+                 log: Path | None = None) -> list[str]:
+    """`App(dir).load(dir)` of `bundle` and of each of `others` (copies of it), with the port's class from the
+    bundle's own copy of the port and its compile environment, in one fresh interpreter: "ok" or the error's line per
+    directory. The double checks every shard's names, shapes, dtypes and values (against `checkpoint`, else the
+    build's recipe's)."""
+    from qbuild.backends.neuron.ports import LINEAGES
+
+    record = json.loads((bundle / "qbuild-neuron.json").read_text())
+    cfg = record["config"]
+    port = LINEAGES[cfg["lineage"]].module_dir(bundle / "port")
+    env = dict(os.environ, **build.env(log=log or build.root / "load.jsonl", checkpoint=checkpoint), **cfg["env"])
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, cfg["module"], cfg["app_class"], str(port),
+                           *(str(d) for d in (bundle, *others))], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -315,15 +358,9 @@ def test_bundle_loads_with_the_port_class(dense, tmp_path):
     require_bundle(dense.result, dense.stderr)
     bundle = tmp_path / "bundle"
     assert dense.cli("pull", "dense", "--to", str(bundle), "--allow-unverified").returncode == 0
-    record = json.loads((bundle / "qbuild-neuron.json").read_text())
-    script = ("import sys; sys.path.insert(0, sys.argv[2]); from src.modeling_qwen35 import NeuronQwen35ForCausalLM; "
-              "m = NeuronQwen35ForCausalLM(sys.argv[1]); m.load(sys.argv[1])")
-    proc = subprocess.run([sys.executable, "-c", script, str(bundle), str(bundle / "port")], capture_output=True,
-                          text=True, env=dict(os.environ, **dense.env(log=tmp_path / "load.jsonl"),
-                                              **record["config"]["env"]))
-    assert proc.returncode == 0, proc.stderr
+    assert load_bundles(dense, bundle, log=tmp_path / "load.jsonl") == ["ok"]
     (load,) = [c for c in read_log(tmp_path / "load.jsonl") if c["call"] == "load"]
-    assert load["ranks"] == [0, 1]
+    assert load["ranks"] == [0, 1] and load["values_checked"] is True and load["values_unstated"] == []
 
 
 # --- the moe lineage ---------------------------------------------------------------------------------------------

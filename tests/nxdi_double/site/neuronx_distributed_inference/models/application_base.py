@@ -374,14 +374,37 @@ class NeuronApplicationBase:
         from safetensors.torch import load_file
 
         ranks = list(range(start, start + count))
+        files, shards = [], []
         for rank in ranks:                 # skip_sharding is not consulted here (section 2)
             shard = os.path.join(path, "weights", f"tp{rank}_sharded_checkpoint.safetensors")
             if not os.path.isfile(shard):
                 raise FileNotFoundError(f"{shard}: no such shard")
-            _check_shard(os.path.basename(shard), rank, nc.tp_degree, weights, load_file(shard))
+            files.append(os.path.basename(shard))
+            shards.append(load_file(shard))
+            _check_shard(files[-1], rank, nc.tp_degree, weights, shards[-1])
+        unstated = self._check_values(files, ranks, shards)
         self.is_loaded = True
         record("load", cls=type(self).__name__, path=path, ranks=ranks, skip_warmup=skip_warmup,
-               weights=len(weights))
+               weights=len(weights), values_checked=True, values_unstated=unstated)
+
+    def _check_values(self, files: list[str], ranks: list[int], shards: list[dict]) -> list[str]:
+        """Every float tensor of every rank against what NxD would hold there, derived by the double from the HF
+        checkpoint the bundle was built from (neuronx_distributed_inference._values, written from docs/nxd-layout.md
+        and docs/nxdi.md). nxd_model.initialize takes any values; a swapped or mis-padded slice would load and compute
+        garbage, and the double's verify runs at thresholds of 0, so this is where such a bundle must fail. The HF
+        checkpoint is named by the double's settings (tests.nxdi_double.settings_dir(checkpoint=...))."""
+        from neuronx_distributed_inference import _values
+
+        checkpoint = settings().get("checkpoint")
+        if not checkpoint:
+            raise DoubleRefusal("load() checks every shard's values against the HF checkpoint the bundle was built "
+                                "from, and the double's settings name none (settings_dir(checkpoint=...))")
+        hf = _values.HFCheckpoint(Path(checkpoint))
+        layout = _values.Layout.of(self._model_cls.LINEAGE, self.config)
+        expected = [_values.expected_rank(hf, layout, rank) for rank in ranks]
+        for file, rank, tensors, exp in zip(files, ranks, shards, expected):
+            _values.check_rank(file, rank, tensors, exp)
+        return _values.check_unstated(files, shards, expected)
 
     def reset(self) -> None:
         """Called by HuggingFaceGenerationAdapter.generate before every generation (hf_adapter.py)."""
