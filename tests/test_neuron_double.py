@@ -373,8 +373,9 @@ def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
     build = Build(tmp_path)
     recipe = write_recipe(tmp_path / "next.yaml", tiny_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
                           moe_backend="shard_on_block", port={"lineage": "moe"})
+    build.recipe = recipe
     result, stderr = build.compile(recipe)
-    compiled(result, stderr)
+    require_bundle(result, stderr)
     (init,) = build.calls("app_init")
     assert "modeling_qwen35_moe.NeuronQwen35MoeForCausalLM" in init["mro"]
     assert init["config_cls"] == "Qwen35MoeInferenceConfig" and init["neuron_config_cls"] == "MoENeuronConfig"
@@ -391,6 +392,9 @@ def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
     assert nc["router_config"] == {"act_fn": "softmax", "dtype": "float32"} and nc["fused_qkv"] is True
     assert {c["returned"] for c in build.calls("get_compiler_args")} == {f"{MOE_PORT_ARGS} --target=trn2 --lnc=2 "
                                                                          f"{RECIPE_FLAG}"}
+    # The bundle packages and loads: every shard's names, shapes, dtypes and values as the compiled model takes them.
+    bundle = build.node_outputs("next", "package", tmp_path / "bundle")
+    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
 
 
 # --- the Qwen3.5-27B port ----------------------------------------------------------------------------------------
@@ -405,8 +409,9 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_
     port = replicated_deltanet_port(tmp_path / "Qwen3.5-27B")
     build = Build(tmp_path / "build")
     checkpoint = tiny_checkpoints["qwen3_5"]
-    result, stderr = build.compile(write_recipe(build.root / "recipes" / "r27.yaml", checkpoint, port,
-                                                port={"lineage": "main-replicated"}))
+    build.recipe = write_recipe(build.root / "recipes" / "r27.yaml", checkpoint, port,
+                                port={"lineage": "main-replicated"})
+    result, stderr = build.compile(build.recipe)
     require_bundle(result, stderr)
     (init,) = build.calls("app_init")
     assert "src.modeling_qwen35.NeuronQwen35ForCausalLM" in init["mro"]
@@ -421,6 +426,7 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_
             assert f.get_slice(la + "conv1d.weight").get_shape() == [conv_dim, 1, config["linear_conv_kernel_dim"]]
             assert f.get_slice(la + "A_log").get_shape() == [config["linear_num_value_heads"]]
             assert f.get_slice(la + "in_proj_qkv.weight").get_shape() == [conv_dim, config["hidden_size"]]
+    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
 
     result, stderr = build.compile(write_recipe(build.root / "recipes" / "r27-main.yaml", checkpoint, port))
     (message,) = [v["error"] for v in result["failed"].values() if v["name"].startswith("package")]
@@ -438,7 +444,8 @@ def test_fp8_mlp_only_bundle_holds_exactly_the_weights_its_model_takes(tiny_chec
 
     build = Build(tmp_path)
     checkpoint = tiny_checkpoints["qwen3_5"]
-    result, stderr = build.compile(write_recipe(tmp_path / "fp8.yaml", checkpoint, MAIN_PORT, fp8="mlp_only"))
+    build.recipe = write_recipe(tmp_path / "fp8.yaml", checkpoint, MAIN_PORT, fp8="mlp_only")
+    result, stderr = build.compile(build.recipe)
     require_bundle(result, stderr)
     call = _compile_call(build)
     nc = call["config"]["neuron_config"]
@@ -455,6 +462,7 @@ def test_fp8_mlp_only_bundle_holds_exactly_the_weights_its_model_takes(tiny_chec
                 assert f.get_slice(f"layers.{i}.mlp.down_proj.weight").get_dtype() == ("F8_E4M3" if inner else "BF16")
                 assert (f"layers.{i}.mlp.down_proj.scale" in names) == inner
             assert f.get_slice("layers.1.mlp.gate_proj.scale").get_dtype() == "F32"
+    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
 
 
 # --- the toolchain -----------------------------------------------------------------------------------------------
