@@ -89,7 +89,7 @@ class Build:
     @property
     def checkpoint(self) -> Path | None:
         """The HF checkpoint the fixture's recipe builds from (the double's load checks shard values against it)."""
-        return Path(json.loads(self.recipe.read_text())["model"]["path"]) if self.recipe else None
+        return Path(yaml.safe_load(self.recipe.read_text())["model"]["path"]) if self.recipe else None
 
     def env(self, sdk: bool = True, overlay: tuple[Path, ...] = (), log: Path | None = None,
             barrier: str | None = None, checkpoint: Path | None = None, **extra) -> dict:
@@ -394,6 +394,46 @@ def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
                                                                          f"{RECIPE_FLAG}"}
     # The bundle packages and loads: every shard's names, shapes, dtypes and values as the compiled model takes them.
     bundle = build.node_outputs("next", "package", tmp_path / "bundle")
+    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
+
+
+# The Coder-Next build as validated (README L66, test/integration/test_model.py L123 @ 753c7f5:
+# NEURON_CC_FLAGS='--auto-cast matmult --auto-cast-type bf16'), the port's own `--auto-cast=none` replaced.
+CODER_NEXT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
+                   "--internal-enable-dge-levels vector_dynamic_offsets --target=trn2 --lnc=2 "
+                   "--auto-cast matmult --auto-cast-type bf16")
+
+
+@pytest.mark.slow
+def test_shipped_coder_next_recipe_compiles_with_the_validated_flags(tmp_path):
+    """recipes/coder-next-tp8.yaml as shipped (tp 8, its buckets, its SDK 2.30 pins, its compiler flags), with a tiny
+    Qwen3-Next for the model (head counts that split over 8 ranks, as the real one's 16 / 2 / 16 / 32 do) and the
+    double's moe port for the port: get_compiler_args() answers exactly the validated arguments, every bucket's
+    neuronx-cc flags hold ONE --auto-cast (matmult) and the bf16 auto-cast type, and the bundle packages and loads."""
+    from qbuild.model.tinymodel import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "qwen3_next", "qwen3_next", text_overrides=dict(
+        num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=8, linear_num_value_heads=16))
+    doc = yaml.safe_load((REPO / "recipes/coder-next-tp8.yaml").read_text())
+    doc["extends"] = str(REPO / "recipes/bases/trn2.yaml")
+    doc["model"] = {"path": str(checkpoint)}
+    doc["port"] = {"lineage": doc["port"]["lineage"], "path": str(MOE_PORT)}
+    recipe = tmp_path / "recipes" / "coder-next-tp8.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text(yaml.safe_dump(doc))
+    pins = RELEASES[doc["toolchain"]["sdk"]]
+    overlay = metadata_overlay(tmp_path / "sdk-2.30", {dist: f"{version}+0" for dist, version in pins.items()})
+    build = Build(tmp_path / "build", recipe=recipe)
+    result, stderr = build.compile(recipe, overlay=(overlay,))
+    require_bundle(result, stderr)
+    assert {c["returned"] for c in build.calls("get_compiler_args")} == {CODER_NEXT_ARGS}
+    (call,) = build.calls("compile")
+    assert call["config"]["neuron_config"]["tp_degree"] == 8 and len(call["neffs"]) == 3
+    for neff in call["neffs"]:
+        options = [t.split("=", 1)[0] for t in neff["flags"].split() if t.startswith("--auto-cast")]
+        assert options == ["--auto-cast", "--auto-cast-type"], neff["flags"]
+        assert " --auto-cast matmult --auto-cast-type bf16 " in f" {neff['flags']} "
+    bundle = build.node_outputs("coder-next-tp8", "package", tmp_path / "bundle")
     assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
 
 
@@ -713,3 +753,33 @@ def test_double_load_names_the_first_wrong_tensor(sdk, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"tp1_sharded_checkpoint.safetensors: layers.0.self_attn.qkv_proj.k_proj."
                                            r"weight: shape \[64, 64\], the compiled model takes \[32, 64\]"):
         loaded.load(str(out))
+    # Right in names, shapes and dtypes, the shards still need the HF checkpoint to check their values against.
+    rank1 = {name: torch.full(w.shape, 1, dtype=torch.int32) if w.value else
+             torch.zeros(w.shape, dtype=getattr(torch, w.dtype)) for name, w in weights.items()}
+    save_file(rank1, out / "weights" / "tp1_sharded_checkpoint.safetensors")
+    with pytest.raises(DoubleRefusal, match="settings name none"):
+        NeuronQwen35ForCausalLM(str(out)).load(str(out))
+    # A port whose arguments set an option the caller sets again: which value wins is in no public source.
+    class Twice(NeuronQwen35ForCausalLM):
+        def get_compiler_args(self):
+            return super().get_compiler_args() + " --auto-cast matmult"
+
+    (tmp_path / "twice").mkdir()
+    with pytest.raises(DoubleRefusal, match="--auto-cast twice"):
+        Twice(str(tmp_path / "hf"), config=Qwen35InferenceConfig(nc, **fields)).compile(str(tmp_path / "twice"))
+
+
+def test_recipe_flags_replace_the_port_option_they_name():
+    """compiler.flags that set an option the port's arguments already set replace it (either spelling, `--x=v` or
+    `--x v`; `-O2` replaces `-O1`); other flags are appended; the target and LNC come between."""
+    from qbuild.backends.neuron.config import compiler_args
+    from qbuild.backends.neuron.params import CompilerSettings
+    from qbuild.backends.neuron.ports import LINEAGES, VISION_COMPILER_ARGS
+
+    moe = LINEAGES["moe"].compiler_args
+    validated = compiler_args(moe, CompilerSettings("trn2", 2, ("--auto-cast", "matmult", "--auto-cast-type", "bf16")))
+    assert validated == CODER_NEXT_ARGS
+    assert compiler_args(moe, CompilerSettings("trn2", 2, (RECIPE_FLAG,))) == \
+        f"{MOE_PORT_ARGS} --target=trn2 --lnc=2 {RECIPE_FLAG}"
+    assert compiler_args(VISION_COMPILER_ARGS, CompilerSettings("trn1", 1, ("--auto-cast=all", "-O2"))) == \
+        "--model-type=transformer --enable-mixed-precision-accumulation --target=trn1 --lnc=1 --auto-cast=all -O2"

@@ -22,6 +22,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 import warnings
@@ -265,6 +266,7 @@ class NeuronApplicationBase:
             args += f" --logfile={Path(bucket_dir, 'log-neuron-cc.txt').absolute()}"
         if priority:
             args += " --enable-internal-neff-wrapper"
+        _refuse_repeated_options(args)
         return args
 
     def _compile_bucket(self, work_dir, sub, index, bucket, priority, common, traced, layout_key, cache, cc_version):
@@ -408,6 +410,21 @@ class NeuronApplicationBase:
 
     def reset(self) -> None:
         """Called by HuggingFaceGenerationAdapter.generate before every generation (hf_adapter.py)."""
+
+
+def _refuse_repeated_options(args: str) -> None:
+    """neuronx-cc's behaviour when an option is given twice (`--auto-cast=none ... --auto-cast matmult`) is stated by
+    no public source, so the double refuses such arguments rather than guess which value wins (docs/nxdi.md
+    section 7). `--x=v` and `--x v` name the same option; `-O1` is `-O`."""
+    seen: dict[str, str] = {}
+    for token in shlex.split(args):
+        if not token.startswith("-"):
+            continue
+        name = "-O" if re.fullmatch(r"-O\d", token) else token.split("=", 1)[0]
+        if name in seen:
+            raise DoubleRefusal(f"compiler arguments give {name} twice ({seen[name]!r} and {token!r}): which one "
+                                "neuronx-cc takes is not in any public source")
+        seen[name] = token
 
 
 class _CompiledModel(torch.nn.Module):
