@@ -183,7 +183,8 @@ def test_padded_q_heads_from_the_converter_load_and_mis_padding_fails(bundles, l
     assert params.text == arch_from_config(json.loads((build.checkpoint / "config.json").read_text())).text_model()
     family = "qwen3_next" if lineage == "moe" else "qwen3_5"
     hf = write_tiny_checkpoint(tmp_path / "hf", family, text_overrides=dict(TP4_TEXT, num_attention_heads=6))
-    params = dataclasses.replace(params, text=arch_from_config(json.loads((hf / "config.json").read_text())).text_model())
+    padded = arch_from_config(json.loads((hf / "config.json").read_text())).text_model()
+    params = dataclasses.replace(params, text=padded)
     for key, value in build.env(checkpoint=hf).items():
         monkeypatch.setenv(key, value)
     # The driver looks for the SDK here (find_spec, distribution versions) and runs it in a fresh interpreter.

@@ -4,11 +4,11 @@ from, for the double's load() to compare value by value.
 This is the contract double's own derivation, written from the facts in docs/nxd-layout.md and docs/nxdi.md (sections
 named per rule below), never from qbuild's converters: it exists to catch a converter that writes the right names,
 shapes and dtypes in the wrong order, on the wrong rank or with a missing transform. The real NxD gets these values
-by running the port's converter and its own preshard hooks and slicing (docs/nxdi.md section 4); nxd_model.initialize
-cannot tell a wrong value from a right one, which is exactly why a double that only checked shapes would pass a bundle
-that computes garbage.
+by running the port's converter and its own preshard hooks and slicing (docs/nxdi.md section 4); loading pre-sharded
+files, nothing on the device has the HF checkpoint to compare with, so a bundle whose slices are swapped loads and
+computes garbage, and the double's verify (thresholds of 0) would not notice.
 
-Where the facts stop, the rule says so and checks what it can (see `_UNSTATED`).
+Where the facts stop, the rule says so and checks what it can (`Unstated`; listed in docs/nxdi.md section 9).
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class HFCheckpoint:
 
 
 def _text_name(key: str) -> str | None:
-    """Section 0: `model.language_model.` (VL) or `model.` (text-only) stripped, lm_head kept, vision and mtp dropped."""
+    """Section 0: `model.language_model.` (VL) or `model.` (text-only) stripped, lm_head kept, vision and mtp
+    dropped."""
     if key.startswith(("model.visual.", "mtp.")):
         return None
     for prefix in ("model.language_model.", "model."):
@@ -360,7 +361,7 @@ def expected_rank(hf: HFCheckpoint, lay: Layout, r: int) -> dict[str, Expected |
 
 
 class _RowUnstated(Unstated):
-    """Everything is stated but one row (`row`), which may hold either `a` or `b`."""
+    """Everything is stated but one row (`row`), which may hold either the expected row or zeros."""
 
     def __init__(self, expected: Expected, row: int):
         super().__init__(f"row {row}")

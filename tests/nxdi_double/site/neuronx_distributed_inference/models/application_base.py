@@ -5,7 +5,8 @@ BASE_COMPILE_WORK_DIR: section 4) with every bucket of every submodel, token-gen
 weight-layout model), each NEFF through the persistent compile cache (section 3), then the configs into the work dir,
 then model.pt, then sharding only if save_sharded_checkpoint and not skip_sharding. load() follows section 2: model.pt,
 then weights/tp{r}_sharded_checkpoint.safetensors for every rank, checked against the weights the compiled model takes
-(as nxd_model.initialize would fail on them).
+(as nxd_model.initialize would fail on them), then every value against the HF checkpoint the bundle was built from
+(_values.py).
 
 The double cannot compile: a "NEFF" is a small file named by its cache key. The key is built the way NxD builds it
 (section 3: sha256 of the HLO text and the flags without spaces, the flags carrying `--logfile=<absolute work dir>/
