@@ -86,13 +86,20 @@ class Build:
     def work(self) -> Path:
         return self.root / "nxd-work"
 
+    @property
+    def checkpoint(self) -> Path | None:
+        """The HF checkpoint the fixture's recipe builds from (the double's load checks shard values against it)."""
+        return Path(yaml.safe_load(self.recipe.read_text())["model"]["path"]) if self.recipe else None
+
     def env(self, sdk: bool = True, overlay: tuple[Path, ...] = (), log: Path | None = None,
-            barrier: str | None = None, **extra) -> dict:
-        """The CLI's environment: the double's settings (its call log: `log`, else this build's) first on PYTHONPATH,
-        the work-dir root, no network."""
+            barrier: str | None = None, checkpoint: Path | None = None, **extra) -> dict:
+        """The CLI's environment: the double's settings (its call log: `log`, else this build's; the HF checkpoint
+        load() checks values against: `checkpoint`, else the fixture recipe's) first on PYTHONPATH, the work-dir
+        root, no network."""
         log = log or self.log
-        settings = settings_dir(self.root / "double-settings" / hashlib.sha256(f"{log}|{barrier}".encode()).hexdigest()
-                                [:12], log=log, barrier=barrier)
+        checkpoint = checkpoint or self.checkpoint
+        key = hashlib.sha256(f"{log}|{barrier}|{checkpoint}".encode()).hexdigest()[:12]
+        settings = settings_dir(self.root / "double-settings" / key, log=log, barrier=barrier, checkpoint=checkpoint)
         return {"PYTHONPATH": _pythonpath(sdk, (settings, *overlay)), "QBUILD_NEURON_WORKDIR": str(self.work),
                 "HF_HUB_OFFLINE": "1", "HF_HOME": str(self.root / "hf"), "XDG_CACHE_HOME": str(self.root / "xdg"),
                 **extra}
@@ -134,6 +141,42 @@ def compiled(result: dict, stderr: str = "") -> None:
 def require_bundle(result: dict, stderr: str = "") -> None:
     """The build packaged its bundle (packaging refuses shards the compiled model does not take)."""
     assert not result["failed"], f"build failed: {json.dumps(result['failed'], indent=1)}\n{stderr}"
+    names = [n for n in result["built"] + result["cached"] if n.startswith("package")]
+    assert len(names) == 1, f"no package step: {json.dumps(result, indent=1)}\n{stderr}"
+
+
+_LOAD_SCRIPT = """
+import importlib, json, sys
+module, app_class, port, dirs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+sys.path.insert(0, port)
+app = getattr(importlib.import_module(module), app_class)
+out = []
+for d in dirs:
+    try:
+        app(d).load(d)
+        out.append("ok")
+    except Exception as e:
+        out.append(f"{type(e).__name__}: {e}")
+print(json.dumps(out))
+"""
+
+
+def load_bundles(build: Build, bundle: Path, *others: Path, checkpoint: Path | None = None,
+                 log: Path | None = None) -> list[str]:
+    """`App(dir).load(dir)` of `bundle` and of each of `others` (copies of it), with the port's class from the
+    bundle's own copy of the port and its compile environment, in one fresh interpreter: "ok" or the error's line per
+    directory. The double checks every shard's names, shapes, dtypes and values (against `checkpoint`, else the
+    build's recipe's)."""
+    from qbuild.backends.neuron.ports import LINEAGES
+
+    record = json.loads((bundle / "qbuild-neuron.json").read_text())
+    cfg = record["config"]
+    port = LINEAGES[cfg["lineage"]].module_dir(bundle / "port")
+    env = dict(os.environ, **build.env(log=log or build.root / "load.jsonl", checkpoint=checkpoint), **cfg["env"])
+    proc = subprocess.run([sys.executable, "-c", _LOAD_SCRIPT, cfg["module"], cfg["app_class"], str(port),
+                           *(str(d) for d in (bundle, *others))], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="module")
@@ -315,15 +358,9 @@ def test_bundle_loads_with_the_port_class(dense, tmp_path):
     require_bundle(dense.result, dense.stderr)
     bundle = tmp_path / "bundle"
     assert dense.cli("pull", "dense", "--to", str(bundle), "--allow-unverified").returncode == 0
-    record = json.loads((bundle / "qbuild-neuron.json").read_text())
-    script = ("import sys; sys.path.insert(0, sys.argv[2]); from src.modeling_qwen35 import NeuronQwen35ForCausalLM; "
-              "m = NeuronQwen35ForCausalLM(sys.argv[1]); m.load(sys.argv[1])")
-    proc = subprocess.run([sys.executable, "-c", script, str(bundle), str(bundle / "port")], capture_output=True,
-                          text=True, env=dict(os.environ, **dense.env(log=tmp_path / "load.jsonl"),
-                                              **record["config"]["env"]))
-    assert proc.returncode == 0, proc.stderr
+    assert load_bundles(dense, bundle, log=tmp_path / "load.jsonl") == ["ok"]
     (load,) = [c for c in read_log(tmp_path / "load.jsonl") if c["call"] == "load"]
-    assert load["ranks"] == [0, 1]
+    assert load["ranks"] == [0, 1] and load["values_checked"] is True and load["values_unstated"] == []
 
 
 # --- the moe lineage ---------------------------------------------------------------------------------------------
@@ -336,8 +373,9 @@ def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
     build = Build(tmp_path)
     recipe = write_recipe(tmp_path / "next.yaml", tiny_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
                           moe_backend="shard_on_block", port={"lineage": "moe"})
+    build.recipe = recipe
     result, stderr = build.compile(recipe)
-    compiled(result, stderr)
+    require_bundle(result, stderr)
     (init,) = build.calls("app_init")
     assert "modeling_qwen35_moe.NeuronQwen35MoeForCausalLM" in init["mro"]
     assert init["config_cls"] == "Qwen35MoeInferenceConfig" and init["neuron_config_cls"] == "MoENeuronConfig"
@@ -354,6 +392,49 @@ def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
     assert nc["router_config"] == {"act_fn": "softmax", "dtype": "float32"} and nc["fused_qkv"] is True
     assert {c["returned"] for c in build.calls("get_compiler_args")} == {f"{MOE_PORT_ARGS} --target=trn2 --lnc=2 "
                                                                          f"{RECIPE_FLAG}"}
+    # The bundle packages and loads: every shard's names, shapes, dtypes and values as the compiled model takes them.
+    bundle = build.node_outputs("next", "package", tmp_path / "bundle")
+    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
+
+
+# The Coder-Next build as validated (README L66, test/integration/test_model.py L123 @ 753c7f5:
+# NEURON_CC_FLAGS='--auto-cast matmult --auto-cast-type bf16'), the port's own `--auto-cast=none` replaced.
+CODER_NEXT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
+                   "--internal-enable-dge-levels vector_dynamic_offsets --target=trn2 --lnc=2 "
+                   "--auto-cast matmult --auto-cast-type bf16")
+
+
+@pytest.mark.slow
+def test_shipped_coder_next_recipe_compiles_with_the_validated_flags(tmp_path):
+    """recipes/coder-next-tp8.yaml as shipped (tp 8, its buckets, its SDK 2.30 pins, its compiler flags), with a tiny
+    Qwen3-Next for the model (head counts that split over 8 ranks, as the real one's 16 / 2 / 16 / 32 do) and the
+    double's moe port for the port: get_compiler_args() answers exactly the validated arguments, every bucket's
+    neuronx-cc flags hold ONE --auto-cast (matmult) and the bf16 auto-cast type, and the bundle packages and loads."""
+    from qbuild.model.tinymodel import write_tiny_checkpoint
+
+    checkpoint = write_tiny_checkpoint(tmp_path / "qwen3_next", "qwen3_next", text_overrides=dict(
+        num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=8, linear_num_value_heads=16))
+    doc = yaml.safe_load((REPO / "recipes/coder-next-tp8.yaml").read_text())
+    doc["extends"] = str(REPO / "recipes/bases/trn2.yaml")
+    doc["model"] = {"path": str(checkpoint)}
+    doc["port"] = {"lineage": doc["port"]["lineage"], "path": str(MOE_PORT)}
+    recipe = tmp_path / "recipes" / "coder-next-tp8.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text(yaml.safe_dump(doc))
+    pins = RELEASES[doc["toolchain"]["sdk"]]
+    overlay = metadata_overlay(tmp_path / "sdk-2.30", {dist: f"{version}+0" for dist, version in pins.items()})
+    build = Build(tmp_path / "build", recipe=recipe)
+    result, stderr = build.compile(recipe, overlay=(overlay,))
+    require_bundle(result, stderr)
+    assert {c["returned"] for c in build.calls("get_compiler_args")} == {CODER_NEXT_ARGS}
+    (call,) = build.calls("compile")
+    assert call["config"]["neuron_config"]["tp_degree"] == 8 and len(call["neffs"]) == 3
+    for neff in call["neffs"]:
+        options = [t.split("=", 1)[0] for t in neff["flags"].split() if t.startswith("--auto-cast")]
+        assert options == ["--auto-cast", "--auto-cast-type"], neff["flags"]
+        assert " --auto-cast matmult --auto-cast-type bf16 " in f" {neff['flags']} "
+    bundle = build.node_outputs("coder-next-tp8", "package", tmp_path / "bundle")
+    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
 
 
 # --- the Qwen3.5-27B port ----------------------------------------------------------------------------------------
@@ -368,8 +449,9 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_
     port = replicated_deltanet_port(tmp_path / "Qwen3.5-27B")
     build = Build(tmp_path / "build")
     checkpoint = tiny_checkpoints["qwen3_5"]
-    result, stderr = build.compile(write_recipe(build.root / "recipes" / "r27.yaml", checkpoint, port,
-                                                port={"lineage": "main-replicated"}))
+    build.recipe = write_recipe(build.root / "recipes" / "r27.yaml", checkpoint, port,
+                                port={"lineage": "main-replicated"})
+    result, stderr = build.compile(build.recipe)
     require_bundle(result, stderr)
     (init,) = build.calls("app_init")
     assert "src.modeling_qwen35.NeuronQwen35ForCausalLM" in init["mro"]
@@ -384,6 +466,7 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_
             assert f.get_slice(la + "conv1d.weight").get_shape() == [conv_dim, 1, config["linear_conv_kernel_dim"]]
             assert f.get_slice(la + "A_log").get_shape() == [config["linear_num_value_heads"]]
             assert f.get_slice(la + "in_proj_qkv.weight").get_shape() == [conv_dim, config["hidden_size"]]
+    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
 
     result, stderr = build.compile(write_recipe(build.root / "recipes" / "r27-main.yaml", checkpoint, port))
     (message,) = [v["error"] for v in result["failed"].values() if v["name"].startswith("package")]
@@ -401,7 +484,8 @@ def test_fp8_mlp_only_bundle_holds_exactly_the_weights_its_model_takes(tiny_chec
 
     build = Build(tmp_path)
     checkpoint = tiny_checkpoints["qwen3_5"]
-    result, stderr = build.compile(write_recipe(tmp_path / "fp8.yaml", checkpoint, MAIN_PORT, fp8="mlp_only"))
+    build.recipe = write_recipe(tmp_path / "fp8.yaml", checkpoint, MAIN_PORT, fp8="mlp_only")
+    result, stderr = build.compile(build.recipe)
     require_bundle(result, stderr)
     call = _compile_call(build)
     nc = call["config"]["neuron_config"]
@@ -418,6 +502,7 @@ def test_fp8_mlp_only_bundle_holds_exactly_the_weights_its_model_takes(tiny_chec
                 assert f.get_slice(f"layers.{i}.mlp.down_proj.weight").get_dtype() == ("F8_E4M3" if inner else "BF16")
                 assert (f"layers.{i}.mlp.down_proj.scale" in names) == inner
             assert f.get_slice("layers.1.mlp.gate_proj.scale").get_dtype() == "F32"
+    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
 
 
 # --- the toolchain -----------------------------------------------------------------------------------------------
@@ -668,3 +753,33 @@ def test_double_load_names_the_first_wrong_tensor(sdk, tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"tp1_sharded_checkpoint.safetensors: layers.0.self_attn.qkv_proj.k_proj."
                                            r"weight: shape \[64, 64\], the compiled model takes \[32, 64\]"):
         loaded.load(str(out))
+    # Right in names, shapes and dtypes, the shards still need the HF checkpoint to check their values against.
+    rank1 = {name: torch.full(w.shape, 1, dtype=torch.int32) if w.value else
+             torch.zeros(w.shape, dtype=getattr(torch, w.dtype)) for name, w in weights.items()}
+    save_file(rank1, out / "weights" / "tp1_sharded_checkpoint.safetensors")
+    with pytest.raises(DoubleRefusal, match="settings name none"):
+        NeuronQwen35ForCausalLM(str(out)).load(str(out))
+    # A port whose arguments set an option the caller sets again: which value wins is in no public source.
+    class Twice(NeuronQwen35ForCausalLM):
+        def get_compiler_args(self):
+            return super().get_compiler_args() + " --auto-cast matmult"
+
+    (tmp_path / "twice").mkdir()
+    with pytest.raises(DoubleRefusal, match="--auto-cast twice"):
+        Twice(str(tmp_path / "hf"), config=Qwen35InferenceConfig(nc, **fields)).compile(str(tmp_path / "twice"))
+
+
+def test_recipe_flags_replace_the_port_option_they_name():
+    """compiler.flags that set an option the port's arguments already set replace it (either spelling, `--x=v` or
+    `--x v`; `-O2` replaces `-O1`); other flags are appended; the target and LNC come between."""
+    from qbuild.backends.neuron.config import compiler_args
+    from qbuild.backends.neuron.params import CompilerSettings
+    from qbuild.backends.neuron.ports import LINEAGES, VISION_COMPILER_ARGS
+
+    moe = LINEAGES["moe"].compiler_args
+    validated = compiler_args(moe, CompilerSettings("trn2", 2, ("--auto-cast", "matmult", "--auto-cast-type", "bf16")))
+    assert validated == CODER_NEXT_ARGS
+    assert compiler_args(moe, CompilerSettings("trn2", 2, (RECIPE_FLAG,))) == \
+        f"{MOE_PORT_ARGS} --target=trn2 --lnc=2 {RECIPE_FLAG}"
+    assert compiler_args(VISION_COMPILER_ARGS, CompilerSettings("trn1", 1, ("--auto-cast=all", "-O2"))) == \
+        "--model-type=transformer --enable-mixed-precision-accumulation --target=trn1 --lnc=1 --auto-cast=all -O2"

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, qbuild, wait_until
-from tests.nxdi_double import MAIN_PORT, MOE_PORT, SITE, read_log
+from tests.nxdi_double import MAIN_PORT, MOE_PORT, SITE, read_log, settings_dir
 from tests.test_neuron_double import Build, compiled, require_bundle, write_recipe
 
 pytestmark = pytest.mark.xdist_group("neuron-serve")
@@ -159,9 +159,11 @@ print(json.dumps({"class": f"{cls.__module__}.{cls.__name__}", "kv_heads": kv_he
 
 
 def _as_vllm_neuron(build: Build, bundle: Path, doc: dict, log: Path) -> subprocess.CompletedProcess:
-    """VLLM_NEURON_LOAD in the environment `qbuild serve` gives vLLM, the double's NxDI on the path behind it."""
-    env = dict(os.environ, **doc["env"], NXDI_DOUBLE_LOG=str(log))
-    env["PYTHONPATH"] = os.pathsep.join((doc["env"]["PYTHONPATH"], str(SITE), str(REPO)))
+    """VLLM_NEURON_LOAD in the environment `qbuild serve` gives vLLM, the double's NxDI on the path behind it, its
+    settings (the call log `log`, the HF checkpoint its load checks shard values against) just before it."""
+    env = dict(os.environ, **doc["env"])
+    settings = settings_dir(log.parent / f"{log.stem}-settings", log=log, checkpoint=build.checkpoint)
+    env["PYTHONPATH"] = os.pathsep.join((doc["env"]["PYTHONPATH"], str(settings), str(SITE), str(REPO)))
     return subprocess.run([sys.executable, "-c", VLLM_NEURON_LOAD, str(bundle), flag(doc["command"],
                            "--tensor-parallel-size"), flag(doc["command"], "--max-model-len")],
                           env=env, capture_output=True, text=True, timeout=300, cwd=build.root)

@@ -32,11 +32,13 @@ MAIN_SUBDIR = "contrib/models/Qwen3.5-35B-A3B"
 MOE_SUBDIR = "contrib/models/Qwen3-Coder-Next"
 
 
-def settings_dir(directory: Path, log: Path | None = None, barrier: str | None = None) -> Path:
-    """A directory holding the double's settings (its call log, a barrier "<dir>:<n>"), to put first on PYTHONPATH:
-    the SDK worker's environment is hermetic, its PYTHONPATH is how it finds the SDK."""
+def settings_dir(directory: Path, log: Path | None = None, barrier: str | None = None,
+                 checkpoint: Path | None = None) -> Path:
+    """A directory holding the double's settings (its call log, a barrier "<dir>:<n>", the HF checkpoint a bundle
+    was built from, against which load() checks every shard's values), to put first on PYTHONPATH: the SDK worker's
+    environment is hermetic, its PYTHONPATH is how it finds the SDK."""
     directory.mkdir(parents=True, exist_ok=True)
-    doc = {k: str(v) for k, v in (("log", log), ("barrier", barrier)) if v is not None}
+    doc = {k: str(v) for k, v in (("log", log), ("barrier", barrier), ("checkpoint", checkpoint)) if v is not None}
     (directory / SETTINGS_FILE).write_text(json.dumps(doc))
     return directory
 

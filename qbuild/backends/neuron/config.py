@@ -9,6 +9,7 @@ Nothing here imports torch or the SDK: `qbuild plan --json` shows `neuron_config
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile,
@@ -67,11 +68,29 @@ def modules_to_not_convert(policy: FP8Policy, num_layers: int) -> list[str]:
     return keep
 
 
+def _options(tokens: list[str]) -> list[tuple[str, list[str]]]:
+    """Command-line tokens grouped as (option name, its tokens): `--x=v` and `--x v` both name `--x`, `-O1` names
+    `-O`; a token that does not start with "-" is the value of the option before it."""
+    grouped: list[tuple[str, list[str]]] = []
+    for token in tokens:
+        if token.startswith("-") or not grouped:
+            name = "-O" if re.fullmatch(r"-O\d", token) else token.split("=", 1)[0]
+            grouped.append((name, [token]))
+        else:
+            grouped[-1][1].append(token)
+    return grouped
+
+
 def compiler_args(port_args: tuple[str, ...], compiler: CompilerSettings) -> str:
     """What the app's get_compiler_args() returns (or what the vision trace is given): the port's own arguments, the
     target and LNC (which NxDI adds only when get_compiler_args() returns None: model_wrapper.py), then the recipe's
-    flags."""
-    return " ".join((*port_args, f"--target={compiler.target}", f"--lnc={compiler.lnc}", *compiler.flags))
+    flags. A recipe flag REPLACES the port's option of the same name (`--auto-cast matmult` replaces the ports'
+    `--auto-cast=none`): which of two values neuronx-cc would take is stated by no public source, so the arguments
+    never hold an option twice (docs/nxdi.md section 7)."""
+    flags = [t for flag in compiler.flags for t in flag.split()]
+    overridden = {name for name, _ in _options(flags)}
+    kept = [t for name, tokens in _options(list(port_args)) if name not in overridden for t in tokens]
+    return " ".join((*kept, f"--target={compiler.target}", f"--lnc={compiler.lnc}", *flags))
 
 
 def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:

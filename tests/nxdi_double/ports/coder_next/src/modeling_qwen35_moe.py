@@ -86,6 +86,8 @@ def _dtype(config) -> str:
 class NeuronQwen35MoeModel:
     """The traced model, reduced to what the double needs from it."""
 
+    LINEAGE = "moe"   # docs/nxdi.md section 1: the double's value check at load lays shards out for this lineage
+
     @staticmethod
     def rank_weights(config) -> dict[str, Weight]:
         nc = config.neuron_config

@@ -98,6 +98,9 @@ def _dtype(config) -> str:
 class NeuronQwen35Model:
     """The traced model (NeuronQwen35Model in the port), reduced to what the double needs from it."""
 
+    # The shard layout its module implies (docs/nxdi.md section 1), for the double's value check at load.
+    LINEAGE = "main" if TENSOR_PARALLEL_DELTANET else "main-replicated"
+
     @staticmethod
     def rank_weights(config) -> dict[str, Weight]:
         """{shard key: per-rank Weight} of the compiled model: the module's state dict after the port's

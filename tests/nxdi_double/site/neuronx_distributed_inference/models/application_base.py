@@ -5,7 +5,8 @@ BASE_COMPILE_WORK_DIR: section 4) with every bucket of every submodel, token-gen
 weight-layout model), each NEFF through the persistent compile cache (section 3), then the configs into the work dir,
 then model.pt, then sharding only if save_sharded_checkpoint and not skip_sharding. load() follows section 2: model.pt,
 then weights/tp{r}_sharded_checkpoint.safetensors for every rank, checked against the weights the compiled model takes
-(as nxd_model.initialize would fail on them).
+(as nxd_model.initialize would fail on them), then every value against the HF checkpoint the bundle was built from
+(_values.py).
 
 The double cannot compile: a "NEFF" is a small file named by its cache key. The key is built the way NxD builds it
 (section 3: sha256 of the HLO text and the flags without spaces, the flags carrying `--logfile=<absolute work dir>/
@@ -22,6 +23,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import shutil
 import time
 import warnings
@@ -265,6 +267,7 @@ class NeuronApplicationBase:
             args += f" --logfile={Path(bucket_dir, 'log-neuron-cc.txt').absolute()}"
         if priority:
             args += " --enable-internal-neff-wrapper"
+        _refuse_repeated_options(args)
         return args
 
     def _compile_bucket(self, work_dir, sub, index, bucket, priority, common, traced, layout_key, cache, cc_version):
@@ -374,17 +377,55 @@ class NeuronApplicationBase:
         from safetensors.torch import load_file
 
         ranks = list(range(start, start + count))
+        files, shards = [], []
         for rank in ranks:                 # skip_sharding is not consulted here (section 2)
             shard = os.path.join(path, "weights", f"tp{rank}_sharded_checkpoint.safetensors")
             if not os.path.isfile(shard):
                 raise FileNotFoundError(f"{shard}: no such shard")
-            _check_shard(os.path.basename(shard), rank, nc.tp_degree, weights, load_file(shard))
+            files.append(os.path.basename(shard))
+            shards.append(load_file(shard))
+            _check_shard(files[-1], rank, nc.tp_degree, weights, shards[-1])
+        unstated = self._check_values(files, ranks, shards)
         self.is_loaded = True
         record("load", cls=type(self).__name__, path=path, ranks=ranks, skip_warmup=skip_warmup,
-               weights=len(weights))
+               weights=len(weights), values_checked=True, values_unstated=unstated)
+
+    def _check_values(self, files: list[str], ranks: list[int], shards: list[dict]) -> list[str]:
+        """Every float tensor of every rank against what NxD would hold there, derived by the double from the HF
+        checkpoint the bundle was built from (neuronx_distributed_inference._values, written from docs/nxd-layout.md
+        and docs/nxdi.md). nxd_model.initialize takes any values; a swapped or mis-padded slice would load and compute
+        garbage, and the double's verify runs at thresholds of 0, so this is where such a bundle must fail. The HF
+        checkpoint is named by the double's settings (tests.nxdi_double.settings_dir(checkpoint=...))."""
+        from neuronx_distributed_inference import _values
+
+        checkpoint = settings().get("checkpoint")
+        if not checkpoint:
+            raise DoubleRefusal("load() checks every shard's values against the HF checkpoint the bundle was built "
+                                "from, and the double's settings name none (settings_dir(checkpoint=...))")
+        hf = _values.HFCheckpoint(Path(checkpoint))
+        layout = _values.Layout.of(self._model_cls.LINEAGE, self.config)
+        expected = [_values.expected_rank(hf, layout, rank) for rank in ranks]
+        for file, rank, tensors, exp in zip(files, ranks, shards, expected):
+            _values.check_rank(file, rank, tensors, exp)
+        return _values.check_unstated(files, shards, expected)
 
     def reset(self) -> None:
         """Called by HuggingFaceGenerationAdapter.generate before every generation (hf_adapter.py)."""
+
+
+def _refuse_repeated_options(args: str) -> None:
+    """neuronx-cc's behaviour when an option is given twice (`--auto-cast=none ... --auto-cast matmult`) is stated by
+    no public source, so the double refuses such arguments rather than guess which value wins (docs/nxdi.md
+    section 7). `--x=v` and `--x v` name the same option; `-O1` is `-O`."""
+    seen: dict[str, str] = {}
+    for token in shlex.split(args):
+        if not token.startswith("-"):
+            continue
+        name = "-O" if re.fullmatch(r"-O\d", token) else token.split("=", 1)[0]
+        if name in seen:
+            raise DoubleRefusal(f"compiler arguments give {name} twice ({seen[name]!r} and {token!r}): which one "
+                                "neuronx-cc takes is not in any public source")
+        seen[name] = token
 
 
 class _CompiledModel(torch.nn.Module):
