@@ -86,3 +86,17 @@ def test_validate_refuses_a_mixed_toolchain_in_one_line_naming_the_field(tmp_pat
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "toolchain.neuronx_cc" in lines[0] and "SDK 2.30.0" in lines[0], proc.stderr
     assert str(recipe) in lines[0]
+
+
+@pytest.mark.parametrize("flags,needle", [(["--auto-cast", "matmult", "--auto-cast=none"], "--auto-cast given more "
+                                                                                          "than once"),
+                                          (["--target=trn1"], "--target is set by compiler.target")])
+def test_validate_refuses_compiler_flags_that_would_give_an_option_twice(tmp_path, flags, needle):
+    recipe = _recipe(tmp_path, {"sdk": "2.31.0"})
+    doc = yaml.safe_load(recipe.read_text())
+    doc["compiler"] = {"flags": flags}
+    recipe.write_text(yaml.safe_dump(doc, sort_keys=False))
+    proc = qbuild("recipe", "validate", str(recipe))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "compiler.flags" in lines[0] and needle in lines[0], \
+        proc.stderr

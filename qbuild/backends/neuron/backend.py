@@ -142,6 +142,15 @@ class NeuronBackend:
         if cache_flags:
             checks.fail(loaded, "port.env.NEURON_CC_FLAGS", f"{', '.join(cache_flags)} would take the Neuron compile "
                                                             "cache out of the store; qbuild keeps it there")
+        # The compiler arguments never hold an option twice (config.compiler_args): no public source says which
+        # value neuronx-cc would take.
+        names = [name for name, _ in config.options([t for f in loaded.recipe.compiler.flags for t in f.split()])]
+        for name in ("--target", "--lnc"):
+            if name in names:
+                checks.fail(loaded, "compiler.flags", f"{name} is set by compiler.{name[2:]}, not by a flag")
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            checks.fail(loaded, "compiler.flags", f"{', '.join(repeated)} given more than once")
 
     @staticmethod
     def _validate_fp8(loaded: LoadedRecipe, arch: Arch) -> None:

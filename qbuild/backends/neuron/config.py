@@ -68,7 +68,7 @@ def modules_to_not_convert(policy: FP8Policy, num_layers: int) -> list[str]:
     return keep
 
 
-def _options(tokens: list[str]) -> list[tuple[str, list[str]]]:
+def options(tokens: list[str]) -> list[tuple[str, list[str]]]:
     """Command-line tokens grouped as (option name, its tokens): `--x=v` and `--x v` both name `--x`, `-O1` names
     `-O`; a token that does not start with "-" is the value of the option before it."""
     grouped: list[tuple[str, list[str]]] = []
@@ -88,8 +88,8 @@ def compiler_args(port_args: tuple[str, ...], compiler: CompilerSettings) -> str
     `--auto-cast=none`): which of two values neuronx-cc would take is stated by no public source, so the arguments
     never hold an option twice (docs/nxdi.md section 7)."""
     flags = [t for flag in compiler.flags for t in flag.split()]
-    overridden = {name for name, _ in _options(flags)}
-    kept = [t for name, tokens in _options(list(port_args)) if name not in overridden for t in tokens]
+    overridden = {name for name, _ in options(flags)}
+    kept = [t for name, tokens in options(list(port_args)) if name not in overridden for t in tokens]
     return " ".join((*kept, f"--target={compiler.target}", f"--lnc={compiler.lnc}", *flags))
 
 
