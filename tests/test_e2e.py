@@ -194,8 +194,7 @@ def test_neuron_backend_fails_naming_the_missing_package(ws, tiny_checkpoints):
     (port / "src" / "modeling_qwen35_moe.py").write_text("raise RuntimeError('a port is never imported here')\n")
     f = ws.root / "recipes" / "next-neuron.yaml"
     f.write_text(f"model: {{path: {tiny_checkpoints['qwen3_next']}}}\nbackend: neuron\nport: {{path: {port}}}\n"
-                 "toolchain: {neuronx_cc: 2.25.3371, neuronx_distributed: 0.19.28492,\n"
-                 "            neuronx_distributed_inference: 0.10.17970, torch_neuronx: 2.9.0.2}\n"
+                 "toolchain: {sdk: \"2.30.0\"}\n"
                  "text: {seq_len: 64, cte_buckets: [32]}\n")
     proc = ws.qbuild("compile", str(f))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
