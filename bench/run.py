@@ -71,9 +71,10 @@ def warm_up(cmd: list[str], **kw) -> None:
     subprocess.run(cmd, check=True, capture_output=True, **kw)
 
 
-def _scale_models(hub: Path) -> list[tuple[str, str]]:
+def _scale_models(hub: Path) -> list[tuple[str, str, str]]:
     """20 models in an HF cache (config.json only: planning never reads weights): 10 dense, 10 MoE, told apart by
-    their vocabulary size so that every one has its own compile keys. Returns (repo, family kind) pairs."""
+    their vocabulary size so that every one has its own compile keys. Returns (repo, family kind, commit) triples: the
+    recipes name the commit, as a locked build would, since planning never resolves a branch from the HF cache."""
     models = []
     for i in range(20):
         kind, base = ("dense", "Qwen--Qwen3.5-2B") if i < 10 else ("moe", "Qwen--Qwen3.5-35B-A3B")
@@ -85,7 +86,7 @@ def _scale_models(hub: Path) -> list[tuple[str, str]]:
         (repo_dir / "refs" / "main").write_text(commit)
         (repo_dir / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
         (repo_dir / "snapshots" / commit / "config.json").write_text(json.dumps(config))
-        models.append((repo, kind))
+        models.append((repo, kind, commit))
     return models
 
 
@@ -103,9 +104,9 @@ def bench_plan_scale(args) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     models = _scale_models(work / "hf" / "hub")
     recipes = []
-    for repo, kind in models:
+    for repo, kind, commit in models:
         for j, layout in enumerate(_LAYOUTS[kind]):
-            recipes.append((f"{repo.split('/')[1]}-l{j}", f"model: {{hf: {repo}, revision: main}}\n"
+            recipes.append((f"{repo.split('/')[1]}-l{j}", f"model: {{hf: {repo}, revision: '{commit}'}}\n"
                                                           f"{layout}\n"
                                                           "text: {seq_len: 512, cte_buckets: [128, 512]}\n"
                                                           "backend: inductor\n"))
