@@ -100,3 +100,43 @@ def test_a_lease_from_another_machine_is_live_until_it_goes_stale(remote, monkey
 def test_a_released_mark_counts_as_gone(remote):
     remote.put_lease("push-released", json.dumps({"kind": "push", "released": True}).encode())
     assert live_leases(remote, "push") == []
+
+
+class _FlakyLeases:
+    """A remote whose lease writes fail `failures` times after the first: what a lease sees of a remote that
+    stops answering for a while. Stands in for S3Remote's lease calls only."""
+
+    url = "s3://bucket/prefix"
+
+    def __init__(self, failures: int):
+        self.failures, self.writes = failures, 0
+
+    def put_lease(self, name, body):
+        self.writes += 1
+        if 1 < self.writes <= 1 + self.failures:
+            raise InfraError("s3://bucket/prefix/leases: connection refused")
+
+    def delete_lease(self, name):
+        pass
+
+
+def test_a_failed_lease_refresh_is_retried_sooner_and_a_lapse_is_reported(monkeypatch):
+    import time
+
+    from qbuild.store import remote as remote_mod
+
+    monkeypatch.setattr(remote_mod, "LEASE_REFRESH_S", 0.06)
+    flaky = _FlakyLeases(failures=2)
+    lease = remote_mod.RemoteLease(flaky, "push")
+    lease.write()
+    lease.keep()
+    deadline = time.monotonic() + 5
+    while flaky.writes < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    lease.release()
+    # Two failures, each retried after a sixth of the interval, then a write that got through.
+    assert flaky.writes >= 4 and lease.refresh_error is None and not lease.lapsed
+    monkeypatch.setattr(remote_mod, "LEASE_TTL_S", 0.0)
+    assert not lease.lapsed                 # every refresh since the last write got through
+    lease.refresh_error = InfraError("s3://bucket/prefix/leases: connection refused")
+    assert lease.lapsed                     # a failing refresh, and no write for the TTL

@@ -86,19 +86,31 @@ class RemoteLease:
                                 "since": time.time()}).encode()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._written = time.monotonic()
+        self.refresh_error: InfraError | None = None   # the last refresh that failed, while the lease has lapsed
 
     def write(self) -> None:
         self.remote.put_lease(self.name, self.body)
+        self._written = time.monotonic()
+
+    @property
+    def lapsed(self) -> bool:
+        """Whether refreshes failed long enough for another process to take this lease's holder for gone."""
+        return self.refresh_error is not None and time.monotonic() - self._written >= LEASE_TTL_S
 
     def keep(self) -> None:
         self._stop.clear()
 
         def refresh() -> None:
-            while not self._stop.wait(LEASE_REFRESH_S):
+            interval = LEASE_REFRESH_S
+            while not self._stop.wait(interval):
                 try:
                     self.write()
-                except InfraError:
-                    pass   # the remote is failing the work too, which reports it; the next refresh may get through
+                    interval, self.refresh_error = LEASE_REFRESH_S, None
+                except InfraError as e:
+                    # Retried sooner, so that one failed request does not let the lease go stale; the holder
+                    # learns of a lapse when it releases (holding).
+                    interval, self.refresh_error = LEASE_REFRESH_S / 6, e
 
         self._thread = threading.Thread(target=refresh, name=f"qbuild-lease-{self.kind}", daemon=True)
         self._thread.start()
@@ -185,7 +197,12 @@ def holding(remote: S3Remote, kind: str, wait_s: float = LEASE_WAIT_S) -> Iterat
     try:
         yield lease
     finally:
+        lapsed, error = lease.lapsed, lease.refresh_error
         lease.release()
+    if lapsed:
+        # The work finished, but for a while no one could see it held the remote: a gc may have run meanwhile.
+        raise InfraError(f"{remote.url}: this {kind}'s lease went unrefreshed for over {LEASE_TTL_S:.0f} s "
+                         f"({error}); a gc may have run meanwhile: run the {kind} again")
 
 
 class Progress(Protocol):

@@ -112,15 +112,15 @@ class NeuronBackend:
             checks.fail(loaded, "dtype", f"the port's vision encoder runs in bfloat16; a neuron recipe with vision "
                                          f"builds in bfloat16, not {r.dtype}")
         if r.parallel.ep > 1:
-            # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is under
-            # DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0) and raises NotImplementedError for that path under an
-            # expert-parallel group (expert_mlps_v2.py L1471-1481, model_utils.py L93 @ fbac349); no public port
-            # patches it. Above the threshold decode would run, but context encoding's non-blockwise paths index
-            # all experts while a rank holds experts/ep: PR 170's README (L155 @ 753c7f5) patches that with code
-            # that is not in the port. docs/nxdi.md section 14.
+            # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is
+            # under DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0), and refuses that path under an expert-parallel group
+            # ("Selective Loading with Expert parallelism is not supported in token generation": expert_mlps_v2.py
+            # L1471-1481, model_utils.py L93 @ fbac349); no public port patches it. Above the threshold decode would
+            # run, but context encoding's non-blockwise paths index all experts while a rank holds experts/ep: PR
+            # 170's README (L155 @ 753c7f5) patches that with code that is not in the port. docs/nxdi.md section 14.
             load = r.text.batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
-            checks.fail(loaded, "parallel.ep", f"NxD raises NotImplementedError when decoding with expert "
-                                               f"parallelism below one routed expert per expert (batch_size x "
+            checks.fail(loaded, "parallel.ep", f"NxD refuses to decode with expert parallelism below one routed "
+                                               f"expert per expert (batch_size x "
                                                f"top_k / experts = {load:.3g} here), and its context encoding "
                                                "under EP needs a patch no public port has; use ep: 1")
         try:
