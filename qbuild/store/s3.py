@@ -268,9 +268,12 @@ class S3Remote:
             raise self.error(e, self.object_url(name)) from None
 
     def put_object(self, name: str, data: bytes) -> None:
+        """Write a small JSON object under its full key (an index of the compile cache, a lease)."""
         try:
             self.client.put_object(Bucket=self.bucket, Key=name, Body=data, ContentType="application/json")
         except Exception as e:
+            if _status(e) == 404:   # a missing bucket, or an endpoint answering 404 to everything
+                self._check_bucket(self.object_url(name))
             raise self.error(e, self.object_url(name)) from None
 
     def list_objects(self, prefix: str) -> Iterator[RemoteObject]:
@@ -282,13 +285,7 @@ class S3Remote:
         return self._key("leases", f"{name}.json")
 
     def put_lease(self, name: str, body: bytes) -> None:
-        key = self.lease_key(name)
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=key, Body=body, ContentType="application/json")
-        except Exception as e:
-            if _status(e) == 404:   # a missing bucket, or an endpoint answering 404 to everything
-                self._check_bucket(self.object_url(key))
-            raise self.error(e, self.object_url(key)) from None
+        self.put_object(self.lease_key(name), body)
 
     def get_lease(self, name: str) -> dict | None:
         """A lease's JSON body; None when it is gone (released meanwhile) or is not a JSON object."""
