@@ -407,8 +407,12 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
                                                                      "incomplete compile cache entries"),
                  store: Optional[Path] = StoreOpt, json_: bool = JsonOpt) -> None:
     """Check every blob's digest and every manifest; with --repair, remove what is broken so it gets rebuilt."""
+    from qbuild.store import compile_cache
+
     ws = _workspace(store, Path("artifacts.lock"))
-    problems = ws.store.local.verify(repair=repair)
+    # The compile cache is checked here, not by LocalStore.verify, whose module every build step imports: the
+    # cache's remote code (and boto3) stays out of their keys.
+    problems = ws.store.local.verify(repair=repair) + compile_cache.verify(ws.store.local, repair)
     if json_:
         print(jsonio.dumps({"ok": not problems, "problems": problems, "repaired": repair}))
     for p in problems:

@@ -58,7 +58,7 @@ def test_entries_are_classified_and_store_verify_reports_and_repairs_the_broken(
     (group / ".pull-0123").mkdir()
     assert [compile_cache.state(e) for e in (good, failed, cut)] == ["complete", "failed", "incomplete"]
 
-    problems = store.verify()
+    problems = store.verify() + compile_cache.verify(store)
     assert len(problems) == 3, problems
     assert any("MODULE_failed" in p and "failed compile" in p for p in problems)
     assert any("MODULE_cut" in p and "incomplete" in p for p in problems)
@@ -66,7 +66,7 @@ def test_entries_are_classified_and_store_verify_reports_and_repairs_the_broken(
     # A group a compile holds is left alone: its entries are being written.
     name = group.relative_to(store.root / compile_cache.CACHE_DIR).as_posix()
     with store.lock(compile_cache.lock_key(name)):
-        assert store.verify(repair=True) == []
+        assert compile_cache.verify(store, repair=True) == []
     assert failed.is_dir()
     # Through the CLI: exit 1 naming each; --repair removes them and keeps the complete entry.
     proc = qbuild("store", "verify", "--store", str(store.root))

@@ -201,8 +201,8 @@ class LocalStore:
 
     # --- maintenance ---------------------------------------------------------------------------------------
     def verify(self, repair: bool = False) -> list[str]:
-        """Check every blob's digest, every manifest's blobs and every Neuron compile cache entry
-        (qbuild.store.compile_cache); returns one line per problem found."""
+        """Check every blob's digest, every manifest's blobs and the staging dirs; returns one line per problem
+        found. (`qbuild store verify` also checks the Neuron compile cache: qbuild.store.compile_cache.verify.)"""
         problems: list[str] = []
         bad_blobs: set[str] = set()
         for blob in sorted((self.root / "cas").glob("*/*")):
@@ -249,6 +249,4 @@ class LocalStore:
                         shutil.rmtree(d, ignore_errors=True)
             except TimeoutError:
                 continue  # a live build owns it
-        from qbuild.store import compile_cache
-
-        return problems + compile_cache.verify(self, repair)
+        return problems
