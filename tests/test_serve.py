@@ -78,11 +78,31 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
 
 
-def run(project: Path, *args: str) -> dict:
-    """`qbuild run` of the same recipe: the reference every answer is held to."""
+def qbuild_run(project: Path, *args: str) -> dict:
+    """`qbuild run --json` of the served recipe."""
     proc = qbuild("run", NAME, "--json", *args, cwd=project, env={"QBUILD_STORE": str(project / "store")},
                   check=True)
     return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def runtime(project, tmp_path_factory):
+    """The served bundle, pulled and loaded once in this process: what `qbuild run` does for each call, which costs
+    seconds of graph loading each time."""
+    from qbuild.model.runtime import Runtime
+
+    bundle = tmp_path_factory.mktemp("serve-oracle") / "bundle"
+    qbuild("pull", NAME, "--to", str(bundle), cwd=project, env={"QBUILD_STORE": str(project / "store")}, check=True)
+    return Runtime.load(bundle)
+
+
+def run(runtime, prompt: str | list[int], max_new_tokens: int) -> dict:
+    """What `qbuild run --json --prompt ... --max-new-tokens ...` prints (or --prompt-ids for a list): the reference
+    every answer is held to."""
+    from qbuild.render import generation_json
+
+    ids = prompt if isinstance(prompt, list) else runtime.encode(prompt)
+    return generation_json(runtime.generate(ids, max_new_tokens))
 
 
 def post(url: str, body: dict) -> tuple[int, str]:
@@ -103,8 +123,8 @@ pytestmark = pytest.mark.xdist_group("serve")
 
 @pytest.mark.slow
 @pytest.mark.parametrize("prompt, max_tokens", [("The quick brown fox", 8), ("Hello", 16), ("1, 2, 3,", 1)])
-def test_a_completion_is_qbuild_runs_greedy_output(project, client, prompt, max_tokens):
-    expected = run(project, "--prompt", prompt, "--max-new-tokens", str(max_tokens))
+def test_a_completion_is_qbuild_runs_greedy_output(runtime, client, prompt, max_tokens):
+    expected = run(runtime, prompt, max_tokens)
     reply = client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, temperature=0)
     (choice,) = reply.choices
     assert choice.text == expected["text"]
@@ -116,18 +136,27 @@ def test_a_completion_is_qbuild_runs_greedy_output(project, client, prompt, max_
 
 
 @pytest.mark.slow
-def test_a_prompt_of_token_ids_and_the_default_length(project, client):
+def test_the_reference_is_what_qbuild_run_prints(project, runtime):
+    """The answers above are held to the runtime loaded here: the same tokens `qbuild run` prints for the recipe."""
+    cli = qbuild_run(project, "--prompt", "The quick brown fox", "--max-new-tokens", "8")
+    ours = run(runtime, "The quick brown fox", 8)
+    assert {k: cli[k] for k in ("text", "token_ids", "prompt_tokens", "cte_bucket")} == \
+        {k: ours[k] for k in ("text", "token_ids", "prompt_tokens", "cte_bucket")}
+
+
+@pytest.mark.slow
+def test_a_prompt_of_token_ids_and_the_default_length(runtime, client):
     """A prompt may be token ids; without max_tokens a completion stops after 16 tokens, OpenAI's default."""
-    expected = run(project, "--prompt-ids", "5,17,300,42", "--max-new-tokens", "16")
+    expected = run(runtime, [5, 17, 300, 42], 16)
     reply = client.completions.create(model=NAME, prompt=[5, 17, 300, 42])
     assert reply.choices[0].text == expected["text"]
     assert reply.usage.completion_tokens == len(expected["token_ids"])
 
 
 @pytest.mark.slow
-def test_streamed_chunks_concatenate_to_the_same_text(project, client, server):
+def test_streamed_chunks_concatenate_to_the_same_text(runtime, client, server):
     prompt = "The quick brown fox"
-    expected = run(project, "--prompt", prompt, "--max-new-tokens", "12")
+    expected = run(runtime, prompt, 12)
     stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, stream=True,
                                        stream_options={"include_usage": True})
     chunks = list(stream)
@@ -149,13 +178,13 @@ def test_streamed_chunks_concatenate_to_the_same_text(project, client, server):
 
 
 @pytest.mark.slow
-def test_chat_without_a_template_is_the_documented_concatenation(project, client, tiny_checkpoints):
+def test_chat_without_a_template_is_the_documented_concatenation(runtime, client, tiny_checkpoints):
     """The tiny tokenizer has no chat template: the messages become "<role>: <content>" lines and "assistant:"."""
     checkpoint = tiny_checkpoints["qwen3_5"]
     assert "chat_template" not in json.loads((checkpoint / "tokenizer_config.json").read_text())
     assert not list(checkpoint.glob("chat_template*"))
     messages = [{"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"}]
-    expected = run(project, "--prompt", "system: Be\nuser: Hi\nassistant:", "--max-new-tokens", "6")
+    expected = run(runtime, "system: Be\nuser: Hi\nassistant:", 6)
     reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6)
     (choice,) = reply.choices
     assert choice.message.role == "assistant" and choice.message.content == expected["text"]

@@ -138,12 +138,17 @@ class Sources:
     """Finds and reads first-party modules: qbuild, and the top-level package of any entry asked about.
 
     `roots` maps a top-level package name to its directory; a package not named there is found with find_spec (its
-    parents are never imported). Tests pass a copy of the qbuild tree here to see what an edit would change."""
+    parents are never imported). Tests pass a copy of the qbuild tree here to see what an edit would change.
+
+    One instance sees one state of the tree: it finds and reads each module once (a command plans against the code
+    as it was when it started); a new instance reads again, through the stat-keyed caches."""
 
     roots: dict[str, Path] = field(default_factory=dict)
     stat_cache: StatCache | None = None
     _facts: dict[tuple, FileFacts] = field(default_factory=dict, repr=False)
     _closures: dict[tuple[str, ...], Closure] = field(default_factory=dict, repr=False)
+    _paths: dict[str, Path | None] = field(default_factory=dict, repr=False)
+    _read: dict[Path, FileFacts] = field(default_factory=dict, repr=False)
 
     def root(self, top: str) -> Path | None:
         if top not in self.roots:
@@ -155,6 +160,11 @@ class Sources:
 
     def path(self, module: str) -> Path | None:
         """The file of a first-party module (its __init__.py for a package); None where it is not one."""
+        if module not in self._paths:
+            self._paths[module] = self._find(module)
+        return self._paths[module]
+
+    def _find(self, module: str) -> Path | None:
         top, *rest = module.split(".")
         root = self.root(top)
         if root is None:
@@ -166,6 +176,11 @@ class Sources:
         return None
 
     def facts(self, path: Path) -> FileFacts:
+        if path not in self._read:
+            self._read[path] = self._file_facts(path)
+        return self._read[path]
+
+    def _file_facts(self, path: Path) -> FileFacts:
         st = path.stat()
         ident = (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         facts = self._facts.get(ident)
