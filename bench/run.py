@@ -182,13 +182,18 @@ def bench_planning(args) -> dict:
     plan, plan_json, noop = [QBUILD, "plan", "--all"], [QBUILD, "plan", "--all", "--json"], [QBUILD, "compile", "--all"]
     for cmd in (plan, plan_json, noop):
         warm_up(cmd, env=env, cwd=cwd)
+    # The floor: the same libraries (typer, pydantic, PyYAML, rich) reading one recipe and printing its name.
+    floor = [sys.executable, str(REPO / "bench" / "floor.py"), str(next((cwd / "recipes").glob("*.yaml")))]
+    warm_up(floor, env=env, cwd=cwd)
     out = {}
-    for name, cmd in (("python_pass", [sys.executable, "-c", "pass"]), ("plan", plan), ("plan_json", plan_json),
-                      ("noop_compile", noop)):
+    for name, cmd in (("python_pass", [sys.executable, "-c", "pass"]), ("stack_floor", floor), ("plan", plan),
+                      ("plan_json", plan_json), ("noop_compile", noop)):
         out[f"{name}_s"], out[f"{name}_cpu_s"] = timed_wall_cpu(cmd, env=env, cwd=cwd)
-    for name in ("plan", "plan_json", "noop_compile"):
+    for name in ("stack_floor", "plan", "plan_json", "noop_compile"):
         out[f"{name}_ratio_vs_python"] = out[f"{name}_s"] / out["python_pass_s"]
         out[f"{name}_cpu_ratio_vs_python"] = out[f"{name}_cpu_s"] / out["python_pass_cpu_s"]
+    for name in ("plan", "plan_json", "noop_compile"):
+        out[f"{name}_ratio_vs_floor"] = out[f"{name}_s"] / out["stack_floor_s"]
     plan_doc = json.loads(subprocess.run(plan_json, env=env, cwd=cwd, check=True, capture_output=True,
                                          text=True).stdout)
     out["stages"] = len(plan_doc["nodes"])
@@ -329,6 +334,9 @@ def print_goals(results: dict) -> None:
             continue
         met = value <= bound if op == "<=" else value < bound if op == "<" else value >= bound
         print(f"   {what:62s} {value:7.2f} (goal {op} {bound:g}) {'met' if met else 'MISSED'}")
+    floor = results.get("planning", {}).get("stack_floor_ratio_vs_python")
+    if isinstance(floor, float):
+        print(f"   {'(floor: typer+pydantic+yaml+rich doing nothing, x python -c pass)':62s} {floor:7.2f}")
 
 
 def main() -> None:

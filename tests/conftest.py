@@ -26,25 +26,27 @@ def pytest_runtest_setup(item):
 
 
 @pytest.fixture(scope="session")
-def platform_probe_cache(tmp_path_factory, worker_id) -> Path:
-    """A user cache holding this host's platform probe (qbuild.core.platform) as the tests' environment answers it,
-    made once per run: every test's fresh cache starts with a copy, as a user's cache has it after the first
-    command, instead of importing torch in a subprocess again."""
+def user_cache_seed(tmp_path_factory, worker_id) -> Path:
+    """qbuild's part of a user cache as the first command leaves it, made once per run: this host's platform probe
+    (qbuild.core.platform) and the map of modules to installed distributions (qbuild.planning.sources). Every test's
+    fresh cache starts with a copy, instead of importing torch in a subprocess and reading every installed
+    distribution's file list again."""
     def make(root: Path) -> None:
         env = dict(os.environ, XDG_CACHE_HOME=str(root), PYTHONPATH=str(REPO))
         env.pop("ATEN_CPU_CAPABILITY", None)
-        subprocess.run([sys.executable, "-c", "from qbuild.core.platform import host_tag; host_tag()"], env=env,
-                       check=True, timeout=300)
+        code = ("from qbuild.core.platform import host_tag; host_tag(); "
+                "from qbuild.planning.sources import distribution_versions; distribution_versions(('torch',))")
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
 
-    return _once_per_run(tmp_path_factory, worker_id, "platform-probe", make) / "qbuild" / "platform"
+    return _once_per_run(tmp_path_factory, worker_id, "user-cache", make) / "qbuild"
 
 
 @pytest.fixture(autouse=True)
-def isolated_env(tmp_path, monkeypatch, platform_probe_cache):
+def isolated_env(tmp_path, monkeypatch, user_cache_seed):
     """No test reads or writes the user's caches, store, or the Hub. The user cache lies beside tmp_path, so that a
     test may expect tmp_path to hold only what the test made."""
     cache = tmp_path.with_name(f"{tmp_path.name}-xdg-cache")
-    shutil.copytree(platform_probe_cache, cache / "qbuild" / "platform")
+    shutil.copytree(user_cache_seed, cache / "qbuild")
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     monkeypatch.setenv("QBUILD_STORE", str(tmp_path / "store"))

@@ -9,6 +9,8 @@ import json
 import modulefinder
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,7 +118,19 @@ def _type_checking_imports(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("kind,backend", PAIRS)
+def _distinct_entries() -> list[tuple[str, str | None]]:
+    """One (kind, backend) per distinct set of entry modules: two backends of one implementation module (export and
+    inductor are both qbuild.backends.cpu) give the same closure."""
+    seen, out = set(), []
+    for kind, backend in PAIRS:
+        entries = (REGISTRY[kind].module, backend and backends.implementation_module(backend))
+        if entries not in seen:
+            seen.add(entries)
+            out.append((kind, backend))
+    return out
+
+
+@pytest.mark.parametrize("kind,backend", _distinct_entries())
 def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(kind, backend):
     """modulefinder follows every import instruction of the compiled code (nested functions too). It also follows
     imports under `if TYPE_CHECKING:`, which never run, so those it is told to skip; then it finds exactly the
@@ -182,3 +196,34 @@ def test_keys_do_not_depend_on_the_directory_user_tmpdir_or_unrelated_environmen
     assert keys(elsewhere, env) == reference
     os.utime(project / "recipes" / "tiny-dense.yaml")   # a touched recipe: same content, same keys
     assert keys(project, {"TMPDIR": str(other_tmp)}) == reference
+
+
+def test_an_install_on_the_path_shows_in_the_next_commands_toolchain(tmp_path):
+    """Which distribution provides a module is cached on disk between commands; an install, a replacement by another
+    distribution, and a removal each show in the next command, whatever directory it runs in."""
+    site = tmp_path / "site"
+    (site / "probemod").mkdir(parents=True)
+    (site / "probemod" / "__init__.py").write_text("")
+
+    def install(dist: str | None, version: str = "") -> None:
+        for info in site.glob("*.dist-info"):
+            shutil.rmtree(info)
+        if dist is not None:
+            info = site / f"{dist.replace('-', '_')}-{version}.dist-info"    # the directory name is normalised
+            info.mkdir()
+            (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n\n")
+            (info / "RECORD").write_text("probemod/__init__.py,,\n")
+
+    def versions(cwd: Path) -> str:
+        code = "from qbuild.planning.sources import distribution_versions as v; print(v(('probemod',)))"
+        env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{site}")
+        return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                              check=True, timeout=120).stdout.strip()
+
+    install("probe-one", "1.0")
+    assert versions(tmp_path) == "{'probe-one': '1.0'}"
+    assert versions(site) == "{'probe-one': '1.0'}"
+    install("probe_two", "2.0")
+    assert versions(tmp_path) == "{'probe_two': '2.0'}"
+    install(None)
+    assert versions(tmp_path) == "{'probemod': 'absent'}"

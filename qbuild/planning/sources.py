@@ -245,18 +245,29 @@ def distribution_versions(top_level_names: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _metadata_stamp() -> list:
+    """What importlib.metadata reads to map modules to distributions: the metadata directories (*.dist-info,
+    *.egg-info) of every sys.path entry, each by name, inode and mtime. An install, upgrade or removal replaces one;
+    nothing else on sys.path (the script's directory, the working directory) counts."""
+    stamp = []
+    for entry in sorted({os.path.abspath(entry or ".") for entry in sys.path}):
+        try:
+            with os.scandir(entry) as children:
+                for child in children:
+                    if child.name.endswith((".dist-info", ".egg-info")):
+                        st = child.stat()
+                        stamp.append([entry, child.name, st.st_ino, st.st_mtime_ns])
+        except OSError:     # a zip file or a missing directory holds no metadata directory here
+            continue
+    return sorted(stamp)
+
+
 @cache
 def _top_level_distributions() -> dict[str, tuple[str, ...]]:
-    """importlib.metadata.packages_distributions(), cached on disk until an install changes a sys.path directory
-    (its mtime moves when a distribution's metadata directory is added or removed): reading every distribution's
-    file list takes a fifth of a second, planning's whole budget."""
-    stamp = []
-    for entry in sys.path:
-        try:
-            stamp.append([entry, os.stat(entry or ".").st_mtime_ns])
-        except OSError:
-            continue
-    path = _cache_path().with_name("distributions-v1.json")
+    """importlib.metadata.packages_distributions(), cached on disk until a metadata directory on sys.path changes:
+    reading every distribution's file list takes a fifth of a second, planning's whole budget."""
+    stamp = _metadata_stamp()
+    path = _cache_path().with_name("distributions-v2.json")
     try:
         cached = json.loads(path.read_text())
         if cached["stamp"] == stamp:
