@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import qbuild
 
 GIB = 1 << 30
@@ -52,6 +54,7 @@ def _plan(tmp: Path, model: Path, name: str, vision: int, tkg: int) -> tuple[Pat
     return recipe, {n["name"].split(" (")[0]: n["est_peak_bytes"] for n in json.loads(proc.stdout)["nodes"]}
 
 
+@pytest.mark.slow   # a peak-memory measurement of a real compile
 def test_peak_estimates_grow_with_the_buckets_and_match_a_measured_compile(tiny_checkpoints, tmp_path):
     model = tiny_checkpoints["qwen3_5"]
     recipe, small = _plan(tmp_path, model, "small", vision=1024, tkg=1040)
