@@ -1,4 +1,4 @@
-"""The floor under any planning command: a typer command that reads a YAML file into a one-field pydantic model and
+"""The floor under any planning command: a typer command that reads a YAML file into a one-field pydantic model (the recipe's `model`) and
 prints it as a rich tree. These are the libraries `qbuild plan` loads to parse its flags, read a recipe and show the
 plan; this program does nothing else, so no planner built on them can start faster.
 
@@ -19,11 +19,11 @@ def main(recipe: str, json_: bool = typer.Option(False, "--json")) -> None:
 
     class Recipe(BaseModel):
         model_config = ConfigDict(extra="ignore")
-        name: str
+        model: dict
 
     with open(recipe) as f:
         doc = Recipe.model_validate(yaml.safe_load(f))
-    Console().print(Tree(doc.name))
+    Console().print(Tree(f"{recipe}: {sorted(doc.model)}"))
 
 
 if __name__ == "__main__":
