@@ -182,7 +182,7 @@ def bench_planning(args) -> dict:
     plan, plan_json, noop = [QBUILD, "plan", "--all"], [QBUILD, "plan", "--all", "--json"], [QBUILD, "compile", "--all"]
     for cmd in (plan, plan_json, noop):
         warm_up(cmd, env=env, cwd=cwd)
-    # The floor: the same libraries (typer, pydantic, PyYAML, rich) reading one recipe and printing its name.
+    # The floor: the same libraries (typer, pydantic, PyYAML, rich) reading one recipe and printing a line of it.
     floor = [sys.executable, str(REPO / "bench" / "floor.py"), str(next((cwd / "recipes").glob("*.yaml")))]
     warm_up(floor, env=env, cwd=cwd)
     out = {}

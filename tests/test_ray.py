@@ -115,6 +115,26 @@ def test_worker_with_other_action_source_refuses_to_build():
     rayexec._check_same_action(Job(**{**job.__dict__, "preimage": same}), action)
 
 
+def test_a_worker_reads_its_code_afresh_for_each_task(tmp_path, monkeypatch):
+    """A Ray worker outlives many tasks; its checkout may change between them. The check reads the code as it is at
+    each task, never as an earlier task found it."""
+    from qbuild.build.job import Job
+
+    (tmp_path / "probeaction").mkdir()
+    (tmp_path / "probeaction" / "__init__.py").write_text("")
+    module = tmp_path / "probeaction" / "act.py"
+    module.write_text("def run(ctx):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    action = ActionSpec("probe", "probeaction.act:run")
+    pre = {"action": "probe", "version": action.source_hash(), "params": {}, "inputs": {},
+           "toolchain": action.toolchain_versions()}
+    job = Job("n", "probe", "probe a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"), action.entry)
+    rayexec._check_same_action(job, action)
+    module.write_text("def run(ctx):\n    return 1\n")
+    with pytest.raises(InfraError, match="not set up like the driver.*probe action source"):
+        rayexec._check_same_action(job, action)
+
+
 def test_worker_on_another_platform_refuses_a_node_that_is_not_portable():
     from qbuild.build.job import Job
     from qbuild.core.platform import host_tag

@@ -140,8 +140,10 @@ class Sources:
     `roots` maps a top-level package name to its directory; a package not named there is found with find_spec (its
     parents are never imported). Tests pass a copy of the qbuild tree here to see what an edit would change.
 
-    One instance sees one state of the tree: it finds and reads each module once (a command plans against the code
-    as it was when it started); a new instance reads again, through the stat-keyed caches."""
+    One instance sees one state of the tree: it finds and reads each module once, and keeps the closures it walked.
+    DEFAULT serves a command, which plans against the code as it was when it started; a process that outlives a
+    change of the tree (a Ray worker, between tasks) makes a new instance for each check, which reads again through
+    the stat-keyed caches."""
 
     roots: dict[str, Path] = field(default_factory=dict)
     stat_cache: StatCache | None = None

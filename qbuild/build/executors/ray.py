@@ -29,6 +29,7 @@ from qbuild.planning.keys import REGISTRY, ActionSpec, Registry
 from qbuild.core.errors import InfraError, QbuildError, UserError
 from qbuild.build.job import Job, build_job
 from qbuild.planning.plan import Node
+from qbuild.planning.sources import Sources
 from qbuild.store import StoreSpec, default_store_path
 from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest
@@ -157,11 +158,14 @@ def _check_same_action(job: Job, action: ActionSpec) -> None:
     wanted = job.preimage.get("platform")
     if wanted is not None and wanted != host_tag():
         differs.append(f"platform {host_tag()} (driver: {wanted})")
-    source_hash = action.source_hash(job.backend)
+    # The code as it is now: a worker outlives many tasks and its checkout may change between them, and one Sources
+    # sees one state of the tree.
+    sources = Sources()
+    source_hash = action.source_hash(job.backend, sources)
     if source_hash != job.preimage.get("version"):
         differs.append(f"{job.kind} action source {source_hash[:12]} (driver: "
                        f"{str(job.preimage.get('version'))[:12]})")
-    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions(job.backend)
+    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions(job.backend, sources)
     differs += [f"{d} {ours.get(d, 'absent')} (driver: {theirs.get(d, 'absent')})"
                 for d in sorted(set(theirs) | set(ours)) if ours.get(d) != theirs.get(d)]
     if differs:
