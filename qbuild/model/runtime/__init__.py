@@ -281,5 +281,7 @@ def _load_graph(path: Path, file_format: str):
     if file_format == "aoti-package":
         return torch._inductor.aoti_load_package(str(path))
     if file_format == "exported-program":
-        return torch.export.load(str(path)).module()
+        from qbuild.model.runtime import exported
+
+        return exported.load(str(path)).module()
     raise UserError(f"{path}: unknown graph format {file_format!r}")
