@@ -79,19 +79,34 @@ def _once_per_run(tmp_path_factory, worker_id: str, name: str, make: Callable[[P
     return root
 
 
-@pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory, worker_id) -> dict[str, Path]:
-    """One seeded tiny checkpoint per family (MoE experts per expert, as save_pretrained writes them), written once
-    per run. Read-only: copy one to damage it."""
+def _checkpoints(tmp_path_factory, worker_id, name: str, text_overrides: dict | None) -> dict[str, Path]:
     from qbuild.model.families import FAMILIES
     from qbuild.model.tinymodel import write_tiny_checkpoint
 
     def make(root: Path) -> None:
         for fam in FAMILIES:
-            write_tiny_checkpoint(root / fam, fam)
+            write_tiny_checkpoint(root / fam, fam, text_overrides=text_overrides)
 
-    root = _once_per_run(tmp_path_factory, worker_id, "tiny-checkpoints", make)
+    root = _once_per_run(tmp_path_factory, worker_id, name, make)
     return {fam: root / fam for fam in FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, worker_id) -> dict[str, Path]:
+    """One seeded tiny checkpoint per family with the published layer pattern (three DeltaNet layers, then gated
+    attention; MoE experts per expert, as save_pretrained writes them), written once per run: for the model's own
+    tests (conversion, sharding, modeling, FP8), which check rules per layer. Read-only: copy one to damage it."""
+    from qbuild.model.tinymodel import FOUR_LAYERS
+
+    return _checkpoints(tmp_path_factory, worker_id, "tiny-checkpoints", FOUR_LAYERS)
+
+
+@pytest.fixture(scope="session")
+def small_checkpoints(tmp_path_factory, worker_id) -> dict[str, Path]:
+    """What `qbuild tiny` writes for each family: one DeltaNet and one gated-attention layer, written once per run;
+    for tests of the build around the model (pipelines, stores, serving), which need every layer kind but not
+    several of each. Read-only: copy one to damage it."""
+    return _checkpoints(tmp_path_factory, worker_id, "small-checkpoints", None)
 
 
 DENSE_RECIPE = """name: tiny-dense
@@ -104,14 +119,14 @@ verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.
 
 
 @pytest.fixture(scope="session")
-def dense_project(tmp_path_factory, worker_id, tiny_checkpoints) -> Path:
-    """A project holding recipes/tiny-dense.yaml (the tiny Qwen3.5, text only, export backend) built and verified
+def dense_project(tmp_path_factory, worker_id, small_checkpoints) -> Path:
+    """A project holding recipes/tiny-dense.yaml (the small Qwen3.5, text only, export backend) built and verified
     into its store/ with its artifacts.lock by the local executor (`qbuild compile --all -j 2`, without -v), once per
     run; what that build printed on stderr is in dense_project_stderr(). Read-only: copy it (shutil.copytree) to
     build on it."""
     def make(root: Path) -> None:
         (root / "recipes").mkdir(parents=True)
-        (root / "recipes" / "tiny-dense.yaml").write_text(DENSE_RECIPE.format(model=tiny_checkpoints["qwen3_5"]))
+        (root / "recipes" / "tiny-dense.yaml").write_text(DENSE_RECIPE.format(model=small_checkpoints["qwen3_5"]))
         caches = root.with_name("dense-project-caches")
         env = {"QBUILD_STORE": "", "XDG_CACHE_HOME": str(caches / "xdg"), "HF_HOME": str(caches / "hf"),
                "HF_HUB_CACHE": "", "HF_HUB_OFFLINE": "1", "QBUILD_REMOTE": ""}

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from qbuild.model.tinymodel import TP4_TEXT, write_tiny_checkpoint
+from qbuild.model.tinymodel import FOUR_LAYERS, TP4_TEXT, write_tiny_checkpoint
 
 _ROOT = Path(tempfile.mkdtemp(prefix="qbuild-convert-tests-"))
 atexit.register(shutil.rmtree, _ROOT, True)
@@ -39,7 +39,7 @@ def tiny(variant: str) -> Path:
     """The directory of the tiny checkpoint `variant` (read-only: copy it before corrupting it)."""
     family, fused, tp4 = VARIANTS[variant]
     return write_tiny_checkpoint(_ROOT / "src" / variant, family, fused_experts=fused,
-                                 text_overrides=TP4_TEXT if tp4 else None)
+                                 text_overrides=dict(FOUR_LAYERS, **TP4_TEXT) if tp4 else FOUR_LAYERS)
 
 
 def load_dir(directory: Path) -> dict[str, torch.Tensor]:

@@ -81,9 +81,9 @@ def test_ray_address_from_the_environment_does_not_bind_a_local_build(tmp_path):
     assert explicit.returncode == 2 and "--address: only used with --executor ray" in explicit.stderr
 
 
-def test_plan_of_the_tiny_recipes_loads_no_heavy_library(tmp_path, tiny_checkpoints):
+def test_plan_of_the_tiny_recipes_loads_no_heavy_library(tmp_path, small_checkpoints):
     for f in (REPO / "recipes" / "tiny").glob("*.yaml"):
-        text = f.read_text().replace("../../.qbuild/tiny/", str(tiny_checkpoints["qwen3_5"].parent) + "/")
+        text = f.read_text().replace("../../.qbuild/tiny/", str(small_checkpoints["qwen3_5"].parent) + "/")
         (tmp_path / f.name).write_text(text.replace("../bases/", str(REPO / "recipes" / "bases") + "/"))
     code = ("import sys, runpy\n"
             "sys.argv = ['qbuild', 'plan', *sys.argv[1:]]\n"

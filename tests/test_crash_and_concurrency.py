@@ -38,9 +38,9 @@ verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.
 
 
 @pytest.fixture
-def recipe(tmp_path, tiny_checkpoints) -> Path:
+def recipe(tmp_path, small_checkpoints) -> Path:
     f = tmp_path / "crashy.yaml"
-    f.write_text(RECIPE.format(path=tiny_checkpoints["qwen3_next"]))
+    f.write_text(RECIPE.format(path=small_checkpoints["qwen3_next"]))
     return f
 
 

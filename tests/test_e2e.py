@@ -62,11 +62,11 @@ class Workspace:
 
 
 @pytest.fixture(scope="session")
-def ws(tmp_path_factory, tiny_checkpoints) -> Workspace:
+def ws(tmp_path_factory, small_checkpoints) -> Workspace:
     root = tmp_path_factory.mktemp("e2e")
     env = {"XDG_CACHE_HOME": str(root / "xdg"), "HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1",
            "QBUILD_STORE": str(root / "store"), "PYTHONPATH": str(REPO)}
-    w = Workspace(root, env, tiny_checkpoints, {})
+    w = Workspace(root, env, small_checkpoints, {})
     files = [str(w.recipe(name, fam, extra)) for name, (fam, extra) in RECIPES.items()]
     proc = qbuild("compile", *files, "-j", "2", "--json", "--store", str(root / "store"), cwd=root,
                   env={**env, **audited_env(root / "build-audit.log")})
@@ -110,7 +110,7 @@ def test_second_compile_builds_nothing(ws):
     assert json.loads(proc.stdout)["built"] == []
 
 
-def test_run_json_matches_transformers_generate(ws, tiny_checkpoints):
+def test_run_json_matches_transformers_generate(ws, small_checkpoints):
     import torch
     import transformers
 
@@ -118,8 +118,8 @@ def test_run_json_matches_transformers_generate(ws, tiny_checkpoints):
     proc = ws.qbuild("run", "next-tp1", "--prompt", prompt, "--max-new-tokens", "8", "--json", check=True)
     out = json.loads(proc.stdout)
     assert set(out) >= {"token_ids", "text", "ttft_ms", "tpot_ms"} and out["ttft_ms"] > 0
-    tok = transformers.AutoTokenizer.from_pretrained(tiny_checkpoints["qwen3_next"])
-    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoints["qwen3_next"], dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(small_checkpoints["qwen3_next"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(small_checkpoints["qwen3_next"], dtype=torch.float32)
     ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
     expected = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
     assert out["token_ids"] == expected
@@ -188,12 +188,12 @@ def test_unmet_verify_threshold_fails_with_a_per_prompt_report(ws):
     assert not ws.lock()["recipes"]["next-strict"]["verified"]
 
 
-def test_neuron_backend_fails_naming_the_missing_package(ws, tiny_checkpoints):
+def test_neuron_backend_fails_naming_the_missing_package(ws, small_checkpoints):
     port = ws.root / "port"
     (port / "src").mkdir(parents=True, exist_ok=True)
     (port / "src" / "modeling_qwen35_moe.py").write_text("raise RuntimeError('a port is never imported here')\n")
     f = ws.root / "recipes" / "next-neuron.yaml"
-    f.write_text(f"model: {{path: {tiny_checkpoints['qwen3_next']}}}\nbackend: neuron\nport: {{path: {port}}}\n"
+    f.write_text(f"model: {{path: {small_checkpoints['qwen3_next']}}}\nbackend: neuron\nport: {{path: {port}}}\n"
                  "toolchain: {sdk: \"2.30.0\"}\n"
                  "text: {seq_len: 64, cte_buckets: [32]}\n")
     proc = ws.qbuild("compile", str(f))

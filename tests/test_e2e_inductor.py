@@ -19,8 +19,7 @@ def test_inductor_bundle_verifies_and_runs(tmp_path):
 
     from qbuild.model.tinymodel import write_tiny_checkpoint
 
-    checkpoint = write_tiny_checkpoint(tmp_path / "model", "qwen3_next", text_overrides={
-        "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]})
+    checkpoint = write_tiny_checkpoint(tmp_path / "model", "qwen3_next")
     recipe = tmp_path / "next-inductor.yaml"
     recipe.write_text(f"model: {{path: {checkpoint}}}\nbackend: inductor\ndtype: float32\nparallel: {{tp: 1}}\n"
                       "text: {seq_len: 32, cte_buckets: [16], tkg_buckets: [32]}\n"

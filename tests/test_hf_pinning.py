@@ -54,18 +54,18 @@ def seed_one(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def serving(tiny_checkpoints, seed_one):
+def serving(small_checkpoints, seed_one):
     """The Hub double with the model's two commits. Commit ids follow from the content, so every double made here
     serves the same ones."""
     with HubDouble() as double:
-        a = double.add_commit(REPO_ID, tiny_checkpoints["qwen3_5"])
+        a = double.add_commit(REPO_ID, small_checkpoints["qwen3_5"])
         b = double.add_commit(REPO_ID, seed_one, branch=None)
         yield Hub(double, a, b)
 
 
 @pytest.fixture
-def hub(tiny_checkpoints, seed_one):
-    with serving(tiny_checkpoints, seed_one) as h:
+def hub(small_checkpoints, seed_one):
+    with serving(small_checkpoints, seed_one) as h:
         yield h
 
 
@@ -138,7 +138,7 @@ def test_the_hub_is_asked_once_per_command_and_never_for_a_pinned_recipe(tmp_pat
 
 # --- fetch: exactly the key's commit ------------------------------------------------------------------------------
 
-def test_fetch_downloads_the_keys_commit_and_refuses_another(tmp_path, hub, monkeypatch, tiny_checkpoints):
+def test_fetch_downloads_the_keys_commit_and_refuses_another(tmp_path, hub, monkeypatch, small_checkpoints):
     """In-process, with huggingface_hub imported while HF_HUB_OFFLINE was set: the step reads the endpoint and the
     offline switch when it runs."""
     import hashlib
@@ -154,8 +154,9 @@ def test_fetch_downloads_the_keys_commit_and_refuses_another(tmp_path, hub, monk
     ctx = _ctx(tmp_path, {"source": "hf", "repo": REPO_ID, "revision": hub.a}, {})
     fetch_run(ctx)
     snap = json.loads((ctx.out / "snapshot.json").read_text())
-    shard = "model-00001-of-00007.safetensors"
-    expected = hashlib.sha256((tiny_checkpoints["qwen3_5"] / shard).read_bytes()).hexdigest()
+    index = json.loads((small_checkpoints["qwen3_5"] / "model.safetensors.index.json").read_text())
+    shard = min(index["weight_map"].values())
+    expected = hashlib.sha256((small_checkpoints["qwen3_5"] / shard).read_bytes()).hexdigest()
     assert snap["revision"] == hub.a and snap["files"][shard]["digest"] == f"sha256:{expected}"
     # A mirror that serves only the branch head answers b for a: the step refuses it, naming both.
     shutil.rmtree(tmp_path / "hf-home")
@@ -247,12 +248,12 @@ def test_compile_update_moves_the_pin_before_building(tmp_path, hub):
 # --- a pinned build, a moved branch, a moved pin ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, tiny_checkpoints, seed_one) -> Path:
+def built(tmp_path_factory, small_checkpoints, seed_one) -> Path:
     """A project whose recipe was built online at main = a (store, lock, HF cache and qbuild's caches beside it).
     Read-only: tests take a copy (_copy)."""
     root = tmp_path_factory.mktemp("pinned")
     _recipe(root / "project")
-    with serving(tiny_checkpoints, seed_one) as h:
+    with serving(small_checkpoints, seed_one) as h:
         qbuild("compile", "recipes/hubby.yaml", "-j", "2", cwd=root / "project",
                env={**_machine(root), **h.online}, check=True, timeout=600)
     return root

@@ -244,9 +244,9 @@ CHECKPOINT_CASES = [truncated_shard, lying_header_length, lying_header_offsets, 
 
 @pytest.mark.parametrize("corrupt", CHECKPOINT_CASES, ids=lambda f: f.__name__)
 @pytest.mark.slow
-def test_bad_checkpoint_is_one_line_exit_2_and_nothing_written(corrupt, tiny_checkpoints, tmp_path):
+def test_bad_checkpoint_is_one_line_exit_2_and_nothing_written(corrupt, small_checkpoints, tmp_path):
     ck = tmp_path / "ck"
-    shutil.copytree(tiny_checkpoints[FAMILY], ck)
+    shutil.copytree(small_checkpoints[FAMILY], ck)
     names = corrupt(ck)
     recipe = write_recipe(tmp_path, "r", ck)
     before = files_under(tmp_path)
@@ -264,9 +264,9 @@ VL = "qwen3_5"
     (lambda c: c["text_config"]["rope_parameters"].update(mrope_interleaved=False), "mrope_interleaved"),
     (lambda c: c["text_config"]["rope_parameters"].update(mrope_section=[2, 2]), "mrope_section"),
 ], ids=["image-token-beyond-vocab", "vision-end-token-negative", "mrope-not-interleaved", "mrope-section-of-two"])
-def test_bad_vl_config_is_one_line_exit_2_and_nothing_written(edit, fragment, tiny_checkpoints, tmp_path):
+def test_bad_vl_config_is_one_line_exit_2_and_nothing_written(edit, fragment, small_checkpoints, tmp_path):
     ck = tmp_path / "ck"
-    shutil.copytree(tiny_checkpoints[VL], ck)
+    shutil.copytree(small_checkpoints[VL], ck)
     _edit_json(ck / "config.json", edit)
     recipe = write_recipe(tmp_path, "r", ck)
     before = files_under(tmp_path)
@@ -315,16 +315,16 @@ def test_recipe_that_is_a_fifo_is_refused_at_once(tmp_path):
     assert not (tmp_path / "store").exists() and not (tmp_path / "artifacts.lock").exists()
 
 
-def test_lockfile_that_is_a_fifo_is_refused_at_once(tiny_checkpoints, tmp_path):
-    recipe = write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+def test_lockfile_that_is_a_fifo_is_refused_at_once(small_checkpoints, tmp_path):
+    recipe = write_recipe(tmp_path, "r", small_checkpoints[FAMILY])
     os.mkfifo(tmp_path / "artifacts.lock")
     proc = qbuild("plan", str(recipe), "--store", "store", cwd=tmp_path, timeout=60)
     assert_one_line(proc, 2, "artifacts.lock", "must be a regular file")
 
 
 @pytest.mark.parametrize("command", [["plan", "r.yaml"], ["compile", "r.yaml"], ["store", "verify"], ["gc"]])
-def test_store_naming_a_file_is_one_line_exit_3(command, tiny_checkpoints, tmp_path):
-    write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+def test_store_naming_a_file_is_one_line_exit_3(command, small_checkpoints, tmp_path):
+    write_recipe(tmp_path, "r", small_checkpoints[FAMILY])
     (tmp_path / "artifacts.lock").write_text(json.dumps({"version": 1, "recipes": {}, "nodes": {}}))
     (tmp_path / "not-a-dir").write_text("x")
     lock_before = (tmp_path / "artifacts.lock").read_bytes()
@@ -421,11 +421,11 @@ WEIGHT_FILE_CASES = [index_names_dev_zero, index_names_a_shard_outside, index_na
 
 
 @pytest.mark.parametrize("corrupt", WEIGHT_FILE_CASES, ids=lambda f: f.__name__)
-def test_weight_index_naming_what_is_not_a_weight_file_is_one_line_exit_2(corrupt, tiny_checkpoints, tmp_path):
+def test_weight_index_naming_what_is_not_a_weight_file_is_one_line_exit_2(corrupt, small_checkpoints, tmp_path):
     """Before these were checked a device or FIFO was "not found", and an index that is itself a device was passed
     over: the shards converted while transformers, which reads the index, failed the reference step (exit 1)."""
     ck = tmp_path / "ck"
-    shutil.copytree(tiny_checkpoints["qwen3_5"], ck)
+    shutil.copytree(small_checkpoints["qwen3_5"], ck)
     fragments = corrupt(ck)
     recipe = write_recipe(tmp_path, "r", ck)
     before = files_under(tmp_path)
@@ -497,8 +497,8 @@ sys.meta_path.insert(0, _Hold())
 
 @pytest.mark.parametrize("held", ["typer", "qbuild.build.workspace", "qbuild.planning.plan"],
                          ids=["while-the-cli-loads", "as-the-command-starts", "while-planning"])
-def test_sigint_during_plan_exits_130_with_one_line(held, tiny_checkpoints, tmp_path):
-    recipe = write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+def test_sigint_during_plan_exits_130_with_one_line(held, small_checkpoints, tmp_path):
+    recipe = write_recipe(tmp_path, "r", small_checkpoints[FAMILY])
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOLD_IMPORT)
@@ -526,8 +526,8 @@ def test_sigint_during_plan_exits_130_with_one_line(held, tiny_checkpoints, tmp_
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full here")
 @pytest.mark.parametrize("args", [["plan", "r.yaml"], ["plan", "r.yaml", "--json"], ["recipe", "schema"]],
                          ids=["plan", "plan-json", "recipe-schema"])
-def test_stdout_that_cannot_be_written_is_one_line_exit_3(args, tiny_checkpoints, tmp_path):
-    write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+def test_stdout_that_cannot_be_written_is_one_line_exit_3(args, small_checkpoints, tmp_path):
+    write_recipe(tmp_path, "r", small_checkpoints[FAMILY])
     env = dict(os.environ, PYTHONPATH=str(REPO))
     with open("/dev/full", "w") as full:
         proc = subprocess.run([sys.executable, "-m", "qbuild.cli", *args], cwd=tmp_path, env=env, stdout=full,
@@ -536,8 +536,8 @@ def test_stdout_that_cannot_be_written_is_one_line_exit_3(args, tiny_checkpoints
     assert proc.stderr == "error: stdout: cannot write the output: No space left on device\n", proc.stderr
 
 
-def test_a_closed_stdout_is_one_line_exit_3(tiny_checkpoints, tmp_path):
-    write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+def test_a_closed_stdout_is_one_line_exit_3(small_checkpoints, tmp_path):
+    write_recipe(tmp_path, "r", small_checkpoints[FAMILY])
     proc = subprocess.run([sys.executable, "-m", "qbuild.cli", "plan", "r.yaml", "--json"], cwd=tmp_path,
                           env=dict(os.environ, PYTHONPATH=str(REPO)), stderr=subprocess.PIPE, text=True, timeout=120,
                           preexec_fn=lambda: os.close(1))   # `qbuild plan >&-`
@@ -570,12 +570,12 @@ BUILT_TEXT = "text: {seq_len: 48, cte_buckets: [32], tkg_buckets: [48]}"   # its
 
 
 @pytest.fixture(scope="module")
-def built(dense_project, tiny_checkpoints, tmp_path_factory):
+def built(dense_project, small_checkpoints, tmp_path_factory):
     """A project (recipes, store, lockfile) where "tiny-dense" is built and verified (a copy of conftest's
     dense_project, built without -v), and "unverified" (other prompts, an impossible threshold) failed its verify,
     built with -v."""
     root = Path(shutil.copytree(dense_project, tmp_path_factory.mktemp("built") / "project", symlinks=True))
-    ck = tiny_checkpoints["qwen3_5"]
+    ck = small_checkpoints["qwen3_5"]
     write_recipe(root / "recipes", "unverified", ck, text=BUILT_TEXT, prompts=["Hi there"], max_logit_err=1e-12)
     # conftest's per-test isolation is not in force yet while a module fixture is set up: the same, by hand
     caches = tmp_path_factory.mktemp("built-caches")
@@ -776,7 +776,7 @@ def test_sigkill_of_the_driver_ends_its_workers(built, tmp_path):
 # --- the remote ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_remote_that_accepts_and_never_answers_fails_in_under_30s_naming_the_endpoint(tiny_checkpoints, tmp_path):
+def test_remote_that_accepts_and_never_answers_fails_in_under_30s_naming_the_endpoint(small_checkpoints, tmp_path):
     from tests.s3server import s3_env
 
     server = socket.socket()
@@ -793,7 +793,7 @@ def test_remote_that_accepts_and_never_answers_fails_in_under_30s_naming_the_end
                 return
 
     threading.Thread(target=accept_and_say_nothing, daemon=True).start()
-    recipe = write_recipe(tmp_path, "r", tiny_checkpoints[FAMILY])
+    recipe = write_recipe(tmp_path, "r", small_checkpoints[FAMILY])
     env = {**s3_env(f"http://127.0.0.1:{port}"), "XDG_CACHE_HOME": str(tmp_path / "xdg-cache")}
     try:
         start = time.monotonic()
@@ -812,7 +812,7 @@ def test_remote_that_accepts_and_never_answers_fails_in_under_30s_naming_the_end
 
 # --- transformers as the oracle, packaging, CI -----------------------------------------------------------------
 
-def test_config_without_mrope_section_rotates_as_transformers_does(tiny_checkpoints):
+def test_config_without_mrope_section_rotates_as_transformers_does(small_checkpoints):
     """transformers' Qwen3.5 text rotary defaults mrope_section to [11, 11, 10] and always interleaves: image
     positions (t, h, w differ) must get the same cos/sin from qbuild's model."""
     import torch
@@ -822,7 +822,7 @@ def test_config_without_mrope_section_rotates_as_transformers_does(tiny_checkpoi
     from qbuild.model.arch import arch_from_config
     from qbuild.model.modeling.model import RotaryEmbedding
 
-    text = json.loads((tiny_checkpoints[VL] / "config.json").read_text())["text_config"]
+    text = json.loads((small_checkpoints[VL] / "config.json").read_text())["text_config"]
     text["head_dim"] = 64
     text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     text = {k: v for k, v in text.items() if k not in ("model_type", "transformers_version", "dtype")}

@@ -19,7 +19,7 @@ from qbuild.model.arch import arch_from_config
 from qbuild.model.convert.convert import convert_state_dict
 from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.modeling import TextModel, text_position_ids
-from qbuild.model.tinymodel import TP4_TEXT, VOCAB_SIZE, SPECIAL_TOKENS, write_tiny_checkpoint
+from qbuild.model.tinymodel import FOUR_LAYERS, TP4_TEXT, VOCAB_SIZE, SPECIAL_TOKENS, write_tiny_checkpoint
 
 # One worker takes the whole file, so the module-scoped HF models of `checkpoints` are loaded once.
 pytestmark = pytest.mark.xdist_group("modeling")
@@ -56,7 +56,7 @@ def checkpoints(tiny_checkpoints, tmp_path_factory):
     def get(variant: str):
         if variant not in cache:
             family, _, tp4 = variant.partition("@")
-            path = (write_tiny_checkpoint(root / variant, family, text_overrides=TP4_TEXT) if tp4
+            path = (write_tiny_checkpoint(root / variant, family, text_overrides=dict(FOUR_LAYERS, **TP4_TEXT)) if tp4
                     else tiny_checkpoints[family])
             config, tensors = _read(path)
             text, _ = convert_state_dict(config, tensors, dtype="float32")

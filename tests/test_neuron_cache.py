@@ -160,7 +160,7 @@ def test_groups_travel_as_blobs_and_an_index_and_gc_remote_trims_them(tmp_path, 
 
 
 @pytest.mark.slow
-def test_compiles_share_neffs_through_the_remote_and_the_store_drops_cached_failures(tmp_path, tiny_checkpoints,
+def test_compiles_share_neffs_through_the_remote_and_the_store_drops_cached_failures(tmp_path, small_checkpoints,
                                                                                      monkeypatch):
     """Host A compiles and pushes; host B (another store, the same work directory path) adds a token-generation
     bucket and compiles only that NEFF, the others coming from the remote's cache. A failure the compiler cached in
@@ -171,7 +171,7 @@ def test_compiles_share_neffs_through_the_remote_and_the_store_drops_cached_fail
     url = f"s3://{BUCKET}/share"
     s3 = {k: v for k, v in s3_env(server.endpoint).items() if k.startswith(("AWS_", "QBUILD_S3_"))}
     a, b = Build(tmp_path / "a"), Build(tmp_path / "b")
-    checkpoint = tiny_checkpoints["qwen3_5"]
+    checkpoint = small_checkpoints["qwen3_5"]
     recipe = write_recipe(a.root / "recipes" / "dense.yaml", checkpoint, MAIN_PORT)
     result, stderr = a.compile(recipe, "--remote", url, "--push", **s3)
     compiled(result, stderr)

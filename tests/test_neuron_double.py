@@ -180,10 +180,10 @@ def load_bundles(build: Build, bundle: Path, *others: Path, checkpoint: Path | N
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory, tiny_checkpoints):
+def dense(tmp_path_factory, small_checkpoints):
     """The tiny Qwen3.5 (main lineage) built once with the double: text buckets cte [32, 64] / tkg [64], vision 64."""
     build = Build(tmp_path_factory.mktemp("neuron-dense"))
-    build.recipe = write_recipe(build.root / "recipes" / "dense.yaml", tiny_checkpoints["qwen3_5"], MAIN_PORT,
+    build.recipe = write_recipe(build.root / "recipes" / "dense.yaml", small_checkpoints["qwen3_5"], MAIN_PORT,
                                 vision={"buckets": [64]})
     build.result, build.stderr = build.compile(build.recipe)
     compiled(build.result, build.stderr)
@@ -366,12 +366,12 @@ def test_bundle_loads_with_the_port_class(dense, tmp_path):
 # --- the moe lineage ---------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_coder_next_recipe_resolves_the_moe_lineage(tiny_checkpoints, tmp_path):
+def test_coder_next_recipe_resolves_the_moe_lineage(small_checkpoints, tmp_path):
     """A tiny Qwen3-Next (Coder-Next's family) resolves the moe lineage: src/ on sys.path, the flat module's
     NeuronQwen35MoeForCausalLM with a MoENeuronConfig, the router forced to fp32 softmax, shard-on-block experts, the
     lineage's DGE flag, fused QKV. tp 2 and ep 1, as PR 170's scripts run it."""
     build = Build(tmp_path)
-    recipe = write_recipe(tmp_path / "next.yaml", tiny_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
+    recipe = write_recipe(tmp_path / "next.yaml", small_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
                           moe_backend="shard_on_block", port={"lineage": "moe"})
     build.recipe = recipe
     result, stderr = build.compile(recipe)
@@ -440,7 +440,7 @@ def test_shipped_coder_next_recipe_compiles_with_the_validated_flags(tmp_path):
 # --- the Qwen3.5-27B port ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_path):
+def test_qwen35_27b_port_takes_replicated_deltanet_shards(small_checkpoints, tmp_path):
     """The Qwen3.5-27B port (PR 128) has the main port's module and classes, but its DeltaNet is whole on every rank.
     The main-replicated lineage packages shards its compiled model takes as they are; the main lineage's
     tensor-parallel DeltaNet shards would not load, and packaging refuses them naming the first such tensor."""
@@ -448,7 +448,7 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(tiny_checkpoints, tmp_
 
     port = replicated_deltanet_port(tmp_path / "Qwen3.5-27B")
     build = Build(tmp_path / "build")
-    checkpoint = tiny_checkpoints["qwen3_5"]
+    checkpoint = small_checkpoints["qwen3_5"]
     build.recipe = write_recipe(build.root / "recipes" / "r27.yaml", checkpoint, port,
                                 port={"lineage": "main-replicated"})
     result, stderr = build.compile(build.recipe)

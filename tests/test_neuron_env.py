@@ -73,7 +73,7 @@ def test_work_dirs_are_this_users_and_never_writable_by_others(tmp_path, monkeyp
 
 
 @pytest.mark.slow
-def test_a_host_switch_never_reaches_the_trace_and_port_env_does_and_changes_the_key(tmp_path, tiny_checkpoints):
+def test_a_host_switch_never_reaches_the_trace_and_port_env_does_and_changes_the_key(tmp_path, small_checkpoints):
     """The tiny Qwen3-Next on the moe lineage, compiled with SKIP_MOE_COMPUTE=1 (and a variable of no meaning) in the
     CLI's environment: the trace saw neither (its MoE traced), and the worker had nothing but allow-listed variables
     and qbuild's. With `port.env: {SKIP_MOE_COMPUTE: "1"}` the trace sees it (no MoE traced) and the compile, and
@@ -82,7 +82,7 @@ def test_a_host_switch_never_reaches_the_trace_and_port_env_does_and_changes_the
     fields = {"fused_qkv": True, "moe_backend": "shard_on_block"}
     locks = {}
     for name, env in (("host", {}), ("recipe", {"SKIP_MOE_COMPUTE": "1"})):
-        recipe = write_recipe(build.root / "recipes" / "next.yaml", tiny_checkpoints["qwen3_next"], MOE_PORT,
+        recipe = write_recipe(build.root / "recipes" / "next.yaml", small_checkpoints["qwen3_next"], MOE_PORT,
                               port={"lineage": "moe", "env": env}, **fields)
         locks[name] = build.root / f"{name}.lock"
         log = build.root / f"{name}.jsonl"

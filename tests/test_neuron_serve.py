@@ -43,9 +43,9 @@ def _bundle(root: Path, checkpoint: Path, port_dir: Path, **changes) -> tuple[Bu
 
 
 @pytest.fixture(scope="module")
-def dense(tmp_path_factory, tiny_checkpoints) -> tuple[Build, Path]:
+def dense(tmp_path_factory, small_checkpoints) -> tuple[Build, Path]:
     """The tiny Qwen3.5 on the main lineage, tp 2, CTE buckets 32 and 64 under seq_len 128."""
-    return _bundle(tmp_path_factory.mktemp("serve-dense"), tiny_checkpoints["qwen3_5"], MAIN_PORT)
+    return _bundle(tmp_path_factory.mktemp("serve-dense"), small_checkpoints["qwen3_5"], MAIN_PORT)
 
 
 def dry_run(build: Build, target: str, *args: str, **env) -> dict:
@@ -193,22 +193,22 @@ def test_the_bundle_plugin_registers_the_port_class_for_vllm_neuron(dense, tmp_p
 
 
 @pytest.mark.slow
-def test_the_checkpoint_config_is_what_vllm_neuron_would_refuse(dense, tiny_checkpoints, tmp_path):
+def test_the_checkpoint_config_is_what_vllm_neuron_would_refuse(dense, small_checkpoints, tmp_path):
     """The check above can fail: with the checkpoint's own nested config.json in the bundle's place, vllm-neuron's
     first read finds no num_key_value_heads at the top level."""
     build, bundle = dense
     copy = Path(shutil.copytree(bundle, tmp_path / "bundle"))
     (copy / "config.json").unlink()
-    shutil.copy(tiny_checkpoints["qwen3_5"] / "config.json", copy / "config.json")
+    shutil.copy(small_checkpoints["qwen3_5"] / "config.json", copy / "config.json")
     proc = _as_vllm_neuron(build, copy, dry_run(build, str(copy)), tmp_path / "nxdi.jsonl")
     assert proc.returncode != 0 and "missing required fields in the pretrained config" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
-def test_moe_lineage_bundle_serves_from_the_port_src(tiny_checkpoints, tmp_path):
+def test_moe_lineage_bundle_serves_from_the_port_src(small_checkpoints, tmp_path):
     """Coder-Next's lineage: its flat config.json is left as it is, its src/ goes on PYTHONPATH, and its class is
     registered under "qwen3next" (vllm/register_model.py L26, PR 170 @ 753c7f5)."""
-    build, bundle = _bundle(tmp_path, tiny_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
+    build, bundle = _bundle(tmp_path, small_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
                             moe_backend="shard_on_block", port={"lineage": "moe"})
     assert "text_config" not in json.loads((bundle / "config.json").read_text())
     doc = dry_run(build, str(bundle))
@@ -229,11 +229,11 @@ def test_serving_without_vllm_is_one_line_exit_3(dense):
 
 # --- the pieces, without a build ----------------------------------------------------------------------------------
 
-def test_flat_config_copies_the_text_fields_up_and_leaves_flat_configs(tiny_checkpoints):
+def test_flat_config_copies_the_text_fields_up_and_leaves_flat_configs(small_checkpoints):
     from qbuild.backends.neuron.package import flat_config
 
     for family in ("qwen3_5", "qwen3_5_moe"):
-        config = json.loads((tiny_checkpoints[family] / "config.json").read_text())
+        config = json.loads((small_checkpoints[family] / "config.json").read_text())
         text = config["text_config"]
         flat = flat_config(config)
         assert flat["text_config"] == text and flat["architectures"] == config["architectures"]
@@ -243,7 +243,7 @@ def test_flat_config_copies_the_text_fields_up_and_leaves_flat_configs(tiny_chec
         assert flat["rope_theta"] == text["rope_parameters"]["rope_theta"]
         assert flat["intermediate_size"] == text.get("intermediate_size", text.get("moe_intermediate_size"))
         assert {k: flat[k] for k in config} == config          # what the top level had, it keeps
-    flat_next = json.loads((tiny_checkpoints["qwen3_next"] / "config.json").read_text())
+    flat_next = json.loads((small_checkpoints["qwen3_next"] / "config.json").read_text())
     assert "text_config" not in flat_next and flat_config(flat_next) == flat_next
 
 
@@ -309,7 +309,7 @@ def _real_sdk_skip() -> str | None:
 
 
 @pytest.mark.skipif(_real_sdk_skip() is not None, reason=str(_real_sdk_skip()))
-def test_serve_a_tiny_neuron_bundle_with_vllm(tiny_checkpoints, tmp_path):
+def test_serve_a_tiny_neuron_bundle_with_vllm(small_checkpoints, tmp_path):
     """`qbuild serve` on a tiny Qwen3.5 bundle built and verified on this host's NeuronCores (the Qwen3.5-2B port,
     main lineage), with the real SDK and vLLM's Neuron plugin: the OpenAI client completes a request, and Ctrl-C
     stops the server with exit 0."""
@@ -325,7 +325,7 @@ def test_serve_a_tiny_neuron_bundle_with_vllm(tiny_checkpoints, tmp_path):
                  for d in ("neuronx-cc", "neuronx-distributed", "neuronx-distributed-inference", "torch-neuronx")}
     recipe = tmp_path / "serve.yaml"
     recipe.write_text(yaml.safe_dump({
-        "model": {"path": str(tiny_checkpoints["qwen3_5"])}, "backend": "neuron", "port": {"path": str(port)},
+        "model": {"path": str(small_checkpoints["qwen3_5"])}, "backend": "neuron", "port": {"path": str(port)},
         "parallel": {"tp": 2}, "dtype": "bfloat16", "text": TEXT, "compiler": {"target": "trn2"},
         "toolchain": toolchain, "verify": {"prompts": ["Hello world"], "new_tokens": 4, "image_prompt": False}}))
     env = {"QBUILD_STORE": str(tmp_path / "store")}

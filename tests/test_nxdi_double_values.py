@@ -25,7 +25,7 @@ pytestmark = pytest.mark.xdist_group("nxdi-double-values")
 
 TP = 4
 HEAD_DIM = 32          # qbuild.model.tinymodel's head_dim
-ATTN_LAYER = 3         # the tiny model's only full-attention layer ((i+1) % 4 == 0)
+ATTN_LAYER = 1         # the full-attention layer of `qbuild tiny`'s model (a DeltaNet layer, then attention)
 
 
 @pytest.fixture(scope="module")

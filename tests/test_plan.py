@@ -100,9 +100,9 @@ def test_key_changes_exactly_when_an_allow_listed_input_changes(tmp_path, tiny_c
 
 
 def test_changing_weights_changes_fetch_but_no_compile_key(tmp_path, tiny_checkpoints):
-    from qbuild.model.tinymodel import write_tiny_checkpoint
+    from qbuild.model.tinymodel import FOUR_LAYERS, write_tiny_checkpoint
 
-    ck2 = write_tiny_checkpoint(tmp_path / "seed1", "qwen3_next", seed=1)
+    ck2 = write_tiny_checkpoint(tmp_path / "seed1", "qwen3_next", seed=1, text_overrides=FOUR_LAYERS)
     a = _by_role(_plan(_recipe(tmp_path, "w", tiny_checkpoints["qwen3_next"])), "w")
     b = _by_role(_plan(_recipe(tmp_path, "w", ck2)), "w")
     assert a["fetch"]["key"] != b["fetch"]["key"]

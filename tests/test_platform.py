@@ -76,24 +76,24 @@ def test_the_probe_runs_once_per_capability_setting(tmp_path):
 
 # --- keys ------------------------------------------------------------------------------------------------------------
 
-def _keyed(tiny_checkpoints, tmp_path, backend: str, host: str = "TAG") -> tuple[Plan, dict]:
+def _keyed(small_checkpoints, tmp_path, backend: str, host: str = "TAG") -> tuple[Plan, dict]:
     recipe = tmp_path / f"{backend}.yaml"
-    recipe.write_text(RECIPE.format(model=tiny_checkpoints["qwen3_5"], backend=backend))
+    recipe.write_text(RECIPE.format(model=small_checkpoints["qwen3_5"], backend=backend))
     plan = build_plan([load_recipe(recipe)], HostEnvironment(StatCache(tmp_path / "stat-cache")))
     # Every node's output digest known, as after a build: every node is keyed.
     return plan, walk(plan, lambda nid, key: f"blake3:{nid}", host=lambda: host)
 
 
 @pytest.mark.parametrize("backend, native", [("export", set()), ("inductor", {"compile", "package"})])
-def test_the_platform_is_in_the_keys_of_non_portable_nodes_only(tiny_checkpoints, tmp_path, backend, native):
-    plan, keys = _keyed(tiny_checkpoints, tmp_path, backend)
+def test_the_platform_is_in_the_keys_of_non_portable_nodes_only(small_checkpoints, tmp_path, backend, native):
+    plan, keys = _keyed(small_checkpoints, tmp_path, backend)
     with_platform = {plan.nodes[nid].kind for nid, nk in keys.items() if "platform" in nk.preimage}
     without = {plan.nodes[nid].kind for nid, nk in keys.items() if "platform" not in nk.preimage}
     assert with_platform == {"reference", "verify"} | native
     assert without == {"fetch", "convert", "shard", "compile", "package"} - native
     assert all(nk.preimage["platform"] == "TAG" for nk in keys.values() if "platform" in nk.preimage)
     # Another platform: other keys for exactly those nodes.
-    _, elsewhere = _keyed(tiny_checkpoints, tmp_path, backend, host="OTHER")
+    _, elsewhere = _keyed(small_checkpoints, tmp_path, backend, host="OTHER")
     changed = {plan.nodes[nid].kind for nid in keys if keys[nid].key != elsewhere[nid].key}
     assert changed == with_platform
 
@@ -138,9 +138,9 @@ def tiny_elsewhere(tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.mark.xdist_group("tiny-elsewhere")
-def test_tiny_writes_the_same_bytes_on_another_platform(tiny_elsewhere, tiny_checkpoints):
+def test_tiny_writes_the_same_bytes_on_another_platform(tiny_elsewhere, small_checkpoints):
     root, _ = tiny_elsewhere
-    for fam, here in tiny_checkpoints.items():
+    for fam, here in small_checkpoints.items():
         files = sorted(p.name for p in here.iterdir())
         assert sorted(p.name for p in (root / fam).iterdir()) == files
         differ = [f for f in files if (root / fam / f).read_bytes() != (here / f).read_bytes()]
@@ -225,12 +225,12 @@ def test_lock_check_fails_on_an_entry_without_a_bundle(tmp_path):
 # --- a SIGKILLed driver ----------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_sigkilled_driver_leaves_no_resource_tracker_warning_and_no_worker(tiny_checkpoints, tmp_path):
+def test_a_sigkilled_driver_leaves_no_resource_tracker_warning_and_no_worker(small_checkpoints, tmp_path):
     """Only the driver is killed: what it started lives on and writes to the same stderr until it exits."""
     import psutil
 
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE.format(model=tiny_checkpoints["qwen3_next"], backend="export"))
+    recipe.write_text(RECIPE.format(model=small_checkpoints["qwen3_next"], backend="export"))
     marker = tmp_path / "stopped-at"
     env = dict(os.environ, QBUILD_CRASH_AT="convert:start", QBUILD_CRASH_MARKER=str(marker),
                PYTHONPATH=os.pathsep.join([str(STARTUP), str(REPO)]))

@@ -102,10 +102,10 @@ def test_the_cli_refuses_a_short_rev_with_exit_2_and_writes_nothing(tmp_path):
 
 # --- planning reads nothing of a git port ----------------------------------------------------------------------------
 
-def test_plan_and_validate_read_no_port_and_run_no_git(tmp_path, tiny_checkpoints):
+def test_plan_and_validate_read_no_port_and_run_no_git(tmp_path, small_checkpoints):
     """A git port whose repository does not exist plans, with git not even on PATH: its key is (url, rev, subdir),
     and nothing is fetched (no clone in the store) until the port node is built."""
-    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["qwen3_5"], None,
+    recipe = write_recipe(tmp_path / "r.yaml", small_checkpoints["qwen3_5"], None,
                           port={"git": (tmp_path / "no-such-repo").as_uri(), "rev": MISSING, "subdir": MAIN_SUBDIR})
     env = {"PATH": str(tmp_path / "empty-bin")}
     validated = qbuild("recipe", "validate", str(recipe), env=env)
@@ -163,7 +163,7 @@ def test_a_missing_commit_or_an_unreachable_url_is_one_line_naming_both(tmp_path
 
 @pytest.mark.slow
 def test_rev_changes_the_keys_of_port_shard_compile_package_and_the_lock_records_the_source(tmp_path, repo,
-                                                                                             tiny_checkpoints):
+                                                                                             small_checkpoints):
     """The tiny Qwen3.5 built with the git port at `first`, then at `second`: fetch and convert are shared, the
     port, shard, compile and package keys change; the lock's recipe entry names the url, rev, subdir and the port's
     tree digest, and the bundle carries the files of the rev it was built with."""
@@ -171,7 +171,7 @@ def test_rev_changes_the_keys_of_port_shard_compile_package_and_the_lock_records
     locks = {}
     for name in ("first", "second"):
         rev = getattr(repo, name)
-        recipe = write_recipe(build.root / "recipes" / "git.yaml", tiny_checkpoints["qwen3_5"], None,
+        recipe = write_recipe(build.root / "recipes" / "git.yaml", small_checkpoints["qwen3_5"], None,
                               port={"git": repo.url, "rev": rev, "subdir": MAIN_SUBDIR})
         locks[name] = build.root / f"{name}.lock"
         result, stderr = build.compile(recipe, lock=locks[name])
@@ -196,9 +196,9 @@ def test_rev_changes_the_keys_of_port_shard_compile_package_and_the_lock_records
 
 
 @pytest.mark.slow
-def test_a_missing_rev_fails_the_build_with_exit_3_in_one_line(tmp_path, repo, tiny_checkpoints):
+def test_a_missing_rev_fails_the_build_with_exit_3_in_one_line(tmp_path, repo, small_checkpoints):
     build = Build(tmp_path / "build")
-    recipe = write_recipe(build.root / "recipes" / "git.yaml", tiny_checkpoints["qwen3_5"], None,
+    recipe = write_recipe(build.root / "recipes" / "git.yaml", small_checkpoints["qwen3_5"], None,
                           port={"git": repo.url, "rev": MISSING, "subdir": MAIN_SUBDIR})
     proc = build.cli("compile", str(recipe), "--skip-device")
     assert proc.returncode == 3, proc.stderr

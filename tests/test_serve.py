@@ -181,9 +181,9 @@ def test_streamed_chunks_concatenate_to_the_same_text(runtime, client, server):
 
 
 @pytest.mark.slow
-def test_chat_without_a_template_is_the_documented_concatenation(runtime, client, tiny_checkpoints):
+def test_chat_without_a_template_is_the_documented_concatenation(runtime, client, small_checkpoints):
     """The tiny tokenizer has no chat template: the messages become "<role>: <content>" lines and "assistant:"."""
-    checkpoint = tiny_checkpoints["qwen3_5"]
+    checkpoint = small_checkpoints["qwen3_5"]
     assert "chat_template" not in json.loads((checkpoint / "tokenizer_config.json").read_text())
     assert not list(checkpoint.glob("chat_template*"))
     messages = [{"role": "system", "content": "Be"}, {"role": "user", "content": "Hi"}]

@@ -16,7 +16,7 @@ from qbuild.model.convert import CheckpointError, ShardError
 from qbuild.model.convert.convert import convert_checkpoint, convert_state_dict
 from qbuild.model.convert.shard import shard_checkpoint
 from qbuild.model.convert.shard import shard_state_dict
-from qbuild.model.tinymodel import TP4_TEXT, write_tiny_checkpoint
+from qbuild.model.tinymodel import FOUR_LAYERS, TP4_TEXT, write_tiny_checkpoint
 from tests.conftest_convert import _ROOT, bits, hf_state_dict, load_config, load_dir, same_tensors, tiny
 
 MODEL_DTYPE = torch.bfloat16
@@ -38,7 +38,7 @@ def checkpoint(variant: str) -> tuple[dict, dict[str, torch.Tensor]]:
         return hf_state_dict(variant)
     if variant not in _extra:
         family, overrides = EXTRA[variant]
-        src = write_tiny_checkpoint(_ROOT / "src" / variant, family, text_overrides=overrides)
+        src = write_tiny_checkpoint(_ROOT / "src" / variant, family, text_overrides=dict(FOUR_LAYERS, **overrides))
         _extra[variant] = (load_config(src), load_dir(src))
     return _extra[variant]
 

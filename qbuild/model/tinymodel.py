@@ -22,11 +22,17 @@ VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>"]
 
+# One layer of each kind: a Gated DeltaNet layer, then a gated-attention layer. Every stage (conversion, sharding,
+# compile, verify, serve) meets both kinds, and a build takes about half the time four layers take.
 _TEXT = dict(
-    vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2,
     head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
     linear_value_head_dim=16, linear_conv_kernel_dim=4, intermediate_size=96, max_position_embeddings=4096,
 )
+# The published models' pattern of three DeltaNet layers, then one gated-attention layer: for checks of a rule per
+# layer (which layers an FP8 policy leaves whole, a layer index in tensor names, several DeltaNet layers in a row).
+FOUR_LAYERS = dict(num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
 # Head counts that split over 4 tensor-parallel ranks (kv heads then replicate: tp 4 > 2 kv heads).
 TP4_TEXT = dict(num_attention_heads=8, num_key_value_heads=2, linear_num_key_heads=4, linear_num_value_heads=8)
 _MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
