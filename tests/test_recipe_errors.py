@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.core.errors import RecipeError
+from qbuild.core.errors import RecipeError, UserError
 from qbuild.recipe.schema import HFSource, PathSource, load_recipe
 from qbuild.recipe.source import shipped_config_path
 from tests.conftest import qbuild
@@ -139,8 +139,33 @@ def _assert_rejected(proc, recipe: Path, needle: str, tmp: Path) -> None:
     assert not (tmp / "store").exists() and not (tmp / "artifacts.lock").exists()
 
 
+# One case of each kind of check, through the CLI: YAML, the schema, the model's architecture, device memory, the
+# neuron port and toolchain, the buckets against each other and against the verify prompts and image.
+CLI_CASES = {"yaml-syntax", "unknown-nested-key", "tp-not-dividing-heads", "over-device-memory", "path-not-a-dir",
+             "neuron-without-port", "neuron-without-pins", "tkg-below-largest-cte", "vision-bucket-beyond-context",
+             "golden-prompt-beyond-context"}
+assert CLI_CASES <= CASES.keys()
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_broken_recipe_exits_2_naming_file_and_field(tmp_path, case):
+def test_broken_recipe_is_one_error_naming_file_and_field(tmp_path, case):
+    """What `qbuild recipe validate` and every command that plans run: the schema, then the checks against the
+    model's architecture."""
+    from qbuild.planning.plan import validate_recipe
+    from qbuild.recipe.source import load_arch
+
+    text, needle = CASES[case]
+    recipe = _write(tmp_path, case, text)
+    with pytest.raises(UserError) as err:
+        loaded = load_recipe(recipe)
+        validate_recipe(loaded, load_arch(loaded))
+    message = str(err.value)
+    assert "\n" not in message and needle in message, message
+    assert str(recipe) in message or recipe.name in message, message
+
+
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_compile_of_a_broken_recipe_exits_2_in_one_line_writing_nothing(tmp_path, case):
     text, needle = CASES[case]
     recipe = _write(tmp_path, case, text)
     proc = qbuild("compile", str(recipe), "--store", str(tmp_path / "store"), "--lock",
