@@ -28,14 +28,17 @@ def pytest_runtest_setup(item):
 @pytest.fixture(scope="session")
 def user_cache_seed(tmp_path_factory, worker_id) -> Path:
     """qbuild's part of a user cache as the first command leaves it, made once per run: this host's platform probe
-    (qbuild.core.platform) and the map of modules to installed distributions (qbuild.planning.sources). Every test's
-    fresh cache starts with a copy, instead of importing torch in a subprocess and reading every installed
-    distribution's file list again."""
+    (qbuild.core.platform), the map of modules to installed distributions, and the digest and imports of each of
+    qbuild's modules (qbuild.planning.sources; each entry is found again only by the file's inode, size, mtime and
+    ctime). Every test's fresh cache starts with a copy, instead of importing torch in a subprocess, reading every
+    installed distribution's file list and parsing every module of a closure again (half a second a command)."""
     def make(root: Path) -> None:
         env = dict(os.environ, XDG_CACHE_HOME=str(root), PYTHONPATH=str(REPO))
         env.pop("ATEN_CPU_CAPABILITY", None)
         code = ("from qbuild.core.platform import host_tag; host_tag(); "
-                "from qbuild.planning.sources import distribution_versions; distribution_versions(('torch',))")
+                "from qbuild.planning.sources import DEFAULT, distribution_versions; distribution_versions(('torch',)); "
+                "from pathlib import Path; import qbuild; "
+                "[DEFAULT.facts(p) for p in sorted(Path(qbuild.__file__).parent.rglob('*.py'))]")
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)
 
     return _once_per_run(tmp_path_factory, worker_id, "user-cache", make) / "qbuild"
