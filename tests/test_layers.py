@@ -21,3 +21,25 @@ def test_every_layer_package_says_what_it_may_import():
     for package in ("core", "store", "model", "recipe", "backends", "planning", "build"):
         doc = (REPO / "qbuild" / package / "__init__.py").read_text()
         assert "import" in doc.split('"""')[1], f"qbuild/{package}/__init__.py: its docstring names no import rule"
+
+
+def _readme_layout() -> str:
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def test_the_readme_layout_names_every_package_module_and_doc():
+    """The README's layout block is the map a newcomer reads: each package (its sub-packages too), each module at the
+    top of qbuild/, and each document under docs/ must be on it."""
+    layout = _readme_layout()
+    for init in sorted((REPO / "qbuild").glob("*/**/__init__.py")):
+        parts = init.parent.relative_to(REPO / "qbuild").parts
+        assert f"qbuild/{parts[0]}/" in layout, f"README layout: no qbuild/{parts[0]}/"
+        if len(parts) > 1:
+            assert f"{parts[-1]}/" in layout, f"README layout: no {'/'.join(parts)}/"
+    for module in sorted((REPO / "qbuild").glob("*.py")):
+        if module.name != "__init__.py":
+            assert module.name in layout, f"README layout: no qbuild/{module.name}"
+    for doc in sorted((REPO / "docs").glob("*.md")):
+        assert doc.name in layout, f"README layout: no docs/{doc.name}"
