@@ -123,7 +123,8 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
             push: bool = typer.Option(False, "--push", help="upload what was built (and anything the remote lacks)"),
             skip_device: bool = typer.Option(False, "--skip-device",
                                              help="leave steps that need a Neuron device (verifying a neuron bundle) "
-                                                  "unbuilt on a host without one, instead of failing"),
+                                                  "unbuilt on a host without one, instead of failing, and the "
+                                                  "steps only they need (its reference)"),
             json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
             remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt,
             verbose: bool = typer.Option(False, "-v", "--verbose",

@@ -130,6 +130,46 @@ def test_keep_going_builds_what_does_not_depend_on_the_failure(tmp_path):
     assert {plan.nodes[n].name for n in result.skipped} == {"after"}
 
 
+class _NoDevice(LocalExecutor):
+    """A host without Neuron devices, whatever this one has: the executor is the seam that says what a host runs."""
+
+    def capacity_check(self, node):
+        return f"{node.name} needs a device" if node.needs_device else None
+
+
+def test_skip_device_leaves_unbuilt_the_device_steps_and_what_only_they_need(tmp_path):
+    """A recipe's verify runs on NeuronCores; its reference (here a chain r1 -> r2) exists only for it. --skip-device
+    leaves all three unbuilt; the bundle and a step another step also uses (s) are built."""
+    from qbuild.planning.plan import PlannedRecipe
+
+    log = tmp_path / "log"
+    nodes, ids = {}, {}
+    for name, deps, cores in (("a", [], 0), ("b", ["a"], 0), ("r1", ["a"], 0), ("r2", ["r1"], 0), ("s", ["a"], 0),
+                              ("v", ["b", "r2", "s"], 2), ("t", ["s"], 0)):
+        ids[name] = _add(nodes, "toy", "test-sleep", name, {"name": name, "log": str(log), "seconds": 0.01},
+                         {d: ids[d] for d in deps}, 1, GIB, neuron_cores=cores)
+    plan = Plan(nodes, {"toy": PlannedRecipe(None, None, dict(ids), bundle=ids["b"], verify=ids["v"])})
+    events = []
+
+    def run(**opts):
+        options = BuildOptions(jobs=2, **opts)
+        return build(plan, LocalStore(tmp_path / "store"), StoreSpec(local=str(tmp_path / "store")),
+                     lambda: _NoDevice(2), options, events.append, TEST_REGISTRY)
+
+    result = run(skip_device=True)
+    names = lambda ids_: {plan.nodes[n].name for n in ids_}   # noqa: E731
+    assert result.ok and names(result.built) == {"a", "b", "s", "t"}
+    assert names(result.deferred) == {"v", "r1", "r2"}
+    assert {e["node"] for e in read_log(log)} == {"a", "b", "s", "t"}
+    why = {e.node.name: e.error for e in events if e.kind == "skipped"}
+    assert why["v"] == "left unbuilt (--skip-device): v needs a device"
+    assert why["r1"] == "left unbuilt (--skip-device): only v needs it"
+    # Without --skip-device the device step fails, and nothing it alone needs is left out.
+    events.clear()
+    result = run(keep_going=True)
+    assert names(result.failed) == {"v"} and names(result.built) == {"r1", "r2"}
+
+
 def test_a_killed_worker_fails_its_step_only_and_the_next_step_gets_a_new_worker(tmp_path):
     log = tmp_path / "log"
     plan = _graph(log, [("killed", "test-die", [], 1), ("after", "test-sleep", ["killed"], 1),

@@ -555,12 +555,14 @@ def test_shipped_recipe_plans_the_same_with_or_without_the_sdk(tmp_path):
 
 @pytest.mark.slow
 def test_skip_device_leaves_verify_unbuilt(dense):
-    """On a host without NeuronCores, --skip-device leaves verify unbuilt and says so; without it, the verify step is
-    refused in one line."""
+    """On a host without NeuronCores, --skip-device leaves verify unbuilt and says so, and with it the reference,
+    which only verify needs; without it, the verify step is refused in one line."""
     require_bundle(dense.result, dense.stderr)
+    assert [n for n in dense.result["deferred"] if n.startswith("reference")] == ["reference qwen3_5"]
     skipped = dense.cli("compile", str(dense.recipe), "--skip-device")
     assert skipped.returncode == 0, skipped.stderr
-    assert "1 left unbuilt (--skip-device)" in skipped.stderr.splitlines()[-1]
+    assert "2 left unbuilt (--skip-device)" in skipped.stderr.splitlines()[-1]
+    assert "skip   reference qwen3_5: left unbuilt (--skip-device): only verify dense needs it" in skipped.stderr
     refused = dense.cli("compile", str(dense.recipe))
     assert refused.returncode == 1
     (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("FAILED verify dense")]
@@ -592,8 +594,17 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     from qbuild.build.actions import verify
     from qbuild.recipe.params import VerifyParams
 
+    from qbuild.build.actions import reference
+    from qbuild.recipe.params import ReferenceParams
+
     require_bundle(dense.result, dense.stderr)
-    inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "reference", "port")}
+    inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "fetch", "port")}
+    # --skip-device left the reference unbuilt (only verify needs it): computed here as its step computes it.
+    inputs["reference"] = tmp_path / "reference"
+    inputs["reference"].mkdir()
+    reference.run(RunContext("reference", ReferenceParams(("Hello world", "The quick brown fox"), 4, False),
+                             {"snapshot": inputs["fetch"]}, inputs["reference"], tmp_path / "ref-scratch",
+                             context={"path": str(dense.checkpoint)}, log=lambda s: None))
     log = tmp_path / "verify.jsonl"
     for key, value in dense.env(log=log).items():
         monkeypatch.setenv(key, value)

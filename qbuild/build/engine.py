@@ -61,7 +61,8 @@ class BuildOptions:
     mem_budget: int | None = None       # bytes; None = no limit
     keep_going: bool = False
     strict: bool = False                # any node that would have to be built is an error
-    skip_device: bool = False           # a device step no worker can run is left unbuilt instead of failing
+    skip_device: bool = False           # a device step no worker can run is left unbuilt instead of failing, and
+                                        # so is any step built only for such steps
 
 
 def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor], options: BuildOptions,
@@ -76,6 +77,11 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
     executor: Executor | None = None
     stop = False
     portable = portability(plan, registry)
+    wanted = {nid for pr in plan.recipes.values() for nid in (pr.bundle, pr.verify)}
+    users: dict[str, list[str]] = {nid: [] for nid in plan.nodes}
+    for nid, node in plan.nodes.items():
+        for dep in set(node.deps.values()):
+            users[dep].append(nid)
 
     def fail(nid: str, error: str, code: int = BuildError.exit_code, output: list[str] | None = None) -> None:
         nonlocal stop
@@ -88,6 +94,25 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
             on_event(Event("skipped", plan.nodes[dep], error=f"input {plan.nodes[nid].name} failed"))
         if not options.keep_going:
             stop = True
+
+    def _only_for_unbuilt(nid: str) -> dict[str, str]:
+        """{device step: why it is left unbuilt} when those steps are the only reason to build `nid`, else {}.
+        A recipe's bundle and its verify are what a build is for, so they always count as a reason."""
+        if nid in wanted or not users[nid]:
+            return {}
+        left: dict[str, str] = {}
+        for user in users[nid]:
+            node = plan.nodes[user]
+            why = executor.capacity_check(node) if node.needs_device else None
+            if why is not None:
+                left[user] = why
+            elif user in result.deferred:
+                left[user] = "left unbuilt"
+            elif sub := _only_for_unbuilt(user):
+                left.update(sub)
+            else:
+                return {}
+        return left
 
     def defer(nid: str, why: str) -> None:
         result.deferred.append(nid)
@@ -129,6 +154,17 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                 if problem is not None and node.needs_device and options.skip_device:
                     waiting.remove(nid)
                     defer(nid, problem)
+                    progressed = True
+                    continue
+                if problem is None and options.skip_device and (left := _only_for_unbuilt(nid)):
+                    # A step whose every use is a device step this host leaves unbuilt (the reference of a neuron
+                    # verify) would be built for nothing: the device host that verifies builds it, for its platform.
+                    for dev, why in left.items():
+                        if dev in waiting:
+                            waiting.remove(dev)
+                            defer(dev, why)
+                    waiting.remove(nid)
+                    defer(nid, "only " + ", ".join(plan.nodes[d].name for d in left) + " needs it")
                     progressed = True
                     continue
                 if problem is not None:
