@@ -63,6 +63,12 @@ def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
     assert constant_bytes < weight_bytes / 100  # only rotary tables / expert ids, never weights
     names = [spec.arg.name for spec in program.graph_signature.input_specs]
     assert any("embed_tokens" in n for n in names) and any("expert_mlps" in n for n in names)
+    # No node carries the stack trace of its source (absolute paths of this checkout), and the tracer's setting that
+    # keeps them from being recorded is back as it was.
+    import torch.fx.config
+
+    assert not [n.name for n in program.graph.nodes if "stack_trace" in n.meta]
+    assert torch.fx.config.do_not_emit_stack_traces is False
 
 
 def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints):
