@@ -78,10 +78,11 @@ def _greedy(model, ids: list[int], new_tokens: int, extra: dict, image_token_id:
         out = model(input_ids=prompt, use_cache=True, **extra)
         prefill = out.logits[0].float()
         tokens = [int(prefill[-1].argmax())]
-        cache = out.past_key_values
+        # `cache` is the name since transformers 5.24; `past_key_values`, the old one, is deprecated and goes in 5.40.
+        cache = out.cache
         for _ in range(new_tokens - 1):
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True)
+            cache = out.cache
             tokens.append(int(out.logits[0, -1].argmax()))
     return prefill, tokens
 
