@@ -14,6 +14,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The suite runs two workers on two cores, and each build in it runs steps in two processes of its own: with torch's
+# default of a thread per core in every one of them, the threads outnumber the cores and wait on each other (a tiny
+# build took 10% more CPU). One thread each, as a Ray worker gets; the steps whose floats depend on the thread count
+# set their own (qbuild.core.numerics), so no output changes.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_runtest_setup(item):
     """Under `--dist loadgroup` a test of an xdist group must carry its group in its node id, or the group is split
