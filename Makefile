@@ -5,17 +5,24 @@ QBUILD := $(VENV)/bin/qbuild
 DEMO   := .qbuild
 export QBUILD_STORE ?= $(CURDIR)/$(DEMO)/store
 
-.PHONY: install demo test test-fast lock-check neuron-check bench clean
+.PHONY: install constraints demo test test-fast lock-check neuron-check bench clean
 
 install: $(VENV)/.installed
 
 # torch is pinned to the CPU build; an unpinned torch would pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
+# constraints.txt pins every other distribution to the versions that built artifacts.lock (their versions are in the
+# keys): without it, a library's new release would make a fresh machine's lock-check fail.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[build,s3,ray,serve,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[build,s3,ray,serve,test]'
 	touch $@
+
+# After an upgrade on purpose: write the venv's versions back, then rebuild the lock and commit both.
+constraints: install
+	{ sed -n '/^#/p' constraints.txt; $(PY) -m pip freeze --exclude-editable | sort -f; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 $(DEMO)/tiny/%/config.json: | install
 	$(QBUILD) tiny $* $(DEMO)/tiny/$*
