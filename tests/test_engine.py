@@ -156,8 +156,10 @@ def test_skip_device_leaves_unbuilt_the_device_steps_and_what_only_they_need(tmp
         return build(plan, LocalStore(tmp_path / "store"), StoreSpec(local=str(tmp_path / "store")),
                      lambda: _NoDevice(2), options, events.append, TEST_REGISTRY)
 
+    def names(node_ids) -> set[str]:
+        return {plan.nodes[n].name for n in node_ids}
+
     result = run(skip_device=True)
-    names = lambda ids_: {plan.nodes[n].name for n in ids_}   # noqa: E731
     assert result.ok and names(result.built) == {"a", "b", "s", "t"}
     assert names(result.deferred) == {"v", "r1", "r2"}
     assert {e["node"] for e in read_log(log)} == {"a", "b", "s", "t"}

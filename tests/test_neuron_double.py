@@ -591,11 +591,8 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     with the port's class (config read back from neuron_config.json) and generate() runs once per text prompt the
     way NxDI's accuracy check calls it; thresholds of 0 pass whatever the double returns."""
     from qbuild.build.actions import RunContext
-    from qbuild.build.actions import verify
-    from qbuild.recipe.params import VerifyParams
-
-    from qbuild.build.actions import reference
-    from qbuild.recipe.params import ReferenceParams
+    from qbuild.build.actions import reference, verify
+    from qbuild.recipe.params import ReferenceParams, VerifyParams
 
     require_bundle(dense.result, dense.stderr)
     inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "fetch", "port")}
