@@ -79,6 +79,17 @@ def test_independent_nodes_run_in_parallel(tmp_path):
     assert len(result.built) == 2
 
 
+def test_a_chain_of_steps_runs_in_one_worker_whatever_the_jobs(tmp_path):
+    """A worker starts only when every started one is busy: each imports torch, which steps that run one at a time
+    (most rebuilds) never need twice."""
+    log = tmp_path / "log"
+    plan = _graph(log, [("a", "test-sleep", [], 1), ("b", "test-sleep", ["a"], 1), ("c", "test-sleep", ["b"], 1),
+                        ("d", "test-sleep", ["c"], 1)], seconds=0.01)
+    result, _ = _run(plan, tmp_path / "store", jobs=4)
+    assert result.ok and len(result.built) == 4
+    assert len({e["pid"] for e in read_log(log)}) == 1
+
+
 def test_test_actions_stay_out_of_the_production_registry():
     assert not any(kind.startswith("test-") for kind in REGISTRY)
 

@@ -45,6 +45,8 @@ class LocalExecutor:
         self._feeders: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._waiting = 0    # jobs in the queue that no feeder has taken yet
+        self._idle = 0       # feeders (and so workers) waiting for a job
 
     def submit(self, job: Job, node: Node) -> Future:
         future: Future = Future()
@@ -52,7 +54,10 @@ class LocalExecutor:
             if self._closed:
                 raise RuntimeError("the local executor is shut down")
             self._queue.put((job, future))
-            if len(self._feeders) < self._jobs:   # workers start as jobs arrive, up to -j of them
+            self._waiting += 1
+            # A worker starts only when every started one is busy, up to -j of them: each one imports torch (seconds
+            # and hundreds of MiB), which a build of few steps at a time, such as most rebuilds, never needs twice.
+            if self._waiting > self._idle and len(self._feeders) < self._jobs:
                 feeder = threading.Thread(target=self._feed, name=f"qbuild-worker-{len(self._feeders)}", daemon=True)
                 self._feeders.append(feeder)
                 feeder.start()
@@ -81,14 +86,29 @@ class LocalExecutor:
         for feeder in feeders:
             feeder.join()
 
+    def _take(self) -> tuple[Job, Future] | None:
+        """The next job for an idle feeder, waiting for one (None: shut down); the feeder is busy from here on."""
+        item = self._queue.get()
+        with self._lock:
+            self._idle -= 1
+            if item is not None:
+                self._waiting -= 1
+        return item
+
+    def _free(self) -> None:
+        with self._lock:
+            self._idle += 1
+
     def _feed(self) -> None:
         """One worker's thread: hand it the next job, wait for its answer, settle the job's future; start a new worker
         when the last one died."""
         worker: _Worker | None = None
+        self._free()
         try:
-            while (item := self._queue.get()) is not None:
+            while (item := self._take()) is not None:
                 job, future = item
                 if not future.set_running_or_notify_cancel():
+                    self._free()
                     continue
                 try:
                     if worker is None or not worker.alive():
@@ -96,11 +116,11 @@ class LocalExecutor:
                     ok, value = worker.run(job)
                 except WorkerLost as e:
                     worker = None
-                    future.set_exception(e)
-                    continue
+                    ok, value = False, e
                 except BaseException as e:   # the driver could not start a worker or read its answer
-                    future.set_exception(e)
-                    continue
+                    ok, value = False, e
+                # Free before the engine hears the result: the step it submits next then goes to this worker.
+                self._free()
                 if ok:
                     future.set_result(value)
                 else:
