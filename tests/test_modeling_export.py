@@ -8,6 +8,7 @@ give what the eager model gives, with the weights under their NxDI names.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,10 +78,12 @@ def test_prefill_and_decode_export(tiny_checkpoints, family, tp, ep):
 
 
 @pytest.mark.slow
-def test_loading_with_remembered_type_hints_gives_the_program_torch_gives(tiny_checkpoints, tmp_path):
-    """qbuild's loader (qbuild.model.runtime.exported) reads each schema class's type hints once instead of once
-    per deserialized object; the program it returns must be the one torch.export.load returns, and it must apply
-    to the pinned torch, where it makes loading about three times faster."""
+def test_saving_and_loading_shortcuts_give_what_torch_gives(tiny_checkpoints, tmp_path):
+    """qbuild's saver (qbuild.model.runtime.exported) skips the canonical-form check torch throws away, and its loader
+    reads each schema class's type hints once instead of once per deserialized object: the saved bytes must be the
+    ones torch.export.save writes, the loaded program the one torch.export.load returns, the serializer must be left
+    as it was, and both must apply to the pinned torch, where they make saving about twice and loading about three
+    times faster."""
     from torch._export.serde import serialize
 
     from qbuild.model.runtime import exported
@@ -92,6 +95,12 @@ def test_loading_with_remembered_type_hints_gives_the_program_torch_gives(tiny_c
         program = torch.export.export(EntryPoint(model, "prefill"), (ids, positions, seq_lens), strict=False)
     path = str(tmp_path / "prefill.pt2")
     torch.export.save(program, path)
+    assert exported._canonicalize_is_a_discarded_check(), "torch's serializer changed shape: the saver no longer applies"
+    check = serialize.canonicalize
+    (tmp_path / "ours").mkdir()
+    exported.save(program, tmp_path / "ours" / "prefill.pt2")
+    assert serialize.canonicalize is check
+    assert (tmp_path / "ours" / "prefill.pt2").read_bytes() == Path(path).read_bytes()
 
     plain = torch.export.load(path)
     assert exported._memoize_schema_hints(), "torch's serializer changed shape: the loader no longer applies"

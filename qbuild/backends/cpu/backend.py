@@ -113,9 +113,8 @@ class CpuBackend:
     # --- building ------------------------------------------------------------------------------------------------
 
     def compile(self, ctx: StepContext) -> None:
-        import torch
-
         from qbuild.backends.cpu.export import export_graph
+        from qbuild.model.runtime import exported
 
         p = ctx.params
         name = f"{p.graph}-{p.bucket}"
@@ -127,7 +126,7 @@ class CpuBackend:
 
             ctx.log(f"{name}: AOTInductor {package(traced.program, target, ctx.scratch):.1f}s")
         else:
-            torch.export.save(traced.program, target)
+            exported.save(traced.program, target)
         (ctx.out / f"{name}.json").write_text(jsonio.dumps(signature, indent=1, sort_keys=True))
         ctx.log(f"{name}: exported in {traced.seconds:.1f}s")
 
