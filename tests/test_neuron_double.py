@@ -563,10 +563,12 @@ def test_skip_device_leaves_verify_unbuilt(dense):
     assert skipped.returncode == 0, skipped.stderr
     assert "2 left unbuilt (--skip-device)" in skipped.stderr.splitlines()[-1]
     assert "skip   reference qwen3_5: left unbuilt (--skip-device): only verify dense needs it" in skipped.stderr
+    (line,) = [ln for ln in skipped.stderr.splitlines() if ln.startswith("skip   verify dense")]
+    assert line.endswith("this host has no Neuron device; run it on a trn host"), line   # no advice to pass the flag
     refused = dense.cli("compile", str(dense.recipe))
     assert refused.returncode == 1
     (line,) = [ln for ln in refused.stderr.splitlines() if ln.startswith("FAILED verify dense")]
-    assert "NeuronCores" in line and "--skip-device" in line
+    assert "NeuronCores" in line and line.endswith("or pass --skip-device to leave it unbuilt"), line
 
 
 @pytest.mark.slow

@@ -169,7 +169,7 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                     continue
                 if problem is not None:
                     waiting.remove(nid)
-                    fail(nid, problem)
+                    fail(nid, problem + (", or pass --skip-device to leave it unbuilt" if node.needs_device else ""))
                     progressed = True
                     continue
                 if len(running) >= options.jobs:

@@ -66,7 +66,7 @@ class LocalExecutor:
     def capacity_check(self, node: Node) -> str | None:
         if node.needs_device and not neuron_devices():
             return (f"{node.name} runs on {node.neuron_cores} NeuronCores and this host has no Neuron device; "
-                    "run it on a trn host, or pass --skip-device to leave it unbuilt")
+                    "run it on a trn host")
         return None
 
     def shutdown(self) -> None:
