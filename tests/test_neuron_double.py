@@ -365,38 +365,6 @@ def test_bundle_loads_with_the_port_class(dense, tmp_path):
 
 # --- the moe lineage ---------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_coder_next_recipe_resolves_the_moe_lineage(small_checkpoints, tmp_path):
-    """A tiny Qwen3-Next (Coder-Next's family) resolves the moe lineage: src/ on sys.path, the flat module's
-    NeuronQwen35MoeForCausalLM with a MoENeuronConfig, the router forced to fp32 softmax, shard-on-block experts, the
-    lineage's DGE flag, fused QKV. tp 2 and ep 1, as PR 170's scripts run it."""
-    build = Build(tmp_path)
-    recipe = write_recipe(tmp_path / "next.yaml", small_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
-                          moe_backend="shard_on_block", port={"lineage": "moe"})
-    build.recipe = recipe
-    result, stderr = build.compile(recipe)
-    require_bundle(result, stderr)
-    (init,) = build.calls("app_init")
-    assert "modeling_qwen35_moe.NeuronQwen35MoeForCausalLM" in init["mro"]
-    assert init["config_cls"] == "Qwen35MoeInferenceConfig" and init["neuron_config_cls"] == "MoENeuronConfig"
-    port_module = Path(init["files"]["modeling_qwen35_moe.NeuronQwen35MoeForCausalLM"])
-    assert port_module.parent == Path(init["sys_path"][0]) and port_module.parent.name == "src"
-    (config,) = [c for c in build.calls("NeuronConfig") if not c["load_path"]]
-    assert config["cls"] == "MoENeuronConfig"
-    assert config["kwargs"]["blockwise_matmul_config"] == {"block_size": 128, "use_shard_on_block_dynamic_while": True,
-                                                           "block_sharding_strategy": "PING_PONG",
-                                                           "logical_nc_config": 2}
-    assert config["kwargs"]["moe_tp_degree"] == 2 and config["kwargs"]["moe_ep_degree"] == 1
-    call = _compile_call(build)
-    nc = call["config"]["neuron_config"]
-    assert nc["router_config"] == {"act_fn": "softmax", "dtype": "float32"} and nc["fused_qkv"] is True
-    assert {c["returned"] for c in build.calls("get_compiler_args")} == {f"{MOE_PORT_ARGS} --target=trn2 --lnc=2 "
-                                                                         f"{RECIPE_FLAG}"}
-    # The bundle packages and loads: every shard's names, shapes, dtypes and values as the compiled model takes them.
-    bundle = build.node_outputs("next", "package", tmp_path / "bundle")
-    assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
-
-
 # The Coder-Next build as validated (README L66, test/integration/test_model.py L123 @ 753c7f5:
 # NEURON_CC_FLAGS='--auto-cast matmult --auto-cast-type bf16'), the port's own `--auto-cast=none` replaced.
 CODER_NEXT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
@@ -405,11 +373,14 @@ CODER_NEXT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumula
 
 
 @pytest.mark.slow
-def test_shipped_coder_next_recipe_compiles_with_the_validated_flags(tmp_path):
+def test_shipped_coder_next_recipe_resolves_the_moe_lineage_and_compiles_with_the_validated_flags(tmp_path):
     """recipes/coder-next-tp8.yaml as shipped (tp 8, its buckets, its SDK 2.30 pins, its compiler flags), with a tiny
     Qwen3-Next for the model (head counts that split over 8 ranks, as the real one's 16 / 2 / 16 / 32 do) and the
-    double's moe port for the port: get_compiler_args() answers exactly the validated arguments, every bucket's
-    neuronx-cc flags hold ONE --auto-cast (matmult) and the bf16 auto-cast type, and the bundle packages and loads."""
+    double's moe port for the port. It resolves the moe lineage: src/ on sys.path, the flat module's
+    NeuronQwen35MoeForCausalLM with a MoENeuronConfig, the router forced to fp32 softmax, shard-on-block experts, fused
+    QKV, moe_tp 8 and ep 1, as PR 170's scripts run it. get_compiler_args() answers exactly the validated arguments
+    (the lineage's DGE flag among them), every bucket's neuronx-cc flags hold ONE --auto-cast (matmult) and the bf16
+    auto-cast type, and the bundle packages and loads."""
     from qbuild.model.tinymodel import write_tiny_checkpoint
 
     checkpoint = write_tiny_checkpoint(tmp_path / "qwen3_next", "qwen3_next", text_overrides=dict(
@@ -426,9 +397,22 @@ def test_shipped_coder_next_recipe_compiles_with_the_validated_flags(tmp_path):
     build = Build(tmp_path / "build", recipe=recipe)
     result, stderr = build.compile(recipe, overlay=(overlay,))
     require_bundle(result, stderr)
+    (init,) = build.calls("app_init")
+    assert "modeling_qwen35_moe.NeuronQwen35MoeForCausalLM" in init["mro"]
+    assert init["config_cls"] == "Qwen35MoeInferenceConfig" and init["neuron_config_cls"] == "MoENeuronConfig"
+    port_module = Path(init["files"]["modeling_qwen35_moe.NeuronQwen35MoeForCausalLM"])
+    assert port_module.parent == Path(init["sys_path"][0]) and port_module.parent.name == "src"
+    (config,) = [c for c in build.calls("NeuronConfig") if not c["load_path"]]
+    assert config["cls"] == "MoENeuronConfig"
+    assert config["kwargs"]["blockwise_matmul_config"] == {"block_size": 128, "use_shard_on_block_dynamic_while": True,
+                                                           "block_sharding_strategy": "PING_PONG",
+                                                           "logical_nc_config": 2}
+    assert config["kwargs"]["moe_tp_degree"] == 8 and config["kwargs"]["moe_ep_degree"] == 1
     assert {c["returned"] for c in build.calls("get_compiler_args")} == {CODER_NEXT_ARGS}
     (call,) = build.calls("compile")
-    assert call["config"]["neuron_config"]["tp_degree"] == 8 and len(call["neffs"]) == 3
+    nc = call["config"]["neuron_config"]
+    assert nc["tp_degree"] == 8 and len(call["neffs"]) == 3
+    assert nc["router_config"] == {"act_fn": "softmax", "dtype": "float32"} and nc["fused_qkv"] is True
     for neff in call["neffs"]:
         options = [t.split("=", 1)[0] for t in neff["flags"].split() if t.startswith("--auto-cast")]
         assert options == ["--auto-cast", "--auto-cast-type"], neff["flags"]
