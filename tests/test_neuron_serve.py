@@ -26,7 +26,9 @@ from tests.test_neuron_double import Build, compiled, require_bundle, write_reci
 
 pytestmark = pytest.mark.xdist_group("neuron-serve")
 
-TEXT = {"batch_size": 1, "seq_len": 128, "cte_buckets": [32, 64], "tkg_buckets": [128]}
+# CTE buckets up to 128: the loader's fallback builds its own NeuronConfig with autobucketing, which the double only
+# does from 128 on, so a failed load reaches the compile it falls back to.
+TEXT = {"batch_size": 1, "seq_len": 256, "cte_buckets": [64, 128], "tkg_buckets": [256]}
 
 
 def _bundle(root: Path, checkpoint: Path, port_dir: Path, **changes) -> tuple[Build, Path]:
@@ -44,7 +46,7 @@ def _bundle(root: Path, checkpoint: Path, port_dir: Path, **changes) -> tuple[Bu
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory, small_checkpoints) -> tuple[Build, Path]:
-    """The tiny Qwen3.5 on the main lineage, tp 2, CTE buckets 32 and 64 under seq_len 128."""
+    """The tiny Qwen3.5 on the main lineage, tp 2, CTE buckets 64 and 128, TKG bucket 256."""
     return _bundle(tmp_path_factory.mktemp("serve-dense"), small_checkpoints["qwen3_5"], MAIN_PORT)
 
 
@@ -65,11 +67,11 @@ def test_dry_run_prints_the_vllm_command_made_of_the_bundle_record(dense):
     command, env = doc["command"], doc["env"]
     assert command[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert flag(command, "--model") == str(bundle) and flag(command, "--served-model-name") == "bundle"
-    # Prompts up to the largest CTE bucket (64, the compiled max_context_length), the sequence up to the largest TKG
-    # bucket (128): vllm-neuron 0.5's additional_config.max_prompt_length, then vLLM's max_model_len.
-    assert flag(command, "--max-model-len") == "128" and doc["max_model_len"] == 128
-    assert json.loads(flag(command, "--additional-config")) == {"max_prompt_length": 64}
-    assert doc["max_prompt_length"] == 64
+    # Prompts up to the largest CTE bucket (128, the compiled max_context_length), the sequence up to the largest TKG
+    # bucket (256): vllm-neuron 0.5's additional_config.max_prompt_length, then vLLM's max_model_len.
+    assert flag(command, "--max-model-len") == "256" and doc["max_model_len"] == 256
+    assert json.loads(flag(command, "--additional-config")) == {"max_prompt_length": 128}
+    assert doc["max_prompt_length"] == 128
     assert flag(command, "--tensor-parallel-size") == "2"
     assert flag(command, "--max-num-seqs") == "1" and flag(command, "--num-gpu-blocks-override") == "1"
     assert flag(command, "--dtype") == "bfloat16"
@@ -132,7 +134,7 @@ def test_dry_run_of_a_recipe_and_of_a_copied_bundle(dense, tmp_path):
     build, bundle = dense
     by_recipe = dry_run(build, str(build.recipe), "--allow-unverified")
     assert flag(by_recipe["command"], "--served-model-name") == "serve"
-    assert flag(by_recipe["command"], "--max-model-len") == "64"
+    assert flag(by_recipe["command"], "--max-model-len") == "256"
     refused = build.cli("serve", str(build.recipe), "--dry-run")
     assert refused.returncode == 2 and "not verified" in refused.stderr and "--allow-unverified" in refused.stderr
 
@@ -240,8 +242,8 @@ def test_serve_runs_the_bundle_through_vllm_neuron_05(dense, tmp_path):
     try:
         url = served.url()
         assert url, served.stop()[1]
-        status, long = _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 40})
-        assert status == 400 and "maximum prompt length is 64 tokens" in long["error"]["message"]
+        status, long = _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 100})
+        assert status == 400 and "maximum prompt length is 128 tokens" in long["error"]["message"]
         assert _post(url + "/completions", {"model": "bundle", "prompt": "hello"})[0] == 501   # the double stops here
     finally:
         code, err = served.stop()
@@ -250,7 +252,7 @@ def test_serve_runs_the_bundle_through_vllm_neuron_05(dense, tmp_path):
     assert engine["start_method"] == "spawn" and engine["pid"] != served.proc.pid
     assert engine["hf_config_cls"] == "qbuild_vllm_plugin.Qwen35Config"
     assert engine["app_cls"] == "PrecompiledOnlyNeuronQwen35ForCausalLM"
-    assert (engine["max_prompt_length"], engine["block_size"], engine["num_gpu_blocks"]) == (64, 128, 2)
+    assert (engine["max_prompt_length"], engine["block_size"], engine["num_gpu_blocks"]) == (128, 256, 2)
     (load,) = served.calls("load")
     assert load["path"].rstrip("/") == str(bundle) and load["ranks"] == [0, 1]
     assert not served.calls("compile")
