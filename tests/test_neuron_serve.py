@@ -543,8 +543,9 @@ def _real_sdk_skip() -> str | None:
 @pytest.mark.skipif(_real_sdk_skip() is not None, reason=str(_real_sdk_skip()))
 def test_serve_a_tiny_neuron_bundle_with_vllm(small_checkpoints, tmp_path):
     """`qbuild serve` on a tiny Qwen3.5 bundle built and verified on this host's NeuronCores (the Qwen3.5-2B port,
-    main lineage), with the real SDK and vLLM's Neuron plugin: the OpenAI client completes a request, and Ctrl-C
-    stops the server with exit 0."""
+    main lineage), with the real SDK and vLLM 0.16 with vllm-neuron 0.5: the tiny tokenizer (saved by transformers 5)
+    loads under the stack's transformers 4.x, the OpenAI client completes a request, a prompt over the largest CTE
+    bucket is a 400, Ctrl-C stops the server with exit 0, and the bundle is unchanged."""
     import importlib.metadata
 
     import openai
@@ -561,19 +562,26 @@ def test_serve_a_tiny_neuron_bundle_with_vllm(small_checkpoints, tmp_path):
         "parallel": {"tp": 2}, "dtype": "bfloat16", "text": TEXT, "compiler": {"target": "trn2"},
         "toolchain": toolchain, "verify": {"prompts": ["Hello world"], "new_tokens": 4, "image_prompt": False}}))
     env = {"QBUILD_STORE": str(tmp_path / "store")}
-    built = qbuild("compile", str(recipe), "--lock", str(tmp_path / "artifacts.lock"), env=env, timeout=7200)
+    lock = ["--lock", str(tmp_path / "artifacts.lock")]
+    built = qbuild("compile", str(recipe), *lock, env=env, timeout=7200)
     assert built.returncode == 0, built.stderr[-4000:]
+    bundle = tmp_path / "bundle"
+    assert qbuild("pull", "serve", "--to", str(bundle), *lock, env=env).returncode == 0
+    # As a user starts it: the console script this interpreter installed, on a pulled bundle, a flag for vLLM after --.
+    script = Path(sys.executable).with_name("qbuild")
     ready = tmp_path / "url"
-    server = subprocess.Popen([sys.executable, "-m", "qbuild.cli", "serve", str(recipe), "--port", "0",
-                              "--ready-file", str(ready), "--lock", str(tmp_path / "artifacts.lock")],
-                             env=dict(os.environ, **env, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen([str(script), "serve", str(bundle), "--port", "0", "--ready-file", str(ready), *lock,
+                               "--", "--generation-config", "vllm"],
+                              env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = wait_until(lambda: ready.exists() and ready.read_text().strip(), 1800, "vLLM to answer /v1/models")
         client = openai.OpenAI(base_url=url, api_key="unused")
-        reply = client.completions.create(model="serve", prompt="Hello world", max_tokens=4, temperature=0)
+        reply = client.completions.create(model="bundle", prompt="Hello world", max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError, match="maximum prompt length is 128 tokens"):
+            client.completions.create(model="bundle", prompt="Hello world " * 100, max_tokens=4)
     finally:
         server.send_signal(signal.SIGINT)
         out, err = server.communicate(timeout=300)
     assert server.returncode == 0, err[-4000:]
+    _unchanged(bundle)
