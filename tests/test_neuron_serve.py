@@ -292,6 +292,33 @@ def test_a_host_with_another_vllm_stack_is_refused_in_one_line(dense, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_bundle_whose_files_disagree_is_refused_before_vllm_starts(dense, tmp_path):
+    """The load's preconditions are checked first: NxDI's compiled neuron_config.json must say what vllm/serve.json
+    tells vLLM (the runner refuses a max_prompt_length other than the compiled max_context_length), even where
+    bundle.json was rewritten to match the files; a bundle whose files differ from bundle.json is refused too. Nothing
+    starts: the double's log stays empty."""
+    from qbuild.store.bundle import read_manifest, write_manifest
+
+    build, bundle = dense
+    copy = Path(shutil.copytree(bundle, tmp_path / "bundle"))
+    config = json.loads((copy / "neuron_config.json").read_text())
+    config["neuron_config"]["max_context_length"] = 64
+    (copy / "neuron_config.json").unlink()
+    (copy / "neuron_config.json").write_text(json.dumps(config))
+    log = tmp_path / "x.jsonl"
+    changed = build.cli("serve", str(copy), "--port", "0", overlay=(VLLM_SITE,), log=log)
+    assert changed.returncode == 2 and "changed since the bundle was made" in changed.stderr, changed.stderr
+    meta = {k: v for k, v in read_manifest(bundle).items() if k not in ("files", "format")}
+    write_manifest(copy, meta)
+    proc = build.cli("serve", str(copy), "--port", "0", overlay=(VLLM_SITE,), log=log)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"error: {copy / 'neuron_config.json'}: neuron_config.max_context_length is 64 where "
+                                   "vllm/serve.json says 128; the bundle's files do not belong together: pull or "
+                                   "build it again")
+    assert not read_log(log)
+
+
+@pytest.mark.slow
 def test_the_checkpoint_config_is_what_vllm_neuron_would_refuse(dense, small_checkpoints, tmp_path):
     """The flattened config.json matters: with the checkpoint's own nested one in the bundle's place, the printed
     command's engine stops at vllm-neuron's first read, no num_key_value_heads at the top level."""
@@ -333,6 +360,63 @@ def test_serving_without_vllm_is_one_line_exit_3(dense):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: serving a neuron bundle needs vLLM") and "--dry-run" in lines[-1]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# The vLLM 0.16 command line as the double's api_server parses it, and the configuration vllm-neuron 0.5's platform
+# makes of it (vllm_site: flags of arg_utils.py / cli_args.py, platform.py L290-387).
+_PARSE_SCRIPT = """
+import json, sys
+sys.path[:0] = [sys.argv[1]]
+from vllm.config import VllmConfig
+from vllm.entrypoints.openai.api_server import parser
+from vllm_neuron.platform import NeuronPlatform
+args = parser().parse_args(json.loads(sys.argv[2]))
+config = VllmConfig(model=args.model, hf_config=None, dtype=args.dtype, max_model_len=args.max_model_len,
+                    tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
+                    num_gpu_blocks_override=args.num_gpu_blocks_override,
+                    enable_prefix_caching=bool(args.enable_prefix_caching),
+                    enable_chunked_prefill=bool(args.enable_chunked_prefill), additional_config=args.additional_config)
+NeuronPlatform.check_and_update_config(config)
+print(json.dumps({k: v for k, v in vars(config).items() if k != "hf_config"}))
+"""
+
+
+@pytest.mark.parametrize("recipe", [r for r in sorted((REPO / "recipes").glob("*.yaml"))], ids=lambda p: p.name)
+def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, tmp_path):
+    """`qbuild serve --dry-run` of each shipped recipe's bundle layout (its vllm/serve.json as the package step writes
+    it from the planned params and compile record): vLLM 0.16's parser takes every flag, and vllm-neuron 0.5's platform
+    makes of it prompts up to the largest CTE bucket, sequences up to the largest TKG bucket, one contiguous block per
+    sequence, chunked prefill off; the stack is SDK 2.29-2.31's."""
+    from qbuild.backends.neuron.package import serve_record
+    from qbuild.backends.neuron.params import NeuronPackageParams
+    from qbuild.recipe.params import parse
+    from qbuild.store.bundle import write_manifest
+
+    nodes = json.loads(qbuild("plan", str(recipe), "--json", check=True).stdout)["nodes"]
+    (package,) = [n for n in nodes if n["kind"] == "package"]
+    (text,) = [n for n in nodes if n["kind"] == "compile" and n["params"].get("graph") == "text"]
+    params = parse(NeuronPackageParams, package["params"])
+    record = {"params": text["params"], "config": {"env": text["neuron_config"]["env"]}}
+    bundle = tmp_path / "bundle"
+    (bundle / "vllm").mkdir(parents=True)
+    (bundle / "vllm" / "serve.json").write_text(json.dumps(serve_record(params, record)))
+    (bundle / "vllm" / "qbuild_vllm_plugin.json").write_text(json.dumps({"port_dir": "../port"}))
+    write_manifest(bundle, {"backend": "neuron"})
+    proc = qbuild("serve", str(bundle), "--dry-run", "--json", "--", "--reasoning-parser", "qwen3")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["stack"]["vllm"] == "0.16.0" and doc["stack"]["vllm_neuron"] == "0.5"
+    assert doc["env"]["NEURON_COMPILED_ARTIFACTS"] == str(bundle)
+    assert doc["env"].items() >= text["neuron_config"]["env"].items()
+    parsed = subprocess.run([sys.executable, "-c", _PARSE_SCRIPT, str(VLLM_SITE), json.dumps(doc["command"][3:])],
+                            capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
+    config = json.loads(parsed.stdout)
+    cte, tkg = max(params.cte_buckets), max(params.tkg_buckets)
+    assert (config["max_prompt_length"], config["max_model_len"], config["block_size"]) == (cte, tkg, tkg)
+    assert config["max_num_seqs"] == params.batch_size and config["num_gpu_blocks_override"] == params.batch_size + 1
+    assert config["tensor_parallel_size"] == params.tp and config["dtype"] == params.dtype
+    assert not config["enable_prefix_caching"] and not config["enable_chunked_prefill"]
 
 
 # --- the pieces, without a build ----------------------------------------------------------------------------------

@@ -145,13 +145,16 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
 
 
 def printable(doc: dict) -> dict:
-    """`doc` with every credential masked, for --dry-run and logs."""
-    command = list(doc["command"])
-    for i, arg in enumerate(command):
-        if arg in _SECRET_FLAGS and i + 1 < len(command):
-            command[i + 1] = "***"
-        elif arg.split("=", 1)[0] in _SECRET_FLAGS and "=" in arg:
-            command[i] = arg.split("=", 1)[0] + "=***"
+    """`doc` with every credential masked, for --dry-run and logs: the values after --api-key (vLLM takes one or
+    more: cli_args.py L99), --api-key=KEY, and VLLM_API_KEY."""
+    command, secret = [], False
+    for arg in doc["command"]:
+        name = arg.split("=", 1)[0]
+        if name in _SECRET_FLAGS and "=" in arg:
+            command.append(f"{name}=***")
+        else:
+            command.append("***" if secret and not arg.startswith("-") else arg)
+        secret = arg in _SECRET_FLAGS or (secret and not arg.startswith("-"))
     env = {k: "***" if k == "VLLM_API_KEY" else v for k, v in doc["env"].items()}
     return {**doc, "command": command, "env": env}
 
