@@ -312,9 +312,9 @@ def test_a_bundle_whose_files_disagree_is_refused_before_vllm_starts(dense, tmp_
     write_manifest(copy, meta)
     proc = build.cli("serve", str(copy), "--port", "0", overlay=(VLLM_SITE,), log=log)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip() == (f"error: {copy / 'neuron_config.json'}: neuron_config.max_context_length is 64 where "
-                                   "vllm/serve.json says 128; the bundle's files do not belong together: pull or "
-                                   "build it again")
+    assert proc.stderr.strip() == (f"error: {copy / 'neuron_config.json'}: neuron_config.max_context_length is 64 "
+                                   "where vllm/serve.json says 128; the bundle's files do not belong together: pull "
+                                   "or build it again")
     assert not read_log(log)
 
 

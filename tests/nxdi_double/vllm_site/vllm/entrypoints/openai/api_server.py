@@ -144,10 +144,9 @@ def serve_http(args, config) -> None:
                 return self.reply(404, {"error": "not found"})
             n = len(tokenizer(body.get("prompt", ""))["input_ids"])
             if config.max_prompt_length is not None and n > config.max_prompt_length:
-                return self.reply(400, {"error": {"message": f"This model's maximum prompt length is "
-                                                             f"{config.max_prompt_length} tokens. However, your request "
-                                                             f"has {n} prompt tokens. Please reduce the length of the "
-                                                             "prompt.", "type": "BadRequestError", "code": 400}})
+                message = (f"This model's maximum prompt length is {config.max_prompt_length} tokens. However, your "
+                           f"request has {n} prompt tokens. Please reduce the length of the prompt.")
+                return self.reply(400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
             if n >= config.max_model_len:
                 return self.reply(400, {"error": {"message": f"This model's maximum context length is "
                                                              f"{config.max_model_len} tokens.", "code": 400}})
