@@ -591,6 +591,11 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
 
 @app.command()
 def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbuild pull`), or a locked recipe"),
+          server_args: Optional[list[str]] = typer.Argument(
+              None, metavar="VLLM_ARGS",
+              help="after --, arguments handed to vLLM as they are (a neuron bundle): --chat-template, "
+                   "--enable-auto-tool-choice --tool-call-parser NAME, --reasoning-parser NAME, ...; the lengths, "
+                   "parallelism and cache flags come from the bundle and are refused here"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
           port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
           dry_run: bool = typer.Option(False, "--dry-run",
@@ -629,7 +634,8 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
             raise UserError(f"{bundle}/bundle.json: backend {manifest.get('backend')!r} is not one of "
                             f"{', '.join(backends.NAMES)}; only a bundle qbuild built can be served")
         backend = backends.get(manifest["backend"])
-        options = ServeOptions(name=name, host=host, port=port, log=_err, on_ready=on_ready, digests_checked=checked)
+        options = ServeOptions(name=name, host=host, port=port, log=_err, on_ready=on_ready, digests_checked=checked,
+                               server_args=tuple(server_args or ()))
         if dry_run:
             doc = backend.serve_command(bundle, manifest, options)
             if json_:

@@ -92,22 +92,28 @@ class Build:
         return Path(yaml.safe_load(self.recipe.read_text())["model"]["path"]) if self.recipe else None
 
     def env(self, sdk: bool = True, overlay: tuple[Path, ...] = (), log: Path | None = None,
-            barrier: str | None = None, checkpoint: Path | None = None, **extra) -> dict:
+            barrier: str | None = None, checkpoint: Path | None = None, load_error: str | None = None,
+            **extra) -> dict:
         """The CLI's environment: the double's settings (its call log: `log`, else this build's; the HF checkpoint
-        load() checks values against: `checkpoint`, else the fixture recipe's) first on PYTHONPATH, the work-dir
-        root, no network."""
+        load() checks values against: `checkpoint`, else the fixture recipe's; a failure load() injects) first on
+        PYTHONPATH, the work-dir root, no network."""
         log = log or self.log
         checkpoint = checkpoint or self.checkpoint
-        key = hashlib.sha256(f"{log}|{barrier}|{checkpoint}".encode()).hexdigest()[:12]
-        settings = settings_dir(self.root / "double-settings" / key, log=log, barrier=barrier, checkpoint=checkpoint)
+        key = hashlib.sha256(f"{log}|{barrier}|{checkpoint}|{load_error}".encode()).hexdigest()[:12]
+        settings = settings_dir(self.root / "double-settings" / key, log=log, barrier=barrier, checkpoint=checkpoint,
+                                load_error=load_error)
         return {"PYTHONPATH": _pythonpath(sdk, (settings, *overlay)), "QBUILD_NEURON_WORKDIR": str(self.work),
                 "HF_HUB_OFFLINE": "1", "HF_HOME": str(self.root / "hf"), "XDG_CACHE_HOME": str(self.root / "xdg"),
                 **extra}
 
     def cli(self, *args: str, lock: Path | None = None, sdk: bool = True, overlay: tuple[Path, ...] = (),
             log: Path | None = None, **extra) -> subprocess.CompletedProcess:
-        return qbuild(*args, "--store", str(self.store), "--lock", str(lock or self.lock),
-                      env=self.env(sdk, overlay, log, **extra))
+        return qbuild(*self.args(args, lock), env=self.env(sdk, overlay, log, **extra))
+
+    def args(self, args: tuple[str, ...], lock: Path | None = None) -> list[str]:
+        """`args` with this build's store and lockfile, before a `--` (what follows it is handed to vLLM)."""
+        cut = args.index("--") if "--" in args else len(args)
+        return [*args[:cut], "--store", str(self.store), "--lock", str(lock or self.lock), *args[cut:]]
 
     def compile(self, recipe: Path, *flags: str, lock: Path | None = None, **kw) -> tuple[dict, str]:
         """`qbuild compile --skip-device --json`: (the result document, stderr)."""

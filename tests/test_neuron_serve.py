@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, qbuild, wait_until
-from tests.nxdi_double import MAIN_PORT, MOE_PORT, SITE, read_log, settings_dir
+from tests.nxdi_double import MAIN_PORT, MOE_PORT, SITE, VLLM_SITE, metadata_overlay, read_log, settings_dir
 from tests.test_neuron_double import Build, compiled, require_bundle, write_recipe
 
 pytestmark = pytest.mark.xdist_group("neuron-serve")
 
-TEXT = {"batch_size": 1, "seq_len": 128, "cte_buckets": [32, 64], "tkg_buckets": [128]}
+# CTE buckets up to 128: the loader's fallback builds its own NeuronConfig with autobucketing, which the double only
+# does from 128 on, so a failed load reaches the compile it falls back to.
+TEXT = {"batch_size": 1, "seq_len": 256, "cte_buckets": [64, 128], "tkg_buckets": [256]}
 
 
 def _bundle(root: Path, checkpoint: Path, port_dir: Path, **changes) -> tuple[Build, Path]:
@@ -44,7 +46,7 @@ def _bundle(root: Path, checkpoint: Path, port_dir: Path, **changes) -> tuple[Bu
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory, small_checkpoints) -> tuple[Build, Path]:
-    """The tiny Qwen3.5 on the main lineage, tp 2, CTE buckets 32 and 64 under seq_len 128."""
+    """The tiny Qwen3.5 on the main lineage, tp 2, CTE buckets 64 and 128, TKG bucket 256."""
     return _bundle(tmp_path_factory.mktemp("serve-dense"), small_checkpoints["qwen3_5"], MAIN_PORT)
 
 
@@ -65,19 +67,24 @@ def test_dry_run_prints_the_vllm_command_made_of_the_bundle_record(dense):
     command, env = doc["command"], doc["env"]
     assert command[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     assert flag(command, "--model") == str(bundle) and flag(command, "--served-model-name") == "bundle"
-    # The largest CTE bucket, not seq_len (128) nor the largest TKG bucket (128): NxDI refuses longer prompts.
-    assert flag(command, "--max-model-len") == "64" and doc["max_model_len"] == 64
+    # Prompts up to the largest CTE bucket (128, the compiled max_context_length), the sequence up to the largest TKG
+    # bucket (256): vllm-neuron 0.5's additional_config.max_prompt_length, then vLLM's max_model_len.
+    assert flag(command, "--max-model-len") == "256" and doc["max_model_len"] == 256
+    assert json.loads(flag(command, "--additional-config")) == {"max_prompt_length": 128}
+    assert doc["max_prompt_length"] == 128
     assert flag(command, "--tensor-parallel-size") == "2"
     assert flag(command, "--max-num-seqs") == "1" and flag(command, "--num-gpu-blocks-override") == "1"
     assert flag(command, "--dtype") == "bfloat16"
     assert flag(command, "--host") == "0.0.0.0" and flag(command, "--port") == "8123"
     assert {"--no-enable-prefix-caching", "--no-enable-chunked-prefill"} <= set(command)
     assert "--block-size" not in command and "--enable-prefix-caching" not in command
+    assert "--trust-remote-code" not in command     # the plugin registers the config: no code from the bundle runs
     assert doc["url"] == "http://0.0.0.0:8123/v1"
+    assert doc["stack"] == {"releases": ["2.31.0", "2.31.1"], "vllm": "0.16.0", "vllm_neuron": "0.5"}
 
     assert env["NEURON_COMPILED_ARTIFACTS"] == str(bundle)
     assert env["VLLM_PLUGINS"].split(",") == ["neuron", "qbuild_bundle"]
-    assert "VLLM_NEURON_FRAMEWORK" not in env
+    assert "VLLM_NEURON_FRAMEWORK" not in env and "VLLM_WORKER_MULTIPROC_METHOD" not in env
     glue, port = (Path(p) for p in env["PYTHONPATH"].split(os.pathsep))
     assert glue == bundle / "vllm" and (glue / "qbuild_vllm_plugin.py").is_file()
     assert port == bundle / "port"     # main lineage: `import src.modeling_qwen35` from the port directory
@@ -87,12 +94,47 @@ def test_dry_run_prints_the_vllm_command_made_of_the_bundle_record(dense):
 
 
 @pytest.mark.slow
+def test_arguments_after_the_double_dash_reach_vllm_and_the_bundles_own_are_refused(dense):
+    build, bundle = dense
+    extra = ["--chat-template", "t.jinja", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder",
+             "--reasoning-parser", "qwen3", "--api-key", "sekrit", "--trust-remote-code"]
+    doc = dry_run(build, str(bundle), "--", *extra)
+    assert doc["command"][-len(extra):] == [*extra[:8], "***", extra[9]]      # the key is never printed
+    assert "sekrit" not in json.dumps(doc)
+    for args in (["--max-model-len", "4096"], ["-tp", "4"], ["--enable-prefix-caching"], ["--port=9"],
+                 ["--additional-config={}"], ["--num-gpu-blocks-override", "8"]):
+        proc = build.cli("serve", str(bundle), "--dry-run", "--", "--chat-template", "x", *args)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        line = proc.stderr.strip()
+        assert "\n" not in line and line.startswith(f"error: {args[0]}: set by qbuild from the bundle"), line
+
+
+@pytest.mark.slow
+def test_what_the_glue_cannot_serve_is_refused_naming_serve_json(dense, tmp_path):
+    """A batch above 1 compiled without continuous batching (vllm-neuron prefills requests one at a time into their
+    own batch lines), and a bundle of a release served by another vllm-neuron (2.28's 0.4.x), are refused in one line
+    by --dry-run and by serve alike."""
+    build, bundle = dense
+    for change, words in (({"max_num_seqs": 2}, "batch size 2 compiled without continuous batching"),
+                          ({"stack": {"releases": ["2.28.0", "2.28.1"], "vllm": "0.13.0", "vllm_neuron": "0.4"}},
+                           "SDK 2.28.0, 2.28.1 serves with vllm-neuron 0.4.x on vLLM 0.13.0")):
+        copy = Path(shutil.copytree(bundle, tmp_path / str(len(list(tmp_path.iterdir())))))
+        serve_json = copy / "vllm" / "serve.json"
+        serve_json.unlink()        # a hardlink into the store: replaced, never written through
+        serve_json.write_text(json.dumps({**json.loads((bundle / "vllm" / "serve.json").read_text()), **change}))
+        for args in (("--dry-run",), ("--port", "0")):
+            proc = build.cli("serve", str(copy), *args, overlay=(VLLM_SITE,))
+            assert proc.returncode == 2 and proc.stderr.strip().startswith(f"error: {serve_json}: {words}"), \
+                proc.stderr
+
+
+@pytest.mark.slow
 def test_dry_run_of_a_recipe_and_of_a_copied_bundle(dense, tmp_path):
     """A recipe's bundle is served under the recipe's name; a bundle copied elsewhere serves from where it is now."""
     build, bundle = dense
     by_recipe = dry_run(build, str(build.recipe), "--allow-unverified")
     assert flag(by_recipe["command"], "--served-model-name") == "serve"
-    assert flag(by_recipe["command"], "--max-model-len") == "64"
+    assert flag(by_recipe["command"], "--max-model-len") == "256"
     refused = build.cli("serve", str(build.recipe), "--dry-run")
     assert refused.returncode == 2 and "not verified" in refused.stderr and "--allow-unverified" in refused.stderr
 
@@ -121,100 +163,193 @@ def test_flattened_config_has_the_text_fields_at_the_top(dense):
     assert hf.get_text_config().head_dim == text["head_dim"]
 
 
-# What vllm-neuron does with NxDI (neuronx_distributed_model_loader.py @ a5ef7c8), with vLLM's plugin loading
-# (vllm/plugins/__init__.py @ 0142555) in front: the general plugins of every distribution on sys.path, filtered by
-# VLLM_PLUGINS. vLLM itself is not there, so its architecture registry is left out.
-VLLM_NEURON_LOAD = """
-import importlib.metadata, json, os, sys
-allowed = os.environ["VLLM_PLUGINS"].split(",")
-plugins = [ep for ep in importlib.metadata.entry_points(group="vllm.general_plugins") if ep.name in allowed]
-assert [ep.name for ep in plugins] == ["qbuild_bundle"], plugins
-plugin = sys.modules[plugins[0].load().__module__]
-spec = plugin.load_spec()
-for _ in range(2):   # vLLM loads its plugins once per process, in several processes: registering twice is harmless
-    plugin.add_port_to_path(spec)
-    plugin.register_hf_config(spec)
-    plugin.register_nxdi_model(spec)
+# --- the printed command, run by the vLLM / vllm-neuron double -----------------------------------------------------
 
-from neuronx_distributed_inference.utils.constants import MODEL_TYPES
-from neuronx_distributed_inference.utils.hf_adapter import load_pretrained_config
-from transformers import AutoConfig
-
-model_dir = sys.argv[1]
-hf = AutoConfig.from_pretrained(model_dir)
-arch = hf.architectures[0]                                            # L612-631
-kv_heads, head_dim = getattr(hf, "num_key_value_heads", None), getattr(hf, "head_dim", None)
-assert kv_heads and head_dim, "missing required fields in the pretrained config"
-model, task = arch.split("For", 1)                                    # L639-653
-task = "CausalLM" if task == "ConditionalGeneration" else task
-cls = MODEL_TYPES[model.lower()]["causal-lm"]
-nc = cls.get_neuron_config_cls()(tp_degree=int(sys.argv[2]), batch_size=1, seq_len=int(sys.argv[3]),
-                                 max_context_length=int(sys.argv[3]), torch_dtype="bfloat16")
-config = cls.get_config_cls()(nc, load_config=load_pretrained_config(model_dir))   # L162-167
-app = cls(os.environ["NEURON_COMPILED_ARTIFACTS"])                                # L214-218
-app.load(os.environ["NEURON_COMPILED_ARTIFACTS"])
-print(json.dumps({"class": f"{cls.__module__}.{cls.__name__}", "kv_heads": kv_heads, "head_dim": head_dim,
-                  "config_head_dim": config.head_dim}))
-"""
-
-
-def _as_vllm_neuron(build: Build, bundle: Path, doc: dict, log: Path) -> subprocess.CompletedProcess:
-    """VLLM_NEURON_LOAD in the environment `qbuild serve` gives vLLM, the double's NxDI on the path behind it, its
-    settings (the call log `log`, the HF checkpoint its load checks shard values against) just before it."""
+def _double_env(build: Build, doc: dict, log: Path) -> dict:
+    """`doc`'s environment (as `qbuild serve` gives vLLM) with the double's settings, vLLM / vllm-neuron and NxDI
+    behind it on PYTHONPATH."""
     env = dict(os.environ, **doc["env"])
-    settings = settings_dir(log.parent / f"{log.stem}-settings", log=log, checkpoint=build.checkpoint)
-    env["PYTHONPATH"] = os.pathsep.join((doc["env"]["PYTHONPATH"], str(settings), str(SITE), str(REPO)))
-    return subprocess.run([sys.executable, "-c", VLLM_NEURON_LOAD, str(bundle), flag(doc["command"],
-                           "--tensor-parallel-size"), flag(doc["command"], "--max-model-len")],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=build.root)
+    directory = settings_dir(log.parent / f"{log.stem}-settings", log=log, checkpoint=build.checkpoint)
+    env["PYTHONPATH"] = os.pathsep.join((doc["env"]["PYTHONPATH"], str(directory), str(VLLM_SITE), str(SITE),
+                                         str(REPO)))
+    return env
 
 
-def _loaded(proc: subprocess.CompletedProcess) -> dict:
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _run_printed(build: Build, doc: dict, log: Path) -> subprocess.CompletedProcess:
+    """The command `qbuild serve --dry-run` printed, run as printed; for a command whose engine fails to start."""
+    return subprocess.run(doc["command"], env=_double_env(build, doc, log), capture_output=True, text=True,
+                          timeout=300, cwd=build.root)
+
+
+class Served:
+    """`qbuild serve` of a bundle with the vLLM double on the path, as a user starts it."""
+
+    def __init__(self, build: Build, target: str, tmp: Path, *args: str, **settings):
+        self.ready, self.log = tmp / "url", tmp / "nxdi.jsonl"
+        env = build.env(overlay=(VLLM_SITE,), log=self.log, **settings)
+        self.proc = subprocess.Popen([sys.executable, "-m", "qbuild.cli", *build.args(
+            ("serve", target, "--port", "0", "--ready-file", str(self.ready), *args))],
+            env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=build.root)
+
+    def url(self) -> str:
+        """The URL once the server answers; "" where it exited first."""
+        wait_until(lambda: self.proc.poll() is not None or (self.ready.exists() and self.ready.read_text().strip()),
+                   240, "the server to answer or exit")
+        return self.ready.read_text().strip() if self.ready.exists() else ""
+
+    def stop(self) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=120)
+        return self.proc.returncode, err
+
+    def calls(self, name: str) -> list[dict]:
+        return [c for c in read_log(self.log) if c["call"] == name]
+
+
+def _post(url: str, doc: dict, key: str | None = None) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    request = urllib.request.Request(url, data=json.dumps(doc).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _unchanged(bundle: Path) -> None:
+    """Every file bundle.json lists has its digest, and the bundle holds no other file."""
+    from qbuild.store.bundle import MANIFEST, check_files, read_manifest
+
+    manifest = read_manifest(bundle)
+    check_files(bundle, manifest)
+    files = {p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file()
+             and "__pycache__" not in p.parts}
+    assert files - {MANIFEST} == set(manifest["files"]), sorted(files ^ set(manifest["files"]))
 
 
 @pytest.mark.slow
-def test_the_bundle_plugin_registers_the_port_class_for_vllm_neuron(dense, tmp_path):
-    """The bundle's own plugin, found as vLLM finds general plugins, registers the port's class under the name
-    vllm-neuron derives from the architecture; the port's InferenceConfig then validates from the flattened
-    config.json, and the compiled directory loads, all from the bundle's own copy of the port."""
+def test_serve_runs_the_bundle_through_vllm_neuron_05(dense, tmp_path):
+    """`qbuild serve` as a user runs it, against the vLLM 0.16 / vllm-neuron 0.5 double on a transformers-4.x-like
+    interpreter: the engine core starts with `spawn` and gets the bundle plugin's own config class (pickled), loads the
+    compiled directory with the guarded port class and never compiles; a prompt over the largest CTE bucket is a 400
+    naming it; the pass-through reaches vLLM; Ctrl-C ends it with 0 and the bundle is byte for byte as built."""
     build, bundle = dense
-    doc = dry_run(build, str(bundle))
-    out = _loaded(_as_vllm_neuron(build, bundle, doc, tmp_path / "nxdi.jsonl"))
-    assert out["class"] == "src.modeling_qwen35.NeuronQwen35ForCausalLM"
-    text = json.loads((bundle / "config.json").read_text())["text_config"]
-    assert out["kv_heads"] == text["num_key_value_heads"] and out["config_head_dim"] == text["head_dim"]
-    calls = read_log(tmp_path / "nxdi.jsonl")
-    (load,) = [c for c in calls if c["call"] == "load"]
-    assert load["ranks"] == [0, 1]
-    port_files = {Path(c["files"][out["class"]]) for c in calls if out["class"] in c.get("files", {})}
-    assert port_files == {bundle / "port" / "src" / "modeling_qwen35.py"}
+    served = Served(build, str(bundle), tmp_path, "--", "--reasoning-parser", "qwen3", "--chat-template", "{{x}}")
+    try:
+        url = served.url()
+        assert url, served.stop()[1]
+        status, long = _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 100})
+        assert status == 400 and "maximum prompt length is 128 tokens" in long["error"]["message"]
+        assert _post(url + "/completions", {"model": "bundle", "prompt": "hello"})[0] == 501   # the double stops here
+    finally:
+        code, err = served.stop()
+    assert code == 0, err
+    (engine,) = served.calls("vllm_engine_core")
+    assert engine["start_method"] == "spawn" and engine["pid"] != served.proc.pid
+    assert engine["hf_config_cls"] == "qbuild_vllm_plugin.Qwen35Config"
+    assert engine["app_cls"] == "PrecompiledOnlyNeuronQwen35ForCausalLM"
+    assert (engine["max_prompt_length"], engine["block_size"], engine["num_gpu_blocks"]) == (128, 256, 2)
+    (load,) = served.calls("load")
+    assert load["path"].rstrip("/") == str(bundle) and load["ranks"] == [0, 1]
+    assert not served.calls("compile")
+    _unchanged(bundle)
+
+
+@pytest.mark.slow
+def test_a_failed_load_cannot_write_into_the_bundle(dense, tmp_path):
+    """Where the compiled model's load raises ValueError, vllm-neuron compiles into NEURON_COMPILED_ARTIFACTS, the
+    bundle; the bundle's plugin refuses that, the server stops naming the load's error, qbuild exits 3, and every file
+    of the bundle keeps its digest."""
+    build, bundle = dense
+    served = Served(build, str(bundle), tmp_path, load_error="injected: model.pt does not match")
+    assert served.url() == ""
+    code, err = served.stop()
+    assert code == 3, err
+    assert "ValueError: injected: model.pt does not match" in err and "would now compile into" in err
+    assert err.strip().splitlines()[-1].startswith("error: vLLM exited with code 1 before it was stopped")
+    assert not served.calls("compile")
+    _unchanged(bundle)
+
+
+@pytest.mark.slow
+def test_a_host_with_another_vllm_stack_is_refused_in_one_line(dense, tmp_path):
+    """SDK 2.31.1's manifest names vllm-neuron 0.21.0.1.0.0, the NxDI-free plugin: on such a host (or one with
+    another vLLM) serve refuses before starting anything, naming both stacks."""
+    build, bundle = dense
+    for versions, have in (({"vllm-neuron": "0.21.0.1.0.0"}, "vLLM 0.16.0 with vllm-neuron 0.21.0.1.0.0"),
+                           ({"vllm": "0.11.0"}, "vLLM 0.11.0 with vllm-neuron 0.5.0")):
+        overlay = metadata_overlay(tmp_path / next(iter(versions)), versions)
+        proc = build.cli("serve", str(bundle), "--port", "0", overlay=(overlay, VLLM_SITE), log=tmp_path / "x.jsonl")
+        assert proc.returncode == 3, proc.stderr
+        assert proc.stderr.strip() == (
+            f"error: this host has {have}; the bundle (SDK 2.31.0, 2.31.1) is served by vLLM 0.16.0 with "
+            "vllm-neuron 0.5.x (vllm/serve.json): use that release's vLLM environment")
+    assert not read_log(tmp_path / "x.jsonl")
+
+
+@pytest.mark.slow
+def test_a_bundle_whose_files_disagree_is_refused_before_vllm_starts(dense, tmp_path):
+    """The load's preconditions are checked first: NxDI's compiled neuron_config.json must say what vllm/serve.json
+    tells vLLM (the runner refuses a max_prompt_length other than the compiled max_context_length), even where
+    bundle.json was rewritten to match the files; a bundle whose files differ from bundle.json is refused too. Nothing
+    starts: the double's log stays empty."""
+    from qbuild.store.bundle import read_manifest, write_manifest
+
+    build, bundle = dense
+    copy = Path(shutil.copytree(bundle, tmp_path / "bundle"))
+    config = json.loads((copy / "neuron_config.json").read_text())
+    config["neuron_config"]["max_context_length"] = 64
+    (copy / "neuron_config.json").unlink()
+    (copy / "neuron_config.json").write_text(json.dumps(config))
+    log = tmp_path / "x.jsonl"
+    changed = build.cli("serve", str(copy), "--port", "0", overlay=(VLLM_SITE,), log=log)
+    assert changed.returncode == 2 and "changed since the bundle was made" in changed.stderr, changed.stderr
+    meta = {k: v for k, v in read_manifest(bundle).items() if k not in ("files", "format")}
+    write_manifest(copy, meta)
+    proc = build.cli("serve", str(copy), "--port", "0", overlay=(VLLM_SITE,), log=log)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (f"error: {copy / 'neuron_config.json'}: neuron_config.max_context_length is 64 "
+                                   "where vllm/serve.json says 128; the bundle's files do not belong together: pull "
+                                   "or build it again")
+    assert not read_log(log)
 
 
 @pytest.mark.slow
 def test_the_checkpoint_config_is_what_vllm_neuron_would_refuse(dense, small_checkpoints, tmp_path):
-    """The check above can fail: with the checkpoint's own nested config.json in the bundle's place, vllm-neuron's
-    first read finds no num_key_value_heads at the top level."""
+    """The flattened config.json matters: with the checkpoint's own nested one in the bundle's place, the printed
+    command's engine stops at vllm-neuron's first read, no num_key_value_heads at the top level."""
     build, bundle = dense
     copy = Path(shutil.copytree(bundle, tmp_path / "bundle"))
     (copy / "config.json").unlink()
     shutil.copy(small_checkpoints["qwen3_5"] / "config.json", copy / "config.json")
-    proc = _as_vllm_neuron(build, copy, dry_run(build, str(copy)), tmp_path / "nxdi.jsonl")
-    assert proc.returncode != 0 and "missing required fields in the pretrained config" in proc.stderr, proc.stderr
+    proc = _run_printed(build, dry_run(build, str(copy)), tmp_path / "nxdi.jsonl")
+    assert proc.returncode == 1 and "Missing required num_key_value_heads" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
 def test_moe_lineage_bundle_serves_from_the_port_src(small_checkpoints, tmp_path):
-    """Coder-Next's lineage: its flat config.json is left as it is, its src/ goes on PYTHONPATH, and its class is
-    registered under "qwen3next" (vllm/register_model.py L26, PR 170 @ 753c7f5)."""
+    """Coder-Next's lineage: its flat config.json is left as it is (transformers 4.57 and vLLM 0.16 know qwen3_next),
+    its src/ goes on PYTHONPATH, and its class is registered under "qwen3next" (vllm/register_model.py L26, PR 170 @
+    753c7f5); the tool-call flags its launcher passes reach vLLM."""
     build, bundle = _bundle(tmp_path, small_checkpoints["qwen3_next"], MOE_PORT, fused_qkv=True,
                             moe_backend="shard_on_block", port={"lineage": "moe"})
     assert "text_config" not in json.loads((bundle / "config.json").read_text())
     doc = dry_run(build, str(bundle))
     assert doc["env"]["PYTHONPATH"].split(os.pathsep) == [str(bundle / "vllm"), str(bundle / "port" / "src")]
-    out = _loaded(_as_vllm_neuron(build, bundle, doc, tmp_path / "nxdi.jsonl"))
-    assert out["class"] == "modeling_qwen35_moe.NeuronQwen35MoeForCausalLM"
+    served = Served(build, str(bundle), tmp_path, "--", "--enable-auto-tool-choice", "--tool-call-parser",
+                    "qwen3_coder")
+    try:
+        assert served.url(), served.stop()[1]
+    finally:
+        code, err = served.stop()
+    assert code == 0, err
+    (engine,) = served.calls("vllm_engine_core")
+    assert engine["app_cls"] == "PrecompiledOnlyNeuronQwen35MoeForCausalLM"
+    _unchanged(bundle)
 
 
 @pytest.mark.slow
@@ -225,6 +360,63 @@ def test_serving_without_vllm_is_one_line_exit_3(dense):
     lines = proc.stderr.strip().splitlines()
     assert lines[-1].startswith("error: serving a neuron bundle needs vLLM") and "--dry-run" in lines[-1]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+# The vLLM 0.16 command line as the double's api_server parses it, and the configuration vllm-neuron 0.5's platform
+# makes of it (vllm_site: flags of arg_utils.py / cli_args.py, platform.py L290-387).
+_PARSE_SCRIPT = """
+import json, sys
+sys.path[:0] = [sys.argv[1]]
+from vllm.config import VllmConfig
+from vllm.entrypoints.openai.api_server import parser
+from vllm_neuron.platform import NeuronPlatform
+args = parser().parse_args(json.loads(sys.argv[2]))
+config = VllmConfig(model=args.model, hf_config=None, dtype=args.dtype, max_model_len=args.max_model_len,
+                    tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
+                    num_gpu_blocks_override=args.num_gpu_blocks_override,
+                    enable_prefix_caching=bool(args.enable_prefix_caching),
+                    enable_chunked_prefill=bool(args.enable_chunked_prefill), additional_config=args.additional_config)
+NeuronPlatform.check_and_update_config(config)
+print(json.dumps({k: v for k, v in vars(config).items() if k != "hf_config"}))
+"""
+
+
+@pytest.mark.parametrize("recipe", [r for r in sorted((REPO / "recipes").glob("*.yaml"))], ids=lambda p: p.name)
+def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, tmp_path):
+    """`qbuild serve --dry-run` of each shipped recipe's bundle layout (its vllm/serve.json as the package step writes
+    it from the planned params and compile record): vLLM 0.16's parser takes every flag, and vllm-neuron 0.5's platform
+    makes of it prompts up to the largest CTE bucket, sequences up to the largest TKG bucket, one contiguous block per
+    sequence, chunked prefill off; the stack is SDK 2.29-2.31's."""
+    from qbuild.backends.neuron.package import serve_record
+    from qbuild.backends.neuron.params import NeuronPackageParams
+    from qbuild.recipe.params import parse
+    from qbuild.store.bundle import write_manifest
+
+    nodes = json.loads(qbuild("plan", str(recipe), "--json", check=True).stdout)["nodes"]
+    (package,) = [n for n in nodes if n["kind"] == "package"]
+    (text,) = [n for n in nodes if n["kind"] == "compile" and n["params"].get("graph") == "text"]
+    params = parse(NeuronPackageParams, package["params"])
+    record = {"params": text["params"], "config": {"env": text["neuron_config"]["env"]}}
+    bundle = tmp_path / "bundle"
+    (bundle / "vllm").mkdir(parents=True)
+    (bundle / "vllm" / "serve.json").write_text(json.dumps(serve_record(params, record)))
+    (bundle / "vllm" / "qbuild_vllm_plugin.json").write_text(json.dumps({"port_dir": "../port"}))
+    write_manifest(bundle, {"backend": "neuron"})
+    proc = qbuild("serve", str(bundle), "--dry-run", "--json", "--", "--reasoning-parser", "qwen3")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["stack"]["vllm"] == "0.16.0" and doc["stack"]["vllm_neuron"] == "0.5"
+    assert doc["env"]["NEURON_COMPILED_ARTIFACTS"] == str(bundle)
+    assert doc["env"].items() >= text["neuron_config"]["env"].items()
+    parsed = subprocess.run([sys.executable, "-c", _PARSE_SCRIPT, str(VLLM_SITE), json.dumps(doc["command"][3:])],
+                            capture_output=True, text=True)
+    assert parsed.returncode == 0, parsed.stderr
+    config = json.loads(parsed.stdout)
+    cte, tkg = max(params.cte_buckets), max(params.tkg_buckets)
+    assert (config["max_prompt_length"], config["max_model_len"], config["block_size"]) == (cte, tkg, tkg)
+    assert config["max_num_seqs"] == params.batch_size and config["num_gpu_blocks_override"] == params.batch_size + 1
+    assert config["tensor_parallel_size"] == params.tp and config["dtype"] == params.dtype
+    assert not config["enable_prefix_caching"] and not config["enable_chunked_prefill"]
 
 
 # --- the pieces, without a build ----------------------------------------------------------------------------------
@@ -268,28 +460,152 @@ def test_the_registry_key_is_what_vllm_neuron_derives():
         nxdi_registry_key("Qwen3Next")
 
 
-def test_the_plugin_registers_a_config_class_only_where_transformers_has_none(tmp_path):
-    """A model type transformers does not know gets a permissive class whose text_config is a config object (what
-    vllm-neuron's get_text_config().vocab_size needs); one it knows is left to transformers."""
-    from transformers import AutoConfig, PretrainedConfig
+# The bundle plugin as vLLM 0.16 loads it, in the vLLM double's interpreter (which lacks the Qwen3.5 config types as
+# transformers 4.x does): its config class must survive the pickling into a spawned engine process (vllm-neuron 0.5
+# forces `spawn`: platform.py L7 @ 3afb0a9; vLLM passes the configuration as a Process argument: v1/engine/utils.py
+# L99-128 @ 0.16.0), and plain pickle in the same process.
+_SPAWN_SCRIPT = """
+import json, multiprocessing, pickle, sys
 
+def engine(config, conn):
+    t = type(config)
+    conn.send([f"{t.__module__}.{t.__qualname__}", type(config.text_config).__name__,
+               config.get_text_config().vocab_size, config.num_key_value_heads])
+
+if __name__ == "__main__":
+    import vllm                                     # the double: qwen3_5 is unknown here, as in transformers 4.x
+    from transformers import AutoConfig
+    from vllm.plugins import load_general_plugins
+
+    assert "qwen3_5" not in __import__("transformers").models.auto.configuration_auto.CONFIG_MAPPING
+    load_general_plugins()                          # the bundle's entry point: register()
+    load_general_plugins()                          # once per process
+    config = AutoConfig.from_pretrained(sys.argv[1])
+    again = pickle.loads(pickle.dumps(config))
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    proc = context.Process(target=engine, kwargs={"config": config, "conn": child})
+    proc.start()
+    spawned = parent.recv()
+    proc.join()
+
+    from neuronx_distributed_inference.utils.constants import MODEL_TYPES
+    from vllm.model_executor.models import ModelRegistry
+    app = MODEL_TYPES["qwen3_5"]["causal-lm"]
+    refusals = []
+    for call in (lambda: app.compile(app.__new__(app), "/the/bundle"),
+                 lambda: app.save_quantized_state_dict("/the/model", None)):
+        try:
+            call()
+        except RuntimeError as e:
+            refusals.append(str(e))
+    print(json.dumps({"spawned": spawned, "pickled": type(again).__qualname__, "app_mro": [c.__name__ for c in
+                      app.__mro__[:3]], "arch": ModelRegistry.models.get("Qwen3_5ForConditionalGeneration"),
+                      "refusals": refusals}))
+"""
+
+
+def _glue(tmp_path: Path) -> Path:
+    """A bundle's vllm/ as the package step writes it (the plugin module, its spec naming the fake main port, the
+    entry point) beside a flattened config.json: register() needs nothing else."""
     from qbuild.backends.neuron import vllm_plugin
     from qbuild.backends.neuron.package import flat_config
+
+    glue = tmp_path / "vllm"
+    (glue / "qbuild_bundle_vllm_plugin-1.dist-info").mkdir(parents=True)
+    shutil.copy(vllm_plugin.__file__, glue / "qbuild_vllm_plugin.py")
+    spec = {"model_type": "qwen3_5", "text_model_type": "qwen3_5_text", "architecture":
+            "Qwen3_5ForConditionalGeneration", "nxdi_model": "qwen3_5", "nxdi_task": "causal-lm",
+            "module": "src.modeling_qwen35", "app_class": "NeuronQwen35ForCausalLM",
+            "port_dir": os.path.relpath(MAIN_PORT, glue)}
+    (glue / "qbuild_vllm_plugin.json").write_text(json.dumps(spec))
+    info = glue / "qbuild_bundle_vllm_plugin-1.dist-info"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: qbuild_bundle_vllm_plugin\nVersion: 1\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nqbuild_bundle = qbuild_vllm_plugin:register\n")
+    text = {"model_type": "qwen3_5_text", "vocab_size": 11, "num_key_value_heads": 2, "head_dim": 8}
+    (tmp_path / "config.json").write_text(json.dumps(flat_config(
+        {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text})))
+    return glue
+
+
+def test_the_plugins_config_class_survives_a_spawned_engine_process(tmp_path):
+    glue = _glue(tmp_path)
+    script = tmp_path / "engine.py"
+    script.write_text(_SPAWN_SCRIPT)
+    env = dict(os.environ, VLLM_PLUGINS="neuron,qbuild_bundle",
+               PYTHONPATH=os.pathsep.join(map(str, (glue, VLLM_SITE, SITE, REPO))))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["spawned"] == ["qbuild_vllm_plugin.Qwen35Config", "Qwen35TextConfig", 11, 2]
+    assert out["pickled"] == "Qwen35Config"
+    assert out["app_mro"] == ["PrecompiledOnlyNeuronQwen35ForCausalLM", "PrecompiledOnly", "NeuronQwen35ForCausalLM"]
+    assert out["arch"] == "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"
+    compile_refusal, quantize_refusal = out["refusals"]
+    assert "would now compile into /the/bundle" in compile_refusal
+    assert "would now write a quantized checkpoint into /the/model" in quantize_refusal
+
+
+def test_the_plugin_leaves_known_types_to_transformers_and_refuses_unknown_ones():
+    """Where transformers has the model type (5.x has qwen3_5), its class is kept; where neither transformers nor
+    the plugin has one, register() fails naming it rather than letting vLLM fail later."""
+    from transformers import AutoConfig
+
+    from qbuild.backends.neuron import vllm_plugin
 
     known = type(AutoConfig.for_model("qwen3_5"))
     vllm_plugin.register_hf_config({"model_type": "qwen3_5", "text_model_type": "qwen3_5_text"})
     assert type(AutoConfig.for_model("qwen3_5")) is known
+    with pytest.raises(RuntimeError, match="no config class for model_type 'qbuild_unknown'"):
+        vllm_plugin.register_hf_config({"model_type": "qbuild_unknown"})
 
-    model_type = f"qbuild_test_{tmp_path.name.replace('-', '_').lower()}"
-    spec = {"model_type": model_type, "text_model_type": f"{model_type}_text"}
-    for _ in range(2):   # once per vLLM process, and harmless again
-        vllm_plugin.register_hf_config(spec)
-    text = {"model_type": spec["text_model_type"], "vocab_size": 11, "num_key_value_heads": 2, "head_dim": 8}
-    (tmp_path / "config.json").write_text(json.dumps(flat_config({"model_type": model_type, "text_config": text,
-                                                                 "architectures": ["TestForCausalLM"]})))
-    config = AutoConfig.from_pretrained(tmp_path)
-    assert isinstance(config.text_config, PretrainedConfig)
-    assert config.get_text_config().vocab_size == 11 and config.num_key_value_heads == 2 and config.head_dim == 8
+
+def test_the_bundle_tokenizer_reads_with_transformers_4_and_5(tmp_path):
+    """transformers 5 saves tokenizer_class TokenizersBackend, which 4.57's AutoTokenizer cannot resolve
+    (tokenization_auto.py L1144-1156 @ 4.57.6; the vLLM double refuses it the same way); the bundle carries
+    PreTrainedTokenizerFast, which both read from the same tokenizer.json with the same ids."""
+    from transformers import AutoTokenizer
+
+    from qbuild.backends.neuron.package import tokenizer_for_every_stack
+    from qbuild.model.tinymodel import _write_tokenizer
+
+    written, bundle = tmp_path / "written", tmp_path / "bundle"
+    _write_tokenizer(written)
+    assert json.loads((written / "tokenizer_config.json").read_text())["tokenizer_class"] == "TokenizersBackend"
+    shutil.copytree(written, bundle)
+    tokenizer_for_every_stack(bundle)
+    config = json.loads((bundle / "tokenizer_config.json").read_text())
+    assert config == {**json.loads((written / "tokenizer_config.json").read_text()),
+                      "tokenizer_class": "PreTrainedTokenizerFast"}
+    before, after = AutoTokenizer.from_pretrained(written), AutoTokenizer.from_pretrained(bundle)
+    text = "Hello world <|im_start|> the quick brown fox"
+    assert after(text)["input_ids"] == before(text)["input_ids"] and after.eos_token_id == before.eos_token_id
+    probe = ("import sys; sys.path[:0] = sys.argv[2:]; from vllm.entrypoints.openai.api_server import "
+             "load_tokenizer; print(load_tokenizer(sys.argv[1]).eos_token)")
+    for directory, ok in ((bundle, True), (written, False)):
+        proc = subprocess.run([sys.executable, "-c", probe, str(directory), str(VLLM_SITE)], capture_output=True,
+                              text=True)
+        assert (proc.returncode == 0) == ok, proc.stderr
+        assert ok or "Tokenizer class TokenizersBackend does not exist" in proc.stderr
+
+
+def test_a_bundle_changed_while_it_served_is_named(tmp_path):
+    from qbuild.backends.neuron.vllm_serve import check_unchanged
+    from qbuild.core.errors import InfraError
+    from qbuild.store.bundle import write_manifest
+
+    (tmp_path / "model.pt").write_bytes(b"compiled")
+    manifest = write_manifest(tmp_path, {"backend": "neuron"})
+    check_unchanged(tmp_path, manifest)
+    (tmp_path / "neuron-compiled-artifacts").mkdir()
+    (tmp_path / "neuron-compiled-artifacts" / "model.pt").write_bytes(b"x")
+    with pytest.raises(InfraError, match="neuron-compiled-artifacts/model.pt was written"):
+        check_unchanged(tmp_path, manifest)
+    shutil.rmtree(tmp_path / "neuron-compiled-artifacts")
+    (tmp_path / "model.pt").write_bytes(b"compilex")
+    with pytest.raises(InfraError, match="vLLM changed the bundle while it served it: .*model.pt: content does not"):
+        check_unchanged(tmp_path, manifest)
 
 
 # --- on a Trainium host --------------------------------------------------------------------------------------------
@@ -311,8 +627,9 @@ def _real_sdk_skip() -> str | None:
 @pytest.mark.skipif(_real_sdk_skip() is not None, reason=str(_real_sdk_skip()))
 def test_serve_a_tiny_neuron_bundle_with_vllm(small_checkpoints, tmp_path):
     """`qbuild serve` on a tiny Qwen3.5 bundle built and verified on this host's NeuronCores (the Qwen3.5-2B port,
-    main lineage), with the real SDK and vLLM's Neuron plugin: the OpenAI client completes a request, and Ctrl-C
-    stops the server with exit 0."""
+    main lineage), with the real SDK and vLLM 0.16 with vllm-neuron 0.5: the tiny tokenizer (saved by transformers 5)
+    loads under the stack's transformers 4.x, the OpenAI client completes a request, a prompt over the largest CTE
+    bucket is a 400, Ctrl-C stops the server with exit 0, and the bundle is unchanged."""
     import importlib.metadata
 
     import openai
@@ -329,19 +646,26 @@ def test_serve_a_tiny_neuron_bundle_with_vllm(small_checkpoints, tmp_path):
         "parallel": {"tp": 2}, "dtype": "bfloat16", "text": TEXT, "compiler": {"target": "trn2"},
         "toolchain": toolchain, "verify": {"prompts": ["Hello world"], "new_tokens": 4, "image_prompt": False}}))
     env = {"QBUILD_STORE": str(tmp_path / "store")}
-    built = qbuild("compile", str(recipe), "--lock", str(tmp_path / "artifacts.lock"), env=env, timeout=7200)
+    lock = ["--lock", str(tmp_path / "artifacts.lock")]
+    built = qbuild("compile", str(recipe), *lock, env=env, timeout=7200)
     assert built.returncode == 0, built.stderr[-4000:]
+    bundle = tmp_path / "bundle"
+    assert qbuild("pull", "serve", "--to", str(bundle), *lock, env=env).returncode == 0
+    # As a user starts it: the console script this interpreter installed, on a pulled bundle, a flag for vLLM after --.
+    script = Path(sys.executable).with_name("qbuild")
     ready = tmp_path / "url"
-    server = subprocess.Popen([sys.executable, "-m", "qbuild.cli", "serve", str(recipe), "--port", "0",
-                              "--ready-file", str(ready), "--lock", str(tmp_path / "artifacts.lock")],
-                             env=dict(os.environ, **env, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen([str(script), "serve", str(bundle), "--port", "0", "--ready-file", str(ready), *lock,
+                               "--", "--generation-config", "vllm"],
+                              env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = wait_until(lambda: ready.exists() and ready.read_text().strip(), 1800, "vLLM to answer /v1/models")
         client = openai.OpenAI(base_url=url, api_key="unused")
-        reply = client.completions.create(model="serve", prompt="Hello world", max_tokens=4, temperature=0)
+        reply = client.completions.create(model="bundle", prompt="Hello world", max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError, match="maximum prompt length is 128 tokens"):
+            client.completions.create(model="bundle", prompt="Hello world " * 100, max_tokens=4)
     finally:
         server.send_signal(signal.SIGINT)
         out, err = server.communicate(timeout=300)
     assert server.returncode == 0, err[-4000:]
+    _unchanged(bundle)

@@ -100,3 +100,44 @@ def test_validate_refuses_compiler_flags_that_would_give_an_option_twice(tmp_pat
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "compiler.flags" in lines[0] and needle in lines[0], \
         proc.stderr
+
+
+# n2-manifest.json @ a3247f5b8c30: the torch-neuronx builds 2.27.x and 2.28.x list (for torch 2.7, 2.8 and 2.9).
+TORCH_NEURONX_BUILDS = {"2.27.0": ("2.7.0.2.11.19912", "2.8.0.2.11.19912", "2.9.0.2.11.19912"),
+                        "2.28.0": ("2.7.0.2.12.22436", "2.8.0.2.12.22436", "2.9.0.2.12.22436")}
+
+
+@pytest.mark.parametrize("sdk", sorted(TORCH_NEURONX_BUILDS))
+def test_every_torch_neuronx_build_of_a_release_can_be_pinned(sdk):
+    from qbuild.backends.neuron.releases import builds
+
+    assert sorted(builds(sdk, "torch-neuronx")) == sorted(TORCH_NEURONX_BUILDS[sdk])
+    assert resolve(sdk, {})["torch-neuronx"] == RELEASES[sdk]["torch-neuronx"]       # a release alone: its default
+    for build in TORCH_NEURONX_BUILDS[sdk]:
+        assert resolve(sdk, {"torch-neuronx": build})["torch-neuronx"] == build
+        four = {**RELEASES[sdk], "torch-neuronx": build}
+        assert resolve(None, four) == four
+    # Each build still belongs to its release only: with the other release's NxD the set is refused.
+    other = "2.28.0" if sdk == "2.27.0" else "2.27.0"
+    with pytest.raises(ToolchainError, match=r"torch_neuronx 2\.9\.0\.\S+ \(SDK " + sdk.replace(".", r"\.")):
+        resolve(None, {**RELEASES[other], "torch-neuronx": TORCH_NEURONX_BUILDS[sdk][2]})
+
+
+def test_each_release_names_the_vllm_stack_that_serves_nxdi_on_it():
+    from qbuild.backends.neuron.releases import GLUE_STACK, SERVING, serving_stack, stack_matches
+
+    assert list(SERVING) == list(RELEASES)
+    # The SDK's docs: 2.27 plugin 0.2.2 / vLLM 0.11.0, 2.28 plugin 0.4.x / vLLM 0.13.0, 2.29-2.31 plugin 0.5.x /
+    # vLLM 0.16.0 (docs/vllm.md section 1).
+    assert {sdk: (s.vllm, s.vllm_neuron) for sdk, s in SERVING.items()} == {
+        "2.27.0": ("0.11.0", "0.2.2"), "2.27.1": ("0.11.0", "0.2.2"), "2.28.0": ("0.13.0", "0.4"),
+        "2.28.1": ("0.13.0", "0.4"), **{sdk: ("0.16.0", "0.5") for sdk in ("2.29.0", "2.29.1", "2.30.0", "2.31.0",
+                                                                            "2.31.1")}}
+    assert (GLUE_STACK.vllm, GLUE_STACK.vllm_neuron) == ("0.16.0", "0.5")
+    assert serving_stack(_plan_toolchain(REPO / "recipes" / "coder-next-tp8.yaml")) == (["2.30.0"], SERVING["2.30.0"])
+    # NxDI from PR 173's tree (0.9.0) names no release; the other three name 2.31.0 and 2.31.1, which serve alike.
+    assert serving_stack(_plan_toolchain(REPO / "recipes" / "36-27b-fp8-128k.yaml")) == (["2.31.0", "2.31.1"],
+                                                                                        SERVING["2.31.0"])
+    assert stack_matches("0.5.3", "0.5") and stack_matches("0.16.0+neuron", "0.16.0")
+    assert not stack_matches("0.21.0.1.0.0", "0.5") and not stack_matches("0.16.1", "0.16.0")
+    assert not stack_matches("0.50.0", "0.5")

@@ -75,6 +75,7 @@ class ServeOptions:
     log: Callable[[str], None]       # progress lines for a person (stderr)
     on_ready: Callable[[str], None]  # called once with the base URL (".../v1") when requests are answered
     digests_checked: bool = False    # every file of the bundle was checked against its digest just now (a pull)
+    server_args: tuple[str, ...] = ()   # the arguments after `--`, for the server a backend runs (vLLM's flags)
 
 
 class StepContext(Protocol):

@@ -23,6 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 SITE = ROOT / "site"
+# vLLM 0.16.0 and vllm-neuron 0.5.0 as qbuild's serving uses them (vllm_site/vllm/__init__.py); on the path only where
+# a test serves a bundle, so that elsewhere vLLM is absent as on a build host.
+VLLM_SITE = ROOT / "vllm_site"
 MAIN_PORT = ROOT / "ports" / "qwen35"      # main lineage: this directory on sys.path, `import src.modeling_qwen35`
 MOE_PORT = ROOT / "ports" / "coder_next"   # moe lineage: its src/ on sys.path, `import modeling_qwen35_moe`
 SETTINGS_FILE = "nxdi_double_settings.json"   # read by site/neuronx_distributed_inference/_double.py
@@ -33,12 +36,14 @@ MOE_SUBDIR = "contrib/models/Qwen3-Coder-Next"
 
 
 def settings_dir(directory: Path, log: Path | None = None, barrier: str | None = None,
-                 checkpoint: Path | None = None) -> Path:
+                 checkpoint: Path | None = None, load_error: str | None = None) -> Path:
     """A directory holding the double's settings (its call log, a barrier "<dir>:<n>", the HF checkpoint a bundle
-    was built from, against which load() checks every shard's values), to put first on PYTHONPATH: the SDK worker's
-    environment is hermetic, its PYTHONPATH is how it finds the SDK."""
+    was built from, against which load() checks every shard's values, and a message load() raises as a ValueError,
+    a fault injected), to put first on PYTHONPATH: the SDK worker's environment is hermetic, its PYTHONPATH is how it
+    finds the SDK."""
     directory.mkdir(parents=True, exist_ok=True)
-    doc = {k: str(v) for k, v in (("log", log), ("barrier", barrier), ("checkpoint", checkpoint)) if v is not None}
+    doc = {k: str(v) for k, v in (("log", log), ("barrier", barrier), ("checkpoint", checkpoint),
+                                  ("load_error", load_error)) if v is not None}
     (directory / SETTINGS_FILE).write_text(json.dumps(doc))
     return directory
 

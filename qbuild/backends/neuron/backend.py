@@ -15,10 +15,11 @@ from typing import Callable
 
 from qbuild.backends.base import (GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, SourceEnvironment, Sizes,
                                   StepContext)
-from qbuild.backends.neuron import config, deploy, releases, worker_env
+from qbuild.backends.neuron import config, deploy, releases, vllm_serve, worker_env
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, lineage_for, port_dir
+from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch
 from qbuild.model.fp8 import policy as fp8_policy
 from qbuild.recipe import checks
@@ -254,13 +255,20 @@ class NeuronBackend:
     # --- serving -------------------------------------------------------------------------------------------------
 
     def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
-        """The vLLM command for a host that serves the pulled bundle without qbuild (`qbuild serve DIR` runs it)."""
-        return deploy.serve_command(bundle, manifest, bundle.name, "127.0.0.1", 8000, "python")
+        """The vLLM command for a host that serves the pulled bundle without qbuild (`qbuild serve DIR` runs it);
+        None where qbuild's glue cannot serve it (`qbuild serve DIR` says why)."""
+        try:
+            return vllm_serve.printable(vllm_serve.serve_command(bundle, manifest, bundle.name, "127.0.0.1", 8000,
+                                                                 "python"))
+        except UserError:
+            return None
 
     def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
         import sys
 
-        return deploy.serve_command(bundle, manifest, options.name, options.host, options.port, sys.executable)
+        return vllm_serve.printable(vllm_serve.serve_command(
+            bundle, manifest, options.name, options.host, options.port, sys.executable, options.server_args,
+            getattr(options, "api_key", None)))
 
     def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
-        return deploy.serve(bundle, manifest, options)
+        return vllm_serve.serve(bundle, manifest, options)

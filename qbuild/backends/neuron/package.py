@@ -11,6 +11,7 @@ from qbuild.backends.neuron import driver
 from qbuild.backends.neuron.config import vision_file
 from qbuild.backends.neuron.params import NeuronPackageParams
 from qbuild.backends.neuron.ports import LINEAGES
+from qbuild.backends.neuron.releases import serving_stack
 from qbuild.core import jsonio
 from qbuild.core.errors import BuildError
 from qbuild.model.fp8 import policy as fp8_policy
@@ -83,9 +84,47 @@ def vllm_glue(out: Path, p: NeuronPackageParams, record: dict) -> None:
         f"Metadata-Version: 2.1\nName: {_PLUGIN_DIST.split('-')[0]}\nVersion: 1\n")
     (glue / _PLUGIN_DIST / "entry_points.txt").write_text(
         f"[vllm.general_plugins]\n{VLLM_PLUGIN} = {_PLUGIN_MODULE}:register\n")
-    serve = {"max_model_len": min(max(p.cte_buckets), max(p.tkg_buckets)), "tensor_parallel_size": p.tp,
-             "max_num_seqs": p.batch_size, "dtype": p.dtype, "lineage": p.lineage, "env": record["config"]["env"]}
-    (out / VLLM_SERVE).write_text(jsonio.dumps(serve, indent=1, sort_keys=True) + "\n")
+    (out / VLLM_SERVE).write_text(jsonio.dumps(serve_record(p, record), indent=1, sort_keys=True) + "\n")
+    tokenizer_for_every_stack(out)
+
+
+def serve_record(p: NeuronPackageParams, record: dict) -> dict:
+    """vllm/serve.json: the bundle's own facts the vLLM command is made of (qbuild.backends.neuron.deploy.vllm_args),
+    and the serving stack of the SDK release it was compiled with (releases.SERVING).
+
+    - max_prompt_length: the largest context-encoding bucket, which is the compiled max_context_length
+      (config.py _text_neuron_config). vllm-neuron 0.5 refuses a longer prompt with a 400 when
+      additional_config.max_prompt_length is set (platform.py L314-316, platform_overrides.py L78-109 @ 3afb0a9), and
+      its runner requires that value to equal the compiled max_context_length (neuronx_distributed_model_runner.py
+      L604-694).
+    - max_model_len: the largest token-generation bucket, the longest sequence a decode step has a graph for.
+    - continuous_batching: False, as compiled (config.py); deploy refuses to serve a batch above 1 without it."""
+    releases_, stack = serving_stack(record["params"]["toolchain"])
+    return {"max_model_len": max(p.tkg_buckets), "max_prompt_length": max(p.cte_buckets),
+            "tensor_parallel_size": p.tp, "max_num_seqs": p.batch_size, "continuous_batching": False,
+            "dtype": p.dtype, "lineage": p.lineage, "env": record["config"]["env"],
+            "stack": {"releases": releases_, "vllm": stack.vllm, "vllm_neuron": stack.vllm_neuron}}
+
+
+# tokenizer_config.json classes that transformers 5 writes and 4.x cannot resolve, and what 4.x reads the same
+# tokenizer.json with. vLLM 0.16's stack has transformers 4.x (>= 4.56, < 5: its METADATA); 4.57.6's AutoTokenizer
+# resolves `tokenizer_class` by name and raises "Tokenizer class ... does not exist" for an unknown one
+# (models/auto/tokenization_auto.py L1092, L1144-1156), while PreTrainedTokenizerFast is always known (L807-809) and
+# reads tokenizer.json. transformers 5 reads PreTrainedTokenizerFast as its TokenizersBackend.
+_TOKENIZER_CLASSES_4X = {"TokenizersBackend": "PreTrainedTokenizerFast"}
+
+
+def tokenizer_for_every_stack(out: Path) -> None:
+    """Rewrite the bundle's tokenizer_config.json so that transformers 4.x and 5 both read its tokenizer.json."""
+    path = out / "tokenizer_config.json"
+    if not path.is_file() or not (out / "tokenizer.json").is_file():
+        return
+    config = json.loads(path.read_text())
+    replacement = _TOKENIZER_CLASSES_4X.get(config.get("tokenizer_class"))
+    if replacement is not None:
+        # A hardlink to the converted checkpoint's blob: atomic_write replaces the link, never the blob.
+        atomic_write(path, (jsonio.dumps({**config, "tokenizer_class": replacement}, indent=2, sort_keys=True)
+                            + "\n").encode())
 
 
 def flat_config(config: dict) -> dict:
@@ -93,8 +132,9 @@ def flat_config(config: dict) -> dict:
     (Qwen35InferenceConfig.from_pretrained, contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py L2193-2213 @ 4bcdc54;
     vllm/hf_qwen35_config.py L24-35, PR 173 @ 03db3ef).
 
-    vllm-neuron reads num_key_value_heads and head_dim from the top level (neuronx_distributed_model_loader.py L612-631
-    @ a5ef7c8) and builds the port's InferenceConfig from this file through NxDI's load_pretrained_config (L162-167),
+    vllm-neuron reads num_key_value_heads and head_dim from the top level (_get_model_configs,
+    neuronx_distributed_model_loader.py L895-917 @ 3afb0a9) and builds the port's InferenceConfig from this file
+    through NxDI's load_pretrained_config (L187-191),
     which keeps text_config nested (utils/hf_adapter.py L69-76 @ ef2731e), so validate_config would find the text
     fields missing (models/config.py L905-910 @ c63afe0). text_config stays for the readers that want it, and a field
     the top level has keeps its value. A flat config (Coder-Next's) comes back unchanged."""
@@ -116,8 +156,9 @@ def flat_config(config: dict) -> dict:
 
 def nxdi_registry_key(architecture: str | None) -> tuple[str, str]:
     """The MODEL_TYPES entry (model, task) vllm-neuron looks the app class up under for a config's architecture
-    (_get_neuron_model_cls, neuronx_distributed_model_loader.py L639-659 @ a5ef7c8): the part before "For" in lower
-    case, and the rest in kebab case, ConditionalGeneration read as CausalLM."""
+    (_get_neuron_model_cls, neuronx_distributed_model_loader.py L925-982 @ 3afb0a9): the part before "For" in lower
+    case, and the rest in kebab case, ConditionalGeneration read as CausalLM. (Its renames, gptoss, qwen3moe, qwen2vl,
+    qwen3vl and Llava, L961-974, touch none of the families qbuild builds.)"""
     if not architecture or "For" not in architecture:
         raise BuildError(f"config.json: architecture {architecture!r} has no \"For\"; vllm-neuron cannot look a model "
                          "class up for it")

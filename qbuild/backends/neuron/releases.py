@@ -2,12 +2,15 @@
 compile runs (docs/neuron-sdk.md, read from the SDK's own package manifest: aws-neuron/aws-neuron-sdk
 src/helperscripts/n2-manifest.json @ a3247f5b8c30). A recipe names a release (`toolchain: {sdk: "2.30.0"}`) or the
 four versions; a set mixed from several releases is refused naming the release each version belongs to, since no
-standard host has it.
+standard host has it. Each release also names the vLLM stack that serves NxDI models on it (SERVING, docs/vllm.md):
+a bundle records its release's stack, and `qbuild serve` refuses a host with another.
 
 Pure data: nothing here imports the SDK.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 # distribution -> the recipe's toolchain field that pins it
 FIELDS = {"neuronx-cc": "neuronx_cc", "neuronx-distributed": "neuronx_distributed",
@@ -19,7 +22,8 @@ def _release(cc: str, nxd: str, nxdi: str, torch_neuronx: str) -> dict[str, str]
             "torch-neuronx": torch_neuronx}
 
 
-# The releases of the NxDI era whose torch-neuronx is built on torch 2.8 or 2.9 (what the Qwen3.5 ports import).
+# The releases of the NxDI era whose torch-neuronx is built on torch 2.8 or 2.9 (what the Qwen3.5 ports import), each
+# with the build a recipe that names only the release gets.
 RELEASES: dict[str, dict[str, str]] = {
     "2.27.0": _release("2.22.12471.0", "0.16.25997", "0.7.14366", "2.8.0.2.11.19912"),
     "2.27.1": _release("2.22.12471.0", "0.16.25997", "0.7.15063", "2.8.0.2.11.19912"),
@@ -31,6 +35,43 @@ RELEASES: dict[str, dict[str, str]] = {
     "2.31.0": _release("2.26.6360.0", "0.19.28492", "0.10.18399", "2.9.0.2.15.32035"),
     "2.31.1": _release("2.26.6360.0", "0.19.28492", "0.10.18399", "2.9.0.2.15.32035"),
 }
+# Builds a release ships beside the one above: 2.27 and 2.28 list torch-neuronx for torch 2.7, 2.8 and 2.9
+# (n2-manifest.json @ a3247f5b8c30, entries 2.27.0-2.28.1). A recipe may pin any of them.
+OTHER_BUILDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "2.27.0": {"torch-neuronx": ("2.7.0.2.11.19912", "2.9.0.2.11.19912")},
+    "2.27.1": {"torch-neuronx": ("2.7.0.2.11.19912", "2.9.0.2.11.19912")},
+    "2.28.0": {"torch-neuronx": ("2.7.0.2.12.22436", "2.9.0.2.12.22436")},
+    "2.28.1": {"torch-neuronx": ("2.7.0.2.12.22436", "2.9.0.2.12.22436")},
+}
+
+
+@dataclass(frozen=True)
+class ServingStack:
+    """The vLLM and vllm-neuron (NxDI plugin) versions that serve NxDI models on a release. A version is matched as a
+    prefix of whole components: "0.5" is every 0.5.x, "0.16.0" that release (with any local suffix)."""
+
+    vllm: str
+    vllm_neuron: str
+
+
+# Each release's NxDI serving stack, from the SDK's docs (aws-neuron-sdk @ a3247f5b8c30 unless named):
+# - 2.27: plugin 0.2.2+lts, vLLM 0.11.0 (libraries/nxd-inference/developer_guides/vllm-user-guide-v1.rst L23-29
+#   @ fd80ca78, the 2.27.1 docs).
+# - 2.28: vLLM 0.13.0 (release-notes/prev/content.rst L387, L464) with plugin 0.4.x: 0.4.0 at release, 0.4.1 after
+#   (release-notes/components/nxd-inference.rst L79, L113-127).
+# - 2.29-2.31: vLLM 0.16.0 (content.rst L65, L146, L227, L308: 2.31.1, 2.30.0, 2.29.1, 2.29.0) with plugin 0.5.x
+#   (vllm-user-guide-v1.rst L23-32; libraries/vllm-neuron/neuron-inference-overview.rst L43-55, which installs 0.5.3;
+#   nxd-inference.rst L41). The manifest's `vllm-neuron 0.21.0.1.0.0` for 2.31.1 (n2-manifest.json L163) is the
+#   NxDI-free "vLLM Neuron" beta (neuron-inference-overview.rst L82): it has no NxDI loader and cannot serve a bundle.
+_VLLM_011 = ServingStack(vllm="0.11.0", vllm_neuron="0.2.2")
+_VLLM_013 = ServingStack(vllm="0.13.0", vllm_neuron="0.4")
+_VLLM_016 = ServingStack(vllm="0.16.0", vllm_neuron="0.5")
+SERVING: dict[str, ServingStack] = {
+    "2.27.0": _VLLM_011, "2.27.1": _VLLM_011, "2.28.0": _VLLM_013, "2.28.1": _VLLM_013,
+    "2.29.0": _VLLM_016, "2.29.1": _VLLM_016, "2.30.0": _VLLM_016, "2.31.0": _VLLM_016, "2.31.1": _VLLM_016,
+}
+# The stack whose source qbuild's serving glue was read against (docs/vllm.md): vllm-neuron 0.5.x on vLLM 0.16.
+GLUE_STACK = _VLLM_016
 
 
 class ToolchainError(ValueError):
@@ -49,9 +90,41 @@ def same_version(installed: str, pin: str) -> bool:
     return public == pin or public.startswith(pin + ".") or pin.startswith(public + ".")
 
 
+def builds(release: str, dist: str) -> tuple[str, ...]:
+    """Every version of `dist` that `release` ships, the default build first."""
+    return (RELEASES[release][dist], *OTHER_BUILDS.get(release, {}).get(dist, ()))
+
+
 def releases_of(dist: str, version: str) -> list[str]:
     """The releases that ship `version` of `dist`, oldest first."""
-    return [name for name, pins in RELEASES.items() if same_version(version, pins[dist])]
+    return [name for name in RELEASES if any(same_version(version, b) for b in builds(name, dist))]
+
+
+def _spelled(release: str, dist: str, pin: str | None) -> str:
+    """The release's own spelling of the build `pin` names (the default build where there is no pin)."""
+    return next((b for b in builds(release, dist) if pin is not None and same_version(b, pin)), RELEASES[release][dist])
+
+
+def serving_stack(toolchain: dict[str, str]) -> tuple[list[str], ServingStack]:
+    """(the releases that ship `toolchain`'s versions, their vLLM stack) for a resolved toolchain. A version no
+    release ships (a distribution installed from a source tree, like the 27B recipe's NxDI) says nothing of the
+    release. ValueError where no release ships the rest, or where those releases serve with different stacks."""
+    known = [dist for dist in FIELDS if releases_of(dist, toolchain[dist])]
+    candidates = [name for name in RELEASES
+                  if all(any(same_version(toolchain[dist], b) for b in builds(name, dist)) for dist in known)]
+    stacks = {SERVING[name] for name in candidates}
+    if len(stacks) != 1:
+        raise ValueError(f"toolchain {toolchain}: " + ("no Neuron SDK release ships it" if not stacks else
+                         f"releases {', '.join(candidates)} serve with different vLLM stacks"))
+    return candidates, stacks.pop()
+
+
+def stack_matches(installed: str, spec: str) -> bool:
+    """Whether an installed version is the one a stack names: `spec`'s components are a prefix of the public
+    version's ("0.5" takes 0.5.3; "0.16.0" takes 0.16.0+neuron, not 0.16.1)."""
+    public = installed.split("+", 1)[0].split(".")
+    want = spec.split(".")
+    return public[:len(want)] == want
 
 
 def resolve(sdk: str | None, pins: dict[str, str | None], from_source: tuple[str, ...] = ()) -> dict[str, str]:
@@ -69,11 +142,11 @@ def resolve(sdk: str | None, pins: dict[str, str | None], from_source: tuple[str
                 if pin is None:
                     raise ToolchainError(field, "installed from source, so its version must be pinned")
                 out[dist] = pin
-            elif pin is None or same_version(release[dist], pin):
-                out[dist] = release[dist]
+            elif pin is None or any(same_version(b, pin) for b in builds(sdk, dist)):
+                out[dist] = _spelled(sdk, dist, pin)
             else:
                 where = releases_of(dist, pin)
-                raise ToolchainError(field, f"{pin} is not SDK {sdk}'s ({release[dist]})"
+                raise ToolchainError(field, f"{pin} is not SDK {sdk}'s ({' or '.join(builds(sdk, dist))})"
                                      + (f"; it ships with SDK {', '.join(where)}" if where else
                                         "; no SDK release ships it (list it in toolchain.from_source if it is "
                                         "installed from a source tree)"))
@@ -98,5 +171,5 @@ def resolve(sdk: str | None, pins: dict[str, str | None], from_source: tuple[str
     if candidates is None:          # every distribution is from source
         return {dist: pins[dist] for dist in FIELDS}
     # Spelled out as the release has it, so that `2.26.6360` and `2.26.6360.0` make one key.
-    release = RELEASES[min(candidates, key=list(RELEASES).index)]
-    return {dist: pins[dist] if dist in from_source else release[dist] for dist in FIELDS}
+    release = min(candidates, key=list(RELEASES).index)
+    return {dist: pins[dist] if dist in from_source else _spelled(release, dist, pins[dist]) for dist in FIELDS}

@@ -357,6 +357,8 @@ class NeuronApplicationBase:
         """ab.py L318-347 and load_weights L375-421."""
         path = normalize_path(compiled_model_path)
         model_file = path + COMPILED_MODEL_FILE_NAME
+        if settings().get("load_error"):     # a fault injection point: the load fails as a damaged directory would
+            raise ValueError(settings()["load_error"])
         if not os.path.isfile(model_file):
             raise FileNotFoundError(f"{model_file}: no compiled model")
         extra = {COMPILED_SPEC: ""}

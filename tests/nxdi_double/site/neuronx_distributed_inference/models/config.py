@@ -248,6 +248,11 @@ class NeuronConfig:
         for key in ("pa_block_size", "pa_num_blocks", "prefix_buckets", "context_encoding_bucket_pairs"):
             setattr(self, key, kwargs.pop(key, None))
         self.weight_gather_seq_len_threshold = kwargs.pop("weight_gather_seq_len_threshold", 32768)   # config.py l.154
+        # What vllm-neuron's default NeuronConfig passes besides the above (its loader L1093-1113 @ 3afb0a9):
+        # config.py L95, L164, L356 @ c63afe0.
+        self.padding_side = kwargs.pop("padding_side", "right")
+        self.is_continuous_batching = kwargs.pop("is_continuous_batching", False)
+        self.lora_config = kwargs.pop("lora_config", None)
         # config.py l.614: long-context mode is NxDI core, from max_context_length alone.
         self.enable_long_context_mode = self.max_context_length >= 32 * 1024
         self.scratchpad_page_size = kwargs.pop("scratchpad_page_size", 1024 if self.enable_long_context_mode else None)

@@ -1,0 +1,306 @@
+"""Serving a neuron bundle with vLLM's Neuron plugin (docs/vllm.md): the command line and environment made of the
+bundle's own record (vllm/serve.json and the plugin the package step wrote), the checks before vLLM starts (the host's
+vLLM stack, the bundle's files), the process that runs it, and the check after it stops that the bundle is unchanged.
+
+Upstream facts are cited as file:line @ commit: vllm-neuron @ 3afb0a9 (release 0.5.0; vllm_neuron/...), vLLM 0.16.0
+(the release's wheel; vllm/...), and the SDK docs (aws-neuron-sdk @ a3247f5b8c30).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+from qbuild.backends.base import ServeOptions
+from qbuild.backends.neuron.package import VLLM_DIR, VLLM_PLUGIN, VLLM_SERVE
+from qbuild.backends.neuron.releases import GLUE_STACK, stack_matches
+from qbuild.core.errors import InfraError, UserError
+
+# vLLM's OpenAI server: vllm/entrypoints/openai/api_server.py L519-531 (its __main__) @ vLLM 0.16.0.
+VLLM_ENTRY = "vllm.entrypoints.openai.api_server"
+# (import name, distribution) of the server's packages: vLLM, the Neuron plugin, and NxDI under it.
+VLLM_PACKAGES = (("vllm", "vllm"), ("vllm_neuron", "vllm-neuron"),
+                 ("neuronx_distributed_inference", "neuronx-distributed-inference"))
+READY_POLL_S = 1.0
+# The flags qbuild sets that are not made of the bundle (vllm_args): the server's address and the model's name.
+_ADDRESS_FLAGS = ("--model", "--served-model-name", "--host", "--port")
+# vLLM's spellings of the flags qbuild sets, where one has several (vllm/engine/arg_utils.py L799 `-tp`; a boolean
+# flag's `--no-` form, argparse.BooleanOptionalAction, L289).
+_ALIASES = {"--tensor-parallel-size": ("-tp",), "--no-enable-prefix-caching": ("--enable-prefix-caching",),
+            "--no-enable-chunked-prefill": ("--enable-chunked-prefill",)}
+_SECRET_FLAGS = ("--api-key",)
+
+
+def vllm_args(serve: dict) -> list[tuple[str, str | None]]:
+    """The vLLM flags a bundle fixes, as (flag, value or None for a switch): everything vLLM must agree on with the
+    compile. Serving features that change them (chunked prefill, a block KV layout, prefix caching) are added here and
+    in package.serve_record, and nowhere else; a pass-through flag naming one of these is refused.
+
+    - --tensor-parallel-size: the compiled tp degree; --dtype: the compiled dtype (PR 173's launcher passes both,
+      vllm/start_vllm_server.sh L652-653 @ 03db3ef).
+    - --max-model-len: the largest token-generation bucket; --additional-config max_prompt_length: the largest
+      context-encoding bucket (package.serve_record).
+    - --max-num-seqs and --num-gpu-blocks-override: the batch size. Without prefix caching the platform sets
+      block_size = max_model_len (platform.py L378-383), so one block per sequence; it adds the null block itself
+      (L318-332), and the loader's default NeuronConfig counts num_gpu_blocks_override as pa_num_blocks (loader
+      L1082-1087).
+    - --no-enable-prefix-caching, --no-enable-chunked-prefill: the compile has a contiguous KV cache; either feature
+      asks the loader for a block KV layout (L1108-1111) that a bundle does not have. The platform's scheduler turns
+      chunked prefill off anyway (platform.py L355-358); PR 173's launcher passes the same without them (L662, L694).
+    """
+    batch = str(serve["max_num_seqs"])
+    return [("--tensor-parallel-size", str(serve["tensor_parallel_size"])), ("--dtype", serve["dtype"]),
+            ("--max-model-len", str(serve["max_model_len"])), ("--max-num-seqs", batch),
+            ("--num-gpu-blocks-override", batch),
+            ("--additional-config", json.dumps(additional_config(serve), sort_keys=True)),
+            ("--no-enable-prefix-caching", None), ("--no-enable-chunked-prefill", None)]
+
+
+def additional_config(serve: dict) -> dict:
+    """vLLM's --additional-config (a JSON object: vllm/engine/arg_utils.py L314-315, L1211-1213), which vllm-neuron
+    reads: max_prompt_length (platform.py L314-316). No override_neuron_config: with a precompiled directory the loader
+    ignores it (loader L250-255)."""
+    return {"max_prompt_length": serve["max_prompt_length"]}
+
+
+def owned_flags(serve: dict) -> set[str]:
+    """Every spelling of a flag qbuild sets, which the pass-through may not repeat."""
+    flags = {flag for flag, _ in vllm_args(serve)} | set(_ADDRESS_FLAGS)
+    return flags | {alias for flag in flags for alias in _ALIASES.get(flag, ())}
+
+
+def check_passthrough(extra: tuple[str, ...], serve: dict) -> None:
+    """UserError naming the first pass-through argument that sets what the bundle or qbuild's options fix."""
+    owned = owned_flags(serve)
+    for arg in extra:
+        name = arg.split("=", 1)[0]
+        if name in owned:
+            raise UserError(f"{arg}: set by qbuild from the bundle ({VLLM_SERVE}) or its own options; the arguments "
+                            f"after -- may not repeat {', '.join(sorted(owned))}")
+
+
+def read_serve(bundle: Path) -> tuple[dict, dict]:
+    """(vllm/serve.json, the plugin's spec), refusing a bundle whose glue an older qbuild wrote."""
+    try:
+        serve = json.loads((bundle / VLLM_SERVE).read_text())
+        plugin = json.loads((bundle / VLLM_DIR / "qbuild_vllm_plugin.json").read_text())
+    except FileNotFoundError as e:
+        raise UserError(f"{e.filename}: missing; this neuron bundle was packaged without vLLM's glue (by an older "
+                        "qbuild): build it again") from None
+    missing = [k for k in ("stack", "max_prompt_length", "continuous_batching") if k not in serve]
+    if missing:
+        raise UserError(f"{bundle / VLLM_SERVE}: no {missing[0]!r}; this bundle was packaged for another vLLM stack "
+                        "by an older qbuild: build it again")
+    return serve, plugin
+
+
+def check_servable(bundle: Path, serve: dict) -> None:
+    """UserError where qbuild's glue cannot serve the bundle whatever the host: a stack other than the one the glue
+    was read against, or a batch above 1 without continuous batching (docs/vllm.md section 4)."""
+    stack = serve["stack"]
+    if (stack["vllm"], stack["vllm_neuron"]) != (GLUE_STACK.vllm, GLUE_STACK.vllm_neuron):
+        raise UserError(f"{bundle / VLLM_SERVE}: SDK {', '.join(stack['releases'])} serves with vllm-neuron "
+                        f"{stack['vllm_neuron']}.x on vLLM {stack['vllm']}; qbuild serves bundles of the releases "
+                        f"that use vllm-neuron {GLUE_STACK.vllm_neuron}.x on vLLM {GLUE_STACK.vllm} (SDK 2.29-2.31)")
+    if serve["max_num_seqs"] > 1 and not serve["continuous_batching"]:
+        raise UserError(f"{bundle / VLLM_SERVE}: batch size {serve['max_num_seqs']} compiled without continuous "
+                        "batching; vllm-neuron prefills one request at a time into its own batch line "
+                        "(scheduler.py L118-129, model runner L1303-1329 @ 3afb0a9), which needs it: serve a batch-1 "
+                        "bundle")
+
+
+def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int, python: str,
+                  extra: tuple[str, ...] = (), api_key: str | None = None) -> dict:
+    """The environment and command line that serve `bundle` with vLLM's Neuron plugin, made of the bundle's own
+    record, never of the recipe, then the pass-through arguments `extra`.
+
+    - NEURON_COMPILED_ARTIFACTS: the directory the loader loads instead of compiling (loader L221-223, L242-245).
+    - PYTHONPATH: the bundle's vllm/ (the plugin that registers the model, qbuild.backends.neuron.vllm_plugin) and the
+      port's import root; VLLM_PLUGINS names the Neuron platform plugin and the bundle's (vllm/plugins/__init__.py
+      L28-65 filters both groups by it).
+    - VLLM_API_KEY: the key clients must send, read where no --api-key is given (api_server.py L239-240), so that it
+      never stands on a command line; the printed document shows it masked.
+    VLLM_NEURON_FRAMEWORK is not set: nothing in vllm-neuron @ 3afb0a9 reads it (the platform checks that NxDI
+    imports: platform.py L402-428)."""
+    serve, plugin = read_serve(bundle)
+    check_servable(bundle, serve)
+    check_passthrough(extra, serve)
+    pythonpath = [bundle / VLLM_DIR, (bundle / VLLM_DIR / plugin["port_dir"]).resolve()]
+    env = {**serve["env"], "NEURON_COMPILED_ARTIFACTS": str(bundle), "VLLM_PLUGINS": f"neuron,{VLLM_PLUGIN}",
+           "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
+    if api_key:
+        env["VLLM_API_KEY"] = api_key
+    command = [python, "-m", VLLM_ENTRY, "--model", str(bundle), "--served-model-name", name,
+               "--host", host, "--port", str(port)]
+    for flag, value in vllm_args(serve):
+        command += [flag] if value is None else [flag, value]
+    host_in_url = f"[{host}]" if ":" in host else host
+    return {"server": "vllm", "backend": manifest["backend"], "bundle": str(bundle), "model": name,
+            "url": f"http://{host_in_url}:{port}/v1", "max_model_len": serve["max_model_len"],
+            "max_prompt_length": serve["max_prompt_length"], "stack": serve["stack"], "env": env,
+            "command": command + list(extra)}
+
+
+def printable(doc: dict) -> dict:
+    """`doc` with every credential masked, for --dry-run and logs: the values after --api-key (vLLM takes one or
+    more: cli_args.py L99), --api-key=KEY, and VLLM_API_KEY."""
+    command, secret = [], False
+    for arg in doc["command"]:
+        name = arg.split("=", 1)[0]
+        if name in _SECRET_FLAGS and "=" in arg:
+            command.append(f"{name}=***")
+        else:
+            command.append("***" if secret and not arg.startswith("-") else arg)
+        secret = arg in _SECRET_FLAGS or (secret and not arg.startswith("-"))
+    env = {k: "***" if k == "VLLM_API_KEY" else v for k, v in doc["env"].items()}
+    return {**doc, "command": command, "env": env}
+
+
+# --- the host and the bundle, before and after -----------------------------------------------------------------
+
+def require_vllm(stack: dict) -> None:
+    """InfraError naming the first package of the server that does not import here, or, in one line, the host's
+    vLLM and vllm-neuron versions where they are not the bundle's stack."""
+    for module, dist in VLLM_PACKAGES:
+        if importlib.util.find_spec(module) is None:
+            raise InfraError(f"serving a neuron bundle needs vLLM with the Neuron plugin and the Neuron SDK in this "
+                             f"interpreter; {dist} (`import {module}`) is not installed here. `qbuild serve --dry-run` "
+                             "prints the command for a host that has them")
+    have = {dist: _version(dist) for dist in ("vllm", "vllm-neuron")}
+    want = {"vllm": stack["vllm"], "vllm-neuron": stack["vllm_neuron"]}
+    if not all(have[d] is not None and stack_matches(have[d], want[d]) for d in want):
+        raise InfraError(f"this host has vLLM {have['vllm']} with vllm-neuron {have['vllm-neuron']}; the bundle "
+                         f"(SDK {', '.join(stack['releases'])}) is served by vLLM {want['vllm']} with vllm-neuron "
+                         f"{want['vllm-neuron']}.x ({VLLM_SERVE}): use that release's vLLM environment")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_load_preconditions(bundle: Path, serve: dict) -> None:
+    """What `App(dir).load(dir)` needs, checked before vLLM starts so that a failing load is named here rather than
+    found by vllm-neuron (which would compile instead): NxDI's compiled neuron_config.json agrees with what vLLM is
+    told (the runner refuses a max_prompt_length other than the compiled max_context_length: model runner
+    L604-694), and every rank's shard is there."""
+    path = bundle / "neuron_config.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: unreadable ({e}); this is not a loadable NxDI compiled directory") from None
+    nc = saved.get("neuron_config", saved)
+    expected = {"tp_degree": serve["tensor_parallel_size"], "max_context_length": serve["max_prompt_length"],
+                "batch_size": serve["max_num_seqs"]}
+    for key, value in expected.items():
+        if nc.get(key) != value:
+            raise UserError(f"{path}: neuron_config.{key} is {nc.get(key)!r} where {VLLM_SERVE} says {value}; the "
+                            "bundle's files do not belong together: pull or build it again")
+    for rank in range(nc.get("world_size") or serve["tensor_parallel_size"]):
+        shard = bundle / "weights" / f"tp{rank}_sharded_checkpoint.safetensors"
+        if not shard.is_file():
+            raise UserError(f"{shard}: missing; NxDI's load reads one shard per rank")
+
+
+def check_unchanged(bundle: Path, manifest: dict) -> None:
+    """InfraError naming the first file the server changed, added or removed in the bundle."""
+    from qbuild.store.bundle import MANIFEST, check_files
+
+    try:
+        check_files(bundle, manifest)
+    except UserError as e:
+        raise InfraError(f"vLLM changed the bundle while it served it: {e}") from None
+    added = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*")
+                   if p.is_file() and p.relative_to(bundle).as_posix() not in manifest["files"]
+                   and p.name != MANIFEST and "__pycache__" not in p.parts)
+    if added:
+        raise InfraError(f"vLLM changed the bundle while it served it: {bundle / added[0]} was written "
+                         f"({len(added)} new file{'s' if len(added) > 1 else ''}); pull it again")
+
+
+# --- the server ------------------------------------------------------------------------------------------------
+
+def free_port(host: str) -> int:
+    """A port nothing listens on now, for --port 0: vLLM is told a port, so one is chosen before it starts."""
+    import socket
+
+    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
+    """Check the host and the bundle, run vLLM's OpenAI server on it in a child process (a session of its own, so
+    that Ctrl-C and SIGTERM reach qbuild, which hands each on), and check after it stopped that the bundle is as it
+    was. The URL is announced once /v1/models answers. Returns 0 when vLLM ended after such a signal; InfraError when
+    it ended by itself, or changed the bundle."""
+    import subprocess
+    import sys
+
+    from qbuild.store.bundle import check_files
+
+    serve_doc, _ = read_serve(bundle)
+    check_servable(bundle, serve_doc)
+    check_passthrough(options.server_args, serve_doc)
+    require_vllm(serve_doc["stack"])
+    check_files(bundle, manifest, digests=not options.digests_checked)
+    check_load_preconditions(bundle, serve_doc)
+    port = options.port or free_port(options.host)
+    doc = serve_command(bundle, manifest, options.name, options.host, port, sys.executable,
+                        options.server_args, getattr(options, "api_key", None))
+    env = dict(os.environ, **doc["env"])
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join((doc["env"]["PYTHONPATH"], os.environ["PYTHONPATH"]))
+    options.log(f"starting vLLM on {bundle} (prompts up to {doc['max_prompt_length']} tokens, "
+                f"{doc['max_model_len']} in all)")
+    child = subprocess.Popen(doc["command"], env=env, start_new_session=True)
+    try:
+        stopped = _run(child, doc["url"], options)
+    finally:
+        check_unchanged(bundle, manifest)
+    if stopped:
+        return 0
+    raise InfraError(f"vLLM exited with code {child.returncode} before it was stopped; its output is above")
+
+
+def _run(child, url: str, options: ServeOptions) -> bool:
+    """Wait for `child`, forwarding SIGINT and SIGTERM and announcing `url` once it answers; whether it ended after
+    such a signal."""
+    import signal
+    import threading
+    import urllib.error
+    import urllib.request
+
+    stopping = threading.Event()
+
+    def forward(signum, frame) -> None:
+        stopping.set()
+        child.send_signal(signum)
+
+    def announce() -> None:
+        while child.poll() is None and not stopping.is_set():
+            try:
+                with urllib.request.urlopen(url + "/models", timeout=READY_POLL_S):
+                    pass
+            except urllib.error.HTTPError:
+                pass        # it answers (401 where an API key is set): vLLM listens only once its engine is up
+            except OSError:
+                stopping.wait(READY_POLL_S)
+                continue
+            options.on_ready(url)
+            return
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        threading.Thread(target=announce, daemon=True).start()
+        child.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return stopping.is_set()

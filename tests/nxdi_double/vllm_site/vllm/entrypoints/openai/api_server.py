@@ -1,0 +1,190 @@
+"""`python -m vllm.entrypoints.openai.api_server` of vLLM 0.16.0 (L519-531) with vllm-neuron 0.5 as the platform.
+
+What the double does, in vLLM's order: parse the command line (exactly the flags below, each of vLLM 0.16.0's
+arg_utils.py / cli_args.py: an unknown one ends it with argparse's exit 2), load the general plugins (arg_utils.py
+L612-614), read the HF config with AutoConfig and no trust_remote_code unless asked (transformers_utils/config.py
+L155-188), let the platform update the configuration (vllm_neuron/platform.py L290-387), start the engine core in a
+process of the multiprocessing method VLLM_WORKER_MULTIPROC_METHOD names, the configuration its argument (v1/engine/
+utils.py L99-128), which loads the general plugins again (v1/engine/core.py L91-93) and the model (the loader
+double), then serve HTTP until SIGINT or SIGTERM (exit 0). A failed engine start exits 1.
+
+It answers GET /v1/models, and POST /v1/completions only with what vLLM refuses first: a prompt longer than
+max_prompt_length (platform_overrides.py L96-109 @ 3afb0a9, a 400) or not shorter than max_model_len (a 400); for
+any other prompt it answers 501, since it cannot generate. /v1 needs the API key where one is set (api_server.py
+L239-240: --api-key, else VLLM_API_KEY).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import signal
+import sys
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="vllm.entrypoints.openai.api_server", allow_abbrev=False)
+    p.add_argument("model_tag", nargs="?")
+    p.add_argument("--model", required=True)
+    p.add_argument("--served-model-name", nargs="+")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--num-gpu-blocks-override", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--additional-config", type=json.loads, default={})
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--generation-config")
+    # Frontend flags (entrypoints/openai/cli_args.py L99, L107, L158, L164; arg_utils.py L507 reasoning_parser).
+    p.add_argument("--api-key", nargs="+")
+    p.add_argument("--chat-template")
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--tool-call-parser")
+    p.add_argument("--reasoning-parser")
+    return p
+
+
+def engine_core(vllm_config, conn) -> None:
+    """The engine-core process: plugins, then the model; reports ("ready", facts) or ("failed", traceback)."""
+    try:
+        from neuronx_distributed_inference._double import record
+        from vllm.plugins import load_general_plugins
+        from vllm_neuron.worker import neuronx_distributed_model_loader as loader
+
+        load_general_plugins()
+        model = loader.get_neuron_model(vllm_config)
+        limit = loader.validate_max_prompt_length(model, vllm_config)
+        hf = type(vllm_config.hf_config)
+        record("vllm_engine_core", start_method=multiprocessing.get_start_method(),
+               hf_config_cls=f"{hf.__module__}.{hf.__qualname__}", app_cls=type(model).__name__,
+               max_prompt_length=limit, max_model_len=vllm_config.max_model_len,
+               block_size=vllm_config.block_size, num_gpu_blocks=vllm_config.num_gpu_blocks_override)
+        conn.send(("ready", limit))
+    except BaseException:
+        conn.send(("failed", traceback.format_exc()))
+
+
+def start_engine(config) -> None:
+    context = multiprocessing.get_context(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"))
+    parent, child = context.Pipe()
+    proc = context.Process(target=engine_core, name="EngineCore_DP0", kwargs={"vllm_config": config, "conn": child})
+    proc.start()          # with spawn, the kwargs are pickled here
+    child.close()
+    try:
+        status, detail = parent.recv()
+    except EOFError:
+        status, detail = "failed", f"the engine core process died (exit code {proc.join() or proc.exitcode})"
+    proc.join()
+    if status != "ready":
+        sys.stderr.write(f"{detail}\nRuntimeError: Engine core initialization failed. See root cause above.\n")
+        sys.exit(1)
+
+
+def load_tokenizer(model: str):
+    """AutoTokenizer as transformers 4.57 resolves it: an unknown tokenizer_class raises (vllm/__init__.py)."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+    from vllm import TRANSFORMERS_4_UNKNOWN_TOKENIZERS
+
+    config = Path(model) / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if name in TRANSFORMERS_4_UNKNOWN_TOKENIZERS:
+        raise ValueError(f"Tokenizer class {name} does not exist or is not currently imported.")
+    return AutoTokenizer.from_pretrained(model)
+
+
+def serve_http(args, config) -> None:
+    tokenizer = load_tokenizer(args.model)
+    names = args.served_model_name or [args.model]
+    keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a) -> None:
+            pass
+
+        def reply(self, code: int, doc: dict) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def authorised(self) -> bool:
+            if keys and self.headers.get("Authorization") not in [f"Bearer {k}" for k in keys]:
+                self.reply(401, {"error": "Unauthorized"})
+                return False
+            return True
+
+        def do_GET(self) -> None:
+            if not self.authorised():
+                return
+            if self.path == "/v1/models":
+                self.reply(200, {"object": "list", "data": [{"id": n, "object": "model",
+                                                             "max_model_len": config.max_model_len} for n in names]})
+            else:
+                self.reply(404, {"error": "not found"})
+
+        def do_POST(self) -> None:
+            if not self.authorised():
+                return
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path != "/v1/completions":
+                return self.reply(404, {"error": "not found"})
+            n = len(tokenizer(body.get("prompt", ""))["input_ids"])
+            if config.max_prompt_length is not None and n > config.max_prompt_length:
+                message = (f"This model's maximum prompt length is {config.max_prompt_length} tokens. However, your "
+                           f"request has {n} prompt tokens. Please reduce the length of the prompt.")
+                return self.reply(400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
+            if n >= config.max_model_len:
+                return self.reply(400, {"error": {"message": f"This model's maximum context length is "
+                                                             f"{config.max_model_len} tokens.", "code": 400}})
+            self.reply(501, {"error": "the vLLM contract double does not generate"})
+
+    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), Handler)
+
+    def stop(signum, frame) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    server.server_close()
+
+
+def main(argv: list[str]) -> None:
+    from transformers import AutoConfig
+    from vllm.config import VllmConfig
+    from vllm.plugins import load_general_plugins, load_platform
+
+    args = parser().parse_args(argv)
+    load_general_plugins()
+    platform = load_platform()
+    hf_config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    config = VllmConfig(model=args.model, hf_config=hf_config, dtype=args.dtype,
+                        max_model_len=args.max_model_len or hf_config.max_position_embeddings,
+                        tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs or 32,
+                        num_gpu_blocks_override=args.num_gpu_blocks_override,
+                        enable_prefix_caching=bool(args.enable_prefix_caching),
+                        enable_chunked_prefill=bool(args.enable_chunked_prefill),
+                        additional_config=args.additional_config, block_size=args.block_size)
+    platform.check_and_update_config(config)
+    start_engine(config)
+    serve_http(args, config)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
