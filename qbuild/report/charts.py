@@ -25,7 +25,8 @@ def draw(benches: list[BenchDoc]) -> dict[str, str]:
     for metric, title in METRICS.items():
         chart = pygal.Line(js=[], disable_xml_declaration=True, explicit_size=True, width=640, height=360,
                            title=title, x_title="prompt tokens", y_title="ms", include_x_axis=True,
-                           show_x_guides=True, legend_at_bottom=True, truncate_legend=-1,
+                           show_x_guides=True, legend_at_bottom=True, legend_at_bottom_columns=1,
+                           truncate_legend=-1,
                            classes=["pygal-chart", f"chart-{metric}"])
         chart.x_labels = [str(n) for n in lengths]
         for bench in benches:
