@@ -146,7 +146,7 @@ def report(recipes: list[str] = typer.Argument(None, help="recipe files [default
     the_plan, status = ws.plan(loaded)
     html, data, notes = reportmod.make(the_plan, status, ws.store, doc, lock, benches)
     atomic_write(out, html.encode())
-    report_written(out, data, notes, json_)
+    report_written(out, data.shown(), notes, json_)
 
 
 # --- compile ---------------------------------------------------------------------------------------------------

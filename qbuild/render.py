@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from qbuild.store.manifest import Manifest
     from qbuild.store.remote import PushReport
     from qbuild.planning.plan import NodeStatus, Plan
-    from qbuild.report.data import ReportData
 
 STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting", "unresolved": "not resolved"}
 STATUS_STYLE = {"cached": "green", "build": "yellow", "waiting": "dim", "unresolved": "red"}
@@ -517,15 +516,13 @@ def bench_table(doc: dict) -> None:
 
 # --- report ----------------------------------------------------------------------------------------------------
 
-def report_written(path: Path, data: ReportData, notes: list[str], as_json: bool) -> None:
-    """After `qbuild report`: the page's path on stdout (or a JSON document naming it and what it shows), and what
-    it could not show on stderr."""
+def report_written(path: Path, shown: dict, notes: list[str], as_json: bool) -> None:
+    """After `qbuild report`: the page's path on stdout (or a JSON document naming it, with `shown`: what it shows),
+    and what it could not show on stderr."""
     for note in notes:
         _err_line(f"note: {note}")
     where = str(path.resolve())
     if as_json:
-        print(jsonio.dumps({"report": where, "recipes": [r["name"] for r in data.recipes], "nodes": len(data.nodes),
-                            "verify": {v.recipe: v.verdict for v in data.verifies}, "bench": len(data.benches),
-                            "notes": notes}, indent=1, sort_keys=True))
+        print(jsonio.dumps({"report": where, **shown, "notes": notes}, indent=1, sort_keys=True))
     else:
         print(where)

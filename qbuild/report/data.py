@@ -75,6 +75,11 @@ class ReportData:
     record_note: str | None        # why there is no record, where there is none
     other_steps: int = 0           # steps of that build that belong to nodes not in this report
 
+    def shown(self) -> dict:
+        """What the page shows, in brief (`qbuild report --json`)."""
+        return {"recipes": [r["name"] for r in self.recipes], "nodes": len(self.nodes),
+                "verify": {v.recipe: v.verdict for v in self.verifies}, "bench": len(self.benches)}
+
 
 def locked_recipes(doc: dict, lock_path: Path, backend: str | None) -> list[LoadedRecipe]:
     """The recipes a lockfile holds, loaded from the files it records; a recipe locked as `<name>@<backend>` (built
