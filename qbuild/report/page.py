@@ -61,8 +61,8 @@ def timeline(data: ReportData) -> dict | None:
     percentages of the build's span: {"start", "end", "span", "rows": [...]}; None without a record."""
     if data.record is None:
         return None
-    names = {row.id: row.name for row in data.nodes}
-    steps = [s for s in data.record["steps"] if isinstance(s, dict) and s.get("id") in names
+    rows_by_id = {row.id: row for row in data.nodes}
+    steps = [s for s in data.record["steps"] if isinstance(s, dict) and s.get("id") in rows_by_id
              and _number(s.get("start"))]
     t0 = data.record.get("started") if _number(data.record.get("started")) else min(
         (s["start"] for s in steps), default=0.0)
@@ -71,7 +71,8 @@ def timeline(data: ReportData) -> dict | None:
     rows = []
     for s in sorted(steps, key=lambda s: s["start"]):
         end = s["end"] if _number(s.get("end")) else t1
-        rows.append({"step": s, "name": names[s["id"]], "offset": (s["start"] - t0) / span * 100,
+        node = rows_by_id[s["id"]]
+        rows.append({"step": s, "name": node.name, "recipes": node.recipes, "offset": (s["start"] - t0) / span * 100,
                      "width": max((end - s["start"]) / span * 100, 0.4), "from": s["start"] - t0,
                      "to": end - t0, "worker": _worker(s)})
     return {"start": t0, "end": t1, "span": span, "rows": rows}
