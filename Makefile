@@ -5,9 +5,23 @@ QBUILD := $(VENV)/bin/qbuild
 DEMO   := .qbuild
 export QBUILD_STORE ?= $(CURDIR)/$(DEMO)/store
 
-.PHONY: install constraints demo test test-fast lock-check neuron-check bench clean
+.PHONY: install system-packages constraints demo test test-fast lock-check neuron-check bench clean
 
-install: $(VENV)/.installed
+install: system-packages $(VENV)/.installed
+
+# Debian packages: Graphviz's `dot` draws `qbuild report`'s DAG, and chromium is the browser the report's page test
+# drives (Playwright's own browser download is not used). Installed only where missing, and only as root with
+# apt-get; elsewhere a line names what is missing (the report is then written without its drawing, and the page test
+# is skipped outside CI).
+SYSTEM_PACKAGES := graphviz chromium
+system-packages:
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | \
+	    grep -q 'ok installed' || echo $$p; done); \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "apt-get install $$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else echo "not installed: $$missing (Debian packages; install them as root)" >&2; fi
 
 # torch is pinned to the CPU build; an unpinned torch would pull a multi-GB CUDA build.
 # constraints.txt pins every other distribution to the versions that built artifacts.lock (their versions are in the
@@ -16,7 +30,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[build,s3,ray,serve,test]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[build,s3,ray,serve,report,test]'
 	touch $@
 
 # After an upgrade on purpose: write the venv's versions back, then rebuild the lock and commit both.
@@ -38,6 +52,9 @@ demo: install $(DEMO)/tiny/qwen3_5/config.json $(DEMO)/tiny/qwen3_5_moe/config.j
 	for i in $$(seq 600); do [ -s $(DEMO)/serve.url ] && break; kill -0 $$pid 2>/dev/null || exit 1; sleep 0.5; done; \
 	[ -s $(DEMO)/serve.url ] || { echo "qbuild serve did not answer within 300 s" >&2; exit 1; }; \
 	$(PY) -c "$$SERVE_REQUEST" "$$(cat $(DEMO)/serve.url)" && kill -INT $$pid && wait $$pid
+	$(QBUILD) bench recipes/tiny/dense-tp2.yaml --lock $(DEMO)/artifacts.lock --repeats 3 --out $(DEMO)/bench-dense-tp2.json
+	@echo "the demo's report, to open in a browser:"
+	$(QBUILD) report --lock $(DEMO)/artifacts.lock --bench $(DEMO)/bench-dense-tp2.json --out $(DEMO)/report.html
 
 # The demo's last step: one completion from `qbuild serve` through the OpenAI client (argument: the base URL).
 export SERVE_REQUEST

@@ -95,16 +95,58 @@ def _err(msg: str) -> None:
 
 # --- plan ------------------------------------------------------------------------------------------------------
 
+PlanFormat = Enum("PlanFormat", {name: name for name in ("tree", "json", "dot", "mermaid")}, type=str)
+
+
 @app.command()
 def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: bool = AllOpt,
-         json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+         fmt: Optional[PlanFormat] = typer.Option(None, "--format",
+                                                  help="tree (default), json, or the DAG as Graphviz dot or Mermaid "
+                                                       "text [default: tree]"),
+         json_: bool = typer.Option(False, "--json", help="the same as --format json"),
+         store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
          remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt) -> None:
     """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
     from qbuild.render import print_plan
 
+    if json_ and fmt not in (None, PlanFormat.json):
+        raise UserError(f"--json and --format {fmt.value}: --json is --format json; give one of them")
     ws = _workspace(store, lock, remote, backend=backend)
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
-    print_plan(the_plan, status, json_)
+    print_plan(the_plan, status, "json" if json_ else (fmt or PlanFormat.tree).value)
+
+
+# --- report ----------------------------------------------------------------------------------------------------
+
+@app.command()
+def report(recipes: list[str] = typer.Argument(None, help="recipe files [default: every recipe of the lockfile]"),
+           all_: bool = AllOpt,
+           out: Path = typer.Option(Path(".qbuild/report.html"), "--out", help="the HTML file to write"),
+           bench: list[Path] = typer.Option(None, "--bench", metavar="FILE",
+                                            help="a `qbuild bench --json` (or --out) document to chart; repeatable"),
+           json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+           remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt) -> None:
+    """Write one self-contained HTML page: the DAG with each node's status, key and size, the last build's
+    timeline, the verify reports against their thresholds, and TTFT / TPOT charts of bench results."""
+    from qbuild import report as reportmod
+    from qbuild.render import report_written
+    from qbuild.store import atomic_write, lock as lockmod
+
+    benches = [reportmod.read_bench(f) for f in bench or []]   # a bad document is refused before any work
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a directory; name the HTML file to write")
+    ws = _workspace(store, lock, remote, backend=backend)
+    doc = lockmod.read(lock)
+    if recipes or all_:
+        loaded = ws.load(recipes or [], all_)
+    elif not lock.exists():
+        raise UserError(f"{lock}: no lockfile; name recipe files, pass --all, or point --lock at a lockfile")
+    else:
+        loaded = reportmod.locked_recipes(doc, lock, None if backend is None else backend.value)
+    the_plan, status = ws.plan(loaded)
+    html, data, notes = reportmod.make(the_plan, status, ws.store, doc, lock, benches)
+    atomic_write(out, html.encode())
+    report_written(out, data.shown(), notes, json_)
 
 
 # --- compile ---------------------------------------------------------------------------------------------------
@@ -157,7 +199,7 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
         from qbuild.render import print_pin_moves
 
         print_pin_moves(ws.update_pins(loaded), False)
-    with BuildProgress(verbose=verbose) as progress:
+    with BuildProgress(verbose=verbose, lock=lock) as progress:
         the_plan, result, rebuilt = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
     pushed = _push_results(ws, result) if push else None
     extra = {"pushed": pushed.to_json()} if pushed is not None else {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import time
 from functools import cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.core import jsonio
@@ -86,12 +87,79 @@ def _print_trees(out, Tree, plan: Plan, status: dict[str, NodeStatus]) -> None:
         out.print(root)
 
 
-def print_plan(plan: Plan, status: dict[str, NodeStatus], as_json: bool) -> None:
-    """`qbuild plan`'s output: the JSON document on stdout, or the trees."""
-    if as_json:
+PLAN_FORMATS = ("tree", "json", "dot", "mermaid")
+
+
+def print_plan(plan: Plan, status: dict[str, NodeStatus], fmt: str) -> None:
+    """`qbuild plan`'s output on stdout, in one of PLAN_FORMATS: the trees, the JSON document, or the DAG as Graphviz
+    or Mermaid text."""
+    if fmt == "json":
         sys.stdout.write(jsonio.dumps(plan_json(plan, status), indent=1, sort_keys=True) + "\n")
+    elif fmt == "dot":
+        sys.stdout.write(plan_dot(plan, status))
+    elif fmt == "mermaid":
+        sys.stdout.write(plan_mermaid(plan, status))
     else:
         plan_tree(plan, status)
+
+
+# The fill of a node of each status in the drawn DAG (dot, mermaid, the report).
+STATUS_FILL = {"cached": "#d7f0dc", "build": "#fff1c2", "waiting": "#e9ecef", "unresolved": "#f8d3d6"}
+
+
+def _node_lines(plan: Plan, nid: str, st: NodeStatus) -> list[str]:
+    """What a drawn node says: its name, short key, status."""
+    return [plan.nodes[nid].name, (st.key or "no key yet")[:12], STATUS_TEXT[st.status]]
+
+
+def _dot_string(text: str) -> str:
+    """A Graphviz double-quoted string (the DOT language: only the quote needs a backslash; a backslash is kept for
+    Graphviz's own escapes, so it is doubled)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+
+
+def plan_dot(plan: Plan, status: dict[str, NodeStatus], extra: dict[str, list[str]] | None = None,
+             link: str | None = None) -> str:
+    """The DAG as a Graphviz digraph, inputs to the left of the steps that read them: each node's id is its node id,
+    its label its name, short key, status (and `extra` lines), its class `status-<status> kind-<kind>`, and with
+    `link`, its URL `link` + its node id (what a click on it opens)."""
+    lines = ["digraph qbuild {", "  rankdir=LR;", '  node [shape=box, style="rounded,filled", fontname="Helvetica", '
+             'fontsize=11];', '  edge [color="#6c757d"];']
+    for nid, node in plan.nodes.items():
+        st = status[nid]
+        lines_of_label = _node_lines(plan, nid, st) + (extra or {}).get(nid, [])
+        label = "\\n".join(_dot_string(line)[1:-1] for line in lines_of_label)   # backslash-n: Graphviz's line break
+        lines.append(f'  {_dot_string(nid)} [label="{label}", id={_dot_string("node-" + nid)}, '
+                     f'class="status-{st.status} kind-{node.kind}", fillcolor="{STATUS_FILL[st.status]}", '
+                     f'tooltip={_dot_string(st.why or STATUS_TEXT[st.status])}'
+                     + (f", URL={_dot_string(link + nid)}" if link is not None else "") + "];")
+    for nid, node in plan.nodes.items():
+        for dep in sorted(set(node.deps.values())):
+            lines.append(f"  {_dot_string(dep)} -> {_dot_string(nid)};")
+    return "\n".join(lines + ["}"]) + "\n"
+
+
+def _mermaid_text(text: str) -> str:
+    """Text inside a Mermaid quoted label: its entity codes for the characters the syntax or HTML would take."""
+    for char, code in (("#", "#35;"), ('"', "#quot;"), ("<", "#lt;"), (">", "#gt;")):
+        text = text.replace(char, code)
+    return text
+
+
+def plan_mermaid(plan: Plan, status: dict[str, NodeStatus]) -> str:
+    """The DAG as a Mermaid flowchart: node `n<i>` (in plan order; Mermaid ids are plain words) labelled with its name,
+    short key and status, in the class of its status; an edge from each input to the step that reads it."""
+    ids = {nid: f"n{i}" for i, nid in enumerate(plan.nodes)}
+    lines = ["flowchart LR"]
+    for nid in plan.nodes:
+        st = status[nid]
+        label = "<br/>".join(_mermaid_text(line) for line in _node_lines(plan, nid, st))
+        lines.append(f'  {ids[nid]}["{label}"]:::{st.status}')
+    for nid, node in plan.nodes.items():
+        for dep in sorted(set(node.deps.values())):
+            lines.append(f"  {ids[dep]} --> {ids[nid]}")
+    lines += [f"  classDef {name} fill:{fill},stroke:#6c757d" for name, fill in STATUS_FILL.items()]
+    return "\n".join(lines) + "\n"
 
 
 def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
@@ -210,12 +278,18 @@ class _Rerendered:
 class BuildProgress:
     """Live progress on a TTY (a spinner per running step); one plain line per event elsewhere."""
 
-    def __init__(self, verbose: bool = False):
+    def __init__(self, verbose: bool = False, lock: Path | None = None):
         self.tty = sys.stderr.isatty()
         self.verbose = verbose        # also print what each built or failed step's libraries printed
         self.running: dict[str, tuple[float, object]] = {}   # name -> (start time, its spinner)
         self._live = None
         self.started = time.monotonic()
+        # The build's record beside the lockfile (qbuild.build.record), which `qbuild report` draws its timeline from.
+        self.recorder = None
+        if lock is not None:
+            from qbuild.build.record import BuildRecorder
+
+            self.recorder = BuildRecorder(lock)
 
     def __enter__(self) -> "BuildProgress":
         if self.tty:
@@ -229,6 +303,18 @@ class BuildProgress:
     def __exit__(self, *exc) -> None:
         if self._live is not None:
             self._live.__exit__(*exc)
+        if self.recorder is not None and self.recorder.steps:   # a command refused before any step writes nothing
+            self._write_record(interrupted=exc[0] is not None)
+
+    def _write_record(self, interrupted: bool) -> None:
+        """Replace the lockfile's build record. A record that cannot be written is a warning: the build it describes
+        succeeded or failed on its own."""
+        from qbuild.core.errors import QbuildError
+
+        try:
+            self.recorder.write(interrupted)
+        except QbuildError as e:
+            _err_line(f"warning: the build record was not written: {e}")
 
     def _render(self):
         from rich.table import Table
@@ -241,6 +327,8 @@ class BuildProgress:
         return table
 
     def on_event(self, e: Event) -> None:
+        if self.recorder is not None:
+            self.recorder.on_event(e)
         name = e.node.name
         if e.kind == "start":
             from rich.spinner import Spinner
@@ -424,3 +512,17 @@ def bench_table(doc: dict) -> None:
     for p in doc["points"]:
         print(f"{p['prompt_len']:>6}  {p['cte_bucket']:>6}  {p['ttft_ms']['median']:>9.1f}  "
               f"{p['tpot_ms']['median']:>9.2f}  {p['decode_tok_s']:>8.1f}")
+
+
+# --- report ----------------------------------------------------------------------------------------------------
+
+def report_written(path: Path, shown: dict, notes: list[str], as_json: bool) -> None:
+    """After `qbuild report`: the page's path on stdout (or a JSON document naming it, with `shown`: what it shows),
+    and what it could not show on stderr."""
+    for note in notes:
+        _err_line(f"note: {note}")
+    where = str(path.resolve())
+    if as_json:
+        print(jsonio.dumps({"report": where, **shown, "notes": notes}, indent=1, sort_keys=True))
+    else:
+        print(where)

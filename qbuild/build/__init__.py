@@ -1,6 +1,7 @@
 """Running a plan: the engine that schedules nodes (engine), one node's build in a worker (job), the executors
-that run jobs (executors/: a local process pool, a Ray cluster), the actions themselves (actions/), and the
-workspace that ties recipes, store, plan and lock together for one command (workspace).
+that run jobs (executors/: a local process pool, a Ray cluster), the actions themselves (actions/), the
+workspace that ties recipes, store, plan and lock together for one command (workspace), and the record of the
+last build beside a lockfile (record).
 
 May import: every layer below the CLI.
 """

@@ -24,11 +24,13 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import BinaryIO
 
 from qbuild.build.job import Job, run_job
 from qbuild.core.errors import BuildError
 from qbuild.planning.plan import Node
+from qbuild.store.manifest import Manifest
 
 _HEADER = struct.Struct(">Q")     # the length of the pickle that follows
 _SERVE = "import sys; from qbuild.build.executors.local import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
@@ -122,12 +124,18 @@ class LocalExecutor:
                 # Free before the engine hears the result: the step it submits next then goes to this worker.
                 self._free()
                 if ok:
-                    future.set_result(value)
+                    future.set_result(_ran_by(value, worker))
                 else:
                     future.set_exception(value)
         finally:
             if worker is not None:
                 worker.close()
+
+
+def _ran_by(manifest: Manifest, worker: _Worker) -> Manifest:
+    """The manifest as the engine gets it, with the worker that ran the step among its facts (meta, never in a key):
+    `qbuild report` draws each step on its worker's lane."""
+    return replace(manifest, meta={**manifest.meta, "worker": f"{threading.current_thread().name} (pid {worker.pid})"})
 
 
 class _Worker:
@@ -147,6 +155,10 @@ class _Worker:
         os.close(results_w)
         self._jobs = open(jobs_w, "wb")
         self._results = open(results_r, "rb")
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def alive(self) -> bool:
         return self._proc.poll() is None
