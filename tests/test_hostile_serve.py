@@ -302,7 +302,8 @@ def test_models_answers_while_a_prompt_is_being_tokenized(server, client, points
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_client_that_goes_away_stops_its_generation_and_the_queue_goes_on(server, client, points, stream):
     """The held generation made its first token; its client goes (a streamed chat after its first chunk); the server
-    stops it there, instead of making the other 15, and the request queued behind it is answered."""
+    stops it there, instead of making the other 15, and the request queued behind it is answered. (A stream was
+    stopped so before too, as Starlette cancels a stream whose client goes; a non-streamed answer ran to its end.)"""
     tag = f"gone{int(stream)}"
     body = {"model": NAME, "messages": [{"role": "user", "content": f"HOLD:{tag}"}], "max_tokens": 16,
             "stream": stream}
@@ -321,24 +322,29 @@ def test_a_client_that_goes_away_stops_its_generation_and_the_queue_goes_on(serv
 
 
 @pytest.mark.slow
-def test_a_queued_request_whose_client_went_away_never_runs(server, client, points):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_queued_request_whose_client_went_away_never_runs(server, client, points, stream):
+    """The queued request's client goes while a generation runs (the server has seen it go before the running one's
+    client goes too): its generation never starts, and the next request is answered. Before, it ran in its turn, to
+    its end where not streamed, to its first token where streamed."""
+    ahead_tag, queued_tag = f"ahead{int(stream)}", f"queued{int(stream)}"
     ahead = connect(server.url)
-    data = json.dumps({"model": NAME, "prompt": "HOLD:ahead1 go on", "max_tokens": 16}).encode()
+    data = json.dumps({"model": NAME, "prompt": f"HOLD:{ahead_tag} go on", "max_tokens": 16, "stream": stream}).encode()
     ahead.sendall(head("POST", "/v1/completions", f"Content-Length: {len(data)}") + data)
-    wait_until(lambda: (points / "held-ahead1").exists(), WAIT_S, "the first token")
+    wait_until(lambda: (points / f"held-{ahead_tag}").exists(), WAIT_S, "the first token")
 
     queued = connect(server.url)
-    data = json.dumps({"model": NAME, "prompt": "queued2 waits", "max_tokens": 4}).encode()
+    data = json.dumps({"model": NAME, "prompt": f"{queued_tag} waits", "max_tokens": 4, "stream": stream}).encode()
     queued.sendall(head("POST", "/v1/completions", f"Content-Length: {len(data)}") + data)
-    wait_until(lambda: any("queued2" in r["text"] for r in records(points, "encoded.jsonl")), WAIT_S,
+    wait_until(lambda: any(queued_tag in r["text"] for r in records(points, "encoded.jsonl")), WAIT_S,
                "the queued request to be tokenized")
     port = queued.getsockname()[1]
     queued.close()
     wait_until(lambda: (points / f"lost-{port}").exists(), WAIT_S, "the server to see the queued client go")
     ahead.close()
-    assert wait_until(lambda: generation_of(points, "ahead1"), WAIT_S, "the held generation to end")["tokens"] == 1
+    assert wait_until(lambda: generation_of(points, ahead_tag), WAIT_S, "the held generation to end")["tokens"] == 1
     assert client.completions.create(model=NAME, prompt="and then", max_tokens=2).usage.completion_tokens >= 1
-    assert generation_of(points, "queued2") is None
+    assert generation_of(points, queued_tag) is None
 
 
 # --- the API key -------------------------------------------------------------------------------------------------

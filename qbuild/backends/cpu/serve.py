@@ -51,8 +51,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from qbuild.backends.base import ServeOptions
-from qbuild.backends.cpu.serve_requests import (ChatMessage, ChatRequest, CompletionRequest, RequestError, StreamOptions,
-                                                parse, shutting_down)
+from qbuild.backends.cpu.serve_requests import (ChatMessage, ChatRequest, CompletionRequest, RequestError,
+                                                StreamOptions, parse, shutting_down)
 from qbuild.core.errors import UserError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -120,6 +120,32 @@ class Job:
             return self.stopped is not None
 
         return runtime.generate(self.ids, self.max_new, on_token=step)
+
+
+class Client:
+    """Whether the client of a request is still there, watched from when its body has been read until `close()`:
+    once its connection closes, `gone` is set and the job it waits for is stopped, in that same step of the event
+    loop, before anything else the loop has to do."""
+
+    def __init__(self, request: Request):
+        self.gone = asyncio.Event()
+        self._job: Job | None = None
+        self._watch = asyncio.ensure_future(self._wait(request.receive))
+
+    async def _wait(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+        if self._job is not None:
+            self._job.stop("client")
+
+    def watch(self, job: Job) -> None:
+        self._job = job
+        if self.gone.is_set():
+            job.stop("client")
+
+    def close(self) -> None:
+        self._watch.cancel()
 
 
 class Generator:
@@ -284,32 +310,6 @@ class Detokenizer:
 
 
 # --- the routes ------------------------------------------------------------------------------------------------
-
-class Client:
-    """Whether the client of a request is still there, watched from when its body has been read until `close()`:
-    once its connection closes, `gone` is set and the job it waits for is stopped, in that same step of the event
-    loop, before anything else the loop has to do."""
-
-    def __init__(self, request: Request):
-        self.gone = asyncio.Event()
-        self._job: Job | None = None
-        self._watch = asyncio.ensure_future(self._wait(request.receive))
-
-    async def _wait(self, receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        self.gone.set()
-        if self._job is not None:
-            self._job.stop("client")
-
-    def watch(self, job: Job) -> None:
-        self._job = job
-        if self.gone.is_set():
-            job.stop("client")
-
-    def close(self) -> None:
-        self._watch.cancel()
-
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request's body, or a 413 once it proves longer than `limit` bytes: its Content-Length says so before anything
