@@ -7,8 +7,9 @@ In that directory:
 - `Runtime.generate` of a prompt holding "HOLD:<tag>" writes `held-<tag>` after its first token and then waits for the
   server to stop it: every POLL_S it hands the server's on_token that token again and ends the generation as soon as
   the answer is true (a streamed answer repeats the token meanwhile: the tests disconnect that client), or goes on
-  once `release-<tag>` exists. Every generation that ends appends {"prompt", "tokens", "max_new"} to
-  generations.jsonl: its prompt's text, how many tokens it made, how many it was allowed.
+  once `release-<tag>` exists. "HOLD-DEAF:<tag>" holds the same way but asks the server nothing: a generation that
+  does not end when the server stops it (one busy in a long prefill). Every generation that ends appends {"prompt",
+  "tokens", "max_new"} to generations.jsonl: its prompt's text, how many tokens it made, how many it was allowed.
 - uvicorn's connection_lost writes `lost-<client port>`: from then on the server has seen that client go.
 A hold gives up after HOLD_S and lets the work go on: a server that never stops it fails its test then.
 """
@@ -59,8 +60,8 @@ def _wrap_runtime(runtime_class, root: Path) -> None:
 
     def held_generate(self, prompt_ids, max_new_tokens, *args, on_token=None, **kwargs):
         text = self.tokenizer.decode(prompt_ids)
-        if tag := re.search(r"HOLD:(\w+)", text):
-            on_token = _holding(on_token, root, tag[1])
+        if tag := re.search(r"HOLD(-DEAF)?:(\w+)", text):
+            on_token = _holding(on_token, root, tag[2], deaf=bool(tag[1]))
         generation = generate(self, prompt_ids, max_new_tokens, *args, on_token=on_token, **kwargs)
         _append(root / "generations.jsonl", {"prompt": text, "tokens": len(generation.token_ids),
                                              "max_new": max_new_tokens})
@@ -69,7 +70,7 @@ def _wrap_runtime(runtime_class, root: Path) -> None:
     runtime_class.encode, runtime_class.generate = held_encode, held_generate
 
 
-def _holding(server_on_token, root: Path, tag: str):
+def _holding(server_on_token, root: Path, tag: str, deaf: bool):
     held = False
 
     def on_token(token: int) -> bool:
@@ -82,7 +83,7 @@ def _holding(server_on_token, root: Path, tag: str):
         mark(root / f"held-{tag}")
         deadline = time.monotonic() + HOLD_S
         while time.monotonic() < deadline and not (root / f"release-{tag}").exists():
-            if server_on_token is not None and server_on_token(token):
+            if not deaf and server_on_token is not None and server_on_token(token):
                 return True
             time.sleep(POLL_S)
         return False

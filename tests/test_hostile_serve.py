@@ -437,3 +437,29 @@ def test_a_stop_signal_with_queued_requests_ends_each_cleanly(project, tmp_path)
     assert cut.body["message"] == "the server stopped before the answer was complete"
     assert "warning" not in err
     assert not re.search(r"CancelledError|ERROR", err)
+
+
+@pytest.mark.slow
+def test_a_generation_that_outlives_the_stop_ends_its_stream_quietly(project, tmp_path):
+    """A generation that does not end when the grace runs out (held here; a long prefill in life) is cancelled by
+    uvicorn 30 s later: its stream ends there, without `data: [DONE]`, and the server exits 0 without a traceback once
+    the generation thread is done."""
+    points = tmp_path / "points"
+    points.mkdir()
+    (tmp_path / "run").mkdir()
+    s = start(NAME, tmp_path / "run", cwd=project, env=instrumented(points, QBUILD_STORE=str(project / "store")))
+    try:
+        c = openai.OpenAI(base_url=s.url, api_key="unused", max_retries=0, timeout=WAIT_S)
+        with ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(lambda: list(c.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": "HOLD-DEAF:deaf1"}], max_tokens=8, stream=True)))
+            wait_until(lambda: (points / "held-deaf1").exists(), WAIT_S, "the first token")
+            s.proc.send_signal(signal.SIGINT)
+            chunks = stream.result()
+        (points / "release-deaf1").write_text("")
+    finally:
+        err = stopped_cleanly(s)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(chunk.choices[0].finish_reason is None for chunk in chunks)   # cut short, not finished
+    assert generation_of(points, "deaf1")["tokens"] <= 2   # stopped at its next token once released
+    assert "Cancel 1 running task(s)" in err   # uvicorn's one line about it

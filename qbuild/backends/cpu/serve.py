@@ -487,7 +487,8 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 class Guard:
     """In front of the routes: the API key, where one is set, checked before anything of a request is read; and a
-    request that uvicorn cancels while the server stops ends quietly, with a 503 where nothing was sent yet."""
+    request that uvicorn cancels while the server stops ends quietly: a 503 where nothing was sent yet, else the end of
+    its stream."""
 
     def __init__(self, app, api_key: str | None, stopping: asyncio.Event):
         self.app, self.stopping = app, stopping
@@ -499,11 +500,13 @@ class Guard:
                                    "the key the server was started with", status=401, code="invalid_api_key")
             await refusal.response(headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
             return
-        started = False
+        sent: set[str] = set()   # "start", "end": how much of the response went out
 
-        async def tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+        async def tracked(message) -> None:   # marked first: uvicorn writes a message before it waits for the socket
+            if message["type"] == "http.response.start":
+                sent.add("start")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent.add("end")
             await send(message)
 
         try:
@@ -511,8 +514,10 @@ class Guard:
         except asyncio.CancelledError:
             if not self.stopping.is_set():
                 raise
-            if not started:
+            if "start" not in sent:
                 await shutting_down().response()(scope, receive, send)
+            elif "end" not in sent:   # a stream cut short: it ends here, without `data: [DONE]`
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
         values = [v for k, v in headers if k == b"authorization"]
