@@ -164,7 +164,8 @@ def test_a_malformed_request_is_a_400_error_object(server, case):
 
 @pytest.mark.parametrize("body", [b'{"model": "m", "prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}",
                                   b'{"model": "m", "prompt": "\\ud800"}', b'{"model": "m", "prompt": "\\udfff x"}',
-                                  b'{"model": "m", "prompt": "\\ud800\\u0041"}'])
+                                  b'{"model": "m", "prompt": "\\ud800\\u0041"}'],
+                         ids=["200000 deep", "lone high surrogate", "lone low surrogate", "high surrogate, then A"])
 def test_the_parser_refuses_200000_deep_json_and_lone_surrogates(body):
     """200,000 levels exceed this bundle's body limit (a 413 first); a bundle with a longer sequence takes the body,
     and the parser refuses it without recursing (pydantic-core's JSON parser has its own depth limit)."""
