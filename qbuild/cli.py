@@ -649,6 +649,10 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                                                          "requests"),
           allow_unverified: bool = typer.Option(False, "--allow-unverified",
                                                 help="serve a locked recipe whose verify did not pass"),
+          api_key: Optional[str] = typer.Option(None, "--api-key", envvar="QBUILD_API_KEY", show_default=False,
+                                                help="require `Authorization: Bearer KEY` on every request (prefer "
+                                                     "the environment variable: a command line is visible to other "
+                                                     "users)"),
           json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
           remote: Optional[str] = RemoteOpt) -> None:
     """Serve a bundle's OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions) until Ctrl-C:
@@ -677,7 +681,7 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                             f"{', '.join(backends.NAMES)}; only a bundle qbuild built can be served")
         backend = backends.get(manifest["backend"])
         options = ServeOptions(name=name, host=host, port=port, log=_err, on_ready=on_ready, digests_checked=checked,
-                               server_args=tuple(server_args or ()))
+                               server_args=tuple(server_args or ()), api_key=api_key)
         if dry_run:
             doc = backend.serve_command(bundle, manifest, options)
             if json_:
@@ -685,6 +689,9 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
             else:
                 serve_text(doc)
             return
+        if options.open_to_others:
+            _err(f"warning: --host {host} takes requests from other machines and no --api-key is set: anyone who can "
+                 "reach it can use the model; set QBUILD_API_KEY (or --api-key)")
         code = backend.serve(bundle, manifest, options)
     raise typer.Exit(code)
 

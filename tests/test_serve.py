@@ -42,10 +42,11 @@ class Server:
         return code, self.err.read_text()
 
 
-def start(target: str, root: Path, *args: str, cwd: Path | None = None) -> Server:
-    """`qbuild serve TARGET --port 0 --ready-file ...` in a subprocess, once it answers."""
+def start(target: str, root: Path, *args: str, cwd: Path | None = None, env: dict | None = None) -> Server:
+    """`qbuild serve TARGET --port 0 --ready-file ...` in a subprocess (with `env` added to its environment), once it
+    answers."""
     ready, out, err = root / "url", root / "serve.out", root / "serve.err"
-    env = dict(os.environ, PYTHONPATH=str(REPO), QBUILD_STORE=str(root / "store"))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "QBUILD_STORE": str(root / "store"), **(env or {})}
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen([sys.executable, "-m", "qbuild.cli", "serve", target, "--port", "0",
                                  "--ready-file", str(ready), *args], cwd=cwd or root, env=env, stdout=o, stderr=e)

@@ -8,10 +8,12 @@ the build-time methods (compile, package, run_prompts) import what they need whe
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch
 from qbuild.recipe.params import PackageParams, ShardParams
 from qbuild.recipe.schema import LoadedRecipe
@@ -76,6 +78,27 @@ class ServeOptions:
     on_ready: Callable[[str], None]  # called once with the base URL (".../v1") when requests are answered
     digests_checked: bool = False    # every file of the bundle was checked against its digest just now (a pull)
     server_args: tuple[str, ...] = ()   # the arguments after `--`, for the server a backend runs (vLLM's flags)
+    # The key every request must send as `Authorization: Bearer <key>` (None: none is asked for). A secret: never
+    # printed, logged, or put on a command line another user can read (`ps`).
+    api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # A key a client cannot send in an HTTP header (empty, spaces, control or non-ASCII characters) could never
+        # match: refused here, without repeating it.
+        if self.api_key is not None and not (self.api_key and all("!" <= c <= "~" for c in self.api_key)):
+            raise UserError("--api-key (or QBUILD_API_KEY): a key is one or more printable ASCII characters without "
+                            "spaces")
+
+    @property
+    def open_to_others(self) -> bool:
+        """Whether other machines can reach the server and no key keeps them out: `host` is not a loopback address
+        and there is no API key."""
+        if self.api_key is not None:
+            return False
+        try:
+            return not ipaddress.ip_address(self.host).is_loopback
+        except ValueError:   # a host name
+            return self.host != "localhost"
 
 
 class StepContext(Protocol):

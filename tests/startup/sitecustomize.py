@@ -2,8 +2,8 @@
 
 A test puts this directory first on PYTHONPATH; Python then imports this file at start-up in the CLI and in every
 worker the CLI starts, before any other module, and it installs what the environment asks for:
-QBUILD_PICKLE_AUDIT (tests/pickle_audit.py) and QBUILD_CRASH_AT (tests/crash_points.py). Without them it does
-nothing.
+QBUILD_PICKLE_AUDIT (tests/pickle_audit.py), QBUILD_CRASH_AT (tests/crash_points.py) and QBUILD_SERVE_POINTS
+(tests/serve_points.py). Without them it does nothing.
 """
 
 from __future__ import annotations
@@ -49,3 +49,7 @@ if os.environ.get("QBUILD_CRASH_AT"):
     from tests import crash_points
 
     crash_points.install(os.environ["QBUILD_CRASH_AT"], os.environ["QBUILD_CRASH_MARKER"], after_import)
+if os.environ.get("QBUILD_SERVE_POINTS"):
+    from tests import serve_points
+
+    serve_points.install(os.environ["QBUILD_SERVE_POINTS"], after_import)

@@ -1,7 +1,7 @@
 """qbuild's own OpenAI-compatible server for a CPU bundle (export, inductor): `/v1/models`, `/v1/completions` and
 `/v1/chat/completions`, answered by qbuild's runtime (qbuild.model.runtime), on Starlette and uvicorn.
 
-What the runtime can do decides what the server accepts:
+What the runtime can do decides what the server accepts (qbuild.backends.cpu.serve_requests holds the request schema):
 - Decoding is greedy. `temperature` may be 0 or left out, `top_p` 1, `n` and `best_of` 1, the penalties 0; `seed` is
   accepted and changes nothing. Any other value, `stop` sequences, `logprobs`, `echo`, `suffix`, `logit_bias` and
   fields this server does not know are a 400 naming the field, never silently ignored.
@@ -11,156 +11,185 @@ What the runtime can do decides what the server accepts:
 - One prompt per request. A prompt longer than the bundle's largest context-encoding bucket, or a prompt plus
   `max_tokens` beyond its KV cache, is a 400 with the runtime's own message, checked before anything is generated,
   so a stream is never cut short by it.
-- One runtime serves every request, one generation at a time (a lock): concurrent requests queue and each gets the
-  tokens it would get alone.
-- A chat request is rendered with the bundle tokenizer's chat template when it has one; otherwise each message
-  becomes a line "<role>: <content>" and the prompt ends with "assistant:".
+- A request body may hold at most max_body_bytes(seq_len) bytes; a larger one is a 413, refused at once where its
+  Content-Length says so, otherwise as soon as that many bytes came, never read any further (docs/serve.md).
+- One runtime serves every request, one generation at a time: concurrent requests queue in arrival order and each
+  gets the tokens it would get alone. A request is parsed, tokenized and checked on a worker thread, its generation
+  runs on another, so the event loop only moves bytes and every route keeps answering while a long prompt is
+  tokenized or an answer generated.
+- A client that goes away (its connection closes) ends its generation at the next token, or before it starts; the
+  next request in the queue goes on.
+- A chat request is rendered with the bundle tokenizer's chat template when it has one (a template that raises is a
+  400 with its message); otherwise each message becomes a line "<role>: <content>" and the prompt ends with
+  "assistant:".
+- With an API key, every request needs `Authorization: Bearer <key>`; without one it is a 401, before its body is read.
 
 `stream: true` answers in server-sent events in OpenAI's chunk format, closed by `data: [DONE]`; the text of the
-chunks, concatenated, is the non-streamed answer. Ctrl-C (SIGINT) and SIGTERM stop the server; it exits 0.
+chunks, concatenated, is the non-streamed answer. Ctrl-C (SIGINT) and SIGTERM stop the server: requests still waiting
+for their turn get a 503 at once, the generation running may finish within SHUTDOWN_GRACE_S (then it ends with a 503,
+or an error event in its stream), and the server exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import signal
 import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Literal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import uvicorn
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from qbuild.backends.base import ServeOptions
+from qbuild.backends.cpu.serve_requests import (ChatMessage, ChatRequest, CompletionRequest, RequestError,
+                                                StreamOptions, parse, shutting_down)
 from qbuild.core.errors import UserError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 SHUTDOWN_GRACE_S = 5                 # an answer still being generated when a stop signal comes may finish this long
+# uvicorn cancels what still runs this long after the grace: a generation cut at the grace stops at its next token,
+# which a prefill in progress delays. A request cancelled so ends without a traceback (Guard).
+STOP_MARGIN_S = 25
+# The request body limit (docs/serve.md): room for the JSON around a prompt, plus a generous bound on the bytes one
+# token of the bundle's sequence length takes in JSON (text averages 3-5 bytes a token, \u-escaped CJK about 9, a
+# token id with its comma at most 8).
+BODY_OVERHEAD_BYTES = 64 << 10
+BODY_BYTES_PER_TOKEN = 32
 
 
-# --- requests --------------------------------------------------------------------------------------------------
-
-class RequestError(Exception):
-    """A request this server refuses: an HTTP status and OpenAI's error object."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.param, self.status, self.kind = param, status, kind
-
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}},
-                            status_code=self.status)
-
-
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
-
-
-class _Request(BaseModel):
-    """The fields both routes take. Unknown fields are refused (extra="forbid"), so nothing is ignored silently."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    seed: int | None = None
-    user: str | None = None
-
-
-class CompletionRequest(_Request):
-    prompt: str | list[str] | list[int]
-    best_of: int | None = None
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
-
-
-class ChatRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-
-# field -> (the values the greedy runtime can honour, what to say otherwise)
-_GREEDY = {
-    "temperature": ((None, 0), "qbuild's runtime decodes greedily: temperature must be 0 or left out"),
-    "top_p": ((None, 1), "qbuild's runtime decodes greedily: top_p must be 1 or left out"),
-    "n": ((None, 1), "one completion per request"),
-    "best_of": ((None, 1), "one completion per request"),
-    "presence_penalty": ((None, 0), "penalties are not supported: the runtime decodes greedily"),
-    "frequency_penalty": ((None, 0), "penalties are not supported: the runtime decodes greedily"),
-    "logit_bias": ((None, {}), "logit_bias is not supported: the runtime decodes greedily"),
-    "stop": ((None, [], ""), "stop sequences are not supported: generation ends at max_tokens or the end-of-sequence "
-                             "token"),
-    "logprobs": ((None, False, 0), "logprobs are not supported"),
-    "top_logprobs": ((None, 0), "logprobs are not supported"),
-    "echo": ((False,), "echo is not supported"),
-    "suffix": ((None, ""), "suffix (insertion) is not supported"),
-}
-
-
-def _parse(model: type[BaseModel], body: bytes) -> BaseModel:
-    try:
-        doc = json.loads(body)
-    except ValueError as e:
-        raise RequestError(f"the request body is not JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise RequestError("the request body must be a JSON object")
-    try:
-        req = model.model_validate(doc)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
-            raise RequestError(f"{field}: not supported by qbuild's server", field) from None
-        raise RequestError(f"{field}: {err['msg']}", field or None) from None
-    for field, (allowed, why) in _GREEDY.items():
-        if field in type(req).model_fields and getattr(req, field) not in allowed:
-            raise RequestError(f"{field}: {why}", field)
-    return req
+def max_body_bytes(seq_len: int) -> int:
+    """The largest request body a server of a bundle with sequence length `seq_len` reads."""
+    return BODY_OVERHEAD_BYTES + BODY_BYTES_PER_TOKEN * seq_len
 
 
 # --- generating ------------------------------------------------------------------------------------------------
 
+class ClientGone(Exception):
+    """The client of a request closed its connection before the answer was complete."""
+
+
+@dataclass
+class Prepared:
+    """A request checked and tokenized: what to generate for it."""
+
+    req: CompletionRequest | ChatRequest
+    ids: list[int]
+    max_new: int
+
+
+class Job:
+    """One generation. It runs on the generation thread in its turn, and ends early, at its next token or before it
+    starts, once stopped: its client went away ("client") or the server stops ("shutdown")."""
+
+    def __init__(self, ids: list[int], max_new: int, on_token: Callable[[int], None] | None = None):
+        self.ids, self.max_new, self.on_token = ids, max_new, on_token
+        self.started = False
+        self.stopped: str | None = None
+        self._lock = threading.Lock()   # orders `started` against a stop of a job that has not started
+
+    def stop(self, why: str) -> None:
+        with self._lock:
+            self.stopped = self.stopped or why
+
+    def stop_waiting(self, why: str) -> bool:
+        """Stop the job if it has not started (it never will then); whether it had not."""
+        with self._lock:
+            if not self.started:
+                self.stopped = self.stopped or why
+            return not self.started
+
+    def run(self, runtime):
+        with self._lock:
+            if self.stopped:
+                return None
+            self.started = True
+
+        def step(token: int) -> bool:
+            if self.on_token is not None:
+                self.on_token(token)
+            return self.stopped is not None
+
+        return runtime.generate(self.ids, self.max_new, on_token=step)
+
+
+class Client:
+    """Whether the client of a request is still there, watched from when its body has been read until `close()`:
+    once its connection closes, `gone` is set and the job it waits for is stopped, in that same step of the event
+    loop, before anything else the loop has to do."""
+
+    def __init__(self, request: Request):
+        self.gone = asyncio.Event()
+        self._job: Job | None = None
+        self._watch = asyncio.ensure_future(self._wait(request.receive))
+
+    async def _wait(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone.set()
+        if self._job is not None:
+            self._job.stop("client")
+
+    def watch(self, job: Job) -> None:
+        self._job = job
+        if self.gone.is_set():
+            job.stop("client")
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+
 class Generator:
-    """The one runtime of a server and the lock that gives it one generation at a time."""
+    """The one runtime of a server, the two threads that work on it and the turns requests take there.
+
+    Requests are prepared (parsed, tokenized, checked) on one thread and generated on another, each in arrival order.
+    One at a time on each also bounds what requests can cost together: one tokenization (of a body within the limit)
+    and one generation."""
 
     def __init__(self, runtime, name: str):
         self.runtime, self.name = runtime, name
         self.created = int(time.time())
         self.eos = runtime.eos_ids()
-        self._lock = threading.Lock()
+        self._preparing = ThreadPoolExecutor(1, thread_name_prefix="qbuild-prepare")
+        self._generating = ThreadPoolExecutor(1, thread_name_prefix="qbuild-generate")
+        self._jobs: set[Job] = set()
+        self.stopping = asyncio.Event()
+
+    # --- preparing (on the prepare thread) ---------------------------------------------------------------------
+    async def prepare(self, route: type[CompletionRequest] | type[ChatRequest], body: bytes) -> Prepared:
+        work = self._prepare_completion if route is CompletionRequest else self._prepare_chat
+        return await asyncio.get_running_loop().run_in_executor(self._preparing, work, body)
+
+    def _prepare_completion(self, body: bytes) -> Prepared:
+        req = parse(CompletionRequest, body)
+        self._check_model(req)
+        ids = self.prompt_ids(req.prompt)
+        return Prepared(req, ids, self.new_tokens(len(ids), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
+                                                  "max_tokens"))
+
+    def _prepare_chat(self, body: bytes) -> Prepared:
+        req = parse(ChatRequest, body)
+        self._check_model(req)
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            raise RequestError("max_tokens and max_completion_tokens: give one of them", "max_tokens")
+        ids = self.chat_ids(req.messages)
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        return Prepared(req, ids, self.new_tokens(len(ids), requested, None, param))
+
+    def _check_model(self, req: CompletionRequest | ChatRequest) -> None:
+        if req.model != self.name:
+            raise RequestError(f"the model `{req.model}` does not exist; this server serves `{self.name}`",
+                               "model", status=404, kind="not_found_error")
 
     def prompt_ids(self, prompt: str | list[str] | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -177,11 +206,16 @@ class Generator:
         return list(prompt)
 
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        from jinja2 import TemplateError
+
         turns = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                   else "".join(p.text for p in m.content)} for m in messages]
         tokenizer = self.runtime.tokenizer
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+            try:
+                text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+            except TemplateError as e:   # the template's own check of the messages (raise_exception), or its fault
+                raise RequestError(f"messages: the model's chat template refused them: {e}", "messages") from None
         else:
             text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
         return self.runtime.encode(text)
@@ -206,9 +240,48 @@ class Generator:
             raise RequestError(str(e), param) from None
         return wanted
 
-    def run(self, ids: list[int], max_new: int, on_token: Callable[[int], bool] | None = None):
-        with self._lock:
-            return self.runtime.generate(ids, max_new, on_token=on_token)
+    # --- generating (on the generate thread) -------------------------------------------------------------------
+    async def generate(self, job: Job, client: Client):
+        """`job`'s generation, in its turn. ClientGone where its client went away first (the client stopped the job:
+        it ends at its next token, or never starts); a 503 where the server stopped before its turn came or before it
+        finished."""
+        future = asyncio.wrap_future(self._generating.submit(job.run, self.runtime))
+        client.watch(job)
+        self._jobs.add(job)
+        watches = {asyncio.ensure_future(client.gone.wait()): "client",
+                   asyncio.ensure_future(self.stopping.wait()): "stop"}
+        try:
+            pending: set = {future, *watches}
+            while future in pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if any(watches.get(w) == "client" for w in done) and not job.started:
+                    raise ClientGone()
+                if any(watches.get(w) == "stop" for w in done) and job.stop_waiting("shutdown"):
+                    raise shutting_down()
+            generation = future.result()
+        finally:
+            self._jobs.discard(job)
+            for watch in watches:
+                watch.cancel()
+        if job.stopped == "client":
+            raise ClientGone()
+        if job.stopped == "shutdown":
+            raise RequestError("the server stopped before the answer was complete", status=503, kind="server_error")
+        return generation
+
+    def stop(self) -> None:
+        """The server stops: requests waiting for their turn get a 503 at once; the generation running may go on for
+        SHUTDOWN_GRACE_S, then ends at its next token."""
+        self.stopping.set()
+        asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, self._cut)
+
+    def _cut(self) -> None:
+        for job in list(self._jobs):
+            job.stop("shutdown")
+
+    def close(self) -> None:
+        self._preparing.shutdown(wait=False, cancel_futures=True)
+        self._generating.shutdown(wait=True, cancel_futures=True)
 
     def finish_reason(self, token_ids: list[int]) -> str:
         return "stop" if token_ids and token_ids[-1] in self.eos else "length"
@@ -217,9 +290,46 @@ class Generator:
         return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
-class _Done:
-    def __init__(self, generation):
-        self.generation = generation
+class Detokenizer:
+    """The text of generated tokens, piece by piece as it becomes final, decoding only the last few tokens each time
+    (vLLM's incremental detokenization): a text that ends in an incomplete character (a byte-level token may be half
+    of one) waits for the next token."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.tokens = tokenizer, []
+        self.prefix = self.read = 0   # tokens[prefix:read]: context already sent; tokens[read:]: not yet sent
+
+    def add(self, token: int) -> str:
+        self.tokens.append(token)
+        before = self.tokenizer.decode(self.tokens[self.prefix:self.read], skip_special_tokens=True)
+        text = self.tokenizer.decode(self.tokens[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(before) or not text.startswith(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.tokens)
+        return text[len(before):]
+
+
+# --- the routes ------------------------------------------------------------------------------------------------
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, or a 413 once it proves longer than `limit` bytes: its Content-Length says so before anything
+    is read, or the bytes that came did; nothing more is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(limit: int) -> RequestError:
+    return RequestError(f"the request body is larger than this server takes: at most {limit} bytes for this bundle "
+                        f"({BODY_OVERHEAD_BYTES} plus {BODY_BYTES_PER_TOKEN} for each token of its sequence length)",
+                        status=413, code="request_too_large")
 
 
 def _sse(doc: Any) -> str:
@@ -231,11 +341,13 @@ class Api:
 
     def __init__(self, generator: Generator):
         self.gen = generator
+        self.limit = max_body_bytes(generator.runtime.tkg[-1])
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/v1/models", self.models, methods=["GET"]),
                                  Route("/v1/completions", self.completions, methods=["POST"]),
-                                 Route("/v1/chat/completions", self.chat, methods=["POST"])])
+                                 Route("/v1/chat/completions", self.chat, methods=["POST"])],
+                         exception_handlers={Exception: _internal_error})
 
     async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
@@ -243,127 +355,191 @@ class Api:
     def _model_card(self) -> dict:
         rt = self.gen.runtime
         return {"id": self.gen.name, "object": "model", "created": self.gen.created, "owned_by": "qbuild",
-                "max_model_len": rt.tkg[-1], "max_prompt_tokens": rt.cte[-1]}
+                "max_model_len": rt.tkg[-1], "max_prompt_tokens": rt.cte[-1], "max_request_bytes": self.limit}
 
-    def _check_model(self, req: _Request) -> None:
-        if req.model != self.gen.name:
-            raise RequestError(f"the model `{req.model}` does not exist; this server serves `{self.gen.name}`",
-                               "model", status=404, kind="not_found_error")
+    async def _prepare(self, request: Request, route) -> tuple[Prepared, Client] | Response:
+        """The request read, parsed and tokenized, with the watch on its client; or the response refusing it."""
+        try:
+            body = await read_body(request, self.limit)
+        except RequestError as e:   # uvicorn reads what else comes of the body and drops it
+            return e.response()
+        client = Client(request)
+        try:
+            return await self.gen.prepare(route, body), client
+        except RequestError as e:
+            client.close()
+            return e.response()
 
     async def completions(self, request: Request) -> Response:
-        try:
-            req = _parse(CompletionRequest, await request.body())
-            self._check_model(req)
-            ids = self.gen.prompt_ids(req.prompt)
-            max_new = self.gen.new_tokens(len(ids), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens")
-        except RequestError as e:
-            return e.response()
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        prepared = await self._prepare(request, CompletionRequest)
+        if isinstance(prepared, Response):
+            return prepared
+        (p, client), rid, created = prepared, f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str, finish: str | None) -> dict:
             return {"id": rid, "object": "text_completion", "created": created, "model": self.gen.name,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        if req.stream:
-            return self._stream(ids, max_new, None, chunk, rid, created, "text_completion", req.stream_options)
-        generation = await asyncio.get_running_loop().run_in_executor(None, self.gen.run, ids, max_new)
+        if p.req.stream:
+            return self._stream(p, client, None, chunk, rid, created, "text_completion")
+        generation = await self._generate(p, client)
+        if isinstance(generation, Response):
+            return generation
         doc = chunk(generation.text, self.gen.finish_reason(generation.token_ids))
-        doc["usage"] = self.gen.usage(len(ids), len(generation.token_ids))
+        doc["usage"] = self.gen.usage(len(p.ids), len(generation.token_ids))
         return JSONResponse(doc)
 
     async def chat(self, request: Request) -> Response:
-        try:
-            req = _parse(ChatRequest, await request.body())
-            self._check_model(req)
-            if req.max_tokens is not None and req.max_completion_tokens is not None:
-                raise RequestError("max_tokens and max_completion_tokens: give one of them", "max_tokens")
-            ids = self.gen.chat_ids(req.messages)
-            requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-            param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            max_new = self.gen.new_tokens(len(ids), requested, None, param)
-        except RequestError as e:
-            return e.response()
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        prepared = await self._prepare(request, ChatRequest)
+        if isinstance(prepared, Response):
+            return prepared
+        (p, client), rid, created = prepared, f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
         def chunk(text: str | None, finish: str | None) -> dict:
             delta = {"role": "assistant", "content": ""} if text is None else ({"content": text} if text else {})
             return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.gen.name,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-        if req.stream:
-            return self._stream(ids, max_new, chunk(None, None), chunk, rid, created, "chat.completion.chunk",
-                                req.stream_options)
-        generation = await asyncio.get_running_loop().run_in_executor(None, self.gen.run, ids, max_new)
+        if p.req.stream:
+            return self._stream(p, client, chunk(None, None), chunk, rid, created, "chat.completion.chunk")
+        generation = await self._generate(p, client)
+        if isinstance(generation, Response):
+            return generation
         return JSONResponse({
             "id": rid, "object": "chat.completion", "created": created, "model": self.gen.name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text},
                          "logprobs": None, "finish_reason": self.gen.finish_reason(generation.token_ids)}],
-            "usage": self.gen.usage(len(ids), len(generation.token_ids))})
+            "usage": self.gen.usage(len(p.ids), len(generation.token_ids))})
 
-    def _stream(self, ids: list[int], max_new: int, first: dict | None, chunk: Callable, rid: str, created: int,
-                kind: str, options: StreamOptions | None) -> StreamingResponse:
+    async def _generate(self, p: Prepared, client: Client):
+        """The generation of a non-streamed answer, or the response that ends the request without one."""
+        try:
+            return await self.gen.generate(Job(p.ids, p.max_new), client)
+        except RequestError as e:
+            return e.response()
+        except ClientGone:
+            return Response(status_code=499)   # nobody reads it: the connection is closed
+        finally:
+            client.close()
+
+    def _stream(self, p: Prepared, client: Client, first: dict | None, chunk: Callable, rid: str, created: int,
+                kind: str) -> StreamingResponse:
         """Server-sent events: `first` (if any), a chunk per piece of new text, the finishing chunk, the usage chunk
-        where asked for, and `data: [DONE]`. The generation runs in a worker thread and hands each token over; a
-        client that goes away stops it at the next token."""
+        where asked for, and `data: [DONE]`. The generation thread hands the text over as it becomes final; a client
+        that goes away stops the generation at its next token."""
+        options: StreamOptions | None = p.req.stream_options
         include_usage = bool(options and options.include_usage)
-        tokenizer = self.gen.runtime.tokenizer
+
+        def with_usage(doc: dict) -> dict:
+            return {**doc, "usage": None} if include_usage else doc
 
         async def events():
             loop = asyncio.get_running_loop()
-            queue: asyncio.Queue = asyncio.Queue()
-            gone = threading.Event()
+            pieces: asyncio.Queue[str | None] = asyncio.Queue()
+            detokenizer = Detokenizer(self.gen.runtime.tokenizer)
 
-            def post(item) -> None:
-                try:
-                    loop.call_soon_threadsafe(queue.put_nowait, item)
-                except RuntimeError:   # the loop is closed: the server stopped while this answer was generated
-                    gone.set()
+            def on_token(token: int) -> None:   # on the generation thread
+                if text := detokenizer.add(token):
+                    try:
+                        loop.call_soon_threadsafe(pieces.put_nowait, text)
+                    except RuntimeError:   # the loop is closed: the server stopped while this answer was generated
+                        job.stop("shutdown")
 
-            def on_token(token: int) -> bool:
-                post(token)
-                return gone.is_set()
-
-            def work() -> None:
-                try:
-                    post(_Done(self.gen.run(ids, max_new, on_token)))
-                except Exception as e:   # reported in the stream: its status line went out long ago
-                    post(e)
-
-            def with_usage(doc: dict) -> dict:
-                return {**doc, "usage": None} if include_usage else doc
-
-            loop.run_in_executor(None, work)
-            tokens: list[int] = []
+            job = Job(p.ids, p.max_new, on_token)
+            task = asyncio.ensure_future(self.gen.generate(job, client))
+            task.add_done_callback(lambda _: pieces.put_nowait(None))
             sent = ""
             try:
                 if first is not None:
                     yield _sse(with_usage(first))
-                while not isinstance(item := await queue.get(), _Done):
-                    if isinstance(item, Exception):
-                        yield _sse({"error": {"message": f"generation failed: {item}", "type": "internal_error",
-                                              "param": None, "code": None}})
-                        return
-                    tokens.append(item)
-                    # The text of the tokens so far, less a trailing incomplete character (a byte-level token may
-                    # be half of one), is final: later tokens only add to it.
-                    text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    if len(text) > len(sent) and text.startswith(sent) and not text.endswith("\ufffd"):
-                        yield _sse(with_usage(chunk(text[len(sent):], None)))
-                        sent = text
-                generation = item.generation
+                while (text := await pieces.get()) is not None:
+                    yield _sse(with_usage(chunk(text, None)))
+                    sent += text
+                try:
+                    generation = task.result()
+                except ClientGone:
+                    return
+                except RequestError as e:   # reported in the stream: its status line went out long ago
+                    yield _sse(e.doc())
+                    return
+                except Exception as e:
+                    yield _sse({"error": {"message": f"generation failed: {e}", "type": "server_error",
+                                          "param": None, "code": None}})
+                    return
                 rest = generation.text[len(sent):] if generation.text.startswith(sent) else ""
                 yield _sse(with_usage(chunk(rest, self.gen.finish_reason(generation.token_ids))))
                 if include_usage:
                     yield _sse({"id": rid, "object": kind, "created": created, "model": self.gen.name,
-                                "choices": [], "usage": self.gen.usage(len(ids), len(generation.token_ids))})
+                                "choices": [], "usage": self.gen.usage(len(p.ids), len(generation.token_ids))})
                 yield "data: [DONE]\n\n"
-            finally:
-                gone.set()
+            finally:   # also where the stream was cancelled (its client went away): its generation stops
+                job.stop("client")
+                task.cancel()
+                client.close()
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A fault of the server itself (the traceback goes to stderr): OpenAI's error object, status 500."""
+    return RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500, kind="server_error").response()
+
+
+class Guard:
+    """In front of the routes: the API key, where one is set, checked before anything of a request is read; and a
+    request that uvicorn cancels while the server stops ends quietly: a 503 where nothing was sent yet, else the end of
+    its stream."""
+
+    def __init__(self, app, api_key: str | None, stopping: asyncio.Event):
+        self.app, self.stopping = app, stopping
+        self._key = api_key.encode() if api_key is not None else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self._key is not None and not self._authorized(scope["headers"]):
+            refusal = RequestError("a valid API key is required: send the header `Authorization: Bearer <key>` with "
+                                   "the key the server was started with", status=401, code="invalid_api_key")
+            await refusal.response(headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+            return
+        sent: set[str] = set()   # "start", "end": how much of the response went out
+
+        async def tracked(message) -> None:   # marked first: uvicorn writes a message before it waits for the socket
+            if message["type"] == "http.response.start":
+                sent.add("start")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent.add("end")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if not self.stopping.is_set():
+                raise
+            if "start" not in sent:
+                await shutting_down().response()(scope, receive, send)
+            elif "end" not in sent:   # a stream cut short: it ends here, without `data: [DONE]`
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def _authorized(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        values = [v for k, v in headers if k == b"authorization"]
+        if len(values) != 1:
+            return False
+        scheme, _, token = values[0].strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+
 # --- running ---------------------------------------------------------------------------------------------------
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which tells the generator first when it stops, so that queued requests end at once."""
+
+    def __init__(self, config: uvicorn.Config, generator: Generator):
+        super().__init__(config)
+        self.generator = generator
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.generator.stop()
+        await super().shutdown(sockets)
+
 
 def listen(host: str, port: int) -> socket.socket:
     """A listening socket on host:port (any free port for 0). Clients may connect from now on: their connections wait
@@ -386,10 +562,11 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(runtime, options: ServeOptions) -> int:
     """Answer requests on host:port until SIGINT or SIGTERM, then finish (within SHUTDOWN_GRACE_S) and return 0."""
-    app = Api(Generator(runtime, options.name)).app()
+    generator = Generator(runtime, options.name)
+    app = Guard(Api(generator).app(), options.api_key, generator.stopping)
     sock = listen(options.host, options.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S + STOP_MARGIN_S), generator)
 
     # While uvicorn serves, its own handlers take SIGINT and SIGTERM and shut it down; afterwards it restores the
     # handlers it found and raises the signal again. These are the handlers it finds: a signal that comes before it
@@ -403,6 +580,7 @@ def serve(runtime, options: ServeOptions) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        generator.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
