@@ -181,11 +181,9 @@ def _handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def flip_byte(data: bytes, at: int | None = None) -> bytes:
-    """`data` with the bits of one byte inverted (by default the last one: in a safetensors file, tensor data, so its
-    header still parses)."""
-    at = len(data) - 1 if at is None else at
-    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
+def flip_byte(data: bytes) -> bytes:
+    """`data` with the bits of its last byte inverted (in a safetensors file, tensor data: its header still parses)."""
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
 
 
 def _tree_entry(name: str, data: bytes) -> dict:

@@ -23,7 +23,7 @@ import blake3
 import pytest
 
 from qbuild.store.manifest import Manifest
-from tests.hubdouble import HubDouble, flip_byte
+from tests.hubdouble import HubDouble
 from tests.remote_actions import blob_bytes
 from tests.test_hostile_cli import BUCKET, MODULE, blob, env_for, lock_doc, locked, ok, one_line
 from tests.test_remote_pipeline import make_project
@@ -126,7 +126,9 @@ def test_a_blob_that_rots_in_the_hf_cache_is_refused_before_anything_is_built(hu
     shutil.rmtree(project / "store")
     config = cached_file(project, commit, "config.json")
     blob_path = Path(os.path.realpath(config))
-    blob_path.write_bytes(flip_byte(blob_path.read_bytes(), at=0))   # no longer JSON, but corrupt first
+    data = blob_path.read_bytes()
+    at = max(i for i, c in enumerate(data) if chr(c).isdigit())     # still JSON, another number: another model
+    blob_path.write_bytes(data[:at] + str((int(chr(data[at])) + 1) % 10).encode() + data[at + 1:])
     line = one_line(run(project, "compile", "recipes/hubby.yaml", "--mem", "1T", extra={"HF_HUB_OFFLINE": "1"}), 3)
     assert line.startswith(f"error: {config}: its bytes hash to git-sha1 ")
     assert (project / "artifacts.lock").read_bytes() == lock_before and manifests(project) == []
@@ -242,3 +244,26 @@ def test_a_remote_entry_whose_blob_is_gone_is_rebuilt_not_cached_and_a_push_mend
     out = json.loads(ok(run(again, "compile", "--all", "--mem", "1T", "--remote", url, "--strict", "--json",
                             remote=True)).stdout)
     assert out["built"] == []
+
+
+# --- a step that builds other bytes under its locked key -------------------------------------------------------------
+
+def test_a_step_rebuilt_into_other_bytes_under_its_locked_key_is_refused_until_update_accepts_it(tmp_path):
+    """An input the key does not hold changed (tests/remote_actions' convert reads one from the environment, as a
+    step reading a file outside its inputs would): the rebuilt output is refused, naming the node and both digests,
+    and the lock keeps the locked one."""
+    project = make_project(tmp_path / "p")
+    ok(run(project, "compile", "--all", "--mem", "1T"))
+    convert = locked(project, "alpha", "convert")
+    lock_before = (project / "artifacts.lock").read_bytes()
+    (project / "store" / "ac" / convert["key"][:2] / f"{convert['key']}.json").unlink()
+    changed = {"QBUILD_TEST_UNKEYED_INPUT": "something else"}
+    line = error_line(run(project, "compile", "--all", "--mem", "1T", extra=changed), 1)
+    assert f"{convert['name']}: the built output " in line and \
+        f"differs from the locked {convert['digest'][:12]} under the same key {convert['key'][:16]}" in line, line
+    assert (project / "artifacts.lock").read_bytes() == lock_before
+    # The store now holds those bytes under the key: a plain build refuses them as cached, --update takes them.
+    line = error_line(run(project, "compile", "--all", "--mem", "1T"), 1)
+    assert f"{convert['name']}: the cached output " in line, line
+    ok(run(project, "compile", "--all", "--mem", "1T", "--update"))
+    assert locked(project, "alpha", "convert")["digest"] != convert["digest"]
