@@ -226,9 +226,9 @@ class Workspace:
     def _check_sources(self, plan: Plan) -> None:
         """Check each checkpoint whose fetch step will run before any step starts, so that a bad checkpoint is
         one line, exit 2, with nothing in the store or the lock. A cached fetch was checked when it ran; a hub model
-        not downloaded yet is checked by its fetch step, and one in the HF cache has its bytes checked against the
-        digests its blobs are named by first (a corrupt cache is exit 3, not a bad checkpoint)."""
-        from qbuild.recipe.source import check_checkpoint, hub_snapshot_files, source_directory
+        not downloaded yet (or only in part) is checked by its fetch step, and one in the HF cache has its bytes
+        checked against the digests its blobs are named by first (a corrupt cache is exit 3, not a bad checkpoint)."""
+        from qbuild.recipe.source import check_checkpoint, hub_snapshot_files, hub_snapshot_partial, source_directory
 
         checked: set[str] = set()
         for planned in plan.recipes.values():
@@ -240,9 +240,11 @@ class Workspace:
             checked.add(nid)
             params = plan.nodes[nid].params
             directory = source_directory(planned.loaded, params.revision if isinstance(params, FetchHub) else None)
+            if isinstance(params, FetchHub) and directory is not None:
+                if hub_snapshot_partial(directory):
+                    continue
+                hub_snapshot_files(directory)
             if directory is not None:
-                if isinstance(params, FetchHub):
-                    hub_snapshot_files(directory)
                 check_checkpoint(directory)
 
     def _lock_entries(self, plan: Plan, result: BuildResult) -> tuple[dict, dict]:

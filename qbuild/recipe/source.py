@@ -306,6 +306,18 @@ def hub_snapshot_files(snap: Path) -> dict[str, dict]:
     return files
 
 
+def hub_snapshot_partial(snap: Path) -> bool:
+    """Whether the HF cache snapshot `snap` lacks files: a link whose blob is gone (removed, as a refused corrupt blob
+    is), or a weight file its index names that was never downloaded. The fetch step downloads them, then checks it."""
+    if any(p.is_symlink() and not p.exists() for p in snap.iterdir()):
+        return True
+    try:
+        named = set(json.loads((snap / WEIGHT_INDEX).read_bytes())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False     # no index, or one the checkpoint check names
+    return not all(isinstance(n, str) and "/" not in n and (snap / n).exists() for n in named)
+
+
 def check_hub_config(path: Path, raw: bytes) -> None:
     """Planning reads a hub model's config.json (the architecture, so the keys, come from it) without the fetch step:
     where it is a blob of the HF cache, its bytes (`raw`, as read) must hash to the blob's name."""
