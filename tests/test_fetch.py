@@ -234,3 +234,16 @@ def test_a_snapshot_of_other_files_than_the_lock_holds_for_the_commit_is_refused
                             "refusing other files for a pinned commit (a mirror or proxy serving other bytes?); run "
                             "`qbuild compile --update` to accept them")
     assert list(ctx.out.iterdir()) == []
+
+
+def test_a_snapshot_file_that_is_no_link_to_a_digest_named_blob_is_refused(tmp_path, tiny_checkpoints):
+    """huggingface_hub copies files into the snapshot where it cannot make links: the digest the Hub named such a file
+    by is not known, and a snapshot must not record its file name as one."""
+    snap = populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    config = snap / "config.json"
+    data = config.read_bytes()
+    config.unlink()
+    config.write_bytes(data)
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT}, {})
+    with pytest.raises(InfraError, match=f"^{config}: not a link to a blob of the HF cache named by its digest"):
+        fetch_run(ctx)

@@ -298,8 +298,12 @@ def hub_snapshot_files(snap: Path) -> dict[str, dict]:
         blob = hf_blob(path)
         algo = _BLOB_ALGOS.get(len(blob.name)) if re.fullmatch(r"[0-9a-f]+", blob.name) else None
         if algo is None:
-            raise InfraError(f"{path}: not a link to a blob named by its digest, as huggingface_hub lays out its "
-                             f"cache; remove {snap} and run the command again")
+            # huggingface_hub copies a file into the snapshot where symbolic links cannot be made (a filesystem
+            # without them, HF_HUB_DISABLE_SYMLINKS): file_download.py `_create_symlink`, 2.4.0.
+            raise InfraError(f"{path}: not a link to a blob of the HF cache named by its digest (huggingface_hub "
+                             "copies files where it cannot make symbolic links), so the digest the Hub named it by "
+                             "is not known; keep the HF cache on a filesystem with symbolic links and without "
+                             "HF_HUB_DISABLE_SYMLINKS")
         digest = f"{algo}:{blob.name}"
         check_hub_file(path, digest, f"remove {blob} and run the command again")
         files[path.name] = {"digest": digest, "size": path.stat().st_size}

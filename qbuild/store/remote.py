@@ -315,9 +315,11 @@ class RemoteStore:
         for digest, (rel, size) in sorted(wanted.items(), key=lambda kv: kv[1]):
             where = self.remote.object_url(self.remote.blob_key(digest))
             if digest not in sizes:
-                return f"{where}: blob of {rel} is missing on the remote although its manifest names it"
+                return (f"{where}: blob of {rel} is missing on the remote although its manifest names it; "
+                        f"{self.remote.repair_hint()}")
             if sizes[digest] != size:
-                return f"{where}: blob of {rel} has {sizes[digest]} bytes on the remote, its manifest says {size}"
+                return (f"{where}: blob of {rel} has {sizes[digest]} bytes on the remote, its manifest says {size}; "
+                        f"{self.remote.repair_hint()}")
         return None
 
     def _check_manifest(self, key: str, m: Manifest) -> None:
