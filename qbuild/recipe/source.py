@@ -315,10 +315,11 @@ def hub_snapshot_partial(snap: Path) -> bool:
     is), or a weight file its index names that was never downloaded. The fetch step downloads them, then checks it."""
     if any(p.is_symlink() and not p.exists() for p in snap.iterdir()):
         return True
+    index = snap / WEIGHT_INDEX
     try:
-        named = set(json.loads((snap / WEIGHT_INDEX).read_bytes())["weight_map"].values())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False     # no index, or one the checkpoint check names
+        named = set(json.loads(read_small_file(index, MAX_INDEX_BYTES, WEIGHT_INDEX))["weight_map"].values())
+    except (UserError, ValueError, KeyError, TypeError, AttributeError):
+        return False     # no index, or one the checkpoint check refuses, naming it
     return not all(isinstance(n, str) and "/" not in n and (snap / n).exists() for n in named)
 
 
