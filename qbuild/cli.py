@@ -160,7 +160,8 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
             frozen: bool = typer.Option(False, "--frozen", help="fail instead of changing the lockfile (CI)"),
             update: bool = typer.Option(False, "--update",
                                         help="first resolve these recipes' Hub revisions again and move their pins "
-                                             "(as `qbuild lock update`)"),
+                                             "(as `qbuild lock update`), then accept outputs (and a pinned commit's "
+                                             "files) that differ from the lock's under its keys"),
             strict: bool = typer.Option(False, "--strict", help="fail, naming the step, instead of building anything"),
             push: bool = typer.Option(False, "--push", help="upload what was built (and anything the remote lacks)"),
             skip_device: bool = typer.Option(False, "--skip-device",
@@ -200,7 +201,8 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
 
         print_pin_moves(ws.update_pins(loaded), False)
     with BuildProgress(verbose=verbose, lock=lock) as progress:
-        the_plan, result, rebuilt = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen)
+        the_plan, result, rebuilt = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen,
+                                               update=update)
     pushed = _push_results(ws, result) if push else None
     extra = {"pushed": pushed.to_json()} if pushed is not None else {}
     if rebuilt is not None:

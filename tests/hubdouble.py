@@ -15,7 +15,10 @@ The routes and headers are the ones huggingface_hub 2.4.0 reads (its sources in 
 
 A repo holds commits (file name -> bytes) and branches that move. `stale_mirror` makes the server behave like a
 mirror that serves only each branch's head: every revision, commits included, answers main's commit and files.
-Every request is recorded in `requests` as (method, path).
+Two more faults of a server between a build and the Hub: `flipped` names files served with one byte flipped under
+the ETag (and tree oid) of their true bytes, as a proxy or a disk that corrupts a file in flight would serve them;
+`lies` gives, per commit, other bytes for some of its files, served under their own honest ETags and tree entries,
+as a mirror that holds other content for a commit would. Every request is recorded in `requests` as (method, path).
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class HubDouble:
         self.repos: dict[str, Repo] = {}
         self.requests: list[tuple[str, str]] = []
         self.stale_mirror = False
+        self.flipped: set[str] = set()                      # file names served corrupt under their true ETag
+        self.lies: dict[str, dict[str, bytes]] = {}         # commit -> file name -> other bytes served for it
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -85,6 +90,10 @@ class HubDouble:
     def resolution_requests(self, repo: str, revision: str = "main") -> int:
         """How many times the Hub was asked to resolve `revision` of `repo` (model_info at that revision)."""
         return self.requests.count(("GET", f"/api/models/{repo}/revision/{revision}"))
+
+    def served(self, repo: str, commit: str) -> dict[str, bytes]:
+        """The files this server answers for `commit`: the commit's own, or the other bytes `lies` gives."""
+        return {**self.repos[repo].commits[commit], **self.lies.get(commit, {})}
 
     def _resolve(self, repo: str, revision: str) -> str | None:
         r = self.repos[repo]
@@ -141,7 +150,7 @@ def _handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
                 commit = hub._resolve(repo, revision)
                 if commit is None:
                     return self._error(404, "RevisionNotFound", body)
-                files = hub.repos[repo].commits[commit]
+                files = hub.served(repo, commit)
                 if kind == "revision":
                     return self._json({"id": repo, "sha": commit, "private": False,
                                        "siblings": [{"rfilename": n} for n in sorted(files)]}, body)
@@ -155,11 +164,13 @@ def _handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
                 commit = hub._resolve(repo, revision)
                 if commit is None:
                     return self._error(404, "RevisionNotFound", body)
-                files = hub.repos[repo].commits[commit]
+                files = hub.served(repo, commit)
                 if name not in files:
                     return self._error(404, "EntryNotFound", body, {"X-Repo-Commit": commit})
                 data = files[name]
                 etag = _etag(name, data)
+                if name in hub.flipped:
+                    data = flip_byte(data)
                 headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"',
                            "Content-Type": "application/octet-stream"}
                 if name.endswith(LFS_SUFFIXES):
@@ -168,6 +179,11 @@ def _handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             self._error(404, "EntryNotFound", body)
 
     return Handler
+
+
+def flip_byte(data: bytes) -> bytes:
+    """`data` with the bits of its last byte inverted (in a safetensors file, tensor data: its header still parses)."""
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
 
 
 def _tree_entry(name: str, data: bytes) -> dict:

@@ -137,3 +137,113 @@ def test_stat_cache_hashes_an_unchanged_file_once(tmp_path):
     assert cache.digest(f) != first and len(calls) == 2
     # A file just modified is hashed every time (its timestamp may not have ticked since a rewrite).
     assert cache.digest(f) == digest_file(f) and len(calls) == 3
+
+
+# --- the bytes of the HF cache are checked against the digests they are named by -------------------------------------
+
+def _flip_last_byte(path: Path) -> None:
+    """Invert the last byte of `path` in place (a safetensors file's tensor data, so its header still parses), keeping
+    its size and timestamps, as a disk that rots does."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _shard(snap: Path) -> Path:
+    return next(p for p in sorted(snap.iterdir()) if p.name.endswith(".safetensors"))
+
+
+@pytest.mark.parametrize("which", ["safetensors", "config.json"])
+def test_a_flipped_byte_in_an_hf_cache_blob_is_refused_naming_the_file(tmp_path, tiny_checkpoints, which):
+    snap = populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    path = _shard(snap) if which == "safetensors" else snap / which
+    blob = Path(os.path.realpath(path))
+    _flip_last_byte(blob)
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT}, {})
+    with pytest.raises(InfraError) as e:
+        fetch_run(ctx)
+    algo = "sha256" if which == "safetensors" else "git-sha1"
+    assert str(e.value).startswith(f"{path}: its bytes hash to {algo} ") and \
+        f"not the {blob.name[:12]} the Hub named them by" in str(e.value) and f"remove {blob} and run" in str(e.value)
+    assert "\n" not in str(e.value) and list(ctx.out.iterdir()) == []
+
+
+def test_locate_checks_the_bytes_a_step_reads_against_the_snapshot(tmp_path, tiny_checkpoints):
+    """A fetch recorded long ago (or on another machine) does not vouch for the HF cache's bytes now."""
+    from qbuild.recipe.source import locate, read_snapshot
+
+    snap = populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT}, {})
+    fetch_run(ctx)
+    snapshot = read_snapshot(ctx.out)
+    assert set(locate(snapshot, {})) == set(snapshot["files"])
+    shard = _shard(snap)
+    _flip_last_byte(Path(os.path.realpath(shard)))
+    with pytest.raises(InfraError) as e:
+        locate(snapshot, {})
+    assert str(e.value).startswith(f"{shard}: its bytes hash to sha256 ") and \
+        f"`hf download tiny-org/tiny-next {shard.name} --revision {COMMIT}`" in str(e.value)
+
+
+def test_hub_files_are_hashed_once_while_unchanged(tmp_path, tiny_checkpoints, monkeypatch):
+    """The fetch step and every step reading the snapshot check the same bytes; the stat cache answers after the first
+    hash of each file (files older than the racy window, as an HF cache's blobs are once downloaded)."""
+    import qbuild.core.hashing as hashing
+    from qbuild.recipe.source import locate, read_snapshot
+
+    snap = populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    hour_ago = time.time_ns() - 3600 * 10**9
+    for blob in (snap.parent.parent / "blobs").iterdir():
+        os.utime(blob, ns=(hour_ago, hour_ago))
+    hashed: list[str] = []
+    for algo in ("sha256", "git-sha1"):
+        function, table = hashing.FILE_DIGESTS[algo]
+        monkeypatch.setitem(hashing.FILE_DIGESTS, algo,
+                            ((lambda p, f=function: hashed.append(Path(p).name) or f(p)), table))
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT}, {})
+    fetch_run(ctx)
+    snapshot = read_snapshot(ctx.out)
+    assert sorted(hashed) == sorted(snapshot["files"])
+    locate(snapshot, {})
+    (tmp_path / "again").mkdir()
+    fetch_run(_ctx(tmp_path / "again", {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT}, {}))
+    assert sorted(hashed) == sorted(snapshot["files"])
+
+
+def test_a_snapshot_of_other_files_than_the_lock_holds_for_the_commit_is_refused(tmp_path, tiny_checkpoints):
+    """The workspace passes the lock's files of the pinned commit; a snapshot of that commit with other bytes (each
+    honestly named by its own digest, as a mirror holding other content serves them) is refused, naming the file."""
+    populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    params = {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT}
+    ctx = _ctx(tmp_path, params, {})
+    fetch_run(ctx)
+    files = {n: m["digest"] for n, m in json.loads((ctx.out / "snapshot.json").read_text())["files"].items()}
+    (tmp_path / "same").mkdir()
+    fetch_run(_ctx(tmp_path / "same", params, {"locked_files": {"lock": "artifacts.lock", "files": files}}))
+    other = dict(files, **{"config.json": "git-sha1:" + "0" * 40})
+    (tmp_path / "other").mkdir()
+    ctx = _ctx(tmp_path / "other", params, {"locked_files": {"lock": "artifacts.lock", "files": other}})
+    with pytest.raises(InfraError) as e:
+        fetch_run(ctx)
+    assert str(e.value) == (f"model.hf: tiny-org/tiny-next@{COMMIT[:12]}: config.json: the Hub served "
+                            f"{files['config.json'][:21]}, artifacts.lock holds git-sha1:000000000000 for this commit; "
+                            "refusing other files for a pinned commit (a mirror or proxy serving other bytes?); run "
+                            "`qbuild compile --update` to accept them")
+    assert list(ctx.out.iterdir()) == []
+
+
+def test_a_snapshot_file_that_is_no_link_to_a_digest_named_blob_is_refused(tmp_path, tiny_checkpoints):
+    """huggingface_hub copies files into the snapshot where it cannot make links: the digest the Hub named such a file
+    by is not known, and a snapshot must not record its file name as one."""
+    snap = populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
+    config = snap / "config.json"
+    data = config.read_bytes()
+    config.unlink()
+    config.write_bytes(data)
+    ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT}, {})
+    with pytest.raises(InfraError, match=f"^{config}: not a link to a blob of the HF cache named by its digest"):
+        fetch_run(ctx)

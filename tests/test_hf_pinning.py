@@ -340,3 +340,31 @@ def test_offline_with_a_pin_builds_from_the_hf_cache(built, hub, tmp_path, seed_
                             check=True).stdout)
     assert out["built"] == [FETCH] and _fetched_revision(root) == hub.a
     assert hub.double.requests == []
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("hf-pinning")
+def test_a_flipped_byte_in_the_hf_cache_never_reaches_a_rebuilt_step_or_the_lock(built, tmp_path):
+    """The fetch step is cached, the steps that read the weights are not (a store that lost them, another machine's
+    store): they read the HF cache's bytes, which must still be the snapshot's."""
+    root, env = _copy(built, tmp_path)
+    env.update(OFFLINE)
+    project = root / "project"
+    lock_before = (project / "artifacts.lock").read_bytes()
+    doc = lockmod.read(project / "artifacts.lock")
+    for role in ("convert", "reference"):
+        key = doc["nodes"][doc["recipes"]["hubby"]["nodes"][role]]["key"]
+        (root / "store" / "ac" / key[:2] / f"{key}.json").unlink()
+    before = _manifests(root / "store")
+    snap = root / "hf" / "hub" / "models--tiny-org--dense" / "snapshots" / doc["recipes"]["hubby"]["model"]["revision"]
+    shard = min(p for p in snap.iterdir() if p.name.endswith(".safetensors"))
+    blob = Path(os.path.realpath(shard))
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0xFF          # tensor data: the header still parses, the size is the same
+    blob.write_bytes(bytes(data))
+    proc = qbuild("compile", "recipes/hubby.yaml", cwd=project, env=env)
+    assert proc.returncode == 3, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: convert ") and f"{shard}: its bytes hash to sha256 " in error and \
+        f"`hf download {REPO_ID} {shard.name} --revision {snap.name}`" in error, error
+    assert (project / "artifacts.lock").read_bytes() == lock_before and _manifests(root / "store") == before

@@ -5,6 +5,11 @@ Scheduling respects three limits at once: the dependency order, the number of jo
 its inputs' digests are known (for a node whose output is not portable, with this host's platform tag); a hit in the
 store skips it. By default the first failure stops new work (the
 steps already running finish and are kept); with keep_going, only the failed node's dependents are skipped.
+
+A node whose key is the one the lock holds for it must have the lock's output: a result under that key with another
+digest (built from an input that changed outside the key, or cached in a store or remote that holds other bytes
+under it) fails the node, naming both digests, before anything uses it. The caller passes no lock entries where it
+accepts other bytes (`compile --update`) or compares the whole lock itself (`--frozen`).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Callable, Literal, Mapping, Protocol
 
 from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
 from qbuild.build.job import Job
@@ -22,6 +27,9 @@ from qbuild.planning.plan import Node, Plan
 from qbuild.store import StoreSpec
 from qbuild.store.local import CorruptBlobError
 from qbuild.store.manifest import Manifest
+
+if TYPE_CHECKING:
+    from qbuild.store.lock import LockedNode
 
 
 class Executor(Protocol):
@@ -66,8 +74,10 @@ class BuildOptions:
 
 
 def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor], options: BuildOptions,
-          on_event: Callable[[Event], None] = lambda e: None, registry: Registry = REGISTRY) -> BuildResult:
-    """Build every node of `plan`, keying each with its inputs' digests as they are cached or built."""
+          on_event: Callable[[Event], None] = lambda e: None, registry: Registry = REGISTRY,
+          locked: Mapping[str, LockedNode] | None = None) -> BuildResult:
+    """Build every node of `plan`, keying each with its inputs' digests as they are cached or built. `locked` (node id
+    -> the lock's entry for it): a result under a locked key must have the locked digest (see the module docstring)."""
     order = list(plan.nodes)
     waiting = list(order)                                       # not started yet, in topological order
     retries: dict[str, int] = {}
@@ -135,10 +145,13 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                 hit = store.get_manifest(key)
                 if hit is not None:
                     waiting.remove(nid)
+                    progressed = True
+                    if drift := _drift(node, hit, "cached", locked):
+                        fail(nid, drift)
+                        continue
                     result.manifests[nid] = hit
                     result.cached.append(nid)
                     on_event(Event("cached", node, hit))
-                    progressed = True
                     continue
                 problem = None
                 if options.strict:
@@ -215,6 +228,10 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
                 except Exception as e:  # a worker that died (killed, out of memory) or an executor fault
                     fail(nid, f"{plan.nodes[nid].name}: worker failed: {type(e).__name__}: {e}")
                     continue
+                if drift := _drift(plan.nodes[nid], manifest, "cached" if manifest.meta.get("reused") else "built",
+                                   locked):
+                    fail(nid, drift)
+                    continue
                 result.manifests[nid] = manifest
                 if manifest.meta.get("reused"):
                     result.cached.append(nid)
@@ -228,6 +245,17 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
             executor.shutdown()
     result.skipped.extend(n for n in waiting if n not in result.skipped)
     return result
+
+
+def _drift(node: Node, manifest: Manifest, how: str, locked: Mapping[str, LockedNode] | None) -> str | None:
+    """Why `manifest` (the node's result, `how`: "built" or "cached") must not be accepted: its key is the one the lock
+    holds for the node, its output digest is not. None when it may be."""
+    entry = (locked or {}).get(node.id)
+    if entry is None or entry.key != manifest.key or entry.digest == manifest.digest:
+        return None
+    return (f"{node.name}: the {how} output {manifest.digest[:12]} differs from the locked {entry.digest[:12]} under "
+            f"the same key {manifest.key[:16]}: an input changed outside the key, or the store or remote holds other "
+            "bytes under it; refusing it (run `qbuild compile --update` to accept it)")
 
 
 def _requeue(plan: Plan, nid: str, result: BuildResult, waiting: list[str]) -> None:

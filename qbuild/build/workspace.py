@@ -120,18 +120,22 @@ class Workspace:
 
     # --- building --------------------------------------------------------------------------------------------
     def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
-                on_event: Callable[[Event], None] = lambda e: None,
-                frozen: bool = False) -> tuple[Plan, BuildResult, PlatformRebuild | None]:
+                on_event: Callable[[Event], None] = lambda e: None, frozen: bool = False,
+                update: bool = False) -> tuple[Plan, BuildResult, PlatformRebuild | None]:
         """Build `recipes`; the lockfile gets an entry for each recipe whose bundle was built (written as each step
         succeeds), and none for the others, whose entries stay as they were. With `frozen`, nothing is written and
         the build fails unless it reproduces the lock: every node bit for bit, except those that are not portable
-        and that the lock holds for another platform, which are rebuilt for this one (the third value names them)."""
+        and that the lock holds for another platform, which are rebuilt for this one (the third value names them).
+        Without `frozen`, a node whose key is the lock's must still have the lock's output (a cached one included),
+        and a hub model fetched at its pinned commit the lock's files, unless `update` accepts other bytes."""
         # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
         lockmod.check_unique_names(lockmod.read(self.lock_path), self.lock_path,
                                    [(r.name, r.path) for r in recipes])
         plan = self._build_plan(recipes)
         require_resolved(plan)
         rebuilt = self._check_frozen(plan) if frozen else None
+        if not update:
+            self._pass_locked_files(plan)
         self._check_sources(plan)
         seen = BuildResult()
         # Held until the lockfile names what was built: a concurrent `qbuild gc` keeps what this build uses.
@@ -148,7 +152,10 @@ class Workspace:
             on_event(event)
 
         try:
-            result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry)
+            # --frozen compares the whole lock once the build is done; --update accepts what the build gives.
+            locked = {} if frozen or update else self._locked(plan)
+            result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry,
+                           locked)
             if not frozen:
                 self.write_lock(plan, result)
         finally:
@@ -201,11 +208,27 @@ class Workspace:
         host = next(keys[nid].preimage["platform"] for nid in elsewhere)
         return PlatformRebuild(host, tuple(sorted(set(elsewhere.values()))), tuple(elsewhere), counts)
 
+    def _pass_locked_files(self, plan: Plan) -> None:
+        """Give each hub fetch the files the lock holds for its commit (node context "locked_files", which no key
+        reads): its step refuses a snapshot of that commit with other files (see actions/fetch.py)."""
+        doc = lockmod.read(self.lock_path)
+        for nid, pairs in roles_by_node(plan).items():
+            params = plan.nodes[nid].params
+            if not isinstance(params, FetchHub):
+                continue
+            for recipe, _ in pairs:
+                model = doc["recipes"].get(recipe, {}).get("model") or {}
+                if model.get("source") == "hf" and (model.get("repo"), model.get("revision")) == \
+                        (params.repo, params.revision) and model.get("files"):
+                    plan.nodes[nid].context["locked_files"] = {"lock": str(self.lock_path), "files": model["files"]}
+                    break
+
     def _check_sources(self, plan: Plan) -> None:
         """Check each checkpoint whose fetch step will run before any step starts, so that a bad checkpoint is
         one line, exit 2, with nothing in the store or the lock. A cached fetch was checked when it ran; a hub model
-        not downloaded yet is checked by its fetch step."""
-        from qbuild.recipe.source import check_checkpoint, source_directory
+        not downloaded yet (or only in part) is checked by its fetch step, and one in the HF cache has its bytes
+        checked against the digests its blobs are named by first (a corrupt cache is exit 3, not a bad checkpoint)."""
+        from qbuild.recipe.source import check_checkpoint, hub_snapshot_files, hub_snapshot_partial, source_directory
 
         checked: set[str] = set()
         for planned in plan.recipes.values():
@@ -217,6 +240,10 @@ class Workspace:
             checked.add(nid)
             params = plan.nodes[nid].params
             directory = source_directory(planned.loaded, params.revision if isinstance(params, FetchHub) else None)
+            if isinstance(params, FetchHub) and directory is not None:
+                if hub_snapshot_partial(directory):
+                    continue
+                hub_snapshot_files(directory)
             if directory is not None:
                 check_checkpoint(directory)
 

@@ -20,7 +20,7 @@ from typing import Mapping
 
 from qbuild.model.arch import MAX_CONFIG_BYTES, Arch, arch_from_config
 from qbuild.core.errors import InfraError, QbuildError, RecipeError, UserError
-from qbuild.core.hashing import default_stat_cache
+from qbuild.core.hashing import default_stat_cache, git_blob_sha1
 from qbuild.store.files import atomic_write
 from qbuild.recipe.schema import LoadedRecipe, PathSource, recipe_field_location
 from qbuild.core.userfile import read_small_file
@@ -177,6 +177,12 @@ def download_hub_config(repo: str, commit: str) -> Path:
     if served != commit:
         raise InfraError(f"model.hf: {repo}: asked for config.json at {commit[:12]}, the Hub served commit "
                          f"{(served or 'none')[:12]}")
+    # The ETag of a file kept in git is its blob sha1 (huggingface_hub names the cached blob by it): the bytes must be
+    # those it names. A weak or absent ETag (a proxy's) says nothing either way.
+    etag = (response.headers.get("X-Linked-Etag") or response.headers.get("ETag") or "").strip('"')
+    if re.fullmatch(r"[0-9a-f]{40}", etag) and git_blob_sha1(response.content) != etag:
+        raise InfraError(f"model.hf: {repo}@{commit[:12]}: the Hub served a config.json whose bytes hash to git-sha1 "
+                         f"{git_blob_sha1(response.content)[:12]}, not its ETag {etag[:12]}; refusing it")
     path = hf_repo_dir(repo, config_cache_dir()) / "snapshots" / commit / "config.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, response.content)
@@ -215,6 +221,8 @@ def config_for(loaded: LoadedRecipe, commit: str | None = None) -> tuple[dict, s
             raise RecipeError(f"{recipe_field_location(loaded, 'model.hf')}: model.hf: {src.hf}{at} has no "
                               "config.json on this machine and no shipped config; plan it online or use `path:`")
     raw = read_small_file(cfg, MAX_CONFIG_BYTES, "config.json")
+    if not isinstance(src, PathSource):
+        check_hub_config(cfg, raw)
     try:
         return json.loads(raw), str(cfg)
     except ValueError as e:   # invalid JSON or not UTF-8
@@ -247,16 +255,92 @@ def locate(snapshot: dict, context: dict) -> dict[str, Path]:
                 raise UserError(f"{path}: content changed since it was planned; run the command again")
             files[name] = path
         return files
-    found = hf_cached_snapshot(snapshot["repo"], snapshot["revision"])
+    repo, commit = snapshot["repo"], snapshot["revision"]
+    found = hf_cached_snapshot(repo, commit)
     if found is None:
-        raise UserError(f"{snapshot['repo']}@{snapshot['revision'][:12]}: not in the HF cache on this machine")
+        raise UserError(f"{repo}@{commit[:12]}: not in the HF cache on this machine")
     files = {}
     for name, meta in snapshot["files"].items():
         path = found / name
+        # The fetch step that recorded these digests may have run long ago (or elsewhere): the bytes read now are
+        # checked against them, through the stat cache, so an unchanged file is hashed once.
+        again = f"`hf download {repo} {name} --revision {commit}`"
         if not path.is_file() or path.stat().st_size != meta["size"]:
-            raise UserError(f"{path}: missing or truncated in the HF cache; run `qbuild compile` to fetch it again")
+            raise InfraError(f"{path}: missing or truncated in the HF cache; download it again with {again}")
+        check_hub_file(path, meta["digest"], f"remove {hf_blob(path)} and download it again with {again}")
         files[name] = path
     return files
+
+
+# --- the bytes of a Hub snapshot in the HF cache, checked against their digests -----------------------------------
+# huggingface_hub names each cached blob by the ETag the Hub sent (the sha256 of an LFS file, the git blob sha1 of
+# another) and checks its size, not its bytes (file_download.py `_hf_hub_download_to_cache_dir`, `http_get`,
+# 2.4.0). A blob that rotted on disk, or bytes the Hub (a mirror, a proxy) served under another file's ETag, would
+# pass for the file its name claims: so the bytes are hashed with the algorithm the name claims before they are
+# used. A mismatch is InfraError (exit 3): the recipe is right, the cache or the server is not, and a fresh
+# download mends it.
+
+_BLOB_ALGOS = {64: "sha256", 40: "git-sha1"}   # hex length of a blob's name -> the digest it is
+
+
+def hf_blob(path: Path) -> Path:
+    """The blob a snapshot entry of the HF cache links to."""
+    return Path(os.path.realpath(path))
+
+
+def hub_snapshot_files(snap: Path) -> dict[str, dict]:
+    """{name: {"digest": "sha256:..." or "git-sha1:...", "size"}} of the checkpoint files of the HF cache snapshot
+    `snap`, each named by the blob it links to and checked to hash to that name."""
+    files = {}
+    for path in sorted(snap.iterdir()):
+        if not path.is_file() or not any(path.match(p) for p in CHECKPOINT_PATTERNS):
+            continue
+        blob = hf_blob(path)
+        algo = _BLOB_ALGOS.get(len(blob.name)) if re.fullmatch(r"[0-9a-f]+", blob.name) else None
+        if algo is None:
+            # huggingface_hub copies a file into the snapshot where symbolic links cannot be made (a filesystem
+            # without them, HF_HUB_DISABLE_SYMLINKS): file_download.py `_create_symlink`, 2.4.0.
+            raise InfraError(f"{path}: not a link to a blob of the HF cache named by its digest (huggingface_hub "
+                             "copies files where it cannot make symbolic links), so the digest the Hub named it by "
+                             "is not known; keep the HF cache on a filesystem with symbolic links and without "
+                             "HF_HUB_DISABLE_SYMLINKS")
+        digest = f"{algo}:{blob.name}"
+        check_hub_file(path, digest, f"remove {blob} and run the command again")
+        files[path.name] = {"digest": digest, "size": path.stat().st_size}
+    return files
+
+
+def hub_snapshot_partial(snap: Path) -> bool:
+    """Whether the HF cache snapshot `snap` lacks files: a link whose blob is gone (removed, as a refused corrupt blob
+    is), or a weight file its index names that was never downloaded. The fetch step downloads them, then checks it."""
+    if any(p.is_symlink() and not p.exists() for p in snap.iterdir()):
+        return True
+    index = snap / WEIGHT_INDEX
+    try:
+        named = set(json.loads(read_small_file(index, MAX_INDEX_BYTES, WEIGHT_INDEX))["weight_map"].values())
+    except (UserError, ValueError, KeyError, TypeError, AttributeError):
+        return False     # no index, or one the checkpoint check refuses, naming it
+    return not all(isinstance(n, str) and "/" not in n and (snap / n).exists() for n in named)
+
+
+def check_hub_config(path: Path, raw: bytes) -> None:
+    """Planning reads a hub model's config.json (the architecture, so the keys, come from it) without the fetch step:
+    where it is a blob of the HF cache, its bytes (`raw`, as read) must hash to the blob's name."""
+    blob = hf_blob(path)
+    if len(blob.name) == 40 and re.fullmatch(r"[0-9a-f]+", blob.name) and git_blob_sha1(raw) != blob.name:
+        raise InfraError(f"{path}: its bytes hash to git-sha1 {git_blob_sha1(raw)[:12]}, not the {blob.name[:12]} "
+                         f"the Hub named them by: the HF cache's copy is corrupt; remove {blob} and run the command "
+                         "again")
+
+
+def check_hub_file(path: Path, digest: str, remedy: str) -> None:
+    """Raise InfraError, one line naming `path`, unless its bytes hash to `digest` ("sha256:<hex>" or
+    "git-sha1:<hex>"); `remedy` says what to do about it."""
+    algo, _, want = digest.partition(":")
+    got = default_stat_cache(algo).digest(path)
+    if got != want:
+        raise InfraError(f"{path}: its bytes hash to {algo} {got[:12]}, not the {want[:12]} the Hub named them by: "
+                         f"the HF cache's copy is corrupt or the Hub served other bytes; {remedy}")
 
 
 # --- checking a checkpoint before a build --------------------------------------------------------------------

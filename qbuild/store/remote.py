@@ -1,9 +1,13 @@
 """A local store backed by a remote one: reads go through to the remote, commits can push to it.
 
 `get_manifest(key)` answers from the local store; on a local miss it reads the remote manifest, checks it (its key
-is the hash of its preimage, its tree digest matches its outputs, its paths stay inside a tree) and returns it
-WITHOUT downloading its blobs: deciding that a step is cached costs one small GET, whatever the step's size. The
-checked manifest is kept in memory, so repeated lookups do not GET it again.
+is the hash of its preimage, its tree digest matches its outputs, its paths stay inside a tree), checks that the
+remote holds each blob it names that is not local, with that blob's size (HEADs, in parallel), and returns it
+WITHOUT downloading its blobs: deciding that a step is cached costs one small GET and a HEAD per blob, whatever the
+step's size. An entry whose blob is gone or has another size is a miss (the step is rebuilt, and a push of the
+rebuilt entry uploads the blobs the remote lacks), never a hit that fails later; `unusable(key)` says why. Bytes of
+the right size but the wrong content are found when downloaded (below). The checked manifest is kept in memory, so
+repeated lookups do not ask the remote again.
 
 Blobs come down lazily, when something needs their bytes: `ensure_blobs(outputs)` (called by `materialize`, so by
 every job laying out its inputs and by `pull`, and by the code that reads a blob directly) downloads the missing
@@ -257,6 +261,7 @@ class RemoteStore:
         self.push = push
         self.progress: Progress = progress or NoProgress()
         self._pending: dict[str, Manifest] = {}     # checked remote manifests whose blobs are not all local yet
+        self._unusable: dict[str, str] = {}         # key -> why the remote's manifest of it is not used
         self._pending_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -279,15 +284,43 @@ class RemoteStore:
             return local
         with self._pending_lock:
             manifest = self._pending.get(key)
+            if key in self._unusable:
+                return None
         if manifest is None:
             manifest = self.remote.get_manifest(key)
             if manifest is None:
                 return None
             self._check_manifest(key, manifest)
+            problem = self._missing_blob(manifest)
             with self._pending_lock:
+                if problem is not None:
+                    self._unusable[key] = problem
+                    return None
                 self._pending[key] = manifest
         self._record_complete([manifest])   # a worker process may have downloaded its blobs already
         return manifest
+
+    def unusable(self, key: str) -> str | None:
+        """Why the remote's entry of `key` was found unusable by this store (a blob gone or of another size), if it
+        was: get_manifest then answers None."""
+        with self._pending_lock:
+            return self._unusable.get(key)
+
+    def _missing_blob(self, m: Manifest) -> str | None:
+        """One line naming the first blob of `m` that is neither local nor on the remote with its size; None when
+        every blob is in one place or the other."""
+        wanted = {o["digest"]: (rel, o["size"]) for rel, o in sorted(m.outputs.items())
+                  if not self.local.has_blob(o["digest"])}
+        sizes = self.remote.blob_sizes(wanted)
+        for digest, (rel, size) in sorted(wanted.items(), key=lambda kv: kv[1]):
+            where = self.remote.object_url(self.remote.blob_key(digest))
+            if digest not in sizes:
+                return (f"{where}: blob of {rel} is missing on the remote although its manifest names it; "
+                        f"{self.remote.repair_hint()}")
+            if sizes[digest] != size:
+                return (f"{where}: blob of {rel} has {sizes[digest]} bytes on the remote, its manifest says {size}; "
+                        f"{self.remote.repair_hint()}")
+        return None
 
     def _check_manifest(self, key: str, m: Manifest) -> None:
         where = self.remote.object_url(self.remote.manifest_key(key))
@@ -360,17 +393,22 @@ class RemoteStore:
         """Record a freshly built result locally, and upload it when this store pushes."""
         self.local.commit(manifest)
         if self.push:
-            push_manifests(self.local, self.remote, [manifest], self.progress)
+            # An entry rebuilt because the remote's was unusable: its blobs are checked and mended even though the
+            # remote holds its manifest.
+            push_manifests(self.local, self.remote, [manifest], self.progress,
+                           repair={manifest.key} if self.unusable(manifest.key) else ())
 
 
 def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Manifest],
-                   progress: Progress | None = None, *, verify_remote: bool = False) -> PushReport:
+                   progress: Progress | None = None, *, verify_remote: bool = False,
+                   repair: Iterable[str] = ()) -> PushReport:
     """Upload `manifests` (from `store`) that the remote lacks: missing blobs first, then each manifest with a
     conditional put. Blob presence is checked in bulk; files go up in parallel, large ones in parallel parts.
 
-    A blob counts as present when the remote has an object of its name. With `verify_remote` every blob of every
-    given manifest (on the remote already or not) is read back and hashed instead, and one that is missing or whose
-    bytes do not match is uploaded again: the repair for a remote object corrupted after it was written."""
+    A blob counts as present when the remote has an object of its name and size. The blobs of a manifest the remote
+    holds already are checked too for the keys in `repair` (by name and size) and, with `verify_remote`, for every
+    given manifest, whose blobs are then read back and hashed; one that is missing or does not match is uploaded
+    again: the repair for a remote object lost or corrupted after it was written."""
     progress = progress or NoProgress()
     start = time.monotonic()
     report = PushReport()
@@ -380,27 +418,27 @@ def push_manifests(store: LocalStore, remote: S3Remote, manifests: Iterable[Mani
     # From the first presence check to the last manifest: a blob found present must stay until the manifest
     # naming it is up (see the module docstring).
     with holding(remote, "push"):
-        _push(store, remote, todo, progress, verify_remote, report)
+        _push(store, remote, todo, progress, verify_remote, set(repair), report)
     report.seconds = time.monotonic() - start
     return report
 
 
 def _push(store: LocalStore, remote: S3Remote, todo: dict[str, Manifest], progress: Progress, verify_remote: bool,
-          report: PushReport) -> None:
+          repair: set[str], report: PushReport) -> None:
     present = remote.has_manifests(todo)
     report.manifests_present = len(present)
-    checked = todo if verify_remote else {k: m for k, m in todo.items() if k not in present}
+    checked = {k: m for k, m in todo.items() if k not in present or verify_remote or k in repair}
     todo = {k: m for k, m in todo.items() if k not in present}
     blobs: dict[str, tuple[str, int]] = {}
     for m in checked.values():
         for rel, meta in sorted(m.outputs.items()):
             blobs.setdefault(meta["digest"], (rel, meta["size"]))
-    have = remote.has_blobs(blobs)
+    sizes = remote.blob_sizes(blobs)
+    have = {d for d, size in sizes.items() if size == blobs[d][1]}    # an object of another size is not the blob
     if verify_remote:
-        sound = remote_blobs_matching(remote, {d: blobs[d] for d in have}, progress)
-        named_remotely = {o["digest"] for k, m in checked.items() if k in present for o in m.outputs.values()}
-        report.blobs_repaired = len((have - sound) | (named_remotely - have))
-        have = sound
+        have = remote_blobs_matching(remote, {d: blobs[d] for d in have}, progress)
+    named_remotely = {o["digest"] for k, m in checked.items() if k in present for o in m.outputs.values()}
+    report.blobs_repaired = len((set(sizes) - have) | (named_remotely - set(sizes)))
     report.blobs_present = len(have)
     send = {d: v for d, v in blobs.items() if d not in have}
     upload_blobs(store, remote, send, progress)

@@ -204,6 +204,10 @@ class S3Remote:
         """The subset of `digests` the remote holds, checked with HEADs in a thread pool."""
         return self._present({d: self.blob_key(d) for d in digests})
 
+    def blob_sizes(self, digests: Iterable[str]) -> dict[str, int]:
+        """The size of each of `digests` the remote holds (those it lacks are absent), from HEADs in a thread pool."""
+        return self._heads({d: self.blob_key(d) for d in digests})
+
     def upload_blob(self, path: Path, digest: str, callback: Callback | None = None) -> None:
         name = self.blob_key(digest)
         try:
@@ -367,22 +371,26 @@ class S3Remote:
             raise self.error(e, self.object_url(prefix)) from None
 
     def _present(self, names: dict[str, str]) -> set[str]:
-        if not names:
-            return set()
+        return set(self._heads(names))
 
-        def head(item: tuple[str, str]) -> str | None:
+    def _heads(self, names: dict[str, str]) -> dict[str, int]:
+        """{ident: the object's size} for each of `names` (ident -> full key) that exists."""
+        if not names:
+            return {}
+
+        def head(item: tuple[str, str]) -> tuple[str, int] | None:
             ident, name = item
             try:
-                self.client.head_object(Bucket=self.bucket, Key=name)
+                answer = self.client.head_object(Bucket=self.bucket, Key=name)
             except Exception as e:
                 if _status(e) == 404:
                     self._check_bucket(self.object_url(name))
                     return None
                 raise self.error(e, self.object_url(name)) from None
-            return ident
+            return ident, answer["ContentLength"]
 
         _ = self.client  # create the client once, before the threads share it
-        return {ident for ident in map_all(head, sorted(names.items()), POOL_THREADS) if ident is not None}
+        return dict(found for found in map_all(head, sorted(names.items()), POOL_THREADS) if found is not None)
 
     # --- errors --------------------------------------------------------------------------------------------------
     def error(self, e: BaseException, where: str) -> InfraError:

@@ -3,13 +3,15 @@
 Output: snapshot.json = {source, repo, revision (commit), files: {name: {digest, size}}}. A hub model is fetched at
 exactly the commit its key holds (the planner never keys one on a branch), from the HF cache when that commit is
 there, and a snapshot of any other commit is refused. Hub files are named by the Hub's own digests (sha256 of LFS
-files, git blob sha1 of small ones), read from the cache layout, so nothing is hashed twice. Local files carry the
-BLAKE3 digests the planner computed.
+files, git blob sha1 of small ones), as the HF cache names their blobs, and their bytes are hashed to check that
+name (through the stat cache, so once per file). Where the lock already holds the files of the pinned commit (the
+workspace passes them in the step's context, as "locked_files"), a snapshot whose files differ is refused: a mirror
+that serves other bytes for a pinned commit must not move the lock. Local files carry the BLAKE3 digests the planner
+computed.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from qbuild.core import jsonio
@@ -17,7 +19,8 @@ from qbuild.build.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
 from qbuild.recipe.params import FetchParams, FetchPath
 from qbuild.recipe.source import (CHECKPOINT_PATTERNS, check_checkpoint, checkpoint_files, hf_cache_dir,
-                                  hf_repo_dir, hf_served_commit, hub_endpoint, hub_offline, is_commit)
+                                  hf_repo_dir, hf_served_commit, hub_endpoint, hub_offline, hub_snapshot_files,
+                                  is_commit)
 
 
 def run(ctx: RunContext) -> None:
@@ -71,15 +74,11 @@ def _hub(repo: str, commit: str, ctx: RunContext) -> dict:
         raise InfraError(f"model.hf: {repo}@{commit[:12]}: Hub error {getattr(e.response, 'status_code', '')}") \
             from None
     _check_commit(repo, commit, local)
-    files = {}
-    for path in sorted(local.iterdir()):
-        if not path.is_file() or not any(path.match(p) for p in CHECKPOINT_PATTERNS):
-            continue
-        blob = Path(os.path.realpath(path)).name
-        algo = "sha256" if len(blob) == 64 else "git-sha1"
-        files[path.name] = {"digest": f"{algo}:{blob}", "size": path.stat().st_size}
+    files = hub_snapshot_files(local)
+    _check_locked(repo, commit, files, ctx.context.get("locked_files"))
     if not any(n.endswith(".safetensors") for n in files):
-        raise UserError(f"model.hf: {repo}@{revision} has no safetensors weights (pickled weights are never loaded)")
+        raise UserError(f"model.hf: {repo}@{commit[:12]} has no safetensors weights (pickled weights are never "
+                        "loaded)")
     # A download the planner could not check yet is checked before its snapshot is recorded.
     check_checkpoint(local, {name: local / name for name in files})
     ctx.log(f"fetched {repo}@{commit[:12]}: {len(files)} files")
@@ -100,3 +99,26 @@ def _check_commit(repo: str, commit: str, local: Path) -> None:
     if local.name != commit or not local.is_dir():
         raise InfraError(f"model.hf: {repo}: asked for commit {commit[:12]}, got no snapshot of it at {local}; "
                          "refusing a snapshot of another commit than the key's")
+
+
+def _check_locked(repo: str, commit: str, files: dict[str, dict], locked: dict | None) -> None:
+    """Refuse a snapshot of the pinned commit whose files differ from those the lock holds for that commit
+    (`locked`: {"lock": the lockfile, "files": {name: digest}}; None where it holds none). A commit names one tree, so
+    other bytes for it come from a server that is not the Hub's honest copy (a mirror, a proxy): infrastructure, as
+    a remote serving other bytes is. Moving them into the lock is `qbuild compile --update`'s to do."""
+    if not locked:
+        return
+    want, got = locked["files"], {name: meta["digest"] for name, meta in files.items()}
+    for name in sorted(set(want) | set(got)):
+        if want.get(name) != got.get(name):
+            raise InfraError(f"model.hf: {repo}@{commit[:12]}: {name}: the Hub served "
+                             f"{_short(got.get(name))}, {locked['lock']} holds {_short(want.get(name))} for this "
+                             "commit; refusing other files for a pinned commit (a mirror or proxy serving other "
+                             "bytes?); run `qbuild compile --update` to accept them")
+
+
+def _short(digest: str | None) -> str:
+    if digest is None:
+        return "no such file"
+    algo, _, hexdigest = digest.partition(":")
+    return f"{algo}:{hexdigest[:12]}"
