@@ -18,7 +18,8 @@ before leaves the recipe's entry as it was. A node's preimage holds its params, 
 and toolchain versions, and for a node whose output is not portable (native code, CPU-dependent numbers) the
 platform it was built for, so `qbuild explain` can name the field that changed. The serialiser is a pure function;
 writes go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes
-wrote meanwhile.
+wrote meanwhile. `read` refuses a document of the wrong shape or whose entries disagree with their own nodes
+(qbuild.store.lock_schema), so no command acts on one.
 """
 
 from __future__ import annotations
