@@ -293,7 +293,7 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
     doc = lockmod.read(lock)
-    _recipe_unchanged(ws, doc, lock, lockmod.resolve_recipe(doc, lock, recipe), strict)
+    _name_a_changed_recipe(ws, doc, lock, lockmod.resolve_recipe(doc, lock, recipe), strict)
     # Root ignores the read-only bit that protects the store's blobs, so a root-owned bundle must not share their
     # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
     manifest = pull_bundle(ws.store, doc, lock, recipe, to, share=os.geteuid() != 0,
@@ -312,7 +312,7 @@ def _serve_instructions(bundle: Path) -> dict | None:
     return backends.get(manifest["backend"]).serve_instructions(bundle.resolve(), manifest)
 
 
-def _recipe_unchanged(ws, doc: dict, lock: Path, name: str, strict: bool) -> str | None:
+def _name_a_changed_recipe(ws, doc: dict, lock: Path, name: str, strict: bool) -> str | None:
     """Name, in a note on stderr, how a locked recipe's file changed since it was locked (qbuild.planning.drift), or
     with --strict refuse it; returns the note (None: unchanged, or no recipe file here to compare)."""
     from qbuild.planning.drift import recipe_change
@@ -386,7 +386,7 @@ def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names or f
     doc = lockmod.read(lock)
     names = [lockmod.resolve_recipe(doc, lock, r) for r in recipes] if recipes else None
     changed = [note for name in (names or sorted(doc["recipes"]))
-               if (note := _recipe_unchanged(ws, doc, lock, name, strict)) is not None]
+               if (note := _name_a_changed_recipe(ws, doc, lock, name, strict)) is not None]
     problems = ws.check_lock(names)
     if json_:
         print(jsonio.dumps({"ok": not problems, "problems": problems, "changed": changed}))
@@ -562,7 +562,7 @@ def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[st
         raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
     ws = _workspace(store, lock, remote)
     doc = lockmod.read(lock)
-    _recipe_unchanged(ws, doc, lock, lockmod.resolve_recipe(doc, lock, target), strict)
+    _name_a_changed_recipe(ws, doc, lock, lockmod.resolve_recipe(doc, lock, target), strict)
     with tempfile.TemporaryDirectory(prefix="qbuild-run-") as tmp:
         bundle = Path(tmp) / "bundle"
         try:
@@ -731,7 +731,7 @@ def _served_bundle(target: str, store: Optional[Path], lock: Path, remote: Optio
     ws = _workspace(store, lock, remote)
     doc = lockmod.read(lock)
     name = lockmod.resolve_recipe(doc, lock, target)
-    _recipe_unchanged(ws, doc, lock, name, strict)
+    _name_a_changed_recipe(ws, doc, lock, name, strict)
     with tempfile.TemporaryDirectory(prefix="qbuild-serve-") as tmp:
         bundle = Path(tmp) / name
         try:

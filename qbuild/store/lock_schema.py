@@ -28,7 +28,6 @@ from qbuild.store.manifest import tree_digest
 # TypedDicts under one TypeAdapter, built on first use: the document stays the plain dict every reader indexes, and
 # the schema costs planning about half of what the same models as BaseModel classes cost at import.
 Digest = Annotated[StrictStr, Field(pattern=r"^[0-9a-f]{64}$")]      # blake3, hex
-FileDigest = Annotated[StrictStr, Field(pattern=r"^blake3:[0-9a-f]{64}$")]
 Name = Annotated[StrictStr, Field(min_length=1)]
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -60,7 +59,7 @@ class _Node(TypedDict):
 class _Model(TypedDict):
     source: StrictStr                        # "path" or "hf" (readers act on "hf" only)
     revision: StrictStr | None
-    files: dict[Name, FileDigest]
+    files: dict[Name, Name]                  # "blake3:<hex>" of a local file; a Hub file's own ("git-sha1:...")
     repo: NotRequired[StrictStr]             # hf only
     requested: NotRequired[StrictStr]        # hf only
 
