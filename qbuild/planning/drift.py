@@ -66,10 +66,12 @@ class OfflineEnvironment:
 
 
 def recipe_change(doc: dict, lock_path: Path, name: str, stat_cache: StatCache) -> RecipeChange | None:
-    """How the recipe file of the locked recipe `name` changed since it was locked; None where it did not, or where
-    the file is not on this machine (a serving host may hold the lockfile alone: nothing to compare)."""
-    path = recipe_file(doc["recipes"][name], lock_path)
-    if not path.is_file():
+    """How the recipe file of the locked recipe `name` changed since it was locked; None where it did not, where the
+    lock holds no bundle for it (only a pin: nothing built to compare), or where the file is not on this machine (a
+    serving host may hold the lockfile alone)."""
+    entry = doc["recipes"][name]
+    path = recipe_file(entry, lock_path)
+    if entry["bundle"] is None or not path.is_file():
         return None
     try:
         loaded = load_recipe(path)
@@ -78,7 +80,7 @@ def recipe_change(doc: dict, lock_path: Path, name: str, stat_cache: StatCache) 
         plan = build_plan([loaded], OfflineEnvironment(HostEnvironment(stat_cache)), hub_pins(doc))
     except QbuildError as e:
         return RecipeChange(name, path, str(e), known=False)
-    what = first_change(plan, plan.recipes[loaded.name], doc, doc["recipes"][name])
+    what = first_change(plan, plan.recipes[loaded.name], doc, entry)
     return None if what is None else RecipeChange(name, path, what)
 
 
