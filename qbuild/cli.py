@@ -54,6 +54,10 @@ BackendOpt = typer.Option(None, "--backend",
                                "locked as <name>@<backend>)")
 RemoteOpt = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX", envvar="QBUILD_REMOTE",
                          help="remote store to read through [default: remote: in ./qbuild.yaml]")
+AllowUnverifiedOpt = typer.Option(False, "--allow-unverified", help="use a locked bundle whose verify did not pass")
+StrictOpt = typer.Option(False, "--strict",
+                         help="refuse a locked recipe whose recipe file changed since it was locked (or whose change "
+                              "cannot be told here) instead of naming the change")
 
 
 def _version(value: bool) -> None:
@@ -210,7 +214,21 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
     print_build_result(the_plan, result, progress, json_, extra or None)
     if rebuilt is not None:
         _err(rebuilt.line())
+    if explicit_budget is not None and not strict:   # --strict refuses a step before the budget is asked
+        _refuse_a_budget_below_its_steps(the_plan, result, explicit_budget, mem)
     raise_for(result, the_plan)
+
+
+def _refuse_a_budget_below_its_steps(the_plan, result, budget: int, mem: str) -> None:
+    """Exit 2 (bad input), not 1, where every failure is a step that the --mem budget cannot hold even alone: the
+    engine refuses such a step before it runs (each step declares its peak), so the flag failed, not a step."""
+    from qbuild.render import human_bytes
+
+    over = [the_plan.nodes[nid] for nid in result.failed if the_plan.nodes[nid].est_peak_bytes > budget]
+    if over and len(over) == len(result.failed):
+        need = max(over, key=lambda n: n.est_peak_bytes)
+        raise UserError(f"--mem {mem}: {need.name} needs ~{human_bytes(need.est_peak_bytes)} alone, more than the "
+                        "whole budget; give at least that")
 
 
 RAY_JOBS = 256      # steps in flight on a Ray cluster by default; Ray queues them by their declared resources
@@ -307,7 +325,8 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
          remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
          lock: Path = LockOpt,
          allow_unverified: bool = typer.Option(False, "--allow-unverified",
-                                               help="lay out a bundle whose verify did not pass")) -> None:
+                                               help="lay out a bundle whose verify did not pass"),
+         strict: bool = StrictOpt) -> None:
     """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
     from qbuild.store import lock as lockmod
     from qbuild.render import TransferDisplay, print_pulled
@@ -317,9 +336,11 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
     ws = _workspace(store, lock, remote, transfers=TransferDisplay())
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
+    doc = lockmod.read(lock)
+    _name_a_changed_recipe(ws, doc, lock, lockmod.resolve_recipe(doc, lock, recipe), strict)
     # Root ignores the read-only bit that protects the store's blobs, so a root-owned bundle must not share their
     # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
-    manifest = pull_bundle(ws.store, lockmod.read(lock), lock, recipe, to, share=os.geteuid() != 0,
+    manifest = pull_bundle(ws.store, doc, lock, recipe, to, share=os.geteuid() != 0,
                            allow_unverified=allow_unverified)
     print_pulled(recipe, to, manifest, _serve_instructions(to), json_)
 
@@ -333,6 +354,20 @@ def _serve_instructions(bundle: Path) -> dict | None:
         return None
     manifest = read_manifest(bundle)
     return backends.get(manifest["backend"]).serve_instructions(bundle.resolve(), manifest)
+
+
+def _name_a_changed_recipe(ws, doc: dict, lock: Path, name: str, strict: bool) -> str | None:
+    """Name, in a note on stderr, how a locked recipe's file changed since it was locked (qbuild.planning.drift), or
+    with --strict refuse it; returns the note (None: unchanged, or no recipe file here to compare)."""
+    from qbuild.planning.drift import recipe_change
+
+    change = recipe_change(doc, lock, name, ws.stat_cache)
+    if change is None:
+        return None
+    if strict:
+        raise UserError(f"{change.line()}; --strict refuses the locked one")
+    _err(f"note: {change.line()}")
+    return change.line()
 
 
 @app.command("gc")
@@ -383,8 +418,10 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 
 @lock_app.command("check")
 def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names or files (default: every locked one)"),
-               store: Optional[Path] = StoreOpt, lock: Path = LockOpt, json_: bool = JsonOpt) -> None:
-    """Verify that every artifact the lockfile names is in the store with the right digest."""
+               store: Optional[Path] = StoreOpt, lock: Path = LockOpt, json_: bool = JsonOpt,
+               strict: bool = StrictOpt) -> None:
+    """Verify that the lockfile agrees with itself, and that every artifact it names is in the store with the right
+    digest; name each recipe whose file changed since it was locked."""
     from qbuild.store import lock as lockmod
 
     ws = _workspace(store, lock)
@@ -392,9 +429,11 @@ def lock_check(recipes: list[str] = typer.Argument(None, help="recipe names or f
         raise UserError(f"{lock}: no lockfile; run `qbuild compile` first")
     doc = lockmod.read(lock)
     names = [lockmod.resolve_recipe(doc, lock, r) for r in recipes] if recipes else None
+    changed = [note for name in (names or sorted(doc["recipes"]))
+               if (note := _name_a_changed_recipe(ws, doc, lock, name, strict)) is not None]
     problems = ws.check_lock(names)
     if json_:
-        print(jsonio.dumps({"ok": not problems, "problems": problems}))
+        print(jsonio.dumps({"ok": not problems, "problems": problems, "changed": changed}))
     for p in problems:
         _err(p)
     if problems:
@@ -418,7 +457,15 @@ def lock_update(recipes: list[str] = typer.Argument(None, help="recipe names or 
     else:
         if not doc["recipes"]:
             raise UserError(f"{lock}: no locked recipes; name the recipe files to pin")
-        loaded = [_locked_recipe(doc, lock, name, load_recipe) for name in sorted(doc["recipes"])]
+        # A recipe whose file is gone keeps its pin (a name given on the command line is refused instead): one
+        # deleted recipe must not stop the others' pins from moving.
+        present = [name for name in sorted(doc["recipes"]) if lockmod.recipe_file(doc["recipes"][name], lock).is_file()]
+        for name in sorted(set(doc["recipes"]) - set(present)):
+            _err(f"note: {name}: locked from {lockmod.recipe_file(doc['recipes'][name], lock)}, which no longer "
+                 "exists; its pin stays as it is")
+        if not present:
+            raise UserError(f"{lock}: the file of every locked recipe is gone; name the recipe files to pin")
+        loaded = [_locked_recipe(doc, lock, name, load_recipe) for name in present]
     print_pin_moves(ws.update_pins(loaded), json_)
 
 
@@ -473,16 +520,25 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
     from qbuild.recipe.source import load_arch
     from qbuild.recipe.schema import load_recipe
 
-    valid = []
+    results, failed = [], []
     for f in files:
-        loaded = load_recipe(f)
-        arch = load_arch(loaded)
-        validate_recipe(loaded, arch)
-        valid.append({"file": str(f), "name": loaded.name, "family": arch.family})
+        try:
+            loaded = load_recipe(f)
+            arch = load_arch(loaded)
+            validate_recipe(loaded, arch)
+        except QbuildError as e:
+            failed.append(e)
+            results.append({"file": str(f), "ok": False, "error": str(e)})
+            continue
+        results.append({"file": str(f), "ok": True, "name": loaded.name, "family": arch.family})
         if not json_:
             _err(f"{f}: ok")
-    if json_:
-        print(jsonio.dumps({"ok": True, "recipes": valid}))
+    if json_:   # the document for every file, also when some are bad (then the exit code is theirs)
+        print(jsonio.dumps({"ok": not failed, "recipes": results}))
+    for e in failed:
+        _err(f"error: {e}")
+    if failed:
+        raise typer.Exit(max(e.exit_code for e in failed))
 
 
 @recipe_app.command("schema")
@@ -497,7 +553,7 @@ def recipe_schema() -> None:
 @app.command()
 def tiny(family: str = typer.Argument(..., help=" | ".join(FAMILIES)),
          out: Path = typer.Argument(..., help="directory to write the checkpoint into (new or empty)"),
-         seed: int = typer.Option(0, help="random seed"),
+         seed: int = typer.Option(0, min=0, help="random seed (0 or more)"),
          fused_experts: bool = typer.Option(False, help="MoE experts in the fused 3D form"),
          force: bool = typer.Option(False, "--force", help="replace what a non-empty directory holds"),
          json_: bool = JsonOpt) -> None:
@@ -531,9 +587,11 @@ def _check_new_dir(path: Path, what: str, if_not_empty: str | None) -> None:
 # --- run, bench ------------------------------------------------------------------------------------------------
 
 @contextmanager
-def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[str]) -> Iterator:
-    """A Runtime for a pulled bundle directory, or for a recipe's locked bundle laid out in a temporary directory.
-    Errors about the latter name the recipe, never the temporary directory the user did not choose."""
+def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[str], allow_unverified: bool,
+             strict: bool) -> Iterator:
+    """A Runtime for a pulled bundle directory, or for a recipe's locked bundle laid out in a temporary directory,
+    refused like `pull` refuses it (unverified, or with --strict a recipe changed since it was locked). Errors about
+    the latter name the recipe, never the temporary directory the user did not choose."""
     import tempfile
 
     from qbuild.model.runtime import Runtime
@@ -547,12 +605,13 @@ def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[st
     if not lock.exists():
         raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
     ws = _workspace(store, lock, remote)
+    doc = lockmod.read(lock)
+    _name_a_changed_recipe(ws, doc, lock, lockmod.resolve_recipe(doc, lock, target), strict)
     with tempfile.TemporaryDirectory(prefix="qbuild-run-") as tmp:
         bundle = Path(tmp) / "bundle"
         try:
             # Hardlinks are fine here: nothing writes to this layout, and it is removed afterwards.
-            # run and bench try a bundle out, they do not deploy it: an unverified one may be inspected
-            pull_bundle(ws.store, lockmod.read(lock), lock, target, bundle, share=True, allow_unverified=True)
+            pull_bundle(ws.store, doc, lock, target, bundle, share=True, allow_unverified=allow_unverified)
             yield Runtime.load(bundle, verify_digests=False)  # pull checked every digest
         except QbuildError as e:
             e.args = (str(e).replace(str(bundle), f"{target} (its locked bundle)"),)
@@ -587,7 +646,8 @@ def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild
         image: Optional[Path] = typer.Option(None, "--image", help="an image file (VL bundles)"),
         max_new_tokens: int = typer.Option(32, "--max-new-tokens", min=1, help="greedy tokens to generate"),
         json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-        remote: Optional[str] = RemoteOpt) -> None:
+        remote: Optional[str] = RemoteOpt, allow_unverified: bool = AllowUnverifiedOpt,
+        strict: bool = StrictOpt) -> None:
     """Generate greedily with a bundle's compiled graphs; report TTFT and TPOT."""
     from qbuild.render import generation_json, generation_text
 
@@ -598,7 +658,7 @@ def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild
         from qbuild.model.runtime.images import check_image
 
         check_image(image)
-    with _runtime(target, store, lock, remote) as runtime:
+    with _runtime(target, store, lock, remote, allow_unverified, strict) as runtime:
         gen = runtime.generate(_prompt_ids(runtime, prompt, prompt_ids), max_new_tokens, image=image)
     if json_:
         print(jsonio.dumps(generation_json(gen), sort_keys=True))
@@ -610,15 +670,23 @@ def run(target: str = typer.Argument(..., help="a bundle directory (from `qbuild
 def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbuild pull`), or a locked recipe"),
           repeats: int = typer.Option(5, "--repeats", min=1, help="timed runs per prompt length"),
           warmup: int = typer.Option(1, "--warmup", min=0, help="untimed runs first"),
-          new_tokens: int = typer.Option(16, "--new-tokens", min=2, help="tokens generated per run"),
+          new_tokens: Optional[int] = typer.Option(
+              None, "--new-tokens", min=2,
+              help="tokens generated per run; more than the KV cache holds after the longest prompt is refused "
+                   "[default: 16, or as many as it holds]"),
           out: Optional[Path] = typer.Option(None, "--out", help="also write the JSON document here"),
           json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-          remote: Optional[str] = RemoteOpt) -> None:
+          remote: Optional[str] = RemoteOpt, allow_unverified: bool = AllowUnverifiedOpt,
+          strict: bool = StrictOpt) -> None:
     """Sweep prompt lengths 16, 64, 256, ... up to the largest CTE bucket; print TTFT / TPOT statistics."""
     from qbuild.render import bench_table
     from qbuild.model.runtime.bench import bench as run_bench, to_json
 
-    with _runtime(target, store, lock, remote) as runtime:
+    if out is not None:   # refused before the bundle is laid out and the sweep runs
+        _check_new_dir(out.parent, "the --out file's directory", None)
+        if out.is_dir():
+            raise UserError(f"--out {out}: is a directory; name a file")
+    with _runtime(target, store, lock, remote, allow_unverified, strict) as runtime:
         doc = to_json(run_bench(runtime, repeats=repeats, warmup=warmup, new_tokens=new_tokens), runtime.manifest)
     text = jsonio.dumps(doc, indent=1, sort_keys=True)
     if out is not None:
@@ -656,7 +724,7 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                                                      "the environment variable: a command line is visible to other "
                                                      "users)"),
           json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
-          remote: Optional[str] = RemoteOpt) -> None:
+          remote: Optional[str] = RemoteOpt, strict: bool = StrictOpt) -> None:
     """Serve a bundle's OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions) until Ctrl-C:
     qbuild's runtime for a CPU bundle, vLLM with the Neuron plugin for a neuron bundle."""
     from qbuild import backends
@@ -676,7 +744,7 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         if ready_file is not None:
             atomic_write(ready_file, (url + "\n").encode())
 
-    with _served_bundle(target, store, lock, remote, allow_unverified) as (bundle, name, checked):
+    with _served_bundle(target, store, lock, remote, allow_unverified, strict) as (bundle, name, checked):
         manifest = read_manifest(bundle)
         if manifest.get("backend") not in backends.NAMES:
             raise UserError(f"{bundle}/bundle.json: backend {manifest.get('backend')!r} is not one of "
@@ -700,11 +768,12 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
 
 @contextmanager
 def _served_bundle(target: str, store: Optional[Path], lock: Path, remote: Optional[str],
-                   allow_unverified: bool) -> Iterator[tuple[Path, str, bool]]:
+                   allow_unverified: bool, strict: bool) -> Iterator[tuple[Path, str, bool]]:
     """(bundle directory, the model name clients send, whether every file was checked against its digest just now):
     a pulled bundle directory as it is, named by its directory; or a locked recipe's bundle, named by the recipe,
     laid out in a temporary directory for as long as it is served. Like `pull`, serving a recipe refuses an
-    unverified bundle unless allowed. Errors name the recipe, never the temporary directory."""
+    unverified bundle unless allowed, and names a recipe changed since it was locked (--strict: refuses it). Errors
+    name the recipe, never the temporary directory."""
     import tempfile
 
     if Path(target).is_dir():
@@ -719,6 +788,7 @@ def _served_bundle(target: str, store: Optional[Path], lock: Path, remote: Optio
     ws = _workspace(store, lock, remote)
     doc = lockmod.read(lock)
     name = lockmod.resolve_recipe(doc, lock, target)
+    _name_a_changed_recipe(ws, doc, lock, name, strict)
     with tempfile.TemporaryDirectory(prefix="qbuild-serve-") as tmp:
         bundle = Path(tmp) / name
         try:

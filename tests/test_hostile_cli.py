@@ -57,12 +57,14 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     return proc
 
 
-PROGRESS = ("download ", "  download:", "upload ", "  upload:", "check ", "  check:")
+# Lines that may come before the error: transfer progress, and the note that a recipe changed since it was locked
+# (make_locked_project's lock was not built from its recipes, so commands that plan them say so).
+PROGRESS = ("download ", "  download:", "upload ", "  upload:", "check ", "  check:", "note: ")
 
 
 def one_line(proc: subprocess.CompletedProcess, code: int, *needles: str) -> str:
-    """The exit code is `code` and stderr is one `error:` line (after any transfer progress lines) holding
-    every needle. Returns the line."""
+    """The exit code is `code` and stderr is one `error:` line (after any transfer progress lines and notes)
+    holding every needle. Returns the line."""
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
     lines = [ln for ln in proc.stderr.strip().splitlines() if not ln.startswith(PROGRESS)]
     assert proc.returncode == code, f"exit {proc.returncode}, want {code}:\n{proc.stderr}"
@@ -646,3 +648,244 @@ def test_a_missing_recipe_file_is_one_line_and_writes_nothing(project):
     before = state(project / "store", project / "artifacts.lock")
     one_line(cli(project, "compile", "recipes/nope.yaml", "--mem", "1T"), 2, "recipes/nope.yaml")
     assert state(project / "store", project / "artifacts.lock") == before
+
+
+# --- 15. a lockfile is one schema and agrees with itself, for every command that reads it ---------------------------
+
+def _edit_lock(project: Path, edit) -> None:
+    doc = lock_doc(project)
+    edit(doc)
+    (project / "artifacts.lock").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+
+
+def _first_node(doc: dict) -> dict:
+    return doc["nodes"][sorted(doc["nodes"])[0]]
+
+
+# Every command that reads a lockfile (a remote URL that no server answers: the lockfile is refused before it is used).
+LOCK_READERS = [["lock", "check"], ["pull", "alpha", "--to", "b"], ["run", "alpha", "--prompt", "hi"],
+                ["serve", "alpha", "--dry-run"], ["publish", "--all", "--remote", "s3://qb-unused/x"], ["gc"],
+                ["compile", "--all", "--mem", "1T"], ["plan", "--all"]]
+
+MALFORMED_LOCKS = {
+    "recipes is a list": (lambda d: d.__setitem__("recipes", []), "$.recipes: expected an object, got a list"),
+    "a node is a string": (lambda d: d["nodes"].__setitem__(sorted(d["nodes"])[0], "node"),
+                           "expected an object, got 'node'"),
+    "a node without a key": (lambda d: _first_node(d).pop("key"), ".key: missing"),
+    "a recipe entry is null": (lambda d: d["recipes"].__setitem__("alpha", None),
+                               "$.recipes.alpha: expected an object, got null"),
+    "nodes is a list": (lambda d: d.__setitem__("nodes", []), "$.nodes: expected an object, got a list"),
+    "a bundle is a number": (lambda d: d["recipes"]["alpha"].__setitem__("bundle", 5),
+                             "$.recipes.alpha.bundle: expected a string, got 5"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MALFORMED_LOCKS))
+def test_a_malformed_lockfile_is_one_line_naming_its_json_path_for_every_command(project, case):
+    edit, needle = MALFORMED_LOCKS[case]
+    _edit_lock(project, edit)
+    before = state(project / "store", project / "artifacts.lock")
+    for args in LOCK_READERS:
+        one_line(cli(project, *args), 2, "artifacts.lock: $.", needle)
+    assert state(project / "store", project / "artifacts.lock") == before and not (project / "b").exists()
+
+
+def _swap(*fields: str):
+    """An edit swapping alpha's and beta's `fields` (a role's node id, or an entry field such as `bundle`)."""
+    def edit(doc: dict) -> None:
+        a, b = doc["recipes"]["alpha"], doc["recipes"]["beta"]
+        for f in fields:
+            (x, y) = (a["nodes"], b["nodes"]) if f in a["nodes"] else (a, b)
+            x[f], y[f] = y[f], x[f]
+    return edit
+
+
+def _verified_without_its_verify(doc: dict) -> None:
+    doc["recipes"]["alpha"]["nodes"].pop("verify")      # a verify that failed, then marked verified by hand
+
+
+def _preimage_edited(doc: dict) -> None:
+    node = doc["nodes"][doc["recipes"]["alpha"]["nodes"]["package"]]
+    node["preimage"]["recipe"] = "beta"
+
+
+INCONSISTENT_LOCKS = {
+    "package nodes swapped": (_swap("package"), "$.recipes.alpha.bundle: ", "not the output of its package node"),
+    "package nodes and bundles swapped": (_swap("package", "bundle"), "$.recipes.alpha.nodes.verify: ",
+                                          "did not verify the bundle"),
+    "verified without a verify node": (_verified_without_its_verify, "$.recipes.alpha.verified: ",
+                                       "no verify node"),
+    "a preimage edited": (_preimage_edited, "$.nodes.", ".key: is not the digest of the node's preimage"),
+    "a locked node gone": (lambda d: d.__setitem__("nodes", {}), "$.recipes.alpha.nodes.", "not in $.nodes"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INCONSISTENT_LOCKS))
+def test_a_lockfile_that_disagrees_with_itself_is_refused_by_every_command(project, case):
+    """A recipe entry pointing at another recipe's bundle (or a bundle its verify never saw) would be laid out, run
+    and served as that recipe's, verified: `lock check` passed it, and every command used it."""
+    edit, where, needle = INCONSISTENT_LOCKS[case]
+    _edit_lock(project, edit)
+    before = state(project / "store", project / "artifacts.lock")
+    for args in LOCK_READERS:
+        one_line(cli(project, *args), 2, f"artifacts.lock: {where}", needle, "disagrees with itself")
+    assert state(project / "store", project / "artifacts.lock") == before and not (project / "b").exists()
+
+
+def _remote_objects(s3, prefix: str) -> dict[str, int]:
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix + "/").get("Contents", [])
+    return {o["Key"]: o["Size"] for o in listed if "/leases/" not in o["Key"]}
+
+
+GC_EDITS = {"emptied": lambda d: d.__setitem__("nodes", {}),
+            "malformed": lambda d: d["nodes"].__setitem__("extra", {"key": 5})}
+
+
+@pytest.mark.parametrize("case", sorted(GC_EDITS))
+def test_gc_refuses_a_lockfile_lock_check_rejects_and_removes_nothing(project, s3, case):
+    """With `nodes: {}` a remote gc would delete every object of the remote, and a malformed entry crashed it."""
+    edit = GC_EDITS[case]
+    url = _publish(project, f"gc-guard-{case}-{os.getpid()}")
+    prefix = url.split("/", 3)[3]
+    on_remote = _remote_objects(s3, prefix)
+    _edit_lock(project, edit)
+    before = state(project / "store", project / "artifacts.lock")
+    line = one_line(cli(project, "gc", "--keep-size", "0", "--grace", "0", "--remote", url, remote=True), 2,
+                    "artifacts.lock: $.")
+    assert one_line(cli(project, "lock", "check"), 2) == line
+    assert state(project / "store", project / "artifacts.lock") == before
+    assert _remote_objects(s3, prefix) == on_remote
+
+
+# --- 16. a recipe changed since it was locked is named; --strict refuses it ----------------------------------------
+
+@ONE_WORKER
+@pytest.mark.slow
+def test_a_recipe_changed_since_it_was_locked_is_named_and_strict_refuses_it(built_project):
+    recipe = built_project / "recipes" / "alpha.yaml"
+    recipe.write_text(recipe.read_text().replace("cte_buckets: [32, 64]", "cte_buckets: [32]"))
+    note = (f"note: alpha: {recipe} changed since it was locked (package: params.cte_buckets changed); the lock holds "
+            f"what it asked for before: `qbuild compile {recipe}` builds what it asks for now")
+    for args in (["pull", "alpha", "--to", "bundle"], ["lock", "check"]):
+        proc = ok(cli(built_project, *args))
+        assert [ln for ln in proc.stderr.splitlines() if ln.startswith("note: ")] == [note], proc.stderr
+    assert json.loads(ok(cli(built_project, "lock", "check", "--json")).stdout)["changed"] == [note[len("note: "):]]
+    before = state(built_project / "store", built_project / "artifacts.lock")
+    for args in (["pull", "alpha", "--to", "strict"], ["run", "alpha", "--prompt", "hi"], ["bench", "alpha"],
+                 ["serve", "alpha", "--dry-run"], ["lock", "check"], ["lock", "check", "alpha"]):
+        one_line(cli(built_project, *args, "--strict"), 2, f"alpha: {recipe} changed since it was locked",
+                 "--strict refuses")
+    assert state(built_project / "store", built_project / "artifacts.lock") == before
+    assert not (built_project / "strict").exists()
+    # An unchanged recipe, and a pulled bundle directory (which has no recipe to compare), say nothing.
+    assert "note:" not in ok(cli(built_project, "pull", "beta", "--to", "beta", "--strict")).stderr
+    assert "note:" not in cli(built_project, "run", "bundle", "--prompt", "hi", "--strict").stderr
+    # Put back, the recipe asks for what is locked again.
+    recipe.write_text(recipe.read_text().replace("cte_buckets: [32]", "cte_buckets: [32, 64]"))
+    assert "note:" not in ok(cli(built_project, "lock", "check", "--strict")).stderr
+
+
+def test_a_locked_recipe_whose_file_cannot_be_planned_is_named_and_strict_refuses_it(project):
+    recipe = project / "recipes" / "alpha.yaml"
+    recipe.write_text(recipe.read_text().replace("parallel: {tp: 1}", "parallel: {tp: 1, bogus: 2}"))
+    proc = ok(cli(project, "pull", "alpha", "--to", "b"))
+    assert f"note: alpha: cannot tell whether {recipe} changed since it was locked: {recipe}:3:" in proc.stderr
+    one_line(cli(project, "pull", "alpha", "--to", "c", "--strict"), 2, "cannot tell whether", "parallel.bogus")
+    assert not (project / "c").exists()
+
+
+# --- 17. smaller items of the same run ------------------------------------------------------------------------------
+
+def test_tiny_refuses_a_negative_seed_as_a_usage_error(tmp_path):
+    usage_error(cli(tmp_path, "tiny", "qwen3_5", "ck", "--seed", "-1"), "'--seed'")
+    assert not [p for p in tmp_path.iterdir() if "ck" in p.name]
+
+
+def test_a_memory_budget_no_step_fits_is_bad_input_not_a_failed_step(project):
+    before = state(project / "store", project / "artifacts.lock")
+    proc = cli(project, "compile", "--all", "--mem", "1K")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --mem 1K: ") and "needs ~" in last and "more than the whole budget" in last, last
+    assert state(project / "store", project / "artifacts.lock") == before
+
+
+def test_bench_out_naming_a_directory_is_refused_before_the_bench(project):
+    (project / "outdir").mkdir()
+    one_line(cli(project, "bench", "alpha", "--out", "outdir"), 2, "--out outdir: is a directory")
+    (project / "afile").write_text("x")
+    one_line(cli(project, "bench", "alpha", "--out", "afile/doc.json"), 2, "afile", "not a directory")
+
+
+def test_lock_check_names_a_store_entry_of_another_digest_as_such(project):
+    from qbuild.store import LocalStore, Manifest
+
+    node = locked(project, "alpha", "package")
+    store = LocalStore(project / "store")
+    other = project / "other"
+    other.mkdir()
+    (other / "config.json").write_text("{}")
+    store.put_manifest(Manifest(node["key"], "package", node["preimage"], store.ingest_tree(other)))
+    proc = cli(project, "lock", "check")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("alpha: package:")]
+    assert line == (f"alpha: package: the store's entry for key {node['key'][:16]} has digest "
+                    f"{store.get_manifest(node['key']).digest[:16]}, the lockfile {node['digest'][:16]}")
+
+
+def test_pull_names_the_file_whose_size_differs_not_one_digest_twice(project):
+    node = locked(project, "alpha", "package")
+    rel = sorted(node["outputs"])[0]
+    _edit_lock(project, lambda d: d["nodes"][d["recipes"]["alpha"]["nodes"]["package"]]["outputs"][rel].__setitem__(
+        "size", node["outputs"][rel]["size"] + 1))
+    line = one_line(cli(project, "pull", "alpha", "--to", "b"), 3, rel, f"{node['outputs'][rel]['size']} bytes")
+    assert line.count(node["digest"][:16]) == 0 and not (project / "b").exists()
+
+
+def test_recipe_validate_json_reports_every_file_also_a_bad_one(project):
+    bad = project / "recipes" / "bad.yaml"
+    bad.write_text("name: bad\nmodel: {path: ../model}\nparallel: {tp: 0}\n")
+    proc = cli(project, "recipe", "validate", "recipes/alpha.yaml", "recipes/bad.yaml", "--json")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] is False and [r["ok"] for r in doc["recipes"]] == [True, False]
+    assert doc["recipes"][1]["file"] == "recipes/bad.yaml" and "parallel.tp" in doc["recipes"][1]["error"]
+    assert proc.stderr.strip() == f"error: {doc['recipes'][1]['error']}"
+
+
+def test_run_refuses_an_unverified_bundle_as_pull_and_serve_do(project):
+    def unverified(doc: dict) -> None:
+        entry = doc["recipes"]["alpha"]
+        entry["nodes"].pop("verify")
+        entry.update(verified=False, verify_failure="top-1 agreement 0.5 < 0.99")
+    _edit_lock(project, unverified)
+    for args in (["run", "alpha", "--prompt", "hi"], ["bench", "alpha"], ["pull", "alpha", "--to", "b"],
+                 ["serve", "alpha", "--dry-run"]):
+        one_line(cli(project, *args), 2, "alpha: the bundle is not verified (top-1 agreement 0.5 < 0.99)",
+                 "--allow-unverified")
+    # Allowed, it is laid out and loaded (the test actions' bundle is no qbuild bundle: the runtime says so).
+    one_line(cli(project, "run", "alpha", "--prompt", "hi", "--allow-unverified"), 2, "not a qbuild bundle")
+
+
+def test_lock_update_moves_the_pins_it_can_when_a_locked_recipe_file_is_gone(project):
+    (project / "recipes" / "beta.yaml").unlink()
+    before = state(project / "artifacts.lock")
+    proc = ok(cli(project, "lock", "update"))
+    assert f"note: beta: locked from {project / 'recipes' / 'beta.yaml'}, which no longer exists; its pin stays" \
+        in proc.stderr
+    assert state(project / "artifacts.lock") == before     # path models: no pin moves
+    one_line(cli(project, "lock", "update", "beta"), 2, "beta", "no longer exists")
+
+
+def test_a_recipe_entry_swapped_whole_with_another_recipes_is_refused_by_its_package_inputs(tmp_path):
+    """The repository's lockfile, built by the real steps: one recipe's package, bundle and verify swapped with
+    another's agree with each other; what gives them away is the package's inputs, the other recipe's graphs."""
+    doc = json.loads((REPO / "artifacts.lock").read_text())
+    a, b = sorted(doc["recipes"])[:2]
+    for field in ("package", "verify"):
+        x, y = doc["recipes"][a]["nodes"], doc["recipes"][b]["nodes"]
+        x[field], y[field] = y[field], x[field]
+    doc["recipes"][a]["bundle"], doc["recipes"][b]["bundle"] = doc["recipes"][b]["bundle"], doc["recipes"][a]["bundle"]
+    (tmp_path / "artifacts.lock").write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    one_line(cli(tmp_path, "lock", "check"), 2, f"artifacts.lock: $.recipes.{a}.nodes.package: its input ",
+             f"is the output of none of {a}'s nodes")

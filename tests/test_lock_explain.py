@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.core.hashing import digest_json
 from qbuild.store import lock as lockmod
 from tests.conftest import REPO, qbuild
 
@@ -100,13 +101,15 @@ def test_explain_names_a_changed_converter_source(built, tmp_path):
     recipe, lock, env = _copy(built, tmp_path)
     doc = json.loads(lock.read_text())
     conv = doc["nodes"][doc["recipes"][NAME]["nodes"]["convert"]]
+    stored_key = conv["key"]
     conv["preimage"]["version"] = "0" * 32   # as if the lock was written by another converter version
+    conv["key"] = digest_json(conv["preimage"])
     lock.write_text(lockmod.dumps(doc))
     # Everything is cached, so the lock's record alone changes nothing the store answers.
     rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
     assert {r["why"] for r in rows} == {"cached"}
     # With the convert entry gone from the store, convert is a miss: explain names its changed field.
-    _drop_entry(tmp_path / "store", conv["key"])
+    _drop_entry(tmp_path / "store", stored_key)
     rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
     by_name = {r["name"].split()[0]: r for r in rows}
     assert by_name["convert"]["status"] == "build" and by_name["convert"]["why"] == "version changed"
@@ -125,6 +128,7 @@ def test_explain_names_a_field_changed_below_a_miss(built, tmp_path):
     shard = doc["nodes"][nodes["shard"]]
     shard["preimage"]["params"]["fused_qkv"] = not shard["preimage"]["params"]["fused_qkv"]
     shard["preimage"]["version"] = "0" * 32
+    shard["key"] = digest_json(shard["preimage"])
     lock.write_text(lockmod.dumps(doc))
     rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
     by_name = {r["name"].split()[0]: r for r in rows}
@@ -154,3 +158,50 @@ def test_frozen_refuses_to_change_the_lockfile(built, tmp_path):
     proc = qbuild("compile", str(RECIPE), "--lock", str(lock), "--frozen", env=env, cwd=tmp_path)
     assert proc.returncode == 1 and "--frozen" in proc.stderr and "params.new_tokens: 2 -> 3" in proc.stderr
     assert lock.read_text() == before
+
+
+# The CLI with `import torch` refused: what a command must do without torch, it does.
+NO_TORCH = """\
+import sys
+
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("this command imported torch")
+        return None
+
+
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+
+def test_a_recipe_edited_since_it_was_locked_is_named_without_importing_torch(built, tmp_path):
+    recipe, lock, env = _copy(built, tmp_path)
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(NO_TORCH)
+    env = {**env, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    proc = qbuild("pull", NAME, "--to", str(tmp_path / "b"), "--lock", str(lock), env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and "note:" not in proc.stderr, proc.stderr
+    recipe.write_text(recipe.read_text().replace("top1_min: 0.99", "top1_min: 0.9"))
+    proc = qbuild("pull", NAME, "--to", str(tmp_path / "c"), "--lock", str(lock), env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[0] == (
+        f"note: {NAME}: {recipe.resolve()} changed since it was locked (verify: params.top1_min: 0.99 -> 0.9); the "
+        f"lock holds what it asked for before: `qbuild compile {recipe.resolve()}` builds what it asks for now")
+    proc = qbuild("pull", NAME, "--to", str(tmp_path / "d"), "--lock", str(lock), "--strict", env=env, cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"error: {NAME}: ") and "--strict refuses" in proc.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_bench_refuses_more_new_tokens_than_the_cache_holds_instead_of_cutting_them(built, tmp_path):
+    recipe, lock, env = _copy(built, tmp_path)
+    args = ("bench", NAME, "--lock", str(lock), "--repeats", "1", "--warmup", "0")
+    proc = qbuild(*args, "--new-tokens", "500", env=env, cwd=tmp_path)
+    # conftest's recipe: CTE bucket 32 (the longest prompt swept), KV cache 48 tokens: room for 48 - 32 + 1
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --new-tokens 500: after the longest prompt (32 tokens) the KV cache (48 tokens) holds 17 more; pass "
+        "at most 17"), proc.stderr
+    doc = json.loads(qbuild(*args, "--new-tokens", "17", "--json", env=env, cwd=tmp_path, check=True).stdout)
+    assert [(p["prompt_len"], p["new_tokens"]) for p in doc["points"]] == [(16, 17), (32, 17)]

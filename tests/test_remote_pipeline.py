@@ -72,7 +72,9 @@ def make_locked_project(root: Path) -> Path:
                 (staging / rel).write_bytes(data)
             outputs = store.ingest_tree(staging)
             shutil.rmtree(staging)
-            preimage = {"action": kind, "recipe": name}
+            # A verify's preimage names the bundle it verified, as a build's does (lock.read checks it).
+            inputs = {"bundle": nodes[roles["package"]]["digest"]} if kind == "verify" else {}
+            preimage = {"action": kind, "recipe": name, "inputs": inputs}
             manifest = Manifest(digest_json(preimage), kind, preimage, outputs)
             store.put_manifest(manifest)
             roles[kind] = nid = f"n{manifest.key[:15]}"

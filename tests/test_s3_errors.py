@@ -24,7 +24,8 @@ BUCKET = "qb-errors"
 
 
 def make_locked_store(root: Path, files: int, size: int, seed: str = "bundle") -> dict:
-    """A local store holding one bundle of `files` blobs of `size` bytes, and artifacts.lock naming it."""
+    """A local store holding one bundle of `files` blobs of `size` bytes, and artifacts.lock naming it (unverified:
+    the lock has no verify step, so pulls pass --allow-unverified)."""
     store = LocalStore(root / "store")
     outputs = {}
     for i in range(files):
@@ -39,7 +40,7 @@ def make_locked_store(root: Path, files: int, size: int, seed: str = "bundle") -
     lock = {"version": 1, "nodes": {"n" + m.key[:15]: node},
             "recipes": {seed: {"recipe": f"recipes/{seed}.yaml", "model": {"source": "path", "revision": None,
                                                                            "files": {}},
-                               "nodes": {"package": "n" + m.key[:15]}, "bundle": m.digest, "verified": True}}}
+                               "nodes": {"package": "n" + m.key[:15]}, "bundle": m.digest, "verified": False}}}
     (root / "artifacts.lock").write_text(json.dumps(lock, indent=2, sort_keys=True) + "\n")
     return lock
 
@@ -76,13 +77,13 @@ def test_missing_bucket_and_refused_connection_are_one_line_exit_3(server, tmp_p
     assert_one_line_infra_error(proc, "s3://qb-no-such-bucket/p/", "no such bucket qb-no-such-bucket")
 
     proc = cli(tmp_path, "pull", "bundle", "--to", "out", "--store", "empty", "--remote", "s3://qb-no-such-bucket/p",
-               endpoint=server.endpoint)
+               "--allow-unverified", endpoint=server.endpoint)
     assert_one_line_infra_error(proc, "s3://qb-no-such-bucket/p/ac/", "no such bucket")
     assert not (tmp_path / "out").exists()
 
     port = free_port()   # nothing listens here
     proc = cli(tmp_path, "pull", "bundle", "--to", "out", "--store", "empty", "--remote", f"s3://{BUCKET}/p",
-               endpoint=f"http://127.0.0.1:{port}")
+               "--allow-unverified", endpoint=f"http://127.0.0.1:{port}")
     assert_one_line_infra_error(proc, f"s3://{BUCKET}/p/ac/", f"cannot connect to 127.0.0.1:{port}")
     assert (tmp_path / "artifacts.lock").read_bytes() == lock_before
 
@@ -106,13 +107,13 @@ def test_rejected_and_unauthorised_credentials_are_named_never_shown(tmp_path):
         # (the first request is the push's lease, a PUT, whose answer names the rejected key)
         assert_one_line_infra_error(proc, "s3://qb-auth/p/", "access key id was rejected")
         proc = cli(tmp_path, "pull", "bundle", "--to", "out", "--store", "empty", "--remote", "s3://qb-auth/p",
-                   endpoint=srv.endpoint)
+                   "--allow-unverified", endpoint=srv.endpoint)
         assert_one_line_infra_error(proc, "s3://qb-auth/p/ac/", "access key id was rejected")
 
         nobody = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"]}
         env = {**nobody, "AWS_SESSION_TOKEN": ""}
         proc = cli(tmp_path, "pull", "bundle", "--to", "out", "--store", "empty", "--remote", "s3://qb-auth/p",
-                   endpoint=srv.endpoint, env=env)
+                   "--allow-unverified", endpoint=srv.endpoint, env=env)
         assert_one_line_infra_error(proc, "s3://qb-auth/p/ac/", "access denied", secrets=tuple(nobody.values()))
         assert not (tmp_path / "out").exists()
         lock = (tmp_path / "artifacts.lock").read_text()
@@ -165,7 +166,7 @@ def test_server_gone_mid_publish_leaves_no_visible_manifest_and_rerun_completes(
 
     # and the bundle comes back intact on an empty machine
     proc = cli(tmp_path, "pull", "bundle", "--to", "out", "--store", "empty", "--remote", f"s3://{BUCKET}/{prefix}",
-               endpoint=server.endpoint)
+               "--allow-unverified", endpoint=server.endpoint)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in (tmp_path / "out" / "weights").iterdir()) == [f"part{i:03d}.bin" for i in
                                                                                   range(files)]
@@ -176,7 +177,7 @@ def test_credentials_in_the_endpoint_are_not_echoed(server, tmp_path):
     make_locked_store(tmp_path, files=1, size=10)
     port = free_port()
     proc = cli(tmp_path, "pull", "bundle", "--to", "out", "--store", "empty", "--remote", f"s3://{BUCKET}/p",
-               endpoint=f"http://user:hunter2secret@127.0.0.1:{port}")
+               "--allow-unverified", endpoint=f"http://user:hunter2secret@127.0.0.1:{port}")
     assert_one_line_infra_error(proc, f"127.0.0.1:{port}", secrets=("hunter2secret",))
 
 

@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from qbuild.core.dtypes import DType
 from qbuild.core.errors import RecipeError
+from qbuild.core.urls import carries_credentials, without_credentials
 from qbuild.model.families import MoEBackend
 from qbuild.model.fp8 import FP8PolicyName
 from qbuild.core.userfile import read_small_file
@@ -190,8 +191,14 @@ class Port(_Strict):
     @field_validator("git")
     @classmethod
     def _git_url(cls, v: str | None) -> str | None:
+        # Refused, never scrubbed: the URL is in the port's key, the lockfile, `plan --json` and the store's git config,
+        # and a token there would be in all of them (docs/architecture.md, "Credentials").
+        if v is not None and carries_credentials(v):
+            raise ValueError("the URL carries credentials (user:password@ or a token); remove them: git takes them "
+                             "from its credential helper (git config credential.helper) or GIT_ASKPASS")
         if v is not None and not _GIT_URL.match(v):
-            raise ValueError(f"{v!r} is not a git URL (https://, ssh://, git://, file:// or user@host:path)")
+            raise ValueError(f"{without_credentials(v)!r} is not a git URL (https://, ssh://, git://, file:// or "
+                             "user@host:path)")
         return v
 
     @field_validator("rev")

@@ -18,7 +18,8 @@ before leaves the recipe's entry as it was. A node's preimage holds its params, 
 and toolchain versions, and for a node whose output is not portable (native code, CPU-dependent numbers) the
 platform it was built for, so `qbuild explain` can name the field that changed. The serialiser is a pure function;
 writes go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes
-wrote meanwhile.
+wrote meanwhile. `read` refuses a document of the wrong shape or whose entries disagree with their own nodes
+(qbuild.store.lock_schema), so no command acts on one.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Iterator, Mapping
 
 from qbuild.core import jsonio
 from qbuild.core.errors import InfraError, UserError
+from qbuild.store import lock_schema
 from qbuild.store.local import atomic_write
 from qbuild.store.manifest import Manifest
 from qbuild.core.userfile import read_small_file
@@ -54,8 +56,9 @@ def read(path: Path) -> dict:
         raise UserError(f"{path}: unreadable lockfile: {e}") from None
     if not isinstance(doc, dict):
         raise UserError(f"{path}: not a lockfile (expected a JSON object)")
-    if doc.get("version") != LOCK_VERSION:
+    if doc.get("version") != LOCK_VERSION or isinstance(doc.get("version"), bool):
         raise UserError(f"{path}: lockfile version {doc.get('version')!r}; this qbuild reads {LOCK_VERSION}")
+    lock_schema.validate(doc, path)   # its shape, and each recipe entry against its own nodes
     return doc
 
 
@@ -286,8 +289,12 @@ def check(doc: dict, store, recipes: list[str] | None = None) -> list[str]:
                 problems.append(f"{name}: {role}: node {nid} missing from the lockfile")
                 continue
             manifest = store.get_manifest(node["key"])
-            if manifest is None or manifest.digest != node["digest"]:
+            if manifest is None:
                 problems.append(f"{name}: {role}: no store entry for key {node['key'][:16]}")
+                continue
+            if manifest.digest != node["digest"]:
+                problems.append(f"{name}: {role}: the store's entry for key {node['key'][:16]} has digest "
+                                f"{manifest.digest[:16]}, the lockfile {node['digest'][:16]}")
                 continue
             elsewhere: dict[str, str] = {}
             for rel, meta in sorted(node["outputs"].items()):

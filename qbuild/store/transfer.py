@@ -133,9 +133,14 @@ def pull_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, dest: Pat
                              f"{store.remote.url}; publish it there with `qbuild publish {name}`")
         raise InfraError(f"{name}: bundle {node['key'][:16]} is not in the local store ({store.root}); "
                          "pass --remote s3://bucket/prefix to fetch it")
-    if manifest.digest != node["digest"] or manifest.outputs != node["outputs"]:
+    if manifest.digest != node["digest"]:
         raise InfraError(f"{name}: the stored bundle {node['key'][:16]} differs from the one {lock_path} locks "
-                         f"(digest {manifest.digest[:16]} vs {node['digest'][:16]}); refusing it")
+                         f"(digest {manifest.digest[:16]}, locked {node['digest'][:16]}); refusing it")
+    if manifest.outputs != node["outputs"]:   # the same paths and digests (the tree digest), other sizes
+        rel = next(r for r in sorted(node["outputs"]) if manifest.outputs.get(r) != node["outputs"][r])
+        raise InfraError(f"{name}: the stored bundle {node['key'][:16]} records {rel} with "
+                         f"{manifest.outputs[rel]['size']} bytes, {lock_path} with {node['outputs'][rel]['size']}; "
+                         "refusing it")
     try:
         with staged(dest, directory=True) as stage:
             store.materialize(manifest.outputs, stage, verify=True, share=share)

@@ -23,10 +23,10 @@ import tarfile
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 from qbuild.build.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
+from qbuild.core.urls import carries_credentials, without_credentials as _shown
 
 GIT_DIR = "git"                 # under the store root: one bare clone per URL
 
@@ -60,6 +60,9 @@ def _from_git(ctx: RunContext) -> None:
     from qbuild.planning.environment import source_files
 
     url, rev, subdir = ctx.params.url, ctx.params.rev, ctx.params.subdir.strip("/")
+    if carries_credentials(url):   # the recipe schema refuses these; nothing may write one into the git config
+        raise UserError(f"port: {_shown(url)}: the URL carries credentials; remove them: git takes them "
+                        "from its credential helper (git config credential.helper) or GIT_ASKPASS")
     repo = _clone_dir(ctx, url)
     with _locked(repo):
         _fetch(repo, url, rev)
@@ -116,16 +119,6 @@ def _git(repo: Path, *args: str, failing: str | None = None) -> subprocess.Compl
     return proc
 
 
-def _shown(url: str) -> str:
-    """`url` without a password or token it may carry (an error line and a log are read by others)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    host = parts.hostname or ""
-    return urlunsplit((parts.scheme, host + (f":{parts.port}" if parts.port else ""), parts.path, parts.query,
-                       parts.fragment))
-
-
 def _fetch(repo: Path, url: str, rev: str) -> None:
     """Make `rev` present in the bare clone at `repo`: only that commit, fetched by its id (git protocol v2 lets a
     client ask for any commit a ref reaches, pull-request refs included), then checked to be exactly `rev`."""
@@ -134,11 +127,24 @@ def _fetch(repo: Path, url: str, rev: str) -> None:
         _git(repo, "init", "--bare", "--quiet", failing=f"cannot create the git cache {repo}")
     _git(repo, "config", "remote.origin.url", url, failing=f"cannot configure the git cache {repo}")
     if _git(repo, "cat-file", "-e", f"{rev}^{{commit}}").returncode != 0:
-        _git(repo, "fetch", "--quiet", "--no-tags", "--depth", "1", "origin", rev,
-             failing=f"cannot fetch commit {rev} from {_shown(url)}")
+        fetched = _git(repo, "fetch", "--quiet", "--no-tags", "--depth", "1", "origin", rev)
+        if fetched.returncode != 0:
+            _fetch_failed(repo, url, rev, fetched.stderr.decode("utf-8", "replace"))
     got = _git(repo, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}").stdout.decode().strip()
     if got != rev:
         raise InfraError(f"port: commit {rev} is not in {_shown(url)} (the fetch brought {got or 'nothing'})")
+
+
+def _fetch_failed(repo: Path, url: str, rev: str, stderr: str) -> None:
+    """Raise why `rev` could not be fetched: a recipe error (exit 2) where the repository answers and git's refusal
+    names the commit (it is in none of the repository's refs: a typo, or a commit that was never pushed), else the
+    repository's or the network's failure (exit 3), with git's first fatal line."""
+    if rev in stderr and _git(repo, "ls-remote", "origin", "HEAD").returncode == 0:
+        raise UserError(f"port: commit {rev} is not in {_shown(url)} (no ref of it reaches that commit); check "
+                        "port.rev")
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    first_fatal = next((ln for ln in lines if ln.startswith("fatal: ")), lines[-1] if lines else "git said nothing")
+    raise InfraError(f"port: cannot fetch commit {rev} from {_shown(url)}: {first_fatal.removeprefix('fatal: ')}")
 
 
 def _archive(repo: Path, url: str, rev: str, subdir: str) -> bytes:

@@ -43,14 +43,24 @@ def _stats(values: list[float]) -> dict:
             "stdev": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
-def bench(runtime: Runtime, *, repeats: int = 5, warmup: int = 1, new_tokens: int = 16,
+DEFAULT_NEW_TOKENS = 16
+
+
+def bench(runtime: Runtime, *, repeats: int = 5, warmup: int = 1, new_tokens: int | None = None,
           lengths: list[int] | None = None) -> list[Point]:
+    """Time `repeats` generations of `new_tokens` tokens (None: DEFAULT_NEW_TOKENS, or fewer where the KV cache holds
+    fewer after a prompt) at each prompt length. A `new_tokens` the cache cannot hold after the longest prompt is
+    refused, never cut short: a point's figures would not be for the count asked."""
     if repeats < 1:
         raise UserError("--repeats must be at least 1")
     lengths = lengths or prompt_lengths(runtime.cte[-1])
+    room = runtime.tkg[-1] - max(lengths) + 1    # tokens the KV cache holds after the longest prompt's
+    if new_tokens is not None and new_tokens > room >= 2:
+        raise UserError(f"--new-tokens {new_tokens}: after the longest prompt ({max(lengths)} tokens) the KV cache "
+                        f"({runtime.tkg[-1]} tokens) holds {room} more; pass at most {room}")
     points = []
     for length in lengths:
-        steps = min(new_tokens, runtime.tkg[-1] - length + 1)
+        steps = min(new_tokens or DEFAULT_NEW_TOKENS, runtime.tkg[-1] - length + 1)
         if steps < 2:
             raise UserError(f"prompt length {length} leaves no room to decode in the KV length {runtime.tkg[-1]}")
         ids = synthetic_prompt(runtime, length)
