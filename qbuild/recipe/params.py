@@ -21,6 +21,7 @@ from qbuild.core.dtypes import DType
 from qbuild.model.arch import Arch, VisionArch
 from qbuild.model.families import FamilyName
 from qbuild.model.fp8 import FP8PolicyName
+from qbuild.model.chunking import LongContext
 
 
 class ParamsError(ValueError):
@@ -83,13 +84,17 @@ class PackageParams:
     tkg_buckets: tuple[int, ...]
     vision_buckets: tuple[int, ...]
     dtype: DType
+    long_context: LongContext | None = None   # chunked prefill and the prefix cache, where the bundle serves them
 
     def bundle_meta(self) -> dict:
         """What bundle.json records of these params."""
-        return {"family": self.family, "backend": self.backend, "tp": self.tp, "ep": self.ep,
+        meta = {"family": self.family, "backend": self.backend, "tp": self.tp, "ep": self.ep,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": self.dtype,
                 "buckets": {"cte": list(self.cte_buckets), "tkg": list(self.tkg_buckets),
                             "vision": list(self.vision_buckets)}}
+        if self.long_context is not None:
+            meta["long_context"] = self.long_context.to_json()
+        return meta
 
 
 @dataclass(frozen=True)
