@@ -13,7 +13,7 @@ with the machinery below.
 from __future__ import annotations
 
 import types
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from functools import cache
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
@@ -84,7 +84,8 @@ class PackageParams:
     tkg_buckets: tuple[int, ...]
     vision_buckets: tuple[int, ...]
     dtype: DType
-    long_context: LongContext | None = None   # chunked prefill and the prefix cache, where the bundle serves them
+    # Chunked prefill and the prefix cache, where the bundle serves them (keyword-only: backends extend these params).
+    long_context: LongContext | None = field(default=None, kw_only=True)
 
     def bundle_meta(self) -> dict:
         """What bundle.json records of these params."""

@@ -123,7 +123,7 @@ class CpuBackend:
         package = PackageParams(arch.family, self.name, r.parallel.tp, r.parallel.ep, r.parallel.tp,
                                 r.text.batch_size, r.text.seq_len, tuple(r.text.cte_buckets),
                                 tuple(r.text.token_buckets), tuple(r.vision.buckets if r.vision else ()), r.dtype,
-                                long_context(loaded))
+                                long_context=long_context(loaded))
         return BackendPlan((), shard, compiles, package, 0)
 
     def explain_reuse(self, old: dict, new) -> str | None:

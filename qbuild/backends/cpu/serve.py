@@ -8,9 +8,11 @@ What the runtime can do decides what the server accepts:
 - Generation ends at `max_tokens` or after the end-of-sequence token (the bundle's generation_config and tokenizer
   name it). Without `max_tokens`, a completion stops after 16 tokens (OpenAI's default for this route) and a chat
   reply after as many as the cache holds.
-- One prompt per request. A prompt longer than the bundle's largest context-encoding bucket, or a prompt plus
-  `max_tokens` beyond its KV cache, is a 400 with the runtime's own message, checked before anything is generated,
-  so a stream is never cut short by it.
+- One prompt per request. A prompt longer than the bundle allows (its largest context-encoding bucket, or with
+  chunked prefill its KV cache), or a prompt plus `max_tokens` beyond its KV cache, is a 400 with the runtime's own
+  message, checked before anything is generated, so a stream is never cut short by it.
+- `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the runtime's prefix cache answered, as
+  OpenAI's usage does.
 - One runtime serves every request, one generation at a time (a lock): concurrent requests queue and each gets the
   tokens it would get alone.
 - A chat request is rendered with the bundle tokenizer's chat template when it has one; otherwise each message
@@ -192,8 +194,8 @@ class Generator:
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
         try:
-            self.runtime.cte_bucket(n)
-        except UserError as e:   # the runtime's message names its largest context-encoding bucket
+            self.runtime.check_prompt(n)
+        except UserError as e:   # the runtime's message names the limit: its largest bucket or its KV length
             raise RequestError(str(e), "prompt") from None
         room = self.runtime.max_new_tokens_after(n)
         if room < 1:
@@ -213,8 +215,10 @@ class Generator:
     def finish_reason(self, token_ids: list[int]) -> str:
         return "stop" if token_ids and token_ids[-1] in self.eos else "length"
 
-    def usage(self, prompt: int, generated: int) -> dict:
-        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    def usage(self, prompt: int, generation) -> dict:
+        generated = len(generation.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+                "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}
 
 
 class _Done:
@@ -243,7 +247,7 @@ class Api:
     def _model_card(self) -> dict:
         rt = self.gen.runtime
         return {"id": self.gen.name, "object": "model", "created": self.gen.created, "owned_by": "qbuild",
-                "max_model_len": rt.tkg[-1], "max_prompt_tokens": rt.cte[-1]}
+                "max_model_len": rt.tkg[-1], "max_prompt_tokens": rt.max_prompt_tokens}
 
     def _check_model(self, req: _Request) -> None:
         if req.model != self.gen.name:
@@ -268,7 +272,7 @@ class Api:
             return self._stream(ids, max_new, None, chunk, rid, created, "text_completion", req.stream_options)
         generation = await asyncio.get_running_loop().run_in_executor(None, self.gen.run, ids, max_new)
         doc = chunk(generation.text, self.gen.finish_reason(generation.token_ids))
-        doc["usage"] = self.gen.usage(len(ids), len(generation.token_ids))
+        doc["usage"] = self.gen.usage(len(ids), generation)
         return JSONResponse(doc)
 
     async def chat(self, request: Request) -> Response:
@@ -298,7 +302,7 @@ class Api:
             "id": rid, "object": "chat.completion", "created": created, "model": self.gen.name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text},
                          "logprobs": None, "finish_reason": self.gen.finish_reason(generation.token_ids)}],
-            "usage": self.gen.usage(len(ids), len(generation.token_ids))})
+            "usage": self.gen.usage(len(ids), generation)})
 
     def _stream(self, ids: list[int], max_new: int, first: dict | None, chunk: Callable, rid: str, created: int,
                 kind: str, options: StreamOptions | None) -> StreamingResponse:
@@ -355,7 +359,7 @@ class Api:
                 yield _sse(with_usage(chunk(rest, self.gen.finish_reason(generation.token_ids))))
                 if include_usage:
                     yield _sse({"id": rid, "object": kind, "created": created, "model": self.gen.name,
-                                "choices": [], "usage": self.gen.usage(len(ids), len(generation.token_ids))})
+                                "choices": [], "usage": self.gen.usage(len(ids), generation)})
                 yield "data: [DONE]\n\n"
             finally:
                 gone.set()

@@ -1,0 +1,159 @@
+"""Benchmark: long prompts on a CPU bundle of the tiny model, each figure a ratio to a baseline of the same run.
+
+    .venv/bin/python bench/bench_longctx.py [--bucket 128] [--times 16] [--repeats 5] [--dir DIR] [--out FILE]
+
+Builds a tiny Qwen3-Next bundle (export backend, float32) whose largest context-encoding bucket is --bucket, with
+chunked prefill in chunks of that bucket and a prefix cache (blocks of bucket/4 tokens, a DeltaNet checkpoint every
+bucket), then, on one prompt of --times x the bucket (at least 8):
+- chunked prefill: time to the first token of the bundle with the cache off (every piece prefilled), against one
+  forward of the whole prompt through transformers in the same process (the logits of every position, the first
+  token's argmax), the figure the goal compares;
+- an exact repeat: time to the first token cold (cache empty) against warm (the prompt cached); the warm request
+  resumes at the last checkpoint before the prompt's last token and prefills one piece;
+- a shared prefix: a prompt with the same first 3/4 and another last 1/4, cold against warm (after the first prompt);
+- the prefix cache's peak memory against its budget (blocks x block bytes + slots x checkpoint bytes).
+Medians of --repeats timed runs after one untimed run; torch on one thread, as the test suite and build workers run.
+Writes the figures as JSON (--out, default bench/results/longctx.json). Not part of the test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+FAMILY = "qwen3_next"   # text-only, one Gated DeltaNet and one gated-attention layer (`qbuild tiny`)
+
+
+def build_bundle(work: Path, bucket: int, times: int) -> tuple[Path, Path]:
+    """The tiny checkpoint and its bundle (built with qbuild compile, then pulled). Returns (checkpoint, bundle)."""
+    from qbuild.model.tinymodel import write_tiny_checkpoint
+
+    checkpoint = work / "tiny"
+    if not checkpoint.exists():
+        write_tiny_checkpoint(checkpoint, FAMILY)
+    seq_len = (times + 1) * bucket
+    recipe = work / "recipes" / "longctx.yaml"
+    recipe.parent.mkdir(parents=True, exist_ok=True)
+    recipe.write_text(
+        f"model: {{path: {checkpoint}}}\nbackend: export\ndtype: float32\n"
+        f"text:\n  seq_len: {seq_len}\n  cte_buckets: [{bucket // 2}, {bucket}]\n"
+        f"  chunked_prefill: {{chunk_size: {bucket}}}\n"
+        f"  prefix_cache: {{block_size: {bucket // 4}, checkpoint_interval: {bucket}, checkpoint_slots: {2 * times}}}\n"
+        "verify: {top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001, new_tokens: 4}\n")
+    env = dict(os.environ, QBUILD_STORE=str(work / "store"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    qbuild = [sys.executable, "-m", "qbuild.cli"]
+    subprocess.run([*qbuild, "compile", str(recipe), "-j", "2"], check=True, cwd=work, env=env, capture_output=True)
+    bundle = work / "bundle"
+    if not bundle.exists():
+        subprocess.run([*qbuild, "pull", "longctx", "--to", str(bundle)], check=True, cwd=work, env=env,
+                       capture_output=True)
+    return checkpoint, bundle
+
+
+def median_s(fn, repeats: int, before=None) -> float:
+    """Median seconds of fn() over `repeats` runs after one untimed run; `before()` runs untimed before each."""
+    times = []
+    for i in range(repeats + 1):
+        if before is not None:
+            before()
+        t = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def ttft_s(runtime, prompt: list[int], repeats: int, before=None, use_cache: bool = True) -> tuple[float, object]:
+    """Median time to the first token of `prompt` (the runtime's own clock, graphs loaded), and the last run."""
+    runs = []
+    for _ in range(repeats + 1):
+        if before is not None:
+            before()
+        runs.append(runtime.generate(prompt, 1, stop_at_eos=False, use_cache=use_cache))
+    return statistics.median(r.ttft_ms for r in runs[1:]) / 1e3, runs[-1]
+
+
+def measure(checkpoint: Path, bundle: Path, bucket: int, times: int, repeats: int) -> dict:
+    import torch
+    import transformers
+
+    from qbuild.model.runtime import Runtime
+
+    torch.set_num_threads(1)
+    runtime = Runtime.load(bundle)
+    cache = runtime.prefix_cache
+    n = times * bucket
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 400, (n,), generator=gen).tolist()
+    shared = prompt[:3 * n // 4] + torch.randint(0, 400, (n - 3 * n // 4,), generator=gen).tolist()
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        whole = median_s(lambda: int(hf(input_ids=ids).logits[0, -1].argmax()), repeats)
+    chunked, run = ttft_s(runtime, prompt, repeats, use_cache=False)
+    first_token_agrees = run.token_ids[0] == int(hf(input_ids=ids).logits[0, -1].argmax())
+
+    cold, cold_run = ttft_s(runtime, prompt, repeats, before=cache.clear)
+    warm, warm_run = ttft_s(runtime, prompt, repeats)
+
+    def cache_first_prompt() -> None:
+        cache.clear()
+        runtime.generate(prompt, 1, stop_at_eos=False)
+
+    shared_cold, shared_cold_run = ttft_s(runtime, shared, repeats, before=cache.clear)
+    shared_warm, shared_warm_run = ttft_s(runtime, shared, repeats, before=cache_first_prompt)
+    stats = cache.stats
+    return {
+        "family": FAMILY, "largest_bucket": bucket, "prompt_tokens": n, "prompt_x_bucket": times,
+        "pieces": len(runtime._pieces(n)), "repeats": repeats,
+        "whole_forward_transformers_s": whole, "chunked_prefill_ttft_s": chunked,
+        "chunked_vs_whole_forward": chunked / whole,
+        "chunked_tok_s": n / chunked, "whole_forward_tok_s": n / whole,
+        "first_token_agrees_with_transformers": first_token_agrees,
+        "exact_repeat_cold_ttft_s": cold, "exact_repeat_warm_ttft_s": warm,
+        "warm_speedup_exact_repeat": cold / warm, "exact_repeat_cached_tokens": warm_run.cached_tokens,
+        "exact_repeat_same_tokens": warm_run.token_ids == cold_run.token_ids,
+        "shared_prefix_cold_ttft_s": shared_cold, "shared_prefix_warm_ttft_s": shared_warm,
+        "warm_speedup_shared_prefix": shared_cold / shared_warm,
+        "shared_prefix_cached_tokens": shared_warm_run.cached_tokens,
+        "shared_prefix_same_tokens": shared_warm_run.token_ids == shared_cold_run.token_ids,
+        "cache_peak_bytes": stats.peak_bytes, "cache_budget_bytes": stats.budget_bytes,
+        "cache_peak_of_budget": stats.peak_bytes / stats.budget_bytes,
+        "cache_blocks": stats.blocks, "cache_checkpoints": stats.checkpoints,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bucket", type=int, default=128, help="the largest context-encoding bucket (= the chunk)")
+    ap.add_argument("--times", type=int, default=16, help="the prompt's length in largest buckets (at least 8)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="work directory (default: a temp dir); kept, so a rerun reuses it")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "longctx.json"))
+    args = ap.parse_args()
+    if args.times < 8 or args.bucket % 4:
+        ap.error("--times must be at least 8 and --bucket a multiple of 4")
+    work = Path(args.dir or tempfile.mkdtemp(prefix="qbuild-bench-longctx-"))
+    work.mkdir(parents=True, exist_ok=True)
+    checkpoint, bundle = build_bundle(work, args.bucket, args.times)
+    result = measure(checkpoint, bundle, args.bucket, args.times, args.repeats)
+    for k, v in result.items():
+        print(f"{k:40s} {v:.4f}" if isinstance(v, float) else f"{k:40s} {v}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
