@@ -3,11 +3,14 @@
     .venv/bin/python bench/bench_longctx.py [--bucket 128] [--times 16] [--repeats 5] [--dir DIR] [--out FILE]
 
 Builds a tiny Qwen3-Next bundle (export backend, float32) whose largest context-encoding bucket is --bucket, with
-chunked prefill in chunks of that bucket and a prefix cache (blocks of bucket/4 tokens, a DeltaNet checkpoint every
-bucket), then, on one prompt of --times x the bucket (at least 8):
+chunked prefill in chunks of that bucket, KV buckets doubling from twice the bucket to the sequence length (as
+NxDI's token-generation buckets: a piece attends to the KV bucket that holds it, not to the whole cache) and a
+prefix cache (blocks of bucket/4 tokens, a DeltaNet checkpoint every bucket), then, on one prompt of --times x the
+bucket (at least 8; the tiny model's 4096 positions bound it):
 - chunked prefill: time to the first token of the bundle with the cache off (every piece prefilled), against one
   forward of the whole prompt through transformers in the same process (the logits of every position, the first
-  token's argmax), the figure the goal compares;
+  token's argmax), the figure the goal compares; and against one prefill of the whole prompt through qbuild's
+  reference model (what chunking costs by itself);
 - an exact repeat: time to the first token cold (cache empty) against warm (the prompt cached); the warm request
   resumes at the last checkpoint before the prompt's last token and prefills one piece;
 - a shared prefix: a prompt with the same first 3/4 and another last 1/4, cold against warm (after the first prompt);
@@ -42,18 +45,22 @@ def build_bundle(work: Path, bucket: int, times: int) -> tuple[Path, Path]:
     if not checkpoint.exists():
         write_tiny_checkpoint(checkpoint, FAMILY)
     seq_len = (times + 1) * bucket
+    kv_buckets = [b for b in (bucket * 2 ** i for i in range(1, 16)) if b < seq_len] + [seq_len]
     recipe = work / "recipes" / "longctx.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
     recipe.write_text(
         f"model: {{path: {checkpoint}}}\nbackend: export\ndtype: float32\n"
-        f"text:\n  seq_len: {seq_len}\n  cte_buckets: [{bucket // 2}, {bucket}]\n"
+        f"text:\n  seq_len: {seq_len}\n  cte_buckets: [{bucket // 2}, {bucket}]\n  tkg_buckets: {kv_buckets}\n"
         f"  chunked_prefill: {{chunk_size: {bucket}}}\n"
         f"  prefix_cache: {{block_size: {bucket // 4}, checkpoint_interval: {bucket}, checkpoint_slots: {2 * times}}}\n"
         "verify: {top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001, new_tokens: 4}\n")
     env = dict(os.environ, QBUILD_STORE=str(work / "store"), HF_HUB_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     qbuild = [sys.executable, "-m", "qbuild.cli"]
-    subprocess.run([*qbuild, "compile", str(recipe), "-j", "2"], check=True, cwd=work, env=env, capture_output=True)
+    proc = subprocess.run([*qbuild, "compile", str(recipe), "-j", "2"], cwd=work, env=env, capture_output=True,
+                          text=True)
+    if proc.returncode:
+        raise SystemExit(f"qbuild compile failed:\n{proc.stderr[-4000:]}")
     bundle = work / "bundle"
     if not bundle.exists():
         subprocess.run([*qbuild, "pull", "longctx", "--to", str(bundle)], check=True, cwd=work, env=env,
@@ -84,6 +91,26 @@ def ttft_s(runtime, prompt: list[int], repeats: int, before=None, use_cache: boo
     return statistics.median(r.ttft_ms for r in runs[1:]) / 1e3, runs[-1]
 
 
+def reference_prefill(runtime, ids):
+    """One prefill of the whole prompt through qbuild's reference model (eager; the code the bundle's graphs trace),
+    with the bundle's weights: what the chunking costs, apart from what the reference model costs."""
+    import torch
+
+    from qbuild.model.modeling import TextModel, text_position_ids
+
+    m = runtime.manifest
+    model = TextModel(runtime.arch, tp=m["tp"], ep=m["ep"], dtype=getattr(torch, m["dtype"]),
+                      max_seq_len=ids.shape[1]).eval()
+    model.load_state_dict(runtime.weights)
+    n = ids.shape[1]
+
+    def run() -> None:
+        with torch.no_grad():
+            int(model.prefill(ids, text_position_ids(n), torch.tensor([n]))[0][0, -1].argmax())
+
+    return run
+
+
 def measure(checkpoint: Path, bundle: Path, bucket: int, times: int, repeats: int) -> dict:
     import torch
     import transformers
@@ -102,6 +129,7 @@ def measure(checkpoint: Path, bundle: Path, bucket: int, times: int, repeats: in
     ids = torch.tensor([prompt])
     with torch.no_grad():
         whole = median_s(lambda: int(hf(input_ids=ids).logits[0, -1].argmax()), repeats)
+    own_whole = median_s(reference_prefill(runtime, ids), repeats)
     chunked, run = ttft_s(runtime, prompt, repeats, use_cache=False)
     first_token_agrees = run.token_ids[0] == int(hf(input_ids=ids).logits[0, -1].argmax())
 
@@ -120,6 +148,7 @@ def measure(checkpoint: Path, bundle: Path, bucket: int, times: int, repeats: in
         "pieces": len(runtime._pieces(n)), "repeats": repeats,
         "whole_forward_transformers_s": whole, "chunked_prefill_ttft_s": chunked,
         "chunked_vs_whole_forward": chunked / whole,
+        "whole_prefill_reference_model_s": own_whole, "chunked_vs_reference_whole_prefill": chunked / own_whole,
         "chunked_tok_s": n / chunked, "whole_forward_tok_s": n / whole,
         "first_token_agrees_with_transformers": first_token_agrees,
         "exact_repeat_cold_ttft_s": cold, "exact_repeat_warm_ttft_s": warm,

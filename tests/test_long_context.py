@@ -63,8 +63,8 @@ REFUSED = {
                              "text.prefix_cache.checkpoint_interval: 768 and the prefill chunk 512: one must be a "
                              "multiple of the other"),
     "too-few-blocks": ("  chunked_prefill: {}\n  prefix_cache: {block_size: 256, num_blocks: 15}",
-                       "text.prefix_cache.num_blocks: 15 blocks of 256 tokens hold less than 1 sequence(s) of the KV "
-                       "length 4096; give at least 16"),
+                       "text.prefix_cache.num_blocks: 15 blocks of 256 tokens hold less than 1 sequence(s) of "
+                       "seq_len 4096; give at least 16"),
     "blocks-over-device-memory": ("  chunked_prefill: {}\n  prefix_cache: {block_size: 256, num_blocks: 200000}",
                                   "text.prefix_cache.num_blocks: 200000 KV blocks of 256 tokens and 8 DeltaNet "
                                   "checkpoint slots need"),

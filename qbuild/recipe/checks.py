@@ -111,8 +111,8 @@ def _check_long_context(loaded: LoadedRecipe) -> None:
     KV length is whole chunks and whole blocks (the last chunk of a prompt may end at it); a DeltaNet checkpoint
     lies on a block boundary (the KV before it is whole blocks) and on a chunk boundary (a prefill resumed there runs
     the chunks a cold one ran from there; with checkpoints closer than the chunk, prefill runs chunks of the
-    checkpoint interval); the blocks hold at least one sequence of the KV length (vLLM's and NxDI's block KV cache
-    is these blocks)."""
+    checkpoint interval); the blocks hold at least batch_size sequences of seq_len (NxDI's block KV cache is these
+    blocks, and the Qwen3.6-27B port asks for as many)."""
     t = loaded.recipe.text
     kv, kv_field = t.token_buckets[-1], "text.tkg_buckets" if t.tkg_buckets else "text.seq_len"
     if t.prefix_cache is not None and t.chunked_prefill is None:
@@ -140,10 +140,10 @@ def _check_long_context(loaded: LoadedRecipe) -> None:
         fail(loaded, "text.prefix_cache.checkpoint_interval", f"{interval} and the prefill chunk {chunk}: one must "
                                                                "be a multiple of the other, so that every "
                                                                "checkpoint is a chunk boundary")
-    least = -(-kv // block) * t.batch_size
+    least = -(-t.seq_len // block) * t.batch_size   # the port's _pa_min_blocks (docs/long-context.md)
     if t.num_blocks < least:
         fail(loaded, "text.prefix_cache.num_blocks", f"{t.num_blocks} blocks of {block} tokens hold less than "
-                                                      f"{t.batch_size} sequence(s) of the KV length {kv}; give at "
+                                                      f"{t.batch_size} sequence(s) of seq_len {t.seq_len}; give at "
                                                       f"least {least}")
 
 
