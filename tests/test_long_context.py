@@ -457,3 +457,16 @@ def test_serve_answers_8x_the_largest_bucket_and_its_repeat_from_the_cache(bundl
     assert code == 0, err
 
 
+
+
+@built
+def test_qbuild_bench_measures_prefill_not_the_cache(runtimes):
+    """`qbuild bench` runs one prompt several times: each run is prefilled, none answered from the prefix cache."""
+    from qbuild.model.runtime.bench import bench
+
+    runtime = runtimes["qwen3_next"]
+    runtime.prefix_cache.clear()
+    hits = runtime.prefix_cache.stats.hits
+    points = bench(runtime, repeats=2, warmup=1, new_tokens=2, lengths=[16])
+    assert points[0].prompt_len == 16 and runtime.prefix_cache.stats.hits == hits
+    assert runtime.prefix_cache.stats.checkpoints == 0
