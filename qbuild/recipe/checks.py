@@ -246,8 +246,8 @@ def _check_verify_fits(loaded: LoadedRecipe, arch: Arch) -> None:
     """The verify step runs every verify prompt through the bundle and generates `verify.new_tokens` after it: the
     prompt must fit the largest context-encoding bucket (without chunked prefill), and prompt + new_tokens - 1
     positions the largest token-generation bucket (qbuild.model.runtime Runtime.generate; NxDI's max_length is
-    seq_len, which bounds the token-generation buckets). Prompt lengths are lower bounds (min_prompt_tokens), so a recipe refused here
-    cannot verify; a recipe passed may still meet a longer prompt than the bound."""
+    seq_len, which bounds the token-generation buckets). Prompt lengths are lower bounds (min_prompt_tokens), so a
+    recipe refused here cannot verify; a recipe passed may still meet a longer prompt than the bound."""
     r, v = loaded.recipe, loaded.recipe.verify
     golden = golden_prompts()
     field = "verify.prompts" if v.prompts else "text.cte_buckets"
