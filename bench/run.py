@@ -1,6 +1,6 @@
 """qbuild benchmarks. Every figure is a ratio to a baseline measured in the same run, on the same bytes.
 
-    python bench/run.py [--only planning,plan_scale,hashing,restore,scheduling,convert] [--size-gb 2]
+    python bench/run.py [--only planning,plan_scale,hashing,restore,scheduling,convert,longctx] [--size-gb 2]
                         [--out bench/results]
 
 Prints a table, then each goal next to its measured value, and writes bench/results/summary.json. The planning
@@ -309,8 +309,18 @@ def bench_convert(args) -> dict:
     return json.loads(out.read_text())
 
 
+def bench_longctx(args) -> dict:
+    """Chunked prefill against one transformers forward of the same prompt, warm against cold time to the first
+    token, and the prefix cache's peak against its budget (bench/bench_longctx.py)."""
+    out = Path(args.out) / "longctx.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "bench_longctx.py"), "--dir",
+                    str(Path(args.work) / "longctx"), "--out", str(out)], check=True)
+    return json.loads(out.read_text())
+
+
 BENCHES = {"planning": bench_planning, "plan_scale": bench_plan_scale, "hashing": bench_hashing,
-           "restore": bench_restore, "scheduling": bench_scheduling, "convert": bench_convert}
+           "restore": bench_restore, "scheduling": bench_scheduling, "convert": bench_convert,
+           "longctx": bench_longctx}
 
 
 # The targets: (benchmark, figure, comparison, bound, what it says).
@@ -320,6 +330,8 @@ GOALS = [
     ("planning", "plan_speedup_vs_dvc_status", ">=", 5.0, "plan --all, times faster than dvc status"),
     ("planning", "noop_compile_speedup_vs_dvc_repro", ">=", 5.0, "no-op compile --all, times faster than dvc repro"),
     ("plan_scale", ("n100", "plan_s"), "<", 2.0, "plan --all --json of 100 recipes, seconds"),
+    ("longctx", "chunked_vs_whole_forward", "<=", 1.5, "chunked prefill, x one transformers forward of the prompt"),
+    ("longctx", "warm_speedup_exact_repeat", ">=", 10.0, "exact repeat, cold TTFT / warm TTFT"),
 ]
 
 

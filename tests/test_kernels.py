@@ -13,6 +13,7 @@ from qbuild.model.kernels import (
     causal_conv1d_update,
     chunk_gated_delta_rule,
     gqa_attention,
+    naive_gqa_attention,
     naive_recurrent,
     recurrent_gated_delta_rule,
     unit_lower_triangular_inverse,
@@ -22,6 +23,8 @@ from qbuild.model.kernels import (
 FP32_VS_FP64_ATOL = 2e-5
 # Our float32 forms against transformers' float32 forms (different summation orders).
 VS_HF_ATOL = 5e-5
+# bfloat16 attention (8 mantissa bits) of values ~1: two orders of summation agree to a few bf16 ulps.
+BF16_ATOL = 3e-2
 
 B, HK, HV, DK, DV = 2, 2, 4, 16, 16
 
@@ -181,3 +184,17 @@ def test_gqa_attention_matches_sdpa():
     causal = torch.ones(9, 9, dtype=torch.bool).tril()
     expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     assert _max_err(gqa_attention(q, k, v, causal[None, None], 32**-0.5), expected) < VS_HF_ATOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_attention_matches_the_plain_form_on_a_chunk_over_a_kv_bucket(dtype):
+    """What extend runs: 5 queries at slots 11..15 attending to the slots at or before theirs in a bucket of 24 (the
+    slots past them hold garbage, which the mask must keep out), two query heads per kv head."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(B, 4, 5, 32, generator=gen).to(dtype)
+    k, v = (torch.randn(B, 2, 24, 32, generator=gen).to(dtype) for _ in range(2))
+    k[:, :, 16:], v[:, :, 16:] = 1e4, -1e4
+    allowed = (torch.arange(24)[None, :] <= torch.arange(11, 16)[:, None])[None, None]
+    out, expected = gqa_attention(q, k, v, allowed, 32**-0.5), naive_gqa_attention(q, k, v, allowed, 32**-0.5)
+    assert out.dtype == dtype and out.shape == (B, 4, 5, 32)
+    assert _max_err(out, expected) < (VS_HF_ATOL if dtype == torch.float32 else BF16_ATOL)

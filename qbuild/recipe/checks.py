@@ -82,13 +82,69 @@ def validate(loaded: LoadedRecipe, arch: Arch) -> None:
     if arch.max_position_embeddings is not None and r.text.seq_len > arch.max_position_embeddings:
         fail(loaded, "text.seq_len", f"{r.text.seq_len} exceeds the model's max_position_embeddings "
                                       f"{arch.max_position_embeddings}")
+    _check_long_context(loaded)
     _check_verify_fits(loaded, arch)
-    est = rank_memory_bytes(loaded, arch)
+    _check_memory(loaded, arch)
+
+
+def _check_memory(loaded: LoadedRecipe, arch: Arch) -> None:
+    """One rank's estimate within its device memory; where the prefix cache's blocks and checkpoint slots are what
+    pushes it over, the error names them."""
+    r = loaded.recipe
     limit = _HBM_PER_RANK_GIB.get((r.compiler.target, r.compiler.effective_lnc))
-    if limit is not None and est > limit << 30:
-        fail(loaded, "parallel.tp", f"needs ~{est / 2**30:.1f} GiB per rank (weights + KV cache + DeltaNet "
-                                     f"state), over the {limit} GiB of a {r.compiler.target} LNC"
-                                     f"{r.compiler.effective_lnc} rank; raise tp")
+    est = rank_memory_bytes(loaded, arch)
+    if limit is None or est <= limit << 30:
+        return
+    cache = prefix_cache_bytes(loaded, arch)
+    where = f"over the {limit} GiB of a {r.compiler.target} LNC{r.compiler.effective_lnc} rank"
+    if cache and est - cache <= limit << 30:
+        fail(loaded, "text.prefix_cache.num_blocks",
+             f"{r.text.num_blocks} KV blocks of {r.text.prefix_cache.block_size} tokens and "
+             f"{r.text.prefix_cache.checkpoint_slots} DeltaNet checkpoint slots need ~{cache / 2**30:.1f} GiB per "
+             f"rank, which brings it to ~{est / 2**30:.1f} GiB, {where}; use fewer blocks or slots, or raise tp")
+    fail(loaded, "parallel.tp", f"needs ~{est / 2**30:.1f} GiB per rank (weights + KV cache + DeltaNet "
+                                 f"state), {where}; raise tp")
+
+
+def _check_long_context(loaded: LoadedRecipe) -> None:
+    """Chunked prefill and the prefix cache against the buckets: a chunk is a compiled context-encoding bucket; the
+    KV length is whole chunks and whole blocks (the last chunk of a prompt may end at it); a DeltaNet checkpoint
+    lies on a block boundary (the KV before it is whole blocks) and on a chunk boundary (a prefill resumed there runs
+    the chunks a cold one ran from there; with checkpoints closer than the chunk, prefill runs chunks of the
+    checkpoint interval); the blocks hold at least batch_size sequences of seq_len (NxDI's block KV cache is these
+    blocks, and the Qwen3.6-27B port asks for as many)."""
+    t = loaded.recipe.text
+    kv, kv_field = t.token_buckets[-1], "text.tkg_buckets" if t.tkg_buckets else "text.seq_len"
+    if t.prefix_cache is not None and t.chunked_prefill is None:
+        fail(loaded, "text.prefix_cache", "needs text.chunked_prefill: a prefill resumed from a cached prefix "
+                                          "continues chunk by chunk")
+    if t.chunked_prefill is None:
+        return
+    chunk = t.chunk_size
+    if chunk not in t.cte_buckets:
+        fail(loaded, "text.chunked_prefill.chunk_size", f"{chunk} is not one of the context-encoding buckets "
+                                                         f"{t.cte_buckets}: a chunk runs through a compiled bucket")
+    if kv % chunk:
+        fail(loaded, kv_field, f"the KV length {kv} is not a multiple of the prefill chunk {chunk}: the last chunk "
+                               f"of a prompt would run past the cache")
+    cache = t.prefix_cache
+    if cache is None:
+        return
+    block, interval = cache.block_size, t.checkpoint_interval
+    if kv % block:
+        fail(loaded, "text.prefix_cache.block_size", f"{block} does not divide the KV length {kv}")
+    if interval % block:
+        fail(loaded, "text.prefix_cache.checkpoint_interval", f"{interval} is not a multiple of block_size {block}: "
+                                                               "a checkpoint must lie on a block boundary")
+    if interval % chunk and chunk % interval:
+        fail(loaded, "text.prefix_cache.checkpoint_interval", f"{interval} and the prefill chunk {chunk}: one must "
+                                                               "be a multiple of the other, so that every "
+                                                               "checkpoint is a chunk boundary")
+    least = -(-t.seq_len // block) * t.batch_size   # the port's _pa_min_blocks (docs/long-context.md)
+    if t.num_blocks < least:
+        fail(loaded, "text.prefix_cache.num_blocks", f"{t.num_blocks} blocks of {block} tokens hold less than "
+                                                      f"{t.batch_size} sequence(s) of seq_len {t.seq_len}; give at "
+                                                      f"least {least}")
 
 
 def moe_backend(loaded: LoadedRecipe, arch: Arch) -> str | None:
@@ -108,17 +164,40 @@ def weight_bytes(arch: Arch, dtype: str, fp8: str) -> int:
     return (dense - mlp) * b + mlp * mlp_bytes
 
 
-def rank_memory_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
-    """Estimated device memory of one rank: its weight shard, its KV cache and its DeltaNet state."""
+def _kv_bytes_per_token(loaded: LoadedRecipe, arch: Arch) -> int:
+    """One token's attention K and V on one rank, over every attention layer."""
     r = loaded.recipe
-    tp, b = r.parallel.tp, DTYPE_BYTES[r.dtype]
-    weights = weight_bytes(arch, r.dtype, r.fp8) // tp
-    rank = arch.per_rank(tp)
-    kv = 2 * r.text.batch_size * r.text.seq_len * rank.kv_dim * b * arch.num_attn_layers
+    return 2 * arch.per_rank(r.parallel.tp).kv_dim * DTYPE_BYTES[r.dtype] * arch.num_attn_layers
+
+
+def _deltanet_state_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
+    """One sequence's DeltaNet state on one rank: the float32 recurrent state and the conv state of every layer."""
+    r = loaded.recipe
+    rank = arch.per_rank(r.parallel.tp)
     n_delta = arch.num_layers - arch.num_attn_layers
-    state = r.text.batch_size * n_delta * (rank.num_v_heads * arch.k_head_dim * arch.v_head_dim * 4
-                                            + rank.conv_dim * (arch.conv_kernel - 1) * b)
-    return weights + kv + state
+    return n_delta * (rank.num_v_heads * arch.k_head_dim * arch.v_head_dim * 4
+                      + rank.conv_dim * (arch.conv_kernel - 1) * DTYPE_BYTES[r.dtype])
+
+
+def prefix_cache_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
+    """What the prefix cache adds to one rank: the KV blocks beyond the contiguous cache they replace (NxDI's block
+    layout holds every sequence in them) and the DeltaNet checkpoint slots. 0 without a prefix cache."""
+    t = loaded.recipe.text
+    if t.prefix_cache is None:
+        return 0
+    extra_tokens = max(0, t.num_blocks * t.prefix_cache.block_size - t.batch_size * t.seq_len)
+    return (extra_tokens * _kv_bytes_per_token(loaded, arch)
+            + t.prefix_cache.checkpoint_slots * _deltanet_state_bytes(loaded, arch))
+
+
+def rank_memory_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
+    """Estimated device memory of one rank: its weight shard, its KV cache, its DeltaNet state and the prefix
+    cache's blocks and checkpoint slots."""
+    r = loaded.recipe
+    weights = weight_bytes(arch, r.dtype, r.fp8) // r.parallel.tp
+    kv = r.text.batch_size * r.text.seq_len * _kv_bytes_per_token(loaded, arch)
+    state = r.text.batch_size * _deltanet_state_bytes(loaded, arch)
+    return weights + kv + state + prefix_cache_bytes(loaded, arch)
 
 
 # --- what the verify step will feed the bundle -------------------------------------------------------------------
@@ -165,10 +244,10 @@ def image_patches(vision: VisionArch, height: int, width: int) -> int:
 
 def _check_verify_fits(loaded: LoadedRecipe, arch: Arch) -> None:
     """The verify step runs every verify prompt through the bundle and generates `verify.new_tokens` after it: the
-    prompt must fit the largest context-encoding bucket, and prompt + new_tokens - 1 positions the largest
-    token-generation bucket (qbuild.model.runtime Runtime.generate; NxDI's max_length is seq_len, which bounds the
-    token-generation buckets). Prompt lengths are lower bounds (min_prompt_tokens), so a recipe refused here
-    cannot verify; a recipe passed may still meet a longer prompt than the bound."""
+    prompt must fit the largest context-encoding bucket (without chunked prefill), and prompt + new_tokens - 1
+    positions the largest token-generation bucket (qbuild.model.runtime Runtime.generate; NxDI's max_length is
+    seq_len, which bounds the token-generation buckets). Prompt lengths are lower bounds (min_prompt_tokens), so a
+    recipe refused here cannot verify; a recipe passed may still meet a longer prompt than the bound."""
     r, v = loaded.recipe, loaded.recipe.verify
     golden = golden_prompts()
     field = "verify.prompts" if v.prompts else "text.cte_buckets"
@@ -186,7 +265,7 @@ def _check_verify_fits(loaded: LoadedRecipe, arch: Arch) -> None:
                         f"{golden['image_prompt']!r} with the verify image ({image} tokens)", "text.cte_buckets"))
     tokens, what, where = max(prompts, key=lambda p: p[0])
     context, kv = r.text.cte_buckets[-1], r.text.token_buckets[-1]
-    if tokens > context:
+    if tokens > context and r.text.chunked_prefill is None:   # chunked prefill takes a prompt up to the KV length
         fail(loaded, where, f"the verify prompt {what} is at least {tokens} tokens, more than the largest "
                             f"context-encoding bucket {context}; verify could not run it")
     if tokens + v.new_tokens - 1 > kv:

@@ -13,7 +13,7 @@ with the machinery below.
 from __future__ import annotations
 
 import types
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from functools import cache
 from typing import Literal, Union, get_args, get_origin, get_type_hints
 
@@ -21,6 +21,7 @@ from qbuild.core.dtypes import DType
 from qbuild.model.arch import Arch, VisionArch
 from qbuild.model.families import FamilyName
 from qbuild.model.fp8 import FP8PolicyName
+from qbuild.model.chunking import LongContext
 
 
 class ParamsError(ValueError):
@@ -83,13 +84,18 @@ class PackageParams:
     tkg_buckets: tuple[int, ...]
     vision_buckets: tuple[int, ...]
     dtype: DType
+    # Chunked prefill and the prefix cache, where the bundle serves them (keyword-only: backends extend these params).
+    long_context: LongContext | None = field(default=None, kw_only=True)
 
     def bundle_meta(self) -> dict:
         """What bundle.json records of these params."""
-        return {"family": self.family, "backend": self.backend, "tp": self.tp, "ep": self.ep,
+        meta = {"family": self.family, "backend": self.backend, "tp": self.tp, "ep": self.ep,
                 "batch_size": self.batch_size, "seq_len": self.seq_len, "dtype": self.dtype,
                 "buckets": {"cte": list(self.cte_buckets), "tkg": list(self.tkg_buckets),
                             "vision": list(self.vision_buckets)}}
+        if self.long_context is not None:
+            meta["long_context"] = self.long_context.to_json()
+        return meta
 
 
 @dataclass(frozen=True)

@@ -113,6 +113,33 @@ def _check_buckets(v: list[int]) -> list[int]:
     return v
 
 
+class ChunkedPrefill(_Strict):
+    """Prompts longer than the largest context-encoding bucket are prefilled chunk by chunk, each chunk through the
+    compiled bucket of `chunk_size` with the attention KV and DeltaNet state of the tokens before it; the sequence
+    length, not the bucket, then bounds a prompt (as vLLM's chunked prefill and the Qwen3.6-27B port do)."""
+
+    chunk_size: StrictInt | None = Field(None, ge=1, description="tokens per prefill chunk, one of cte_buckets (vLLM's "
+                                                                 "--max-num-batched-tokens); default the largest")
+
+
+class PrefixCache(_Strict):
+    """Automatic prefix caching for a hybrid model (vLLM's, as the Qwen3.6-27B port's hybrid APC does it): attention KV
+    kept per block of `block_size` tokens, keyed by a hash chain over the blocks, and DeltaNet (recurrent + conv)
+    state checkpoints every `checkpoint_interval` tokens; a prompt that shares a cached prefix resumes at the deepest
+    checkpoint of it. Needs chunked_prefill."""
+
+    block_size: StrictInt = Field(256, ge=1, description="tokens per KV block (vLLM --block-size, NxDI pa_block_size)")
+    num_blocks: StrictInt | None = Field(None, ge=1, description="KV blocks kept (vLLM --num-gpu-blocks-override, NxDI "
+                                                                 "pa_num_blocks); default ceil(seq_len / block_size) "
+                                                                 "* batch_size")
+    checkpoint_interval: StrictInt | None = Field(None, ge=1, description="tokens between DeltaNet state checkpoints, "
+                                                                          "a multiple of block_size (the port's "
+                                                                          "gdn_checkpoint_interval); default "
+                                                                          "block_size")
+    checkpoint_slots: StrictInt = Field(8, ge=1, description="DeltaNet state checkpoints kept (the port's "
+                                                             "max_gdn_checkpoint_slots)")
+
+
 class Text(_Strict):
     batch_size: StrictInt = Field(1, ge=1, le=256)
     seq_len: StrictInt = Field(..., ge=1, description="maximum context (prompt + generated tokens)")
@@ -141,9 +168,34 @@ class Text(_Strict):
                              f"the last tkg bucket at least {cte[-1]} (or drop tkg_buckets: the default is [seq_len])")
         return v
 
+    chunked_prefill: ChunkedPrefill | None = Field(None, description="prefill long prompts chunk by chunk; absent: "
+                                                                      "a prompt must fit the largest cte bucket")
+    prefix_cache: PrefixCache | None = Field(None, description="reuse the KV and DeltaNet state of cached prompt "
+                                                               "prefixes; needs chunked_prefill")
+
     @property
     def token_buckets(self) -> list[int]:
         return self.tkg_buckets or [self.seq_len]
+
+    @property
+    def chunk_size(self) -> int | None:
+        """The prefill chunk (None: no chunked prefill)."""
+        if self.chunked_prefill is None:
+            return None
+        return self.chunked_prefill.chunk_size or self.cte_buckets[-1]
+
+    @property
+    def num_blocks(self) -> int | None:
+        """The prefix cache's KV blocks (None: no prefix cache)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        return cache.num_blocks or -(-self.seq_len // cache.block_size) * self.batch_size
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        cache = self.prefix_cache
+        return None if cache is None else cache.checkpoint_interval or cache.block_size
 
 
 class Vision(_Strict):

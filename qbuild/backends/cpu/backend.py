@@ -16,6 +16,7 @@ from qbuild.core import jsonio
 from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import BuildError
 from qbuild.model.arch import Arch
+from qbuild.model.chunking import EXTEND, LongContext, PrefixCacheSpec, extend_buckets
 from qbuild.recipe import checks
 from qbuild.recipe.params import PackageParams, ShardParams
 from qbuild.recipe.schema import LoadedRecipe
@@ -27,18 +28,41 @@ _FORMATS = {"export": "exported-program", "inductor": "aoti-package"}
 _NATIVE = {"export": False, "inductor": True}
 
 
+def long_context(loaded: LoadedRecipe) -> LongContext | None:
+    """The recipe's chunked prefill and prefix cache, defaults resolved (None: neither)."""
+    t = loaded.recipe.text
+    if t.chunk_size is None:
+        return None
+    cache = t.prefix_cache
+    spec = cache and PrefixCacheSpec(cache.block_size, t.num_blocks, t.checkpoint_interval, cache.checkpoint_slots)
+    return LongContext(t.chunk_size, spec)
+
+
+def text_graphs(loaded: LoadedRecipe) -> list[tuple[str, int]]:
+    """(graph, bucket) of every text graph: a cte graph per prompt bucket, a tkg graph per KV bucket, and with
+    chunked prefill an extend graph per KV bucket a later prefill piece runs in (qbuild.model.chunking)."""
+    t = loaded.recipe.text
+    graphs = [("cte", b) for b in t.cte_buckets] + [("tkg", b) for b in t.token_buckets]
+    plan = long_context(loaded)
+    if plan is not None:
+        graphs += [(EXTEND, b) for b in extend_buckets(plan.step, t.token_buckets)]
+    return graphs
+
+
 def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) -> CpuCompile:
     """The allow-listed inputs of one CPU-compiled graph: architecture, parallelism, shapes and backend.
 
     Weight values never enter (a compile serves every fine-tune of an architecture). The text graphs do not
-    depend on the vision encoder and the vision graphs do not depend on the text model or on tp.
+    depend on the vision encoder and the vision graphs do not depend on the text model or on tp. An extend graph
+    depends on the piece it prefills, not on the prefix cache's sizes (the host keeps that cache).
     """
     r = loaded.recipe
     if graph == "vision":
         return CpuVisionCompile(graph, bucket, r.backend, r.dtype, arch.vision)
+    chunk = long_context(loaded).step if graph == EXTEND else None
     return CpuTextCompile(graph, bucket, r.backend, r.dtype, arch.text_model(), r.parallel.tp, r.parallel.ep,
                           r.parallel.effective_moe_tp if arch.is_moe else None, r.text.batch_size, r.text.seq_len,
-                          r.fp8, checks.moe_backend(loaded, arch), r.fused_qkv)
+                          r.fp8, checks.moe_backend(loaded, arch), r.fused_qkv, chunk)
 
 
 # A graph's example inputs are allocated, held by the exported program (torch.export keeps them) and written out
@@ -63,12 +87,16 @@ def compile_peak_bytes(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int
         return GIB + sizes.vision + _INPUT_COPIES * inputs
     batch, tp = r.text.batch_size, r.parallel.tp
     n_delta = arch.num_layers - arch.num_attn_layers
+    kv_cache = 2 * arch.num_attn_layers * tp * batch * bucket * arch.per_rank(tp).kv_dim * d
     if graph == "cte":
         inputs = batch * bucket * (arch.hidden_size * d + 3 * 8)   # embeddings (or ids) and mRoPE positions
         traced = bucket * n_delta * _TRACE_BYTES_PER_TOKEN_LAYER
+    elif graph == EXTEND:   # a piece's tokens and its attention scores over the KV bucket, and the cache
+        chunk = long_context(loaded).step
+        inputs = batch * chunk * (arch.hidden_size * d + 3 * 8 + arch.num_heads * bucket * 4) + kv_cache
+        traced = chunk * n_delta * _TRACE_BYTES_PER_TOKEN_LAYER
     else:
-        inputs = 2 * arch.num_attn_layers * tp * batch * bucket * arch.per_rank(tp).kv_dim * d   # the KV cache
-        traced = 0
+        inputs, traced = kv_cache, 0
     return GIB + sizes.weights + _INPUT_COPIES * inputs + traced
 
 
@@ -79,14 +107,14 @@ class CpuBackend:
     # --- planning ------------------------------------------------------------------------------------------------
 
     def validate(self, loaded: LoadedRecipe, arch: Arch) -> None:
-        """Every recipe the schema and the architecture checks accept builds on the CPU."""
+        """Every recipe the schema and the architecture checks accept builds on the CPU, chunked prefill and the prefix
+        cache included (qbuild's runtime keeps that cache on the host)."""
 
     def plan(self, loaded: LoadedRecipe, arch: Arch, env, sizes: Sizes) -> BackendPlan:
         r = loaded.recipe
         moe_tp = r.parallel.effective_moe_tp if arch.is_moe else None
         shard = ShardParams("cpu", r.parallel.tp, r.parallel.ep, r.parallel.tp, moe_tp, r.fused_qkv, None, r.dtype)
-        graphs = [("cte", b) for b in r.text.cte_buckets] + [("tkg", b) for b in r.text.token_buckets]
-        graphs += [("vision", b) for b in (r.vision.buckets if r.vision else [])]
+        graphs = text_graphs(loaded) + [("vision", b) for b in (r.vision.buckets if r.vision else [])]
         compiles = tuple(
             PlannedStep(f"compile {graph}-{bucket}", "compile", f"compile {graph}-{bucket} ({self.name})",
                         compile_params(loaded, arch, graph, bucket), {}, 64 << 20,
@@ -94,7 +122,8 @@ class CpuBackend:
             for graph, bucket in graphs)
         package = PackageParams(arch.family, self.name, r.parallel.tp, r.parallel.ep, r.parallel.tp,
                                 r.text.batch_size, r.text.seq_len, tuple(r.text.cte_buckets),
-                                tuple(r.text.token_buckets), tuple(r.vision.buckets if r.vision else ()), r.dtype)
+                                tuple(r.text.token_buckets), tuple(r.vision.buckets if r.vision else ()), r.dtype,
+                                long_context=long_context(loaded))
         return BackendPlan((), shard, compiles, package, 0)
 
     def explain_reuse(self, old: dict, new) -> str | None:
@@ -141,8 +170,9 @@ class CpuBackend:
                 graph = name.removeprefix("compile:")
                 link_tree(tree, ctx.out / "graphs")
                 graphs[graph] = f"graphs/{graph}.pt2"
+        extend = extend_buckets(p.long_context.step, list(p.tkg_buckets)) if p.long_context else []
         expected = {f"cte-{b}" for b in p.cte_buckets} | {f"tkg-{b}" for b in p.tkg_buckets} | \
-            {f"vision-{b}" for b in p.vision_buckets}
+            {f"vision-{b}" for b in p.vision_buckets} | {f"{EXTEND}-{b}" for b in extend}
         if set(graphs) != expected:
             raise ValueError(f"package got graphs {sorted(graphs)}, planned {sorted(expected)}")
         return graphs
@@ -158,7 +188,8 @@ class CpuBackend:
             text_ids = record["ids"]
             if image is not None:  # the runtime puts the image tokens in front itself
                 text_ids = record["ids"][record["ids"].index(runtime.config["vision_end_token_id"]) + 1:]
-            gen = runtime.generate(text_ids, len(record["greedy"]), image=image, stop_at_eos=False)
+            # The prefix cache off: verify compares the logits of every prompt position, and the tokens are the same.
+            gen = runtime.generate(text_ids, len(record["greedy"]), image=image, stop_at_eos=False, use_cache=False)
             if gen.prompt_ids != record["ids"]:
                 raise BuildError(f"verify: prompt {i}: the runtime built prompt ids {gen.prompt_ids[:12]}..., the "
                                  f"reference {record['ids'][:12]}...")
@@ -171,13 +202,17 @@ class CpuBackend:
     # --- serving -------------------------------------------------------------------------------------------------
 
     def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
-        """qbuild's own server (qbuild.backends.cpu.serve) in this process; its limits are the bundle's buckets."""
+        """qbuild's own server (qbuild.backends.cpu.serve) in this process; its limits are the bundle's buckets (with
+        chunked prefill, a prompt may fill the KV cache), and its prefix cache the bundle's."""
         buckets = manifest["buckets"]
         host = f"[{options.host}]" if ":" in options.host else options.host
-        return {"server": "qbuild", "backend": self.name, "bundle": str(bundle), "model": options.name,
-                "url": f"http://{host}:{options.port}/v1", "routes": ["/v1/models", "/v1/completions",
-                                                                   "/v1/chat/completions"],
-                "max_prompt_tokens": max(buckets["cte"]), "max_model_len": max(buckets["tkg"])}
+        plan = LongContext.from_json(manifest.get("long_context"))
+        doc = {"server": "qbuild", "backend": self.name, "bundle": str(bundle), "model": options.name,
+               "url": f"http://{host}:{options.port}/v1", "routes": ["/v1/models", "/v1/completions",
+                                                                  "/v1/chat/completions"],
+               "max_prompt_tokens": max(buckets["tkg"]) if plan else max(buckets["cte"]),
+               "max_model_len": max(buckets["tkg"])}
+        return doc if plan is None else {**doc, "long_context": plan.to_json()}
 
     def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
         """Load the bundle into qbuild's runtime, with every text graph, so the first request is as fast as the

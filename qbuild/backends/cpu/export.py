@@ -10,6 +10,8 @@ Graphs (B batch_size, S bucket; each graph's model has max_seq_len = its bucket,
             tokens are ids (B, S) for text-only families, embeddings (B, S, H) for the VL families (the host
             embeds and inserts image features); position_ids (B, S), or (3, B, S) with mRoPE.
     tkg:    (weights, input_ids (B, 1), position_ids, positions (B,), state with L = S) -> (logits (B, 1, V), state)
+    extend: (weights, tokens (B, C) or (B, C, H), position_ids, starts (B,), seq_lens (B,), state with L = S)
+            -> (logits (B, C, V), state): a prefill piece of C tokens (the params' `chunk`) continuing the state
     vision: (weights, hidden (S, hidden), mask (1, 1, S, S), cos (S, head_dim), sin (S, head_dim)) -> features
 """
 
@@ -49,17 +51,19 @@ def text_model(params: CpuTextCompile, max_seq_len: int):
     return TextModel(params.text, tp=params.tp, ep=params.ep, dtype=torch_dtype(params.dtype), max_seq_len=max_seq_len)
 
 
-def text_inputs(model, graph: str, batch: int, bucket: int) -> tuple:
+def text_inputs(model, graph: str, batch: int, bucket: int, chunk: int | None = None) -> tuple:
     """Example inputs of a text graph (values are irrelevant: shapes and dtypes define the program)."""
     arch = model.arch
     mrope = arch.mrope_section is not None
-    length = bucket if graph == "cte" else 1
+    length = {"cte": bucket, "extend": chunk}.get(graph, 1)
     positions = torch.zeros((3, batch, length) if mrope else (batch, length), dtype=torch.long)
+    tokens = (torch.zeros(batch, length, arch.hidden_size, dtype=model.dtype) if mrope
+              else torch.zeros(batch, length, dtype=torch.long))
     if graph == "cte":
-        tokens = (torch.zeros(batch, bucket, arch.hidden_size, dtype=model.dtype) if mrope
-                  else torch.zeros(batch, bucket, dtype=torch.long))
         return tokens, positions, torch.full((batch,), bucket, dtype=torch.long)
     state = tuple(torch.zeros(shape, dtype=dtype) for shape, dtype in model.state_shapes(batch))
+    if graph == "extend":
+        return tokens, positions, torch.zeros(batch, dtype=torch.long), torch.full((batch,), chunk), state
     return torch.zeros(batch, 1, dtype=torch.long), positions, torch.zeros(batch, dtype=torch.long), state
 
 
@@ -87,6 +91,9 @@ def _export(module: torch.nn.Module, weights: dict, args: tuple) -> torch.export
     return program
 
 
+_METHODS = {"cte": "prefill", "tkg": "decode", "extend": "extend"}   # graph -> the TextModel method it traces
+
+
 def export_text(params: CpuTextCompile) -> Traced:
     from qbuild.model.modeling import EntryPoint
 
@@ -94,9 +101,10 @@ def export_text(params: CpuTextCompile) -> Traced:
     start = time.monotonic()
     model = text_model(params, max_seq_len=bucket).eval()
     weights = _example_weights(model)
-    args = text_inputs(model, graph, batch, bucket)
-    program = _export(EntryPoint(model, "prefill" if graph == "cte" else "decode"), weights, args)
-    signature = {"graph": graph, "bucket": bucket, "batch_size": batch, "embeds": model.arch.mrope_section is not None,
+    args = text_inputs(model, graph, batch, bucket, params.chunk)
+    program = _export(EntryPoint(model, _METHODS[graph]), weights, args)
+    signature = {"graph": graph, "bucket": bucket, "chunk": params.chunk, "batch_size": batch,
+                 "embeds": model.arch.mrope_section is not None,
                  "mrope": model.arch.mrope_section is not None, "max_seq_len": bucket,
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()},
                  "state_names": model.state_names(),

@@ -1,4 +1,4 @@
-"""The compile params of the CPU backends: one text graph (cte or tkg) or the vision encoder at one bucket."""
+"""The compile params of the CPU backends: one text graph (cte, tkg or extend) or the vision encoder at one bucket."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from qbuild.model.families import MoEBackend
 from qbuild.model.fp8 import FP8PolicyName
 
 CpuBackendName = Literal["inductor", "export"]
-TextGraph = Literal["cte", "tkg"]
+TextGraph = Literal["cte", "tkg", "extend"]
 
 
 @dataclass(frozen=True)
 class CpuTextCompile:
     graph: TextGraph
-    bucket: int
+    bucket: int                      # cte: the prompt bucket; tkg, extend: the KV length
     backend: CpuBackendName
     dtype: DType
     text: Arch                       # the text model's fingerprint (no vision encoder)
@@ -29,6 +29,7 @@ class CpuTextCompile:
     fp8: FP8PolicyName
     moe_backend: MoEBackend | None   # None for a dense model
     fused_qkv: bool
+    chunk: int | None = None         # extend: the tokens of one prefill piece (qbuild.model.chunking); else None
 
 
 @dataclass(frozen=True)

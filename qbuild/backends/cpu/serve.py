@@ -8,9 +8,11 @@ What the runtime can do decides what the server accepts (qbuild.backends.cpu.ser
 - Generation ends at `max_tokens` or after the end-of-sequence token (the bundle's generation_config and tokenizer
   name it). Without `max_tokens`, a completion stops after 16 tokens (OpenAI's default for this route) and a chat
   reply after as many as the cache holds.
-- One prompt per request. A prompt longer than the bundle's largest context-encoding bucket, or a prompt plus
-  `max_tokens` beyond its KV cache, is a 400 with the runtime's own message, checked before anything is generated,
-  so a stream is never cut short by it.
+- One prompt per request. A prompt longer than the bundle allows (its largest context-encoding bucket, or with
+  chunked prefill its KV cache), or a prompt plus `max_tokens` beyond its KV cache, is a 400 with the runtime's own
+  message, checked before anything is generated, so a stream is never cut short by it.
+- `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens the runtime's prefix cache answered, as
+  OpenAI's usage does.
 - A request body may hold at most max_body_bytes(seq_len) bytes; a larger one is a 413, refused at once where its
   Content-Length says so, otherwise as soon as that many bytes came, never read any further (docs/serve.md).
 - One runtime serves every request, one generation at a time: concurrent requests queue in arrival order and each
@@ -226,8 +228,8 @@ class Generator:
         if n == 0:
             raise RequestError("the prompt is empty", "prompt")
         try:
-            self.runtime.cte_bucket(n)
-        except UserError as e:   # the runtime's message names its largest context-encoding bucket
+            self.runtime.check_prompt(n)
+        except UserError as e:   # the runtime's message names the limit: its largest bucket or its KV length
             raise RequestError(str(e), "prompt") from None
         room = self.runtime.max_new_tokens_after(n)
         if room < 1:
@@ -286,8 +288,10 @@ class Generator:
     def finish_reason(self, token_ids: list[int]) -> str:
         return "stop" if token_ids and token_ids[-1] in self.eos else "length"
 
-    def usage(self, prompt: int, generated: int) -> dict:
-        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+    def usage(self, prompt: int, generation) -> dict:
+        generated = len(generation.token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+                "prompt_tokens_details": {"cached_tokens": generation.cached_tokens}}
 
 
 class Detokenizer:
@@ -355,7 +359,8 @@ class Api:
     def _model_card(self) -> dict:
         rt = self.gen.runtime
         return {"id": self.gen.name, "object": "model", "created": self.gen.created, "owned_by": "qbuild",
-                "max_model_len": rt.tkg[-1], "max_prompt_tokens": rt.cte[-1], "max_request_bytes": self.limit}
+                "max_model_len": rt.tkg[-1], "max_prompt_tokens": rt.max_prompt_tokens,
+                "max_request_bytes": self.limit}
 
     async def _prepare(self, request: Request, route) -> tuple[Prepared, Client] | Response:
         """The request read, parsed and tokenized, with the watch on its client; or the response refusing it."""
@@ -386,7 +391,7 @@ class Api:
         if isinstance(generation, Response):
             return generation
         doc = chunk(generation.text, self.gen.finish_reason(generation.token_ids))
-        doc["usage"] = self.gen.usage(len(p.ids), len(generation.token_ids))
+        doc["usage"] = self.gen.usage(len(p.ids), generation)
         return JSONResponse(doc)
 
     async def chat(self, request: Request) -> Response:
@@ -409,7 +414,7 @@ class Api:
             "id": rid, "object": "chat.completion", "created": created, "model": self.gen.name,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": generation.text},
                          "logprobs": None, "finish_reason": self.gen.finish_reason(generation.token_ids)}],
-            "usage": self.gen.usage(len(p.ids), len(generation.token_ids))})
+            "usage": self.gen.usage(len(p.ids), generation)})
 
     async def _generate(self, p: Prepared, client: Client):
         """The generation of a non-streamed answer, or the response that ends the request without one."""
@@ -470,7 +475,7 @@ class Api:
                 yield _sse(with_usage(chunk(rest, self.gen.finish_reason(generation.token_ids))))
                 if include_usage:
                     yield _sse({"id": rid, "object": kind, "created": created, "model": self.gen.name,
-                                "choices": [], "usage": self.gen.usage(len(p.ids), len(generation.token_ids))})
+                                "choices": [], "usage": self.gen.usage(len(p.ids), generation)})
                 yield "data: [DONE]\n\n"
             finally:   # also where the stream was cancelled (its client went away): its generation stops
                 job.stop("client")

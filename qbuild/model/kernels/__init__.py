@@ -4,7 +4,7 @@ Their source is part of every compile key: a change here rebuilds every compiled
 inside qbuild because an unrelated PyPI package is named `kernels`.
 """
 
-from qbuild.model.kernels.attention import gqa_attention
+from qbuild.model.kernels.attention import gqa_attention, naive_gqa_attention
 from qbuild.model.kernels.conv import causal_conv1d, causal_conv1d_update
 from qbuild.model.kernels.deltanet import (
     CHUNK_SIZE,
@@ -20,6 +20,7 @@ __all__ = [
     "causal_conv1d_update",
     "chunk_gated_delta_rule",
     "gqa_attention",
+    "naive_gqa_attention",
     "naive_recurrent",
     "recurrent_gated_delta_rule",
     "unit_lower_triangular_inverse",

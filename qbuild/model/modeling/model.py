@@ -7,8 +7,10 @@ replicated tensors are stored once. Each rank computes its partial output from i
 partials over R is the all-reduce. Inside a layer the ranks' heads sit side by side ("rank-merged": rank r's
 head i is head r*N + i), which is exact because heads never mix before the row-parallel output projection.
 
-Shapes are static and there is no data-dependent Python control flow, so `prefill` and `decode` export with
-torch.export (see `entry_point`). Legend for shape suffixes and docstrings:
+Shapes are static and there is no data-dependent Python control flow, so `prefill`, `extend` and `decode` export
+with torch.export (see `EntryPoint`). `prefill` starts a sequence; `extend` continues one from its state with a
+chunk of tokens (chunked prefill, and a prefill resumed from a prefix-cache checkpoint); `decode` is `extend` of one
+token. Legend for shape suffixes and docstrings:
     B batch, S sequence (a static bucket, right-padded), L max_seq_len (KV-cache slots), H hidden, V vocab,
     R ranks (= tp), N / Nkv attention heads per rank, D head_dim, P rotary dims, Hk / Hv DeltaNet key / value
     heads per rank, dk / dv their dims, C conv channels per rank, K conv taps, T tokens (B*S),
@@ -205,15 +207,17 @@ class GatedAttention(nn.Module):
         pad = (0, 0, 0, max_seq_len - length)
         return out, self._per_rank(F.pad(k, pad)), self._per_rank(F.pad(v, pad))
 
-    def decode(self, x_B1H, cos, sin, positions_B, k_cache, v_cache):
-        """Write this token's k/v at slot `positions` of each row, attend to slots <= positions.
-        -> (out (B, 1, H), k cache, v cache)."""
-        q, k, v, gate = self._qkv(x_B1H, cos, sin)
+    def extend(self, x_BSH, cos, sin, slots_BS, k_cache, v_cache):
+        """Write each token's k/v at its slot (`slots_BS`, distinct within a row, < L), then let it attend to the
+        slots at or before its own: the cached prefix and the chunk's earlier tokens. -> (out (B, S, H), k cache,
+        v cache). Decode is S = 1. Padded tokens write slots past the real ones, which nothing reads before a real
+        token overwrites them."""
+        q, k, v, gate = self._qkv(x_BSH, cos, sin)
         k_all, v_all = self._rank_merged(k_cache), self._rank_merged(v_cache)
-        slot = positions_B.to(torch.long)[:, None, None, None].expand(-1, k.shape[1], 1, self.head_dim)
+        slot = slots_BS.to(torch.long)[:, None, :, None].expand(-1, k.shape[1], -1, self.head_dim)
         k_all, v_all = k_all.scatter(2, slot, k), v_all.scatter(2, slot, v)
-        slots = torch.arange(k_all.shape[2], device=x_B1H.device)
-        allowed = (slots[None, :] <= positions_B[:, None])[:, None, None, :]  # (B, 1, 1, L)
+        cache_slots = torch.arange(k_all.shape[2], device=x_BSH.device)
+        allowed = (cache_slots[None, None, :] <= slots_BS[:, :, None])[:, None]  # (B, 1, S, L)
         out = self._output(gqa_attention(q, k_all, v_all, allowed, self.head_dim**-0.5), gate)
         return out, self._per_rank(k_all), self._per_rank(v_all)
 
@@ -272,22 +276,27 @@ class GatedDeltaNet(nn.Module):
         gated = (normed.float() * F.silu(z.float())).to(core_BSHV.dtype)
         return row_parallel(gated.reshape(batch, length, ranks, -1), self.out_proj.weight)
 
-    def prefill(self, x_BSH, valid_BS, seq_lens_B):
+    def prefill(self, x_BSH, valid_BS, seq_lens_B, conv_state=None, recurrent_state=None):
         """-> (out (B, S, H), conv state (R, B, C, K-1), recurrent state (R, B, Hv, dk, dv) float32).
 
+        From the given states (those of the tokens before this chunk), or from zeros (the start of a sequence).
         Right-padded steps are masked with beta = 0 and g = 0 (they leave the state untouched) and the conv
         state is gathered at each row's last real inputs, so the bucket padding never reaches the state."""
         batch, length, _ = x_BSH.shape
         mixed_BSRC = column_parallel(x_BSH, self.in_proj_qkv.weight)
         ranks = mixed_BSRC.shape[2]
+        if conv_state is not None:
+            conv_state = conv_state.transpose(0, 1).reshape(batch, ranks * self.channels, self.taps - 1)
+            recurrent_state = recurrent_state.transpose(0, 1).reshape(batch, ranks * self.value_heads, self.dk,
+                                                                      self.dv)
         conv_out, conv_state = causal_conv1d(mixed_BSRC.flatten(2).transpose(1, 2), self._conv_weight(),
-                                             seq_lens=seq_lens_B)
+                                             conv_state, seq_lens=seq_lens_B)
         mixed_BSRC = F.silu(conv_out).transpose(1, 2).reshape(batch, length, ranks, self.channels)
         q, k, v = self._heads(mixed_BSRC)
         g, beta = self._gates(x_BSH)
         valid = valid_BS[:, :, None]
         g, beta = torch.where(valid, g, 0.0), torch.where(valid, beta, torch.zeros_like(beta))
-        core, recurrent = chunk_gated_delta_rule(q, k, v, g, beta, None)
+        core, recurrent = chunk_gated_delta_rule(q, k, v, g, beta, recurrent_state)
         conv_state = conv_state.reshape(batch, ranks, self.channels, self.taps - 1).transpose(0, 1).contiguous()
         recurrent = recurrent.reshape(batch, ranks, self.value_heads, self.dk, self.dv).transpose(0, 1).contiguous()
         return self._output(core, x_BSH), conv_state, recurrent
@@ -420,8 +429,9 @@ class DecoderLayer(nn.Module):
 class TextModel(nn.Module):
     """The text decoder over per-rank NxDI shards, tp ranks (and ep expert groups) simulated in one process.
 
-    Build it, `load_shards` the rank state dicts, then `prefill` a right-padded bucket and `decode` token by
-    token, threading the state tuple through (layout in the module docstring and `state_names`).
+    Build it, `load_shards` the rank state dicts, then `prefill` a right-padded bucket (and `extend` it chunk by
+    chunk) and `decode` token by token, threading the state tuple through (layout in the module docstring and
+    `state_names`).
     """
 
     def __init__(self, arch: Arch, tp: int = 1, ep: int = 1, dtype: torch.dtype = torch.float32,
@@ -472,6 +482,16 @@ class TextModel(nn.Module):
     def _logits(self, h_BSH: torch.Tensor) -> torch.Tensor:
         return rms_norm(h_BSH, self.norm.weight, self.arch.rms_norm_eps) @ self.lm_head.weight.T
 
+    def _layers(self, h_BSH: torch.Tensor, mix) -> tuple[torch.Tensor, tuple]:
+        """h through every layer; `mix(i, layer, normed)` is layer i's token mixer: (out, *its state tensors).
+        -> (logits, the state tuple)."""
+        state: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            out, *layer_state = mix(i, layer, rms_norm(h_BSH, layer.input_layernorm.weight, layer.eps))
+            h_BSH = layer.feed_forward(h_BSH + out)
+            state += layer_state
+        return self._logits(h_BSH), tuple(state)
+
     def prefill(self, tokens: torch.Tensor, position_ids: torch.Tensor, seq_lens: torch.Tensor):
         """Run a right-padded prompt bucket from an empty state.
 
@@ -488,42 +508,66 @@ class TextModel(nn.Module):
             raise ValueError(f"prefill bucket {length} exceeds max_seq_len {self.max_seq_len}")
         cos, sin = self.rotary(position_ids)
         valid_BS = torch.arange(length, device=h.device)[None, :] < seq_lens[:, None]
-        state: list[torch.Tensor] = []
-        for layer in self.layers:
-            normed = rms_norm(h, layer.input_layernorm.weight, layer.eps)
+
+        def mix(i, layer, normed):
             if layer.is_attention:
-                out, *layer_state = layer.self_attn.prefill(normed, cos, sin, self.max_seq_len)
-            else:
-                out, *layer_state = layer.linear_attn.prefill(normed, valid_BS, seq_lens)
-            h = layer.feed_forward(h + out)
-            state += layer_state
-        return self._logits(h), tuple(state)
+                return layer.self_attn.prefill(normed, cos, sin, self.max_seq_len)
+            return layer.linear_attn.prefill(normed, valid_BS, seq_lens)
+
+        return self._layers(h, mix)
+
+    def extend(self, tokens: torch.Tensor, position_ids: torch.Tensor, starts: torch.Tensor, seq_lens: torch.Tensor,
+               state: Sequence[torch.Tensor]):
+        """Continue each row's sequence with a right-padded chunk: chunked prefill, or a prefill resumed from a
+        prefix-cache checkpoint. The same arithmetic as `prefill` of the whole sequence, up to summation order.
+
+        Args:
+            tokens: input ids (B, S) int64, or input embeddings (B, S, H), as for `prefill`.
+            position_ids: (B, S) text positions, or (3, B, S) mRoPE positions of the chunk's tokens.
+            starts: (B,) the KV-cache slot of each row's first chunk token (the number of tokens before it);
+                starts + S <= max_seq_len.
+            seq_lens: (B,) number of real tokens of the chunk in each row (1 <= seq_lens <= S).
+            state: the state of the tokens before the chunk (prefill's, extend's or decode's tuple).
+        Returns:
+            logits (B, S, V) of the chunk (rows past seq_lens are padding), and the new state tuple.
+        """
+        h = self._embed(tokens)
+        length = h.shape[1]
+        cos, sin = self.rotary(position_ids)
+        offsets = torch.arange(length, device=h.device)
+        slots_BS = starts[:, None] + offsets[None, :]
+        valid_BS = offsets[None, :] < seq_lens[:, None]
+
+        def mix(i, layer, normed):
+            first, second = state[2 * i], state[2 * i + 1]
+            if layer.is_attention:
+                return layer.self_attn.extend(normed, cos, sin, slots_BS, first, second)
+            return layer.linear_attn.prefill(normed, valid_BS, seq_lens, first, second)
+
+        return self._layers(h, mix)
 
     def decode(self, input_ids: torch.Tensor, position_ids: torch.Tensor, positions: torch.Tensor,
                state: Sequence[torch.Tensor]):
-        """One token per row.
+        """One token per row: `extend` by one token, with DeltaNet's one-step recurrent kernels.
 
         Args:
             input_ids: (B, 1) int64.
             position_ids: (B, 1) text positions or (3, B, 1) mRoPE positions of this token.
             positions: (B,) the KV-cache slot of this token (its index in the sequence; < max_seq_len).
-            state: the tuple prefill or the previous decode returned.
+            state: the tuple prefill, extend or the previous decode returned.
         Returns:
             logits (B, 1, V) and the new state tuple.
         """
         h = self._embed(input_ids)
         cos, sin = self.rotary(position_ids)
-        new_state: list[torch.Tensor] = []
-        for i, layer in enumerate(self.layers):
+
+        def mix(i, layer, normed):
             first, second = state[2 * i], state[2 * i + 1]
-            normed = rms_norm(h, layer.input_layernorm.weight, layer.eps)
             if layer.is_attention:
-                out, *layer_state = layer.self_attn.decode(normed, cos, sin, positions, first, second)
-            else:
-                out, *layer_state = layer.linear_attn.decode(normed, first, second)
-            h = layer.feed_forward(h + out)
-            new_state += layer_state
-        return self._logits(h), tuple(new_state)
+                return layer.self_attn.extend(normed, cos, sin, positions[:, None], first, second)
+            return layer.linear_attn.decode(normed, first, second)
+
+        return self._layers(h, mix)
 
     # ---- weights -----------------------------------------------------------------------------------------
     def _targets(self) -> dict[str, tuple[torch.Tensor, bool]]:
@@ -576,13 +620,13 @@ def _stack_ranks(name: str, values: list[torch.Tensor], shard_shape: torch.Size)
 
 
 class EntryPoint(nn.Module):
-    """A torch.export-able view of one TextModel method (`prefill` or `decode`) under the model's own names.
+    """A torch.export-able view of one TextModel method (`prefill`, `extend` or `decode`) under the model's own names.
 
     It registers the model's children and buffers as its own (the same objects), so the exported graph's
     parameters keep the NxDI names, and forwards its arguments to the method.
     """
 
-    def __init__(self, model: TextModel, method: Literal["prefill", "decode"]):
+    def __init__(self, model: TextModel, method: Literal["prefill", "extend", "decode"]):
         super().__init__()
         for name, child in model.named_children():
             self.add_module(name, child)

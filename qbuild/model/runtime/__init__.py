@@ -4,6 +4,12 @@ token-generation graphs, images through the vision graph (VL bundles). CPU backe
 The host owns the full KV cache (seq_len slots, as NxDI's); each graph was compiled with its bucket as KV length,
 so a call gets the cache sliced to that bucket and the result is written back. DeltaNet states do not depend on
 the bucket. Weights are loaded once, into the reference model's rank-stacked layout the graphs take as inputs.
+
+A bundle with chunked prefill (bundle.json "long_context") prefills a prompt up to its KV length in pieces: the first
+through a CTE graph, each later one through an extend graph that continues the state (qbuild.model.chunking says
+where the pieces are cut). With a prefix cache (qbuild.model.runtime.prefix_cache), a prompt resumes from the
+deepest cached checkpoint of its prefix and runs the remaining pieces exactly as a cold prefill runs them, so its
+tokens are the cold prefill's, bit for bit.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from qbuild.model.chunking import EXTEND, LongContext, kv_bucket, pieces
 from qbuild.store.bundle import check_files, read_manifest
 from qbuild.core.errors import UserError
 
@@ -25,8 +32,9 @@ class Generation:
     text: str
     ttft_ms: float
     tpot_ms: float | None            # None when only one token was generated
-    cte_bucket: int
-    prefill_logits: object = field(repr=False, default=None)   # (n, V) float32 tensor of row 0
+    cte_bucket: int                  # the CTE bucket of the prompt's (first) prefill piece
+    prefill_logits: object = field(repr=False, default=None)   # (n - cached_tokens, V) float32 tensor of row 0
+    cached_tokens: int = 0           # prompt tokens taken from the prefix cache (their logits are not computed)
 
 
 class Runtime:
@@ -42,6 +50,8 @@ class Runtime:
         self._graphs: dict[str, object] = {}
         self._signatures: dict[str, dict] = {}
         self.embeds = self.signature(f"cte-{self.cte[0]}")["embeds"]
+        self.long_context = LongContext.from_json(manifest.get("long_context"))
+        self.prefix_cache = self._new_prefix_cache()
 
     # --- loading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -102,29 +112,56 @@ class Runtime:
     def _tkg_bucket(self, position: int) -> int:
         return next(b for b in self.tkg if b > position)
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt: the KV length with chunked prefill, else the largest CTE bucket."""
+        return self.tkg[-1] if self.long_context else self.cte[-1]
+
     def max_new_tokens_after(self, n: int) -> int:
         """The most tokens a prompt of `n` tokens can be followed by: the last one is never written to the cache."""
         return self.tkg[-1] - n + 1
 
-    def check_lengths(self, n: int, max_new_tokens: int) -> int:
-        """The CTE bucket a prompt of `n` tokens followed by `max_new_tokens` tokens runs in; UserError naming the limit
-        it exceeds. A server checks a request with it before answering, so a refusal is an error status, never a
-        stream cut short."""
-        if max_new_tokens < 1:
-            raise UserError("--max-new-tokens must be at least 1")
+    def check_prompt(self, n: int) -> int:
+        """The CTE bucket of the first prefill piece of a prompt of `n` tokens; UserError naming the limit it
+        exceeds."""
         if n == 0:
             raise UserError("the prompt is empty")
-        bucket = self.cte_bucket(n)
+        if self.long_context is None:
+            return self.cte_bucket(n)
+        if n > self.tkg[-1]:
+            raise UserError(f"the prompt has {n} tokens, more than the {self.tkg[-1]} KV slots of this bundle "
+                            "(its largest token-generation bucket); shorten it or build a recipe with a longer "
+                            "seq_len")
+        return self.cte_bucket(self._pieces(n)[0][1])
+
+    def check_lengths(self, n: int, max_new_tokens: int) -> int:
+        """The CTE bucket a prompt of `n` tokens followed by `max_new_tokens` tokens runs in (its first piece, with
+        chunked prefill); UserError naming the limit it exceeds. A server checks a request with it before answering,
+        so a refusal is an error status, never a stream cut short."""
+        if max_new_tokens < 1:
+            raise UserError("--max-new-tokens must be at least 1")
+        bucket = self.check_prompt(n)
         kv_len = self.tkg[-1]
         if n + max_new_tokens - 1 > kv_len:
             raise UserError(f"a prompt of {n} tokens plus {max_new_tokens} new tokens needs {n + max_new_tokens - 1} "
                             f"KV slots; this bundle's largest token-generation bucket is {kv_len}")
         return bucket
 
+    def _pieces(self, n: int) -> list[tuple[int, int]]:
+        """[start, end) of each prefill piece of a prompt of n tokens (qbuild.model.chunking). Without a prefix
+        cache, a prompt that fits a CTE bucket is one piece; with one, every prompt is cut on the same grid, so a
+        resumed prefill runs the pieces a cold one ran."""
+        plan = self.long_context
+        if plan is None or (plan.prefix_cache is None and n <= self.cte[-1]):
+            return [(0, n)]
+        return pieces(n, plan.step)
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, image: Path | None = None,
-                 stop_at_eos: bool = True, on_token: Callable[[int], bool | None] | None = None) -> Generation:
+                 stop_at_eos: bool = True, on_token: Callable[[int], bool | None] | None = None,
+                 use_cache: bool = True) -> Generation:
         """Greedy generation of up to `max_new_tokens` tokens after `prompt_ids` (with an image, if given).
-        `on_token` is called with each token as it is chosen; a true return ends the generation there."""
+        `on_token` is called with each token as it is chosen; a true return ends the generation there. With
+        `use_cache` false the prefix cache is neither read nor written (the tokens are the same)."""
         import torch
 
         if max_new_tokens < 1:
@@ -134,19 +171,15 @@ class Runtime:
             prompt_ids, images = self.with_image_tokens(prompt_ids, image)
         n = len(prompt_ids)
         bucket = self.check_lengths(n, max_new_tokens)
-        kv_len = self.tkg[-1]
         eos = self.eos_ids() if stop_at_eos else set()
-        self.graph(f"cte-{bucket}")  # graphs load before the clock starts: TTFT is a serving figure
-        for b in {self._tkg_bucket(p) for p in range(n, n + max_new_tokens - 1)}:
-            self.graph(f"tkg-{b}")
+        self._load_graphs(n, max_new_tokens)  # before the clock starts: TTFT is a serving figure
         with torch.no_grad():
             start = time.perf_counter()
-            logits, state, deltas = self._prefill(prompt_ids, bucket, images)
-            token = int(logits[0, n - 1].argmax())
+            logits, state, deltas, cached = self._prefill(prompt_ids, images, use_cache)
+            token = int(logits[-1].argmax())
             ttft = time.perf_counter() - start
             tokens, steps = [token], []
             stop = bool(on_token and on_token(token))
-            state = self._full_cache(state, kv_len)
             for i in range(max_new_tokens - 1):
                 if token in eos or stop:
                     break
@@ -159,7 +192,16 @@ class Runtime:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
         return Generation(prompt_ids=list(prompt_ids), token_ids=tokens, text=text, ttft_ms=ttft * 1e3,
                           tpot_ms=(sum(steps) / len(steps) * 1e3) if steps else None, cte_bucket=bucket,
-                          prefill_logits=logits[0, :n].float())
+                          prefill_logits=logits.float(), cached_tokens=cached)
+
+    def _load_graphs(self, n: int, max_new_tokens: int) -> None:
+        """Every graph a cold prefill of n tokens and the decode after it can call."""
+        pieces_ = self._pieces(n)
+        self.graph(f"cte-{self.cte_bucket(pieces_[0][1])}")
+        for start, _ in pieces_[1:]:
+            self.graph(f"{EXTEND}-{kv_bucket(start + self.long_context.step, self.tkg)}")
+        for b in {self._tkg_bucket(p) for p in range(n, n + max_new_tokens - 1)}:
+            self.graph(f"tkg-{b}")
 
     def eos_ids(self) -> set[int]:
         ids = set()
@@ -171,28 +213,92 @@ class Runtime:
             ids.add(self.tokenizer.eos_token_id)
         return ids
 
-    def _prefill(self, prompt_ids: list[int], bucket: int, images: tuple | None):
-        """images: (features (M, H), grid_thw) of the image whose M pad tokens the prompt holds, or None."""
+    # --- prefill ---------------------------------------------------------------------------------------------
+    def _prefill(self, prompt_ids: list[int], images: tuple | None, use_cache: bool):
+        """Every prefill piece of the prompt not taken from the prefix cache; the cache gets the checkpoints and
+        blocks of this prompt. images: (features (M, H), grid_thw) of the image whose M pad tokens the prompt holds,
+        or None. -> (logits (n - cached, V) of row 0, the host's state, mRoPE deltas (B,), cached tokens)."""
         import torch
 
         n = len(prompt_ids)
-        ids = torch.tensor(prompt_ids + [prompt_ids[-1]] * (bucket - n), dtype=torch.long)[None]
+        plan = self._pieces(n)
+        tokens, positions, deltas = self._prompt_inputs(prompt_ids, images, self._padded_length(plan))
+        cache = self.prefix_cache if use_cache else None
+        hashes = self._block_hashes(prompt_ids, images) if cache else []
+        resume = cache.lookup(hashes, n) if cache else None
+        state = self._resumed_state(resume) if resume and resume.tokens else None
+        outs = []
+        for start, end in plan:
+            if resume and start < resume.tokens:
+                continue
+            if start == 0:
+                logits, state = self._first_piece(tokens, positions, end)
+            else:
+                logits, state = self._extend(tokens, positions, start, end, state)
+            outs.append(logits[0, :end - start])
+            if cache and end % cache.spec.checkpoint_interval == 0:
+                cache.save_checkpoint(hashes[end // cache.spec.block_size - 1], state)
+        if cache:
+            interval, size = cache.spec.checkpoint_interval, cache.spec.block_size
+            cache.save_blocks(hashes[:n // interval * interval // size], state)
+        return torch.cat(outs), state, deltas, resume.tokens if resume else 0
+
+    def _padded_length(self, plan: list[tuple[int, int]]) -> int:
+        """The length the prompt's inputs are padded to: the first piece's CTE bucket, and every later piece's
+        whole step."""
+        ends = [self.cte_bucket(plan[0][1])] + [start + self.long_context.step for start, _ in plan[1:]]
+        return max(ends)
+
+    def _block_hashes(self, prompt_ids: list[int], images: tuple | None) -> list[bytes]:
+        """The prompt's block hash chain; an image's features are an extra key of the first block (its tokens in
+        the prompt are placeholders)."""
+        import hashlib
+
+        from qbuild.model.runtime.prefix_cache import block_hashes
+
+        salt = hashlib.sha256(images[0].float().contiguous().numpy().tobytes()).digest() if images else b""
+        return block_hashes(prompt_ids, self.prefix_cache.spec.block_size, salt)
+
+    def _prompt_inputs(self, prompt_ids: list[int], images: tuple | None, length: int):
+        """The prompt right-padded to `length` (with its last token), batch rows alike: (ids (B, length), or
+        embeddings (B, length, H) for the VL families; positions (B, length) or mRoPE (3, B, length); mRoPE deltas
+        (B,))."""
+        import torch
+
+        n = len(prompt_ids)
+        ids = torch.tensor(prompt_ids + [prompt_ids[-1]] * (length - n), dtype=torch.long)[None]
         ids = ids.expand(self.batch, -1).contiguous()
-        seq_lens = torch.full((self.batch,), n, dtype=torch.long)
         deltas = torch.zeros(self.batch, dtype=torch.long)
         if self.arch.mrope_section is not None:
             from qbuild.model.modeling.vision import mrope_position_ids
 
             grid = images[1] if images is not None else None
+            seq_lens = torch.full((self.batch,), n, dtype=torch.long)
             positions, deltas = mrope_position_ids(ids, grid, self.arch, seq_lens)
         else:
-            positions = torch.arange(bucket)[None].expand(self.batch, -1).contiguous()
-        if self.embeds:
-            tokens = self._embed(ids, images)
-        else:
-            tokens = ids
-        logits, state = self.graph(f"cte-{bucket}")(self.weights, tokens, positions, seq_lens)
-        return logits, list(state), deltas
+            positions = torch.arange(length)[None].expand(self.batch, -1).contiguous()
+        return (self._embed(ids, images) if self.embeds else ids), positions, deltas
+
+    def _first_piece(self, tokens, positions, end: int):
+        """The piece [0, end) through the CTE graph of its bucket; the state becomes the host's full caches."""
+        import torch
+
+        bucket = self.cte_bucket(end)
+        seq_lens = torch.full((self.batch,), end, dtype=torch.long)
+        logits, new = self.graph(f"cte-{bucket}")(self.weights, tokens[:, :bucket].contiguous(),
+                                                  positions[..., :bucket].contiguous(), seq_lens)
+        return logits, self._full_cache(list(new), end)
+
+    def _extend(self, tokens, positions, start: int, end: int, state: list):
+        """The piece [start, end) through the extend graph of the KV bucket its step of slots needs."""
+        import torch
+
+        step = self.long_context.step
+        bucket = kv_bucket(start + step, self.tkg)
+        starts = torch.full((self.batch,), start, dtype=torch.long)
+        seq_lens = torch.full((self.batch,), end - start, dtype=torch.long)
+        return self._call_with_cache(f"{EXTEND}-{bucket}", bucket, state, tokens[:, start:start + step].contiguous(),
+                                     positions[..., start:start + step].contiguous(), starts, seq_lens)
 
     def _embed(self, ids, images: tuple | None):
         import torch.nn.functional as F
@@ -205,28 +311,74 @@ class Runtime:
         per_row = images[0].repeat(ids.shape[0], 1)
         return embed_with_images(table, ids, per_row, self.arch.image_token_id)
 
+    # --- the host's state --------------------------------------------------------------------------------------
     def _attention_slots(self) -> list[int]:
         sig = self.signature(f"cte-{self.cte[0]}")
         return [i for i, name in enumerate(sig["state_names"]) if name.endswith(("k_cache", "v_cache"))]
 
-    def _full_cache(self, state: list, kv_len: int) -> list:
-        """Prefill's caches (KV length = its bucket) -> the host's full caches of kv_len slots."""
+    def _state_shapes(self) -> list[tuple[tuple[int, ...], object]]:
+        """(shape, dtype) of each state tensor, attention caches at the full KV length."""
         import torch
 
+        attention = set(self._attention_slots())
+        shapes = []
+        for i, (shape, dtype) in enumerate(self.signature(f"cte-{self.cte[0]}")["state"]):
+            if i in attention:
+                shape = [*shape[:3], self.tkg[-1], shape[4]]
+            shapes.append((tuple(shape), getattr(torch, dtype)))
+        return shapes
+
+    def _new_prefix_cache(self):
+        plan = self.long_context
+        if plan is None or plan.prefix_cache is None:
+            return None
+        from qbuild.model.runtime.prefix_cache import PrefixCache
+
+        attention = self._attention_slots()
+        shapes = self._state_shapes()
+        deltanet = [i for i in range(len(shapes)) if i not in attention]
+        return PrefixCache(plan.prefix_cache, attention, deltanet, shapes)
+
+    def _resumed_state(self, resume) -> list:
+        """The host's state at a cached checkpoint: its blocks' KV in the full caches (zeros past them, as a cold
+        prefill leaves them) and its DeltaNet state."""
+        import torch
+
+        state = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._state_shapes()]
+        self.prefix_cache.restore(resume, state)
+        return state
+
+    def _full_cache(self, state: list, real: int) -> list:
+        """Prefill's caches (KV length = its bucket) -> the host's full caches, holding the slots of the `real`
+        tokens only: a resumed prefill finds zeros past its cached blocks, and a cold one must find the same."""
+        import torch
+
+        kv_len = self.tkg[-1]
         for i in self._attention_slots():
             cache = state[i]
             full = torch.zeros(*cache.shape[:3], kv_len, cache.shape[4], dtype=cache.dtype)
-            keep = min(kv_len, cache.shape[3])
-            full[:, :, :, :keep] = cache[:, :, :, :keep]
+            full[:, :, :, :real] = cache[:, :, :, :real]
             state[i] = full
         return state
+
+    def _call_with_cache(self, graph: str, bucket: int, state: list, *args):
+        """Call a graph that takes (weights, *args, state with the caches cut to its KV bucket) and returns (logits,
+        state); its caches are written back into the host's full ones."""
+        slots = self._attention_slots()
+        cut = [s[:, :, :, :bucket].contiguous() if i in slots else s for i, s in enumerate(state)]
+        logits, new = self.graph(graph)(self.weights, *args, tuple(cut))
+        new = list(new)
+        for i in range(len(state)):
+            if i in slots:
+                state[i][:, :, :, :bucket] = new[i]
+            else:
+                state[i] = new[i]
+        return logits, state
 
     def _decode(self, token: int, position: int, state: list, deltas):
         import torch
 
         bucket = self._tkg_bucket(position)
-        slots = self._attention_slots()
-        args = [s[:, :, :, :bucket].contiguous() if i in slots else s for i, s in enumerate(state)]
         ids = torch.full((self.batch, 1), token, dtype=torch.long)
         positions = torch.full((self.batch,), position, dtype=torch.long)
         if self.arch.mrope_section is not None:
@@ -235,14 +387,7 @@ class Runtime:
             position_ids = decode_position_ids(positions, deltas)
         else:
             position_ids = positions[:, None]
-        logits, new = self.graph(f"tkg-{bucket}")(self.weights, ids, position_ids, positions, tuple(args))
-        new = list(new)
-        for i in slots:
-            state[i][:, :, :, :bucket] = new[i]
-        for i in range(len(state)):
-            if i not in slots:
-                state[i] = new[i]
-        return logits, state
+        return self._call_with_cache(f"tkg-{bucket}", bucket, state, ids, position_ids, positions)
 
     # --- images ------------------------------------------------------------------------------------------------
     def with_image_tokens(self, prompt_ids: list[int], image: Path) -> tuple[list[int], tuple]:
