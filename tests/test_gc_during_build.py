@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.build.job import AUDIT_ENV
 from qbuild.store import LocalStore
 from qbuild.store.gc import gc_local
 from qbuild.store.lease import LEASES_DIR, Lease, live_leases
@@ -36,7 +37,7 @@ def make_project(root: Path) -> Path:
 
 
 def env(**extra: str) -> dict:
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("QBUILD_", "AWS_"))}
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("QBUILD_", "AWS_")) or k == AUDIT_ENV}
     full.update(PYTHONPATH=os.pathsep.join([str(STARTUP), str(REPO)]), HF_HUB_OFFLINE="1", **extra)
     return full
 
