@@ -156,7 +156,7 @@ def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, d
             report.young_orphans += 1   # a running build's output or claim, or one whose manifest is not committed yet
         else:
             candidates.append((blob, st))
-    gone = {p.name for p in candidates} if dry_run else {p.name for p in store.discard_blobs(candidates)}
+    gone = {b.name for b, _ in candidates} if dry_run else {b.name for b in store.discard_blobs(candidates)}
     report.removed += [Removal("local", "blob", blob.name, st.st_size) for blob, st in candidates if blob.name in gone]
     report.kept_blobs += len(candidates) - len(gone)   # claimed or linked since it was listed: in use again
     return report
