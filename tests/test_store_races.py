@@ -19,8 +19,9 @@ import pytest
 import qbuild.store.gc as gcmod
 import qbuild.store.local as localmod
 from qbuild.cli import app
+from qbuild.core.errors import UserError
 from qbuild.core.hashing import digest_json
-from qbuild.store import LocalStore, Manifest
+from qbuild.store import LocalStore, Manifest, compile_cache
 from qbuild.store.files import atomic_write
 from qbuild.store.gc import gc_local
 from qbuild.store.lease import Lease
@@ -247,6 +248,23 @@ def test_gc_never_lists_what_a_build_started_after_the_listing_writes(tmp_path, 
     assert store.get_manifest(made[0].key) == made[0]
 
 
+def test_gc_keeps_a_compile_cache_group_a_compile_used_after_gc_listed_it(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "store")
+    group = store.root / compile_cache.CACHE_DIR / compile_cache.group_name("2.26.6360.0", "trn2", "text-0")
+    (group / "neuronxcc-2.26.6360.0" / "MODULE_a").mkdir(parents=True)
+    for name in ("model.neff", "model.done"):
+        (group / "neuronxcc-2.26.6360.0" / "MODULE_a" / name).write_bytes(b"neff")
+    os.utime(group, (time.time() - 7200,) * 2)
+
+    def compile_uses_it() -> None:   # what compile_cache.using does around a compile, under the group's lock
+        with compile_cache.using(store, None, False, "2.26.6360.0", "trn2", "text-0", lambda line: None):
+            pass
+
+    _after_listing_gc(monkeypatch, compile_uses_it)
+    report = _gc(store)
+    assert report.removed == [] and group.is_dir()
+
+
 @pytest.mark.parametrize("ends", ["before gc reads the leases", "after gc read the leases"])
 def test_gc_sees_a_build_that_writes_its_lockfile_and_ends_around_the_lease_read(tmp_path, monkeypatch, ends):
     """`qbuild gc`, run in this process: the build's entry is protected by its lease while it runs and by its lockfile
@@ -284,7 +302,7 @@ def test_gc_sees_a_build_that_writes_its_lockfile_and_ends_around_the_lease_read
 def test_gc_refuses_a_lockfile_that_vanished_before_it_was_read(tmp_path):
     store = LocalStore(tmp_path / "store")
     entry = _entry(store, "kept")
-    with pytest.raises(Exception) as e:
+    with pytest.raises(UserError) as e:
         _gc(store, tmp_path / "gone.lock")
     assert "no such lockfile" in str(e.value)
     assert store.get_manifest(entry.key) == entry

@@ -25,7 +25,7 @@ import stat
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_file
