@@ -20,17 +20,18 @@ FILES = ["tests/test_store_races.py", "tests/test_input_writes.py", "tests/test_
          "tests/test_operator_faults_store.py", "tests/test_crash_and_concurrency.py"]
 
 
-def outcomes(report: Path) -> dict[str, str]:
-    """{test id: "passed" | "failed" | "skipped"} from a pytest JUnit XML report."""
+def outcomes(report: Path) -> dict[str, tuple[str, str]]:
+    """{test id: ("passed" | "failed" | "skipped", the failure's report)} from a pytest JUnit XML report."""
     out = {}
     for case in ET.parse(report).getroot().iter("testcase"):
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
-            out[name] = "failed"
+        failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if failure is not None:
+            out[name] = ("failed", failure.text or failure.get("message", ""))
         elif case.find("skipped") is not None:
-            out[name] = "skipped"
+            out[name] = ("skipped", "")
         else:
-            out[name] = "passed"
+            out[name] = ("passed", "")
     return out
 
 
@@ -45,14 +46,16 @@ def main(runs: int) -> int:
                                    "no:cacheprovider", f"--junitxml={report}", *FILES], cwd=REPO,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             found = outcomes(report) if report.exists() else {}
-            for test, outcome in found.items():
+            for test, (outcome, _) in found.items():
                 results[test].append(outcome)
-            failed = sorted(t for t, o in found.items() if o == "failed")
+            failed = sorted(t for t, (o, _) in found.items() if o == "failed")
             if proc.returncode != 0 and not failed:
                 sessions_failed += 1   # the session itself broke (collection, a crashed worker)
                 print(proc.stdout[-3000:], file=sys.stderr)
             print(f"run {i + 1}/{runs}: {len(found) - len(failed)} passed, {len(failed)} failed "
                   f"({time.monotonic() - started:.0f} s){': ' + ', '.join(failed) if failed else ''}", flush=True)
+            for test in failed:   # the end of each failure's report, where its assertion is
+                print(f"--- {test} (run {i + 1})\n" + "\n".join(found[test][1].splitlines()[-40:]), flush=True)
     print(f"\n{'failures':>9}  test")
     for test in sorted(results):
         fails = results[test].count("failed")

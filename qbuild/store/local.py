@@ -362,8 +362,11 @@ class LocalStore:
 
 
 def _backdate(path: Path) -> None:
+    """Set a new blob's mtime BLOB_BACKDATE_NS back; a file linked elsewhere too (an output an action linked from its
+    input, which was a blob before) keeps its own, which another step may be checking as an input."""
     st = os.stat(path)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - BLOB_BACKDATE_NS))
+    if st.st_nlink == 1:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - BLOB_BACKDATE_NS))
 
 
 def _claim(blob: Path, size: int) -> bool:
