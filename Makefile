@@ -64,7 +64,7 @@ test-fast: install
 	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow" --durations=10 -q
 
 # The store's concurrency and fault tests (gc, store verify --repair and builds racing, processes killed) N times over:
-# each test's failure rate, and a failure if any run failed. Not part of `make test` (20 runs take hours on 2 cores).
+# each test's failure rate, and a failure if any run failed. Not part of `make test` (20 runs: about 30 min on 2 cores).
 N ?= 20
 stress: install
 	$(PY) tests/stress.py $(N)
