@@ -5,7 +5,7 @@ QBUILD := $(VENV)/bin/qbuild
 DEMO   := .qbuild
 export QBUILD_STORE ?= $(CURDIR)/$(DEMO)/store
 
-.PHONY: install system-packages constraints demo test test-fast lock-check neuron-check bench clean
+.PHONY: install system-packages constraints demo test test-fast stress lock-check neuron-check bench clean
 
 install: system-packages $(VENV)/.installed
 
@@ -68,7 +68,7 @@ endef
 
 # The suite starts hundreds of interpreters (the CLI, its workers): with bytecode writing turned off in the
 # environment, each of them would compile qbuild from source again. An empty value turns it back on.
-test test-fast lock-check: export PYTHONDONTWRITEBYTECODE =
+test test-fast stress lock-check: export PYTHONDONTWRITEBYTECODE =
 
 # loadgroup: the tests of one xdist group (those sharing an expensive module fixture) run on one worker, so the
 # fixture is built once; ungrouped tests go to whichever worker is free.
@@ -79,6 +79,12 @@ test: install
 # end-to-end builds and S3 round trips, the SIGKILL sweep, fuzzers, peak-memory measurements).
 test-fast: install
 	$(PY) -m pytest -n 2 --dist loadgroup -m "not slow" --durations=10 -q
+
+# The store's concurrency and fault tests (gc, store verify --repair and builds racing, processes killed) N times over:
+# each test's failure rate, and a failure if any run failed. Not part of `make test` (20 runs: about 30 min on 2 cores).
+N ?= 20
+stress: install
+	$(PY) tests/stress.py $(N)
 
 # The committed artifacts.lock names the tiny recipes' artifacts: a clean machine rebuilds them from nothing (fresh
 # checkpoints, an empty store) to exactly what it locks, or this fails naming the first step that would differ.

@@ -386,7 +386,6 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
                                                                  "[default: artifacts.lock]"),
            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt) -> None:
     """Remove store entries no lockfile references (beyond --keep-size locally; all of them on --remote)."""
-    from qbuild.store import lock as lockmod
     from qbuild.store.gc import gc_local, gc_remote
     from qbuild.render import print_gc
     from qbuild.core.units import parse_duration, parse_size
@@ -400,16 +399,17 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     missing = [str(p) for p in lock_paths if not p.exists()]
     if missing:
         raise UserError(f"{missing[0]}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
-    docs = [lockmod.read(p) for p in lock_paths]
     from qbuild.store import LocalStore, default_store_path
 
-    reports = [gc_local(LocalStore((store or default_store_path()).resolve()), docs, budget, dry_run=dry_run,
+    # Each gc reads the lockfiles itself, after the leases of the builds running: read here, before them, they would
+    # miss what a build that ended in between locked (qbuild/store/gc.py).
+    reports = [gc_local(LocalStore((store or default_store_path()).resolve()), lock_paths, budget, dry_run=dry_run,
                         grace_s=grace_s)]
     # Deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it.
     if remote is not None:
         from qbuild.store.s3 import S3Remote
 
-        reports.append(gc_remote(S3Remote(remote, probe=True), docs, keep_size=budget, dry_run=dry_run,
+        reports.append(gc_remote(S3Remote(remote, probe=True), lock_paths, keep_size=budget, dry_run=dry_run,
                                  grace_s=grace_s))
     print_gc(reports, ["local store", remote], json_)
 

@@ -19,6 +19,9 @@ REPO = Path(__file__).resolve().parent.parent
 # build took 10% more CPU). One thread each, as a Ray worker gets; the steps whose floats depend on the thread count
 # set their own (qbuild.core.numerics), so no output changes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every build the suite runs refuses, from Python, to open a step's input for writing (qbuild/build/job.py): the
+# inputs are hardlinks to the store's blobs, which root could otherwise write through. Not part of any key.
+os.environ.setdefault("QBUILD_AUDIT_INPUT_WRITES", "1")
 
 
 def pytest_runtest_setup(item):

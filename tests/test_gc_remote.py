@@ -108,7 +108,8 @@ def test_local_gc_keeps_the_most_recently_used_within_the_budget(tmp_path):
     orphan_src = tmp_path / "orphan"
     orphan_src.write_bytes(b"orphan")
     orphan = store.put_file(orphan_src)
-    doc = {"version": 1, "recipes": {}, "nodes": {"n": {"key": locked.key}}}
+    doc = tmp_path / "artifacts.lock"
+    doc.write_text(json.dumps({"version": 1, "recipes": {}, "nodes": {"n": {"key": locked.key}}}))
 
     # Budget for two unlocked entries: the two most recently used stay (mid's shared blob is already kept).
     # blobs of two entries plus their small manifests; a grace shorter than every entry's age, so none is in use

@@ -195,22 +195,28 @@ def _lock_iteration(project: Path, i: int) -> Manifest:
 
 class RemoteGcLoop:
     """`qbuild gc --remote --grace 0 --lock gc.lock` run again and again until stopped; `pause` holds the loop
-    between two runs. Every run must exit 0."""
+    between two runs. Every run must exit 0.
+
+    One condition guards both whether the loop may start a run and whether one is under way, so `pause` never
+    returns while a run that it did not see start is about to begin."""
 
     def __init__(self, project: Path, remote: str):
         self.project, self.remote = project, remote
         self.runs, self.removed, self.failures = 0, 0, []
-        self._go, self._idle, self._stop = threading.Event(), threading.Event(), threading.Event()   # starts paused
+        self._cond = threading.Condition()
+        self._go, self._running, self._stop = False, False, False   # starts paused
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
         deadline = time.monotonic() + 300
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            self._idle.set()
-            self._go.wait()
-            self._idle.clear()
-            if self._stop.is_set():
-                return
+        while time.monotonic() < deadline:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+                self._cond.wait_for(lambda: self._go or self._stop)
+                if self._stop:
+                    return
+                self._running = True
             proc = run_qbuild(self.project, "gc", "--remote", self.remote, "--grace", "0", "--keep-size", "0",
                               "--lock", "gc.lock", "--store", "gc-store", "--json", timeout=120)
             self.runs += 1
@@ -218,23 +224,29 @@ class RemoteGcLoop:
                 self.failures.append(f"exit {proc.returncode}: {proc.stderr[-2000:]}")
             else:
                 self.removed += sum(len(r["removed"]) for r in json.loads(proc.stdout))
-        self._idle.set()
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
 
     def pause(self) -> None:
         """Return once no gc runs, and start none until `resume`."""
-        self._go.clear()
-        assert self._idle.wait(150), "a gc run did not finish"
+        with self._cond:
+            self._go = False
+            assert self._cond.wait_for(lambda: not self._running, 150), "a gc run did not finish"
 
     def resume(self) -> None:
-        self._go.set()
+        with self._cond:
+            self._go = True
+            self._cond.notify_all()
 
     def __enter__(self) -> "RemoteGcLoop":
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._go.set()
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
         self._thread.join(timeout=150)
 
 

@@ -2,6 +2,13 @@
 
 A Job is plain data so that any executor (a local process pool, a Ray task) can carry it to a worker, and the
 worker needs nothing but the store to do its part.
+
+An action's inputs are hardlinks to the store's read-only blobs, and the read-only bit does not stop root: a write
+into an input would change the blob itself, under every entry naming it. So a step may only read its inputs, and
+that is checked: every input file's inode, size and mtime are taken before the action runs and compared after it,
+which sees a write by any code (Python, a C++ or Rust library, a subprocess); a step that wrote fails, and the blob it
+damaged leaves the store. With QBUILD_AUDIT_INPUT_WRITES=1 (the test suite sets it) an audit hook also refuses every
+write-open of an input from Python at the call, naming the code that tried (docs/architecture.md section 5).
 """
 
 from __future__ import annotations
@@ -30,6 +37,10 @@ OUTPUT_LINE_CHARS = 300
 # Below this much free space where a step writes, its failure is reported as a full disk: libraries such as
 # torch's zip writer say so in their own words, without an errno.
 LOW_SPACE_BYTES = 1 << 20
+AUDIT_ENV = "QBUILD_AUDIT_INPUT_WRITES"
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC
+_audited: set[str] = set()      # the real paths of the inputs of the steps this process runs now (with AUDIT_ENV)
+_audit_hook_installed = False
 
 
 @dataclass(frozen=True)
@@ -75,17 +86,21 @@ def _build(job: Job, store: Store, stage: Path) -> Manifest:
     for name, outputs in job.inputs.items():
         ctx.inputs[name] = stage / "in" / name
         store.materialize(outputs, ctx.inputs[name], verify=True)
+    inputs = _input_files(job, stage / "in")
     log_lines: list[str] = []
     ctx.log = log_lines.append
     start = time.monotonic()
     output_file = stage / "output.log"
     try:
-        with _captured_output(output_file):
+        with _captured_output(output_file), _audited_inputs(inputs):
             _load(job.entry)(ctx)
     except Exception as e:
-        error = _step_error(job, store, stage, e)
+        error = _input_written(job, store, inputs) or _step_error(job, store, stage, e)
         error.output = _tail(output_file)
         raise error from None
+    written = _input_written(job, store, inputs)
+    if written is not None:
+        raise written
     outputs = store.local.ingest_tree(ctx.out)
     manifest = Manifest(key=job.key, kind=job.kind, preimage=job.preimage, outputs=outputs,
                         meta={"seconds": round(time.monotonic() - start, 3), "log": log_lines[-50:],
@@ -95,6 +110,68 @@ def _build(job: Job, store: Store, stage: Path) -> Manifest:
     shutil.rmtree(stage, ignore_errors=True)
     store.commit(manifest)
     return manifest
+
+
+def _input_files(job: Job, root: Path) -> dict[Path, tuple[str, str, os.stat_result]]:
+    """Every materialised input file: its input's name, its relative path, its lstat before the step runs."""
+    return {path: (name, rel, os.lstat(path)) for name, outputs in job.inputs.items()
+            for rel in outputs for path in [root / name / rel]}
+
+
+def _input_written(job: Job, store: Store, inputs: dict[Path, tuple[str, str, os.stat_result]]) -> BuildError | None:
+    """The step's error if it wrote into one of its inputs (the same inode, another size or mtime; a name it
+    removed or replaced left the blob as it was). A damaged blob is removed from the store, if the store still holds
+    that inode, so every entry naming it is rebuilt."""
+    for path, (name, rel, before) in inputs.items():
+        try:
+            now = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if (now.st_dev, now.st_ino) != (before.st_dev, before.st_ino) or \
+                (now.st_size, now.st_mtime_ns) == (before.st_size, before.st_mtime_ns):
+            continue
+        blob = store.local.blob_path(job.inputs[name][rel]["digest"])
+        try:
+            held = os.lstat(blob)
+        except FileNotFoundError:
+            held = None
+        shared = held is not None and (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+        if shared:
+            store.local.discard_blobs([(blob, held)])
+        return BuildError(f"{job.name}: wrote into its input {name}/{rel}; a step may only read its inputs"
+                          + (f" (the file was the store's blob {blob.name[:16]}, which is removed now and will be "
+                             "rebuilt)" if shared else ""))
+    return None
+
+
+@contextmanager
+def _audited_inputs(inputs: dict[Path, tuple]) -> Iterator[None]:
+    """With AUDIT_ENV set, refuse every write-open of an input from Python while the block runs (an audit hook, as
+    cheap as a set lookup on the opens that write)."""
+    global _audit_hook_installed
+    if not os.environ.get(AUDIT_ENV):
+        yield
+        return
+    if not _audit_hook_installed:
+        sys.addaudithook(_refuse_input_writes)   # for the life of the process: a hook cannot be removed
+        _audit_hook_installed = True
+    paths = {os.path.realpath(p) for p in inputs}
+    _audited.update(paths)
+    try:
+        yield
+    finally:
+        _audited.difference_update(paths)
+
+
+def _refuse_input_writes(event: str, args: tuple) -> None:
+    if not _audited or event not in ("open", "os.truncate"):
+        return
+    path = args[0]
+    if event == "open" and not (isinstance(args[2], int) and args[2] & _WRITE_FLAGS):
+        return
+    if isinstance(path, (str, bytes, os.PathLike)) and os.path.realpath(os.fsdecode(path)) in _audited:
+        raise PermissionError(errno.EACCES, "a build step may only read its inputs (they are the store's blobs)",
+                              os.fsdecode(path))
 
 
 def _step_error(job: Job, store: Store, stage: Path, e: Exception) -> QbuildError:

@@ -141,8 +141,8 @@ def using(store, remote_url: str | None, push: bool, toolchain: str, target: str
     after the compile succeeded, the complete entries the remote lacks go up where the build pushes."""
     name = group_name(toolchain, target, group)
     path = Path(store.root) / CACHE_DIR / name
-    path.mkdir(parents=True, exist_ok=True)
     with store.lock(lock_key(name)):
+        path.mkdir(parents=True, exist_ok=True)   # under the lock: a gc may have removed the group until it was taken
         dropped = prune(path)
         if dropped:
             log(f"compile cache: dropped {len(dropped)} failed or incomplete entries ({', '.join(dropped[:3])})")
@@ -286,9 +286,14 @@ def verify(store, repair: bool = False) -> list[str]:
 
 
 def remove_group(store, g: Group) -> bool:
-    """Remove a whole group unless a compile holds it; returns whether it went."""
+    """Remove a whole group unless a compile holds it or used it since `g` was listed; returns whether it went."""
     try:
         with store.lock(g.lock_key, timeout=0):
+            try:
+                if os.stat(g.path).st_mtime != g.used:   # a compile marked it used meanwhile
+                    return False
+            except FileNotFoundError:
+                return False
             discard_path(g.path)
             return True
     except TimeoutError:

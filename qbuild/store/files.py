@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import stat
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -108,6 +109,37 @@ def _reflink(src: Path, dst: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def read_regular(path: Path, *, noatime: bool = False) -> tuple[bytes, os.stat_result]:
+    """The bytes of the regular file at `path` and its status, both taken through one descriptor, so they describe
+    the same file even while another process replaces or removes the name. FileNotFoundError where nothing is
+    there; another OSError where something other than a regular file is (a symlink, a directory; a FIFO answers at
+    once instead of blocking). With `noatime` the read leaves the access time alone where the kernel allows it (the
+    file's owner), as gc's LRU order needs."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags | (getattr(os, "O_NOATIME", 0) if noatime else 0))
+    except PermissionError:
+        fd = os.open(path, flags)   # O_NOATIME needs ownership of the file
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks), st
+    finally:
+        os.close(fd)
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    """Whether two lstats of one name saw the same file, untouched in between: the same inode (a replacement is a new
+    one), and the same size, mtime and ctime (a number the kernel gave again to a file made since, a write, a link,
+    a chmod)."""
+    return (a.st_dev, a.st_ino, a.st_size, a.st_mtime_ns, a.st_ctime_ns) == \
+        (b.st_dev, b.st_ino, b.st_size, b.st_mtime_ns, b.st_ctime_ns)
 
 
 def discard_path(path: Path) -> None:

@@ -7,15 +7,18 @@ Like publish and pull it reads lockfiles, never recipes.
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from qbuild.core.errors import UserError
 from qbuild.store import compile_cache
-from qbuild.store.files import discard_path
+from qbuild.store import lock as lockmod
+from qbuild.store.files import read_regular
 from qbuild.store.lease import live_leases
 from qbuild.store.local import LocalStore
 from qbuild.store.manifest import Manifest
@@ -63,45 +66,109 @@ def referenced_keys(docs: Iterable[dict]) -> set[str]:
     return {node["key"] for doc in docs for node in doc["nodes"].values()}
 
 
-def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bool = False,
-             grace_s: float = GRACE_S) -> GcReport:
-    """Keep the manifests the lockfiles reference, those a running build holds (see store/lease.py) and those
-    written within `grace_s`, then the most recently used others while their blobs fit in `keep_size` bytes; remove
-    the remaining manifests, then every blob no kept manifest names (blobs no manifest names at all only once older
-    than `grace_s` and than every running build). The compile cache's groups compete for the same budget by their
-    last use; one used within `grace_s` or since a running build began, or held by a compile, is kept."""
-    report = GcReport(dry_run=dry_run)
-    # Leases are read before the entries: an entry a build writes after this point is younger than its lease.
-    live = live_leases(store.root, reap=not dry_run)
-    now = time.time()
-    locked = referenced_keys(docs)
-    entries: list[tuple[float, Manifest | compile_cache.Group, Path | None]] = []
-    for path in sorted((store.root / "ac").glob("*/*.json")):
-        manifest = _read_manifest(path)
+def read_lockfiles(paths: Sequence[Path]) -> list[dict]:
+    """The lockfiles whose artifacts gc keeps. UserError for one that is gone: read as empty, it would keep nothing."""
+    docs = []
+    for path in paths:
+        doc = lockmod.read(path)
+        if not os.path.lexists(path):
+            raise UserError(f"{path}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
+        docs.append(doc)
+    return docs
+
+
+@dataclass
+class _Listed:
+    """The store's entries as gc found them, each with the stat it is judged by (a removal re-checks it)."""
+
+    manifests: list[tuple[Manifest, Path, os.stat_result]] = field(default_factory=list)
+    blobs: list[tuple[Path, os.stat_result]] = field(default_factory=list)
+    groups: list[compile_cache.Group] = field(default_factory=list)
+
+
+def _list_local(root: Path) -> _Listed:
+    listed = _Listed()
+    for path in sorted((root / "ac").glob("*/*.json")):
         try:
-            st = path.stat()
+            data, st = read_regular(path, noatime=True)   # O_NOATIME: gc's own read does not disturb the LRU order
+            listed.manifests.append((Manifest.from_json(json.loads(data)), path, st))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue   # removed meanwhile; or unreadable: `qbuild store verify --repair` reports and removes it
+    for blob in sorted((root / "cas").glob("*/*")):
+        try:
+            if not blob.name.startswith("."):
+                listed.blobs.append((blob, os.lstat(blob)))
         except FileNotFoundError:
-            continue  # removed meanwhile
-        if manifest is None:
-            continue  # unreadable: `qbuild store verify --repair` reports and removes it
+            continue
+    listed.groups = compile_cache.groups(root)
+    return listed
+
+
+def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, dry_run: bool = False,
+             grace_s: float = GRACE_S) -> GcReport:
+    """Keep the manifests the lockfiles at `lock_paths` reference, those a running build holds (see store/lease.py)
+    and those written within `grace_s`, then the most recently used others while their blobs fit in `keep_size`
+    bytes; remove the remaining manifests, then every blob no kept manifest names (but those a running build
+    wrote or claimed, and blobs no manifest names at all only once older than `grace_s`). The compile cache's groups
+    compete for the same budget by their last use; one used within `grace_s` or since a running build began, or held
+    by a compile, is kept.
+
+    The order of the reads is what makes this safe beside builds. The entries are listed first, then the leases,
+    then the lockfiles: whatever was listed was written by a build that is running when its lease is read (which
+    protects what it wrote and used) or that ended before, having written its lockfile first (which protects it
+    then); what a build writes after the listing is not touched. A removal checks its file again under the lock its
+    writers take, so an entry a build put back or claimed meanwhile stays."""
+    report = GcReport(dry_run=dry_run)
+    listed = _list_local(store.root)
+    live = live_leases(store.root, reap=False)
+    locked = referenced_keys(read_lockfiles(lock_paths))
+    if not dry_run:
+        live.reap()
+    now = time.time()
+    entries: list[tuple[float, Manifest | compile_cache.Group, Path | None, os.stat_result | None]] = []
+    for manifest, path, st in listed.manifests:
         if manifest.key not in locked and (manifest.key in live.keys or live.protects(st.st_mtime)
                                            or now - st.st_mtime < grace_s):
             report.in_use += 1
             locked.add(manifest.key)
-        entries.append((max(st.st_atime, st.st_mtime), manifest, path))
-    for group in compile_cache.groups(store.root):
+        entries.append((max(st.st_atime, st.st_mtime), manifest, path, st))
+    for group in listed.groups:
         if live.protects(group.used) or now - group.used < grace_s:
             report.in_use += 1
             report.kept_cache += 1
         else:
-            entries.append((group.used, group, None))
-    manifests = [(m, path) for _, m, path in entries if isinstance(m, Manifest)]
-    named = {o["digest"] for m, _ in manifests for o in m.outputs.values()}
-    kept_blobs = {o["digest"] for m, _ in manifests if m.key in locked for o in m.outputs.values()}
+            entries.append((group.used, group, None, None))
+    named = {o["digest"] for m, _, _ in listed.manifests for o in m.outputs.values()}
+    kept_blobs = {o["digest"] for m, _, _ in listed.manifests if m.key in locked for o in m.outputs.values()}
+    doomed, doomed_groups = _over_budget(entries, locked, kept_blobs, keep_size, report)
+    _remove_manifests(store, doomed, kept_blobs, report)
+    for group in doomed_groups:
+        if dry_run or compile_cache.remove_group(store, group):
+            report.removed.append(Removal("local", "cache", group.name, group.size, compile_cache.CACHE_DIR))
+        else:   # a compile took it meanwhile
+            report.in_use += 1
+            report.kept_cache += 1
+    candidates = []
+    for blob, st in listed.blobs:
+        if blob.name in kept_blobs:
+            report.kept_blobs += 1
+        elif live.protects(st.st_ctime) or (blob.name not in named and now - st.st_ctime < grace_s):
+            report.young_orphans += 1   # a running build's output or claim, or one whose manifest is not committed yet
+        else:
+            candidates.append((blob, st))
+    gone = {b.name for b, _ in candidates} if dry_run else {b.name for b in store.discard_blobs(candidates)}
+    report.removed += [Removal("local", "blob", blob.name, st.st_size) for blob, st in candidates if blob.name in gone]
+    report.kept_blobs += len(candidates) - len(gone)   # claimed or linked since it was listed: in use again
+    return report
+
+
+def _over_budget(entries: list, locked: set[str], kept_blobs: set[str], keep_size: int,
+                 report: GcReport) -> tuple[list[tuple[Manifest, Path, os.stat_result]], list[compile_cache.Group]]:
+    """The manifests and compile cache groups beyond `keep_size`, most recently used kept first; `kept_blobs` gets
+    the blobs of the manifests kept."""
     budget = keep_size
-    doomed: list[tuple[Manifest, Path]] = []
-    doomed_groups: list[compile_cache.Group] = []
-    for _, m, path in sorted(entries, key=lambda e: -e[0]):   # most recently used first
+    doomed, doomed_groups = [], []
+    for _, m, path, st in sorted(entries, key=lambda e: -e[0]):   # most recently used first
         if isinstance(m, compile_cache.Group):
             if m.size <= budget:
                 budget -= m.size
@@ -119,35 +186,24 @@ def gc_local(store: LocalStore, docs: list[dict], keep_size: int, *, dry_run: bo
             kept_blobs.update(extra)
             report.kept_manifests += 1
         else:
-            doomed.append((m, path))
-    for m, path in doomed:   # manifests first: no reader may find a manifest whose blobs are gone
-        report.removed.append(Removal("local", "manifest", m.key, len(m.to_bytes()), m.kind))
-        if not dry_run:
-            discard_path(path)   # a read-only store stops here, before any blob goes: exit 3, nothing lost
-    for group in doomed_groups:
-        if dry_run or compile_cache.remove_group(store, group):
-            report.removed.append(Removal("local", "cache", group.name, group.size, compile_cache.CACHE_DIR))
-        else:   # a compile took it meanwhile
+            doomed.append((m, path, st))
+    return doomed, doomed_groups
+
+
+def _remove_manifests(store: LocalStore, doomed: list, kept_blobs: set[str], report: GcReport) -> None:
+    """Manifests before blobs: no reader may find a manifest whose blobs are gone. One a build put back or holds
+    meanwhile stays, and so do its blobs."""
+    for m, path, st in doomed:
+        # A read-only store stops at the first one, before any blob goes: exit 3, nothing lost.
+        if report.dry_run or store.discard_manifest(path, st):
+            report.removed.append(Removal("local", "manifest", m.key, len(m.to_bytes()), m.kind))
+        else:
             report.in_use += 1
-            report.kept_cache += 1
-    for blob in sorted((store.root / "cas").glob("*/*")):
-        if blob.name.startswith(".") or blob.name in kept_blobs:
-            report.kept_blobs += blob.name in kept_blobs
-            continue
-        try:
-            st = blob.stat()
-        except FileNotFoundError:
-            continue
-        if blob.name not in named and (now - st.st_ctime < grace_s or live.protects(st.st_ctime)):
-            report.young_orphans += 1   # e.g. a running build's output whose manifest is not committed yet
-            continue
-        report.removed.append(Removal("local", "blob", blob.name, st.st_size))
-        if not dry_run:
-            discard_path(blob)
-    return report
+            report.kept_manifests += 1
+            kept_blobs.update(o["digest"] for o in m.outputs.values())
 
 
-def gc_remote(remote: S3Remote, docs: list[dict], *, keep_size: int = 0, dry_run: bool = False,
+def gc_remote(remote: S3Remote, lock_paths: Sequence[Path], *, keep_size: int = 0, dry_run: bool = False,
               grace_s: float = GRACE_S) -> GcReport:
     """Remove every remote manifest no lockfile references and older than `grace_s` (one written since may be a
     push whose lockfile is not committed yet), and the compile cache's index objects beyond the `keep_size` budget
@@ -155,11 +211,12 @@ def gc_remote(remote: S3Remote, docs: list[dict], *, keep_size: int = 0, dry_run
     or index names (blobs nothing names at all only once older than `grace_s`: a publish uploads blobs before its
     manifest, a cache upload before its index). A gc that deletes holds the remote's gc lease
     (qbuild.store.remote): it waits for the pushes under way, and none starts until it is done, so no blob a push
-    found present goes."""
+    found present goes. The lockfiles at `lock_paths` are read once the lease is held, so one written while the gc
+    waited for the pushes under way is read too."""
     if dry_run:
-        return _gc_remote(remote, docs, keep_size, dry_run, grace_s)
+        return _gc_remote(remote, read_lockfiles(lock_paths), keep_size, dry_run, grace_s)
     with holding(remote, "gc"):
-        return _gc_remote(remote, docs, keep_size, dry_run, grace_s)
+        return _gc_remote(remote, read_lockfiles(lock_paths), keep_size, dry_run, grace_s)
 
 
 def _gc_remote(remote: S3Remote, docs: list[dict], keep_size: int, dry_run: bool, grace_s: float) -> GcReport:
@@ -218,19 +275,3 @@ def _gc_remote(remote: S3Remote, docs: list[dict], keep_size: int, dry_run: bool
     if not dry_run:
         remote.delete(gone)
     return report
-
-
-def _read_manifest(path: Path) -> Manifest | None:
-    """Read a manifest without marking it used (O_NOATIME where allowed), so gc does not disturb the LRU order."""
-    import json
-
-    flags = os.O_RDONLY | getattr(os, "O_NOATIME", 0)
-    try:
-        try:
-            fd = os.open(path, flags)
-        except PermissionError:
-            fd = os.open(path, os.O_RDONLY)   # O_NOATIME needs ownership of the file
-        with os.fdopen(fd, "rb") as f:
-            return Manifest.from_json(json.loads(f.read()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None

@@ -85,9 +85,16 @@ class LiveLeases:
     count: int = 0
     since: float | None = None
     keys: set[str] = field(default_factory=set)
+    dead: list[Path] = field(default_factory=list)   # leases nobody holds: their builds are gone
 
     def protects(self, mtime: float) -> bool:
         return self.since is not None and mtime >= self.since - CLOCK_SLACK_S
+
+    def reap(self) -> None:
+        """Remove the leases of the builds that are gone (a lease's name is its build's own: it never comes back)."""
+        for path in self.dead:
+            path.unlink(missing_ok=True)
+        self.dead.clear()
 
 
 def live_leases(store_root: Path, *, reap: bool = True) -> LiveLeases:
@@ -111,6 +118,7 @@ def live_leases(store_root: Path, *, reap: bool = True) -> LiveLeases:
                 out.since = since if out.since is None else min(out.since, since)
                 out.keys.update(k for k in lines[1:-1] if k)
                 continue
-            if reap:
-                path.unlink(missing_ok=True)   # nobody holds it: its build is gone
+            out.dead.append(path)   # nobody holds it: its build is gone
+    if reap:
+        out.reap()
     return out
