@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.nxdi_double import MAIN_PORT, VLLM_SITE, read_log
-from tests.test_neuron_double import Build, compiled, load_bundles, require_bundle, write_recipe
-from tests.test_neuron_serve import Served, _post, _run_printed, _unchanged, dry_run, flag
+from tests.test_neuron_double import Build, load_bundles, sdk, write_recipe  # noqa: F401 (sdk: a fixture)
+from tests.test_neuron_serve import Served, _bundle, _post, _run_printed, _unchanged, dry_run, flag
 
 pytestmark = pytest.mark.xdist_group("neuron-long-context")
 
@@ -34,16 +33,7 @@ BANK = "hybrid_gdn_checkpoint_cache"
 def lc(tmp_path_factory, small_checkpoints) -> tuple[Build, Path]:
     """The tiny Qwen3.5 (one DeltaNet and one attention layer, tp 2) with chunked prefill and the experimental APC,
     built with the double and pulled into root/bundle."""
-    root = tmp_path_factory.mktemp("neuron-long-context")
-    build = Build(root)
-    build.recipe = write_recipe(root / "recipes" / "lc.yaml", small_checkpoints["qwen3_5"], MAIN_PORT, text=TEXT)
-    build.result, build.stderr = build.compile(build.recipe)
-    compiled(build.result, build.stderr)
-    require_bundle(build.result, build.stderr)
-    bundle = root / "bundle"
-    pulled = build.cli("pull", "lc", "--to", str(bundle), "--allow-unverified")
-    assert pulled.returncode == 0, pulled.stderr
-    return build, bundle
+    return _bundle(tmp_path_factory.mktemp("neuron-long-context"), small_checkpoints["qwen3_5"], MAIN_PORT, text=TEXT)
 
 
 def _copy(bundle: Path, dest: Path) -> Path:
@@ -230,19 +220,9 @@ def test_a_bundle_whose_layout_disagrees_is_refused_before_vllm_starts(lc, tmp_p
 # --- qbuild's compile configuration against the double, one value changed --------------------------------------
 
 @pytest.fixture
-def sdk(monkeypatch):
-    """The NxDI double and the main port importable in this process for one test, then forgotten."""
-    from tests.nxdi_double import ROOT, SITE
-
-    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
-    monkeypatch.setenv("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
-    monkeypatch.syspath_prepend(str(SITE))
+def main_port(sdk, monkeypatch):
+    """The NxDI double (test_neuron_double's `sdk`) and the main port importable in this process for one test."""
     monkeypatch.syspath_prepend(str(MAIN_PORT))
-    yield
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        if path and Path(path).resolve().is_relative_to(ROOT):
-            del sys.modules[name]
 
 
 def _app(cfg: dict, kwargs: dict, tmp_path: Path):
@@ -273,7 +253,8 @@ MUTATIONS = {
 
 
 @pytest.mark.parametrize("case", sorted(MUTATIONS))
-def test_the_double_refuses_the_compile_configuration_with_one_value_changed(sdk, small_checkpoints, tmp_path, case):
+def test_the_double_refuses_the_compile_configuration_with_one_value_changed(main_port, small_checkpoints, tmp_path,
+                                                                             case):
     from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.backends.neuron.config import inference_kwargs, neuron_config
     from qbuild.recipe.schema import load_recipe
@@ -293,7 +274,7 @@ def test_the_double_refuses_the_compile_configuration_with_one_value_changed(sdk
         _app({**cfg, **nc_change}, {**kwargs, **port_change}, tmp_path)
 
 
-def test_without_the_apc_manager_the_model_takes_no_banks(sdk, small_checkpoints, tmp_path):
+def test_without_the_apc_manager_the_model_takes_no_banks(main_port, small_checkpoints, tmp_path):
     """The banks are weights of the compiled model only with the hybrid APC manager (modeling_qwen35.py L5618-5626):
     a contiguous build's shards must not carry them (the package's shard check refuses an extra tensor)."""
     from qbuild.backends.neuron.backend import text_compile_params

@@ -31,10 +31,10 @@ pytestmark = pytest.mark.xdist_group("neuron-serve")
 TEXT = {"batch_size": 1, "seq_len": 256, "cte_buckets": [64, 128], "tkg_buckets": [256]}
 
 
-def _bundle(root: Path, checkpoint: Path, port_dir: Path, **changes) -> tuple[Build, Path]:
-    """A tiny neuron recipe built with the double (verify left for a device) and pulled into root/bundle."""
+def _bundle(root: Path, checkpoint: Path, port_dir: Path, text: dict = TEXT, **changes) -> tuple[Build, Path]:
+    """A tiny neuron recipe (`serve`) built with the double (verify left for a device) and pulled into root/bundle."""
     build = Build(root)
-    build.recipe = write_recipe(root / "recipes" / "serve.yaml", checkpoint, port_dir, text=TEXT, **changes)
+    build.recipe = write_recipe(root / "recipes" / "serve.yaml", checkpoint, port_dir, text=text, **changes)
     build.result, build.stderr = build.compile(build.recipe)
     compiled(build.result, build.stderr)
     require_bundle(build.result, build.stderr)

@@ -22,7 +22,7 @@ What the port builds, and why qbuild builds the same for every recipe with chunk
   and use_qwen_hybrid_chunked_prefill(_nki) for chunks after the first (L1009-1010, modeling L3371-3396).
 - vLLM serves it with its own chunked-prefill scheduler feeding the compiled CTE bucket chunk by chunk (the port's
   vllm/README.md L100-109; launcher L135-137, L254-287, L688-692), with the port's patch installed (launcher
-  L138-140, vllm/sitecustomize.py L39-48, vllm/serve_qwen36.py L8-16), which here the bundle's vLLM plugin loads from
+  L138-140, vllm/sitecustomize.py L14-23, vllm/serve_qwen36.py L8-16), which here the bundle's vLLM plugin loads from
   the bundle's copy of the port (qbuild.backends.neuron.vllm_plugin).
 - vLLM's prefix caching on top is the port's experiment (vllm/README.md L35-54, L175): only where the recipe says
   text.prefix_cache.neuron_apc: experimental. Without it the compiled manager runs with empty restore/commit masks,

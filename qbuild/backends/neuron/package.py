@@ -105,7 +105,8 @@ def serve_record(p: NeuronPackageParams, record: dict) -> dict:
     and the serving stack of the SDK release it was compiled with (releases.SERVING).
 
     - max_prompt_length: the compiled max_context_length (config.py _text_neuron_config): the largest
-      context-encoding bucket, or with chunked prefill the KV length (long_context.max_context_length). vllm-neuron 0.5 refuses a longer prompt with a 400 when
+      context-encoding bucket, or with chunked prefill the KV length (long_context.max_context_length). vllm-neuron
+      0.5 refuses a longer prompt with a 400 when
       additional_config.max_prompt_length is set (platform.py L314-316, platform_overrides.py L78-109 @ 3afb0a9), and
       its runner requires that value to equal the compiled max_context_length (neuronx_distributed_model_runner.py
       L604-694).

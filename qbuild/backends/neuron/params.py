@@ -76,8 +76,9 @@ class CompilerSettings:
 
 @dataclass(frozen=True)
 class NeuronBlockKV:
-    """What a long-context compile builds (qbuild.backends.neuron.long_context): attention KV in blocks, a prefix-caching
-    KV layout whose context-encoding graphs take a cached prefix, and the port's bank of DeltaNet checkpoint slots."""
+    """What a long-context compile builds (qbuild.backends.neuron.long_context): attention KV in blocks, a
+    prefix-caching KV layout whose context-encoding graphs take a cached prefix, and the port's bank of DeltaNet
+    checkpoint slots."""
 
     block_size: int                  # NeuronConfig pa_block_size; vLLM --block-size
     num_blocks: int                  # NeuronConfig pa_num_blocks; vLLM --num-gpu-blocks-override

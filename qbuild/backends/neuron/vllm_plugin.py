@@ -193,7 +193,7 @@ def register_nxdi_model(spec: dict) -> None:
 def install_serving_patch(spec: dict) -> None:
     """Install the vLLM patch of the bundle's port where the spec names one (a long-context bundle), as the Qwen3.6-27B
     port's launcher does for chunked prefill and hybrid APC (vllm/start_vllm_server.sh L138-140 with
-    vllm/sitecustomize.py L39-48, and vllm/serve_qwen36.py L8-16, PR 173 @ 03db3ef). The patch itself wraps vLLM's
+    vllm/sitecustomize.py L14-23, and vllm/serve_qwen36.py L8-16, PR 173 @ 03db3ef). The patch itself wraps vLLM's
     scheduler and KV cache manager and vllm-neuron's runner and loader in this process through an import hook
     (its install_import_hook, vllm/qwen36_hybrid_apc_scheduler_patch.py L2737-2749), among them vllm-neuron 0.5's KV
     cache spec, which lists every layer as attention (neuronx_distributed_model_runner.py L892-917 @ 3afb0a9): the

@@ -4,7 +4,8 @@ What qbuild depends on: the module lives in the port's vllm/ directory, imports 
 install_import_hook() patches vllm-neuron's model runner in the calling process, whether the runner module is imported
 already or later (L2737-2749: the modules found in sys.modules are patched at once, an import hook patches the others).
 Of the real patch's changes the fake makes the one the double can see: the runner's KV cache spec lists the hybrid
-model's attention layers only (L2352-2411; the port also ships it as vllm/patches/vllm_neuron_qwen36_kv_cache_spec.patch).
+model's attention layers only (L2352-2411; the port also ships it as
+vllm/patches/vllm_neuron_qwen36_kv_cache_spec.patch).
 Each installation is recorded in the double's log.
 """
 

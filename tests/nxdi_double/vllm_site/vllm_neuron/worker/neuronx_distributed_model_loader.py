@@ -95,8 +95,8 @@ def _handle_pa_num_blocks(config, neuron_config: dict, override: dict) -> dict:
     if "pa_num_blocks" not in override:
         return neuron_config
     if config.num_gpu_blocks_override is None:
-        raise ValueError(f"When setting pa_num_blocks ({override['pa_num_blocks']}) in override_neuron_config, you must "
-                         "also set --num-gpu-blocks-override to the same value")
+        raise ValueError(f"When setting pa_num_blocks ({override['pa_num_blocks']}) in override_neuron_config, you "
+                         "must also set --num-gpu-blocks-override to the same value")
     intent = config.num_gpu_blocks_override - 1
     if override["pa_num_blocks"] != intent:
         raise ValueError(f"pa_num_blocks ({override['pa_num_blocks']}) must match your --num-gpu-blocks-override "
@@ -180,8 +180,8 @@ def check_cache_layout(model, config) -> None:
     if not (config.enable_chunked_prefill or config.enable_prefix_caching):
         return
     if not nc.is_block_kv_layout:
-        raise RuntimeError("vLLM feeds a block KV layout (chunked prefill or prefix caching) to a model compiled with a "
-                         "contiguous KV cache")
+        raise RuntimeError("vLLM feeds a block KV layout (chunked prefill or prefix caching) to a model compiled "
+                           "with a contiguous KV cache")
     blocks = config.num_gpu_blocks_override - 1 if config.num_gpu_blocks_override is not None else None
     if (nc.pa_block_size, nc.pa_num_blocks) != (config.block_size, blocks):
         raise RuntimeError(f"vLLM addresses {blocks} blocks of {config.block_size} tokens; the compiled KV cache is "
@@ -190,8 +190,8 @@ def check_cache_layout(model, config) -> None:
         raise RuntimeError("prefix caching is on in vLLM and off in the compiled model")
     buckets = [b[0] if isinstance(b, list) else b for b in (nc.context_encoding_buckets or [])]
     if config.enable_chunked_prefill and config.max_num_batched_tokens > max(buckets, default=0):
-        raise RuntimeError(f"a chunk of max_num_batched_tokens {config.max_num_batched_tokens} fits no compiled context-"
-                         f"encoding bucket (largest {max(buckets, default=0)})")
+        raise RuntimeError(f"a chunk of max_num_batched_tokens {config.max_num_batched_tokens} fits no compiled "
+                           f"context-encoding bucket (largest {max(buckets, default=0)})")
 
 
 def validate_max_prompt_length(model, config) -> int:
