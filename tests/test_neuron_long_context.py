@@ -269,23 +269,35 @@ def test_the_double_refuses_the_compile_configuration_with_one_value_changed(mai
     assert [s.buckets for s in app.submodels] == [[[32, 0], [32, 256], [64, 0], [64, 256]], [[1, 256]]]
     banks = sorted(n for n in app._model_cls.rank_weights(app.config) if n.startswith(BANK))
     assert banks == [f"{BANK}.conv_slots.0", f"{BANK}.recurrent_slots.0"]
+    # The banks are weights of the model only with the hybrid APC manager (modeling_qwen35.py L5618-5626): without it
+    # a shard holding them carries a tensor the model does not take.
+    plain = _app({**cfg, "is_block_kv_layout": False, "is_prefix_caching": False},
+                 {**kwargs, "use_hybrid_apc_manager": False}, tmp_path)
+    assert plain.kv_manager == "KVCacheManager"
+    assert not any(n.startswith(BANK) for n in plain._model_cls.rank_weights(plain.config))
     nc_change, port_change, error, words = MUTATIONS[case]
     with pytest.raises(error, match=words):
         _app({**cfg, **nc_change}, {**kwargs, **port_change}, tmp_path)
 
 
-def test_without_the_apc_manager_the_model_takes_no_banks(main_port, small_checkpoints, tmp_path):
-    """The banks are weights of the compiled model only with the hybrid APC manager (modeling_qwen35.py L5618-5626):
-    a contiguous build's shards must not carry them (the package's shard check refuses an extra tensor)."""
+def test_the_128k_recipe_is_a_configuration_the_double_builds(main_port, tmp_path):
+    """recipes/36-27b-fp8-128k.yaml as planned: the port's config takes it, the model has the block KV manager, the
+    (512, 0) and (512, 131072) context-encoding graphs and one token-generation graph, and a bank pair per DeltaNet
+    layer (48) of 8 slots, the recurrent bank (8, 48/4 value heads, 128, 128) in float32."""
     from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.backends.neuron.config import inference_kwargs, neuron_config
     from qbuild.recipe.schema import load_recipe
     from qbuild.recipe.source import load_arch
+    from tests.conftest import REPO
 
-    text = {k: v for k, v in TEXT.items() if k not in ("chunked_prefill", "prefix_cache")}
-    recipe = write_recipe(tmp_path / "plain.yaml", small_checkpoints["qwen3_5"], MAIN_PORT, text=text)
-    loaded = load_recipe(recipe)
-    params = text_compile_params(loaded, load_arch(loaded))
+    loaded = load_recipe(REPO / "recipes" / "36-27b-fp8-128k.yaml")
+    arch = load_arch(loaded)
+    params = text_compile_params(loaded, arch)
     app = _app(neuron_config(params)["neuron_config"], inference_kwargs(params), tmp_path)
-    assert app.kv_manager == "KVCacheManager" and [s.buckets for s in app.submodels] == [[32, 64], [256]]
-    assert not any(n.startswith(BANK) for n in app._model_cls.rank_weights(app.config))
+    assert app.kv_manager == "QwenHybridBlockKVCacheManager"
+    assert [s.buckets for s in app.submodels] == [[[512, 0], [512, 131072]], [[1, 131072]]]
+    weights = app._model_cls.rank_weights(app.config)
+    banks = {n: w for n, w in weights.items() if n.startswith(BANK)}
+    assert len(banks) == 2 * sum(t == "linear_attention" for t in arch.layer_types) == 96
+    assert (banks[f"{BANK}.recurrent_slots.0"].shape, banks[f"{BANK}.recurrent_slots.0"].dtype) == \
+        ((8, 12, 128, 128), "float32")
