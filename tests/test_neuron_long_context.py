@@ -301,3 +301,16 @@ def test_the_128k_recipe_is_a_configuration_the_double_builds(main_port, tmp_pat
     assert len(banks) == 2 * sum(t == "linear_attention" for t in arch.layer_types) == 96
     assert (banks[f"{BANK}.recurrent_slots.0"].shape, banks[f"{BANK}.recurrent_slots.0"].dtype) == \
         ((8, 12, 128, 128), "float32")
+
+
+@pytest.mark.slow
+def test_a_port_without_its_vllm_patch_fails_before_the_compile(small_checkpoints, tmp_path):
+    """A long-context bundle is served with the port's own vLLM patch; a port that lacks it fails the text compile in
+    one line naming the file, before NxDI is called."""
+    port = Path(shutil.copytree(MAIN_PORT, tmp_path / "port", ignore=shutil.ignore_patterns("__pycache__", "vllm")))
+    build = Build(tmp_path)
+    result, stderr = build.compile(write_recipe(tmp_path / "nopatch.yaml", small_checkpoints["qwen3_5"], port,
+                                                text=TEXT))
+    (failure,) = [v for v in result["failed"].values() if v["name"].startswith("compile text")]
+    assert "port: vllm/qwen36_hybrid_apc_scheduler_patch.py is missing" in failure["error"], failure
+    assert not build.calls("compile")
