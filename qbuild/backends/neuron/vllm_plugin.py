@@ -12,7 +12,8 @@ in every process it starts (vllm/plugins/__init__.py L12-14, L68-81 @ vLLM 0.16.
 (EngineArgs, vllm/engine/arg_utils.py L612-614) and again in the engine-core process (vllm/v1/engine/core.py L91-93),
 from the `vllm.general_plugins` entry points of every distribution on sys.path, filtered by VLLM_PLUGINS (L28-65).
 So PYTHONPATH=<bundle>/vllm and the plugin's name in VLLM_PLUGINS are all a host needs: nothing is written to
-site-packages, and a copied bundle serves the same way.
+site-packages, and a copied bundle serves the same way. A bundle with chunked prefill also has the plugin install the
+port's own vLLM patch from the bundle's copy of the port (install_serving_patch).
 
 vllm-neuron 0.5 starts vLLM's engine core with the `spawn` method (vllm_neuron/platform.py L7 @ 3afb0a9), so the
 engine's configuration, the HF config object with it, is pickled into a new interpreter (vllm/v1/engine/utils.py
