@@ -254,3 +254,97 @@ def test_dense_main_lineage_shard_has_no_expert_parallelism(tmp_path, tiny_check
     """)
     # nxd_parallel gives a dense model no moe_ep_degree; the shard step still needs ep 1.
     assert (params.layout, params.tp, params.ep, params.dense_tp) == ("nxd-main", 2, 1, 2)
+
+
+# --- long context: the Qwen3.6-27B port's block KV layout and hybrid APC (docs/long-context.md section 5) ----------
+
+def test_the_128k_recipe_compiles_the_ports_long_context_configuration():
+    """recipes/36-27b-fp8-128k.yaml as PR 173's compile script builds it with --enable-hybrid-apc
+    --enable-vllm-chunked-prefill (qwen36_27b_compile_fp8.py L952-1010 @ 03db3ef) and its sizes: blocks of 256, one
+    sequence of them, a checkpoint every block, 8 slots; the KV length as the prompt limit and the prefix bucket."""
+    from tests.conftest import REPO
+
+    loaded = load_recipe(REPO / "recipes" / "36-27b-fp8-128k.yaml")
+    params = text_compile_params(loaded, load_arch(loaded))
+    cfg = neuron_config(params)
+    nc = cfg["neuron_config"]
+    assert (nc["is_block_kv_layout"], nc["pa_block_size"], nc["pa_num_blocks"]) == (True, 256, 512)
+    assert (nc["is_prefix_caching"], nc["prefix_buckets"], nc["prefix_cte_attention_backend"]) == \
+        (True, [131072], "attention_cte")
+    assert nc["max_context_length"] == 131072 and "chunked_prefill_config" not in nc
+    assert cfg["port_config"] == {
+        "use_hybrid_cache_manager": False, "use_hybrid_apc_manager": True, "gdn_checkpoint_interval": 256,
+        "max_gdn_checkpoint_slots": 8, "gdn_recurrent_cache_dtype": "float32", "gdn_conv_cache_dtype": "bfloat16",
+        "hybrid_recurrent_cache_dtype": "float32", "hybrid_conv_cache_dtype": "bfloat16", "hybrid_cache_mode": "all",
+        "hybrid_apc_require_vllm_metadata": False, "hybrid_apc_allow_local_hash_fallback": True,
+        "hybrid_apc_require_attention_block_refs": False, "hybrid_apc_enable_backed_prefix_reads": False,
+        "hybrid_apc_commit_during_token_generation": False, "use_qwen_hybrid_chunked_prefill": True,
+        "use_qwen_hybrid_chunked_prefill_nki": True}
+    assert cfg["buckets"] == {"context_encoding": [[512, 0], [512, 131072]], "token_generation": [[1, 131072]]}
+    assert cfg["neffs"] == 3
+    from qbuild.backends.neuron.config import inference_kwargs
+
+    assert inference_kwargs(params).items() >= cfg["port_config"].items()
+
+
+_LC = """
+    model: {hf: Qwen/Qwen3.6-27B}
+    parallel: {tp: 4}
+    text:
+      seq_len: 8192
+      cte_buckets: [256, 512]
+"""
+NEURON_REFUSED = {
+    # name: (the text section's extra lines, what the one line must say)
+    "block-vllm-refuses": ("  chunked_prefill: {}\n  prefix_cache: {block_size: 512}",
+                           "text.prefix_cache.block_size: 512: vLLM 0.16 takes a --block-size of 1, 8, 16, 32, 64, "
+                           "128, 256 only"),
+    "interval-not-block": ("  chunked_prefill: {}\n  prefix_cache: {block_size: 128, checkpoint_interval: 256}",
+                           "text.prefix_cache.checkpoint_interval: 256: the port's hybrid APC manager (v0) needs it "
+                           "equal to block_size 128"),
+    "default-interval": ("  chunked_prefill: {chunk_size: 128}", "text.chunked_prefill.chunk_size: 128 is not a "
+                                                                  "multiple of the DeltaNet checkpoint interval 256"),
+    "batch": ("  batch_size: 2\n  chunked_prefill: {}", "text.batch_size: 2: the port's hybrid APC manager"),
+    "float16": ("  chunked_prefill: {}\ndtype: float16", "dtype: float16: the port keeps DeltaNet checkpoints in "
+                                                         "float32 or bfloat16 only"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NEURON_REFUSED))
+def test_what_the_port_and_vllm_refuse_is_one_line_naming_the_field(tmp_path, case):
+    from qbuild.core.errors import UserError
+    from qbuild.planning.plan import validate_recipe
+
+    extra, needle = NEURON_REFUSED[case]
+    body = textwrap.dedent(_LC.replace("[256, 512]", "[128, 256, 512]" if case == "default-interval" else "[256, 512]"))
+    loaded, arch = _recipe(tmp_path, case, body + extra + "\n")
+    with pytest.raises(UserError) as err:
+        validate_recipe(loaded, arch)
+    message = str(err.value)
+    assert "\n" not in message and f"{case}.yaml" in message and needle in message, message
+    # They are the port's and vLLM's limits: a CPU proof of the same recipe is not refused.
+    cpu = tmp_path / "cpu.yaml"
+    cpu.write_text(body + extra + "\nbackend: export\n")
+    validate_recipe(load_recipe(cpu), arch)
+
+
+def test_long_context_needs_the_main_lineage(tmp_path):
+    from qbuild.core.errors import UserError
+    from qbuild.planning.plan import validate_recipe
+
+    loaded, arch = _recipe(tmp_path, "next", """
+        model: {hf: Qwen/Qwen3-Coder-Next}
+        parallel: {tp: 8}
+        fused_qkv: true
+        text: {seq_len: 1024, cte_buckets: [256], chunked_prefill: {}}
+    """)
+    with pytest.raises(UserError, match="text.chunked_prefill: the moe-lineage port has no block KV layout"):
+        validate_recipe(loaded, arch)
+
+
+def test_neff_reuse_counts_the_prefix_caching_pairs(tmp_path):
+    loaded, arch = _recipe(tmp_path, "lc", textwrap.dedent(_LC) + "  chunked_prefill: {}\n")
+    now = text_compile_params(loaded, arch)
+    assert neuron_config(now)["neffs"] == 5
+    assert neff_reuse(to_json(now), replace(now, cte_buckets=(256, 512, 1024))) == \
+        "2 new NEFFs (cte-1024x0, cte-1024x8192), 5 reused from the Neuron compile cache"

@@ -469,7 +469,8 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(small_checkpoints, tmp
 def test_fp8_mlp_only_bundle_holds_exactly_the_weights_its_model_takes(tiny_checkpoints, tmp_path):
     """fp8: mlp_only as the Qwen3.6-27B FP8 port builds it: the inner layers' MLPs in float8_e4m3fn with float32
     per-channel scales, everything else in the model dtype, and no DeltaNet checkpoint banks, which the model takes only
-    with the hybrid APC manager that qbuild never turns on. Packaging checks every shard against the compiled model."""
+    with the hybrid APC manager, which qbuild turns on for chunked prefill alone (tests/test_neuron_long_context.py).
+    Packaging checks every shard against the compiled model."""
     from safetensors import safe_open
 
     build = Build(tmp_path)

@@ -4,11 +4,14 @@ Skipped where neuronx_distributed_inference does not import, where what imports 
 (tests/nxdi_double), or where QBUILD_TEST_PORTS is unset. QBUILD_TEST_PORTS is a directory of NxDI contrib port
 checkouts named as in aws-neuron/neuronx-distributed-inference contrib/models/: Qwen3.5-2B (dense family, main
 lineage), Qwen3.5-27B (dense family, main-replicated lineage, PR 128), Qwen3.5-35B-A3B (MoE family, main lineage),
-Qwen3-Coder-Next (Qwen3-Next, moe lineage, PR 170); a port that is missing is skipped.
+Qwen3-Coder-Next (Qwen3-Next, moe lineage, PR 170), Qwen3.6-27B (main lineage, PR 173: long prompts); a port that is
+missing is skipped.
 
 Each tiny family is built with `backend: neuron` (compile, shard, package, and verify on the NeuronCores), pulled,
 loaded with the port's own class as vLLM and the ports' scripts do (`App(dir).load(dir)`), and its greedy tokens
-compared with transformers' (the reference step's, computed in float32 on the host).
+compared with transformers' (the reference step's, computed in float32 on the host). A tiny long-context bundle of the
+Qwen3.6-27B port is served with vLLM 0.16 and vllm-neuron 0.5 (skipped where they do not import): a prompt of several
+chunks against transformers, and the port's experimental hybrid APC repeating a prompt exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -116,3 +120,117 @@ def test_tiny_family_on_neuron(port_name, tiny_checkpoints, tmp_path):
         same = sum(a == b for a, b in zip(tokens, r["greedy"])) / NEW_TOKENS
         assert tokens[0] == r["greedy"][0] and same >= MIN_TOKEN_MATCH, \
             f"{port_name} {r['text']!r}: neuron {tokens}, transformers {r['greedy']}"
+
+
+# --- long prompts: chunked prefill and the port's hybrid APC through vLLM (docs/long-context.md section 5) ---------
+# The Qwen3.6-27B port (QBUILD_TEST_PORTS/Qwen3.6-27B, NxDI PR 173 @ 03db3ef) compiles the block KV layout and serves it
+# through vLLM's chunked prefill with its own patch, so these run `qbuild serve` with vLLM 0.16 and vllm-neuron 0.5.
+# Prompts are token ids and completions return token ids (vLLM's return_token_ids: entrypoints/openai/completion/
+# protocol.py L142-150, L434 @ 0.16.0), and --enable-prompt-tokens-details reports the prefix cache's tokens
+# (cli_args.py L184, completion/serving.py L471-473).
+LONG_TEXT = {"batch_size": 1, "seq_len": 512, "cte_buckets": [64, 128], "tkg_buckets": [512],
+             "chunked_prefill": {"chunk_size": 128}, "prefix_cache": {"block_size": 64, "checkpoint_slots": 4}}
+# A prompt of several chunks, whose transformers greedy tokens the bundle must give.
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 24
+
+
+def _serve_skip() -> str | None:
+    import importlib.util
+
+    for module in ("vllm", "vllm_neuron"):
+        if importlib.util.find_spec(module) is None:
+            return f"{module} does not import here"
+    if not (PORTS / "Qwen3.6-27B" / "vllm").is_dir():
+        return f"{PORTS / 'Qwen3.6-27B'}: no checkout of the Qwen3.6-27B port"
+    return None
+
+
+def _long_context_bundle(checkpoint: Path, tmp_path: Path, apc: str) -> tuple[Path, list[int], list[int]]:
+    """A tiny Qwen3.5 long-context bundle built with the Qwen3.6-27B port (no verify: NxDI's generation adapter passes
+    no block table) and pulled; (bundle, the prompt's ids, transformers' greedy ids for it)."""
+    recipe = tmp_path / "lc.yaml"
+    recipe.write_text(json.dumps({
+        "model": {"path": str(checkpoint)}, "backend": "neuron",
+        "port": {"path": str(PORTS / "Qwen3.6-27B"), "lineage": "main"}, "parallel": {"tp": 2}, "dtype": "bfloat16",
+        "text": {**LONG_TEXT, "prefix_cache": {**LONG_TEXT["prefix_cache"], "neuron_apc": apc}},
+        "compiler": {"target": "trn2", "lnc": 2}, "toolchain": _installed_pins(),
+        "verify": {"prompts": ["Hello world"], "new_tokens": NEW_TOKENS, "image_prompt": False}}))
+    env = {"QBUILD_NEURON_WORKDIR": str(tmp_path / "nxd-work"), "QBUILD_STORE": str(tmp_path / "store")}
+    lock = ["--lock", str(tmp_path / "artifacts.lock")]
+    built = qbuild("compile", str(recipe), "--skip-device", *lock, env=env, timeout=7200)
+    assert built.returncode == 0, built.stderr[-4000:]
+    bundle = tmp_path / "bundle"
+    assert qbuild("pull", "lc", "--to", str(bundle), "--allow-unverified", *lock, env=env).returncode == 0
+    ids, greedy = _reference(checkpoint, LONG_PROMPT)
+    assert len(ids) > max(LONG_TEXT["cte_buckets"]), "the prompt must take several chunks"
+    return bundle, ids, greedy
+
+
+def _reference(checkpoint: Path, text: str) -> tuple[list[int], list[int]]:
+    """(the prompt's ids, transformers' greedy tokens) as the reference step computes them, in float32 on the host
+    (--skip-device leaves the reference step unbuilt: only verify needs it)."""
+    from transformers import AutoTokenizer
+
+    from qbuild.build.actions.reference import _greedy, _model
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    ids = list(AutoTokenizer.from_pretrained(str(checkpoint))(text, add_special_tokens=False)["input_ids"])
+    _, tokens = _greedy(_model(checkpoint, config), ids, NEW_TOKENS, {}, None)
+    return ids, tokens
+
+
+def _complete(url: str, ids: list[int]) -> dict:
+    import urllib.request
+
+    body = {"model": "bundle", "prompt": ids, "max_tokens": NEW_TOKENS, "min_tokens": NEW_TOKENS, "temperature": 0,
+            "return_token_ids": True}
+    request = urllib.request.Request(url + "/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as r:
+        return json.loads(r.read())
+
+
+@contextmanager
+def _serving(bundle: Path, tmp_path: Path):
+    """`qbuild serve` of the bundle as a user starts it (the vLLM flag for cached-token counts after --); its URL."""
+    import signal
+
+    from tests.conftest import wait_until
+
+    ready = tmp_path / "url"
+    server = subprocess.Popen([str(Path(sys.executable).with_name("qbuild")), "serve", str(bundle), "--port", "0",
+                               "--ready-file", str(ready), "--", "--enable-prompt-tokens-details"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield wait_until(lambda: ready.exists() and ready.read_text().strip(), 1800, "vLLM to answer /v1/models")
+    finally:
+        server.send_signal(signal.SIGINT)
+        _, err = server.communicate(timeout=300)
+    assert server.returncode == 0, err[-4000:]
+
+
+@pytest.mark.skipif(_serve_skip() is not None, reason=str(_serve_skip()))
+def test_a_prompt_of_several_chunks_gives_transformers_tokens(tiny_checkpoints, tmp_path):
+    """A prompt over the largest CTE bucket, prefilled by vLLM in chunks of 128 through the compiled block KV layout
+    (prefix caching off), generates transformers' greedy tokens: the first one exactly, most of the rest."""
+    bundle, ids, greedy = _long_context_bundle(tiny_checkpoints["qwen3_5"], tmp_path, "off")
+    serve = json.loads((bundle / "vllm" / "serve.json").read_text())
+    assert serve["long_context"]["prefix_caching"] is False and serve["max_prompt_length"] == 512
+    with _serving(bundle, tmp_path) as url:
+        tokens = _complete(url, ids)["choices"][0]["token_ids"]
+    same = sum(a == b for a, b in zip(tokens, greedy)) / NEW_TOKENS
+    assert tokens[0] == greedy[0] and same >= MIN_TOKEN_MATCH, f"neuron {tokens}, transformers {greedy}"
+
+
+@pytest.mark.skipif(_serve_skip() is not None, reason=str(_serve_skip()))
+def test_the_ports_hybrid_apc_repeats_a_prompt_exactly_from_its_cache(tiny_checkpoints, tmp_path):
+    """neuron_apc: experimental: the same long prompt twice gives the same tokens, the second time from the prefix
+    cache (vLLM counts cached prompt tokens), as the port validated its hybrid APC exactness (README.md L121-126)."""
+    bundle, ids, greedy = _long_context_bundle(tiny_checkpoints["qwen3_5"], tmp_path, "experimental")
+    assert json.loads((bundle / "vllm" / "serve.json").read_text())["long_context"]["prefix_caching"] is True
+    with _serving(bundle, tmp_path) as url:
+        cold, warm = _complete(url, ids), _complete(url, ids)
+    assert warm["choices"][0]["token_ids"] == cold["choices"][0]["token_ids"]
+    assert cold["choices"][0]["token_ids"][0] == greedy[0]
+    cached = (warm["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert cached >= LONG_TEXT["prefix_cache"]["block_size"], warm["usage"]

@@ -31,10 +31,10 @@ pytestmark = pytest.mark.xdist_group("neuron-serve")
 TEXT = {"batch_size": 1, "seq_len": 256, "cte_buckets": [64, 128], "tkg_buckets": [256]}
 
 
-def _bundle(root: Path, checkpoint: Path, port_dir: Path, **changes) -> tuple[Build, Path]:
-    """A tiny neuron recipe built with the double (verify left for a device) and pulled into root/bundle."""
+def _bundle(root: Path, checkpoint: Path, port_dir: Path, text: dict = TEXT, **changes) -> tuple[Build, Path]:
+    """A tiny neuron recipe (`serve`) built with the double (verify left for a device) and pulled into root/bundle."""
     build = Build(root)
-    build.recipe = write_recipe(root / "recipes" / "serve.yaml", checkpoint, port_dir, text=TEXT, **changes)
+    build.recipe = write_recipe(root / "recipes" / "serve.yaml", checkpoint, port_dir, text=text, **changes)
     build.result, build.stderr = build.compile(build.recipe)
     compiled(build.result, build.stderr)
     require_bundle(build.result, build.stderr)
@@ -362,31 +362,38 @@ def test_serving_without_vllm_is_one_line_exit_3(dense):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
-# The vLLM 0.16 command line as the double's api_server parses it, and the configuration vllm-neuron 0.5's platform
-# makes of it (vllm_site: flags of arg_utils.py / cli_args.py, platform.py L290-387).
+# The vLLM 0.16 command line as the double's api_server parses it, the configuration vllm-neuron 0.5's platform makes of
+# it, and the NeuronConfig its loader builds before it loads the compiled directory (vllm_site: flags of arg_utils.py /
+# cli_args.py, platform.py L290-387, loader L985-1214).
 _PARSE_SCRIPT = """
-import json, sys
-sys.path[:0] = [sys.argv[1]]
+import json, os, sys
+sys.path[:0] = sys.argv[1:3]
+os.environ.update(json.loads(sys.argv[4]))
 from vllm.config import VllmConfig
 from vllm.entrypoints.openai.api_server import parser
 from vllm_neuron.platform import NeuronPlatform
-args = parser().parse_args(json.loads(sys.argv[2]))
+from vllm_neuron.worker.neuronx_distributed_model_loader import validated_neuron_config
+args = parser().parse_args(json.loads(sys.argv[3]))
 config = VllmConfig(model=args.model, hf_config=None, dtype=args.dtype, max_model_len=args.max_model_len,
                     tensor_parallel_size=args.tensor_parallel_size, max_num_seqs=args.max_num_seqs,
                     num_gpu_blocks_override=args.num_gpu_blocks_override,
                     enable_prefix_caching=bool(args.enable_prefix_caching),
-                    enable_chunked_prefill=bool(args.enable_chunked_prefill), additional_config=args.additional_config)
+                    enable_chunked_prefill=bool(args.enable_chunked_prefill), additional_config=args.additional_config,
+                    block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens)
 NeuronPlatform.check_and_update_config(config)
-print(json.dumps({k: v for k, v in vars(config).items() if k != "hf_config"}))
+nc = validated_neuron_config(config)
+print(json.dumps({**{k: v for k, v in vars(config).items() if k != "hf_config"},
+                  "pa_num_blocks": nc["pa_num_blocks"], "max_context_length": nc["max_context_length"]}))
 """
 
 
 @pytest.mark.parametrize("recipe", [r for r in sorted((REPO / "recipes").glob("*.yaml"))], ids=lambda p: p.name)
 def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, tmp_path):
     """`qbuild serve --dry-run` of each shipped recipe's bundle layout (its vllm/serve.json as the package step writes
-    it from the planned params and compile record): vLLM 0.16's parser takes every flag, and vllm-neuron 0.5's platform
-    makes of it prompts up to the largest CTE bucket, sequences up to the largest TKG bucket, one contiguous block per
-    sequence, chunked prefill off; the stack is SDK 2.29-2.31's."""
+    it from the planned params and compile record): vLLM 0.16's parser takes every flag, vllm-neuron 0.5's platform
+    and loader make of it prompts up to the compiled max_context_length and sequences up to the largest TKG bucket,
+    with one contiguous block per sequence and chunked prefill off, or, for a recipe with chunked prefill
+    (36-27b-fp8-128k), the compiled block KV layout served in chunks; the stack is SDK 2.29-2.31's."""
     from qbuild.backends.neuron.package import serve_record
     from qbuild.backends.neuron.params import NeuronPackageParams
     from qbuild.recipe.params import parse
@@ -408,15 +415,26 @@ def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, 
     assert doc["stack"]["vllm"] == "0.16.0" and doc["stack"]["vllm_neuron"] == "0.5"
     assert doc["env"]["NEURON_COMPILED_ARTIFACTS"] == str(bundle)
     assert doc["env"].items() >= text["neuron_config"]["env"].items()
-    parsed = subprocess.run([sys.executable, "-c", _PARSE_SCRIPT, str(VLLM_SITE), json.dumps(doc["command"][3:])],
-                            capture_output=True, text=True)
+    parsed = subprocess.run([sys.executable, "-c", _PARSE_SCRIPT, str(VLLM_SITE), str(SITE),
+                             json.dumps(doc["command"][3:]), json.dumps(doc["env"])], capture_output=True, text=True)
     assert parsed.returncode == 0, parsed.stderr
     config = json.loads(parsed.stdout)
-    cte, tkg = max(params.cte_buckets), max(params.tkg_buckets)
-    assert (config["max_prompt_length"], config["max_model_len"], config["block_size"]) == (cte, tkg, tkg)
-    assert config["max_num_seqs"] == params.batch_size and config["num_gpu_blocks_override"] == params.batch_size + 1
     assert config["tensor_parallel_size"] == params.tp and config["dtype"] == params.dtype
-    assert not config["enable_prefix_caching"] and not config["enable_chunked_prefill"]
+    assert config["max_num_seqs"] == params.batch_size and config["max_model_len"] == max(params.tkg_buckets)
+    compiled = text["neuron_config"]["neuron_config"]
+    assert config["max_prompt_length"] == config["max_context_length"] == compiled["max_context_length"]
+    if params.block_kv is None:
+        # One contiguous block per sequence, chunked prefill off.
+        cte, tkg = max(params.cte_buckets), max(params.tkg_buckets)
+        assert (config["max_prompt_length"], config["block_size"]) == (cte, tkg)
+        assert config["num_gpu_blocks_override"] == params.batch_size + 1
+        assert not config["enable_prefix_caching"] and not config["enable_chunked_prefill"]
+        return
+    # The compiled block KV layout, served by vLLM's chunked-prefill scheduler in chunks of the recipe's chunk, as
+    # PR 173's launcher serves it; prefix caching only where the recipe opts into the port's experiment.
+    assert (config["block_size"], config["pa_num_blocks"]) == (compiled["pa_block_size"], compiled["pa_num_blocks"] + 1)
+    assert config["enable_chunked_prefill"] and config["max_num_batched_tokens"] == params.long_context.chunk_size
+    assert config["enable_prefix_caching"] == (params.long_context.prefix_cache is not None)
 
 
 # --- the pieces, without a build ----------------------------------------------------------------------------------

@@ -138,6 +138,12 @@ class PrefixCache(_Strict):
                                                                           "block_size")
     checkpoint_slots: StrictInt = Field(8, ge=1, description="DeltaNet state checkpoints kept (the port's "
                                                              "max_gdn_checkpoint_slots)")
+    # The CPU backends cache prefixes whatever this says (their cache is exact: docs/long-context.md section 2). A
+    # neuron bundle is compiled with the port's hybrid APC manager either way; this only decides whether vLLM serves it
+    # with prefix caching, which the port itself calls not fully implemented (docs/long-context.md section 5).
+    neuron_apc: Literal["off", "experimental"] = Field(
+        "off", description="serve a neuron bundle with vLLM's prefix caching through the Qwen3.6-27B port's hybrid "
+                           "DeltaNet APC, which its authors call an experiment: off (default) or experimental")
 
 
 class Text(_Strict):

@@ -15,12 +15,13 @@ from typing import Callable
 
 from qbuild.backends.base import (GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, SourceEnvironment, Sizes,
                                   StepContext)
-from qbuild.backends.neuron import config, deploy, releases, vllm_serve, worker_env
+from qbuild.backends.neuron import config, deploy, long_context, releases, vllm_serve, worker_env
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, lineage_for, port_dir
 from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch
+from qbuild.model.chunking import LongContext, PrefixCacheSpec
 from qbuild.model.fp8 import policy as fp8_policy
 from qbuild.recipe import checks
 from qbuild.recipe.params import ShardParams
@@ -41,7 +42,20 @@ def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
         # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
         pad_token_id=arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id,
         # A bundle with vision encoders needs a context-encoding graph that takes the image features.
-        vision_inputs=bool(r.vision and r.vision.buckets))
+        vision_inputs=bool(r.vision and r.vision.buckets), block_kv=long_context.block_kv(loaded))
+
+
+def bundle_long_context(loaded: LoadedRecipe) -> LongContext | None:
+    """What bundle.json records of the bundle's long-prompt serving: the chunk, and the prefix cache only where vLLM
+    serves it (qbuild.backends.neuron.long_context)."""
+    t = loaded.recipe.text
+    if t.chunk_size is None:
+        return None
+    cache = t.prefix_cache
+    served = long_context.serves_prefix_caching(loaded)
+    spec = PrefixCacheSpec(cache.block_size, t.num_blocks, t.checkpoint_interval, cache.checkpoint_slots) \
+        if served else None
+    return LongContext(t.chunk_size, spec)
 
 
 def vision_compile_params(loaded: LoadedRecipe, arch: Arch, bucket: int) -> NeuronVisionCompile:
@@ -103,6 +117,7 @@ class NeuronBackend:
                                         "for a local checkout")
         self._validate_port_env(loaded)
         self._validate_fp8(loaded, arch)
+        long_context.validate(loaded, lineage.name)
         if r.vision is not None and lineage.vision_module is None:
             checks.fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use "
                                           "main")
@@ -174,9 +189,10 @@ class NeuronBackend:
         # (None), and its shard step takes ep 1.
         shard = ShardParams(LINEAGES[text.lineage].shard_layout, ranks, par.moe_ep_degree if arch.is_moe else 1,
                             par.tp_degree, par.moe_tp_degree if arch.is_moe else None, r.fused_qkv, None, r.dtype)
-        neffs = len(text.cte_buckets) + len(text.tkg_buckets)
+        neffs = config.neuron_config(text)["neffs"]
+        layout = f", block KV {text.block_kv.block_size} x {text.block_kv.num_blocks}" if text.block_kv else ""
         # neuronx-cc runs on any host with the SDK: CPUs and memory, no device.
-        compiles = [PlannedStep("compile text", "compile", f"compile text ({neffs} NEFFs, neuron)", text,
+        compiles = [PlannedStep("compile text", "compile", f"compile text ({neffs} NEFFs, neuron{layout})", text,
                                 {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB, neffs=neffs)]
         for b in (r.vision.buckets if r.vision else []):
             compiles.append(PlannedStep(f"compile vision-{b}", "compile", f"compile vision-{b} (neuron)",
@@ -187,7 +203,8 @@ class NeuronBackend:
             family=arch.family, backend="neuron", tp=r.parallel.tp, ep=r.parallel.ep, ranks=ranks,
             batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
             tkg_buckets=tuple(r.text.token_buckets), vision_buckets=tuple(r.vision.buckets if r.vision else ()),
-            dtype=r.dtype, lineage=text.lineage, fp8=r.fp8)
+            dtype=r.dtype, lineage=text.lineage, fp8=r.fp8, block_kv=text.block_kv,
+            long_context=bundle_long_context(loaded))
         # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
         return BackendPlan((port_step(loaded, env),), shard, tuple(compiles), package, ranks)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from qbuild.backends.neuron import long_context
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile,
                                            NxdParallel)
 from qbuild.backends.neuron.ports import LINEAGES, VISION_COMPILER_ARGS
@@ -99,7 +100,8 @@ def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
     cfg = {
         "tp_degree": par.tp_degree, "batch_size": p.batch_size, "max_batch_size": p.batch_size,
         "ctx_batch_size": p.batch_size, "tkg_batch_size": p.batch_size,
-        "seq_len": p.seq_len, "max_length": p.seq_len, "max_context_length": max(p.cte_buckets),
+        "seq_len": p.seq_len, "max_length": p.seq_len,
+        "max_context_length": long_context.max_context_length(p.cte_buckets, p.tkg_buckets, p.block_kv),
         "torch_dtype": p.dtype, "logical_nc_config": p.compiler.lnc, "fused_qkv": p.fused_qkv,
         # Both lists explicit: with one left None NxDI generates powers of two up to the max (autobucketing.py).
         "enable_bucketing": True, "context_encoding_buckets": list(p.cte_buckets),
@@ -109,6 +111,8 @@ def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
     }
     if par.ep_degree > 1:
         cfg["ep_degree"] = par.ep_degree
+    if p.block_kv is not None:
+        cfg.update(long_context.neuron_config(p.block_kv))
     attributes: dict = {}
     fp8 = fp8_policy(p.fp8)
     if fp8.quantises:
@@ -142,13 +146,20 @@ def neuron_config(params: NeuronCompile) -> dict:
     env.update(params.port_env)
     env.update(NEURON_PLATFORM_TARGET_OVERRIDE=params.compiler.target,
                NEURON_LOGICAL_NC_CONFIG=str(params.compiler.lnc))
+    buckets = {"context_encoding": long_context.context_buckets(params.cte_buckets, params.block_kv),
+               "token_generation": long_context.token_buckets(params.tkg_buckets, params.block_kv)}
     return {"lineage": lineage.name, "module": lineage.text_module, "app_class": lineage.app_class,
             "config_class": lineage.config_class, "neuron_config_class": cls, "neuron_config": cfg,
-            "attributes": attributes, "compiler_args": compiler_args(lineage.compiler_args, params.compiler),
-            "env": env, "buckets": {"context_encoding": cfg["context_encoding_buckets"],
-                                    "token_generation": cfg["token_generation_buckets"]},
-            "neffs": len(cfg["context_encoding_buckets"]) + len(cfg["token_generation_buckets"]),
-            "ranks": params.parallel.world_size}
+            "attributes": attributes, "port_config": port_config(params),
+            "compiler_args": compiler_args(lineage.compiler_args, params.compiler), "env": env, "buckets": buckets,
+            "neffs": sum(len(b) for b in buckets.values()), "ranks": params.parallel.world_size}
+
+
+def port_config(params: NeuronTextCompile) -> dict:
+    """The port InferenceConfig's fields qbuild sets beyond the checkpoint's text config (inference_kwargs)."""
+    if params.block_kv is None:
+        return {}
+    return long_context.port_config(params.block_kv, params.dtype)
 
 
 def vision_file(bucket: int) -> str:
@@ -172,14 +183,21 @@ def neff_reuse(old: dict, new: NeuronCompile) -> str | None:
     if a is None or not isinstance(b, NeuronTextCompile) or \
             replace(a, cte_buckets=(), tkg_buckets=()) != replace(b, cte_buckets=(), tkg_buckets=()):
         return None
-    if a.tkg_buckets[0] != b.tkg_buckets[0]:
-        return (f"token-generation bucket 0 changed ({a.tkg_buckets[0]} -> {b.tkg_buckets[0]}): its weight "
-                f"layout feeds every bucket, so all {len(b.cte_buckets) + len(b.tkg_buckets)} NEFFs recompile")
-    added = [f"cte-{x}" for i, x in enumerate(b.cte_buckets) if a.cte_buckets[i:i + 1] != (x,)]
-    added += [f"tkg-{x}" for i, x in enumerate(b.tkg_buckets) if a.tkg_buckets[i:i + 1] != (x,)]
-    kept = len(b.cte_buckets) + len(b.tkg_buckets) - len(added)
+    cte_a, cte_b = (long_context.context_buckets(x.cte_buckets, x.block_kv) for x in (a, b))
+    tkg_a, tkg_b = (long_context.token_buckets(x.tkg_buckets, x.block_kv) for x in (a, b))
+    if tkg_a[0] != tkg_b[0]:
+        return (f"token-generation bucket 0 changed ({_bucket(tkg_a[0])} -> {_bucket(tkg_b[0])}): its weight "
+                f"layout feeds every bucket, so all {len(cte_b) + len(tkg_b)} NEFFs recompile")
+    added = [f"cte-{_bucket(x)}" for i, x in enumerate(cte_b) if cte_a[i:i + 1] != [x]]
+    added += [f"tkg-{_bucket(x)}" for i, x in enumerate(tkg_b) if tkg_a[i:i + 1] != [x]]
+    kept = len(cte_b) + len(tkg_b) - len(added)
     return (f"{len(added)} new NEFF{'s' if len(added) != 1 else ''} ({', '.join(added) or 'none'}), {kept} reused from "
             "the Neuron compile cache")
+
+
+def _bucket(bucket) -> str:
+    """A bucket as NEFF names show it: 512, or an (active, prefix) pair of prefix caching as 512x131072."""
+    return "x".join(map(str, bucket)) if isinstance(bucket, list) else str(bucket)
 
 
 def _locked_text_compile(params: dict) -> NeuronTextCompile | None:
@@ -208,4 +226,5 @@ def inference_kwargs(params: NeuronTextCompile) -> dict:
         # sets use_text_only_cte_inputs=True by default: 35B-A3B modeling_qwen35.py:2324, 2B :2230 @ 4bcdc54); their
         # VL flow compiles the text model with it False (35B-A3B test/integration/run_vl_smoke.py:97).
         text["use_text_only_cte_inputs"] = not params.vision_inputs
+    text.update(port_config(params))
     return text

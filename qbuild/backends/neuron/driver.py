@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
+from qbuild.backends.neuron import long_context
 from qbuild.backends.neuron.config import inference_kwargs, neuron_config
 from qbuild.backends.neuron.params import NeuronCompile, NeuronTextCompile, NeuronVisionCompile
 from qbuild.backends.neuron.ports import LINEAGES
@@ -149,6 +150,8 @@ def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path
     StoreSpec the build writes to (its compile cache)."""
     require_sdk()
     check_toolchain(params.toolchain)
+    if params.block_kv is not None:
+        long_context.require_serving_patch(port)
     cfg = neuron_config(params)
     model_dir = scratch / "hf"
     model_dir.mkdir(parents=True, exist_ok=True)

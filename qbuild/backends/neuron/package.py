@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from qbuild.backends.base import StepContext
-from qbuild.backends.neuron import driver
+from qbuild.backends.neuron import driver, long_context
 from qbuild.backends.neuron.config import vision_file
 from qbuild.backends.neuron.params import NeuronPackageParams
 from qbuild.backends.neuron.ports import LINEAGES
@@ -40,8 +40,10 @@ def package(ctx: StepContext) -> dict[str, str]:
     if len(shards) != p.ranks:
         raise ValueError(f"package got {len(shards)} shards, planned {p.ranks} ranks")
     expected = driver.expected_weights(text)
+    if p.block_kv is not None:
+        _add_checkpoint_banks(ctx, p, shards)
     if fp8_policy(p.fp8).quantises:
-        _fp8_port_steps(ctx, p, shards, expected)
+        _reloadable_kv_quant_config(ctx.out / "neuron_config.json")
     if expected is not None:
         for shard in shards:
             driver.check_shards(expected, shard)
@@ -71,7 +73,7 @@ def vllm_glue(out: Path, p: NeuronPackageParams, record: dict) -> None:
     spec = {"model_type": config["model_type"], "text_model_type": text.get("model_type") if isinstance(text, dict)
             else None, "architecture": architecture, "nxdi_model": model, "nxdi_task": task,
             "module": lineage.text_module, "app_class": lineage.app_class,
-            "port_dir": Path("..", lineage.module_dir(Path("port"))).as_posix()}
+            "port_dir": Path("..", lineage.module_dir(Path("port"))).as_posix(), **serving_patch(out, p)}
     glue = out / VLLM_DIR
     (glue / _PLUGIN_DIST).mkdir(parents=True)
     # Imported (it has no effect until vLLM calls register()) rather than read by path, so that its source is in
@@ -88,22 +90,37 @@ def vllm_glue(out: Path, p: NeuronPackageParams, record: dict) -> None:
     tokenizer_for_every_stack(out)
 
 
+def serving_patch(out: Path, p: NeuronPackageParams) -> dict:
+    """The plugin spec's "serving_patch": the port's own vLLM patch that a long-context bundle is served with
+    (qbuild.backends.neuron.long_context), relative to vllm/, and the function that installs it; None otherwise."""
+    if p.block_kv is None:
+        return {"serving_patch": None}
+    long_context.require_serving_patch(out / "port")
+    return {"serving_patch": {"file": Path("..", "port", long_context.SERVING_PATCH).as_posix(),
+                              "install": long_context.SERVING_PATCH_HOOK}}
+
+
 def serve_record(p: NeuronPackageParams, record: dict) -> dict:
     """vllm/serve.json: the bundle's own facts the vLLM command is made of (qbuild.backends.neuron.deploy.vllm_args),
     and the serving stack of the SDK release it was compiled with (releases.SERVING).
 
-    - max_prompt_length: the largest context-encoding bucket, which is the compiled max_context_length
-      (config.py _text_neuron_config). vllm-neuron 0.5 refuses a longer prompt with a 400 when
+    - max_prompt_length: the compiled max_context_length (config.py _text_neuron_config): the largest
+      context-encoding bucket, or with chunked prefill the KV length (long_context.max_context_length). vllm-neuron
+      0.5 refuses a longer prompt with a 400 when
       additional_config.max_prompt_length is set (platform.py L314-316, platform_overrides.py L78-109 @ 3afb0a9), and
       its runner requires that value to equal the compiled max_context_length (neuronx_distributed_model_runner.py
       L604-694).
     - max_model_len: the largest token-generation bucket, the longest sequence a decode step has a graph for.
-    - continuous_batching: False, as compiled (config.py); deploy refuses to serve a batch above 1 without it."""
+    - continuous_batching: False, as compiled (config.py); deploy refuses to serve a batch above 1 without it.
+    - long_context: the chunk, the block KV layout and whether vLLM serves prefix caching (long_context.serve_fields),
+      or None."""
     releases_, stack = serving_stack(record["params"]["toolchain"])
-    return {"max_model_len": max(p.tkg_buckets), "max_prompt_length": max(p.cte_buckets),
+    return {"max_model_len": max(p.tkg_buckets),
+            "max_prompt_length": long_context.max_context_length(p.cte_buckets, p.tkg_buckets, p.block_kv),
             "tensor_parallel_size": p.tp, "max_num_seqs": p.batch_size, "continuous_batching": False,
             "dtype": p.dtype, "lineage": p.lineage, "env": record["config"]["env"],
-            "stack": {"releases": releases_, "vllm": stack.vllm, "vllm_neuron": stack.vllm_neuron}}
+            "stack": {"releases": releases_, "vllm": stack.vllm, "vllm_neuron": stack.vllm_neuron},
+            **long_context.serve_fields(p)}
 
 
 # tokenizer_config.json classes that transformers 5 writes and 4.x cannot resolve, and what 4.x reads the same
@@ -167,30 +184,29 @@ def nxdi_registry_key(architecture: str | None) -> tuple[str, str]:
     return model.lower(), re.sub("([a-z0-9])([A-Z])", r"\1-\2", re.sub("(.)([A-Z][a-z]+)", r"\1-\2", task)).lower()
 
 
-def _fp8_port_steps(ctx: StepContext, p: NeuronPackageParams, shards: list[Path],
-                    expected: dict[str, tuple[int, ...]] | None) -> None:
-    """What the Qwen3.6-27B FP8 port does after compile (PR 173 @ 03db3ef, qwen36_27b_compile_fp8.py): zero
-    `hybrid_gdn_checkpoint_cache.*` banks in every shard, and a reloadable kv_quant_config.
-
-    The banks are weights of the compiled model only when its config sets use_hybrid_apc_manager
-    (contrib/models/Qwen3.6-27B/src/modeling_qwen35.py:5620-5626 @ 03db3ef), so only the banks that the compiled model
-    takes (`expected`, its metaneff) are added; without the SDK to read that, all of them, as the port's script adds
-    them."""
+def _add_checkpoint_banks(ctx: StepContext, p: NeuronPackageParams, shards: list[Path]) -> None:
+    """The zero `hybrid_gdn_checkpoint_cache.*` banks a long-context compile takes as weights, which NxD's sharding
+    never writes: the port's compile script adds them to every shard after compile (_ensure_hybrid_checkpoint_weights,
+    contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py L135-212 @ 03db3ef). The model has them only
+    with the hybrid APC manager (contrib/models/Qwen3.6-27B/src/modeling_qwen35.py L5618-5626), which every
+    long-context compile has (qbuild.backends.neuron.long_context), with max_gdn_checkpoint_slots slots each
+    (HybridGDNCheckpointCache, L4075-4140); the package's shard check then holds them to the compiled model's list."""
     from qbuild.model.arch import arch_from_config
     from qbuild.model.convert.hybrid import gdn_checkpoint_banks
 
     arch = arch_from_config(json.loads((ctx.inputs["converted"] / "config.json").read_text()))
-    banks = gdn_checkpoint_banks(arch, p.tp, p.dtype)
-    if expected is not None:
-        banks = {name: t for name, t in banks.items() if name in expected}
-    if banks:
-        for shard in shards:
-            _add_tensors(shard, banks)
-    config_path = ctx.out / "neuron_config.json"
+    banks = gdn_checkpoint_banks(arch, p.tp, p.dtype, slots=p.block_kv.checkpoint_slots)
+    for shard in shards:
+        _add_tensors(shard, banks)
+
+
+def _reloadable_kv_quant_config(config_path: Path) -> None:
+    """What the Qwen3.6-27B FP8 port does to neuron_config.json after compile (_sanitize_reloadable_neuron_config,
+    qwen36_27b_compile_fp8.py L87-105 @ 03db3ef): NxDI serialises the QuantizationType defaults of kv_quant_config as
+    nested objects that KVQuantizationConfig cannot read back, so a direct-cast config is written as just that."""
     config = json.loads(config_path.read_text())
     nc = config.get("neuron_config", config)
     kv = nc.get("kv_quant_config")
-    # NxDI serialises the QuantizationType defaults as nested objects that KVQuantizationConfig cannot read back.
     if isinstance(kv, dict) and kv.get("direct_cast", True):
         nc["kv_quant_config"] = {"direct_cast": True}
         atomic_write(config_path, (jsonio.dumps(config, indent=2, sort_keys=True) + "\n").encode())

@@ -2,6 +2,7 @@
 
     PortGit                  the NxDI contrib port as a pinned git source: url, full commit, directory in it
     PortFiles / PortMissing  a local port directory's source files by digest (or where it was looked for)
+    NeuronBlockKV            the port's block KV layout and hybrid APC manager a long-context compile builds
     NeuronTextCompile        graph text: NxDI's one compile of every CTE and TKG bucket
     NeuronVisionCompile      graph vision: the port's traced vision encoder at one patch bucket
     NeuronPackageParams      a bundle that is NxDI's compiled directory, loaded by the lineage's port
@@ -9,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from qbuild.core.dtypes import DType
@@ -74,6 +75,19 @@ class CompilerSettings:
 
 
 @dataclass(frozen=True)
+class NeuronBlockKV:
+    """What a long-context compile builds (qbuild.backends.neuron.long_context): attention KV in blocks, a
+    prefix-caching KV layout whose context-encoding graphs take a cached prefix, and the port's bank of DeltaNet
+    checkpoint slots."""
+
+    block_size: int                  # NeuronConfig pa_block_size; vLLM --block-size
+    num_blocks: int                  # NeuronConfig pa_num_blocks; vLLM --num-gpu-blocks-override
+    checkpoint_interval: int         # the port's gdn_checkpoint_interval (equal to block_size: its APC v0)
+    checkpoint_slots: int            # the port's max_gdn_checkpoint_slots
+    prefix_buckets: tuple[int, ...]  # NeuronConfig prefix_buckets: the cached-prefix lengths a CTE graph takes
+
+
+@dataclass(frozen=True)
 class NeuronTextCompile:
     graph: Literal["text"]
     backend: Literal["neuron"]
@@ -93,6 +107,7 @@ class NeuronTextCompile:
     port_env: dict[str, str]         # the only port switches a compile sees
     pad_token_id: int | None
     vision_inputs: bool              # the context-encoding graph takes vision embeddings (the recipe has vision)
+    block_kv: NeuronBlockKV | None   # chunked prefill's block KV layout (None: NxDI's contiguous KV cache)
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,9 @@ class NeuronPackageParams(PackageParams):
     backend: Literal["neuron"]
     lineage: LineageName
     fp8: FP8PolicyName
+    # The compile's block KV layout (serve.json's blocks, the checkpoint banks in the shards); with chunked prefill
+    # `long_context` holds the chunk, and its prefix_cache only where vLLM serves prefix caching (neuron_apc).
+    block_kv: NeuronBlockKV | None = field(default=None, kw_only=True)
 
     def bundle_meta(self) -> dict:
         return {**super().bundle_meta(), "lineage": self.lineage, "ranks": self.ranks}

@@ -12,7 +12,8 @@ in every process it starts (vllm/plugins/__init__.py L12-14, L68-81 @ vLLM 0.16.
 (EngineArgs, vllm/engine/arg_utils.py L612-614) and again in the engine-core process (vllm/v1/engine/core.py L91-93),
 from the `vllm.general_plugins` entry points of every distribution on sys.path, filtered by VLLM_PLUGINS (L28-65).
 So PYTHONPATH=<bundle>/vllm and the plugin's name in VLLM_PLUGINS are all a host needs: nothing is written to
-site-packages, and a copied bundle serves the same way.
+site-packages, and a copied bundle serves the same way. A bundle with chunked prefill also has the plugin install the
+port's own vLLM patch from the bundle's copy of the port (install_serving_patch).
 
 vllm-neuron 0.5 starts vLLM's engine core with the `spawn` method (vllm_neuron/platform.py L7 @ 3afb0a9), so the
 engine's configuration, the HF config object with it, is pickled into a new interpreter (vllm/v1/engine/utils.py
@@ -139,6 +140,7 @@ def register() -> None:
     register_hf_config(spec)
     register_architecture(spec)
     register_nxdi_model(spec)
+    install_serving_patch(spec)
 
 
 def load_spec() -> dict:
@@ -185,3 +187,32 @@ def register_nxdi_model(spec: dict) -> None:
 
     app = getattr(importlib.import_module(spec["module"]), spec["app_class"])
     MODEL_TYPES.setdefault(spec["nxdi_model"], {})[spec["nxdi_task"]] = guarded(app)
+
+
+# --- the port's own vLLM patch (a bundle with chunked prefill) ---------------------------------------------------
+
+def install_serving_patch(spec: dict) -> None:
+    """Install the vLLM patch of the bundle's port where the spec names one (a long-context bundle), as the Qwen3.6-27B
+    port's launcher does for chunked prefill and hybrid APC (vllm/start_vllm_server.sh L138-140 with
+    vllm/sitecustomize.py L14-23, and vllm/serve_qwen36.py L8-16, PR 173 @ 03db3ef). The patch itself wraps vLLM's
+    scheduler and KV cache manager and vllm-neuron's runner and loader in this process through an import hook
+    (its install_import_hook, vllm/qwen36_hybrid_apc_scheduler_patch.py L2737-2749), among them vllm-neuron 0.5's KV
+    cache spec, which lists every layer as attention (neuronx_distributed_model_runner.py L892-917 @ 3afb0a9): the
+    patch lists the hybrid model's attention layers only (L2352-2411). It is loaded from the bundle's copy of the
+    port by its path, under its own module name, and nothing on disk changes."""
+    patch = spec.get("serving_patch")
+    if not patch:
+        return
+    path = os.path.normpath(os.path.join(_HERE, patch["file"]))
+    name = os.path.splitext(os.path.basename(path))[0]
+    module = sys.modules.get(name)
+    if module is None:
+        import importlib.util
+
+        loader_spec = importlib.util.spec_from_file_location(name, path)
+        if loader_spec is None:
+            raise RuntimeError(f"qbuild bundle: the port's vLLM patch {path} does not load")
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[name] = module
+        loader_spec.loader.exec_module(module)
+    getattr(module, patch["install"])()

@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from qbuild.backends.base import ServeOptions
+from qbuild.backends.neuron import long_context
 from qbuild.backends.neuron.package import VLLM_DIR, VLLM_PLUGIN, VLLM_SERVE
 from qbuild.backends.neuron.releases import GLUE_STACK, stack_matches
 from qbuild.core.errors import InfraError, UserError
@@ -30,40 +31,53 @@ _ADDRESS_FLAGS = ("--model", "--served-model-name", "--host", "--port")
 # vLLM's spellings of the flags qbuild sets, where one has several (vllm/engine/arg_utils.py L799 `-tp`; a boolean
 # flag's `--no-` form, argparse.BooleanOptionalAction, L289).
 _ALIASES = {"--tensor-parallel-size": ("-tp",), "--no-enable-prefix-caching": ("--enable-prefix-caching",),
-            "--no-enable-chunked-prefill": ("--enable-chunked-prefill",)}
+            "--no-enable-chunked-prefill": ("--enable-chunked-prefill",),
+            "--enable-prefix-caching": ("--no-enable-prefix-caching",),
+            "--enable-chunked-prefill": ("--no-enable-chunked-prefill",)}
 _SECRET_FLAGS = ("--api-key",)
 
 
 def vllm_args(serve: dict) -> list[tuple[str, str | None]]:
     """The vLLM flags a bundle fixes, as (flag, value or None for a switch): everything vLLM must agree on with the
-    compile. Serving features that change them (chunked prefill, a block KV layout, prefix caching) are added here and
-    in package.serve_record, and nowhere else; a pass-through flag naming one of these is refused.
+    compile. Serving features that change them are added here and in package.serve_record, and nowhere else; a
+    pass-through flag naming one of these is refused.
 
     - --tensor-parallel-size: the compiled tp degree; --dtype: the compiled dtype (PR 173's launcher passes both,
       vllm/start_vllm_server.sh L652-653 @ 03db3ef).
-    - --max-model-len: the largest token-generation bucket; --additional-config max_prompt_length: the largest
-      context-encoding bucket (package.serve_record).
-    - --max-num-seqs and --num-gpu-blocks-override: the batch size. Without prefix caching the platform sets
-      block_size = max_model_len (platform.py L378-383), so one block per sequence; it adds the null block itself
-      (L318-332), and the loader's default NeuronConfig counts num_gpu_blocks_override as pa_num_blocks (loader
-      L1082-1087).
-    - --no-enable-prefix-caching, --no-enable-chunked-prefill: the compile has a contiguous KV cache; either feature
-      asks the loader for a block KV layout (L1108-1111) that a bundle does not have. The platform's scheduler turns
-      chunked prefill off anyway (platform.py L355-358); PR 173's launcher passes the same without them (L662, L694).
+    - --max-model-len: the largest token-generation bucket; --additional-config max_prompt_length: the compiled
+      max_context_length (package.serve_record).
+    - --max-num-seqs: the batch size.
+    - A bundle with chunked prefill: its block KV layout, chunked prefill and (where the recipe opts in) prefix caching,
+      as qbuild.backends.neuron.long_context.vllm_flags says; otherwise `contiguous_flags`.
     """
-    batch = str(serve["max_num_seqs"])
+    lc = serve.get("long_context")
     return [("--tensor-parallel-size", str(serve["tensor_parallel_size"])), ("--dtype", serve["dtype"]),
-            ("--max-model-len", str(serve["max_model_len"])), ("--max-num-seqs", batch),
-            ("--num-gpu-blocks-override", batch),
+            ("--max-model-len", str(serve["max_model_len"])), ("--max-num-seqs", str(serve["max_num_seqs"])),
             ("--additional-config", json.dumps(additional_config(serve), sort_keys=True)),
-            ("--no-enable-prefix-caching", None), ("--no-enable-chunked-prefill", None)]
+            *(long_context.vllm_flags(lc) if lc else contiguous_flags(serve))]
+
+
+def contiguous_flags(serve: dict) -> list[tuple[str, str | None]]:
+    """The flags of a bundle compiled with NxDI's contiguous KV cache.
+
+    - --num-gpu-blocks-override: the batch size. Without prefix caching the platform sets block_size = max_model_len
+      (platform.py L378-383), so one block per sequence; it adds the null block itself (L318-332), and the loader's
+      default NeuronConfig counts num_gpu_blocks_override as pa_num_blocks (loader L1082-1087).
+    - --no-enable-prefix-caching, --no-enable-chunked-prefill: either feature asks the loader for a block KV layout
+      (L1108-1111) that such a bundle does not have. The platform's scheduler turns chunked prefill off anyway
+      (platform.py L355-358); PR 173's launcher passes the same without them (L662, L694).
+    """
+    return [("--num-gpu-blocks-override", str(serve["max_num_seqs"])), ("--no-enable-prefix-caching", None),
+            ("--no-enable-chunked-prefill", None)]
 
 
 def additional_config(serve: dict) -> dict:
     """vLLM's --additional-config (a JSON object: vllm/engine/arg_utils.py L314-315, L1211-1213), which vllm-neuron
-    reads: max_prompt_length (platform.py L314-316). No override_neuron_config: with a precompiled directory the loader
-    ignores it (loader L250-255)."""
-    return {"max_prompt_length": serve["max_prompt_length"]}
+    reads: max_prompt_length (platform.py L314-316). A contiguous bundle passes no override_neuron_config: with a
+    precompiled directory the loader ignores it (loader L250-255); a long-context bundle adds what the port's launcher
+    passes (long_context.additional_config)."""
+    lc = serve.get("long_context")
+    return {"max_prompt_length": serve["max_prompt_length"], **(long_context.additional_config(serve) if lc else {})}
 
 
 def owned_flags(serve: dict) -> set[str]:
@@ -123,6 +137,7 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
       L28-65 filters both groups by it).
     - VLLM_API_KEY: the key clients must send, read where no --api-key is given (api_server.py L239-240), so that it
       never stands on a command line; the printed document shows it masked.
+    - DISABLE_NEURON_CUSTOM_SCHEDULER, for a bundle with chunked prefill (long_context.serve_env).
     VLLM_NEURON_FRAMEWORK is not set: nothing in vllm-neuron @ 3afb0a9 reads it (the platform checks that NxDI
     imports: platform.py L402-428)."""
     serve, plugin = read_serve(bundle)
@@ -131,6 +146,8 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
     pythonpath = [bundle / VLLM_DIR, (bundle / VLLM_DIR / plugin["port_dir"]).resolve()]
     env = {**serve["env"], "NEURON_COMPILED_ARTIFACTS": str(bundle), "VLLM_PLUGINS": f"neuron,{VLLM_PLUGIN}",
            "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
+    if serve.get("long_context"):
+        env.update(long_context.serve_env(serve["long_context"]))
     if api_key:
         env["VLLM_API_KEY"] = api_key
     command = [python, "-m", VLLM_ENTRY, "--model", str(bundle), "--served-model-name", name,
@@ -201,6 +218,7 @@ def check_load_preconditions(bundle: Path, serve: dict) -> None:
         if nc.get(key) != value:
             raise UserError(f"{path}: neuron_config.{key} is {nc.get(key)!r} where {VLLM_SERVE} says {value}; the "
                             "bundle's files do not belong together: pull or build it again")
+    long_context.check_compiled(path, nc, serve)
     for rank in range(nc.get("world_size") or serve["tensor_parallel_size"]):
         shard = bundle / "weights" / f"tp{rank}_sharded_checkpoint.safetensors"
         if not shard.is_file():

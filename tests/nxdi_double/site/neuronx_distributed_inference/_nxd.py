@@ -86,9 +86,21 @@ def local_expert_indices(experts: int, moe_tp: int, moe_ep: int) -> Weight:
                   {"kind": "local_experts", "experts": experts, "moe_tp": moe_tp, "moe_ep": moe_ep})
 
 
+def zeros(shape: tuple[int, ...], dtype: str) -> Weight:
+    """A weight every rank holds as zeros: the port's DeltaNet checkpoint banks, which the port's compile script writes
+    zeroed into every shard (qwen36_27b_compile_fp8.py L135-212 @ 03db3ef)."""
+    return Weight(tuple(shape), dtype, {"kind": "zeros"})
+
+
+def _zeros(shape: tuple[int, ...]) -> list:
+    return [0] * shape[0] if len(shape) == 1 else [_zeros(shape[1:]) for _ in range(shape[0])]
+
+
 def rank_value(weight: Weight, rank: int, tp: int) -> list:
     """The value a rank tensor must hold in shard `rank`."""
     kind = weight.value["kind"]
+    if kind == "zeros":
+        return _zeros(weight.shape)
     if kind == "tp_rank":
         return [rank % tp]
     if kind == "global_rank":

@@ -360,6 +360,13 @@ def expected_rank(hf: HFCheckpoint, lay: Layout, r: int) -> dict[str, Expected |
     return out
 
 
+def zero_weights(weights: dict) -> dict[str, Expected]:
+    """The weights the compiled model takes that hold zeros on every rank, whatever the checkpoint: the DeltaNet
+    checkpoint banks of the hybrid APC manager (docs/long-context.md section 5)."""
+    return {name: Expected(torch.zeros(w.shape), f"{name} (zeros: the port writes the bank zeroed)")
+            for name, w in weights.items() if w.value is not None and w.value["kind"] == "zeros"}
+
+
 class _RowUnstated(Unstated):
     """Everything is stated but one row (`row`), which may hold either the expected row or zeros."""
 

@@ -3,7 +3,11 @@ which is why the PORT DIRECTORY, not src/, must be on sys.path for the main line
 
 
 def init_hybrid_apc_scheduler_bridge(app) -> None:
-    """`_init_hybrid_apc_scheduler_bridge()` does nothing unless use_hybrid_apc_manager is set; the double does not
-    model the hybrid APC manager at all."""
-    if getattr(app.config, "use_hybrid_apc_manager", False):
-        raise NotImplementedError("the contract double does not model the hybrid APC manager")
+    """`_init_hybrid_apc_scheduler_bridge()` (modeling_qwen35.py L7168-7185 @ 03db3ef): nothing unless
+    use_hybrid_apc_manager is set; then the model needs a DeltaNet layer. The bridge itself (the request-side
+    bookkeeping of checkpoints) is not modelled: the double never runs a request."""
+    app.hybrid_apc_bridge = None
+    if not getattr(app.config, "use_hybrid_apc_manager", False):
+        return
+    if "linear_attention" not in app.config.layer_types:
+        raise ValueError("hybrid APC requires at least one GDN layer")

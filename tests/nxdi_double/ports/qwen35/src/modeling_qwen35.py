@@ -25,6 +25,7 @@ from neuronx_distributed_inference._nxd import (
     row,
     split,
     tp_rank,
+    zeros,
 )
 from neuronx_distributed_inference.models.config import InferenceConfig, NeuronConfig
 from neuronx_distributed_inference.models.model_base import NeuronBaseForCausalLM
@@ -50,8 +51,10 @@ class Qwen35InferenceConfig(InferenceConfig):
             kwargs.setdefault("n_shared_experts", 1)
             kwargs.setdefault("intermediate_size", kwargs.get("moe_intermediate_size"))
         kwargs.setdefault("use_text_only_cte_inputs", True)   # l.2324
+        _hybrid_defaults(kwargs)
         super().__init__(neuron_config, fused_spec_config=fused_spec_config, load_config=load_config,
                          metadata=metadata, **kwargs)
+        _check_hybrid(self)
 
     def get_required_attributes(self) -> list[str]:   # l.2423
         return ["head_dim", "hidden_act", "hidden_size", "intermediate_size", "max_position_embeddings",
@@ -91,6 +94,77 @@ class Qwen35InferenceConfig(InferenceConfig):
         return cls(neuron_config=neuron_config, **inference_config)
 
 
+# --- the hybrid cache managers (PR 173 @ 03db3ef; docs/long-context.md section 5) ------------------------------------
+
+def _hybrid_defaults(kwargs: dict) -> None:
+    """Qwen35InferenceConfig's defaults of the hybrid cache fields (modeling_qwen35.py L2168-2216 @ 03db3ef)."""
+    apc = bool(kwargs.setdefault("use_hybrid_apc_manager", False))
+    for key in ("use_hybrid_cache_manager", "use_qwen_hybrid_chunked_prefill", "use_qwen_hybrid_chunked_prefill_nki"):
+        kwargs.setdefault(key, False)
+    kwargs.setdefault("gdn_checkpoint_interval", 256)
+    kwargs.setdefault("max_gdn_checkpoint_slots", 8)
+    kwargs.setdefault("hybrid_apc_require_vllm_metadata", apc)
+    kwargs.setdefault("hybrid_apc_allow_local_hash_fallback", not apc)
+    kwargs.setdefault("hybrid_apc_require_attention_block_refs", apc)
+    kwargs.setdefault("hybrid_recurrent_cache_dtype", kwargs.get("gdn_recurrent_cache_dtype", "float32"))
+    kwargs.setdefault("hybrid_conv_cache_dtype", kwargs.get("gdn_conv_cache_dtype", "bfloat16"))
+    kwargs.setdefault("gdn_recurrent_cache_dtype", kwargs["hybrid_recurrent_cache_dtype"])
+    kwargs.setdefault("gdn_conv_cache_dtype", kwargs["hybrid_conv_cache_dtype"])
+    kwargs.setdefault("hybrid_cache_mode", "all")
+
+
+def _cache_dtype(name: str, value) -> str:
+    """_normalize_hybrid_cache_dtype (L543-564): float32 or bfloat16 (and their aliases) only."""
+    aliases = {"fp32": "float32", "float32": "float32", "torch.float32": "float32", "bf16": "bfloat16",
+               "bfloat16": "bfloat16", "torch.bfloat16": "bfloat16"}
+    if str(value).lower() not in aliases:
+        raise ValueError(f"{name} must be one of fp32/float32 or bf16/bfloat16, got {value}")
+    return aliases[str(value).lower()]
+
+
+def _check_hybrid(config) -> None:
+    """The checks after construction (L2224-2296): positive interval and slots, the cache dtypes, the two managers
+    exclusive, and the hybrid APC manager's v0 requirements."""
+    if int(config.gdn_checkpoint_interval) <= 0:
+        raise ValueError(f"gdn_checkpoint_interval must be positive, got {config.gdn_checkpoint_interval}")
+    if int(config.max_gdn_checkpoint_slots) <= 0:
+        raise ValueError(f"max_gdn_checkpoint_slots must be positive, got {config.max_gdn_checkpoint_slots}")
+    config.hybrid_recurrent_cache_dtype = _cache_dtype("hybrid_recurrent_cache_dtype",
+                                                       config.hybrid_recurrent_cache_dtype)
+    config.hybrid_conv_cache_dtype = _cache_dtype("hybrid_conv_cache_dtype", config.hybrid_conv_cache_dtype)
+    if config.use_hybrid_cache_manager and config.use_hybrid_apc_manager:
+        raise ValueError("use_hybrid_cache_manager and use_hybrid_apc_manager are mutually exclusive")
+    if not config.use_hybrid_apc_manager:
+        return
+    if config.hybrid_cache_mode != "all":
+        raise ValueError("use_hybrid_apc_manager requires hybrid_cache_mode='all'")
+    if config.hybrid_recurrent_cache_dtype != "float32":
+        raise ValueError("use_hybrid_apc_manager requires float32 recurrent GDN checkpoint cache state")
+    block = getattr(config.neuron_config, "pa_block_size", None)
+    if block is not None and int(config.gdn_checkpoint_interval) != int(block):
+        raise ValueError("use_hybrid_apc_manager v0 requires gdn_checkpoint_interval == pa_block_size")
+
+
+def _checkpoint_banks(config, tp: int) -> dict[str, Weight]:
+    """HybridGDNCheckpointCache (L4075-4140): per DeltaNet layer, by its ordinal among them, a recurrent bank
+    (slots, Hv/tp, dk, dv) and a conv bank (slots, conv_dim/tp, K - 1) in their cache dtypes, zeros."""
+    gdn = [i for i, kind in enumerate(config.layer_types) if kind == "linear_attention"]
+    if not gdn:
+        raise ValueError("HybridGDNCheckpointCache requires GDN layers")
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    if hv % tp or hk % tp:
+        raise ValueError("linear_num_value_heads and linear_num_key_heads must be divisible by tp_degree")
+    slots, dk, dv = int(config.max_gdn_checkpoint_slots), config.linear_key_head_dim, config.linear_value_head_dim
+    conv_dim = 2 * (hk // tp) * dk + (hv // tp) * dv
+    out = {}
+    for idx in range(len(gdn)):
+        out[f"hybrid_gdn_checkpoint_cache.recurrent_slots.{idx}"] = zeros((slots, hv // tp, dk, dv),
+                                                                          config.hybrid_recurrent_cache_dtype)
+        out[f"hybrid_gdn_checkpoint_cache.conv_slots.{idx}"] = zeros(
+            (slots, conv_dim, config.linear_conv_kernel_dim - 1), config.hybrid_conv_cache_dtype)
+    return out
+
+
 def _dtype(config) -> str:
     return str(config.neuron_config.torch_dtype).split(".")[1]
 
@@ -109,9 +183,6 @@ class NeuronQwen35Model:
         if nc.quantized and (config._is_moe or nc.quantization_type != "per_channel_symmetric"
                              or nc.quantization_dtype != "f8e4m3"):
             raise NotImplementedError("the contract double models the FP8 port's per-channel f8e4m3 dense MLPs only")
-        if getattr(config, "use_hybrid_apc_manager", False):
-            # PR 173 modeling_qwen35.py:5620-5626: only then does the model hold hybrid_gdn_checkpoint_cache weights.
-            raise NotImplementedError("the contract double does not model the hybrid APC manager")
         tp, dt, h = nc.tp_degree, _dtype(config), config.hidden_size
         out = {"embed_tokens.weight": parallel_embedding(config.vocab_size, h, tp, dt),
                "lm_head.weight": column(config.vocab_size, h, tp, dt),
@@ -136,6 +207,9 @@ class NeuronQwen35Model:
             else:
                 raise ValueError(f"layer_types[{i}]: {kind!r}")
             out.update(_moe(f"{p}.mlp", config, tp, dt) if config._is_moe else _mlp(f"{p}.mlp", config, tp, dt))
+        if config.use_hybrid_apc_manager:
+            # PR 173 modeling_qwen35.py L5618-5626: only then does the model hold hybrid_gdn_checkpoint_cache weights.
+            out.update(_checkpoint_banks(config, tp))
         return out
 
     @staticmethod
@@ -249,6 +323,23 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):   # l.7491
     @classmethod
     def get_config_cls(cls):
         return Qwen35InferenceConfig
+
+    def init_kv_manager(self) -> str:
+        """init_inference_optimization (L5618-5636 @ 03db3ef): the hybrid APC manager keeps the attention layers' KV in
+        blocks (QwenHybridBlockKVCacheManager, a BlockKVCacheManager: L3925-3960); the static hybrid manager refuses
+        a block layout, continuous batching and more (HybridDeltaNetCacheManager._validate_hybrid_config,
+        L3690-3715); otherwise NxDI's."""
+        config, nc = self.config, self.neuron_config
+        if config.use_hybrid_apc_manager:
+            base = super().init_kv_manager()
+            return "QwenHybridBlockKVCacheManager" if nc.is_block_kv_layout else base
+        if config.use_hybrid_cache_manager:
+            unsupported = [what for flag, what in ((nc.is_block_kv_layout, "block KV layout"),
+                                                   (nc.is_continuous_batching, "continuous batching")) if flag]
+            if unsupported:
+                raise ValueError("HybridDeltaNetCacheManager v1 does not support: " + ", ".join(unsupported))
+            return "HybridDeltaNetCacheManager"
+        return super().init_kv_manager()
 
     def enable_token_generation(self):   # l.7644
         disable_wlo = bool(getattr(self.config, "disable_token_generation_wlo", False)) or \

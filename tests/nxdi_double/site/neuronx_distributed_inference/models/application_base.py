@@ -64,6 +64,14 @@ class Submodel:
     seq_len_is_bucket: bool       # CTE traces the bucket's tokens; TKG one token
 
 
+def _active_tokens(sub: Submodel, bucket) -> int:
+    """The tokens one row of a bucket's graph takes: the bucket (CTE), its active part where it is an (active, prefix)
+    pair of prefix caching, or one (TKG)."""
+    if not sub.seq_len_is_bucket:
+        return 1
+    return bucket[0] if isinstance(bucket, list) else bucket
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).split(".")[1]
 
@@ -224,8 +232,8 @@ class NeuronApplicationBase:
         jobs.sort(key=lambda job: not job[3])           # the priority model compiles first (mbase.py L3147)
         neffs, layout_key = [], None
         for sub, index, bucket, priority in jobs:
-            tokens = sub.batch_size * (bucket if sub.seq_len_is_bucket else 1)
-            traced = model_cls.trace(self.config, sub.tag, bucket, tokens, bucket if sub.seq_len_is_bucket else 1)
+            active = _active_tokens(sub, bucket)
+            traced = model_cls.trace(self.config, sub.tag, bucket, sub.batch_size * active, active)
             neff = self._compile_bucket(work_dir, sub, index, bucket, priority, common, traced, layout_key, cache,
                                         cc_version)
             if priority:
@@ -303,7 +311,7 @@ class NeuronApplicationBase:
         _write(os.path.join(bucket_dir, "graph.neff"), neff)
         _write(os.path.join(bucket_dir, "model", "graph.hlo"), hlo.encode())
         _write(os.path.join(bucket_dir, "log-neuron-cc.txt"), flags.encode() + b"\n")
-        rows = sub.batch_size, (bucket if sub.seq_len_is_bucket else 1)
+        rows = sub.batch_size, _active_tokens(sub, bucket)
         return {"tag": sub.tag, "index": index, "bucket": bucket, "priority": priority, "key": key, "hit": hit,
                 "cache_entry": entry, "flags": flags, "dir": bucket_dir, "tokens_shape": list(rows),
                 "traced": traced}
@@ -387,12 +395,13 @@ class NeuronApplicationBase:
             files.append(os.path.basename(shard))
             shards.append(load_file(shard))
             _check_shard(files[-1], rank, nc.tp_degree, weights, shards[-1])
-        unstated = self._check_values(files, ranks, shards)
+        unstated = self._check_values(files, ranks, shards, weights)
         self.is_loaded = True
         record("load", cls=type(self).__name__, path=path, ranks=ranks, skip_warmup=skip_warmup,
                weights=len(weights), values_checked=True, values_unstated=unstated)
 
-    def _check_values(self, files: list[str], ranks: list[int], shards: list[dict]) -> list[str]:
+    def _check_values(self, files: list[str], ranks: list[int], shards: list[dict],
+                      weights: dict[str, Weight]) -> list[str]:
         """Every float tensor of every rank against what NxD would hold there, derived by the double from the HF
         checkpoint the bundle was built from (neuronx_distributed_inference._values, written from docs/nxd-layout.md
         and docs/nxdi.md). nxd_model.initialize takes any values; a swapped or mis-padded slice would load and compute
@@ -406,7 +415,7 @@ class NeuronApplicationBase:
                                 "from, and the double's settings name none (settings_dir(checkpoint=...))")
         hf = _values.HFCheckpoint(Path(checkpoint))
         layout = _values.Layout.of(self._model_cls.LINEAGE, self.config)
-        expected = [_values.expected_rank(hf, layout, rank) for rank in ranks]
+        expected = [{**_values.expected_rank(hf, layout, rank), **_values.zero_weights(weights)} for rank in ranks]
         for file, rank, tensors, exp in zip(files, ranks, shards, expected):
             _values.check_rank(file, rank, tensors, exp)
         return _values.check_unstated(files, shards, expected)

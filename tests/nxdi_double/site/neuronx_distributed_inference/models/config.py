@@ -84,6 +84,19 @@ class OnDeviceSamplingConfig:
         self.top_k_kernel_enabled, self.sampling_dp_degree = top_k_kernel_enabled, sampling_dp_degree
 
 
+class ChunkedPrefillConfig:
+    """cfg.py ChunkedPrefillConfig (L1157-1172 @ 03db3ef): max_num_seqs 0, tkg_model_enabled True, kernel tiles of
+    128 query and 1024 KV tokens. Unknown keys: the real class leaves them in its kwargs unread; the double refuses."""
+
+    def __init__(self, **kwargs):
+        self.max_num_seqs = kwargs.pop("max_num_seqs", 0)
+        self.tkg_model_enabled = kwargs.pop("tkg_model_enabled", True)
+        self.kernel_q_tile_size = kwargs.pop("kernel_q_tile_size", 128)
+        self.kernel_kv_tile_size = kwargs.pop("kernel_kv_tile_size", 1024)
+        if kwargs:
+            raise TypeError(f"ChunkedPrefillConfig: unknown keys {sorted(kwargs)} (the contract double rejects them)")
+
+
 class BlockShardingStrategy(enum.Enum):
     HI_LO = "HI_LO"
     PING_PONG = "PING_PONG"
@@ -242,11 +255,8 @@ class NeuronConfig:
         self.logical_nc_config = _get_lnc(kwargs)
         self.target = kwargs.pop("target", None)
         self.weights_to_skip_layout_optimization = kwargs.pop("weights_to_skip_layout_optimization", [])
-        # PR 173's APC / long-context settings (docs/nxdi.md section 16); defaults not recorded, so off.
-        for key in ("is_block_kv_layout", "is_prefix_caching", "vocab_parallel"):
-            setattr(self, key, kwargs.pop(key, False))
-        for key in ("pa_block_size", "pa_num_blocks", "prefix_buckets", "context_encoding_bucket_pairs"):
-            setattr(self, key, kwargs.pop(key, None))
+        self.vocab_parallel = kwargs.pop("vocab_parallel", False)   # default not recorded, so off
+        self._block_kv_layout(kwargs)
         self.weight_gather_seq_len_threshold = kwargs.pop("weight_gather_seq_len_threshold", 32768)   # config.py l.154
         # What vllm-neuron's default NeuronConfig passes besides the above (its loader L1093-1113 @ 3afb0a9):
         # config.py L95, L164, L356 @ c63afe0.
@@ -261,6 +271,33 @@ class NeuronConfig:
         self.skip_warmup = False
         self._setup_kernel_target_platform()
         _leftover(type(self).__name__, kwargs, mode)
+
+    def _block_kv_layout(self, kwargs: dict) -> None:
+        """The paged (block) KV layout, prefix caching and NxDI's own chunked prefill, with the defaults and checks of
+        NxDI models/config.py @ 03db3ef (docs/long-context.md section 5): prefix_buckets and the (active, prefix)
+        pairs (L193-196, their bounds L233-262), the prefix-CTE attention backend (L198-207), pa_num_blocks defaulting
+        to the batch size and pa_block_size to seq_len (L342-348), chunked_prefill_config built from a dict and
+        needing the block layout (L359-383)."""
+        self.prefix_buckets = kwargs.pop("prefix_buckets", None)
+        self.context_encoding_bucket_pairs = kwargs.pop("context_encoding_bucket_pairs", None)
+        for active, prefix in self.context_encoding_bucket_pairs or []:
+            assert 0 < active <= self.max_context_length and 0 <= prefix <= self.max_context_length, \
+                f"context encoding bucket pair {[active, prefix]} out of (0, {self.max_context_length}]"
+        self.prefix_cte_attention_backend = kwargs.pop("prefix_cte_attention_backend", "attention_cte")
+        assert self.prefix_cte_attention_backend in ("attention_cte", "segmented_cte"), \
+            "prefix_cte_attention_backend must be one of attention_cte or segmented_cte"
+        self.is_block_kv_layout = kwargs.pop("is_block_kv_layout", False)
+        self.pa_num_blocks = kwargs.pop("pa_num_blocks", self.batch_size)
+        self.pa_block_size = kwargs.pop("pa_block_size", self.seq_len)
+        self.is_prefix_caching = kwargs.pop("is_prefix_caching", False)
+        chunked = kwargs.pop("chunked_prefill_config", None)
+        self.chunked_prefill_config = ChunkedPrefillConfig(**chunked) if type(chunked) is dict else chunked
+        self.is_chunked_prefill = self.chunked_prefill_config is not None
+        if self.is_chunked_prefill:
+            assert self.is_block_kv_layout, "is_block_kv_layout has to be true for chunked prefill because it " \
+                                            "depends on block KV"
+            if not self.chunked_prefill_config.tkg_model_enabled:
+                assert self.batch_size == 1, "batch_size has to be 1 for chunked prefill CTE model"
 
     def _setup_kernel_target_platform(self) -> None:
         """cfg.py L723-727 sets NEURON_PLATFORM_TARGET_OVERRIDE (if unset) to the host's platform; a compile host

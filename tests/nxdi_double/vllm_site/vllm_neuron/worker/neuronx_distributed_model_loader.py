@@ -52,25 +52,82 @@ def _get_neuron_model_cls(architecture: str):
 
 
 def _default_neuron_config(config) -> dict:
-    """L1063-1123 without chunked prefill (the platform turned it off); then max_prompt_length, where set, becomes
-    max_context_length (_validate_override_neuron_config L1248-1284)."""
+    """_get_default_neuron_config L1063-1123: with chunked prefill one CTE row of max_num_batched_tokens, else a batch
+    of max_num_seqs over max_model_len; ceil(max_model_len // block_size) * max_num_seqs blocks unless
+    --num-gpu-blocks-override (already one more: the platform's null block); a block layout for chunked prefill or
+    prefix caching."""
     from neuronx_distributed_inference.models.config import OnDeviceSamplingConfig
 
+    chunked = config.enable_chunked_prefill
+    batch = 1 if chunked else config.max_num_seqs
     blocks = (config.max_model_len // config.block_size) * config.max_num_seqs
     if config.num_gpu_blocks_override is not None:
         blocks = config.num_gpu_blocks_override
-    neuron_config = {
-        "tp_degree": config.tensor_parallel_size, "ctx_batch_size": 1, "batch_size": config.max_num_seqs,
-        "max_context_length": config.max_model_len, "seq_len": config.max_model_len, "enable_bucketing": True,
-        "is_continuous_batching": config.max_num_seqs > 1, "quantized": False,
+    return {
+        "tp_degree": config.tensor_parallel_size, "ctx_batch_size": 1, "batch_size": batch,
+        "max_context_length": config.max_num_batched_tokens if chunked else config.max_model_len,
+        "seq_len": config.max_model_len, "enable_bucketing": True, "is_continuous_batching": batch > 1,
+        "quantized": False,
         "torch_dtype": {"auto": "float32", "half": "float16", "float": "float32"}.get(config.dtype, config.dtype),
         "padding_side": "right", "on_device_sampling_config": OnDeviceSamplingConfig(dynamic=True, deterministic=False),
         "lora_config": None, "pa_num_blocks": blocks, "pa_block_size": config.block_size,
-        "is_block_kv_layout": config.enable_chunked_prefill or config.enable_prefix_caching,
+        "is_block_kv_layout": chunked or config.enable_prefix_caching,
         "is_prefix_caching": config.enable_prefix_caching,
     }
+
+
+def _override(config) -> dict:
+    """additional_config.override_neuron_config (L1018-1029), its max_context_length held to max_prompt_length
+    (_validate_override_neuron_config L1248-1284: a different one is a ValueError, an absent one is set)."""
+    override = dict(config.additional_config.get("override_neuron_config") or {})
     if config.max_prompt_length is not None:
-        neuron_config["max_context_length"] = config.max_prompt_length
+        given = override.pop("max_context_length", None)
+        if given is not None and given != config.max_prompt_length:
+            raise ValueError(f"Conflicting max_prompt_length settings: override_neuron_config specifies "
+                             f"max_context_length {given} but the max_prompt_length is {config.max_prompt_length}.")
+        override["max_context_length"] = config.max_prompt_length
+    return override
+
+
+def _handle_pa_num_blocks(config, neuron_config: dict, override: dict) -> dict:
+    """L1126-1171: a pa_num_blocks in the override must be the --num-gpu-blocks-override the user gave (the count
+    before the platform's +1), and then becomes the counted one; without that flag it may not be set at all."""
+    if "pa_num_blocks" not in override:
+        return neuron_config
+    if config.num_gpu_blocks_override is None:
+        raise ValueError(f"When setting pa_num_blocks ({override['pa_num_blocks']}) in override_neuron_config, you "
+                         "must also set --num-gpu-blocks-override to the same value")
+    intent = config.num_gpu_blocks_override - 1
+    if override["pa_num_blocks"] != intent:
+        raise ValueError(f"pa_num_blocks ({override['pa_num_blocks']}) must match your --num-gpu-blocks-override "
+                         f"intent({intent}) to ensure vLLM and NxDI have consistent block counts.")
+    return {**neuron_config, "pa_num_blocks": config.num_gpu_blocks_override}
+
+
+def validated_neuron_config(config) -> dict:
+    """get_neuron_model L1009-1045: the default NeuronConfig, the override over it (its chunked_prefill_config as
+    NxDI's ChunkedPrefillConfig, L1217-1221), the blocks reconciled, then _validate_neuron_config (L1174-1214): prefix
+    caching and chunked prefill each need the block layout (and chunked prefill a chunked_prefill_config), and the
+    blocks must hold max_model_len for every sequence."""
+    from neuronx_distributed_inference.models.config import ChunkedPrefillConfig
+
+    override = _override(config)
+    neuron_config = {**_default_neuron_config(config), **override}
+    if isinstance(neuron_config.get("chunked_prefill_config"), dict):
+        neuron_config["chunked_prefill_config"] = ChunkedPrefillConfig(**neuron_config["chunked_prefill_config"])
+    if neuron_config.get("is_block_kv_layout"):
+        neuron_config = _handle_pa_num_blocks(config, neuron_config, override)
+    if config.enable_prefix_caching:
+        assert neuron_config.get("is_prefix_caching", False) and neuron_config.get("is_block_kv_layout", False)
+    if config.enable_chunked_prefill:
+        assert neuron_config.get("chunked_prefill_config") and neuron_config.get("is_block_kv_layout", False)
+    if neuron_config.get("is_block_kv_layout"):
+        needed = -(-config.max_model_len // config.block_size) * config.max_num_seqs
+        have = config.num_gpu_blocks_override - 1 if config.num_gpu_blocks_override is not None \
+            else neuron_config["pa_num_blocks"]
+        assert have >= needed, (f"At least {needed} blocks are required for max_model_len {config.max_model_len}, but "
+                                f"only {have} blocks are available (user-intended blocks, excluding the +1 for null "
+                                "block)")
     return neuron_config
 
 
@@ -92,7 +149,7 @@ def get_neuron_model(config):
 
     architecture, _, _ = _get_model_configs(config.hf_config)
     cls = _get_neuron_model_cls(architecture)
-    neuron_config = cls.get_neuron_config_cls()(**_default_neuron_config(config))
+    neuron_config = cls.get_neuron_config_cls()(**validated_neuron_config(config))
     nxdi_config = cls.get_config_cls()(neuron_config, load_config=load_pretrained_config(config.model))
     hashed = hashlib.md5(nxdi_config.to_json_string().encode() if hasattr(nxdi_config, "to_json_string")
                          else repr(sorted(vars(nxdi_config))).encode()).hexdigest()
@@ -100,6 +157,7 @@ def get_neuron_model(config):
     try:
         model = cls(path)
         model.load(path)
+        check_cache_layout(model, config)     # after the load: a RuntimeError, never the fallback compile's cue
         return model
     except (FileNotFoundError, ValueError) as e:
         print(f"Exception: {e}\nUnable to find precompiled artifacts from {path}. Recompiling...", flush=True)
@@ -109,6 +167,31 @@ def get_neuron_model(config):
     model.compile(path)
     model.load(path)
     return model
+
+
+def check_cache_layout(model, config) -> None:
+    """Stricter than vllm-neuron, which never compares them: the runner computes every KV slot as block * block_size
+    + offset over vLLM's blocks (runner L1352-1363, L1401-1413, L1597-1660), so a loaded model compiled with another
+    block size or block count, or without the block layout the scheduler's chunked prefill or prefix caching feeds
+    (is_block_kv_layout = chunked prefill or prefix caching: runner L167-169), would be addressed wrongly; and a
+    chunk must fit a compiled context-encoding bucket (models/model_wrapper.py L1232-1254 @ 03db3ef raise where none
+    does)."""
+    nc = model.neuron_config
+    if not (config.enable_chunked_prefill or config.enable_prefix_caching):
+        return
+    if not nc.is_block_kv_layout:
+        raise RuntimeError("vLLM feeds a block KV layout (chunked prefill or prefix caching) to a model compiled "
+                           "with a contiguous KV cache")
+    blocks = config.num_gpu_blocks_override - 1 if config.num_gpu_blocks_override is not None else None
+    if (nc.pa_block_size, nc.pa_num_blocks) != (config.block_size, blocks):
+        raise RuntimeError(f"vLLM addresses {blocks} blocks of {config.block_size} tokens; the compiled KV cache is "
+                         f"{nc.pa_num_blocks} blocks of {nc.pa_block_size}")
+    if config.enable_prefix_caching and not nc.is_prefix_caching:
+        raise RuntimeError("prefix caching is on in vLLM and off in the compiled model")
+    buckets = [b[0] if isinstance(b, list) else b for b in (nc.context_encoding_buckets or [])]
+    if config.enable_chunked_prefill and config.max_num_batched_tokens > max(buckets, default=0):
+        raise RuntimeError(f"a chunk of max_num_batched_tokens {config.max_num_batched_tokens} fits no compiled "
+                           f"context-encoding bucket (largest {max(buckets, default=0)})")
 
 
 def validate_max_prompt_length(model, config) -> int:

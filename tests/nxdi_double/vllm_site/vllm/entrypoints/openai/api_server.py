@@ -39,7 +39,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int)
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--num-gpu-blocks-override", type=int)
-    p.add_argument("--block-size", type=int)
+    # BlockSize = Literal[1, 8, 16, 32, 64, 128, 256] (config/cache.py L22) -> argparse choices (arg_utils.py
+    # L164-178, L290-291); MambaCacheMode and MambaDType likewise (config/cache.py L33-34).
+    p.add_argument("--block-size", type=int, choices=[1, 8, 16, 32, 64, 128, 256])
+    p.add_argument("--mamba-cache-mode", choices=["align", "all", "none"], default="none")
+    p.add_argument("--mamba-ssm-cache-dtype", choices=["auto", "float16", "float32"], default="auto")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--additional-config", type=json.loads, default={})
@@ -59,16 +63,23 @@ def engine_core(vllm_config, conn) -> None:
     try:
         from neuronx_distributed_inference._double import record
         from vllm.plugins import load_general_plugins
-        from vllm_neuron.worker import neuronx_distributed_model_loader as loader
 
         load_general_plugins()
-        model = loader.get_neuron_model(vllm_config)
-        limit = loader.validate_max_prompt_length(model, vllm_config)
+        from vllm_neuron.worker.neuronx_distributed_model_runner import NeuronxDistributedModelRunner
+
+        runner = NeuronxDistributedModelRunner(vllm_config)
+        runner.load_model()
+        spec = runner.check_kv_cache_spec()
+        model, limit = runner.model, runner.max_prompt_length
         hf = type(vllm_config.hf_config)
         record("vllm_engine_core", start_method=multiprocessing.get_start_method(),
                hf_config_cls=f"{hf.__module__}.{hf.__qualname__}", app_cls=type(model).__name__,
                max_prompt_length=limit, max_model_len=vllm_config.max_model_len,
-               block_size=vllm_config.block_size, num_gpu_blocks=vllm_config.num_gpu_blocks_override)
+               block_size=vllm_config.block_size, num_gpu_blocks=vllm_config.num_gpu_blocks_override,
+               chunked_prefill=vllm_config.enable_chunked_prefill, prefix_caching=vllm_config.enable_prefix_caching,
+               max_num_batched_tokens=vllm_config.max_num_batched_tokens, kv_cache_layers=sorted(spec),
+               mamba_cache_mode=vllm_config.mamba_cache_mode,
+               neuron_config=runner.neuron_config, additional_config=vllm_config.additional_config)
         conn.send(("ready", limit))
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
@@ -180,7 +191,9 @@ def main(argv: list[str]) -> None:
                         num_gpu_blocks_override=args.num_gpu_blocks_override,
                         enable_prefix_caching=bool(args.enable_prefix_caching),
                         enable_chunked_prefill=bool(args.enable_chunked_prefill),
-                        additional_config=args.additional_config, block_size=args.block_size)
+                        additional_config=args.additional_config, block_size=args.block_size,
+                        max_num_batched_tokens=args.max_num_batched_tokens, mamba_cache_mode=args.mamba_cache_mode,
+                        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
     platform.check_and_update_config(config)
     start_engine(config)
     serve_http(args, config)

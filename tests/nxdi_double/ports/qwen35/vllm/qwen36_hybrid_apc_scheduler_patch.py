@@ -1,0 +1,72 @@
+"""Fake of the Qwen3.6-27B port's vllm/qwen36_hybrid_apc_scheduler_patch.py (PR 173 @ 03db3ef), for the contract double.
+
+What qbuild depends on: the module lives in the port's vllm/ directory, imports without vLLM, and its
+install_import_hook() patches vllm-neuron's model runner in the calling process, whether the runner module is imported
+already or later (L2737-2749: the modules found in sys.modules are patched at once, an import hook patches the others).
+Of the real patch's changes the fake makes the one the double can see: the runner's KV cache spec lists the hybrid
+model's attention layers only (L2352-2411; the port also ships it as
+vllm/patches/vllm_neuron_qwen36_kv_cache_spec.patch).
+Each installation is recorded in the double's log.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+
+_RUNNER = "vllm_neuron.worker.neuronx_distributed_model_runner"
+_ATTENTION = ("attention", "full_attention", "self_attention", "sliding_attention")     # L97-102
+
+
+def _patch_runner(module) -> None:
+    runner = module.NeuronxDistributedModelRunner
+    if getattr(runner.get_kv_cache_spec, "_qwen36_hybrid_kv_cache_spec_patched", False):
+        return
+    original = runner.get_kv_cache_spec
+
+    def get_kv_cache_spec(self):
+        layer_types = getattr(self.hf_config, "layer_types", None)
+        spec = original(self)
+        if not layer_types:
+            return spec
+        return {name: s for name, s in spec.items()
+                if str(layer_types[int(name.split(".")[1])]).lower() in _ATTENTION}
+
+    get_kv_cache_spec._qwen36_hybrid_kv_cache_spec_patched = True
+    runner.get_kv_cache_spec = get_kv_cache_spec
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, wrapped):
+        self.wrapped = wrapped
+
+    def create_module(self, spec):
+        return self.wrapped.create_module(spec)
+
+    def exec_module(self, module):
+        self.wrapped.exec_module(module)
+        _patch_runner(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    _qwen36_hybrid_apc_import_hook = True
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _RUNNER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _Loader(spec.loader)
+        return spec
+
+
+def install_import_hook() -> bool:
+    from neuronx_distributed_inference._double import record
+
+    record("serving_patch_installed", module=__name__, file=__file__)
+    if _RUNNER in sys.modules:
+        _patch_runner(sys.modules[_RUNNER])
+    if not any(getattr(f, "_qwen36_hybrid_apc_import_hook", False) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+    return True

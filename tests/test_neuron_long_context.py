@@ -1,0 +1,316 @@
+"""Long prompts on neuron, built and served as the Qwen3.6-27B port does (docs/long-context.md section 5), against the
+NxDI and vLLM / vllm-neuron contract doubles (tests/nxdi_double).
+
+One tiny Qwen3.5 on the main lineage with chunked prefill and the prefix cache is built once (module fixture): the
+compile must be the port's hybrid APC one (block KV layout, prefix-caching CTE graphs, the APC manager), the shards
+must carry the zero DeltaNet checkpoint banks that model takes, and `qbuild serve` must start vLLM's chunked-prefill
+scheduler with the port's patch and the compiled layout. Each fact has a negative: one value changed, and the double
+refuses it as NxDI, the port, vLLM or vllm-neuron would.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.nxdi_double import MAIN_PORT, VLLM_SITE, read_log
+from tests.test_neuron_double import Build, load_bundles, sdk, write_recipe  # noqa: F401 (sdk: a fixture)
+from tests.test_neuron_serve import Served, _bundle, _post, _run_printed, _unchanged, dry_run, flag
+
+pytestmark = pytest.mark.xdist_group("neuron-long-context")
+
+# KV length 256 in blocks of 32 with a checkpoint every block, prefilled in chunks of the larger CTE bucket (64).
+TEXT = {"batch_size": 1, "seq_len": 256, "cte_buckets": [32, 64], "tkg_buckets": [256],
+        "chunked_prefill": {"chunk_size": 64},
+        "prefix_cache": {"block_size": 32, "checkpoint_slots": 2, "neuron_apc": "experimental"}}
+BANK = "hybrid_gdn_checkpoint_cache"
+
+
+@pytest.fixture(scope="module")
+def lc(tmp_path_factory, small_checkpoints) -> tuple[Build, Path]:
+    """The tiny Qwen3.5 (one DeltaNet and one attention layer, tp 2) with chunked prefill and the experimental APC,
+    built with the double and pulled into root/bundle."""
+    return _bundle(tmp_path_factory.mktemp("neuron-long-context"), small_checkpoints["qwen3_5"], MAIN_PORT, text=TEXT)
+
+
+def _copy(bundle: Path, dest: Path) -> Path:
+    """A copy of the bundle whose files can be changed (the pulled ones are hardlinks into the store)."""
+    shutil.copytree(bundle, dest, copy_function=shutil.copy2)
+    return dest
+
+
+@pytest.mark.slow
+def test_the_compile_is_the_ports_hybrid_apc_build(lc):
+    """What reached NxDI: the compile script's --enable-hybrid-apc --enable-vllm-chunked-prefill configuration
+    (qwen36_27b_compile_fp8.py L952-1010 @ 03db3ef) with the recipe's sizes, the KV length as the prompt limit and the
+    prefix bucket, and one context-encoding graph per (active, prefix) pair."""
+    build, _ = lc
+    (call,) = build.calls("compile")
+    nc = call["config"]["neuron_config"]
+    assert (nc["is_block_kv_layout"], nc["is_prefix_caching"], nc["pa_block_size"], nc["pa_num_blocks"]) == \
+        (True, True, 32, 8)
+    assert nc["prefix_buckets"] == [256] and nc["max_context_length"] == 256 and nc["chunked_prefill_config"] is None
+    port = call["config"]
+    assert (port["use_hybrid_apc_manager"], port["use_hybrid_cache_manager"]) == (True, False)
+    assert (port["gdn_checkpoint_interval"], port["max_gdn_checkpoint_slots"]) == (32, 2)
+    assert port["use_qwen_hybrid_chunked_prefill"] is True and port["hybrid_recurrent_cache_dtype"] == "float32"
+    cte, tkg = call["submodels"]
+    assert cte["buckets"] == [[32, 0], [32, 256], [64, 0], [64, 256]] and tkg["buckets"] == [[1, 256]]
+    assert len(call["neffs"]) == 5
+
+
+@pytest.mark.slow
+def test_the_shards_carry_the_checkpoint_banks_the_model_takes(lc, tmp_path):
+    """Zero banks of 2 slots per DeltaNet layer, recurrent (slots, Hv/tp, dk, dv) in float32 and conv
+    (slots, conv_dim/tp, K - 1) in the model dtype (HybridGDNCheckpointCache, modeling_qwen35.py L4075-4140); the
+    bundle loads. A shard without one of them is refused naming it."""
+    from safetensors.torch import load_file, save_file
+
+    build, bundle = lc
+    config = json.loads((build.checkpoint / "config.json").read_text())["text_config"]
+    hk, hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    dk, dv = config["linear_key_head_dim"], config["linear_value_head_dim"]
+    tensors = load_file(bundle / "weights" / "tp1_sharded_checkpoint.safetensors")
+    recurrent, conv = tensors[f"{BANK}.recurrent_slots.0"], tensors[f"{BANK}.conv_slots.0"]
+    assert recurrent.shape == (2, hv // 2, dk, dv) and str(recurrent.dtype) == "torch.float32"
+    assert conv.shape == (2, (2 * hk * dk + hv * dv) // 2, config["linear_conv_kernel_dim"] - 1)
+    assert str(conv.dtype) == "torch.bfloat16" and not recurrent.any() and not conv.any()
+    assert sorted(n for n in tensors if n.startswith(BANK)) == [f"{BANK}.conv_slots.0", f"{BANK}.recurrent_slots.0"]
+
+    damaged = _copy(bundle, tmp_path / "damaged")
+    shard = damaged / "weights" / "tp1_sharded_checkpoint.safetensors"
+    kept = load_file(shard)
+    del kept[f"{BANK}.conv_slots.0"]
+    save_file(kept, shard)
+    ok, refused = load_bundles(build, bundle, damaged, log=tmp_path / "load.jsonl")
+    assert ok == "ok"
+    assert f"{BANK}.conv_slots.0: the compiled model takes it" in refused and "tp1_sharded_checkpoint" in refused
+
+
+@pytest.mark.slow
+def test_serve_json_and_the_command_follow_the_ports_launcher(lc):
+    """vllm/serve.json and the dry run: the compiled KV length as both limits, the blocks and block size, vLLM's own
+    chunked-prefill scheduler with the chunk as its token budget, prefix caching with the launcher's mamba settings
+    (start_vllm_server.sh L135-199, L580-695 @ 03db3ef), and the port's patch named for the plugin."""
+    build, bundle = lc
+    serve = json.loads((bundle / "vllm" / "serve.json").read_text())
+    assert serve["long_context"] == {"chunk_size": 64, "block_size": 32, "num_blocks": 8, "checkpoint_interval": 32,
+                                     "checkpoint_slots": 2, "prefix_buckets": [256], "prefix_caching": True}
+    assert (serve["max_prompt_length"], serve["max_model_len"]) == (256, 256)
+    spec = json.loads((bundle / "vllm" / "qbuild_vllm_plugin.json").read_text())
+    assert spec["serving_patch"] == {"file": "../port/vllm/qwen36_hybrid_apc_scheduler_patch.py",
+                                     "install": "install_import_hook"}
+    doc = dry_run(build, str(bundle))
+    command = doc["command"]
+    assert (flag(command, "--block-size"), flag(command, "--num-gpu-blocks-override")) == ("32", "8")
+    assert flag(command, "--max-num-batched-tokens") == "64" and flag(command, "--max-model-len") == "256"
+    assert {"--enable-chunked-prefill", "--enable-prefix-caching"} <= set(command)
+    assert not {"--no-enable-chunked-prefill", "--no-enable-prefix-caching"} & set(command)
+    assert (flag(command, "--mamba-cache-mode"), flag(command, "--mamba-ssm-cache-dtype")) == ("all", "float32")
+    extra = json.loads(flag(command, "--additional-config"))
+    assert extra["max_prompt_length"] == 256 and extra["use_hybrid_apc_manager"] is True
+    assert extra["override_neuron_config"]["chunked_prefill_config"]["max_num_seqs"] == 1
+    assert extra["override_neuron_config"]["pa_num_blocks"] == 8
+    assert doc["env"]["DISABLE_NEURON_CUSTOM_SCHEDULER"] == "1"
+    for owned in (["--block-size", "16"], ["--no-enable-chunked-prefill"], ["--max-num-batched-tokens=32"]):
+        proc = build.cli("serve", str(bundle), "--dry-run", "--", *owned)
+        assert proc.returncode == 2 and "set by qbuild from the bundle" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_serve_runs_chunked_prefill_and_prefix_caching_through_vllm_neuron(lc, tmp_path):
+    """`qbuild serve` against the doubles: both processes install the port's patch, the engine core runs vLLM's
+    scheduler with chunked prefill and prefix caching over the compiled 8 blocks of 32 (plus vLLM's null block), with
+    KV blocks for the attention layer only; a prompt past the CTE buckets is taken (the double answers 501 as it does
+    not generate), one past the KV length is a 400; the bundle is unchanged."""
+    build, bundle = lc
+    served = Served(build, str(bundle), tmp_path)
+    try:
+        url = served.url()
+        assert url, served.stop()[1]
+        assert _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 50})[0] == 501
+        status, long = _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 200})
+        assert status == 400 and "maximum prompt length is 256 tokens" in long["error"]["message"]
+    finally:
+        code, err = served.stop()
+    assert code == 0, err
+    (engine,) = served.calls("vllm_engine_core")
+    assert (engine["chunked_prefill"], engine["prefix_caching"], engine["max_num_batched_tokens"]) == (True, True, 64)
+    assert (engine["block_size"], engine["num_gpu_blocks"], engine["max_prompt_length"]) == (32, 9, 256)
+    layer_types = json.loads((bundle / "config.json").read_text())["layer_types"]
+    assert engine["kv_cache_layers"] == [f"layers.{i}.self_attn" for i, kind in enumerate(layer_types)
+                                         if kind == "full_attention"]
+    assert {c["pid"] for c in served.calls("serving_patch_installed")} >= {engine["pid"]}
+    assert len(served.calls("serving_patch_installed")) == 2
+    _unchanged(bundle)
+
+
+# --- what vLLM and vllm-neuron refuse: one value of the printed command changed ---------------------------------
+
+def _with(command: list[str], name: str, value: str | None) -> list[str]:
+    """`command` with flag `name` set to `value` (dropped where None)."""
+    i = command.index(name)
+    return command[:i] + ([name, value] if value is not None else []) + command[i + 2:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,value,refusal", [
+    ("--block-size", "512", "argument --block-size: invalid choice: 512"),
+    ("--max-model-len", "512", "At least 16 blocks are required for max_model_len 512"),
+    ("--num-gpu-blocks-override", "7", "pa_num_blocks (8) must match your --num-gpu-blocks-override intent(7)"),
+    ("--max-num-batched-tokens", "128", "a chunk of max_num_batched_tokens 128 fits no compiled"),
+    ("--block-size", "16", "At least 16 blocks are required for max_model_len 256, but only 8"),
+])
+def test_the_double_refuses_a_command_that_disagrees_with_the_compile(lc, tmp_path, name, value, refusal):
+    build, bundle = lc
+    doc = dry_run(build, str(bundle))
+    doc["command"] = _with(doc["command"], name, value)
+    proc = _run_printed(build, doc, tmp_path / "run.jsonl")
+    assert proc.returncode != 0 and refusal in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_consistent_command_for_another_layout_is_refused(lc, tmp_path):
+    """Blocks of 16 throughout the command (vLLM's and the override's), which vllm-neuron takes: the double holds
+    them to the compiled cache, whose slots vLLM would address wrongly."""
+    build, bundle = lc
+    doc = dry_run(build, str(bundle))
+    command = _with(_with(doc["command"], "--block-size", "16"), "--num-gpu-blocks-override", "16")
+    extra = json.loads(flag(command, "--additional-config"))
+    extra["override_neuron_config"].update(pa_block_size=16, pa_num_blocks=16)
+    doc["command"] = _with(command, "--additional-config", json.dumps(extra))
+    proc = _run_printed(build, doc, tmp_path / "run.jsonl")
+    assert proc.returncode != 0 and "the compiled KV cache is 8 blocks of 32" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_prefix_caching_without_the_ports_patch_is_refused(lc, tmp_path):
+    """vllm-neuron 0.5's KV cache spec names every layer as attention (runner L892-917 @ 3afb0a9); the port patches it
+    to its attention layers, and a bundle whose plugin installed no patch cannot serve prefix caching."""
+    build, bundle = lc
+    copy = _copy(bundle, tmp_path / "nopatch")
+    spec_path = copy / "vllm" / "qbuild_vllm_plugin.json"
+    spec_path.write_text(json.dumps({**json.loads(spec_path.read_text()), "serving_patch": None}))
+    doc = dry_run(build, str(copy))
+    proc = _run_printed(build, doc, tmp_path / "run.jsonl")
+    assert proc.returncode != 0 and "KV cache spec that names the DeltaNet layers" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_bundle_whose_layout_disagrees_is_refused_before_vllm_starts(lc, tmp_path):
+    """serve.json's blocks against NxDI's compiled neuron_config.json, and max_model_len against the blocks."""
+    from qbuild.store.bundle import read_manifest, write_manifest
+
+    build, bundle = lc
+    for change, words in (({"num_blocks": 16}, "neuron_config.pa_num_blocks is 8 where vllm/serve.json says 16"),
+                          ({"block_size": 16}, "neuron_config.pa_block_size is 32 where vllm/serve.json says 16")):
+        copy = _copy(bundle, tmp_path / str(len(list(tmp_path.iterdir()))))
+        path = copy / "vllm" / "serve.json"
+        serve = json.loads(path.read_text())
+        path.write_text(json.dumps({**serve, "long_context": {**serve["long_context"], **change}}))
+        write_manifest(copy, {k: v for k, v in read_manifest(bundle).items() if k not in ("files", "format")})
+        proc = build.cli("serve", str(copy), "--port", "0", overlay=(VLLM_SITE,), log=tmp_path / "x.jsonl")
+        assert proc.returncode == 2 and words in proc.stderr and "\n" not in proc.stderr.strip(), proc.stderr
+    assert not read_log(tmp_path / "x.jsonl")
+
+
+# --- qbuild's compile configuration against the double, one value changed --------------------------------------
+
+@pytest.fixture
+def main_port(sdk, monkeypatch):
+    """The NxDI double (test_neuron_double's `sdk`) and the main port importable in this process for one test."""
+    monkeypatch.syspath_prepend(str(MAIN_PORT))
+
+
+def _app(cfg: dict, kwargs: dict, tmp_path: Path):
+    """The port's application constructed as qbuild's SDK worker constructs it (sdk_worker.compile_text): its
+    NeuronConfig, InferenceConfig and app, which choose the KV manager and the buckets there."""
+    from neuronx_distributed_inference.models.config import NeuronConfig
+    from src.modeling_qwen35 import NeuronQwen35ForCausalLM, Qwen35InferenceConfig
+
+    config = Qwen35InferenceConfig(neuron_config=NeuronConfig(**cfg), **kwargs)
+    return NeuronQwen35ForCausalLM(str(tmp_path), config=config)
+
+
+# (what is changed, in the NeuronConfig or the port's config, and what refuses it)
+MUTATIONS = {
+    "no-prefix-caching": ({"is_prefix_caching": False}, {}, AttributeError, "no attribute 'k_shape'"),
+    "nxdi-chunked-prefill": ({"chunked_prefill_config": {"max_num_seqs": 1}}, {}, NotImplementedError,
+                             "Chunked Prefill is not available in NxDI"),
+    "interval-not-block": ({}, {"gdn_checkpoint_interval": 64}, ValueError,
+                           "gdn_checkpoint_interval == pa_block_size"),
+    "static-manager": ({}, {"use_hybrid_apc_manager": False, "use_hybrid_cache_manager": True}, ValueError,
+                       "does not support: block KV layout"),
+    "bf16-recurrent-state": ({}, {"hybrid_recurrent_cache_dtype": "bfloat16"}, ValueError,
+                             "requires float32 recurrent"),
+    "both-managers": ({}, {"use_hybrid_cache_manager": True}, ValueError, "mutually exclusive"),
+    "chunk-without-block-layout": ({"is_block_kv_layout": False, "chunked_prefill_config": {}}, {}, AssertionError,
+                                   "is_block_kv_layout has to be true"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+def test_the_double_refuses_the_compile_configuration_with_one_value_changed(main_port, small_checkpoints, tmp_path,
+                                                                             case):
+    from qbuild.backends.neuron.backend import text_compile_params
+    from qbuild.backends.neuron.config import inference_kwargs, neuron_config
+    from qbuild.recipe.schema import load_recipe
+    from qbuild.recipe.source import load_arch
+
+    recipe = write_recipe(tmp_path / "lc.yaml", small_checkpoints["qwen3_5"], MAIN_PORT, text=TEXT)
+    loaded = load_recipe(recipe)
+    params = text_compile_params(loaded, load_arch(loaded))
+    cfg, kwargs = neuron_config(params)["neuron_config"], inference_kwargs(params)
+    app = _app(cfg, kwargs, tmp_path)
+    assert app.kv_manager == "QwenHybridBlockKVCacheManager"
+    assert [s.buckets for s in app.submodels] == [[[32, 0], [32, 256], [64, 0], [64, 256]], [[1, 256]]]
+    banks = sorted(n for n in app._model_cls.rank_weights(app.config) if n.startswith(BANK))
+    assert banks == [f"{BANK}.conv_slots.0", f"{BANK}.recurrent_slots.0"]
+    # The banks are weights of the model only with the hybrid APC manager (modeling_qwen35.py L5618-5626): without it
+    # a shard holding them carries a tensor the model does not take.
+    plain = _app({**cfg, "is_block_kv_layout": False, "is_prefix_caching": False},
+                 {**kwargs, "use_hybrid_apc_manager": False}, tmp_path)
+    assert plain.kv_manager == "KVCacheManager"
+    assert not any(n.startswith(BANK) for n in plain._model_cls.rank_weights(plain.config))
+    nc_change, port_change, error, words = MUTATIONS[case]
+    with pytest.raises(error, match=words):
+        _app({**cfg, **nc_change}, {**kwargs, **port_change}, tmp_path)
+
+
+def test_the_128k_recipe_is_a_configuration_the_double_builds(main_port, tmp_path):
+    """recipes/36-27b-fp8-128k.yaml as planned: the port's config takes it, the model has the block KV manager, the
+    (512, 0) and (512, 131072) context-encoding graphs and one token-generation graph, and a bank pair per DeltaNet
+    layer (48) of 8 slots, the recurrent bank (8, 48/4 value heads, 128, 128) in float32."""
+    from qbuild.backends.neuron.backend import text_compile_params
+    from qbuild.backends.neuron.config import inference_kwargs, neuron_config
+    from qbuild.recipe.schema import load_recipe
+    from qbuild.recipe.source import load_arch
+    from tests.conftest import REPO
+
+    loaded = load_recipe(REPO / "recipes" / "36-27b-fp8-128k.yaml")
+    arch = load_arch(loaded)
+    params = text_compile_params(loaded, arch)
+    app = _app(neuron_config(params)["neuron_config"], inference_kwargs(params), tmp_path)
+    assert app.kv_manager == "QwenHybridBlockKVCacheManager"
+    assert [s.buckets for s in app.submodels] == [[[512, 0], [512, 131072]], [[1, 131072]]]
+    weights = app._model_cls.rank_weights(app.config)
+    banks = {n: w for n, w in weights.items() if n.startswith(BANK)}
+    assert len(banks) == 2 * sum(t == "linear_attention" for t in arch.layer_types) == 96
+    assert (banks[f"{BANK}.recurrent_slots.0"].shape, banks[f"{BANK}.recurrent_slots.0"].dtype) == \
+        ((8, 12, 128, 128), "float32")
+
+
+@pytest.mark.slow
+def test_a_port_without_its_vllm_patch_fails_before_the_compile(small_checkpoints, tmp_path):
+    """A long-context bundle is served with the port's own vLLM patch; a port that lacks it fails the text compile in
+    one line naming the file, before NxDI is called."""
+    port = Path(shutil.copytree(MAIN_PORT, tmp_path / "port", ignore=shutil.ignore_patterns("__pycache__", "vllm")))
+    build = Build(tmp_path)
+    result, stderr = build.compile(write_recipe(tmp_path / "nopatch.yaml", small_checkpoints["qwen3_5"], port,
+                                                text=TEXT))
+    (failure,) = [v for v in result["failed"].values() if v["name"].startswith("compile text")]
+    assert "port: vllm/qwen36_hybrid_apc_scheduler_patch.py is missing" in failure["error"], failure
+    assert not build.calls("compile")
