@@ -99,6 +99,17 @@ def replicated_deltanet_port(dest: Path) -> Path:
     return dest
 
 
+def vision_tp_port(dest: Path) -> Path:
+    """A fake of the Qwen3.5-2B port (NxDI main @ 4bcdc54) at `dest`: the main port whose vision wrapper also loads
+    TP-sharded encoders (modeling_qwen35_vision.py:75-92, 455-485), which the 35B-A3B port's does not."""
+    shutil.copytree(MAIN_PORT, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    module = dest / "src" / "modeling_qwen35_vision.py"
+    source = module.read_text()
+    assert "TP_VISION_BUCKETS = False" in source
+    module.write_text(source.replace("TP_VISION_BUCKETS = False", "TP_VISION_BUCKETS = True"))
+    return dest
+
+
 def metadata_overlay(directory: Path, versions: dict[str, str]) -> Path:
     """A directory of *.dist-info folders reporting `versions` ({distribution name: version}); put it before SITE."""
     directory.mkdir(parents=True, exist_ok=True)
