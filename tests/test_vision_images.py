@@ -49,7 +49,7 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessorFast", "processor_
 RECIPE = """name: tiny-vl
 model: {{path: {model}}}
 parallel: {{tp: 1}}
-text: {{seq_len: 128, cte_buckets: [32, 96], tkg_buckets: [128]}}
+text: {{seq_len: 160, cte_buckets: [32, 128], tkg_buckets: [160]}}
 vision: {{buckets: [16, 64], tp: 2}}
 dtype: float32
 backend: export
@@ -527,7 +527,7 @@ def test_the_body_limit_holds_one_image_and_the_text_limit_stays(project, server
 
     with urllib.request.urlopen(server.url + "/models") as r:
         card = json.loads(r.read())["data"][0]
-    assert card["max_request_bytes"] == max_body_bytes(128, vision=True) > max_body_bytes(128) + (16 << 20)
-    text = "a " * (max_body_bytes(128) // 2 + 1)
+    assert card["max_request_bytes"] == max_body_bytes(160, vision=True) > max_body_bytes(160) + (16 << 20)
+    text = "a " * (max_body_bytes(160) // 2 + 1)
     message = _refusal(server, image_chat(data_url(project.images["64px"]), text), status=413)
-    assert message.startswith("the messages' text is") and f"at most {max_body_bytes(128)} bytes" in message
+    assert message.startswith("the messages' text is") and f"at most {max_body_bytes(160)} bytes" in message
