@@ -22,7 +22,7 @@ import yaml
 from qbuild.model.tiling import ImageTooLarge, plan_image
 from tests.conftest import REPO, qbuild
 from tests.nxdi_double import MAIN_PORT, SITE, read_log, vision_tp_port
-from tests.test_neuron_double import (VL_ENV, Build, compiled, require_bundle, write_recipe)
+from tests.test_neuron_double import RECIPE_FLAG, VL_ENV, Build, compiled, require_bundle, write_recipe
 
 pytestmark = pytest.mark.xdist_group("neuron-vision")
 
@@ -148,7 +148,7 @@ def test_the_tp_encoder_is_traced_by_nxd_per_bucket(vl_tp):
         s = trace["example_inputs"][0]["shape"][0]
         assert trace["tp_degree"] == 2 and trace["func"] == "qbuild.backends.neuron.sdk_worker.tp_vision_model"
         assert trace["module"] == "src.modeling_qwen35_vision.NeuronQwen35VisionModel"
-        assert trace["compiler_args"] == f"{VISION_ARGS} --target=trn2 --lnc=2".split()
+        assert trace["compiler_args"] == f"{VISION_ARGS} --target=trn2 --lnc=2 {RECIPE_FLAG}".split()
         assert trace["example_inputs"] == [{"shape": [s, 32], "dtype": "bfloat16"},
                                            {"shape": [1, 1, s, s], "dtype": "bfloat16"},
                                            [{"shape": [s, 16], "dtype": "bfloat16"}] * 2]

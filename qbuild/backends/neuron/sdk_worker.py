@@ -132,8 +132,12 @@ def compile_vision_tp(req: dict) -> dict:
     head_dim = hidden // v["num_heads"]
     example = (torch.zeros((s, hidden), dtype=dtype), torch.zeros((1, 1, s, s), dtype=dtype),
                (torch.zeros((s, head_dim), dtype=dtype), torch.zeros((s, head_dim), dtype=dtype)))
-    traced = parallel_model_trace(tp_vision_model, example, tp_degree=cfg["tp_degree"],
-                                  compiler_workdir=req["work_dir"], compiler_args=cfg["compiler_args"].split())
+    # NxD pickles the factory into each rank's spawned process, by module and name: this module runs as __main__
+    # (`python -m ...`), so the factory is taken from its importable name, which the ranks import.
+    from qbuild.backends.neuron.sdk_worker import tp_vision_model as factory
+
+    traced = parallel_model_trace(factory, example, tp_degree=cfg["tp_degree"], compiler_workdir=req["work_dir"],
+                                  compiler_args=cfg["compiler_args"].split())
     parallel_model_save(traced, req["out"])
     return {"bucket": s, "tp_degree": cfg["tp_degree"]}
 
