@@ -116,14 +116,14 @@ class NeuronBackend:
         if r.vision is not None and lineage.vision_module is None:
             checks.fail(loaded, "vision", f"the {lineage.name}-lineage port has no vision encoder; drop vision or use "
                                           "main")
-        if r.vision is not None:
-            self._validate_vl_switches(loaded, lineage.name)
         if r.vision is not None and r.dtype != "bfloat16":
             # NeuronQwen35VisionModelWrapper casts every encoder input to bfloat16
             # (contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35_vision.py:790-820 @ 4bcdc54), so an encoder traced in
             # another dtype would be fed inputs it was not traced for.
             checks.fail(loaded, "dtype", f"the port's vision encoder runs in bfloat16; a neuron recipe with vision "
                                          f"builds in bfloat16, not {r.dtype}")
+        if r.vision is not None:
+            self._validate_vl_switches(loaded, lineage.name)
         if r.parallel.ep > 1:
             # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is
             # under DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0), and refuses that path under an expert-parallel group
