@@ -55,12 +55,12 @@ class _MLP(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int):
+    def __init__(self, hidden: int, heads: int, intermediate: int, attention: type = None, mlp: type = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden, eps=1e-6)
         self.norm2 = nn.LayerNorm(hidden, eps=1e-6)
-        self.attn = _Attention(hidden, heads)
-        self.mlp = _MLP(hidden, intermediate)
+        self.attn = (attention or _Attention)(hidden, heads)
+        self.mlp = (mlp or _MLP)(hidden, intermediate)
 
     def forward(self, x, mask, cos, sin):
         x = x + self.attn(self.norm1(x), mask, cos, sin)
@@ -73,11 +73,13 @@ def _rotate_half(x):
 
 
 class CPUVisionModel(nn.Module):
+    _layers: tuple = (None, None)   # the blocks' attention and MLP classes (None: the plain ones)
+
     def __init__(self, config):
         super().__init__()
         hidden, merge = config.hidden_size, config.spatial_merge_size
         self.merged = hidden * merge * merge
-        self.blocks = nn.ModuleList(_Block(hidden, config.num_heads, config.intermediate_size)
+        self.blocks = nn.ModuleList(_Block(hidden, config.num_heads, config.intermediate_size, *self._layers)
                                     for _ in range(config.depth))
         self.merger_norm = nn.LayerNorm(hidden, eps=1e-6)
         self.merger_fc1 = nn.Linear(self.merged, self.merged)
@@ -93,70 +95,33 @@ class CPUVisionModel(nn.Module):
 
 # --- the TP-sharded encoder (NeuronQwen35VisionModel, L120-276 @ 4bcdc54) ---------------------------------------------
 
-class _TPAttention(nn.Module):
+class _TPAttention(_Attention):
     def __init__(self, hidden: int, heads: int):
         from neuronx_distributed.parallel_layers import layers as nxd_layers
 
-        super().__init__()
+        nn.Module.__init__(self)
         self.heads = heads
         self.qkv = nxd_layers.ColumnParallelLinear(hidden, 3 * hidden, bias=True, gather_output=True)
         self.proj = nxd_layers.RowParallelLinear(hidden, hidden, bias=True, input_is_parallel=False)
 
-    def forward(self, x, mask, cos, sin):
-        s, hidden = x.shape
-        q, k, v = self.qkv(x).reshape(s, 3, self.heads, hidden // self.heads).permute(1, 2, 0, 3)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        scores = q @ k.transpose(-1, -2) / (hidden // self.heads) ** 0.5 + mask[0]
-        out = torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v
-        return self.proj(out.transpose(0, 1).reshape(s, hidden))
 
-
-class _TPMLP(nn.Module):
+class _TPMLP(_MLP):
     def __init__(self, hidden: int, intermediate: int):
         from neuronx_distributed.parallel_layers import layers as nxd_layers
 
-        super().__init__()
+        nn.Module.__init__(self)
         self.linear_fc1 = nxd_layers.ColumnParallelLinear(hidden, intermediate, bias=True, gather_output=True)
         self.linear_fc2 = nxd_layers.RowParallelLinear(intermediate, hidden, bias=True, input_is_parallel=False)
 
-    def forward(self, x):
-        return self.linear_fc2(nn.functional.gelu(self.linear_fc1(x)))
 
+class NeuronQwen35VisionModel(CPUVisionModel):
+    """CPUVisionModel's parameters, its blocks' linear layers NxD's parallel ones; forward(hidden_states,
+    attention_mask, position_embeddings=(cos, sin)): the RoPE pair is ONE input."""
 
-class _TPBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(hidden, eps=1e-6)
-        self.norm2 = nn.LayerNorm(hidden, eps=1e-6)
-        self.attn = _TPAttention(hidden, heads)
-        self.mlp = _TPMLP(hidden, intermediate)
-
-    def forward(self, x, mask, cos, sin):
-        x = x + self.attn(self.norm1(x), mask, cos, sin)
-        return x + self.mlp(self.norm2(x))
-
-
-class NeuronQwen35VisionModel(nn.Module):
-    """forward(hidden_states, attention_mask, position_embeddings=(cos, sin)): the RoPE pair is ONE input."""
-
-    def __init__(self, config):
-        super().__init__()
-        hidden, merge = config.hidden_size, config.spatial_merge_size
-        self.merged = hidden * merge * merge
-        self.blocks = nn.ModuleList(_TPBlock(hidden, config.num_heads, config.intermediate_size)
-                                    for _ in range(config.depth))
-        self.merger_norm = nn.LayerNorm(hidden, eps=1e-6)
-        self.merger_fc1 = nn.Linear(self.merged, self.merged)
-        self.merger_fc2 = nn.Linear(self.merged, config.out_hidden_size)
+    _layers = (_TPAttention, _TPMLP)
 
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None):
-        cos, sin = position_embeddings
-        x = hidden_states
-        for block in self.blocks:
-            x = block(x, attention_mask, cos, sin)
-        x = self.merger_norm(x).reshape(-1, self.merged)
-        return self.merger_fc2(nn.functional.gelu(self.merger_fc1(x)))
+        return super().forward(hidden_states, attention_mask, *position_embeddings)
 
 
 if TP_VISION_BUCKETS:
