@@ -1,7 +1,7 @@
 """The VL facts of a neuron build against the NxDI contract double (tests/nxdi_double): the vision buckets, the
 TP-sharded encoder (NxD's parallel_model_trace, `bucket_<N>/tp_<r>.pt`), the 2x2 tiling the port's wrapper applies to
 the bundle's encoders, and the DeltaNet switches the ports' VL scripts set; and what vLLM's Neuron plugin does with a
-VL bundle's images (it cannot serve them: docs/vllm.md section 10).
+VL bundle's images (it cannot serve them: docs/vllm.md section 11).
 
 The double plays the port's vision wrapper from its source (load_compiled, the bucket and tiling choice of forward),
 written from the facts in docs/vision.md, not from qbuild's code, and refuses what the facts say would go wrong: a
@@ -241,7 +241,7 @@ def test_vllm_serves_a_vl_bundle_as_text_and_says_so(vl_tp, tmp_path):
     refused = build.cli("serve", str(bundle), "--dry-run", "--allow-image-urls")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "error: --allow-image-urls: vLLM's Neuron plugin cannot serve this VL bundle's images; drop the flag "
-        "(docs/vllm.md section 10)"]
+        "(docs/vllm.md section 11)"]
     served = Served(build, str(bundle), tmp_path)
     try:
         url = served.url()

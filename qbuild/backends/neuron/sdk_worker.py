@@ -123,9 +123,10 @@ def compile_vision_tp(req: dict) -> dict:
     cfg, v = req["config"], req["vision"]
     module = _port_module(req["port"], req["module"])
     if not hasattr(module, "_TPVisionAdapter"):
-        raise RuntimeError(f"the port's {req['module']} loads no TP-sharded vision encoder (it has no _TPVisionAdapter, "
-                           "which NeuronQwen35VisionModelWrapper.load_compiled uses for bucket_<N>/tp_*.pt); set "
-                           "vision.tp: 1, or use a port that loads them (Qwen3.5-2B @ 4bcdc54)")
+        raise RuntimeError(f"the port's {req['module']} loads no TP-sharded vision encoder (it has no "
+                           "_TPVisionAdapter, which NeuronQwen35VisionModelWrapper.load_compiled uses for "
+                           "bucket_<N>/tp_*.pt); set vision.tp: 1, or use a port that loads them (Qwen3.5-2B "
+                           "@ 4bcdc54)")
     os.environ[TP_VISION_REQUEST] = json.dumps({k: req[k] for k in ("port", "module", "vision", "dtype", "weights")})
     dtype = torch_dtype(req["dtype"])
     s, hidden = cfg["bucket"], v["hidden_size"]

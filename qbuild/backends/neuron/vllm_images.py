@@ -1,4 +1,4 @@
-"""What vLLM's Neuron plugin does with the images of a neuron VL bundle: it cannot serve them (docs/vllm.md section 10),
+"""What vLLM's Neuron plugin does with the images of a neuron VL bundle: it cannot serve them (docs/vllm.md section 11),
 so `qbuild serve` says so beside the command (`--dry-run` included) and refuses --allow-image-urls for such a bundle.
 
 vllm-neuron 0.5.0 @ 3afb0a9 gets images to NxDI only for the architectures in NEURON_MULTI_MODAL_MODELS
@@ -41,4 +41,4 @@ def check_image_urls(manifest: dict, allow_image_urls: bool) -> None:
     if allow_image_urls:
         what = "this VL bundle's images" if manifest.get("buckets", {}).get("vision") else "images of this text bundle"
         raise UserError(f"--allow-image-urls: vLLM's Neuron plugin cannot serve {what}; drop the flag "
-                        "(docs/vllm.md section 10)")
+                        "(docs/vllm.md section 11)")

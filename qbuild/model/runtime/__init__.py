@@ -162,7 +162,7 @@ class Runtime:
                  on_token: Callable[[int], bool | None] | None = None, use_cache: bool = True) -> Generation:
         """Greedy generation of up to `max_new_tokens` tokens after `prompt_ids` (with an image, if given).
         `image`: an image file, whose tokens go where the prompt holds one <|image_pad|> (as a chat template marks an
-        image), else in front of the prompt (with_image_tokens); `prepared`: an image (prepare_image) whose tokens the
+        image), else in front of the prompt (image_tokens); `prepared`: an image (prepare_image) whose tokens the
         prompt already holds where they belong (place_image). `on_token` is called
         with each token as it is chosen; a true return ends the generation there. With `use_cache` false the prefix
         cache is neither read nor written (the tokens are the same)."""
@@ -417,12 +417,6 @@ class Runtime:
         before the processor expands it."""
         end = self.config.get("vision_end_token_id") or self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
         return [self.arch.vision_start_token_id, self.arch.image_token_id, end]
-
-    def with_image_tokens(self, prompt_ids: list[int], image: ImageSource) -> tuple[list[int], PreparedImage]:
-        """The prompt with the image's tokens in front (<|vision_start|> <|image_pad|> x merged tokens
-        <|vision_end|> prompt), and the prepared image."""
-        prepared = self.prepare_image(image)
-        return self.image_tokens(prepared) + list(prompt_ids), prepared
 
     def place_image(self, prompt_ids: list[int], image: PreparedImage) -> list[int]:
         """A prompt that marks where the image goes with one <|image_pad|> (as a chat template renders an image part)

@@ -95,8 +95,8 @@ def _read(image: ImageSource, label: str) -> io.BytesIO:
         size = len(image)
         if size <= MAX_IMAGE_BYTES:
             return io.BytesIO(image)
-    raise UserError(f"{label}: the image is {size} bytes, more than the {MAX_IMAGE_BYTES} ({MAX_IMAGE_BYTES >> 20} MiB) "
-                    "qbuild reads; scale it down or compress it first")
+    raise UserError(f"{label}: the image is {size} bytes, more than the {MAX_IMAGE_BYTES} "
+                    f"({MAX_IMAGE_BYTES >> 20} MiB) qbuild reads; scale it down or compress it first")
 
 
 def _open(image: ImageSource, label: str):
@@ -203,7 +203,8 @@ class VisionRuntime:
         try:
             plan = plan_image(tuple(int(x) for x in grid[0]), buckets, merge)
         except ImageTooLarge as e:
-            raise UserError(f"{label}: {e}; use a smaller image or build a recipe with a larger vision bucket") from None
+            raise UserError(f"{label}: {e}; use a smaller image or build a recipe with a larger vision "
+                            "bucket") from None
         return PreparedImage(pixel_values, grid, plan, merge)
 
     def run(self, image: PreparedImage, graph) -> EncodedImage:

@@ -156,9 +156,10 @@ class NeuronQwen35Model:
         # unstable on real vision embeddings"; run_vl_smoke.py:37-42 sets both switches for that). The double cannot
         # compute, so it refuses the trace.
         if vision and (cte_impl not in ("legacy", "legacy_direct", "direct") or multihead):
+            multihead_env = os.environ.get("QWEN36_DELTANET_MULTIHEAD_CTE")
             raise ValueError(f"context encoding traced with vision inputs and QWEN36_DELTANET_CTE_IMPL={cte_impl}, "
-                             f"QWEN36_DELTANET_MULTIHEAD_CTE={os.environ.get('QWEN36_DELTANET_MULTIHEAD_CTE')}: the fused "
-                             "DeltaNet prefill degenerates on vision embeddings (the VL scripts set legacy_direct, 0)")
+                             f"QWEN36_DELTANET_MULTIHEAD_CTE={multihead_env}: the fused DeltaNet prefill degenerates "
+                             "on vision embeddings (the VL scripts set legacy_direct, 0)")
         # l.7055: context encoding takes vision_embeddings / vision_mask of the bucket's length only when
         # use_text_only_cte_inputs is False; else empty ones, and get_model_output never scatters image features.
         traced = {"deltanet_cte_impl": cte_impl if cte else None, "deltanet_multihead_cte": multihead if cte else None,

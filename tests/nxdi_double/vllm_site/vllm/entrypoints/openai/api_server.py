@@ -13,8 +13,8 @@ max_prompt_length (platform_overrides.py L96-109 @ 3afb0a9, a 400) or not shorte
 any other prompt it answers 501, since it cannot generate. POST /v1/chat/completions with an image part answers as
 vLLM 0.16 does for an architecture whose registered class is not multimodal: a 400, "<model> is not a multimodal
 model" (multimodal/registry.py:232-233, from the chat parser's item tracker, entrypoints/chat_utils.py:501-541; the
-ValueError becomes a 400 in entrypoints/openai/engine/serving.py:640-662); any other chat request is a 501. /v1 needs the API key where one is set (api_server.py
-L239-240: --api-key, else VLLM_API_KEY).
+ValueError becomes a 400 in entrypoints/openai/engine/serving.py:640-662); any other chat request is a 501.
+/v1 needs the API key where one is set (api_server.py L239-240: --api-key, else VLLM_API_KEY).
 """
 
 from __future__ import annotations
