@@ -723,6 +723,10 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                                                 help="require `Authorization: Bearer KEY` on every request (prefer "
                                                      "the environment variable: a command line is visible to other "
                                                      "users)"),
+          allow_image_urls: bool = typer.Option(False, "--allow-image-urls",
+                                                help="fetch the http(s) image URLs chat requests name (a VL CPU "
+                                                     "bundle); without it only data: URLs are taken, since a fetch "
+                                                     "reaches whatever the server's network reaches"),
           json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
           remote: Optional[str] = RemoteOpt, strict: bool = StrictOpt) -> None:
     """Serve a bundle's OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions) until Ctrl-C:
@@ -751,7 +755,8 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                             f"{', '.join(backends.NAMES)}; only a bundle qbuild built can be served")
         backend = backends.get(manifest["backend"])
         options = ServeOptions(name=name, host=host, port=port, log=_err, on_ready=on_ready, digests_checked=checked,
-                               server_args=tuple(server_args or ()), api_key=api_key)
+                               server_args=tuple(server_args or ()), api_key=api_key,
+                               allow_image_urls=allow_image_urls)
         if dry_run:
             doc = backend.serve_command(bundle, manifest, options)
             if json_:

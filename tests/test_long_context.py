@@ -380,6 +380,31 @@ def test_a_small_checkpoint_budget_evicts_and_stays_correct(runtimes):
 
 
 @built
+def test_a_tiled_image_is_part_of_the_cached_prefix(runtimes, tmp_path):
+    """An image larger than the bundle's largest vision bucket (128 patches, bucket 64) runs as 2x2 tiles; its stitched
+    features key the first block as a whole image's do: a repeat resumes with the cold tokens, and an image that
+    differs only in its bottom right corner resumes nothing."""
+    from PIL import Image
+
+    runtime = runtimes["qwen3_5"]
+    runtime.prefix_cache.clear()
+    first, second = tmp_path / "a.png", tmp_path / "b.png"
+    Image.new("RGB", (128, 256), (30, 160, 90)).save(first)
+    corner = Image.new("RGB", (128, 256), (30, 160, 90))
+    corner.paste((250, 250, 250), (96, 224, 128, 256))
+    corner.save(second)
+    plan = runtime.prepare_image(first).plan
+    assert (plan.bucket, plan.tiled) == (64, True)
+    text = _prompt(40, seed=6)
+    cold = runtime.generate(text, 4, image=first, stop_at_eos=False)
+    warm = runtime.generate(text, 4, image=first, stop_at_eos=False)
+    other = runtime.generate(text, 4, image=second, stop_at_eos=False)
+    assert warm.cached_tokens > 0 and warm.token_ids == cold.token_ids
+    assert other.cached_tokens == 0
+    assert other.token_ids == runtime.generate(text, 4, image=second, stop_at_eos=False, use_cache=False).token_ids
+
+
+@built
 def test_an_image_is_part_of_the_cached_prefix(runtimes, tmp_path):
     """The VL bundle's image prompt: its image tokens span the first two pieces; a repeat resumes, and the same text
     with another image resumes nothing (the image's features key the first block)."""

@@ -194,8 +194,9 @@ def test_plan_json_shows_lineage_neffs_and_config(tmp_path):
     from tests.conftest import qbuild
 
     f = tmp_path / "a3b.yaml"
-    f.write_text("model: {hf: Qwen/Qwen3.5-35B-A3B}\nbackend: neuron\nparallel: {tp: 8}\nport: {path: ./port}\n"
-                 "text: {seq_len: 512, cte_buckets: [128, 512]}\nvision: {buckets: [1024]}\n" + PINS)
+    f.write_text("model: {hf: Qwen/Qwen3.5-35B-A3B}\nbackend: neuron\nparallel: {tp: 8}\n"
+                 "port: {path: ./port, env: {QWEN36_DELTANET_CTE_IMPL: legacy_direct, QWEN36_DELTANET_MULTIHEAD_CTE: "
+                 "'0'}}\ntext: {seq_len: 512, cte_buckets: [128, 512]}\nvision: {buckets: [1024]}\n" + PINS)
     proc = qbuild("plan", str(f), "--json", cwd=tmp_path, check=True)
     doc = json.loads(proc.stdout)
     port = doc["recipes"]["a3b"]["port"]

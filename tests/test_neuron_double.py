@@ -37,6 +37,9 @@ RECIPE_FLAG = "--enable-fast-loading-neuron-binaries"    # any recipe flag: it m
 PORT_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
              "--auto-cast=none")    # contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py get_compiler_args @ 4bcdc54
 MOE_PORT_ARGS = PORT_ARGS + " --internal-enable-dge-levels vector_dynamic_offsets"   # Coder-Next PR 170 @ 753c7f5
+# The switches a recipe with vision sets for the main ports (run_vl_smoke.py:41-42 @ 4bcdc54; qbuild.backends.neuron.
+# ports.VL_PORT_ENV): without them qbuild refuses it, and the double's port refuses to trace image features.
+VL_ENV = {"QWEN36_DELTANET_CTE_IMPL": "legacy_direct", "QWEN36_DELTANET_MULTIHEAD_CTE": "0"}
 def _pythonpath(sdk: bool = True, overlay: tuple[Path, ...] = ()) -> str:
     """The CLI's PYTHONPATH: the double's settings and version overlays, the double's site (when the SDK should be
     there), this checkout."""
@@ -190,7 +193,7 @@ def dense(tmp_path_factory, small_checkpoints):
     """The tiny Qwen3.5 (main lineage) built once with the double: text buckets cte [32, 64] / tkg [64], vision 64."""
     build = Build(tmp_path_factory.mktemp("neuron-dense"))
     build.recipe = write_recipe(build.root / "recipes" / "dense.yaml", small_checkpoints["qwen3_5"], MAIN_PORT,
-                                vision={"buckets": [64]})
+                                vision={"buckets": [64]}, port={"env": VL_ENV})
     build.result, build.stderr = build.compile(build.recipe)
     compiled(build.result, build.stderr)
     return build
@@ -325,7 +328,7 @@ def test_adding_a_bucket_compiles_one_neff(dense, tmp_path):
     shutil.copyfile(dense.lock, lock)
     checkpoint = Path(json.loads(dense.recipe.read_text())["model"]["path"])
     recipe = write_recipe(tmp_path / "dense.yaml", checkpoint, MAIN_PORT, vision={"buckets": [64]},
-                          text={"tkg_buckets": [64, 128]})
+                          port={"env": VL_ENV}, text={"tkg_buckets": [64, 128]})
     explained = dense.cli("explain", str(recipe), lock=lock)
     assert explained.returncode == 0, explained.stderr
     (line,) = [ln for ln in explained.stdout.splitlines() if ln.startswith("compile text")]
@@ -344,7 +347,7 @@ def test_adding_a_bucket_compiles_one_neff(dense, tmp_path):
     # A bucket inserted BEFORE others moves them to another _tp0_bk<i>, hence another --logfile in their hashed flags:
     # those recompile too, and explain says so.
     recipe = write_recipe(tmp_path / "dense.yaml", checkpoint, MAIN_PORT, vision={"buckets": [64]},
-                          text={"cte_buckets": [16, 32, 64], "tkg_buckets": [64, 128]})
+                          port={"env": VL_ENV}, text={"cte_buckets": [16, 32, 64], "tkg_buckets": [64, 128]})
     explained = dense.cli("explain", str(recipe), lock=lock)
     (line,) = [ln for ln in explained.stdout.splitlines() if ln.startswith("compile text")]
     assert "3 new NEFFs (cte-16, cte-32, cte-64), 2 reused from the Neuron compile cache" in line, explained.stdout

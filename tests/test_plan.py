@@ -127,7 +127,8 @@ def test_plan_never_imports_torch_and_plans_shipped_recipes_offline(tmp_path):
     heavy, _, doc = proc.stdout.partition("\n")
     assert heavy == "[]", heavy
     plan = json.loads(doc)
-    assert set(plan["recipes"]) == {"2b-tp8", "27b-tp4", "35b-a3b-tp8", "36-27b-fp8-128k", "coder-next-tp8"}
+    assert set(plan["recipes"]) == {"2b-tp8", "2b-vl-tp8", "27b-tp4", "35b-a3b-tp8", "35b-a3b-vl-tp8",
+                                    "36-27b-fp8-128k", "coder-next-tp8"}
     # The 27B and 3.6-27B recipes differ in weights only through the model source.
     kinds = {n["kind"] for n in plan["nodes"]}
     assert kinds == {"fetch", "port", "convert", "shard", "compile", "package", "reference", "verify"}
@@ -139,8 +140,8 @@ def test_plan_never_imports_torch_and_plans_shipped_recipes_offline(tmp_path):
     # Every shipped recipe is a neuron build: one text compile with every bucket, one vision compile per bucket.
     by_id = {n["id"]: n for n in plan["nodes"]}
     assert {name: entry["port"]["lineage"] for name, entry in plan["recipes"].items()} == {
-        "2b-tp8": "main", "27b-tp4": "main-replicated", "35b-a3b-tp8": "main", "36-27b-fp8-128k": "main",
-        "coder-next-tp8": "moe"}
+        "2b-tp8": "main", "2b-vl-tp8": "main", "27b-tp4": "main-replicated", "35b-a3b-tp8": "main",
+        "35b-a3b-vl-tp8": "main", "36-27b-fp8-128k": "main", "coder-next-tp8": "moe"}
     for name, entry in plan["recipes"].items():
         assert entry["backend"] == "neuron", name
         compiles = [by_id[nid] for role, nid in entry["nodes"].items() if role.startswith("compile")]

@@ -237,7 +237,7 @@ def test_a_recipe_switches_its_bases_hub_source_to_a_local_path(tmp_path):
 
 def test_shipped_recipes_validate():
     recipes = sorted(Path("recipes").glob("*.yaml"))
-    assert len(recipes) == 5
+    assert len(recipes) == 7
     proc = qbuild("recipe", "validate", *map(str, recipes))
     assert proc.returncode == 0, proc.stderr
 

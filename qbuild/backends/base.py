@@ -78,6 +78,8 @@ class ServeOptions:
     on_ready: Callable[[str], None]  # called once with the base URL (".../v1") when requests are answered
     digests_checked: bool = False    # every file of the bundle was checked against its digest just now (a pull)
     server_args: tuple[str, ...] = ()   # the arguments after `--`, for the server a backend runs (vLLM's flags)
+    # Fetch the http(s) image URLs chat requests name (a server-side request forgery hazard: off unless asked for).
+    allow_image_urls: bool = False
     # The key every request must send as `Authorization: Bearer <key>` (None: none is asked for). A secret: never
     # printed, logged, or put on a command line another user can read (`ps`).
     api_key: str | None = field(default=None, repr=False)

@@ -69,6 +69,14 @@ class VisionArch:
         """The width of one merged token: the spatial_merge_size**2 patch tokens it merges, side by side."""
         return self.hidden_size * self.spatial_merge_size ** 2
 
+    def tp_problem(self, tp: int) -> str | None:
+        """Why the encoder's linear layers do not split over `tp` ranks (NxD's parallel layers divide the hidden size,
+        3 x it for qkv, and the MLP's intermediate size evenly), or None where they do."""
+        for size, what in ((self.hidden_size, "hidden size"), (self.intermediate_size, "MLP intermediate size")):
+            if size % tp:
+                return f"tp={tp} does not divide the vision encoder's {what} {size}"
+        return None
+
 
 @dataclass(frozen=True)
 class Arch:

@@ -67,6 +67,8 @@ def validate(loaded: LoadedRecipe, arch: Arch) -> None:
             if b % merge:
                 fail(loaded, f"vision.buckets.{i}", f"{b} patch tokens is not a multiple of {merge} "
                                                      "(the 2x2 spatial merge)")
+        if problem := arch.vision.tp_problem(r.vision.tp):
+            fail(loaded, "vision.tp", problem)
         context = r.text.cte_buckets[-1]
         for i, b in enumerate(r.vision.buckets):
             # The encoder turns a bucket of patch tokens into bucket / merge**2 image tokens, which enter the prompt

@@ -205,7 +205,11 @@ class Text(_Strict):
 
 
 class Vision(_Strict):
-    buckets: list[StrictInt] = Field(..., description="patch-token counts before the 2x2 merge, e.g. 1024, 4096")
+    buckets: list[StrictInt] = Field(..., description="patch-token counts before the 2x2 merge, e.g. 1024, 4096; an "
+                                                      "image larger than the largest runs as 2x2 tiles through it")
+    tp: StrictInt = Field(1, ge=1, description="tensor-parallel degree of the vision encoder: neuron traces it over tp "
+                                               "NeuronCores with NxD's parallel_model_trace (docs/vision.md); the CPU "
+                                               "backends compute it with the same sharding")
 
     _buckets = field_validator("buckets")(_check_buckets)
 

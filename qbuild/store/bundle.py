@@ -11,7 +11,9 @@ A neuron bundle is NxDI's compiled directory instead (qbuild/backends/neuron/pac
 section 7), with the same bundle.json, tokenizer files and weights/ (in NxD's format), and at its top level:
     model.pt, neuron_config.json                  NxDI's compiled text model (every bucket) and its saved config
     qbuild-neuron.json                            qbuild's record of the text compile (params, NxDI configuration)
-    vision_encoder_<bucket>.pt                    one traced vision encoder per vision bucket
+    vision_encoder_<bucket>.pt                    one traced vision encoder per vision bucket, or with vision.tp
+    bucket_<bucket>/tp_<rank>.pt                  one per rank of its TP-sharded encoder (docs/vision.md)
+    qbuild-vision.json                            the vision buckets, how each was traced, the 2x2 tiling rule
     port/                                         the port's source, which the app class is imported from
     config.json                                   the checkpoint's, with its text fields also at the top level
     vllm/                                         what vLLM's Neuron plugin needs to serve it (docs/vllm.md)

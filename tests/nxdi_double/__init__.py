@@ -91,11 +91,22 @@ def port_repository(dest: Path) -> PortRepository:
 
 def replicated_deltanet_port(dest: Path) -> Path:
     """A fake of the Qwen3.5-27B port (PR 128 @ 550e2ab) at `dest`: the main port with its DeltaNet replicated."""
+    return _main_port_with(dest, "modeling_qwen35.py", "TENSOR_PARALLEL_DELTANET")
+
+
+def vision_tp_port(dest: Path) -> Path:
+    """A fake of the Qwen3.5-2B port (NxDI main @ 4bcdc54) at `dest`: the main port whose vision wrapper also loads
+    TP-sharded encoders (modeling_qwen35_vision.py:75-92, 455-485), which the 35B-A3B port's does not."""
+    return _main_port_with(dest, "modeling_qwen35_vision.py", "TP_VISION_BUCKETS", True)
+
+
+def _main_port_with(dest: Path, module_file: str, flag: str, value: bool = False) -> Path:
+    """A copy of the fake main port at `dest` with the module-level `flag` of src/`module_file` set to `value`."""
     shutil.copytree(MAIN_PORT, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    module = dest / "src" / "modeling_qwen35.py"
+    module = dest / "src" / module_file
     source = module.read_text()
-    assert "TENSOR_PARALLEL_DELTANET = True" in source
-    module.write_text(source.replace("TENSOR_PARALLEL_DELTANET = True", "TENSOR_PARALLEL_DELTANET = False"))
+    assert f"{flag} = {not value}" in source
+    module.write_text(source.replace(f"{flag} = {not value}", f"{flag} = {value}"))
     return dest
 
 

@@ -58,7 +58,7 @@ def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) ->
     """
     r = loaded.recipe
     if graph == "vision":
-        return CpuVisionCompile(graph, bucket, r.backend, r.dtype, arch.vision)
+        return CpuVisionCompile(graph, bucket, r.backend, r.dtype, arch.vision, r.vision.tp)
     chunk = long_context(loaded).step if graph == EXTEND else None
     return CpuTextCompile(graph, bucket, r.backend, r.dtype, arch.text_model(), r.parallel.tp, r.parallel.ep,
                           r.parallel.effective_moe_tp if arch.is_moe else None, r.text.batch_size, r.text.seq_len,
@@ -212,6 +212,8 @@ class CpuBackend:
                                                                   "/v1/chat/completions"],
                "max_prompt_tokens": max(buckets["tkg"]) if plan else max(buckets["cte"]),
                "max_model_len": max(buckets["tkg"])}
+        if buckets.get("vision"):
+            doc["images"] = images_served(buckets["vision"], options.allow_image_urls)
         return doc if plan is None else {**doc, "long_context": plan.to_json()}
 
     def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
@@ -223,6 +225,16 @@ class CpuBackend:
         options.log(f"loading the {self.name} bundle {options.name}")
         runtime = Runtime.load(bundle, verify_digests=not options.digests_checked)
         for graph in manifest["graphs"]:
-            if not graph.startswith("vision-"):   # images are not part of the OpenAI routes served here
-                runtime.graph(graph)
+            runtime.graph(graph)
         return serve(runtime, options)
+
+
+def images_served(buckets: list[int], allow_urls: bool) -> dict:
+    """What a CPU server of a VL bundle takes as an image (qbuild.backends.cpu.serve): one per chat request, within
+    `qbuild run --image`'s limits, tiled past the largest bucket."""
+    from qbuild.model.runtime.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+    from qbuild.model.tiling import largest_patches
+
+    return {"per_request": 1, "sources": ["data:"] + (["http:", "https:"] if allow_urls else []),
+            "max_bytes": MAX_IMAGE_BYTES, "max_pixels": MAX_IMAGE_PIXELS, "buckets": sorted(buckets),
+            "tiled_above": max(buckets), "max_patches": largest_patches(buckets)}

@@ -117,11 +117,11 @@ def export_vision(params: CpuVisionCompile) -> Traced:
 
     start = time.monotonic()
     dtype = torch_dtype(params.dtype)
-    encoder = VisionEncoder(params.vision, dtype=dtype).eval()
+    encoder = VisionEncoder(params.vision, dtype=dtype, tp=params.tp).eval()
     weights = _example_weights(encoder)
     args = vision_example_inputs(params.vision, params.bucket, dtype)
     program = _export(encoder, weights, args)
-    signature = {"graph": "vision", "bucket": params.bucket,
+    signature = {"graph": "vision", "bucket": params.bucket, "tp": params.tp,
                  "weights": {k: [list(v.shape), str(v.dtype).removeprefix("torch.")] for k, v in weights.items()}}
     return Traced(program, signature, time.monotonic() - start)
 

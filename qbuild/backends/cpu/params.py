@@ -39,6 +39,7 @@ class CpuVisionCompile:
     backend: CpuBackendName
     dtype: DType
     vision: VisionArch
+    tp: int                          # the encoder's linear layers computed as over tp ranks (recipe vision.tp)
 
 
 CpuCompile = Union[CpuTextCompile, CpuVisionCompile]

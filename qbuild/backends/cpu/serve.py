@@ -25,6 +25,12 @@ What the runtime can do decides what the server accepts (qbuild.backends.cpu.ser
   400 with its message); otherwise each message becomes a line "<role>: <content>" and the prompt ends with
   "assistant:".
 - With an API key, every request needs `Authorization: Bearer <key>`; without one it is a 401, before its body is read.
+- A VL bundle takes one image per chat request, as an OpenAI `image_url` content part of a user message: a
+  `data:image/...;base64,` URL, or an http(s) URL only with --allow-image-urls (qbuild.backends.cpu.serve_images). The
+  image goes where its part stands in the message (the chat template's image marker, expanded to the image's tokens
+  as transformers' processor expands it), passes `qbuild run --image`'s limits, and runs through the vision graphs
+  as `run` runs it, tiled where it is larger than the largest bucket. Anything else in its place is a 400 naming the
+  part. The body limit grows by one image's base64 size; the text of the messages keeps the text limit.
 
 `stream: true` answers in server-sent events in OpenAI's chunk format, closed by `data: [DONE]`; the text of the
 chunks, concatenated, is the non-streamed answer. Ctrl-C (SIGINT) and SIGTERM stop the server: requests still waiting
@@ -53,9 +59,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from qbuild.backends.base import ServeOptions
-from qbuild.backends.cpu.serve_requests import (ChatMessage, ChatRequest, CompletionRequest, RequestError,
+from qbuild.backends.cpu.serve_images import ImageSourceError, base64_size, image_bytes
+from qbuild.backends.cpu.serve_requests import (ChatMessage, ChatRequest, CompletionRequest, ImagePart, RequestError,
                                                 StreamOptions, parse, shutting_down)
 from qbuild.core.errors import UserError
+from qbuild.model.runtime.images import MAX_IMAGE_BYTES
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 SHUTDOWN_GRACE_S = 5                 # an answer still being generated when a stop signal comes may finish this long
@@ -67,11 +75,15 @@ STOP_MARGIN_S = 25
 # token id with its comma at most 8).
 BODY_OVERHEAD_BYTES = 64 << 10
 BODY_BYTES_PER_TOKEN = 32
+# What one image adds to a VL bundle's limit: the largest image qbuild reads, base64-encoded, with room for a JSON
+# encoder that escapes its "/" characters (1 in 64 of base64's alphabet) and for the part around it.
+IMAGE_BODY_BYTES = base64_size(MAX_IMAGE_BYTES) * 33 // 32 + (4 << 10)
 
 
-def max_body_bytes(seq_len: int) -> int:
-    """The largest request body a server of a bundle with sequence length `seq_len` reads."""
-    return BODY_OVERHEAD_BYTES + BODY_BYTES_PER_TOKEN * seq_len
+def max_body_bytes(seq_len: int, vision: bool = False) -> int:
+    """The largest request body a server of a bundle with sequence length `seq_len` reads: the text limit, and one
+    image's worth more where the bundle takes images."""
+    return BODY_OVERHEAD_BYTES + BODY_BYTES_PER_TOKEN * seq_len + (IMAGE_BODY_BYTES if vision else 0)
 
 
 # --- generating ------------------------------------------------------------------------------------------------
@@ -87,14 +99,15 @@ class Prepared:
     req: CompletionRequest | ChatRequest
     ids: list[int]
     max_new: int
+    image: object = None   # the image the prompt's image tokens stand for (runtime.prepare_image), if any
 
 
 class Job:
     """One generation. It runs on the generation thread in its turn, and ends early, at its next token or before it
     starts, once stopped: its client went away ("client") or the server stops ("shutdown")."""
 
-    def __init__(self, ids: list[int], max_new: int, on_token: Callable[[int], None] | None = None):
-        self.ids, self.max_new, self.on_token = ids, max_new, on_token
+    def __init__(self, ids: list[int], max_new: int, on_token: Callable[[int], None] | None = None, image=None):
+        self.ids, self.max_new, self.on_token, self.image = ids, max_new, on_token, image
         self.started = False
         self.stopped: str | None = None
         self._lock = threading.Lock()   # orders `started` against a stop of a job that has not started
@@ -121,7 +134,7 @@ class Job:
                 self.on_token(token)
             return self.stopped is not None
 
-        return runtime.generate(self.ids, self.max_new, on_token=step)
+        return runtime.generate(self.ids, self.max_new, prepared=self.image, on_token=step)
 
 
 class Client:
@@ -157,8 +170,9 @@ class Generator:
     One at a time on each also bounds what requests can cost together: one tokenization (of a body within the limit)
     and one generation."""
 
-    def __init__(self, runtime, name: str):
-        self.runtime, self.name = runtime, name
+    def __init__(self, runtime, name: str, allow_image_urls: bool = False):
+        self.runtime, self.name, self.allow_image_urls = runtime, name, allow_image_urls
+        self.text_limit = max_body_bytes(runtime.tkg[-1])
         self.created = int(time.time())
         self.eos = runtime.eos_ids()
         self._preparing = ThreadPoolExecutor(1, thread_name_prefix="qbuild-prepare")
@@ -175,6 +189,7 @@ class Generator:
         req = parse(CompletionRequest, body)
         self._check_model(req)
         ids = self.prompt_ids(req.prompt)
+        self.check_image_tokens(ids, None, "prompt")
         return Prepared(req, ids, self.new_tokens(len(ids), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
                                                   "max_tokens"))
 
@@ -183,10 +198,57 @@ class Generator:
         self._check_model(req)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise RequestError("max_tokens and max_completion_tokens: give one of them", "max_tokens")
+        self._check_text_size(req.messages)
+        image = self.chat_image(req.messages)
         ids = self.chat_ids(req.messages)
+        if image is not None:
+            try:
+                ids = self.runtime.place_image(ids, image)
+            except UserError as e:
+                raise RequestError(f"messages: {e}", "messages") from None
+        self.check_image_tokens(ids, image, "messages")
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        return Prepared(req, ids, self.new_tokens(len(ids), requested, None, param))
+        return Prepared(req, ids, self.new_tokens(len(ids), requested, None, param), image)
+
+    def _check_text_size(self, messages: list[ChatMessage]) -> None:
+        """A 413 where the messages' text is larger than a text-only request may be: an image's allowance in the body
+        limit is for the image."""
+        size = sum(len(m.role) + len(m.content.encode() if isinstance(m.content, str) else
+                                     b"".join(p.text.encode() for p in m.content if not isinstance(p, ImagePart)))
+                   for m in messages)
+        if size > self.text_limit:
+            raise RequestError(f"the messages' text is {size} bytes, more than this server takes: at most "
+                               f"{self.text_limit} bytes for this bundle", status=413, code="request_too_large")
+
+    def chat_image(self, messages: list[ChatMessage]):
+        """The one image of a chat request, read and cut into patches (runtime.prepare_image), or None; a 400 naming
+        the part where it cannot be taken."""
+        parts = [(i, j, part, m.role) for i, m in enumerate(messages) for j, part in m.images()]
+        if not parts:
+            return None
+        (i, j, part, role), label = parts[0], f"messages.{parts[0][0]}.content.{parts[0][1]}"
+        if len(parts) > 1:
+            raise RequestError(f"messages.{parts[1][0]}.content.{parts[1][1]}: one image per request ({label} is the "
+                               "first)", "messages")
+        if self.runtime.vision is None:
+            raise RequestError(f"{label}: this model takes no images (its bundle has no vision encoder)", "messages")
+        if role != "user":
+            raise RequestError(f"{label}: an image goes in a user message, not a {role} message", "messages")
+        try:
+            data = image_bytes(part.image_url.url, self.allow_image_urls)
+            return self.runtime.prepare_image(data, label=f"{label}.image_url")
+        except ImageSourceError as e:
+            raise RequestError(f"{label}.image_url.url: {e}", "messages") from None
+        except UserError as e:   # the image's own limits, or no bucket that takes it; the message names the part
+            raise RequestError(str(e), "messages") from None
+
+    def check_image_tokens(self, ids: list[int], image, param: str) -> None:
+        """A 400 where the prompt holds image tokens no image stands for (typed into its text)."""
+        try:
+            self.runtime.check_image_tokens(ids, image)
+        except UserError as e:
+            raise RequestError(f"{param}: {e}", param) from None
 
     def _check_model(self, req: CompletionRequest | ChatRequest) -> None:
         if req.model != self.name:
@@ -208,12 +270,14 @@ class Generator:
         return list(prompt)
 
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """The chat rendered and tokenized; an image part becomes the model's image marker (<|vision_start|>
+        <|image_pad|> <|vision_end|>), which the chat template writes for an image part where it has one."""
         from jinja2 import TemplateError
 
-        turns = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                  else "".join(p.text for p in m.content)} for m in messages]
         tokenizer = self.runtime.tokenizer
-        if getattr(tokenizer, "chat_template", None):
+        template = bool(getattr(tokenizer, "chat_template", None))
+        turns = [{"role": m.role, "content": self._content(m, template)} for m in messages]
+        if template:
             try:
                 text = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
             except TemplateError as e:   # the template's own check of the messages (raise_exception), or its fault
@@ -221,6 +285,18 @@ class Generator:
         else:
             text = "".join(f"{t['role']}: {t['content']}\n" for t in turns) + "assistant:"
         return self.runtime.encode(text)
+
+    def _content(self, message: ChatMessage, template: bool) -> str | list[dict]:
+        """A message's content for the chat template (its parts, where it holds an image), or as text."""
+        if isinstance(message.content, str):
+            return message.content
+        if not message.images():
+            return "".join(p.text for p in message.content)
+        if template:
+            return [{"type": "image"} if isinstance(p, ImagePart) else {"type": "text", "text": p.text}
+                    for p in message.content]
+        marker = "".join(self.runtime.tokenizer.convert_ids_to_tokens(self.runtime.image_marker()))
+        return "".join(marker if isinstance(p, ImagePart) else p.text for p in message.content)
 
     def new_tokens(self, n: int, requested: int | None, default: int | None, param: str) -> int:
         """How many tokens to generate after a prompt of `n` tokens: what the request asked for, else `default`
@@ -315,25 +391,27 @@ class Detokenizer:
 
 # --- the routes ------------------------------------------------------------------------------------------------
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body, or a 413 once it proves longer than `limit` bytes: its Content-Length says so before anything
-    is read, or the bytes that came did; nothing more is read."""
+async def read_body(request: Request, limit: int, image: bool = False) -> bytes:
+    """The request's body, or a 413 once it proves longer than `limit` bytes (`image`: the limit holds an image's
+    allowance): its Content-Length says so before anything is read, or the bytes that came did; nothing more is
+    read."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise too_large(limit)
+        raise too_large(limit, image)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise too_large(limit)
+            raise too_large(limit, image)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def too_large(limit: int) -> RequestError:
+def too_large(limit: int, image: bool = False) -> RequestError:
+    image = f" plus {IMAGE_BODY_BYTES} for an image" if image else ""
     return RequestError(f"the request body is larger than this server takes: at most {limit} bytes for this bundle "
-                        f"({BODY_OVERHEAD_BYTES} plus {BODY_BYTES_PER_TOKEN} for each token of its sequence length)",
-                        status=413, code="request_too_large")
+                        f"({BODY_OVERHEAD_BYTES} plus {BODY_BYTES_PER_TOKEN} for each token of its sequence "
+                        f"length{image})", status=413, code="request_too_large")
 
 
 def _sse(doc: Any) -> str:
@@ -345,7 +423,7 @@ class Api:
 
     def __init__(self, generator: Generator):
         self.gen = generator
-        self.limit = max_body_bytes(generator.runtime.tkg[-1])
+        self.limit = max_body_bytes(generator.runtime.tkg[-1], vision=generator.runtime.vision is not None)
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/v1/models", self.models, methods=["GET"]),
@@ -365,7 +443,7 @@ class Api:
     async def _prepare(self, request: Request, route) -> tuple[Prepared, Client] | Response:
         """The request read, parsed and tokenized, with the watch on its client; or the response refusing it."""
         try:
-            body = await read_body(request, self.limit)
+            body = await read_body(request, self.limit, self.gen.runtime.vision is not None)
         except RequestError as e:   # uvicorn reads what else comes of the body and drops it
             return e.response()
         client = Client(request)
@@ -419,7 +497,7 @@ class Api:
     async def _generate(self, p: Prepared, client: Client):
         """The generation of a non-streamed answer, or the response that ends the request without one."""
         try:
-            return await self.gen.generate(Job(p.ids, p.max_new), client)
+            return await self.gen.generate(Job(p.ids, p.max_new, image=p.image), client)
         except RequestError as e:
             return e.response()
         except ClientGone:
@@ -450,7 +528,7 @@ class Api:
                     except RuntimeError:   # the loop is closed: the server stopped while this answer was generated
                         job.stop("shutdown")
 
-            job = Job(p.ids, p.max_new, on_token)
+            job = Job(p.ids, p.max_new, on_token, p.image)
             task = asyncio.ensure_future(self.gen.generate(job, client))
             task.add_done_callback(lambda _: pieces.put_nowait(None))
             sent = ""
@@ -567,7 +645,7 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(runtime, options: ServeOptions) -> int:
     """Answer requests on host:port until SIGINT or SIGTERM, then finish (within SHUTDOWN_GRACE_S) and return 0."""
-    generator = Generator(runtime, options.name)
+    generator = Generator(runtime, options.name, options.allow_image_urls)
     app = Guard(Api(generator).app(), options.api_key, generator.stopping)
     sock = listen(options.host, options.port)
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",

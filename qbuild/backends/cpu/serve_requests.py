@@ -13,7 +13,7 @@ Each refusal is a 400 naming the field where there is one, never the value (a va
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.responses import JSONResponse
@@ -80,11 +80,31 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageURL(BaseModel):
+    model_config = _STRICT
+    url: str            # a data:image/...;base64 URL, or http(s) where the server allows it (serve_images)
+    detail: Literal["auto"] | None = None   # the runtime takes every image at its checkpoint's own resolution
+
+
+class ImagePart(BaseModel):
+    model_config = _STRICT
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentPart]
     name: str | None = None
+
+    def images(self) -> list[tuple[int, ImagePart]]:
+        """(index in content, part) of each image part."""
+        parts = [] if isinstance(self.content, str) else self.content
+        return [(j, part) for j, part in enumerate(parts) if isinstance(part, ImagePart)]
 
 
 class ChatRequest(_Request):
@@ -117,7 +137,7 @@ def parse(model: type[_Request], body: bytes) -> _Request:
     try:
         req = model.model_validate_json(body, strict=True)
     except ValidationError as e:
-        raise _refusal(e.errors(include_url=False, include_input=False, include_context=False)[0]) from None
+        raise _refusal(e.errors(include_url=False, include_input=False, include_context=False)) from None
     for field, (allowed, why) in _GREEDY.items():
         if field in type(req).model_fields and getattr(req, field) not in allowed:
             raise RequestError(f"{field}: {why}", field)
@@ -126,15 +146,40 @@ def parse(model: type[_Request], body: bytes) -> _Request:
     return req
 
 
-def _refusal(err: dict) -> RequestError:
-    """One of pydantic's errors as OpenAI's: the JSON parser's own message where the body is not JSON, otherwise the
-    field's path and what is wrong with it."""
+_PARTS = "list[tagged-union[TextPart,ImagePart]]"   # pydantic's name of the content-parts branch of `content`
+
+
+def _refusal(errors: list[dict]) -> RequestError:
+    """pydantic's first error as OpenAI's: the JSON parser's own message where the body is not JSON, otherwise the
+    field's path and what is wrong with it. Where `content` is a list of parts, the error of that list is the one
+    meant (not that it is no string), named by the part's index."""
+    err = next((e for e in errors if _PARTS in e["loc"]), errors[0])
     if err["type"] == "json_invalid":
         return RequestError(f"the request body is not JSON: {err['msg'].removeprefix('Invalid JSON: ')}")
     if err["type"] == "model_type":
         return RequestError("the request body must be a JSON object")
-    field = ".".join(str(p) for p in err["loc"])
-    param = str(err["loc"][0]) if err["loc"] else None
+    loc = _clean(err["loc"])
+    field = ".".join(str(p) for p in loc)
+    param = str(loc[0]) if loc else None
     if err["type"] == "extra_forbidden":
         return RequestError(f"{field}: not supported by qbuild's server", param)
+    if err["type"] == "union_tag_invalid":
+        return RequestError(f"{field}: a content part of this type is not supported; qbuild's server takes `text` and "
+                            "`image_url` parts", param)
+    if err["type"] == "union_tag_not_found":
+        return RequestError(f"{field}: a content part needs a `type`: `text` or `image_url`", param)
     return RequestError(f"{field}: {err['msg']}", param)
+
+
+def _clean(loc: tuple) -> list:
+    """A pydantic error location without its union branch labels: `content`'s branch name and, after a part's index,
+    the part's `type` tag."""
+    out, i = [], 0
+    while i < len(loc):
+        if loc[i] == _PARTS:
+            out.extend(loc[i + 1:i + 2])   # the part's index; the branch name before it and the tag after it go
+            i += 3
+            continue
+        out.append(loc[i])
+        i += 1
+    return out

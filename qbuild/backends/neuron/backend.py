@@ -15,10 +15,11 @@ from typing import Callable
 
 from qbuild.backends.base import (GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, SourceEnvironment, Sizes,
                                   StepContext)
-from qbuild.backends.neuron import config, deploy, long_context, releases, vllm_serve, worker_env
+from qbuild.backends.neuron import (config, deploy, long_context, releases, vllm_images, vllm_serve,
+                                   worker_env)
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortGit, PortMissing)
-from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, lineage_for, port_dir
+from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, VL_PORT_ENV, lineage_for, port_dir
 from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import LongContext, PrefixCacheSpec
@@ -64,7 +65,17 @@ def vision_compile_params(loaded: LoadedRecipe, arch: Arch, bucket: int) -> Neur
     lineage = lineage_for(arch.family, r.port.lineage)
     return NeuronVisionCompile(graph="vision", bucket=bucket, backend="neuron", lineage=lineage.name,
                                vision=arch.vision, dtype=r.dtype, compiler=_compiler(r), toolchain=toolchain(loaded),
-                               port_env=dict(sorted(r.port.env.items())))
+                               port_env=dict(sorted(r.port.env.items())), tp=r.vision.tp)
+
+
+def vision_step(loaded: LoadedRecipe, arch: Arch, bucket: int, sizes: Sizes) -> PlannedStep:
+    """The compile node of one vision bucket: one traced encoder, or with vision.tp one per rank, traced in parallel
+    processes that each load the whole vision weights before NxD slices them (sdk_worker.tp_vision_model)."""
+    params = vision_compile_params(loaded, arch, bucket)
+    tp = f", tp{params.tp}" if params.tp > 1 else ""
+    return PlannedStep(f"compile vision-{bucket}", "compile", f"compile vision-{bucket} (neuron{tp})", params,
+                       {"port": "port", "converted": "convert"}, 64 << 20, params.tp * (4 * sizes.vision + 8 * GIB),
+                       neffs=params.tp)
 
 
 def toolchain(loaded: LoadedRecipe) -> dict[str, str]:
@@ -127,6 +138,8 @@ class NeuronBackend:
             # another dtype would be fed inputs it was not traced for.
             checks.fail(loaded, "dtype", f"the port's vision encoder runs in bfloat16; a neuron recipe with vision "
                                          f"builds in bfloat16, not {r.dtype}")
+        if r.vision is not None:
+            self._validate_vl_switches(loaded, lineage.name)
         if r.parallel.ep > 1:
             # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is
             # under DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0), and refuses that path under an expert-parallel group
@@ -169,6 +182,18 @@ class NeuronBackend:
             checks.fail(loaded, "compiler.flags", f"{', '.join(repeated)} given more than once")
 
     @staticmethod
+    def _validate_vl_switches(loaded: LoadedRecipe, lineage: str) -> None:
+        """A recipe with vision traces context encoding with image features: the port switches its lineage's VL scripts
+        set for that (ports.VL_PORT_ENV) must be in port.env, or the bundle answers images with degenerate text."""
+        env = loaded.recipe.port.env
+        for name, value in VL_PORT_ENV.get(lineage, {}).items():
+            if env.get(name) != value:
+                got = "it is not set" if name not in env else f"it is {env[name]!r}"
+                checks.fail(loaded, f"port.env.{name}",
+                            f"a recipe with vision needs {name}: {value!r} (the port's VL scripts set it: the default "
+                            f"DeltaNet prefill degenerates on image features; docs/vision.md section 4); {got}")
+
+    @staticmethod
     def _validate_fp8(loaded: LoadedRecipe, arch: Arch) -> None:
         policy = fp8_policy(loaded.recipe.fp8)
         if policy.quantises_attention:
@@ -195,10 +220,7 @@ class NeuronBackend:
         compiles = [PlannedStep("compile text", "compile", f"compile text ({neffs} NEFFs, neuron{layout})", text,
                                 {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB, neffs=neffs)]
         for b in (r.vision.buckets if r.vision else []):
-            compiles.append(PlannedStep(f"compile vision-{b}", "compile", f"compile vision-{b} (neuron)",
-                                        vision_compile_params(loaded, arch, b),
-                                        {"port": "port", "converted": "convert"}, 64 << 20, 4 * sizes.vision + 8 * GIB,
-                                        neffs=1))
+            compiles.append(vision_step(loaded, arch, b, sizes))
         package = NeuronPackageParams(
             family=arch.family, backend="neuron", tp=r.parallel.tp, ep=r.parallel.ep, ranks=ranks,
             batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
@@ -275,17 +297,27 @@ class NeuronBackend:
         """The vLLM command for a host that serves the pulled bundle without qbuild (`qbuild serve DIR` runs it);
         None where qbuild's glue cannot serve it (`qbuild serve DIR` says why)."""
         try:
-            return vllm_serve.printable(vllm_serve.serve_command(bundle, manifest, bundle.name, "127.0.0.1", 8000,
-                                                                 "python"))
+            return _with_images(vllm_serve.printable(vllm_serve.serve_command(
+                bundle, manifest, bundle.name, "127.0.0.1", 8000, "python")), manifest)
         except UserError:
             return None
 
     def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
         import sys
 
-        return vllm_serve.printable(vllm_serve.serve_command(
+        vllm_images.check_image_urls(manifest, options.allow_image_urls)
+        return _with_images(vllm_serve.printable(vllm_serve.serve_command(
             bundle, manifest, options.name, options.host, options.port, sys.executable, options.server_args,
-            getattr(options, "api_key", None)))
+            getattr(options, "api_key", None))), manifest)
 
     def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
+        vllm_images.check_image_urls(manifest, options.allow_image_urls)
+        if (note := vllm_images.images_note(manifest)) is not None:
+            options.log(f"warning: images are not served: {note['why']}")
         return vllm_serve.serve(bundle, manifest, options)
+
+
+def _with_images(doc: dict, manifest: dict) -> dict:
+    """The serving document with, for a VL bundle, what happens to its images (vllm_images)."""
+    note = vllm_images.images_note(manifest)
+    return doc if note is None else {**doc, "images": note}

@@ -137,10 +137,7 @@ def neuron_config(params: NeuronCompile) -> dict:
     """The NxDI configuration of one neuron compile node, from its planned params (pure; no torch, no SDK)."""
     lineage = LINEAGES[params.lineage]
     if isinstance(params, NeuronVisionCompile):
-        return {"lineage": lineage.name, "module": lineage.vision_module, "model_class": "CPUVisionModel",
-                "bucket": params.bucket, "file": vision_file(params.bucket),
-                "compiler_args": compiler_args(VISION_COMPILER_ARGS, params.compiler),
-                "env": dict(params.port_env), "neffs": 1}
+        return vision_config(params)
     cls, cfg, attributes = _text_neuron_config(params)
     env = dict(FP8_ENV) if fp8_policy(params.fp8).quantises else {}
     env.update(params.port_env)
@@ -162,9 +159,34 @@ def port_config(params: NeuronTextCompile) -> dict:
     return long_context.port_config(params.block_kv, params.dtype)
 
 
+def vision_config(params: NeuronVisionCompile) -> dict:
+    """How one vision bucket is traced. tp 1: torch_neuronx.trace of the port's CPUVisionModel into one file, as
+    compile_vision_encoder.py does; tp > 1: NxD's parallel_model_trace of the port's NeuronQwen35VisionModel (its
+    linear layers NxD's Column/RowParallelLinear) over tp ranks, saved by parallel_model_save as one tp_<rank>.pt per
+    rank in a directory of its own, as compile_vision_encoder_tp.py does (contrib/models/Qwen3.5-2B/test/integration/
+    compile_vision_encoder_tp.py:149-212 @ 4bcdc54; docs/vision.md section 3). Both are where the port's
+    NeuronQwen35VisionModelWrapper.load_compiled(dir) looks (modeling_qwen35_vision.py:429-529)."""
+    lineage = LINEAGES[params.lineage]
+    common = {"lineage": lineage.name, "module": lineage.vision_module, "bucket": params.bucket,
+              "compiler_args": compiler_args(VISION_COMPILER_ARGS, params.compiler), "env": dict(params.port_env)}
+    if params.tp == 1:
+        return {**common, "model_class": "CPUVisionModel", "trace": "torch_neuronx.trace",
+                "file": vision_file(params.bucket), "neffs": 1}
+    return {**common, "model_class": "NeuronQwen35VisionModel", "trace": "parallel_model_trace", "tp_degree": params.tp,
+            "file": vision_tp_dir(params.bucket), "shards": [f"tp_{r}.pt" for r in range(params.tp)],
+            "neffs": params.tp}
+
+
 def vision_file(bucket: int) -> str:
     """The name the port's NeuronQwen35VisionModelWrapper.load_compiled(dir) globs for (vision_encoder_<bucket>.pt)."""
     return f"vision_encoder_{bucket}.pt"
+
+
+def vision_tp_dir(bucket: int) -> str:
+    """The directory a TP-sharded vision bucket is saved in: load_compiled reads every `bucket_<N>/tp_*.pt` as bucket N
+    (contrib/models/Qwen3.5-2B/src/modeling_qwen35_vision.py:455-485 @ 4bcdc54), and NxD's parallel_model_load reads
+    every file of the directory as a rank (trace/trace.py:390-409 @ fbac349), so it holds nothing else."""
+    return f"bucket_{bucket}"
 
 
 def neff_reuse(old: dict, new: NeuronCompile) -> str | None:

@@ -166,16 +166,19 @@ def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path
 
 def compile_vision(params: NeuronVisionCompile, port: Path, weights: Path, out: Path, scratch: Path, store,
                    log) -> dict:
-    """Trace the port's CPUVisionModel at one patch bucket with the real weights inlined -> vision_encoder_<b>.pt."""
+    """Trace the port's vision encoder at one patch bucket with the real weights inlined: CPUVisionModel on one core
+    -> vision_encoder_<b>.pt, or, with vision tp > 1, NeuronQwen35VisionModel over tp cores -> bucket_<b>/tp_<r>.pt
+    (config.vision_config)."""
     require_sdk()
     check_toolchain(params.toolchain)
     cfg = neuron_config(params)
     with compile_dirs(params, store, log) as (wd, cache):
-        run_sdk("vision", vision_request(params, cfg, port, weights, out, wd),
-                 {**cfg["env"], "NEURON_COMPILE_CACHE_URL": str(cache),
-                  "NEURON_PLATFORM_TARGET_OVERRIDE": params.compiler.target}, scratch, log)
+        run_sdk("vision" if params.tp == 1 else "vision_tp", vision_request(params, cfg, port, weights, out, wd),
+                {**cfg["env"], "NEURON_COMPILE_CACHE_URL": str(cache),
+                 "NEURON_PLATFORM_TARGET_OVERRIDE": params.compiler.target}, scratch, log)
     write_record(out, {"params": to_json(params), "config": cfg}, name=f"qbuild-vision-{params.bucket}.json")
-    log(f"neuron: traced the vision encoder at bucket {params.bucket}")
+    log(f"neuron: traced the vision encoder at bucket {params.bucket}" +
+        (f" over {params.tp} ranks" if params.tp > 1 else ""))
     return cfg
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from qbuild.backends.base import StepContext
 from qbuild.backends.neuron import driver, long_context
-from qbuild.backends.neuron.config import vision_file
 from qbuild.backends.neuron.params import NeuronPackageParams
 from qbuild.backends.neuron.ports import LINEAGES
 from qbuild.backends.neuron.releases import serving_stack
 from qbuild.core import jsonio
 from qbuild.core.errors import BuildError
 from qbuild.model.fp8 import policy as fp8_policy
+from qbuild.model.tiling import TILES, largest_patches
 from qbuild.store.files import atomic_write, link_or_copy, link_tree, staged
 
 
@@ -31,11 +31,7 @@ def package(ctx: StepContext) -> dict[str, str]:
     # The port's source travels with the bundle: serving hosts import the app class from it (bundle/port/).
     link_tree(ctx.inputs["port"], ctx.out / "port")
     vllm_glue(ctx.out, p, json.loads((text / driver.QBUILD_RECORD).read_text()))
-    graphs = {"text": "model.pt"}
-    for b in p.vision_buckets:
-        name = vision_file(b)
-        link_or_copy(ctx.inputs[f"compile:vision-{b}"] / name, ctx.out / name)
-        graphs[f"vision-{b}"] = name
+    graphs = {"text": "model.pt", **package_vision(ctx, p)}
     shards = sorted((ctx.out / "weights").glob("tp*_sharded_checkpoint.safetensors"))
     if len(shards) != p.ranks:
         raise ValueError(f"package got {len(shards)} shards, planned {p.ranks} ranks")
@@ -48,6 +44,45 @@ def package(ctx: StepContext) -> dict[str, str]:
         for shard in shards:
             driver.check_shards(expected, shard)
     return graphs
+
+
+# --- the vision encoders and what the port does with them (docs/vision.md) -----------------------------------------
+
+VISION_RECORD = "qbuild-vision.json"
+
+
+def package_vision(ctx: StepContext, p: NeuronPackageParams) -> dict[str, str]:
+    """Each vision bucket's traced encoder where the port's load_compiled(<bundle>) finds it (a vision_encoder_<b>.pt,
+    or a bucket_<b>/ of one tp_<r>.pt per rank: config.vision_config), and qbuild-vision.json: what the port will do
+    with them. Returns {graph: path in the bundle}."""
+    if not p.vision_buckets:
+        return {}
+    graphs, configs = {}, {}
+    for b in p.vision_buckets:
+        compiled = ctx.inputs[f"compile:vision-{b}"]
+        cfg = json.loads((compiled / f"qbuild-vision-{b}.json").read_text())["config"]
+        source = compiled / cfg["file"]
+        if source.is_dir():
+            link_tree(source, ctx.out / cfg["file"])
+        else:
+            link_or_copy(source, ctx.out / cfg["file"])
+        graphs[f"vision-{b}"], configs[b] = cfg["file"], cfg
+    (ctx.out / VISION_RECORD).write_text(jsonio.dumps(vision_record(configs), indent=1, sort_keys=True) + "\n")
+    return graphs
+
+
+def vision_record(configs: dict[int, dict]) -> dict:
+    """qbuild-vision.json: the vision buckets, how each was traced and where it lies, and the image sizes the port's
+    wrapper takes through them (NeuronQwen35VisionModelWrapper.forward, modeling_qwen35_vision.py:771-806 @ 4bcdc54;
+    qbuild.model.tiling): an image of more patch tokens than the largest bucket runs as 2x2 tiles through the smallest
+    bucket that holds a tile, up to four times the largest bucket."""
+    buckets = sorted(configs)
+    return {"buckets": buckets,
+            "encoders": {str(b): {k: configs[b][k] for k in ("file", "trace", "model_class", "compiler_args")} |
+                         {"tp": configs[b].get("tp_degree", 1)} for b in buckets},
+            "tiling": {"tiles": [TILES, TILES], "above_patches": buckets[-1], "max_patches": largest_patches(buckets),
+                       "tile_bucket": "the smallest bucket of at least patches / 4"},
+            "env": configs[buckets[0]]["env"]}
 
 
 # --- what vLLM's Neuron plugin needs (docs/vllm.md) ------------------------------------------------------------

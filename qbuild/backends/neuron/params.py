@@ -121,6 +121,7 @@ class NeuronVisionCompile:
     compiler: CompilerSettings
     toolchain: dict[str, str]
     port_env: dict[str, str]
+    tp: int = 1                      # 1: torch_neuronx.trace on one core; more: NxD's parallel_model_trace over tp
 
 
 NeuronCompile = Union[NeuronTextCompile, NeuronVisionCompile]

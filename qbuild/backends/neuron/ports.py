@@ -19,8 +19,16 @@ from qbuild.recipe.schema import LineageName, LoadedRecipe
 _MAIN_ARGS = ("--enable-saturate-infinity", "--enable-mixed-precision-accumulation", "--model-type", "transformer",
               "-O1", "--auto-cast=none")
 _MOE_ARGS = _MAIN_ARGS + ("--internal-enable-dge-levels", "vector_dynamic_offsets")
-# The vision encoder's torch_neuronx.trace arguments (docs/nxdi.md section 5).
+# The vision encoder's torch_neuronx.trace arguments (docs/nxdi.md section 5); compile_vision_encoder_tp.py passes the
+# same to parallel_model_trace (contrib/models/Qwen3.5-2B/test/integration/compile_vision_encoder_tp.py:176-181).
 VISION_COMPILER_ARGS = ("--model-type=transformer", "--auto-cast=none", "-O1", "--enable-mixed-precision-accumulation")
+# The port switches a lineage's VL scripts set before the text model is traced to take image features (docs/vision.md
+# section 4): the main ports' run_vl_smoke.py:41-42 and run_vl_benchmark.py:29-30 @ 4bcdc54 (2B and 35B-A3B alike)
+# select the legacy direct DeltaNet prefill, because the default fused multi-head kernel degenerates on real vision
+# embeddings (contrib/models/Qwen3.5-2B/README.md "Known limitations"). A neuron recipe with vision must set them.
+VL_PORT_ENV: dict[LineageName, dict[str, str]] = {
+    "main": {"QWEN36_DELTANET_CTE_IMPL": "legacy_direct", "QWEN36_DELTANET_MULTIHEAD_CTE": "0"},
+}
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,75 @@ def compile_vision(req: dict) -> dict:
     return {"bucket": s}
 
 
+# How compile_vision_tp hands its request to the factory parallel_model_trace calls once per rank, in processes of
+# its own (NxD spawns them: trace/trace.py:345-361 @ fbac349): the environment they inherit, as the port's script does
+# (compile_vision_encoder_tp.py:108-123, 164-167 @ 4bcdc54).
+TP_VISION_REQUEST = "QBUILD_VISION_TP_REQUEST"
+
+
+def compile_vision_tp(req: dict) -> dict:
+    """NxD's parallel_model_trace of the port's NeuronQwen35VisionModel at one bucket over tp ranks, weights inlined,
+    saved with parallel_model_save (one tp_<rank>.pt per rank in <out>/), as
+    contrib/models/Qwen3.5-2B/test/integration/compile_vision_encoder_tp.py:149-188 @ 4bcdc54 does: example inputs
+    (hidden, mask, (cos, sin)) in the model dtype, the RoPE pair one input, as the port's _TPVisionAdapter calls it
+    (modeling_qwen35_vision.py:75-92).
+
+    Only a port whose vision wrapper loads TP buckets can serve the result: the 2B port's module defines
+    _TPVisionAdapter for that (L75), the 35B-A3B port's does not (its load_compiled reads vision_encoder_<b>.pt only),
+    so the build fails here, naming the port, rather than package a bundle its port cannot load."""
+    import os
+
+    import torch
+    from neuronx_distributed.trace import parallel_model_save, parallel_model_trace
+
+    cfg, v = req["config"], req["vision"]
+    module = _port_module(req["port"], req["module"])
+    if not hasattr(module, "_TPVisionAdapter"):
+        raise RuntimeError(f"the port's {req['module']} loads no TP-sharded vision encoder (it has no "
+                           "_TPVisionAdapter, which NeuronQwen35VisionModelWrapper.load_compiled uses for "
+                           "bucket_<N>/tp_*.pt); set vision.tp: 1, or use a port that loads them (Qwen3.5-2B "
+                           "@ 4bcdc54)")
+    os.environ[TP_VISION_REQUEST] = json.dumps({k: req[k] for k in ("port", "module", "vision", "dtype", "weights")})
+    dtype = torch_dtype(req["dtype"])
+    s, hidden = cfg["bucket"], v["hidden_size"]
+    head_dim = hidden // v["num_heads"]
+    example = (torch.zeros((s, hidden), dtype=dtype), torch.zeros((1, 1, s, s), dtype=dtype),
+               (torch.zeros((s, head_dim), dtype=dtype), torch.zeros((s, head_dim), dtype=dtype)))
+    # NxD pickles the factory into each rank's spawned process, by module and name: this module runs as __main__
+    # (`python -m ...`), so the factory is taken from its importable name, which the ranks import.
+    from qbuild.backends.neuron.sdk_worker import tp_vision_model as factory
+
+    traced = parallel_model_trace(factory, example, tp_degree=cfg["tp_degree"], compiler_workdir=req["work_dir"],
+                                  compiler_args=cfg["compiler_args"].split())
+    parallel_model_save(traced, req["out"])
+    return {"bucket": s, "tp_degree": cfg["tp_degree"]}
+
+
+def tp_vision_model():
+    """parallel_model_trace's model factory, run once per rank: the port's NeuronQwen35VisionModel in the model dtype,
+    the converted vision weights (the port's own names: qbuild/model/convert/vision.py) sliced for this rank by NxD's
+    get_sharded_checkpoint and loaded strictly. Returns (model, input_output_alias) (trace/trace.py:212 @ fbac349)."""
+    import os
+
+    from neuronx_distributed.parallel_layers.parallel_state import (get_tensor_model_parallel_rank,
+                                                                    get_tensor_model_parallel_size)
+    from neuronx_distributed.trace.trace import get_sharded_checkpoint
+    from safetensors.torch import load_file
+
+    req = json.loads(os.environ[TP_VISION_REQUEST])
+    module = _port_module(req["port"], req["module"])
+    dtype = torch_dtype(req["dtype"])
+    model = module.NeuronQwen35VisionModel(SimpleNamespace(**req["vision"])).to(dtype).eval()
+    state = {k: t.to(dtype) for k, t in load_file(req["weights"]).items()
+             if not k.startswith(("patch_embed.", "pos_embed."))}
+    get_sharded_checkpoint(state, model, get_tensor_model_parallel_rank(), get_tensor_model_parallel_size())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"vision weights for NeuronQwen35VisionModel: missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}")
+    return model, {}
+
+
 def verify(req: dict) -> dict:
     """Load a bundle as NxDI's compiled directory and generate greedily on every prompt.
 
@@ -129,7 +198,7 @@ def verify(req: dict) -> dict:
     return {"greedy": greedy}
 
 
-OPS = {"text": compile_text, "vision": compile_vision, "verify": verify}
+OPS = {"text": compile_text, "vision": compile_vision, "vision_tp": compile_vision_tp, "verify": verify}
 
 
 def main(argv: list[str]) -> int:

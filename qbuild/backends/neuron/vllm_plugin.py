@@ -36,7 +36,8 @@ SPEC = "qbuild_vllm_plugin.json"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # What vLLM's registry is given for an architecture it does not know: a class it can inspect. The Neuron plugin runs
 # the model through NxDI, never through this class (the Qwen3.6-27B port registers the same:
-# vllm/hf_qwen35_config.py L53-63 @ 03db3ef).
+# vllm/hf_qwen35_config.py L53-63 @ 03db3ef). A text class, for VL bundles too: vllm-neuron 0.5 cannot run these
+# models' images, and with a text class vLLM refuses an image part with a 400 (docs/vllm.md section 11).
 STAND_IN = "vllm.model_executor.models.qwen3:Qwen3ForCausalLM"
 
 

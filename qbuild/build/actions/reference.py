@@ -56,17 +56,6 @@ def _model(src: Path, config: dict):
     return cls.from_pretrained(str(src), dtype=torch.float32).eval()
 
 
-def _processor(src: Path, vision: dict):
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-    pre = src / "preprocessor_config.json"
-    saved = json.loads(pre.read_text()) if pre.exists() else {}
-    return Qwen2VLImageProcessorPil(patch_size=vision["patch_size"], temporal_patch_size=vision["temporal_patch_size"],
-                                    merge_size=vision["spatial_merge_size"],
-                                    image_mean=saved.get("image_mean", [0.5] * 3),
-                                    image_std=saved.get("image_std", [0.5] * 3))
-
-
 def _greedy(model, ids: list[int], new_tokens: int, extra: dict, image_token_id: int | None):
     """(prefill logits (n, V), greedy tokens) of one prompt: transformers' own prefill, then its cached decode."""
     import torch
@@ -122,9 +111,12 @@ def run(ctx: RunContext) -> None:
 def _image_prompt(src: Path, config: dict, tokenizer, image: Path, text_ids: list[int]):
     from PIL import Image
 
+    # The processor the bundle's runtime uses: the checkpoint's preprocessor settings, as transformers reads them.
+    from qbuild.model.runtime.images import image_processor
+
     vision = config["vision_config"]
     with Image.open(image) as img:
-        out = _processor(src, vision)(images=[img.convert("RGB")], return_tensors="pt")
+        out = image_processor(src, vision)(images=[img.convert("RGB")], return_tensors="pt")
     merged = int(out["image_grid_thw"].prod()) // vision["spatial_merge_size"] ** 2
     ids = [config["vision_start_token_id"]] + [config["image_token_id"]] * merged + \
         [config.get("vision_end_token_id", tokenizer.convert_tokens_to_ids("<|vision_end|>"))] + text_ids

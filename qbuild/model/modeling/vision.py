@@ -7,7 +7,9 @@ Split as the Neuron port splits it (docs/nxd-layout.md section 6):
 - traced (`VisionEncoder.forward(hidden (S, hidden), mask (1, 1, S, S), cos (S, hd), sin (S, hd))`): the blocks and
   the 2x2 patch merger, giving (S/4, out_hidden) merged features;
 - text glue: `embed_with_images` puts the merged features at the image-token positions, and
-  `mrope_position_ids` / `decode_position_ids` give the 3-D mRoPE positions (HF's get_rope_index).
+  `mrope_position_ids` / `decode_position_ids` give the 3-D mRoPE positions (HF's get_rope_index);
+- tiles: `split_tiles` / `stitch_tiles` cut an image too large for every bucket into 2x2 tiles and put their merged
+  features back in the image's order, as the VL ports do (qbuild.model.tiling says when; docs/vision.md section 2).
 
 Patch tokens are in spatial-merge-block order (each run of merge**2 consecutive tokens is one merged token), as
 the HF image processor emits them. Legend: N patch tokens, S bucket (N <= S, S a multiple of merge**2), hd head dim.
@@ -139,12 +141,38 @@ class VisionHost(nn.Module):
         return hidden, self.attention_mask(grid_thw, bucket).to(hidden.dtype), cos, sin, num // unit
 
 
+class ShardedLinear(nn.Linear):
+    """nn.Linear computed as NxD's parallel layers compute it over `tp` ranks, from the whole weight (the CPU graph
+    takes the unsharded weights and cuts them itself). "column" = ColumnParallelLinear(gather_output=True): each rank
+    makes its block of outputs, gathered in rank order (the same dot products as the whole layer); "row" =
+    RowParallelLinear(input_is_parallel=False): each rank multiplies its slice of the input by its columns of the
+    weight, the partial sums are added in rank order (the all-reduce), then the bias once. tp 1: nn.Linear.
+    The port's TP encoder (NeuronQwen35VisionModel, modeling_qwen35_vision.py:120-208 @ 4bcdc54) is column qkv and fc1,
+    row proj and fc2 (docs/vision.md section 3)."""
+
+    def __init__(self, fan_in: int, fan_out: int, dtype: torch.dtype, split: str, tp: int):
+        super().__init__(fan_in, fan_out, dtype=dtype)
+        self.split, self.tp = split, tp
+
+    def forward(self, x):
+        if self.tp == 1:
+            return super().forward(x)
+        if self.split == "column":
+            return torch.cat([F.linear(x, w, b) for w, b in zip(self.weight.chunk(self.tp), self.bias.chunk(self.tp))],
+                             dim=-1)
+        partials = [F.linear(xr, wr) for xr, wr in zip(x.chunk(self.tp, dim=-1), self.weight.chunk(self.tp, dim=1))]
+        total = partials[0]
+        for part in partials[1:]:
+            total = total + part
+        return total + self.bias
+
+
 class VisionAttention(nn.Module):
-    def __init__(self, vision: VisionArch, dtype: torch.dtype):
+    def __init__(self, vision: VisionArch, dtype: torch.dtype, tp: int = 1):
         super().__init__()
         self.heads, self.head_dim = vision.num_heads, vision.head_dim
-        self.qkv = nn.Linear(vision.hidden_size, 3 * vision.hidden_size, dtype=dtype)
-        self.proj = nn.Linear(vision.hidden_size, vision.hidden_size, dtype=dtype)
+        self.qkv = ShardedLinear(vision.hidden_size, 3 * vision.hidden_size, dtype, "column", tp)
+        self.proj = ShardedLinear(vision.hidden_size, vision.hidden_size, dtype, "row", tp)
 
     def forward(self, x_SD, mask, cos, sin):
         length = x_SD.shape[0]
@@ -159,22 +187,22 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, vision: VisionArch, dtype: torch.dtype):
+    def __init__(self, vision: VisionArch, dtype: torch.dtype, tp: int = 1):
         super().__init__()
-        self.linear_fc1 = nn.Linear(vision.hidden_size, vision.intermediate_size, dtype=dtype)
-        self.linear_fc2 = nn.Linear(vision.intermediate_size, vision.hidden_size, dtype=dtype)
+        self.linear_fc1 = ShardedLinear(vision.hidden_size, vision.intermediate_size, dtype, "column", tp)
+        self.linear_fc2 = ShardedLinear(vision.intermediate_size, vision.hidden_size, dtype, "row", tp)
 
     def forward(self, x):
         return self.linear_fc2(F.gelu(self.linear_fc1(x), approximate="tanh"))
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, vision: VisionArch, dtype: torch.dtype):
+    def __init__(self, vision: VisionArch, dtype: torch.dtype, tp: int = 1):
         super().__init__()
         self.norm1 = nn.LayerNorm(vision.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
         self.norm2 = nn.LayerNorm(vision.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
-        self.attn = VisionAttention(vision, dtype)
-        self.mlp = VisionMLP(vision, dtype)
+        self.attn = VisionAttention(vision, dtype, tp)
+        self.mlp = VisionMLP(vision, dtype, tp)
 
     def forward(self, x, mask, cos, sin):
         x = x + self.attn(self.norm1(x), mask, cos, sin)
@@ -182,12 +210,16 @@ class VisionBlock(nn.Module):
 
 
 class VisionEncoder(nn.Module):
-    """The traced part: blocks, then LayerNorm, 2x2 merge (merge**2 consecutive tokens), fc1, exact GELU, fc2."""
+    """The traced part: blocks, then LayerNorm, 2x2 merge (merge**2 consecutive tokens), fc1, exact GELU, fc2.
+    With `tp` > 1 the blocks' linear layers compute as the port's TP-sharded encoder does (ShardedLinear); the
+    merger is whole on every rank there too. Its weights are the same whole tensors at any tp."""
 
-    def __init__(self, vision: VisionArch, dtype: torch.dtype = torch.float32):
+    def __init__(self, vision: VisionArch, dtype: torch.dtype = torch.float32, tp: int = 1):
         super().__init__()
+        if problem := vision.tp_problem(tp):
+            raise ValueError(problem)
         self.vision = vision
-        self.blocks = nn.ModuleList(VisionBlock(vision, dtype) for _ in range(vision.depth))
+        self.blocks = nn.ModuleList(VisionBlock(vision, dtype, tp) for _ in range(vision.depth))
         self.merger_norm = nn.LayerNorm(vision.hidden_size, eps=LAYERNORM_EPS, dtype=dtype)
         self.merger_fc1 = nn.Linear(vision.merged_hidden_size, vision.merged_hidden_size, dtype=dtype)
         self.merger_fc2 = nn.Linear(vision.merged_hidden_size, vision.out_hidden_size, dtype=dtype)
@@ -217,6 +249,32 @@ def encode_images(host: VisionHost, encoder: VisionEncoder, pixel_values: torch.
     hidden, mask, cos, sin, keep = host.prepare(pixel_values, grid_thw, bucket)
     with torch.no_grad():
         return encoder(hidden, mask, cos, sin)[:keep]
+
+
+def split_tiles(pixel_values: torch.Tensor, grid: tuple[int, int, int]) -> list[torch.Tensor]:
+    """The 2x2 tiles of one still image's patches (N, D), each (N / 4, D) with patch grid tiling.tile_grid(grid),
+    ordered top-left, top-right, bottom-left, bottom-right, cut as the ports cut them
+    (NeuronQwen35VisionModelWrapper._tiled_forward, modeling_qwen35_vision.py:922-930 @ 4bcdc54): the rows of patches
+    are read as an (h, w) raster and each quadrant of it is a tile. The processor's rows are in spatial-merge-block
+    order, not raster order, so a tile is not the image's quadrant (docs/vision.md section 2); this is what the
+    port's encoder sees, and what a CPU bundle reproduces."""
+    _, h, w = grid
+    raster = pixel_values.reshape(h, w, -1)
+    th, tw = h // 2, w // 2
+    return [raster[r:r + th, c:c + tw].reshape(th * tw, -1) for r in (0, th) for c in (0, tw)]
+
+
+def stitch_tiles(features: list[torch.Tensor], grid: tuple[int, int, int], merge: int) -> torch.Tensor:
+    """The merged features of the four tiles, each (h/2/merge * w/2/merge, out) in its own row-major order, placed at
+    their quadrant of the image's (h/merge, w/merge) merged grid and read back row by row -> (h*w/merge**2, out), the
+    order of the image's tokens in the prompt (modeling_qwen35_vision.py:943-961 @ 4bcdc54)."""
+    _, h, w = grid
+    mh, mw = h // merge, w // merge
+    th, tw = mh // 2, mw // 2
+    out = features[0].new_zeros(mh, mw, features[0].shape[-1])
+    for tile, (r, c) in zip(features, ((0, 0), (0, tw), (th, 0), (th, tw))):
+        out[r:r + th, c:c + tw] = tile.reshape(th, tw, -1)
+    return out.reshape(mh * mw, -1)
 
 
 def embed_with_images(embed_tokens: torch.Tensor, input_ids: torch.Tensor, image_features: torch.Tensor,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from qbuild.model.chunking import EXTEND, LongContext, kv_bucket, pieces
+from qbuild.model.runtime.images import EncodedImage, ImageSource, PreparedImage
 from qbuild.store.bundle import check_files, read_manifest
 from qbuild.core.errors import UserError
 
@@ -157,25 +158,32 @@ class Runtime:
         return pieces(n, plan.step)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, image: Path | None = None,
-                 stop_at_eos: bool = True, on_token: Callable[[int], bool | None] | None = None,
-                 use_cache: bool = True) -> Generation:
+                 prepared: PreparedImage | None = None, stop_at_eos: bool = True,
+                 on_token: Callable[[int], bool | None] | None = None, use_cache: bool = True) -> Generation:
         """Greedy generation of up to `max_new_tokens` tokens after `prompt_ids` (with an image, if given).
-        `on_token` is called with each token as it is chosen; a true return ends the generation there. With
-        `use_cache` false the prefix cache is neither read nor written (the tokens are the same)."""
+        `image`: an image file, whose tokens go where the prompt holds one <|image_pad|> (as a chat template marks an
+        image), else in front of the prompt (image_tokens); `prepared`: an image (prepare_image) whose tokens the
+        prompt already holds where they belong (place_image). `on_token` is called
+        with each token as it is chosen; a true return ends the generation there. With `use_cache` false the prefix
+        cache is neither read nor written (the tokens are the same)."""
         import torch
 
         if max_new_tokens < 1:
             raise UserError("--max-new-tokens must be at least 1")
-        images = None
         if image is not None:
-            prompt_ids, images = self.with_image_tokens(prompt_ids, image)
+            prepared = self.prepare_image(image)
+            marked = self.arch.image_token_id in prompt_ids
+            prompt_ids = self.place_image(list(prompt_ids), prepared) if marked else \
+                self.image_tokens(prepared) + list(prompt_ids)
+        self.check_image_tokens(prompt_ids, prepared)
         n = len(prompt_ids)
         bucket = self.check_lengths(n, max_new_tokens)
         eos = self.eos_ids() if stop_at_eos else set()
         self._load_graphs(n, max_new_tokens)  # before the clock starts: TTFT is a serving figure
+        encoded = self.vision.run(prepared, self.graph) if prepared is not None else None
         with torch.no_grad():
             start = time.perf_counter()
-            logits, state, deltas, cached = self._prefill(prompt_ids, images, use_cache)
+            logits, state, deltas, cached = self._prefill(prompt_ids, encoded, use_cache)
             token = int(logits[-1].argmax())
             ttft = time.perf_counter() - start
             tokens, steps = [token], []
@@ -214,10 +222,10 @@ class Runtime:
         return ids
 
     # --- prefill ---------------------------------------------------------------------------------------------
-    def _prefill(self, prompt_ids: list[int], images: tuple | None, use_cache: bool):
+    def _prefill(self, prompt_ids: list[int], images: EncodedImage | None, use_cache: bool):
         """Every prefill piece of the prompt not taken from the prefix cache; the cache gets the checkpoints and
-        blocks of this prompt. images: (features (M, H), grid_thw) of the image whose M pad tokens the prompt holds,
-        or None. -> (logits (n - cached, V) of row 0, the host's state, mRoPE deltas (B,), cached tokens)."""
+        blocks of this prompt. images: the encoded image whose M pad tokens the prompt holds, or None.
+        -> (logits (n - cached, V) of row 0, the host's state, mRoPE deltas (B,), cached tokens)."""
         import torch
 
         n = len(prompt_ids)
@@ -249,17 +257,18 @@ class Runtime:
         ends = [self.cte_bucket(plan[0][1])] + [start + self.long_context.step for start, _ in plan[1:]]
         return max(ends)
 
-    def _block_hashes(self, prompt_ids: list[int], images: tuple | None) -> list[bytes]:
+    def _block_hashes(self, prompt_ids: list[int], images: EncodedImage | None) -> list[bytes]:
         """The prompt's block hash chain; an image's features are an extra key of the first block (its tokens in
-        the prompt are placeholders)."""
+        the prompt are placeholders). A tiled image's features are its four tiles' stitched together, so they key it
+        the same way."""
         import hashlib
 
         from qbuild.model.runtime.prefix_cache import block_hashes
 
-        salt = hashlib.sha256(images[0].float().contiguous().numpy().tobytes()).digest() if images else b""
+        salt = hashlib.sha256(images.features.float().contiguous().numpy().tobytes()).digest() if images else b""
         return block_hashes(prompt_ids, self.prefix_cache.spec.block_size, salt)
 
-    def _prompt_inputs(self, prompt_ids: list[int], images: tuple | None, length: int):
+    def _prompt_inputs(self, prompt_ids: list[int], images: EncodedImage | None, length: int):
         """The prompt right-padded to `length` (with its last token), batch rows alike: (ids (B, length), or
         embeddings (B, length, H) for the VL families; positions (B, length) or mRoPE (3, B, length); mRoPE deltas
         (B,))."""
@@ -272,7 +281,7 @@ class Runtime:
         if self.arch.mrope_section is not None:
             from qbuild.model.modeling.vision import mrope_position_ids
 
-            grid = images[1] if images is not None else None
+            grid = images.grid if images is not None else None
             seq_lens = torch.full((self.batch,), n, dtype=torch.long)
             positions, deltas = mrope_position_ids(ids, grid, self.arch, seq_lens)
         else:
@@ -300,7 +309,7 @@ class Runtime:
         return self._call_with_cache(f"{EXTEND}-{bucket}", bucket, state, tokens[:, start:start + step].contiguous(),
                                      positions[..., start:start + step].contiguous(), starts, seq_lens)
 
-    def _embed(self, ids, images: tuple | None):
+    def _embed(self, ids, images: EncodedImage | None):
         import torch.nn.functional as F
 
         table = self.weights["embed_tokens.weight"]
@@ -308,7 +317,7 @@ class Runtime:
             return F.embedding(ids, table)
         from qbuild.model.modeling.vision import embed_with_images
 
-        per_row = images[0].repeat(ids.shape[0], 1)
+        per_row = images.features.repeat(ids.shape[0], 1)
         return embed_with_images(table, ids, per_row, self.arch.image_token_id)
 
     # --- the host's state --------------------------------------------------------------------------------------
@@ -390,17 +399,45 @@ class Runtime:
         return self._call_with_cache(f"tkg-{bucket}", bucket, state, ids, position_ids, positions)
 
     # --- images ------------------------------------------------------------------------------------------------
-    def with_image_tokens(self, prompt_ids: list[int], image: Path) -> tuple[list[int], tuple]:
-        """Encode `image` through the vision graph. Returns the prompt with the image's tokens in front
-        (<|vision_start|> <|image_pad|> x merged tokens <|vision_end|> prompt) and (features, grid_thw)."""
+    def prepare_image(self, image: ImageSource, label: str | None = None) -> PreparedImage:
+        """An image read, checked and cut into patches (qbuild.model.runtime.images), with the bucket (and tiling) it
+        will run through; UserError naming it where this bundle cannot take it. Cheap next to encoding it, which
+        `generate` does."""
         if self.vision is None:
-            raise UserError(f"{self.root}: this bundle has no vision graph; --image needs a VL recipe with "
+            raise UserError(f"{self.root}: this bundle has no vision graph; an image needs a VL recipe with "
                             "`vision: {buckets: [...]}`")
-        features, grid = self.vision.encode(image, self.vision_buckets, self.graph)
-        arch = self.arch
-        vision_end = self.config.get("vision_end_token_id") or self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
-        ids = [arch.vision_start_token_id] + [arch.image_token_id] * features.shape[0] + [vision_end] + list(prompt_ids)
-        return ids, (features, grid)
+        return self.vision.prepare(image, self.vision_buckets, label)
+
+    def image_tokens(self, image: PreparedImage) -> list[int]:
+        """<|vision_start|> <|image_pad|> x the image's merged tokens <|vision_end|>."""
+        return self.place_image(self.image_marker(), image)
+
+    def image_marker(self) -> list[int]:
+        """<|vision_start|> <|image_pad|> <|vision_end|>: where an image goes in a prompt, as a chat template marks it
+        before the processor expands it."""
+        end = self.config.get("vision_end_token_id") or self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
+        return [self.arch.vision_start_token_id, self.arch.image_token_id, end]
+
+    def place_image(self, prompt_ids: list[int], image: PreparedImage) -> list[int]:
+        """A prompt that marks where the image goes with one <|image_pad|> (as a chat template renders an image part)
+        with that token repeated once per merged token of the image, as transformers' Qwen3-VL processor expands
+        it. UserError unless the prompt holds exactly one."""
+        pad = self.arch.image_token_id
+        if prompt_ids.count(pad) != 1:
+            raise UserError(f"the prompt marks {prompt_ids.count(pad)} places for an image; the image goes where one "
+                            "<|image_pad|> token stands")
+        at = prompt_ids.index(pad)
+        return prompt_ids[:at] + [pad] * image.tokens + prompt_ids[at + 1:]
+
+    def check_image_tokens(self, prompt_ids: list[int], image: PreparedImage | None) -> None:
+        """UserError unless the prompt's image tokens are exactly the image's (none without an image): an image token
+        typed into a text prompt has no features to stand for."""
+        pad = self.arch.image_token_id
+        held = prompt_ids.count(pad) if pad is not None else 0
+        wanted = image.tokens if image is not None else 0
+        if held != wanted:
+            what = f"an image of {wanted} tokens" if image is not None else "no image"
+            raise UserError(f"the prompt holds {held} image tokens (<|image_pad|>) and there is {what}")
 
 
 def _tokenizer(root: Path):

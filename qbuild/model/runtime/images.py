@@ -1,90 +1,159 @@
-"""The host side of a VL bundle: an image file -> patches (the HF Qwen2-VL processor's pixel layout) -> the
-vision graph of the smallest bucket that fits -> merged features for the image-pad tokens."""
+"""The host side of a VL bundle: an image (a file, or the bytes of one a request carried) -> patches (the HF Qwen2-VL
+processor's pixel layout, with the checkpoint's own processor settings) -> the vision graph of the smallest bucket that
+fits, or four 2x2 tiles through the largest as the VL ports do (qbuild.model.tiling) -> merged features for the
+image-pad tokens.
+
+Every image passes the same limits wherever it comes from (`qbuild run --image`, a chat request): at most
+MAX_IMAGE_BYTES encoded and MAX_IMAGE_PIXELS declared, checked before anything is decoded.
+"""
 
 from __future__ import annotations
 
+import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.model.arch import Arch, ConfigError
+from qbuild.model.tiling import ImagePlan, ImageTooLarge, plan_image, tile_grid
 from qbuild.core.errors import UserError
 
 # The Qwen3.5 processors' normalisation when a checkpoint carries no preprocessor_config.json.
 DEFAULT_MEAN_STD = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 
+# The most pixels an image may have to be decoded: 64 MP is ~200 MB decoded as RGB. PIL's own default (89 MP, a
+# warning only, an error at twice that) is not relied on: a small PNG can declare billions of pixels (a decompression
+# bomb). The processor then scales the image within its checkpoint's pixel bounds (preprocessor_config.json `size`).
+MAX_IMAGE_PIXELS = 8192 * 8192
+# The most bytes an encoded image may have: a 2048x2048 photograph, the largest image the validated configurations
+# run (tiled), is 1-3 MB as JPEG and 5-12 MB as PNG. A server's request limit grows by this much, base64-encoded
+# (qbuild.backends.cpu.serve).
+MAX_IMAGE_BYTES = 16 << 20
+
+ImageSource = Path | bytes   # an image file, or the encoded bytes of one
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image cut into patches, before its encoder runs: pixel_values (N, C*T*P*P), its patch grid (1, 3) (the
+    mRoPE positions are the whole image's, tiled or not), the bucket it runs through and whether as 2x2 tiles."""
+
+    pixel_values: object
+    grid: object
+    plan: ImagePlan
+    merge: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(int(x) for x in self.grid[0])
+
+    @property
+    def tokens(self) -> int:
+        """The image's merged tokens, its <|image_pad|> tokens in the prompt."""
+        t, h, w = self.shape
+        return t * h * w // self.merge ** 2
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """One image through the vision graphs: merged features (M, out_hidden) in the order of its M image tokens, and
+    its patch grid (1, 3)."""
+
+    features: object
+    grid: object
+
 
 def image_processor(root: Path, vision_config: dict):
-    """The checkpoint's image processor settings (preprocessor_config.json if present) on the PIL backend."""
+    """The checkpoint's image processor (its preprocessor_config.json where it has one: normalisation and pixel bounds,
+    as transformers' AutoImageProcessor reads them) on the PIL backend, with the vision encoder's patch sizes."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     pre = root / "preprocessor_config.json"
     saved = json.loads(pre.read_text()) if pre.exists() else {}
     mean, std = DEFAULT_MEAN_STD
+    bounds = {k: saved[k] for k in ("size", "min_pixels", "max_pixels") if saved.get(k) is not None}
     return Qwen2VLImageProcessorPil(
         patch_size=vision_config.get("patch_size", 16), temporal_patch_size=vision_config.get("temporal_patch_size", 2),
         merge_size=vision_config.get("spatial_merge_size", 2), image_mean=saved.get("image_mean", mean),
-        image_std=saved.get("image_std", std))
+        image_std=saved.get("image_std", std), **bounds)
 
 
-# The most pixels an image may have to be decoded. The processor scales every image down to at most 28*28*1280
-# pixels (about 1 MP, transformers' Qwen2-VL default) before the encoder sees it, so a larger picture only costs
-# memory: 64 MP is ~200 MB decoded as RGB. PIL's own default (89 MP, a warning only, an error at twice that) is not
-# relied on: a small PNG can declare billions of pixels (a decompression bomb).
-MAX_IMAGE_PIXELS = 8192 * 8192
+def _name(image: ImageSource) -> str:
+    return str(image) if isinstance(image, Path) else "the image"
 
 
-def _open(image: Path):
-    """The image file opened (its header read, nothing decoded), refused when it is not an image or declares more than
+def _read(image: ImageSource, label: str) -> io.BytesIO:
+    """The encoded image, refused where it has more than MAX_IMAGE_BYTES bytes."""
+    if isinstance(image, Path):
+        try:
+            size = image.stat().st_size
+            if size <= MAX_IMAGE_BYTES:
+                return io.BytesIO(image.read_bytes())
+        except OSError as e:
+            raise UserError(f"{label}: cannot read the image: {e.strerror}") from None
+    else:
+        size = len(image)
+        if size <= MAX_IMAGE_BYTES:
+            return io.BytesIO(image)
+    raise UserError(f"{label}: the image is {size} bytes, more than the {MAX_IMAGE_BYTES} "
+                    f"({MAX_IMAGE_BYTES >> 20} MiB) qbuild reads; scale it down or compress it first")
+
+
+def _open(image: ImageSource, label: str):
+    """The image opened (its header read, nothing decoded), refused when it is not an image or declares more than
     MAX_IMAGE_PIXELS pixels."""
     import warnings
 
     from PIL import Image
 
     Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS   # PIL checks it when opening and again when decoding
+    data = _read(image, label)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            img = Image.open(image)
+            img = Image.open(data)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise _too_large(image, str(e)) from None
+        raise _too_large(label, str(e)) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:   # PIL's plugins raise these on corrupt headers
-        raise UserError(f"{image}: cannot read the image: {e}") from None
+        raise UserError(f"{label}: cannot read the image: {e}") from None
     width, height = img.size
     if width * height > MAX_IMAGE_PIXELS:   # formats whose size PIL learns only when decoding
         img.close()
-        raise _too_large(image, f"{width}x{height}")
+        raise _too_large(label, f"{width}x{height}")
     return img
 
 
-def _too_large(image: Path, size: str) -> UserError:
+def _too_large(label: str, size: str) -> UserError:
     import re
 
     declared = re.search(r"\((\d+) pixels\)", size)   # PIL's message: "Image size (N pixels) exceeds limit ..."
     size = f"{declared[1]} pixels" if declared else f"{size} pixels"
-    return UserError(f"{image}: the image declares {size}, more than the {MAX_IMAGE_PIXELS} (8192x8192) qbuild "
+    return UserError(f"{label}: the image declares {size}, more than the {MAX_IMAGE_PIXELS} (8192x8192) qbuild "
                      "decodes (a decompression bomb, or a picture to scale down first); refusing to decode it")
 
 
-def check_image(image: Path) -> None:
-    """Refuse an image file `pixels` would refuse, reading only its header (before a bundle is loaded for it)."""
-    _open(image).close()
+def check_image(image: ImageSource, label: str | None = None) -> None:
+    """Refuse an image `pixels` would refuse for its size, reading only its header (before a bundle is loaded for
+    it)."""
+    _open(image, label or _name(image)).close()
 
 
-def pixels(processor, image: Path):
-    """(pixel_values (N, C*T*P*P), grid_thw (1, 3)) of one image file."""
+def pixels(processor, image: ImageSource, label: str | None = None):
+    """(pixel_values (N, C*T*P*P), grid_thw (1, 3)) of one image."""
     import warnings
     import zlib
 
     from PIL import Image
 
+    label = label or _name(image)
     try:
-        with _open(image) as img, warnings.catch_warnings():
+        with _open(image, label) as img, warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             rgb = img.convert("RGB")
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise _too_large(image, str(e)) from None
+        raise _too_large(label, str(e)) from None
     except (OSError, ValueError, SyntaxError, EOFError, zlib.error) as e:
-        raise UserError(f"{image}: cannot read the image: {e}") from None
+        raise UserError(f"{label}: cannot read the image: {e}") from None
     out = processor(images=[rgb], return_tensors="pt")
     return out["pixel_values"], out["image_grid_thw"]
 
@@ -125,17 +194,34 @@ class VisionRuntime:
         weights = {n: t for n, t in tensors.items() if n not in host_names}
         return cls(host, weights, root, config["vision_config"])
 
-    def encode(self, image: Path, buckets: list[int], graph):
-        """-> (features (merged tokens, out_hidden), grid_thw (1, 3)) through the smallest fitting bucket."""
+    def prepare(self, image: ImageSource, buckets: list[int], label: str | None = None) -> PreparedImage:
+        """An image's patches and the bucket it runs through: the smallest that holds it, or the one that holds a tile
+        of it cut 2x2 (qbuild.model.tiling); UserError naming the image where neither does."""
+        label = label or _name(image)
+        pixel_values, grid = pixels(self.processor, image, label)
+        merge = self.host.vision.spatial_merge_size
+        try:
+            plan = plan_image(tuple(int(x) for x in grid[0]), buckets, merge)
+        except ImageTooLarge as e:
+            raise UserError(f"{label}: {e}; use a smaller image or build a recipe with a larger vision "
+                            "bucket") from None
+        return PreparedImage(pixel_values, grid, plan, merge)
+
+    def run(self, image: PreparedImage, graph) -> EncodedImage:
+        """The image through the vision graph of its bucket, whole or tile by tile (the tiles' features stitched back
+        in the image's token order)."""
+        from qbuild.model.modeling.vision import split_tiles, stitch_tiles
+
+        if not image.plan.tiled:
+            return EncodedImage(self._run(image.pixel_values, image.grid, image.plan.bucket, graph), image.grid)
+        tile = image.grid.new_tensor([tile_grid(image.shape)])
+        parts = [self._run(p, tile, image.plan.bucket, graph) for p in split_tiles(image.pixel_values, image.shape)]
+        return EncodedImage(stitch_tiles(parts, image.shape, image.merge), image.grid)
+
+    def _run(self, pixel_values, grid, bucket: int, graph):
+        """The patches of one image (or tile) of `grid` through the vision graph of `bucket`, padding dropped."""
         import torch
 
-        pixel_values, grid = pixels(self.processor, image)
-        num = int(grid.prod())
-        fits = [b for b in buckets if b >= num]
-        if not fits:
-            raise UserError(f"{image}: {num} patch tokens, more than the largest vision bucket {buckets[-1]} of this "
-                            "bundle; use a smaller image or build a recipe with a larger vision bucket")
-        hidden, mask, cos, sin, keep = self.host.prepare(pixel_values, grid, fits[0])
+        hidden, mask, cos, sin, keep = self.host.prepare(pixel_values, grid, bucket)
         with torch.no_grad():
-            features = graph(f"vision-{fits[0]}")(self.weights, hidden, mask, cos, sin)
-        return features[:keep], grid
+            return graph(f"vision-{bucket}")(self.weights, hidden, mask, cos, sin)[:keep]

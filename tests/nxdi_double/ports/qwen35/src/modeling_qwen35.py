@@ -223,11 +223,23 @@ class NeuronQwen35Model:
         if chunk not in (64, 128) or (cte_impl in ("legacy", "legacy_direct", "direct") and chunk != 128):
             raise ValueError(f"QWEN36_DELTANET_CHUNK_SIZE={chunk} with QWEN36_DELTANET_CTE_IMPL={cte_impl}")
         cte = tag == CONTEXT_ENCODING_MODEL_TAG
+        multihead = os.environ.get("QWEN36_DELTANET_MULTIHEAD_CTE", "1") != "0"   # l.1223
+        vision = cte and not config.use_text_only_cte_inputs
+        # The double is stricter than the port here: the port traces the fused multi-head DeltaNet prefill for image
+        # features too, and the bundle then answers images with degenerate text (2B README "Vision": "numerically
+        # unstable on real vision embeddings"; run_vl_smoke.py:37-42 sets both switches for that). The double cannot
+        # compute, so it refuses the trace.
+        if vision and (cte_impl not in ("legacy", "legacy_direct", "direct") or multihead):
+            multihead_env = os.environ.get("QWEN36_DELTANET_MULTIHEAD_CTE")
+            raise ValueError(f"context encoding traced with vision inputs and QWEN36_DELTANET_CTE_IMPL={cte_impl}, "
+                             f"QWEN36_DELTANET_MULTIHEAD_CTE={multihead_env}: the fused DeltaNet prefill degenerates "
+                             "on vision embeddings (the VL scripts set legacy_direct, 0)")
         # l.7055: context encoding takes vision_embeddings / vision_mask of the bucket's length only when
         # use_text_only_cte_inputs is False; else empty ones, and get_model_output never scatters image features.
-        traced = {"deltanet_cte_impl": cte_impl if cte else None,
-                  "vision_inputs": cte and not config.use_text_only_cte_inputs,
+        traced = {"deltanet_cte_impl": cte_impl if cte else None, "deltanet_multihead_cte": multihead if cte else None,
+                  "vision_inputs": vision,
                   "env": {name: os.environ.get(name) for name in ("QWEN36_DELTANET_CTE_IMPL",
+                                                                  "QWEN36_DELTANET_MULTIHEAD_CTE",
                                                                   "QWEN36_DELTANET_CHUNK_SIZE")}}
         if config._is_moe:
             traced["experts"] = expert_dispatch(config.neuron_config, tokens, config.num_experts_per_tok,

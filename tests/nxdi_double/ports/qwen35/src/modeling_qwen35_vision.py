@@ -1,5 +1,10 @@
 """Fake of the main-lineage port's src/modeling_qwen35_vision.py (Qwen3.5-35B-A3B @ 4bcdc54): CPUVisionModel, the module
-compile_vision_encoder.py traces with the real weights (docs/nxdi.md section 5).
+compile_vision_encoder.py traces with the real weights (docs/nxdi.md section 5); NeuronQwen35VisionModel, the TP-sharded
+encoder compile_vision_encoder_tp.py traces (docs/vision.md section 3); and NeuronQwen35VisionModelWrapper's loading
+of the compiled buckets and its choice of bucket and 2x2 tiles for an image (docs/vision.md section 2).
+
+The 35B-A3B copy loads single-core buckets only; the 2B copy also loads TP-sharded ones (`bucket_<N>/tp_*.pt`, through
+its module-level _TPVisionAdapter): tests.nxdi_double.vision_tp_port() writes that copy (TP_VISION_BUCKETS = True).
 
 `CPUVisionModel(config)` takes the vision config only (no weights) and has exactly the parameter names the port's
 load_cpu_model fills: blocks.{i}.{norm1,norm2,attn.qkv,attn.proj,mlp.linear_fc1,mlp.linear_fc2}.{weight,bias},
@@ -11,8 +16,15 @@ the arithmetic is a plain ViT block, enough for torch.jit.trace, not a numerical
 
 from __future__ import annotations
 
+import glob
+import os
+
 import torch
 from torch import nn
+
+# The 2B port's wrapper loads TP-sharded buckets (modeling_qwen35_vision.py:75-92, 455-485 @ 4bcdc54); the 35B-A3B
+# port's does not (L409-473).
+TP_VISION_BUCKETS = False
 
 
 class _Attention(nn.Module):
@@ -43,12 +55,12 @@ class _MLP(nn.Module):
 
 
 class _Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, intermediate: int):
+    def __init__(self, hidden: int, heads: int, intermediate: int, attention: type = None, mlp: type = None):
         super().__init__()
         self.norm1 = nn.LayerNorm(hidden, eps=1e-6)
         self.norm2 = nn.LayerNorm(hidden, eps=1e-6)
-        self.attn = _Attention(hidden, heads)
-        self.mlp = _MLP(hidden, intermediate)
+        self.attn = (attention or _Attention)(hidden, heads)
+        self.mlp = (mlp or _MLP)(hidden, intermediate)
 
     def forward(self, x, mask, cos, sin):
         x = x + self.attn(self.norm1(x), mask, cos, sin)
@@ -61,11 +73,13 @@ def _rotate_half(x):
 
 
 class CPUVisionModel(nn.Module):
+    _layers: tuple = (None, None)   # the blocks' attention and MLP classes (None: the plain ones)
+
     def __init__(self, config):
         super().__init__()
         hidden, merge = config.hidden_size, config.spatial_merge_size
         self.merged = hidden * merge * merge
-        self.blocks = nn.ModuleList(_Block(hidden, config.num_heads, config.intermediate_size)
+        self.blocks = nn.ModuleList(_Block(hidden, config.num_heads, config.intermediate_size, *self._layers)
                                     for _ in range(config.depth))
         self.merger_norm = nn.LayerNorm(hidden, eps=1e-6)
         self.merger_fc1 = nn.Linear(self.merged, self.merged)
@@ -77,3 +91,115 @@ class CPUVisionModel(nn.Module):
             x = block(x, attention_mask, cos, sin)
         x = self.merger_norm(x).reshape(-1, self.merged)
         return self.merger_fc2(nn.functional.gelu(self.merger_fc1(x)))
+
+
+# --- the TP-sharded encoder (NeuronQwen35VisionModel, L120-276 @ 4bcdc54) ---------------------------------------------
+
+class _TPAttention(_Attention):
+    def __init__(self, hidden: int, heads: int):
+        from neuronx_distributed.parallel_layers import layers as nxd_layers
+
+        nn.Module.__init__(self)
+        self.heads = heads
+        self.qkv = nxd_layers.ColumnParallelLinear(hidden, 3 * hidden, bias=True, gather_output=True)
+        self.proj = nxd_layers.RowParallelLinear(hidden, hidden, bias=True, input_is_parallel=False)
+
+
+class _TPMLP(_MLP):
+    def __init__(self, hidden: int, intermediate: int):
+        from neuronx_distributed.parallel_layers import layers as nxd_layers
+
+        nn.Module.__init__(self)
+        self.linear_fc1 = nxd_layers.ColumnParallelLinear(hidden, intermediate, bias=True, gather_output=True)
+        self.linear_fc2 = nxd_layers.RowParallelLinear(intermediate, hidden, bias=True, input_is_parallel=False)
+
+
+class NeuronQwen35VisionModel(CPUVisionModel):
+    """CPUVisionModel's parameters, its blocks' linear layers NxD's parallel ones; forward(hidden_states,
+    attention_mask, position_embeddings=(cos, sin)): the RoPE pair is ONE input."""
+
+    _layers = (_TPAttention, _TPMLP)
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None):
+        return super().forward(hidden_states, attention_mask, *position_embeddings)
+
+
+if TP_VISION_BUCKETS:
+    class _TPVisionAdapter:
+        """L75-92: a parallel_model_load()ed bucket called with (hidden, mask, cos, sin), the pair re-packed."""
+
+        def __init__(self, parallel_model):
+            self._m = parallel_model
+
+        def __call__(self, hidden_states, attention_mask, cos, sin):
+            out = self._m(hidden_states, attention_mask, (cos, sin))
+            return out[0] if isinstance(out, (list, tuple)) else out
+
+
+# --- the wrapper: which compiled buckets it loads, and which an image takes -------------------------------------------
+
+class NeuronQwen35VisionModelWrapper:
+    """The standalone wrapper (model_cls=None) the VL scripts build. `load_compiled(dir)` (L429-529 in the 2B copy):
+    with TP_VISION_BUCKETS, every `bucket_<N>/` holding `tp_*.pt` is loaded with NxD's parallel_model_load as bucket N,
+    then every `vision_encoder_<N>.pt` with torch.jit.load, a TP bucket taking priority over a single-core one of the
+    same size; the loaded sizes become vision_seq_len_buckets. `route(grid_thw)` is the double's own: what forward
+    (L771-900) does with an image of that patch grid, without running it."""
+
+    def __init__(self, config, model_cls=None, **kwargs):
+        self.vision_config = config
+        self._compiled_buckets = None
+        self.tp_buckets: dict[int, int] = {}   # the double's record: bucket -> ranks loaded
+        self.vision_seq_len_buckets = kwargs.get("vision_seq_len_buckets", [1024, 4096, 16384])
+
+    def load_compiled(self, compiled_model_path):
+        if not os.path.isdir(compiled_model_path):
+            raise FileNotFoundError(f"Vision encoder path not found: {compiled_model_path}")
+        tp = {}
+        if TP_VISION_BUCKETS:
+            from neuronx_distributed.trace import parallel_model_load
+
+            for entry in sorted(os.listdir(compiled_model_path)):
+                sub = os.path.join(compiled_model_path, entry)
+                if not entry.startswith("bucket_") or not os.path.isdir(sub):
+                    continue
+                try:
+                    size = int(entry.replace("bucket_", ""))
+                except ValueError:
+                    continue
+                if glob.glob(os.path.join(sub, "tp_*.pt")):
+                    tp[size] = _TPVisionAdapter(parallel_model_load(sub))
+                    self.tp_buckets[size] = len(glob.glob(os.path.join(sub, "tp_*.pt")))
+        files = sorted(glob.glob(os.path.join(compiled_model_path, "vision_encoder_*.pt")))
+        if not tp and not files:
+            raise FileNotFoundError(f"No vision encoder files found in {compiled_model_path}")
+        self._compiled_buckets = {}
+        for path in files:
+            size = int(os.path.basename(path).replace("vision_encoder_", "").replace(".pt", ""))
+            self._compiled_buckets[size] = torch.jit.load(path)
+        self._compiled_buckets.update(tp)
+        self.vision_seq_len_buckets = sorted(self._compiled_buckets)
+
+    def route(self, grid_thw) -> tuple:
+        """("bucket", b): the image runs whole through bucket b; ("tiled", b): as 2x2 tiles, each through bucket b;
+        ("assert", why): _tiled_forward's assertion fails; ("cpu-fallback",): larger than every bucket and not tiled
+        (the CPU encoder runs it where one is loaded)."""
+        gthw = [list(map(int, row)) for row in grid_thw]
+        n = sum(t * h * w for t, h, w in gthw)
+        largest = max(self._compiled_buckets)
+        can_tile = n > largest and len(gthw) == 1 and gthw[0][1] % 2 == 0 and gthw[0][2] % 2 == 0 and \
+            n // 4 <= largest                                                       # L793-800
+        if can_tile:
+            t, h, w = gthw[0]
+            merge = self.vision_config.spatial_merge_size
+            if t != 1 or h % (2 * merge) or w % (2 * merge):                       # L913-919
+                return ("assert", f"t={t}, H={h}, W={w}")
+            return ("tiled", self._bucket(n // 4))
+        bucket = self._bucket(n)
+        return ("bucket", bucket) if n <= bucket else ("cpu-fallback",)             # L826-867
+
+    def _bucket(self, n: int) -> int:
+        """_get_vision_bucket (L624-629): the smallest bucket that holds n, else the largest."""
+        for bucket in sorted(self.vision_seq_len_buckets):
+            if n <= bucket:
+                return bucket
+        return self.vision_seq_len_buckets[-1]

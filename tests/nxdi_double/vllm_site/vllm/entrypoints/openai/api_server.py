@@ -10,8 +10,11 @@ double), then serve HTTP until SIGINT or SIGTERM (exit 0). A failed engine start
 
 It answers GET /v1/models, and POST /v1/completions only with what vLLM refuses first: a prompt longer than
 max_prompt_length (platform_overrides.py L96-109 @ 3afb0a9, a 400) or not shorter than max_model_len (a 400); for
-any other prompt it answers 501, since it cannot generate. /v1 needs the API key where one is set (api_server.py
-L239-240: --api-key, else VLLM_API_KEY).
+any other prompt it answers 501, since it cannot generate. POST /v1/chat/completions with an image part answers as
+vLLM 0.16 does for an architecture whose registered class is not multimodal: a 400, "<model> is not a multimodal
+model" (multimodal/registry.py:232-233, from the chat parser's item tracker, entrypoints/chat_utils.py:501-541; the
+ValueError becomes a 400 in entrypoints/openai/engine/serving.py:640-662); any other chat request is a 501.
+/v1 needs the API key where one is set (api_server.py L239-240: --api-key, else VLLM_API_KEY).
 """
 
 from __future__ import annotations
@@ -115,6 +118,19 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
+def chat_answer(body: dict, config, model: str) -> tuple[int, dict]:
+    """(status, body) of a chat request: an image part for a model vLLM has no multimodal class for is its 400."""
+    from vllm.model_executor.models import ModelRegistry
+
+    images = [part for message in body.get("messages", []) if isinstance(message.get("content"), list)
+              for part in message["content"] if part.get("type") in ("image_url", "image", "image_pil")]
+    architecture = (getattr(config.hf_config, "architectures", None) or [None])[0]
+    if images and not ModelRegistry.is_multimodal(architecture):
+        return 400, {"error": {"message": f"{model} is not a multimodal model", "type": "BadRequestError",
+                               "param": None, "code": 400}}
+    return 501, {"error": "the vLLM contract double does not generate"}
+
+
 def serve_http(args, config) -> None:
     tokenizer = load_tokenizer(args.model)
     names = args.served_model_name or [args.model]
@@ -151,6 +167,8 @@ def serve_http(args, config) -> None:
             if not self.authorised():
                 return
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path == "/v1/chat/completions":
+                return self.reply(*chat_answer(body, config, args.model))
             if self.path != "/v1/completions":
                 return self.reply(404, {"error": "not found"})
             n = len(tokenizer(body.get("prompt", ""))["input_ids"])
