@@ -95,6 +95,12 @@ def _entry(store: LocalStore, name: str, size: int, used: float, shared: Path | 
     return m
 
 
+def _locked_node(m: Manifest) -> dict:
+    """A lockfile's node entry for a store entry, as a build writes it (store.lock.node_entry)."""
+    return {"kind": m.kind, "name": m.kind, "key": m.key, "preimage": m.preimage, "digest": m.digest,
+            "outputs": m.outputs}
+
+
 def test_local_gc_keeps_the_most_recently_used_within_the_budget(tmp_path):
     store = LocalStore(tmp_path / "store")
     now = time.time()
@@ -109,7 +115,7 @@ def test_local_gc_keeps_the_most_recently_used_within_the_budget(tmp_path):
     orphan_src.write_bytes(b"orphan")
     orphan = store.put_file(orphan_src)
     doc = tmp_path / "artifacts.lock"
-    doc.write_text(json.dumps({"version": 1, "recipes": {}, "nodes": {"n": {"key": locked.key}}}))
+    doc.write_text(json.dumps({"version": 1, "recipes": {}, "nodes": {"n": _locked_node(locked)}}))
 
     # Budget for two unlocked entries: the two most recently used stay (mid's shared blob is already kept).
     # blobs of two entries plus their small manifests; a grace shorter than every entry's age, so none is in use

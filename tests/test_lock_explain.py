@@ -205,3 +205,40 @@ def test_bench_refuses_more_new_tokens_than_the_cache_holds_instead_of_cutting_t
         "at most 17"), proc.stderr
     doc = json.loads(qbuild(*args, "--new-tokens", "17", "--json", env=env, cwd=tmp_path, check=True).stdout)
     assert [(p["prompt_len"], p["new_tokens"]) for p in doc["points"]] == [(16, 17), (32, 17)]
+
+
+def _node(kind: str, inputs: dict[str, str], content: str) -> dict:
+    from qbuild.store.manifest import tree_digest
+
+    preimage = {"action": kind, "params": {}, "inputs": inputs}
+    outputs = {"out": {"digest": digest_json({"content": content}), "size": len(content)}}
+    return {"kind": kind, "name": kind, "key": digest_json(preimage), "preimage": preimage,
+            "digest": tree_digest(outputs), "outputs": outputs}
+
+
+def _entry(nodes: dict[str, str], package: dict) -> dict:
+    return {"recipe": "r.yaml", "model": {"source": "path", "revision": None, "files": {}}, "nodes": nodes,
+            "bundle": package["digest"], "verified": False}
+
+
+def test_a_shared_node_whose_output_moved_drops_the_entries_it_no_longer_agrees_with():
+    """Two recipes share a conversion (one node id); a run rebuilds it into other bytes (a converter edit) and locks
+    the first recipe: the second's locked package was built from the old conversion, so its entry goes (its bundle
+    is built again later in the run, or by the next one) instead of making every later read refuse the lockfile."""
+    from qbuild.store.lock_schema import first_inconsistency
+
+    old_convert = _node("convert", {}, "old")
+    a_pkg, b_pkg = (_node("package", {"converted": old_convert["digest"]}, r) for r in "ab")
+    doc = {"version": 1, "nodes": {"c": old_convert, "pa": a_pkg, "pb": b_pkg},
+           "recipes": {"alpha": _entry({"convert": "c", "package": "pa"}, a_pkg),
+                       "beta": _entry({"convert": "c", "package": "pb"}, b_pkg)}}
+    assert first_inconsistency(doc) is None
+    new_convert = _node("convert", {}, "new")
+    new_pkg = _node("package", {"converted": new_convert["digest"]}, "a")
+    merged = lockmod.merge(doc, {"alpha": _entry({"convert": "c", "package": "pa2"}, new_pkg)},
+                           {"c": new_convert, "pa2": new_pkg})
+    assert sorted(merged["recipes"]) == ["alpha"] and sorted(merged["nodes"]) == ["c", "pa2"]
+    assert first_inconsistency(merged) is None
+    # An entry the merge leaves in agreement stays.
+    kept = lockmod.merge(doc, {"alpha": doc["recipes"]["alpha"]}, {})
+    assert sorted(kept["recipes"]) == ["alpha", "beta"]

@@ -161,10 +161,11 @@ def test_the_report_json_names_the_page_and_what_it_shows(built):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("report")
-def test_the_build_record_times_each_step_and_names_its_worker(built):
-    """The last build (the unverified recipe's) is recorded beside the lockfile: what it found in the store, what it
+def test_the_build_record_times_each_step_and_names_its_worker(built, monkeypatch):
+    """The last build (the unverified recipe's) is recorded for the lockfile: what it found in the store, what it
     built, on which local worker, and the failure; the page's timeline shows exactly those steps."""
     root = built["root"]
+    monkeypatch.setenv("XDG_CACHE_HOME", built["env"]["XDG_CACHE_HOME"])   # where the fixture's builds recorded
     record, note = read_record(root / "artifacts.lock")
     assert note is None and record["lockfile"] == "artifacts.lock" and not record["interrupted"]
     steps = {s["name"]: s for s in record["steps"]}
@@ -184,9 +185,12 @@ def test_the_build_record_times_each_step_and_names_its_worker(built):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("report")
-def test_a_build_refused_before_its_first_step_leaves_the_record_as_it_was(built, tmp_path, small_checkpoints):
+def test_a_build_refused_before_its_first_step_leaves_the_record_as_it_was(built, tmp_path, small_checkpoints,
+                                                                          monkeypatch):
     """A checkpoint without weights plans, and is refused when the build checks it, before any step starts."""
+    monkeypatch.setenv("XDG_CACHE_HOME", built["env"]["XDG_CACHE_HOME"])
     project = Path(shutil.copytree(built["root"], tmp_path / "project", symlinks=True))
+    record_path(project / "artifacts.lock").write_bytes(record_path(built["root"] / "artifacts.lock").read_bytes())
     before = record_path(project / "artifacts.lock").read_bytes()
     empty = tmp_path / "no-weights"
     empty.mkdir()
@@ -320,18 +324,19 @@ def test_the_record_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     # A write that fails before its rename (here: the data never reaches the disk) leaves the last record whole.
-    monkeypatch.setattr(os, "fsync", no_room)
-    with pytest.raises(InfraError, match="no space left"):
+    with monkeypatch.context() as patched, pytest.raises(InfraError, match="no space left"):
+        patched.setattr(os, "fsync", no_room)
         second.write(interrupted=False)
-    monkeypatch.undo()
     assert [s["id"] for s in read_record(lock)[0]["steps"]] == ["a"]
-    assert [p.name for p in record_path(lock).parent.iterdir()] == ["artifacts.lock.json"]   # no partial file left
+    assert [p.name for p in record_path(lock).parent.iterdir()] == [record_path(lock).name]   # no partial file left
     second.write(interrupted=False)      # the last writer wins
     assert [s["id"] for s in read_record(lock)[0]["steps"]] == ["b"]
 
 
 def test_a_record_that_cannot_be_written_is_a_warning_not_a_failure(tmp_path, capsys):
-    (tmp_path / ".qbuild").write_text("a file where the record's directory would be")
+    lock = tmp_path / "artifacts.lock"
+    record_path(lock).parent.parent.mkdir(parents=True, exist_ok=True)
+    record_path(lock).parent.write_text("a file where the record's directory would be")
     with BuildProgress(lock=tmp_path / "artifacts.lock") as progress:
         progress.on_event(Event("cached", _node("a"), _manifest()))
     err = capsys.readouterr().err
@@ -342,7 +347,7 @@ def test_a_command_refused_before_any_step_writes_no_record(tmp_path):
     with pytest.raises(RuntimeError):
         with BuildProgress(lock=tmp_path / "artifacts.lock"):
             raise RuntimeError("refused before the build started")
-    assert not (tmp_path / ".qbuild").exists()
+    assert not record_path(tmp_path / "artifacts.lock").exists() and sorted(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("content", ["{torn", json.dumps({"version": 99, "steps": []}), json.dumps([1])])

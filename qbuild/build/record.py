@@ -1,8 +1,9 @@
 """The build record: what the last build that wrote a lockfile did, step by step, for `qbuild report`'s timeline.
 
-One small JSON document per lockfile, `<the lockfile's directory>/.qbuild/builds/<the lockfile's name>.json`, replaced
-whole (staged, then renamed) when a build ends: readers see the old record or the new one, and of two builds that
-end at once, the last to finish wins. It holds facts about a run (wall-clock times, the worker of each step), never
+One small JSON document per lockfile, in this user's cache directory (`~/.cache/qbuild/builds/<the lockfile's
+name>-<a digest of its absolute path>.json`), so a build leaves nothing in the working tree beside the lockfile. It is
+replaced whole (staged, then renamed) when a build ends: readers see the old record or the new one, and of two builds
+that end at once, the last to finish wins. It holds facts about a run (wall-clock times, the worker of each step), never
 an input: nothing on the planning or keying path reads it, so it cannot move a key.
 
     {"version": 1, "lockfile": name, "host": the driver's host name, "started": unix time, "ended": unix time,
@@ -34,8 +35,12 @@ OUTCOMES = ("built", "cached", "failed", "skipped", "interrupted")
 
 
 def record_path(lock_path: Path) -> Path:
-    """Where the builds that write `lock_path` leave their record."""
-    return lock_path.parent / ".qbuild" / "builds" / f"{lock_path.name}.json"
+    """Where the builds that write `lock_path` leave their record: one per lockfile, by its absolute path."""
+    from qbuild.core.hashing import digest_json
+    from qbuild.core.userdir import cache_dir
+
+    where = digest_json({"lockfile": str(Path(lock_path).resolve())})[:16]
+    return cache_dir("builds") / f"{Path(lock_path).name}-{where}.json"
 
 
 class BuildRecorder:

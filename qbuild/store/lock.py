@@ -161,10 +161,21 @@ def set_pins(path: Path, pins: Mapping[str, tuple[str, HubPin]]) -> dict[str, Hu
 
 
 def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
-    """`doc` with the given recipe and node entries replaced, and nodes no recipe names any more dropped."""
+    """`doc` with the given recipe and node entries replaced, and nodes no recipe names any more dropped.
+
+    A node shared by several recipes (a conversion two recipes use) keeps its id when its output changes (a converter
+    edit; `--update` accepting other bytes), so the entry of a recipe built from the old output, not rebuilt yet in
+    this run, would name inputs no node of its own produces any more: that entry is dropped, never kept disagreeing
+    with itself. The recipe gets its entry back when its bundle is built again (the rest of the same run, or the
+    next one); until then `lock check` names it as not locked."""
+    from qbuild.store.lock_schema import entry_problem
+
     out = {"version": LOCK_VERSION, "recipes": dict(doc["recipes"]), "nodes": dict(doc["nodes"])}
     out["recipes"].update(recipes)
     out["nodes"].update(nodes)
+    for name in [n for n in out["recipes"] if n not in recipes]:
+        if entry_problem(out, name, out["recipes"][name]) is not None:
+            del out["recipes"][name]
     live = {nid for entry in out["recipes"].values() for nid in entry["nodes"].values()}
     out["nodes"] = {nid: n for nid, n in out["nodes"].items() if nid in live}
     return out

@@ -157,7 +157,7 @@ def first_inconsistency(doc: dict) -> str | None:
         if problem:
             return problem
     for name, entry in sorted(doc["recipes"].items()):
-        problem = _entry_problem(doc, name, entry)
+        problem = entry_problem(doc, name, entry)
         if problem:
             return problem
     return None
@@ -174,7 +174,9 @@ def _node_problem(where: str, node: dict) -> str | None:
     return None
 
 
-def _entry_problem(doc: dict, name: str, entry: dict) -> str | None:
+def entry_problem(doc: dict, name: str, entry: dict) -> str | None:
+    """The first way one recipe entry disagrees with the document's nodes, as a line starting with a JSON path; None
+    where it agrees."""
     nodes = {}
     for role, nid in sorted(entry["nodes"].items()):
         node = doc["nodes"].get(nid)
