@@ -167,6 +167,10 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
                                              help="leave steps that need a Neuron device (verifying a neuron bundle) "
                                                   "unbuilt on a host without one, instead of failing, and the "
                                                   "steps only they need (its reference)"),
+            keep_intermediates: bool = typer.Option(
+                False, "--keep-intermediates",
+                help="also write out each recipe's converted (unsharded) weights into the store, for debugging; "
+                     "a build otherwise only describes them (docs/bytes.md)"),
             json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
             remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt,
             verbose: bool = typer.Option(False, "-v", "--verbose",
@@ -187,6 +191,7 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
         raise UserError("--update and --frozen: --update changes the lockfile's pins, --frozen forbids any change")
     explicit_budget = None if mem is None else parse_size(mem, "--mem", allow_zero=False)
     ws = _workspace(store, lock, remote, push=push, backend=backend, transfers=TransferDisplay(bars=False))
+    ws.keep_intermediates = keep_intermediates
     # $RAY_ADDRESS is meant for Ray: a local build ignores it; only an --address given here must go with Ray.
     source = ctx.get_parameter_source("address")
     address_given = source is not None and source.name == "COMMANDLINE"

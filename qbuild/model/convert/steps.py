@@ -28,6 +28,8 @@ class Step:
     targets: tuple[str, ...]
     fn: Callable[..., tuple[torch.Tensor, ...]]  # (*tensors) -> one tensor per target, the Arch already bound
     keep_fp32: bool = False       # outputs stay float32 instead of being cast to the target dtype
+    rule: str = ""                # the rule's name as a description records it ("attention.split_query_gate")
+    args: tuple[tuple[str, object], ...] = ()  # what the rule is bound with besides the Arch (config.json's)
 
     def __call__(self, *tensors: torch.Tensor) -> dict[str, torch.Tensor]:
         outs = self.fn(*tensors)
@@ -47,7 +49,14 @@ class Row:
     def step(self, arch, hf_prefix: str, nx_prefix: str) -> Step:
         transform = self.transform
         return Step((hf_prefix + self.source,), (tuple(self.shape(arch)),),
-                    tuple(nx_prefix + t for t in self.targets), lambda *ts: transform(arch, *ts), self.keep_fp32)
+                    tuple(nx_prefix + t for t in self.targets), lambda *ts: transform(arch, *ts), self.keep_fp32,
+                    rule_name(transform))
+
+
+def rule_name(fn: Callable) -> str:
+    """How a description names a rule: its module in this package and its function, e.g. "norms.plus_one". The
+    name says which code runs; the code itself stays in its module (and in the key of every step that runs it)."""
+    return f"{fn.__module__.rpartition('.')[2]}.{fn.__qualname__}"
 
 
 def same(arch, w: torch.Tensor) -> tuple[torch.Tensor]:
