@@ -95,6 +95,9 @@ def _err(msg: str) -> None:
 
 # --- plan ------------------------------------------------------------------------------------------------------
 
+KeepOpt = typer.Option(False, "--keep-intermediates",
+                       help="also write out each recipe's converted (unsharded) weights into the store, for debugging; "
+                            "a build otherwise only describes them (docs/bytes.md)")
 PlanFormat = Enum("PlanFormat", {name: name for name in ("tree", "json", "dot", "mermaid")}, type=str)
 
 
@@ -104,7 +107,7 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
                                                   help="tree (default), json, or the DAG as Graphviz dot or Mermaid "
                                                        "text [default: tree]"),
          json_: bool = typer.Option(False, "--json", help="the same as --format json"),
-         store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+         keep_intermediates: bool = KeepOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
          remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt) -> None:
     """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
     from qbuild.render import print_plan
@@ -112,6 +115,7 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
     if json_ and fmt not in (None, PlanFormat.json):
         raise UserError(f"--json and --format {fmt.value}: --json is --format json; give one of them")
     ws = _workspace(store, lock, remote, backend=backend)
+    ws.keep_intermediates = keep_intermediates
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
     print_plan(the_plan, status, "json" if json_ else (fmt or PlanFormat.tree).value)
 
@@ -167,11 +171,7 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
                                              help="leave steps that need a Neuron device (verifying a neuron bundle) "
                                                   "unbuilt on a host without one, instead of failing, and the "
                                                   "steps only they need (its reference)"),
-            keep_intermediates: bool = typer.Option(
-                False, "--keep-intermediates",
-                help="also write out each recipe's converted (unsharded) weights into the store, for debugging; "
-                     "a build otherwise only describes them (docs/bytes.md)"),
-            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+            keep_intermediates: bool = KeepOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
             remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt,
             verbose: bool = typer.Option(False, "-v", "--verbose",
                                          help="also show what each step's libraries printed (warnings, progress)"),

@@ -264,10 +264,11 @@ class WrittenBytes:
 
 def written_bytes(plan: Plan, recipe: str) -> WrittenBytes:
     """The estimated bytes a build of `recipe` writes, every node it needs counted once (nodes it shares with other
-    recipes included, as a build of it alone writes them), a bundle's links not at all."""
+    recipes included, as a build of it alone writes them; the materialised weights where kept), a bundle's links not
+    at all."""
     pr = plan.recipes[recipe]
     fetch = pr.nodes["fetch"]
-    ids = set(pr.nodes.values()) - {fetch}
+    ids = (set(pr.nodes.values()) | ({pr.kept} if pr.kept else set())) - {fetch}
     written = sum(plan.nodes[n].est_out_bytes if plan.nodes[n].est_new_bytes is None else plan.nodes[n].est_new_bytes
                   for n in ids)
     return WrittenBytes(plan.nodes[fetch].est_out_bytes, written)
