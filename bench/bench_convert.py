@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -152,13 +154,22 @@ CHILD = textwrap.dedent("""
 
 
 def timed(fn) -> tuple[float, float, object]:
-    """(seconds without the final sync, seconds including it, fn's result)."""
+    """(wall seconds including a final sync, CPU seconds of the children it ran, fn's result)."""
     os.sync()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     out = fn()
-    t1 = time.perf_counter()
     os.sync()
-    return t1 - t0, time.perf_counter() - t0, out
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, out
+
+
+def copy(root: Path) -> tuple[float, float]:
+    """`cp -r` of the checkpoint: (wall, CPU) seconds."""
+    wall, cpu, _ = timed(lambda: subprocess.run(["cp", "-r", str(root / "src"), str(root / "cp")], check=True))
+    shutil.rmtree(root / "cp")
+    return wall, cpu
 
 
 def run_pipeline(mode: str, root: Path, digests: dict, workers: int) -> dict:
@@ -170,7 +181,7 @@ def run_pipeline(mode: str, root: Path, digests: dict, workers: int) -> dict:
     cmd = [sys.executable, "-c", CHILD, mode, str(root / "src"), str(conv), str(shard), str(workers),
            json.dumps(digests), json.dumps(SHARD)]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    _, wall, proc = timed(lambda: subprocess.run(cmd, check=True, capture_output=True, text=True, env=env))
+    wall, cpu, proc = timed(lambda: subprocess.run(cmd, check=True, capture_output=True, text=True, env=env))
     child = json.loads(proc.stdout.strip().splitlines()[-1])
     ranks = [digest_file(p) for p in sorted((shard / "weights").iterdir())]
     store = LocalStore(root / f"{mode}-store")
@@ -179,7 +190,10 @@ def run_pipeline(mode: str, root: Path, digests: dict, workers: int) -> dict:
     ingest_s = time.perf_counter() - t0
     blobs = {m["digest"]: m["size"] for out in outputs for m in out.values()}
     stored = sum(p.stat().st_size for p in (store.root / "cas").rglob("*") if p.is_file())
-    return {"wall_s": wall, "convert_s": child["convert_s"], "shard_s": child["shard_s"],
+    for d in (conv, shard, store.root):
+        shutil.rmtree(d)
+    return {"wall_s": wall, "cpu_s": cpu, "convert_s": child["convert_s"], "shard_s": child["shard_s"],
+            "steps_s": child["convert_s"] + child["shard_s"],
             "peak_rss_growth": child["peak_rss"] - child["base_rss"], "written_bytes": stored,
             "published_bytes": sum(blobs.values()), "convert_output_bytes": sum(m["size"] for m in outputs[0].values()),
             "ingest_s": ingest_s, "ranks": ranks}
@@ -189,6 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=2, help="decoder layers (2 -> ~5.5 GB, each more ~1.6 GB)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="cp / described pairs, run back to back; medians")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "convert.json")
@@ -196,7 +211,7 @@ def main() -> None:
     root = args.dir or Path(tempfile.mkdtemp(prefix="qbuild-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        result = bench(root, args.layers, args.workers)
+        result = bench(root, args.layers, args.workers, args.repeats)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
@@ -205,7 +220,11 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
 
 
-def bench(root: Path, layers: int, workers: int) -> dict:
+def _median(runs: list[dict], key: str) -> float:
+    return round(statistics.median(r[key] for r in runs), 3)
+
+
+def bench(root: Path, layers: int, workers: int, repeats: int) -> dict:
     from qbuild.core.hashing import digest_file
 
     t0 = time.perf_counter()
@@ -214,32 +233,37 @@ def bench(root: Path, layers: int, workers: int) -> dict:
           f"largest tensor {largest / 2**20:.0f} MiB", file=sys.stderr)
     # A build keys convert on the snapshot's digests, computed when planning (the stat cache), not by the steps.
     digests = {p.name: "blake3:" + digest_file(p) for p in sorted((root / "src").iterdir())}
-    _, cp_s, _ = timed(lambda: subprocess.run(["cp", "-r", str(root / "src"), str(root / "cp")], check=True))
-    shutil.rmtree(root / "cp")
-    runs = {}
-    for mode in ("described", "materialised"):
-        runs[mode] = run_pipeline(mode, root, digests, workers)
-        print(f"{mode}: {runs[mode]}", file=sys.stderr)
-        for d in ("convert", "shard", "store"):
-            shutil.rmtree(root / f"{mode}-{d}", ignore_errors=True)
-    new, old = runs["described"], runs["materialised"]
-    steps_s = new["convert_s"] + new["shard_s"]
+    # The disk's speed moves with whatever else the host does: each run of the steps is paired with a cp just
+    # before it, and the figures are the medians of the pairs' ratios.
+    runs = []
+    for _ in range(repeats):
+        cp_wall, cp_cpu = copy(root)
+        run = run_pipeline("described", root, digests, workers)
+        run.update(cp_s=cp_wall, cp_cpu_s=cp_cpu, over_cp=run["steps_s"] / cp_wall,
+                   with_startup_over_cp=run["wall_s"] / cp_wall, load=os.getloadavg()[0])
+        print(f"described: {json.dumps({k: v for k, v in run.items() if k != 'ranks'})}", file=sys.stderr)
+        runs.append(run)
+    cp_wall, cp_cpu = copy(root)
+    old = run_pipeline("materialised", root, digests, workers)
+    old.update(cp_s=cp_wall, over_cp=old["steps_s"] / cp_wall)
+    new = runs[0]
     return {
         "checkpoint_bytes": total, "layers": layers, "workers": workers, "largest_tensor_bytes": largest,
-        "shard": SHARD, "load_average_1min": round(os.getloadavg()[0], 2),
-        "cp_seconds": round(cp_s, 2),
-        "convert_shard_seconds": round(steps_s, 2),
-        "convert_shard_seconds_with_startup": round(new["wall_s"], 2),
-        "convert_shard_over_cp": round(steps_s / cp_s, 3),
-        "convert_shard_with_startup_over_cp": round(new["wall_s"] / cp_s, 3),
+        "shard": SHARD, "repeats": repeats, "load_average_1min": _median(runs, "load"),
+        "cp_seconds": _median(runs, "cp_s"), "cp_cpu_seconds": _median(runs, "cp_cpu_s"),
+        "convert_shard_seconds": _median(runs, "steps_s"), "convert_shard_cpu_seconds": _median(runs, "cpu_s"),
+        "convert_shard_over_cp": _median(runs, "over_cp"),
+        "convert_shard_with_startup_over_cp": _median(runs, "with_startup_over_cp"),
+        "convert_shard_over_cp_each": [round(r["over_cp"], 3) for r in runs],
         "written_over_model": round(new["written_bytes"] / total, 4),
         "published_over_model": round(new["published_bytes"] / total, 4),
-        "peak_rss_growth_over_largest_tensor": round(new["peak_rss_growth"] / largest, 2),
-        "identical_rank_files": new.pop("ranks") == old.pop("ranks"),
-        "described": {k: round(v, 2) if isinstance(v, float) else v for k, v in new.items()},
-        "materialised": {k: round(v, 2) if isinstance(v, float) else v for k, v in old.items()},
-        "materialised_convert_shard_over_cp": round((old["convert_s"] + old["shard_s"]) / cp_s, 3),
+        "peak_rss_growth_over_largest_tensor": round(max(r["peak_rss_growth"] for r in runs) / largest, 2),
+        "identical_rank_files": all(r["ranks"] == old["ranks"] for r in runs),
+        "described": {k: round(v, 2) if isinstance(v, float) else v for k, v in new.items() if k != "ranks"},
+        "materialised": {k: round(v, 2) if isinstance(v, float) else v for k, v in old.items() if k != "ranks"},
+        "materialised_convert_shard_over_cp": round(old["over_cp"], 3),
         "materialised_written_over_model": round(old["written_bytes"] / total, 4),
+        "materialised_peak_rss_growth_over_largest_tensor": round(old["peak_rss_growth"] / largest, 2),
     }
 
 

@@ -281,12 +281,18 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
 
 # --- publish, pull, gc -----------------------------------------------------------------------------------------
 
+PublishWhat = Enum("PublishWhat", {name: name for name in ("bundles", "all")}, type=str)
+
+
 @app.command()
 def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or files) as in the lockfile"),
             all_: bool = typer.Option(False, "--all", help="every recipe in the lockfile"),
             verify_remote: bool = typer.Option(False, "--verify-remote",
                                                help="read back every blob the remote has for these recipes, check "
                                                     "its digest, and upload again any missing or corrupt one"),
+            what: PublishWhat = typer.Option(PublishWhat.all, "--what",
+                                             help="all: every locked step; bundles: what pull and a rebuild "
+                                                  "elsewhere need (all but the reference logits; docs/bytes.md)"),
             remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
             lock: Path = LockOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
@@ -300,7 +306,7 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
                         "or add remote: to ./qbuild.yaml")
     doc = lockmod.read(lock)
     names = recipe_names(doc, lock, recipes or [], all_)
-    report = publish_locked(ws.store, doc, lock, names, verify_remote=verify_remote)
+    report = publish_locked(ws.store, doc, lock, names, verify_remote=verify_remote, what=what.value)
     print_published(names, ws.store.remote.url, report, json_)
 
 

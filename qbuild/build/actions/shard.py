@@ -14,7 +14,8 @@ def run(ctx: RunContext) -> None:
     from qbuild.model.convert.shard import shard_checkpoint
 
     p: ShardParams = ctx.params
-    files, digests = source_files(ctx)
+    # A planned shard has the snapshot; materialised converted weights (convert_checkpoint's) need no checkpoint.
+    files, digests = source_files(ctx) if "snapshot" in ctx.inputs else (None, None)
     # two threads: one unit's transposes and casts overlap another's kernel copies; memory stays one big unit's
     shard_checkpoint(ctx.inputs["converted"], ctx.out, tp=p.tp, ep=p.ep, fused_qkv=p.fused_qkv,
                      pad_intermediate_to=p.pad_intermediate_to, layout=p.layout, dtype=p.dtype, dense_tp=p.dense_tp,
