@@ -3,7 +3,8 @@
 Rule modules declare their key maps as tables of `Row`s (HF suffix and shape, NxDI suffixes, transform) with the
 layer prefix left out; `layout.py` instantiates them per layer into Steps. The same Steps drive validation (their
 sources and shapes are exactly what a checkpoint must hold), the in-memory conversion, the streaming conversion,
-and output planning (run on meta tensors to learn every output's shape and dtype before any data is read).
+output planning (run on meta tensors to learn every output's shape and dtype before any data is read), and the
+description a build stores instead of the converted weights, which names each Step's rule (description.py).
 
 Invariant: a rule never modifies its inputs in place (it may return them, or views of them). Streaming inputs are
 copy-on-write mappings of the checkpoint, and an output that is a view of an input is copied from the file itself.
