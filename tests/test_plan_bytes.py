@@ -98,12 +98,6 @@ def test_keep_intermediates_builds_the_materialised_weights_and_leaves_the_lock_
     again = json.loads(qbuild("compile", "--all", "--frozen", "--json", "--store", "store", cwd=project,
                               check=True).stdout)
     assert again["built"] == []
-
-
-def test_kept_intermediates_count_in_what_the_plan_says_a_build_writes(tmp_path):
-    plain, kept = _plan(tmp_path), _plan(tmp_path, keep=True)
-    materialize = kept.nodes[kept.recipes["one"].kept]
-    assert written_bytes(kept, "one").written == written_bytes(plain, "one").written + materialize.est_out_bytes
     # Never locked, the kept weights are a cache entry like any other: gc keeps them within --keep-size, LRU.
     local, = json.loads(qbuild("gc", "--keep-size", "0", "--grace", "0", "--json", "--store", "store", cwd=project,
                                check=True).stdout)
@@ -111,3 +105,9 @@ def test_kept_intermediates_count_in_what_the_plan_says_a_build_writes(tmp_path)
     assert (project / "artifacts.lock").read_bytes() == lock
     assert json.loads(qbuild("compile", "--all", "--json", "--store", "store", cwd=project,
                              check=True).stdout)["built"] == []
+
+
+def test_kept_intermediates_count_in_what_the_plan_says_a_build_writes(tmp_path):
+    plain, kept = _plan(tmp_path), _plan(tmp_path, keep=True)
+    materialize = kept.nodes[kept.recipes["one"].kept]
+    assert written_bytes(kept, "one").written == written_bytes(plain, "one").written + materialize.est_out_bytes
