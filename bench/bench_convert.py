@@ -1,12 +1,20 @@
-"""Benchmark: qbuild's streaming convert against `cp` of the same bytes, on a synthetic checkpoint with the real
-Qwen3.5-35B-A3B per-layer shapes (bf16, fused 3D experts E=256 I=512 H=2048, DeltaNet Hk 16 / Hv 32 / 128, gated
-attention 16 heads / 2 kv / 256, vocab 248320 embeddings and head, a one-block vision encoder of the real width).
+"""Benchmark: what a build's convert + shard steps write and how long they take, against `cp` of the same bytes, on a
+synthetic checkpoint with the real Qwen3.5-35B-A3B per-layer shapes (bf16, fused 3D experts E=256 I=512 H=2048,
+DeltaNet Hk 16 / Hv 32 / 128, gated attention 16 heads / 2 kv / 256, vocab 248320 embeddings and head, a one-block
+vision encoder of the real width), sharded as recipes/35b-a3b-tp8.yaml shards it (NxD's main-port layout, 8 ranks).
 
     .venv/bin/python bench/bench_convert.py [--layers 2] [--workers 2] [--dir /tmp/qbuild-bench] [--keep]
 
-Prints a summary and writes bench/results/convert.json. Timings include a final `sync` so that both commands are
-measured to the disk, not to the page cache (the source is read from the page cache in both cases: it was just
-written). Not part of the test suite.
+Two pipelines, each in a child process of its own (peak RSS is the child's VmHWM over its RSS before the work):
+- described (what a build does): convert writes the description of the text weights (and the vision weights), shard
+  streams the checkpoint through it into the rank files;
+- materialised (the build before the description, and `--keep-intermediates` now): convert writes the converted text
+  weights, shard reads them.
+Each one's outputs are then put into a store of its own as a build commits them, which gives the bytes the build
+wrote and the bytes a publish of those steps uploads (unique blobs); the rank files of both must be identical.
+Timings include a final `sync`, so every command is measured to the disk, not to the page cache (the source is read
+from the page cache in every case: it was just written). Prints a summary and writes bench/results/convert.json.
+Not part of the test suite.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +38,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from qbuild.model.convert.safetensors_io import PlannedFile  # noqa: E402
+
+# recipes/35b-a3b-tp8.yaml's shard step (`qbuild plan recipes/35b-a3b-tp8.yaml --json`)
+SHARD = dict(layout="nxd-main", tp=8, ep=1, dense_tp=8, fused_qkv=False, dtype="bfloat16")
 
 H, E, I, SHARED, VOCAB = 2048, 256, 512, 512, 248320
 NH, NKV, D = 16, 2, 256
@@ -115,35 +128,82 @@ def synthesize(src: Path, layers: int) -> tuple[int, int]:
 # RSS from /proc/self/status: VmHWM belongs to this process's own address space, whereas ru_maxrss survives exec and
 # starts at the (large, torch-synthesising) parent's RSS, which hid the converter's peak entirely.
 CHILD = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, time
     from pathlib import Path
-    from qbuild.model.convert.convert import convert_checkpoint
+    from qbuild.model.convert.convert import convert_checkpoint, describe_checkpoint
+    from qbuild.model.convert.shard import shard_checkpoint
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+    mode, src, conv, shard, workers = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
+    digests, shard_args = json.loads(sys.argv[6]), json.loads(sys.argv[7])
+    files = {p.name: p for p in src.iterdir()}
     base = status("VmRSS")
     t0 = time.perf_counter()
-    report = convert_checkpoint(Path(sys.argv[1]), Path(sys.argv[2]), workers=int(sys.argv[3]))
+    if mode == "described":
+        describe_checkpoint(src, conv, files=files, digests=digests)
+    else:
+        convert_checkpoint(src, conv, files=files, workers=workers)
+    os.sync()
     t1 = time.perf_counter()
-    peak = status("VmHWM")
-    print(json.dumps({"seconds": t1 - t0, "base_rss": base, "peak_rss": peak, "bytes": report["bytes"]}))
+    shard_checkpoint(conv, shard, files=files, digests=digests, workers=workers, **shard_args)
+    os.sync()
+    t2 = time.perf_counter()
+    print(json.dumps({"convert_s": t1 - t0, "shard_s": t2 - t1, "base_rss": base, "peak_rss": status("VmHWM")}))
 """)
 
 
 def timed(fn) -> tuple[float, float, object]:
-    """(seconds without the final sync, seconds including it, fn's result)."""
+    """(wall seconds including a final sync, CPU seconds of the children it ran, fn's result)."""
     os.sync()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     out = fn()
-    t1 = time.perf_counter()
     os.sync()
-    return t1 - t0, time.perf_counter() - t0, out
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, out
+
+
+def copy(root: Path) -> tuple[float, float]:
+    """`cp -r` of the checkpoint: (wall, CPU) seconds."""
+    wall, cpu, _ = timed(lambda: subprocess.run(["cp", "-r", str(root / "src"), str(root / "cp")], check=True))
+    shutil.rmtree(root / "cp")
+    return wall, cpu
+
+
+def run_pipeline(mode: str, root: Path, digests: dict, workers: int) -> dict:
+    """One pipeline in a child process, then its outputs committed to a store of its own, as a build commits them."""
+    from qbuild.core.hashing import digest_file
+    from qbuild.store import LocalStore
+
+    conv, shard = root / f"{mode}-convert", root / f"{mode}-shard"
+    cmd = [sys.executable, "-c", CHILD, mode, str(root / "src"), str(conv), str(shard), str(workers),
+           json.dumps(digests), json.dumps(SHARD)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    wall, cpu, proc = timed(lambda: subprocess.run(cmd, check=True, capture_output=True, text=True, env=env))
+    child = json.loads(proc.stdout.strip().splitlines()[-1])
+    ranks = [digest_file(p) for p in sorted((shard / "weights").iterdir())]
+    store = LocalStore(root / f"{mode}-store")
+    t0 = time.perf_counter()
+    outputs = [store.ingest_tree(conv), store.ingest_tree(shard)]
+    ingest_s = time.perf_counter() - t0
+    blobs = {m["digest"]: m["size"] for out in outputs for m in out.values()}
+    stored = sum(p.stat().st_size for p in (store.root / "cas").rglob("*") if p.is_file())
+    for d in (conv, shard, store.root):
+        shutil.rmtree(d)
+    return {"wall_s": wall, "cpu_s": cpu, "convert_s": child["convert_s"], "shard_s": child["shard_s"],
+            "steps_s": child["convert_s"] + child["shard_s"],
+            "peak_rss_growth": child["peak_rss"] - child["base_rss"], "written_bytes": stored,
+            "published_bytes": sum(blobs.values()), "convert_output_bytes": sum(m["size"] for m in outputs[0].values()),
+            "ingest_s": ingest_s, "ranks": ranks}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=2, help="decoder layers (2 -> ~5.2 GB, each more ~1.6 GB)")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (2 -> ~5.5 GB, each more ~1.6 GB)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="cp / described pairs, run back to back; medians")
     ap.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "convert.json")
@@ -151,37 +211,60 @@ def main() -> None:
     root = args.dir or Path(tempfile.mkdtemp(prefix="qbuild-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        t0 = time.perf_counter()
-        total, largest = synthesize(root / "src", args.layers)
-        print(f"synthesised {total / 1e9:.2f} GB ({args.layers} layers) in {time.perf_counter() - t0:.1f} s; "
-              f"largest tensor {largest / 2**20:.0f} MiB", file=sys.stderr)
-        cp_s, cp_sync_s, _ = timed(lambda: subprocess.run(["cp", "-r", str(root / "src"), str(root / "cp")],
-                                                          check=True))
-        shutil.rmtree(root / "cp")
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        cmd = [sys.executable, "-c", CHILD, str(root / "src"), str(root / "conv"), str(args.workers)]
-        qb_s, qb_sync_s, proc = timed(lambda: subprocess.run(cmd, check=True, capture_output=True, text=True, env=env))
-        child = json.loads(proc.stdout.strip().splitlines()[-1])
-        result = {
-            "checkpoint_bytes": total, "layers": args.layers, "workers": args.workers, "largest_tensor_bytes": largest,
-            "cp_seconds": round(cp_sync_s, 2), "cp_seconds_before_sync": round(cp_s, 2),
-            "convert_seconds": round(qb_sync_s, 2), "convert_seconds_before_sync": round(qb_s, 2),
-            "convert_seconds_in_process": round(child["seconds"], 2),
-            "cp_gb_per_s": round(total / cp_sync_s / 1e9, 3), "convert_gb_per_s": round(total / qb_sync_s / 1e9, 3),
-            "throughput_ratio_to_cp": round(cp_sync_s / qb_sync_s, 3),
-            # the same without the child's interpreter + torch import (a build step pays that once, not per model)
-            "throughput_ratio_to_cp_in_process": round(cp_sync_s / child["seconds"], 3),
-            "load_average_1min": round(os.getloadavg()[0], 2),
-            "peak_rss_growth_bytes": child["peak_rss"] - child["base_rss"],
-            "peak_rss_growth_over_largest_tensor": round((child["peak_rss"] - child["base_rss"]) / largest, 2),
-            "converted_bytes": child["bytes"],
-        }
+        result = bench(root, args.layers, args.workers, args.repeats)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result, indent=2))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return round(statistics.median(r[key] for r in runs), 3)
+
+
+def bench(root: Path, layers: int, workers: int, repeats: int) -> dict:
+    from qbuild.core.hashing import digest_file
+
+    t0 = time.perf_counter()
+    total, largest = synthesize(root / "src", layers)
+    print(f"synthesised {total / 1e9:.2f} GB ({layers} layers) in {time.perf_counter() - t0:.1f} s; "
+          f"largest tensor {largest / 2**20:.0f} MiB", file=sys.stderr)
+    # A build keys convert on the snapshot's digests, computed when planning (the stat cache), not by the steps.
+    digests = {p.name: "blake3:" + digest_file(p) for p in sorted((root / "src").iterdir())}
+    # The disk's speed moves with whatever else the host does: each run of the steps is paired with a cp just
+    # before it, and the figures are the medians of the pairs' ratios.
+    runs = []
+    for _ in range(repeats):
+        cp_wall, cp_cpu = copy(root)
+        run = run_pipeline("described", root, digests, workers)
+        run.update(cp_s=cp_wall, cp_cpu_s=cp_cpu, over_cp=run["steps_s"] / cp_wall,
+                   with_startup_over_cp=run["wall_s"] / cp_wall, load=os.getloadavg()[0])
+        print(f"described: {json.dumps({k: v for k, v in run.items() if k != 'ranks'})}", file=sys.stderr)
+        runs.append(run)
+    cp_wall, cp_cpu = copy(root)
+    old = run_pipeline("materialised", root, digests, workers)
+    old.update(cp_s=cp_wall, over_cp=old["steps_s"] / cp_wall)
+    new = runs[0]
+    return {
+        "checkpoint_bytes": total, "layers": layers, "workers": workers, "largest_tensor_bytes": largest,
+        "shard": SHARD, "repeats": repeats, "load_average_1min": _median(runs, "load"),
+        "cp_seconds": _median(runs, "cp_s"), "cp_cpu_seconds": _median(runs, "cp_cpu_s"),
+        "convert_shard_seconds": _median(runs, "steps_s"), "convert_shard_cpu_seconds": _median(runs, "cpu_s"),
+        "convert_shard_over_cp": _median(runs, "over_cp"),
+        "convert_shard_with_startup_over_cp": _median(runs, "with_startup_over_cp"),
+        "convert_shard_over_cp_each": [round(r["over_cp"], 3) for r in runs],
+        "written_over_model": round(new["written_bytes"] / total, 4),
+        "published_over_model": round(new["published_bytes"] / total, 4),
+        "peak_rss_growth_over_largest_tensor": round(max(r["peak_rss_growth"] for r in runs) / largest, 2),
+        "identical_rank_files": all(r["ranks"] == old["ranks"] for r in runs),
+        "described": {k: round(v, 2) if isinstance(v, float) else v for k, v in new.items() if k != "ranks"},
+        "materialised": {k: round(v, 2) if isinstance(v, float) else v for k, v in old.items() if k != "ranks"},
+        "materialised_convert_shard_over_cp": round(old["over_cp"], 3),
+        "materialised_written_over_model": round(old["written_bytes"] / total, 4),
+        "materialised_peak_rss_growth_over_largest_tensor": round(old["peak_rss_growth"] / largest, 2),
+    }
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """qbuild benchmarks. Every figure is a ratio to a baseline measured in the same run, on the same bytes.
 
-    python bench/run.py [--only planning,plan_scale,hashing,restore,scheduling,convert,longctx] [--size-gb 2]
+    python bench/run.py [--only planning,plan_scale,hashing,restore,scheduling,convert,longctx,plan_bytes]
+                        [--size-gb 2]
                         [--out bench/results]
 
 Prints a table, then each goal next to its measured value, and writes bench/results/summary.json. The planning
@@ -318,9 +319,17 @@ def bench_longctx(args) -> dict:
     return json.loads(out.read_text())
 
 
+def bench_plan_bytes(args) -> dict:
+    """What `qbuild plan` says a build of each shipped recipe writes beyond its source checkpoint, against the model's
+    size (offline: the shipped configs; docs/bytes.md)."""
+    proc = subprocess.run([QBUILD, "plan", "--all", "--json", "--lock", str(Path(args.work) / "no.lock")], cwd=REPO,
+                          env=bench_env(), check=True, capture_output=True, text=True)
+    return {name: entry["bytes"] for name, entry in json.loads(proc.stdout)["recipes"].items()}
+
+
 BENCHES = {"planning": bench_planning, "plan_scale": bench_plan_scale, "hashing": bench_hashing,
            "restore": bench_restore, "scheduling": bench_scheduling, "convert": bench_convert,
-           "longctx": bench_longctx}
+           "longctx": bench_longctx, "plan_bytes": bench_plan_bytes}
 
 
 # The targets: (benchmark, figure, comparison, bound, what it says).
@@ -332,6 +341,11 @@ GOALS = [
     ("plan_scale", ("n100", "plan_s"), "<", 2.0, "plan --all --json of 100 recipes, seconds"),
     ("longctx", "chunked_vs_whole_forward", "<=", 1.5, "chunked prefill, x one transformers forward of the prompt"),
     ("longctx", "warm_speedup_exact_repeat", ">=", 10.0, "exact repeat, cold TTFT / warm TTFT"),
+    ("convert", "written_over_model", "<=", 1.02, "convert+shard: bytes written beyond the checkpoint, x model"),
+    ("convert", "published_over_model", "<=", 1.02, "convert+shard: bytes a publish uploads, x model"),
+    ("convert", "convert_shard_over_cp", "<=", 1.1, "convert+shard wall time, x cp of the model's bytes"),
+    ("convert", "peak_rss_growth_over_largest_tensor", "<=", 2.0, "convert+shard peak RSS, x the largest tensor"),
+    ("plan_bytes", ("35b-a3b-tp8", "ratio"), "<=", 1.02, "35b-a3b-tp8: bytes its plan will write, x model"),
 ]
 
 

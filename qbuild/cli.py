@@ -99,6 +99,9 @@ def _err(msg: str) -> None:
 
 # --- plan ------------------------------------------------------------------------------------------------------
 
+KeepOpt = typer.Option(False, "--keep-intermediates",
+                       help="also write out each recipe's converted (unsharded) weights into the store, for debugging; "
+                            "a build otherwise only describes them (docs/bytes.md)")
 PlanFormat = Enum("PlanFormat", {name: name for name in ("tree", "json", "dot", "mermaid")}, type=str)
 
 
@@ -108,7 +111,7 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
                                                   help="tree (default), json, or the DAG as Graphviz dot or Mermaid "
                                                        "text [default: tree]"),
          json_: bool = typer.Option(False, "--json", help="the same as --format json"),
-         store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+         keep_intermediates: bool = KeepOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
          remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt) -> None:
     """Show what would be built and why, as a tree per recipe (downloads nothing; a remote is only asked)."""
     from qbuild.render import print_plan
@@ -116,6 +119,7 @@ def plan(recipes: list[str] = typer.Argument(None, help="recipe files"), all_: b
     if json_ and fmt not in (None, PlanFormat.json):
         raise UserError(f"--json and --format {fmt.value}: --json is --format json; give one of them")
     ws = _workspace(store, lock, remote, backend=backend)
+    ws.keep_intermediates = keep_intermediates
     the_plan, status = ws.plan(ws.load(recipes or [], all_))
     print_plan(the_plan, status, "json" if json_ else (fmt or PlanFormat.tree).value)
 
@@ -172,7 +176,7 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
                                              help="leave steps that need a Neuron device (verifying a neuron bundle) "
                                                   "unbuilt on a host without one, instead of failing, and the "
                                                   "steps only they need (its reference)"),
-            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+            keep_intermediates: bool = KeepOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
             remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt,
             verbose: bool = typer.Option(False, "-v", "--verbose",
                                          help="also show what each step's libraries printed (warnings, progress)"),
@@ -192,6 +196,7 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
         raise UserError("--update and --frozen: --update changes the lockfile's pins, --frozen forbids any change")
     explicit_budget = None if mem is None else parse_size(mem, "--mem", allow_zero=False)
     ws = _workspace(store, lock, remote, push=push, backend=backend, transfers=TransferDisplay(bars=False))
+    ws.keep_intermediates = keep_intermediates
     # $RAY_ADDRESS is meant for Ray: a local build ignores it; only an --address given here must go with Ray.
     source = ctx.get_parameter_source("address")
     address_given = source is not None and source.name == "COMMANDLINE"
@@ -296,12 +301,18 @@ def explain(target: str = typer.Argument(..., help="a recipe file, or a node id 
 
 # --- publish, pull, gc -----------------------------------------------------------------------------------------
 
+PublishWhat = Enum("PublishWhat", {name: name for name in ("bundles", "all")}, type=str)
+
+
 @app.command()
 def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or files) as in the lockfile"),
             all_: bool = typer.Option(False, "--all", help="every recipe in the lockfile"),
             verify_remote: bool = typer.Option(False, "--verify-remote",
                                                help="read back every blob the remote has for these recipes, check "
                                                     "its digest, and upload again any missing or corrupt one"),
+            what: PublishWhat = typer.Option(PublishWhat.all, "--what",
+                                             help="all: every locked step; bundles: what pull and a rebuild "
+                                                  "elsewhere need (all but the reference logits; docs/bytes.md)"),
             remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
             lock: Path = LockOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
@@ -315,7 +326,7 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
                         "or add remote: to ./qbuild.yaml")
     doc = lockmod.read(lock)
     names = recipe_names(doc, lock, recipes or [], all_)
-    report = publish_locked(ws.store, doc, lock, names, verify_remote=verify_remote)
+    report = publish_locked(ws.store, doc, lock, names, verify_remote=verify_remote, what=what.value)
     print_published(names, ws.store.remote.url, report, json_)
 
 

@@ -66,12 +66,16 @@ def plan_tree(plan: Plan, status: dict[str, NodeStatus]) -> None:
 
 
 def _print_trees(out, Tree, plan: Plan, status: dict[str, NodeStatus]) -> None:
+    from qbuild.planning.plan import written_bytes   # loaded already: the plan was made with it
+
     for name, pr in plan.recipes.items():
         counts = {s: sum(status[n].status == s for n in set(pr.nodes.values())) for s in STATUS_TEXT}
         unresolved = f", {counts['unresolved']} not resolved" if counts["unresolved"] else ""
+        written = written_bytes(plan, name)
         root = Tree(f"[bold cyan]{name}[/] ({pr.loaded.path.name}, {pr.arch.family}, tp{pr.loaded.recipe.parallel.tp}"
                     f" ep{pr.loaded.recipe.parallel.ep}): {counts['cached']} cached, {counts['build']} to build, "
-                    f"{counts['waiting']} waiting{unresolved}")
+                    f"{counts['waiting']} waiting{unresolved}; writes ~{human_bytes(written.written)} "
+                    f"({written.ratio:.2f}x the model's {human_bytes(written.model)})")
         shown: set[str] = set()
 
         def add(parent, nid: str) -> None:
@@ -84,6 +88,8 @@ def _print_trees(out, Tree, plan: Plan, status: dict[str, NodeStatus]) -> None:
                 add(branch, dep)
 
         add(root, pr.verify)
+        if pr.kept is not None:
+            add(root, pr.kept)
         out.print(root)
 
 
@@ -164,6 +170,7 @@ def plan_mermaid(plan: Plan, status: dict[str, NodeStatus]) -> str:
 
 def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
     from qbuild import backends
+    from qbuild.planning.plan import written_bytes
     from qbuild.recipe.params import to_json
 
     nodes = []
@@ -176,9 +183,15 @@ def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
         if node.kind == "compile":
             nodes[-1].update(backends.get(node.params.backend).describe_compile(node.params))
     recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "backend": pr.loaded.recipe.backend,
-                      "port": _port_json(pr), "nodes": dict(sorted(pr.nodes.items()))}
+                      "port": _port_json(pr), "nodes": dict(sorted(pr.nodes.items())),
+                      "bytes": _bytes_json(written_bytes(plan, name))}
                for name, pr in plan.recipes.items()}
     return {"version": 1, "recipes": recipes, "nodes": nodes}
+
+
+def _bytes_json(w) -> dict:
+    """What a recipe's build writes beyond its checkpoint, estimated (plan.written_bytes)."""
+    return {"model": w.model, "written": w.written, "ratio": round(w.ratio, 3)}
 
 
 def _port_json(pr) -> dict | None:

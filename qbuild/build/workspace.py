@@ -77,6 +77,7 @@ class Workspace:
     backend: str | None = None      # --backend: build every recipe on this backend instead of its own
     registry: Registry = field(default_factory=lambda: REGISTRY)
     progress: Progress | None = None    # where a remote-backed store reports its transfers
+    keep_intermediates: bool = False    # also materialise each recipe's converted weights (never locked)
 
     @cached_property
     def store(self) -> Store:
@@ -104,7 +105,8 @@ class Workspace:
         return HostEnvironment(self.stat_cache)
 
     def _build_plan(self, recipes: list[LoadedRecipe]) -> Plan:
-        return build_plan(recipes, self.environment, lockmod.hub_pins(lockmod.read(self.lock_path)))
+        return build_plan(recipes, self.environment, lockmod.hub_pins(lockmod.read(self.lock_path)),
+                          self.keep_intermediates)
 
     def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
         plan = self._build_plan(recipes)
@@ -186,6 +188,8 @@ class Workspace:
         keys = walk(plan, lambda nid, key: locked[nid].digest if nid in locked else None, self.registry)
         elsewhere: dict[str, str] = {}
         for nid, nk in keys.items():
+            if nid not in roles:
+                continue    # built on request and never locked (--keep-intermediates)
             recipe, role = roles[nid][0]
             entry = locked.get(nid)
             if entry is None:

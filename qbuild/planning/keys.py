@@ -83,6 +83,8 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
     ActionSpec("fetch", f"{_SRC}.fetch:run"),
     ActionSpec("port", f"{_SRC}.port:run"),
     ActionSpec("convert", f"{_SRC}.convert:run"),
+    # The converted weights written out in full, built only on request (--keep-intermediates); no node reads them.
+    ActionSpec("materialize", f"{_SRC}.convert:materialize"),
     ActionSpec("shard", f"{_SRC}.shard:run"),
     ActionSpec("compile", f"{_SRC}.compile:run", portable=None),
     ActionSpec("package", f"{_SRC}.package:run", portable=None),

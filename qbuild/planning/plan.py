@@ -70,6 +70,7 @@ class Node:
     neuron_cores: int = 0           # NeuronCores the step runs on (verifying a neuron bundle); 0: any host
     neffs: int = 0                  # NEFFs a neuron compile produces (one per bucket of each submodel)
     unresolved: QbuildError | None = None   # why a hub fetch has no commit (so no key); None when it has one
+    est_new_bytes: int | None = None    # what of its output no input holds (a package links them); None: all of it
 
     @property
     def needs_device(self) -> bool:
@@ -83,6 +84,8 @@ class PlannedRecipe:
     nodes: dict[str, str]           # role ("fetch", "compile cte-128", "package", ...) -> node id
     bundle: str                     # id of the package node
     verify: str                     # id of the verify node
+    kept: str | None = None         # id of the node materialising the converted weights (--keep-intermediates):
+                                    # built on request, never locked, so no role names it
 
 
 @dataclass
@@ -98,12 +101,13 @@ class Plan:
 
 def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params, deps: dict[str, str],
          out: int, peak: int, context: dict | None = None, neuron_cores: int = 0, neffs: int = 0,
-         backend: str | None = None, unresolved: QbuildError | None = None) -> str:
+         backend: str | None = None, unresolved: QbuildError | None = None, new: int | None = None) -> str:
     node_id = digest_json({"kind": kind, "params": to_json(params), "deps": deps, "backend": backend})[:16]
     node = nodes.get(node_id)
     if node is None:
         node = nodes[node_id] = Node(node_id, kind, name, params, deps, backend, out, peak, dict(context or {}),
-                                     neuron_cores=neuron_cores, neffs=neffs, unresolved=unresolved)
+                                     neuron_cores=neuron_cores, neffs=neffs, unresolved=unresolved,
+                                     est_new_bytes=new)
     if recipe not in node.recipes:
         node.recipes.append(recipe)
     return node_id
@@ -164,6 +168,16 @@ def require_resolved(plan: Plan) -> None:
             raise type(node.unresolved)(str(node.unresolved))
 
 
+# A description names each source tensor and each converted one (file, names, dtype, shape, byte range): about this
+# many bytes of JSON per source tensor, counting the per-expert storage form's E tensors per projection.
+_DESCRIBED_BYTES_PER_TENSOR = 256
+
+
+def _description_bytes(arch: Arch) -> int:
+    """About the size of a convert step's text/description.json (qbuild.model.convert.description)."""
+    return (arch.num_layers * (24 + 3 * (arch.num_experts or 0)) + 8) * _DESCRIBED_BYTES_PER_TENSOR
+
+
 def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
     emb = arch.vocab_size * arch.hidden_size
     experts = (arch.num_experts or 0) * 2 * (arch.moe_intermediate_size or 0) * arch.hidden_size
@@ -171,9 +185,10 @@ def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
 
 
 def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: Environment,
-                hub: HubRevision | None = None) -> PlannedRecipe:
+                hub: HubRevision | None = None, keep_intermediates: bool = False) -> PlannedRecipe:
     """Add one recipe's nodes to `nodes`. `hub`: its model's resolved revision (resolve_hub; resolved here, without
-    the lock's pins, when not given)."""
+    the lock's pins, when not given). `keep_intermediates` adds a node that materialises the converted weights, which
+    nothing else reads: every other node's id and key are the same without it."""
     r, name = loaded.recipe, loaded.name
     backend = resolve_backend(loaded)
     dbytes = DTYPE_BYTES[r.dtype]
@@ -187,10 +202,15 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
     roles["fetch"] = fetch = _add(nodes, name, "fetch", f"fetch {label}", fparams, {},
                                   checks.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx,
                                   unresolved=unresolved)
+    # The text weights are described, not written (the shard step streams the checkpoint through the description);
+    # the vision weights are written: the bundle ships them as they are.
+    convert_params = ConvertParams(arch.family, r.dtype, r.fp8)
     roles["convert"] = convert = _add(
-        nodes, name, "convert", f"convert {arch.family} {r.dtype} fp8={r.fp8}",
-        ConvertParams(arch.family, r.dtype, r.fp8), {"snapshot": fetch}, weights + vision_bytes, 3 * big + GIB // 2,
-        fctx)
+        nodes, name, "convert", f"convert {arch.family} {r.dtype} fp8={r.fp8}", convert_params, {"snapshot": fetch},
+        _description_bytes(arch) + vision_bytes, 3 * _largest_vision_bytes(arch) + GIB // 2, fctx)
+    kept = None if not keep_intermediates else _add(
+        nodes, name, "materialize", f"materialize converted {arch.family} {r.dtype} fp8={r.fp8}", convert_params,
+        {"converted": convert, "snapshot": fetch}, weights + vision_bytes, 3 * big + GIB // 2, fctx)
     bp = backend.plan(loaded, arch, env, Sizes(weights, vision_bytes))
     for step in bp.sources:
         roles[step.role] = _add_step(nodes, name, step, roles, r.backend)
@@ -199,14 +219,15 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
     shard_label = "" if bp.shard.layout == "cpu" else bp.shard.layout + " "
     roles["shard"] = shard = _add(
         nodes, name, "shard", f"shard {shard_label}tp{r.parallel.tp} ep{r.parallel.ep}", bp.shard,
-        {"converted": convert, **sources}, weights, 3 * big + GIB // 2)
+        {"converted": convert, "snapshot": fetch, **sources}, weights, 3 * big + GIB // 2, fctx)
     compile_ids = {step.role: _add_step(nodes, name, step, roles, r.backend) for step in bp.compiles}
     roles.update(compile_ids)
     deps = {"converted": convert, "shard": shard, **sources,
             **{role.replace(" ", ":"): nid for role, nid in compile_ids.items()}}
+    # A bundle links its weights and graphs from its inputs: what it writes itself is a manifest and configs.
     roles["package"] = package = _add(
         nodes, name, "package", f"package {name}", bp.package, deps,
-        weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2, backend=r.backend)
+        weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2, backend=r.backend, new=1 << 20)
     v = r.verify
     prompts = None if v.prompts is None else tuple(v.prompts)
     roles["reference"] = reference = _add(
@@ -217,7 +238,40 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
         nodes, name, "verify", f"verify {name}", VerifyParams(v.top1_min, v.token_match_min, v.max_logit_err),
         {"bundle": package, "reference": reference, **sources}, 1 << 20,
         2 * weights + GIB + _run_bytes(loaded, arch), neuron_cores=bp.verify_cores, backend=r.backend)
-    return PlannedRecipe(loaded, arch, roles, package, verify)
+    return PlannedRecipe(loaded, arch, roles, package, verify, kept)
+
+
+def _largest_vision_bytes(arch: Arch) -> int:
+    """The largest vision tensor in float32 (the merger's fc1, or the position embedding)."""
+    v = arch.vision
+    if v is None:
+        return 0
+    return max(v.merged_hidden_size ** 2, v.num_position_embeddings * v.hidden_size,
+               v.intermediate_size * v.hidden_size) * 4
+
+
+@dataclass(frozen=True)
+class WrittenBytes:
+    """What building a recipe writes beyond its source checkpoint (the HF cache or the local directory), against
+    the model's size (its weights as the checkpoint stores them)."""
+    model: int
+    written: int
+
+    @property
+    def ratio(self) -> float:
+        return self.written / self.model if self.model else 0.0
+
+
+def written_bytes(plan: Plan, recipe: str) -> WrittenBytes:
+    """The estimated bytes a build of `recipe` writes, every node it needs counted once (nodes it shares with other
+    recipes included, as a build of it alone writes them; the materialised weights where kept), a bundle's links not
+    at all."""
+    pr = plan.recipes[recipe]
+    fetch = pr.nodes["fetch"]
+    ids = (set(pr.nodes.values()) | ({pr.kept} if pr.kept else set())) - {fetch}
+    written = sum(plan.nodes[n].est_out_bytes if plan.nodes[n].est_new_bytes is None else plan.nodes[n].est_new_bytes
+                  for n in ids)
+    return WrittenBytes(plan.nodes[fetch].est_out_bytes, written)
 
 
 def _run_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
@@ -259,9 +313,10 @@ def resolve_backend(loaded: LoadedRecipe) -> Backend:
                           f"of {', '.join(backends.NAMES)}") from None
 
 
-def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str, HubPin] | None = None) -> Plan:
+def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str, HubPin] | None = None,
+               keep_intermediates: bool = False) -> Plan:
     """Validate each recipe against its architecture and expand all of them into one deduplicated DAG. `pins`: the
-    lock's hub pins by recipe name (qbuild.store.lock.hub_pins)."""
+    lock's hub pins by recipe name (qbuild.store.lock.hub_pins). `keep_intermediates`: see plan_recipe."""
     nodes: dict[str, Node] = {}
     planned: dict[str, PlannedRecipe] = {}
     for loaded in recipes:
@@ -277,7 +332,7 @@ def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str,
             # Without a commit there is no config.json to read but a shipped one: the reason is the missing commit.
             raise type(hub.unresolved)(str(hub.unresolved)) from None
         validate_recipe(loaded, arch)
-        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env, hub)
+        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env, hub, keep_intermediates)
     return Plan(nodes, planned)
 
 

@@ -1,6 +1,7 @@
 """Moving locked artifacts between stores: publish them to the remote, pull a bundle out of the store.
 
-    publish    the lockfile's nodes of some recipes -> the remote (blobs first, manifests last, conditionally)
+    publish    the lockfile's nodes of some recipes (all, or what bundles need) -> the remote (blobs first, manifests
+               last, conditionally)
     pull       one recipe's locked bundle (its package node's outputs) -> a directory, every digest checked
 
 Both read the lockfile, never the recipes, so a serving host needs nothing but qbuild and artifacts.lock.
@@ -45,13 +46,30 @@ def locked_nodes(doc: dict, lock_path: Path, names: list[str]) -> dict[str, tupl
 
 # --- publish -------------------------------------------------------------------------------------------------------
 
+# What publish uploads: "all" every node the recipes lock; "bundles" what `pull` and a rebuild elsewhere need, every
+# locked node but those whose outputs only serve to verify a bundle again (the reference's logits): the bundle, the
+# nodes whose outputs it links (shards, graphs: the same blobs), the descriptions it is made from (snapshot, port,
+# the converted weights' description) and its verify report. docs/bytes.md.
+PUBLISHED = ("bundles", "all")
+_REVERIFY_ONLY = ("reference",)
+
+
+def published_nodes(doc: dict, lock_path: Path, names: list[str], what: str = "all") -> dict[str, tuple[str, str, dict]]:
+    """locked_nodes of `names`, less those `what` leaves out."""
+    nodes = locked_nodes(doc, lock_path, names)
+    if what == "all":
+        return nodes
+    return {nid: v for nid, v in nodes.items() if v[2].get("kind") not in _REVERIFY_ONLY}
+
+
 def publish(store: RemoteStore, doc: dict, lock_path: Path, names: list[str], *,
-            verify_remote: bool = False) -> PushReport:
-    """Upload every locked node of `names` that the remote lacks. Idempotent: a second run uploads nothing.
-    `verify_remote` reads back every blob the remote has for them and re-uploads the ones that do not match."""
+            verify_remote: bool = False, what: str = "all") -> PushReport:
+    """Upload every locked node of `names` (of those `what` names: PUBLISHED) that the remote lacks. Idempotent: a
+    second run uploads nothing. `verify_remote` reads back every blob the remote has for them and re-uploads the ones
+    that do not match."""
     manifests: list[Manifest] = []
     absent: dict[str, tuple[str, str]] = {}
-    for recipe, role, node in locked_nodes(doc, lock_path, names).values():
+    for recipe, role, node in published_nodes(doc, lock_path, names, what).values():
         m = store.local.get_manifest(node["key"])
         if m is None:
             absent[node["key"]] = (recipe, role)
@@ -66,7 +84,7 @@ def publish(store: RemoteStore, doc: dict, lock_path: Path, names: list[str], *,
             if key not in on_remote:
                 raise UserError(f"{recipe}: {role} (key {key[:16]}) is in neither the local store ({store.root}) "
                                 f"nor {store.remote.url}; run `qbuild compile` for it first")
-    unchecked = _remote_only_blobs(doc, lock_path, names, absent) if verify_remote else {}
+    unchecked = _remote_only_blobs(doc, lock_path, names, absent, what) if verify_remote else {}
     sound = _check_remote_only(store, unchecked)
     report = push_manifests(store.local, store.remote, manifests, store.progress, verify_remote=verify_remote)
     report.manifests_present += len(absent)
@@ -74,11 +92,12 @@ def publish(store: RemoteStore, doc: dict, lock_path: Path, names: list[str], *,
     return report
 
 
-def _remote_only_blobs(doc: dict, lock_path: Path, names: list[str], absent: dict) -> dict[str, tuple[str, str, int]]:
+def _remote_only_blobs(doc: dict, lock_path: Path, names: list[str], absent: dict,
+                       what: str = "all") -> dict[str, tuple[str, str, int]]:
     """digest -> (first recipe naming it, path, size) of the locked outputs of nodes this store has no entry for: the
     remote's copy is the only one, so verifying the remote reads those back too."""
     out: dict[str, tuple[str, str, int]] = {}
-    for recipe, _, node in sorted(locked_nodes(doc, lock_path, names).values(), key=lambda v: v[0]):
+    for recipe, _, node in sorted(published_nodes(doc, lock_path, names, what).values(), key=lambda v: v[0]):
         if node["key"] in absent:
             for rel, meta in sorted(node["outputs"].items()):
                 out.setdefault(meta["digest"], (recipe, rel, meta["size"]))

@@ -1,23 +1,34 @@
-"""convert: an HF checkpoint snapshot -> NxDI-layout text weights (tp-independent) and vision weights."""
+"""convert: an HF checkpoint snapshot -> the description of its NxDI-layout text weights (tp-independent), the
+vision weights, config and tokenizer (qbuild.model.convert.convert.describe_checkpoint); materialize: the converted
+text weights written out in full, for `qbuild compile --keep-intermediates` (convert_checkpoint, as a build stored
+them before the description)."""
 
 from __future__ import annotations
 
 import os
 
 from qbuild.build.actions import RunContext
+from qbuild.build.actions.checkpoint import source_files
 from qbuild.recipe.params import ConvertParams
-from qbuild.recipe.source import locate, read_snapshot
 
 
 def run(ctx: RunContext) -> None:
-    from qbuild.model.convert.convert import convert_checkpoint
+    from qbuild.model.convert.convert import describe_checkpoint
 
     p: ConvertParams = ctx.params
-    files = locate(read_snapshot(ctx.inputs["snapshot"]), ctx.context)
-    src = next(iter(files.values())).parent
-    # two threads: one step's expert transposes overlap another's kernel copies; each holds one step's inputs
-    info = convert_checkpoint(src, ctx.out, files=files, dtype=p.dtype, fp8=p.fp8,
-                              workers=min(2, os.cpu_count() or 1))
+    files, digests = source_files(ctx)
+    info = describe_checkpoint(next(iter(files.values())).parent, ctx.out, files=files, digests=digests,
+                               dtype=p.dtype, fp8=p.fp8)
     if info.get("family") != p.family:
         raise ValueError(f"checkpoint family {info.get('family')} differs from the planned {p.family}")
-    ctx.log(f"converted {info.get('tensors', '?')} tensors")
+    ctx.log(f"described {info['text_tensors']} text tensors; wrote {info['vision_tensors']} vision tensors")
+
+
+def materialize(ctx: RunContext) -> None:
+    from qbuild.model.convert.convert import materialise
+
+    files, digests = source_files(ctx)
+    # two threads: one step's expert transposes overlap another's kernel copies; each holds one step's inputs
+    info = materialise(ctx.inputs["converted"], ctx.out, files=files, digests=digests,
+                       workers=min(2, os.cpu_count() or 1))
+    ctx.log(f"materialised {info['tensors']} converted tensors ({info['bytes']} bytes)")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
     import torch
 
-from qbuild.model.convert.steps import Step, same
+from qbuild.model.convert.steps import Step, rule_name, same
 
 
 def zero_row(w: torch.Tensor, row: int) -> torch.Tensor:
@@ -31,7 +31,9 @@ def embedding_steps(d, family, hf_prefix: str, names) -> list[Step]:
         w = zero_row(w, pad) if pad is not None else w
         return (w, w.clone()) if tied_copy else (w,)
 
-    steps = [Step((f"{hf_prefix}embed_tokens.weight",), (shape,), targets, embed)]
+    steps = [Step((f"{hf_prefix}embed_tokens.weight",), (shape,), targets, embed,
+                  rule="embeddings.embedding_steps", args=(("zero_row", pad), ("tied_copy", tied_copy)))]
     if not tied_copy:
-        steps.append(Step(("lm_head.weight",), (shape,), ("lm_head.weight",), lambda w: same(d, w)))
+        steps.append(Step(("lm_head.weight",), (shape,), ("lm_head.weight",), lambda w: same(d, w),
+                          rule=rule_name(same)))
     return steps

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
     import torch
 
-from qbuild.model.convert.steps import Row, Step, same
+from qbuild.model.convert.steps import Row, Step, rule_name, same
 
 GATE_UP = "mlp.moe.expert_mlps.mlp_op.gate_up_proj"
 DOWN = "mlp.moe.expert_mlps.mlp_op.down_proj"
@@ -91,13 +91,16 @@ def expert_steps(d, hf: str, nx: str, fused: bool) -> list[Step]:
     The per-expert form gathers the layer's E tensors in one step: memory stays bounded by one layer's experts."""
     e, i, h = d.num_experts, d.moe_intermediate_size, d.hidden_size
     gate_up, down = f"{nx}{GATE_UP}.weight", f"{nx}{DOWN}.weight"
+    def step(sources, shapes, target, fn) -> Step:
+        return Step(tuple(sources), tuple(shapes), (target,), fn, rule=rule_name(fn))
+
     if fused:
-        return [Step((f"{hf}mlp.experts.gate_up_proj",), ((e, 2 * i, h),), (gate_up,), gate_up_from_fused),
-                Step((f"{hf}mlp.experts.down_proj",), ((e, h, i),), (down,), down_from_fused)]
+        return [step((f"{hf}mlp.experts.gate_up_proj",), ((e, 2 * i, h),), gate_up, gate_up_from_fused),
+                step((f"{hf}mlp.experts.down_proj",), ((e, h, i),), down, down_from_fused)]
     per = [f"{hf}mlp.experts.{x}.{p}_proj.weight" for x in range(e) for p in ("gate", "up")]
     downs = [f"{hf}mlp.experts.{x}.down_proj.weight" for x in range(e)]
-    return [Step(tuple(per), ((i, h),) * len(per), (gate_up,), gate_up_from_experts),
-            Step(tuple(downs), ((h, i),) * e, (down,), down_from_experts)]
+    return [step(per, ((i, h),) * len(per), gate_up, gate_up_from_experts),
+            step(downs, ((h, i),) * e, down, down_from_experts)]
 
 
 def expert_group(t: torch.Tensor, ep: int, group: int) -> torch.Tensor:
@@ -119,12 +122,36 @@ def gate_up_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int, pad
 
     g = expert_group(t, ep, group)
     two_i = g.shape[-1]
-    halves = g.reshape(*g.shape[:-1], 2, two_i // 2)
-    part = halves.chunk(moe_tp, dim=-1)[j]
+    part = g.reshape(*g.shape[:-1], 2, two_i // 2).chunk(moe_tp, dim=-1)[j]    # (E/ep, H, 2, I_r), a view
     size = padded_intermediate(part.shape[-1], pad_to)
+    if size == part.shape[-1] and moe_tp == 1:
+        return g
+    out = torch.empty(*part.shape[:-1], size, dtype=g.dtype, device=g.device)
     if size != part.shape[-1]:
-        part = torch.nn.functional.pad(part, (0, size - part.shape[-1]), value=fill)
-    return part.reshape(*g.shape[:-1], 2 * size)
+        out[..., part.shape[-1]:] = fill
+    if part.dim() == 4 and part.stride(1) == 1 and part.shape[1] > 1:
+        _gather_transposed(out, part)
+    else:
+        out[..., :part.shape[-1]].copy_(part)
+    return out.reshape(*g.shape[:-1], 2 * size)
+
+
+def _gather_transposed(out: torch.Tensor, part: torch.Tensor) -> None:
+    """out[..., :I_r] = part, for `part` (E, H, 2, I_r) whose H is its innermost dim (a transposed view of HF's
+    (E, 2I, H) rows, as gate_up_from_fused gives it) and `out` (E, H, 2, size) contiguous: per expert, its rank's
+    gate and up rows are gathered (contiguous copies) and transposed in one 2D copy, which torch runs through its
+    cache-blocked transpose kernel; the generic strided copy of the whole slice is about twice as slow."""
+    import torch
+
+    e, h, _, i_r = part.shape
+    size = out.shape[-1]
+    rows = part.permute(0, 2, 3, 1)                           # (E, 2, I_r, H): H contiguous
+    tmp = torch.empty(2, size, h, dtype=out.dtype, device=out.device)
+    if size != i_r:
+        tmp[:, i_r:] = out[0, 0, :, i_r:, None]               # the padding's fill
+    for x in range(e):
+        tmp[:, :i_r].copy_(rows[x])
+        out[x].view(h, 2 * size).copy_(tmp.view(2 * size, h).T)
 
 
 def down_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int, pad_to: int | None) -> torch.Tensor:

@@ -160,7 +160,7 @@ def experts_gate_up(t, d, p):
     """ExpertFusedColumnParallelLinear, stride 2: each of gate and up sliced on dim 2 (trace.py create_local_weight),
     then this rank's experts (create_local_weight_with_expert_parallel). An expert-wise FP8 scale (E, 1, 2I) follows
     the weight (quantization_layers.py _setup_for_scale partitions it when per_channel_axis == partition dim)."""
-    return [moe.gate_up_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), None) for r in range(p.tp)]
+    return (moe.gate_up_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), None) for r in range(p.tp))
 
 
 def experts_down(t, d, p):
@@ -191,7 +191,7 @@ def over_dense_tp(place: Placement) -> Placement:
     with num_partitions = tensor_parallel_group.size() (NxD parallel_layers/layers.py). So each expert-parallel copy
     of the group holds the same slices. `place` sees a layout of dense_tp ranks and nothing of the experts."""
     def placed(t, d, p):
-        pieces = place(t, d, ParallelLayout(p.dense_tp))
+        pieces = list(place(t, d, ParallelLayout(p.dense_tp)))
         return [pieces[p.dense_rank(r)] for r in range(p.tp)]
     return placed
 
@@ -441,7 +441,7 @@ def _single(name: str, target: str, place: Placement, d: Arch, p: ParallelLayout
         t = cast(target, t, dtype)  # before placing: one cast copy at most, shared by replicated ranks
         per_tensor_scale = target.endswith(".scale") and tuple(t.shape) == (1,)  # a per-tensor scale: replicated
         pieces = replicate(t, d, p) if per_tensor_scale else place(t, d, p)
-        return [{target: x} for x in pieces]
+        return ({target: x} for x in pieces)
     return ShardStep((name,), fn)
 
 

@@ -4,7 +4,7 @@ converted tensors to one {name: tensor} per rank) and the placements that are th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -46,11 +46,12 @@ class ParallelLayout:
 @dataclass(frozen=True)
 class ShardStep:
     sources: tuple[str, ...]
-    fn: Callable[..., list[dict[str, torch.Tensor]]]  # (*tensors) -> per rank {name: tensor}
+    fn: Callable[..., Iterable[dict[str, torch.Tensor]]]  # (*tensors) -> per rank {name: tensor}, in rank order
 
 
-# Placements: a canonical tensor -> one tensor per rank.
-Placement = Callable[[torch.Tensor, Arch, ParallelLayout], list[torch.Tensor]]
+# Placements: a canonical tensor -> one tensor per rank, in rank order. One whose ranks are copies (the expert
+# slices) yields them one at a time, so a writer holds one rank's copy, not every rank's at once.
+Placement = Callable[[torch.Tensor, Arch, ParallelLayout], Iterable[torch.Tensor]]
 
 
 def replicate(t, d, p):

@@ -34,8 +34,8 @@ Rank convention of the "cpu" layout (world size = tp):
 
 from __future__ import annotations
 
-import json
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Mapping
 
@@ -47,12 +47,12 @@ from qbuild.model.convert.checkpoint import arch_of, load_config
 from qbuild.core.dtypes import DTYPES, torch_dtype
 from qbuild.model.convert.errors import CheckpointError, ShardError
 from qbuild.model.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
-from qbuild.model.convert.safetensors_header import Entry, read_header
-from qbuild.model.convert.safetensors_io import DTYPES as TORCH_DTYPES
+from qbuild.model.convert.converted import open_converted
+from qbuild.model.convert.description import Producer
 from qbuild.model.convert.safetensors_io import MappedSources, PlannedFile
-from qbuild.model.convert.writer import SourceFiles, write_json
+from qbuild.model.convert.writer import torch_ops_in_caller_threads, write_json
 from qbuild.store.files import staged
-from qbuild.core.threads import run_all
+from qbuild.core.threads import run_bounded
 
 FORMAT_VERSION = 1
 
@@ -103,8 +103,8 @@ def moe_row(t, d, p):
 
 
 def experts_gate_up(t, d, p, fill: float = 0.0):
-    return [moe.gate_up_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), p.pad_intermediate_to, fill)
-            for r in range(p.tp)]
+    return (moe.gate_up_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), p.pad_intermediate_to, fill)
+            for r in range(p.tp))
 
 
 def experts_gate_up_scale(t, d, p):
@@ -112,7 +112,7 @@ def experts_gate_up_scale(t, d, p):
 
 
 def experts_down(t, d, p):
-    return [moe.down_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), p.pad_intermediate_to) for r in range(p.tp)]
+    return (moe.down_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), p.pad_intermediate_to) for r in range(p.tp))
 
 
 def experts_only(t, d, p):
@@ -167,7 +167,7 @@ def placement_of(name: str, label: str) -> Placement:
 
 
 def _single(name: str, place: Placement, d: Arch, p: ParallelLayout) -> ShardStep:
-    return ShardStep((name,), lambda t: [{name: x} for x in place(t, d, p)])
+    return ShardStep((name,), lambda t: ({name: x} for x in place(t, d, p)))
 
 
 def _fused_qkv(layer: int, kind: str, d: Arch, p: ParallelLayout) -> ShardStep:
@@ -239,61 +239,121 @@ def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int,
 
 def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_qkv: bool = False,
                      pad_intermediate_to: int | None = None, workers: int = 1, layout: Layout = "cpu",
-                     dtype: str | None = None, dense_tp: int | None = None) -> dict:
-    """A convert_checkpoint output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < tp) and
-    dst/shard.json (returned). Streams one canonical tensor (or q/k/v trio) at a time; dst appears only when done.
+                     dtype: str | None = None, dense_tp: int | None = None, files: Mapping[str, Path] | None = None,
+                     digests: Mapping[str, str] | None = None) -> dict:
+    """A convert output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < tp) and dst/shard.json
+    (returned). Described text weights are made from the checkpoint `files` locates (with the snapshot's `digests`;
+    converted.open_converted), materialised ones read from the directory. Streams one unit at a time (a canonical
+    tensor, or the few a conversion step or a fused q/k/v makes together); dst appears only when done.
     `layout` picks the rules (module docstring); `dtype` is the model dtype, required by the nxd layouts; `dense_tp`
     (nxd layouts only, default tp) is the tensor-parallel degree of every non-expert layer (nxd.py)."""
     converted = Path(converted)
     config = load_config(converted / "config.json")
     _, d = arch_of(config)
     p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
-    located = _converted_tensors(converted / "text")
-    label = "text/model.safetensors.index.json"
-    steps = layout_program(d, list(located), p, layout, dtype, label)
-    plans: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[] for _ in range(tp)]
-    for step in steps:
-        metas = [torch.empty(located[n][1].shape, dtype=TORCH_DTYPES[located[n][1].dtype],
-                             device="meta") for n in step.sources]
-        for r, outs in enumerate(step.fn(*metas)):
-            plans[r] += [(n, t.dtype, tuple(t.shape)) for n, t in outs.items()]
-    sources = SourceFiles(sorted({path for path, _ in located.values()}))
+    source = open_converted(converted, files, digests)
     try:
+        steps = layout_program(d, list(source.specs), p, layout, dtype, source.label)
+        plans = _rank_plans(steps, source.specs, tp)
         with staged(Path(dst), directory=True) as tmp:
             (tmp / "weights").mkdir()
-            files = [PlannedFile(tmp / "weights" / f"tp{r}_sharded_checkpoint.safetensors", plans[r])
-                     for r in range(tp)]
-
-            def task(step: ShardStep):
-                def run() -> None:  # replicated and dim-0 slices are byte ranges: the kernel copies them
-                    mapped = MappedSources()
-                    inputs = [mapped.map(sources.fd(located[n][0]), located[n][1]) for n in step.sources]
-                    for f, outs in zip(files, step.fn(*inputs)):
-                        for n, t in outs.items():
-                            f.write(n, t, mapped)
-                return run
-
+            out = [PlannedFile(tmp / "weights" / f"tp{r}_sharded_checkpoint.safetensors", plans[r])
+                   for r in range(tp)]
             try:
-                run_all([task(s) for s in steps], workers)
+                with torch_ops_in_caller_threads():
+                    _write_units(_units(source.producers(), steps), out, workers)
             except BaseException:
-                for f in files:
+                for f in out:
                     f.discard()
                 raise
-            for f in files:
+            for f in out:
                 f.close()
             report = {
                 "format": FORMAT_VERSION, "layout": layout, "dtype": dtype, "tp": tp, "ep": ep, "moe_tp": p.moe_tp,
                 "fused_qkv": fused_qkv, "pad_intermediate_to": pad_intermediate_to,
-                "files": [f.path.name for f in files],
+                "files": [f.path.name for f in out],
                 "tensors_per_rank": len(plans[0]),
-                "bytes_per_rank": [sum(s.nbytes for s in f.slots.values()) for f in files],
+                "bytes_per_rank": [sum(s.nbytes for s in f.slots.values()) for f in out],
             }
             if layout != "cpu":  # the cpu layout's shard.json, and so its output digest, stays as it was
                 report["dense_tp"] = p.dense_tp
             write_json(tmp / "shard.json", report)
     finally:
-        sources.close()
+        source.close()
     return report
+
+
+def _rank_plans(steps: list[ShardStep], specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                tp: int) -> list[list[tuple[str, torch.dtype, tuple[int, ...]]]]:
+    """Every rank file's tensors (name, dtype, shape), learnt by running the shard steps on meta tensors."""
+    plans: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = [[] for _ in range(tp)]
+    for step in steps:
+        metas = [torch.empty(specs[n][1], dtype=specs[n][0], device="meta") for n in step.sources]
+        for r, outs in enumerate(step.fn(*metas)):
+            plans[r] += [(n, t.dtype, tuple(t.shape)) for n, t in outs.items()]
+    return plans
+
+
+@dataclass
+class _Unit:
+    """Producers and the shard steps that read what they make, run together: what they hold in memory at once."""
+    producers: list[Producer] = field(default_factory=list)
+    steps: list[ShardStep] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.producers)
+
+
+def _units(producers: list[Producer], steps: list[ShardStep]) -> list[_Unit]:
+    """Group producers with the shard steps that read their tensors: a step reading the outputs of several producers
+    (a fused Wqkv) joins them, and a producer making the inputs of several steps (the q/gate split, FP8 weight and
+    scale) runs once for all of them. Steps without sources (rank tensors) make units of their own."""
+    owner = {n: i for i, prod in enumerate(producers) for n in prod.names}
+    root = list(range(len(producers)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    for step in steps:
+        first, *rest = [owner[n] for n in step.sources] or [None]
+        for other in rest:
+            root[find(other)] = find(first)
+    units: dict[object, _Unit] = {}
+    for i, prod in enumerate(producers):
+        units.setdefault(find(i), _Unit()).producers.append(prod)
+    for k, step in enumerate(steps):
+        group = find(owner[step.sources[0]]) if step.sources else ("alone", k)
+        units.setdefault(group, _Unit()).steps.append(step)
+    return [u for u in units.values() if u.steps]
+
+
+# Units run side by side while their inputs total at most this many times the biggest unit's: the biggest never
+# runs beside another as big (peak memory stays under 2x the largest tensor: each unit holds its mapped inputs and
+# one rank's copy), while a big unit and a smaller one overlap their copies and their writes.
+_UNITS_BUDGET = 1.5
+
+
+def _write_units(units: list[_Unit], files: list[PlannedFile], workers: int) -> None:
+    """Run every unit into the rank files, biggest first, `workers` at a time within the memory budget."""
+    def task(unit: _Unit):
+        def run() -> None:  # replicated and dim-0 slices of mapped bytes are byte ranges: the kernel copies them
+            mapped = MappedSources()
+            tensors: dict[str, torch.Tensor] = {}
+            for prod in unit.producers:
+                tensors.update(prod.run(mapped))
+            for step in unit.steps:
+                for f, outs in zip(files, step.fn(*(tensors[n] for n in step.sources))):
+                    for n, t in outs.items():
+                        f.write(n, t, mapped)
+        return run
+
+    units = sorted(units, key=lambda u: -u.nbytes)
+    budget = int(_UNITS_BUDGET * max((u.nbytes for u in units), default=0))
+    run_bounded([(u.nbytes, task(u)) for u in units], workers, budget)
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
@@ -327,19 +387,3 @@ def unpack_rank(rank: int, shard: Mapping[str, torch.Tensor], arch: Arch, tp: in
             continue
         out[name] = tensor
     return out
-
-
-def _converted_tensors(text_dir: Path) -> dict[str, tuple[Path, Entry]]:
-    """name -> (file, entry) of a converted text directory, in index order."""
-    index = text_dir / "model.safetensors.index.json"
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError("text/model.safetensors.index.json", f"cannot be read ({e.__class__.__name__})") from None
-    headers = {f: read_header(text_dir / f, f"text/{f}") for f in sorted(set(weight_map.values()))}
-    located = {}
-    for name, f in weight_map.items():
-        if name not in headers[f]:
-            raise CheckpointError(f"text/{f}", "is listed in the index but absent from the file", name)
-        located[name] = (text_dir / f, headers[f][name])
-    return located

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -97,3 +98,19 @@ class SourceFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+@contextmanager
+def torch_ops_in_caller_threads() -> Iterator[None]:
+    """torch's own thread pool off for the block (one intra-op thread), restored after. Streaming runs its own
+    threads, each copying one step's tensors in many small ops (an expert at a time); an intra-op pool beside them
+    spins at every op's barrier, which measured 4-10x slower than one thread on a loaded 2-core host. Copies and
+    casts only: no float sum depends on it."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
