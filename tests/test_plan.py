@@ -147,7 +147,11 @@ def test_plan_never_imports_torch_and_plans_shipped_recipes_offline(tmp_path):
         compiles = [by_id[nid] for role, nid in entry["nodes"].items() if role.startswith("compile")]
         text = [n for n in compiles if n["params"]["graph"] == "text"]
         assert len(text) == 1, name
-        assert text[0]["neffs"] == len(text[0]["params"]["cte_buckets"]) + len(text[0]["params"]["tkg_buckets"])
+        params = text[0]["params"]
+        # With prefix caching each CTE bucket is compiled once per prefix length, prefix 0 included.
+        prefixes = 1 + len((params.get("block_kv") or {}).get("prefix_buckets", ()))
+        assert text[0]["neffs"] == len(params["cte_buckets"]) * prefixes + len(params["tkg_buckets"]), name
+    assert by_id[plan["recipes"]["36-27b-fp8-128k"]["nodes"]["compile text"]]["neffs"] == 3
 
 
 def test_plan_tree_names_status_and_why(tmp_path, tiny_checkpoints):

@@ -71,7 +71,13 @@ def test_the_plan_of_each_shipped_recipe_says_what_it_writes(tmp_path):
     tree = subprocess.run([sys.executable, "-m", "qbuild.cli", "plan", "recipes/35b-a3b-tp8.yaml", "--lock",
                            str(tmp_path / "artifacts.lock")], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"})
-    assert "writes ~65.5 GiB (1.00x the model's 65.4 GiB)" in tree.stdout, tree.stdout[:400]
+    # The tree's headline says what the JSON says, in GiB.
+    import re
+    b = doc["recipes"]["35b-a3b-tp8"]["bytes"]
+    m = re.search(r"writes ~([\d.]+) GiB \(([\d.]+)x the model's ([\d.]+) GiB\)", tree.stdout)
+    assert m, tree.stdout[:400]
+    assert float(m[1]) == round(b["written"] / 2**30, 1) and float(m[3]) == round(b["model"] / 2**30, 1), (m[0], b)
+    assert float(m[2]) == round(b["ratio"], 2), (m[0], b)
 
 
 def test_keep_intermediates_builds_the_materialised_weights_and_leaves_the_lock_alone(tmp_path, dense_project):
