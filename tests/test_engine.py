@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -298,3 +300,57 @@ def test_concurrent_processes_build_each_node_once(tmp_path, processes):
     assert len({o[0] for o in outs}) == 1, "processes saw different results"
     starts = [e["node"] for e in read_log(log) if e["event"] == "start"]
     assert sorted(starts) == ["a", "b", "c", "d"], f"nodes built more than once: {starts}"
+
+
+_COUNT_LOCK_READS = textwrap.dedent("""
+    import json, sys
+    from tests.remote_actions import register_fake_actions
+    register_fake_actions()
+    from qbuild.store import lock as lockmod
+    seen = {"reads": 0, "merges": 0, "writes": 0}
+    merging = []
+    read, update, atomic_write = lockmod.read, lockmod.update, lockmod.atomic_write
+
+    def counted_read(path):
+        seen["merges" if merging else "reads"] += 1
+        return read(path)
+
+    def counted_update(*args):
+        merging.append(True)
+        try:
+            return update(*args)
+        finally:
+            merging.pop()
+
+    def counted_write(path, data):
+        seen["writes"] += 1
+        return atomic_write(path, data)
+
+    lockmod.read, lockmod.update, lockmod.atomic_write = counted_read, counted_update, counted_write
+    from qbuild.cli import app
+    try:
+        app(["compile", "--all", "--mem", "1T", "--store", "store"], standalone_mode=False)
+    finally:
+        print(json.dumps(seen))
+""")
+
+
+def test_a_compile_reads_the_lockfile_once_and_one_that_changes_nothing_writes_nothing(tmp_path):
+    """The workspace reads the lockfile once and hands the document down; each write merges into the file under its
+    directory's lock (reading it there, as other processes write too), and a build whose entries are the lock's
+    neither merges nor writes."""
+    from tests.conftest import REPO
+    from tests.test_remote_pipeline import make_project
+
+    project = make_project(tmp_path / "p")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+
+    def compile_() -> dict:
+        proc = subprocess.run([sys.executable, "-c", _COUNT_LOCK_READS], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    first = compile_()
+    assert first["reads"] == 1 and first["writes"] >= 1 and first["merges"] >= first["writes"], first
+    assert compile_() == {"reads": 1, "merges": 0, "writes": 0}

@@ -31,7 +31,7 @@ from qbuild.planning.keys import REGISTRY, PlanKeys, Registry
 from qbuild.planning.plan import Node, Plan
 from qbuild.store import StoreSpec
 from qbuild.store.local import CorruptBlobError
-from qbuild.store.lock import refusal
+from qbuild.store.lock import other_bytes
 from qbuild.store.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -200,7 +200,7 @@ class _Run:
 
     def accept(self, nid: str, manifest: Manifest, how: Literal["cached", "built"], seconds: float = 0.0) -> None:
         node = self.plan.nodes[nid]
-        refused = refusal(node.name, how, manifest, self.locked_digest(nid, manifest.key))
+        refused = other_bytes(node.name, how, manifest, self.locked_digest(nid, manifest.key))
         if refused is not None:
             return self.fail(nid, refused)
         self.sched.done(nid)

@@ -27,7 +27,7 @@ from typing import Iterator
 from qbuild.build.actions import RunContext
 from qbuild.core.errors import BuildError, InfraError, QbuildError
 from qbuild.store import Store, StoreSpec
-from qbuild.store.lock import refusal
+from qbuild.store.lock import other_bytes
 from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest
 
@@ -58,7 +58,7 @@ class Job:
     context: dict = field(default_factory=dict)
     backend: str | None = None       # the backend whose code the node runs (part of its action source)
     locked_digest: str | None = None  # the lock's output under this key: a build of other bytes is refused before
-                                      # it is committed or pushed (qbuild.store.lock.refusal)
+                                      # it is committed or pushed (qbuild.store.lock.other_bytes)
 
 
 def run_job(job: Job) -> Manifest:
@@ -121,7 +121,7 @@ def _refuse_other_bytes(job: Job, manifest: Manifest, how: str) -> None:
     """Refuse a result under the job's key whose digest is not the lock's for that key, before it is committed or
     pushed: it never becomes the key's entry, here or on a remote (a refused build's blobs stay unnamed until gc
     takes them)."""
-    refused = refusal(job.name, how, manifest, job.locked_digest)
+    refused = other_bytes(job.name, how, manifest, job.locked_digest)
     if refused is not None:
         raise BuildError(refused)
 

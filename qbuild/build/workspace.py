@@ -119,14 +119,14 @@ class Workspace:
         self._check_sources(plan)
         # --frozen compares the whole lock once the build is done; --update accepts what the build gives.
         locked = {} if frozen or update else locking.locked_entries(plan, self.lock_doc)
-        result = self._build(plan, options, executor_factory, on_event, locked, write=not frozen)
+        result = self._run(plan, options, executor_factory, on_event, locked, write=not frozen)
         if frozen and locking.frozen_changes(plan, self.lock_doc, self._lock_entries(plan, result), rebuilt):
             raise BuildError(f"{self.lock_path}: --frozen, but this build would change the lockfile; "
                              "run `qbuild compile` without --frozen and commit the lockfile")
         return plan, result, rebuilt
 
-    def _build(self, plan: Plan, options: BuildOptions, executor_factory: Callable, on_event: Callable[[Event], None],
-               locked: dict[str, lockmod.LockedNode], write: bool) -> BuildResult:
+    def _run(self, plan: Plan, options: BuildOptions, executor_factory: Callable, on_event: Callable[[Event], None],
+             locked: dict[str, lockmod.LockedNode], write: bool) -> BuildResult:
         """Run the engine under a lease, so that a concurrent `qbuild gc` keeps what this build uses until the lockfile
         names it; with `write`, the lock entries of each step are written as soon as it succeeds, so an interrupted
         run keeps them, and once more with the whole result (a failed verify is recorded)."""
@@ -194,7 +194,12 @@ class Workspace:
         return json.loads(self.store.blob_path(snapshot["digest"]).read_text())
 
     def _write_lock(self, plan: Plan, result: BuildResult) -> bool:
-        return lockmod.update(self.lock_path, *self._lock_entries(plan, result))
+        """Merge the result's entries into the lockfile on disk (lock.update), unless they are what it held when this
+        command read it: a build that changed nothing reads it once and writes nothing."""
+        recipes, nodes = self._lock_entries(plan, result)
+        if self.lock_path.exists() and lockmod.same(lockmod.merge(self.lock_doc, recipes, nodes), self.lock_doc):
+            return False
+        return lockmod.update(self.lock_path, recipes, nodes)
 
     # --- pins and checks -------------------------------------------------------------------------------------
     def update_pins(self, recipes: list[LoadedRecipe]) -> list[PinMove]:

@@ -276,7 +276,7 @@ class LockedNode:
         return self.digest if key == self.key else None
 
 
-def refusal(name: str, how: str, manifest: Manifest, locked_digest: str | None) -> str | None:
+def other_bytes(name: str, how: str, manifest: Manifest, locked_digest: str | None) -> str | None:
     """Why `manifest`, the result of node `name` (`how`: "built" or "cached"), must not be accepted: the lock holds
     `locked_digest` as the output under its key (LockedNode.digest_under), and its own digest is another (an input
     changed outside the key, or a store or remote holds other bytes under it). None where it may be accepted."""
