@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.core import jsonio
+from qbuild.core.units import human_bytes
 
 if TYPE_CHECKING:
     from qbuild.build.engine import BuildResult, Event
@@ -38,14 +39,6 @@ def console_out():
     from rich.console import Console
 
     return Console(highlight=False)
-
-
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _label(plan: Plan, nid: str, st: NodeStatus) -> str:
@@ -351,7 +344,8 @@ class BuildProgress:
             self.running.pop(name, None)
         line = {"start": f"start  {name}", "built": f"built  {name} ({e.seconds:.1f}s)",
                 "failed": f"FAILED {name}: {e.error}",
-                "corrupt": f"CORRUPT input of {name}: {e.error}", "skipped": f"skip   {name}: {e.error}"}.get(e.kind)
+                "corrupt": f"CORRUPT input of {name}: {e.error}", "missing": f"MISSING input of {name}: {e.error}",
+                "skipped": f"skip   {name}: {e.error}"}.get(e.kind)
         if e.kind == "cached":
             line = None  # quiet when things are fine
         if line:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -9,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.build.engine import BuildOptions, build
+from qbuild.build.engine import BuildOptions, build, raise_for
 from qbuild.build.executors.local import LocalExecutor
 from qbuild.planning.keys import REGISTRY
 from qbuild.planning.plan import Plan, _add
+from qbuild.core.errors import UserError
 from qbuild.store import LocalStore, StoreSpec
+from qbuild.store.lock import LockedNode
 from tests.engine_actions import TEST_REGISTRY, read_log
 
 GIB = 1 << 30
@@ -107,12 +111,81 @@ def test_memory_budget_is_never_exceeded(tmp_path):
         assert in_use <= 10, f"{in_use} GiB running at once"
 
 
-def test_node_over_budget_fails_clearly(tmp_path):
+def test_node_over_budget_fails_clearly_as_bad_input(tmp_path):
     log = tmp_path / "log"
     plan = _graph(log, [("huge", "test-sleep", [], 64)])
-    result, _ = _run(plan, tmp_path / "store", mem_budget=8 * GIB)
+    result, _ = _run(plan, tmp_path / "store", mem_budget=8 * GIB, mem_source="--mem 8G")
     (error,) = result.failed.values()
-    assert "huge needs ~64.0 GiB" in error and "--mem" in error
+    assert error == "huge needs ~64.0 GiB alone, more than the whole memory budget of 8.0 GiB (--mem 8G); give at " \
+        "least that"
+    # The budget, not the step, is what must change: exit 2, and nothing ran.
+    assert list(result.failed_codes.values()) == [UserError.exit_code] and not read_log(log)
+    with pytest.raises(UserError):
+        raise_for(result, plan)
+
+
+def test_a_built_result_other_than_the_locked_one_under_its_key_is_refused_before_it_is_committed(tmp_path):
+    """The worker refuses it (the job carries the locked digest): it never becomes the key's entry, so neither a
+    later build nor a push can take it."""
+    log, root = tmp_path / "log", tmp_path / "store"
+    plan = _graph(log, [("a", "test-sleep", [], 1)], seconds=0.01)
+    result, _ = _run(plan, root)
+    (nid, built), = result.manifests.items()
+    store = LocalStore(root)
+    store.manifest_path(built.key).unlink()
+    locked = {nid: LockedNode(built.key, built.preimage, "0" * 64)}
+    again = build(plan, store, StoreSpec(local=str(root)), lambda: LocalExecutor(1), BuildOptions(), lambda e: None,
+                  TEST_REGISTRY, locked)
+    (error,) = again.failed.values()
+    assert error.startswith(f"a: the built output {built.digest[:12]} differs from the locked 000000000000 under the "
+                            f"same key {built.key[:16]}"), error
+    assert store.get_manifest(built.key) is None
+
+
+class _GcAfterLookup(LocalStore):
+    """A store whose entry of `key` loses its blobs right after the first lookup finds it: gc removed them between
+    the lookup and the use."""
+
+    def __init__(self, root: Path, key: str):
+        super().__init__(root)
+        self.key, self.fired = key, False
+
+    def get_manifest(self, key):
+        manifest = super().get_manifest(key)
+        if manifest is not None and key == self.key and not self.fired:
+            self.fired = True
+            for out in manifest.outputs.values():
+                self.blob_path(out["digest"]).unlink()
+        return manifest
+
+
+def test_an_input_removed_meanwhile_is_reported_missing_and_its_producer_is_rebuilt(tmp_path):
+    log, root = tmp_path / "log", tmp_path / "store"
+    first = _graph(log, [("a", "test-sleep", [], 1)], seconds=0.01)
+    result, _ = _run(first, root)
+    (a_key,) = [m.key for m in result.manifests.values()]
+    second = _graph(log, [("a", "test-sleep", [], 1), ("b", "test-sleep", ["a"], 1)], seconds=0.01)
+    events = []
+    result = build(second, _GcAfterLookup(root, a_key), StoreSpec(local=str(root)), lambda: LocalExecutor(1),
+                   BuildOptions(), events.append, TEST_REGISTRY)
+    assert result.ok, result.failed
+    assert [(e.kind, e.node.name) for e in events if e.kind in ("missing", "corrupt")] == [("missing", "b")]
+    # b's first run stopped at laying out its input, before its action began.
+    assert [e["node"] for e in read_log(log) if e["event"] == "start"] == ["a", "a", "b"]
+    assert sorted(second.nodes[n].name for n in result.built) == ["a", "b"] and result.cached == []
+
+
+def test_progress_names_a_missing_input_missing_and_a_corrupt_one_corrupt(capsys):
+    from qbuild.build.engine import Event
+    from qbuild.render import BuildProgress
+
+    plan = _graph(Path("log"), [("b", "test-sleep", [], 1)])
+    (node,) = plan.nodes.values()
+    progress = BuildProgress()
+    progress.on_event(Event("missing", node, error="x: stored blob 1234 is missing from the store"))
+    progress.on_event(Event("corrupt", node, error="corrupt blob 5678"))
+    assert capsys.readouterr().err.splitlines() == ["MISSING input of b: x: stored blob 1234 is missing from the store",
+                                                    "CORRUPT input of b: corrupt blob 5678"]
 
 
 def test_failure_is_not_cached_and_stops_by_default(tmp_path):
@@ -227,3 +300,57 @@ def test_concurrent_processes_build_each_node_once(tmp_path, processes):
     assert len({o[0] for o in outs}) == 1, "processes saw different results"
     starts = [e["node"] for e in read_log(log) if e["event"] == "start"]
     assert sorted(starts) == ["a", "b", "c", "d"], f"nodes built more than once: {starts}"
+
+
+_COUNT_LOCK_READS = textwrap.dedent("""
+    import json, sys
+    from tests.remote_actions import register_fake_actions
+    register_fake_actions()
+    from qbuild.store import lock as lockmod
+    seen = {"reads": 0, "merges": 0, "writes": 0}
+    merging = []
+    read, update, atomic_write = lockmod.read, lockmod.update, lockmod.atomic_write
+
+    def counted_read(path):
+        seen["merges" if merging else "reads"] += 1
+        return read(path)
+
+    def counted_update(*args):
+        merging.append(True)
+        try:
+            return update(*args)
+        finally:
+            merging.pop()
+
+    def counted_write(path, data):
+        seen["writes"] += 1
+        return atomic_write(path, data)
+
+    lockmod.read, lockmod.update, lockmod.atomic_write = counted_read, counted_update, counted_write
+    from qbuild.cli import app
+    try:
+        app(["compile", "--all", "--mem", "1T", "--store", "store"], standalone_mode=False)
+    finally:
+        print(json.dumps(seen))
+""")
+
+
+def test_a_compile_reads_the_lockfile_once_and_one_that_changes_nothing_writes_nothing(tmp_path):
+    """The workspace reads the lockfile once and hands the document down; each write merges into the file under its
+    directory's lock (reading it there, as other processes write too), and a build whose entries are the lock's
+    neither merges nor writes."""
+    from tests.conftest import REPO
+    from tests.test_remote_pipeline import make_project
+
+    project = make_project(tmp_path / "p")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+
+    def compile_() -> dict:
+        proc = subprocess.run([sys.executable, "-c", _COUNT_LOCK_READS], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    first = compile_()
+    assert first["reads"] == 1 and first["writes"] >= 1 and first["merges"] >= first["writes"], first
+    assert compile_() == {"reads": 1, "merges": 0, "writes": 0}

@@ -242,22 +242,57 @@ def test_a_remote_entry_whose_blob_is_gone_is_rebuilt_not_cached_and_a_push_mend
 
 # --- a step that builds other bytes under its locked key -------------------------------------------------------------
 
-def test_a_step_rebuilt_into_other_bytes_under_its_locked_key_is_refused_until_update_accepts_it(tmp_path):
+def test_a_step_rebuilt_into_other_bytes_under_its_locked_key_is_refused_never_stored_nor_pushed(tmp_path, s3):
     """An input the key does not hold changed (tests/remote_actions' convert reads one from the environment, as a
     step reading a file outside its inputs would): the rebuilt output is refused, naming the node and both digests,
-    and the lock keeps the locked one."""
+    before its worker commits or pushes it, and the lock keeps the locked one; --update accepts it."""
     project = make_project(tmp_path / "p")
     ok(run(project, "compile", "--all", "--mem", "1T"))
     convert = locked(project, "alpha", "convert")
     lock_before = (project / "artifacts.lock").read_bytes()
-    (project / "store" / "ac" / convert["key"][:2] / f"{convert['key']}.json").unlink()
+    entry = project / "store" / "ac" / convert["key"][:2] / f"{convert['key']}.json"
+    entry.unlink()
     changed = {"QBUILD_TEST_UNKEYED_INPUT": "something else"}
-    line = error_line(run(project, "compile", "--all", "--mem", "1T", extra=changed), 1)
+    prefix = f"refused-{tmp_path.name}"
+    line = error_line(run(project, "compile", "--all", "--mem", "1T", "--remote", f"s3://{BUCKET}/{prefix}",
+                          "--push", extra=changed, remote=True), 1)
     assert f"{convert['name']}: the built output " in line and \
         f"differs from the locked {convert['digest'][:12]} under the same key {convert['key'][:16]}" in line, line
     assert (project / "artifacts.lock").read_bytes() == lock_before
-    # The store now holds those bytes under the key: a plain build refuses them as cached, --update takes them.
-    line = error_line(run(project, "compile", "--all", "--mem", "1T"), 1)
-    assert f"{convert['name']}: the cached output " in line, line
-    ok(run(project, "compile", "--all", "--mem", "1T", "--update"))
+    # Neither the store nor the remote holds the refused bytes as the key's entry.
+    assert not entry.exists()
+    listed = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/ac/{convert['key'][:2]}/{convert['key']}")
+    assert listed.get("KeyCount", 0) == 0, listed
+    # So a build whose input is back as it was builds the locked bytes; --update takes the other ones.
+    ok(run(project, "compile", "--all", "--mem", "1T"))
+    assert (project / "artifacts.lock").read_bytes() == lock_before
+    entry.unlink()
+    ok(run(project, "compile", "--all", "--mem", "1T", "--update", extra=changed))
     assert locked(project, "alpha", "convert")["digest"] != convert["digest"]
+
+
+def test_a_shared_step_built_again_for_one_recipe_leaves_the_other_recipes_entry_whole(tmp_path):
+    """alpha and beta share their convert step; built again into other bytes for alpha alone (--update accepts them),
+    it changes alpha's entry, and beta's, left as it was, keeps the convert its bundle was built from: the lockfile
+    still agrees with itself, and beta's bundle is still the one it names."""
+    from qbuild.store import lock as lockmod
+
+    project = make_project(tmp_path / "p")
+    ok(run(project, "compile", "--all", "--mem", "1T"))
+    convert, beta = locked(project, "alpha", "convert"), lock_doc(project)["recipes"]["beta"]
+    (project / "store" / "ac" / convert["key"][:2] / f"{convert['key']}.json").unlink()
+    changed = {"QBUILD_TEST_UNKEYED_INPUT": "something else"}
+    ok(run(project, "compile", "recipes/alpha.yaml", "--mem", "1T", "--update", extra=changed))
+    doc = lockmod.read(project / "artifacts.lock")     # validated: every entry agrees with itself
+    assert locked(project, "alpha", "convert")["digest"] != convert["digest"]
+    kept = doc["recipes"]["beta"]
+    assert kept["bundle"] == beta["bundle"] and kept["nodes"]["convert"] == f"{beta['nodes']['convert']}@" \
+        f"{convert['digest'][:12]}"
+    assert doc["nodes"][kept["nodes"]["convert"]] == convert
+    assert {role: nid for role, nid in kept["nodes"].items() if role != "convert"} == \
+        {role: nid for role, nid in beta["nodes"].items() if role != "convert"}
+    # beta's entry holds it to its own convert: the new bytes are refused for it until --update accepts them.
+    error_line(run(project, "compile", "recipes/beta.yaml", "--mem", "1T", extra=changed), 1)
+    ok(run(project, "compile", "recipes/beta.yaml", "--mem", "1T", "--update", extra=changed))
+    assert locked(project, "beta", "convert") == locked(project, "alpha", "convert")
+    assert not any("@" in nid for nid in lock_doc(project)["nodes"])

@@ -806,7 +806,8 @@ def test_a_memory_budget_no_step_fits_is_bad_input_not_a_failed_step(project):
     proc = cli(project, "compile", "--all", "--mem", "1K")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: --mem 1K: ") and "needs ~" in last and "more than the whole budget" in last, last
+    assert last.startswith("error: ") and "needs ~" in last and \
+        "alone, more than the whole memory budget of 1.0 KiB (--mem 1K); give at least that" in last, last
     assert state(project / "store", project / "artifacts.lock") == before
 
 

@@ -48,7 +48,7 @@ verify: {verify}
 """
 VERIFY = {"new_tokens": 2, "prompts": ["Hello"], "top1_min": 0.5, "token_match_min": 0.5, "max_logit_err": 0.01}
 # Progress lines a build prints on stderr before an error (plain lines when stderr is not a terminal).
-PROGRESS = ("start  ", "built  ", "FAILED ", "skip   ", "CORRUPT ")
+PROGRESS = ("start  ", "built  ", "FAILED ", "skip   ", "CORRUPT ", "MISSING ")
 
 
 def write_recipe(root: Path, name: str, checkpoint: Path, text: str = TEXT, **verify) -> Path:

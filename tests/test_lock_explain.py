@@ -221,10 +221,10 @@ def _entry(nodes: dict[str, str], package: dict) -> dict:
             "bundle": package["digest"], "verified": False}
 
 
-def test_a_shared_node_whose_output_moved_drops_the_entries_it_no_longer_agrees_with():
+def test_a_shared_node_whose_output_moved_stays_locked_apart_for_the_recipe_built_from_the_old_one():
     """Two recipes share a conversion (one node id); a run rebuilds it into other bytes (a converter edit) and locks
-    the first recipe: the second's locked package was built from the old conversion, so its entry goes (its bundle
-    is built again later in the run, or by the next one) instead of making every later read refuse the lockfile."""
+    the first recipe: the second's locked package was built from the old conversion, so its entry keeps that
+    conversion under an id of its own, and the lockfile still agrees with itself (a later read would refuse it)."""
     from qbuild.store.lock_schema import first_inconsistency
 
     old_convert = _node("convert", {}, "old")
@@ -237,8 +237,15 @@ def test_a_shared_node_whose_output_moved_drops_the_entries_it_no_longer_agrees_
     new_pkg = _node("package", {"converted": new_convert["digest"]}, "a")
     merged = lockmod.merge(doc, {"alpha": _entry({"convert": "c", "package": "pa2"}, new_pkg)},
                            {"c": new_convert, "pa2": new_pkg})
-    assert sorted(merged["recipes"]) == ["alpha"] and sorted(merged["nodes"]) == ["c", "pa2"]
+    assert sorted(merged["recipes"]) == ["alpha", "beta"]
+    kept_id = merged["recipes"]["beta"]["nodes"]["convert"]
+    assert kept_id != "c" and merged["nodes"][kept_id] == old_convert and merged["nodes"]["c"] == new_convert
+    assert sorted(merged["nodes"]) == sorted(["c", "pa2", "pb", kept_id])
     assert first_inconsistency(merged) is None
+    # Locking beta again puts it back on the shared id, and the kept copy goes.
+    new_b = _node("package", {"converted": new_convert["digest"]}, "b")
+    again = lockmod.merge(merged, {"beta": _entry({"convert": "c", "package": "pb2"}, new_b)}, {"c": new_convert, "pb2": new_b})
+    assert sorted(again["nodes"]) == ["c", "pa2", "pb2"] and first_inconsistency(again) is None
     # An entry the merge leaves in agreement stays.
     kept = lockmod.merge(doc, {"alpha": doc["recipes"]["alpha"]}, {})
     assert sorted(kept["recipes"]) == ["alpha", "beta"]

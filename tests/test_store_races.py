@@ -184,6 +184,47 @@ def test_materialize_removes_a_corrupt_blob_and_says_so(tmp_path):
     assert not blob.exists()
 
 
+def test_a_remote_hit_whose_blob_gc_removes_as_it_is_recorded_stays_pending_and_comes_down_again(tmp_path,
+                                                                                                  monkeypatch):
+    """A remote hit whose blobs are all local already is recorded in the local store as it is looked up. gc removing
+    one of its blobs just before that write is LocalStore.put_manifest's refusal (missing), which leaves the entry to
+    be recorded once its blobs are here, never an error of the lookup."""
+    from qbuild.store.remote import RemoteStore, push_manifests
+    from qbuild.store.s3 import S3Remote
+    from tests.s3server import s3_env, shared_server
+
+    server = shared_server()
+    for k, v in s3_env(server.endpoint).items():
+        monkeypatch.setenv(k, v)
+    try:
+        server.client().create_bucket(Bucket="qb-races")
+    except server.client().exceptions.BucketAlreadyOwnedByYou:
+        pass
+    writer = LocalStore(tmp_path / "writer")
+    entry = _entry(writer, "remote-hit")
+    remote = S3Remote(f"s3://qb-races/{tmp_path.name}")
+    push_manifests(writer, remote, [entry])
+    local = LocalStore(tmp_path / "reader")
+    for blob in _blobs(writer, entry):      # downloaded already (by a worker process), the manifest not written
+        shutil.copyfile(blob, tmp_path / blob.name)
+        local.put_file(tmp_path / blob.name, blob.name)
+    put_manifest, fired = local.put_manifest, []
+
+    def gc_first(manifest: Manifest) -> None:
+        if not fired:
+            fired.append(True)
+            for blob in _blobs(local, manifest):
+                blob.unlink()
+        put_manifest(manifest)
+
+    monkeypatch.setattr(local, "put_manifest", gc_first)
+    reader = RemoteStore(local, remote)
+    assert reader.get_manifest(entry.key) == entry and fired
+    assert not local.manifest_path(entry.key).exists()
+    reader.ensure_blobs(entry.outputs)
+    assert local.get_manifest(entry.key) == entry
+
+
 # --- gc --------------------------------------------------------------------------------------------------------------
 
 def _gc(store: LocalStore, *locks: Path):

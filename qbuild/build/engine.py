@@ -1,15 +1,18 @@
 """The engine: walks the plan, runs what is not cached on an executor, and reports each step as an event.
 
-Scheduling respects three limits at once: the dependency order, the number of jobs (-j), and a memory budget
-(each node declares its estimated peak; running nodes never sum past the budget). A node's key is computed when
-its inputs' digests are known (for a node whose output is not portable, with this host's platform tag); a hit in the
-store skips it. By default the first failure stops new work (the
-steps already running finish and are kept); with keep_going, only the failed node's dependents are skipped.
+What may start when is the scheduler's answer (qbuild.build.scheduler: the dependency order, the number of jobs (-j),
+and a memory budget: each node declares its estimated peak, and running nodes never sum past the budget; a node
+larger than the whole budget is refused as bad input). The loop here does the work around it: a ready node is keyed
+with its inputs' digests (qbuild.planning.keys.PlanKeys; for a node whose output is not portable, with this host's
+platform tag), a hit in the store skips it, a miss runs on the executor. By default the first failure stops new work
+(the steps already running finish and are kept); with keep_going, only the failed node's dependents are skipped. A
+step whose input turns out corrupt or missing runs again after that input's producer is built again.
 
 A node whose key is the one the lock holds for it must have the lock's output: a result under that key with another
 digest (built from an input that changed outside the key, or cached in a store or remote that holds other bytes
-under it) fails the node, naming both digests, before anything uses it. The caller passes no lock entries where it
-accepts other bytes (`compile --update`) or compares the whole lock itself (`--frozen`).
+under it) fails the node, naming both digests, before anything uses it; a worker refuses such a result before it
+commits or pushes it (the job carries the locked digest). The caller passes no lock entries where it accepts other
+bytes (`compile --update`) or compares the whole lock itself (`--frozen`).
 """
 
 from __future__ import annotations
@@ -19,13 +22,16 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Mapping, Protocol
 
-from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
 from qbuild.build.job import Job
-from qbuild.core.platform import host_tag
-from qbuild.planning.keys import REGISTRY, Registry, key_node, portability
+from qbuild.build.scheduler import UNSTARTED, Scheduler
+from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
+from qbuild.core.units import human_bytes
+from qbuild.planning.graph import graph_of
+from qbuild.planning.keys import REGISTRY, PlanKeys, Registry
 from qbuild.planning.plan import Node, Plan
 from qbuild.store import StoreSpec
 from qbuild.store.local import CorruptBlobError
+from qbuild.store.lock import other_bytes
 from qbuild.store.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -40,7 +46,8 @@ class Executor(Protocol):
 
 @dataclass
 class Event:
-    kind: Literal["cached", "start", "built", "failed", "skipped", "corrupt"]
+    # "corrupt" / "missing": an input of the node was corrupt / gone from the store; its producer is built again
+    kind: Literal["cached", "start", "built", "failed", "skipped", "corrupt", "missing"]
     node: Node
     manifest: Manifest | None = None
     error: str | None = None
@@ -62,11 +69,19 @@ class BuildResult:
     def ok(self) -> bool:
         return not self.failed and not self.skipped
 
+    def forget(self, nid: str) -> None:
+        """Drop a finished node's result: it is built again."""
+        self.manifests.pop(nid, None)
+        for bucket in (self.cached, self.built):
+            if nid in bucket:
+                bucket.remove(nid)
+
 
 @dataclass
 class BuildOptions:
     jobs: int = 1
     mem_budget: int | None = None       # bytes; None = no limit
+    mem_source: str = "--mem"           # where the budget came from, as a refusal names it ("--mem 20G")
     keep_going: bool = False
     strict: bool = False                # any node that would have to be built is an error
     skip_device: bool = False           # a device step no worker can run is left unbuilt instead of failing, and
@@ -78,221 +93,147 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
           locked: Mapping[str, LockedNode] | None = None) -> BuildResult:
     """Build every node of `plan`, keying each with its inputs' digests as they are cached or built. `locked` (node id
     -> the lock's entry for it): a result under a locked key must have the locked digest (see the module docstring)."""
-    order = list(plan.nodes)
-    waiting = list(order)                                       # not started yet, in topological order
-    retries: dict[str, int] = {}
-    result = BuildResult()
-    running: dict[Future, tuple[str, float]] = {}
-    mem_in_use = 0
-    executor: Executor | None = None
-    stop = False
-    portable = portability(plan, registry)
-    wanted = {nid for pr in plan.recipes.values() for nid in (pr.bundle, pr.verify)}
-    users: dict[str, list[str]] = {nid: [] for nid in plan.nodes}
-    for nid, node in plan.nodes.items():
-        for dep in set(node.deps.values()):
-            users[dep].append(nid)
-
-    def fail(nid: str, error: str, code: int = BuildError.exit_code, output: list[str] | None = None) -> None:
-        nonlocal stop
-        result.failed[nid] = error
-        result.failed_codes[nid] = code
-        on_event(Event("failed", plan.nodes[nid], error=error, output=output))
-        for dep in _dependents(plan, nid, waiting):
-            waiting.remove(dep)
-            result.skipped.append(dep)
-            on_event(Event("skipped", plan.nodes[dep], error=f"input {plan.nodes[nid].name} failed"))
-        if not options.keep_going:
-            stop = True
-
-    def _only_for_unbuilt(nid: str) -> dict[str, str]:
-        """{device step: why it is left unbuilt} when those steps are the only reason to build `nid`, else {}.
-        A recipe's bundle and its verify are what a build is for, so they always count as a reason."""
-        if nid in wanted or not users[nid]:
-            return {}
-        left: dict[str, str] = {}
-        for user in users[nid]:
-            node = plan.nodes[user]
-            why = executor.capacity_check(node) if node.needs_device else None
-            if why is not None:
-                left[user] = why
-            elif user in result.deferred:
-                left[user] = "left unbuilt"
-            elif sub := _only_for_unbuilt(user):
-                left.update(sub)
-            else:
-                return {}
-        return left
-
-    def defer(nid: str, why: str) -> None:
-        result.deferred.append(nid)
-        on_event(Event("skipped", plan.nodes[nid], error=f"left unbuilt (--skip-device): {why}"))
-        for dep in _dependents(plan, nid, waiting):
-            waiting.remove(dep)
-            result.deferred.append(dep)
-            on_event(Event("skipped", plan.nodes[dep], error=f"input {plan.nodes[nid].name} left unbuilt"))
-
+    run = _Run(plan, store, spec, executor_factory, options, on_event, registry, locked or {})
     try:
-        while True:
-            progressed = False
-            for nid in list(waiting):
-                node = plan.nodes[nid]
-                if stop or nid not in waiting or not all(d in result.manifests for d in node.deps.values()):
-                    continue
-                nk = key_node(node, {d: result.manifests[d].digest for d in node.deps.values()}, registry,
-                              None if portable[nid] else host_tag())
-                pre, key = nk.preimage, nk.key
-                hit = store.get_manifest(key)
-                if hit is not None:
-                    waiting.remove(nid)
-                    progressed = True
-                    if drift := _drift(node, hit, "cached", locked):
-                        fail(nid, drift)
-                        continue
-                    result.manifests[nid] = hit
-                    result.cached.append(nid)
-                    on_event(Event("cached", node, hit))
-                    continue
-                problem = None
-                if options.strict:
-                    problem = f"{node.name} is not in the store (key {key[:16]}) and --strict forbids building it"
-                elif options.mem_budget is not None and node.est_peak_bytes > options.mem_budget:
-                    problem = (f"{node.name} needs ~{node.est_peak_bytes / 2**30:.1f} GiB, over the memory budget "
-                               f"of {options.mem_budget / 2**30:.1f} GiB (--mem)")
-                else:
-                    if executor is None:
-                        store.check_writable()   # a read-only or unusable store fails here, before any step runs
-                        executor = executor_factory()
-                    problem = executor.capacity_check(node)
-                if problem is not None and node.needs_device and options.skip_device:
-                    waiting.remove(nid)
-                    defer(nid, problem)
-                    progressed = True
-                    continue
-                if problem is None and options.skip_device and (left := _only_for_unbuilt(nid)):
-                    # A step whose every use is a device step this host leaves unbuilt (the reference of a neuron
-                    # verify) would be built for nothing: the device host that verifies builds it, for its platform.
-                    for dev, why in left.items():
-                        if dev in waiting:
-                            waiting.remove(dev)
-                            defer(dev, why)
-                    waiting.remove(nid)
-                    defer(nid, "only " + ", ".join(plan.nodes[d].name for d in left) + " needs it")
-                    progressed = True
-                    continue
-                if problem is not None:
-                    waiting.remove(nid)
-                    fail(nid, problem + (", or pass --skip-device to leave it unbuilt" if node.needs_device else ""))
-                    progressed = True
-                    continue
-                if len(running) >= options.jobs:
-                    break
-                if options.mem_budget is not None and mem_in_use + node.est_peak_bytes > options.mem_budget:
-                    continue
-                job = Job(node_id=nid, kind=node.kind, name=node.name, key=key, preimage=pre, params=node.params,
-                          inputs={name: result.manifests[d].outputs for name, d in node.deps.items()},
-                          store_spec=spec, entry=registry[node.kind].entry, context=node.context,
-                          backend=node.backend)
-                waiting.remove(nid)
-                running[executor.submit(job, node)] = (nid, time.monotonic())
-                mem_in_use += node.est_peak_bytes
-                on_event(Event("start", node))
-                progressed = True
-            if not running:
-                if progressed and not stop:
-                    continue
-                break
-            done, _ = wait(list(running), return_when=FIRST_COMPLETED)
-            for fut in done:
-                nid, started = running.pop(fut)
-                mem_in_use -= plan.nodes[nid].est_peak_bytes
-                try:
-                    manifest = fut.result()
-                except CorruptBlobError as e:
-                    # An input was corrupt on disk: rebuild whatever produced it, then this node again.
-                    retries[nid] = retries.get(nid, 0) + 1
-                    if retries[nid] > 2:
-                        fail(nid, str(e), e.exit_code)
-                        continue
-                    on_event(Event("corrupt", plan.nodes[nid], error=str(e)))
-                    for producer in _closure(plan, set(plan.nodes[nid].deps.values())):
-                        m = result.manifests.get(producer)
-                        if m is not None and any(o["digest"] == e.digest for o in m.outputs.values()):
-                            _requeue(plan, producer, result, waiting)
-                    waiting.append(nid)
-                    waiting.sort(key=order.index)
-                    continue
-                except QbuildError as e:
-                    fail(nid, str(e), e.exit_code, getattr(e, "output", None))
-                    continue
-                except Exception as e:  # a worker that died (killed, out of memory) or an executor fault
-                    fail(nid, f"{plan.nodes[nid].name}: worker failed: {type(e).__name__}: {e}")
-                    continue
-                if drift := _drift(plan.nodes[nid], manifest, "cached" if manifest.meta.get("reused") else "built",
-                                   locked):
-                    fail(nid, drift)
-                    continue
-                result.manifests[nid] = manifest
-                if manifest.meta.get("reused"):
-                    result.cached.append(nid)
-                    on_event(Event("cached", plan.nodes[nid], manifest))
-                else:
-                    result.built.append(nid)
-                    on_event(Event("built", plan.nodes[nid], manifest, seconds=time.monotonic() - started,
-                                   output=manifest.meta.get("output")))
+        run.loop()
     finally:
-        if executor is not None:
-            executor.shutdown()
-    result.skipped.extend(n for n in waiting if n not in result.skipped)
-    return result
+        if run.executor is not None:
+            run.executor.shutdown()
+    run.result.skipped.extend(run.sched.unstarted())     # what a stopped build did not get to
+    return run.result
 
 
-def _drift(node: Node, manifest: Manifest, how: str, locked: Mapping[str, LockedNode] | None) -> str | None:
-    """Why `manifest` (the node's result, `how`: "built" or "cached") must not be accepted: its key is the one the lock
-    holds for the node, its output digest is not. None when it may be."""
-    entry = (locked or {}).get(node.id)
-    if entry is None or entry.key != manifest.key or entry.digest == manifest.digest:
-        return None
-    return (f"{node.name}: the {how} output {manifest.digest[:12]} differs from the locked {entry.digest[:12]} under "
-            f"the same key {manifest.key[:16]}: an input changed outside the key, or the store or remote holds other "
-            "bytes under it; refusing it (run `qbuild compile --update` to accept it)")
+class _Run:
+    """One build: the scheduler's answers turned into store lookups, jobs on the executor, and events."""
 
+    def __init__(self, plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor],
+                 options: BuildOptions, on_event: Callable[[Event], None], registry: Registry,
+                 locked: Mapping[str, LockedNode]):
+        self.plan, self.store, self.spec, self.options = plan, store, spec, options
+        self.on_event, self.registry, self.locked = on_event, registry, locked
+        self.executor_factory = executor_factory
+        self.executor: Executor | None = None            # started at the first step to run
+        self.keys = PlanKeys(plan, registry)
+        self.sched = Scheduler(graph_of(plan), {nid: node.est_peak_bytes for nid, node in plan.nodes.items()},
+                               options.jobs, options.mem_budget, options.keep_going,
+                               wanted={nid for pr in plan.recipes.values() for nid in (pr.bundle, pr.verify)})
+        self.result = BuildResult()
+        self.jobs: dict[str, Job] = {}                    # queued node -> its job
+        self.running: dict[Future, tuple[str, float]] = {}   # -> (node id, when it started)
 
-def _requeue(plan: Plan, nid: str, result: BuildResult, waiting: list[str]) -> None:
-    """Forget a finished node's result so the scheduler evaluates it again (its entry is now a miss)."""
-    result.manifests.pop(nid, None)
-    for bucket in (result.cached, result.built):
-        if nid in bucket:
-            bucket.remove(nid)
-    if nid not in waiting:
-        waiting.append(nid)
-        order = list(plan.nodes)
-        waiting.sort(key=order.index)
+    def loop(self) -> None:
+        while True:
+            while (nid := self.sched.next_ready()) is not None:
+                self.decide(nid)
+            for nid in self.sched.admit():
+                self.running[self.executor.submit(self.jobs.pop(nid), self.plan.nodes[nid])] = (nid, time.monotonic())
+                self.on_event(Event("start", self.plan.nodes[nid]))
+            if not self.running:
+                return
+            done, _ = wait(list(self.running), return_when=FIRST_COMPLETED)
+            for future in done:
+                self.finish(future)
 
+    def decide(self, nid: str) -> None:
+        """Key a ready node; take its store entry, or refuse it, leave it unbuilt, or queue it to run."""
+        node = self.plan.nodes[nid]
+        nk = self.keys.key(nid, {dep: self.result.manifests[dep].digest for dep in node.deps.values()})
+        hit = self.store.get_manifest(nk.key)
+        if hit is not None:
+            return self.accept(nid, hit, "cached")
+        problem = self.refusal(node, nk.key)
+        if problem is not None and node.needs_device and self.options.skip_device:
+            return self.defer(nid, str(problem))
+        if problem is not None:
+            hint = ", or pass --skip-device to leave it unbuilt" if node.needs_device else ""
+            return self.fail(nid, str(problem) + hint, problem.exit_code)
+        if self.options.skip_device and (left := self.sched.needed_only_by(nid, self.cannot_run)):
+            # A step whose every use is a device step this host leaves unbuilt (the reference of a neuron verify)
+            # would be built for nothing: the device host that verifies builds it, for its platform.
+            for dev, why in left.items():
+                if self.sched.state[dev] in UNSTARTED:
+                    self.defer(dev, why)
+            return self.defer(nid, "only " + ", ".join(self.plan.nodes[d].name for d in left) + " needs it")
+        self.jobs[nid] = Job(node_id=nid, kind=node.kind, name=node.name, key=nk.key, preimage=nk.preimage,
+                             params=node.params, store_spec=self.spec, entry=self.registry[node.kind].entry,
+                             inputs={name: self.result.manifests[d].outputs for name, d in node.deps.items()},
+                             context=node.context, backend=node.backend,
+                             locked_digest=self.locked_digest(nid, nk.key))
+        self.sched.queue(nid)
 
-def _closure(plan: Plan, only: set[str]) -> set[str]:
-    out: set[str] = set()
-    stack = list(only)
-    while stack:
-        nid = stack.pop()
-        if nid not in out:
-            out.add(nid)
-            stack.extend(plan.nodes[nid].deps.values())
-    return out
+    def finish(self, future: Future) -> None:
+        nid, started = self.running.pop(future)
+        try:
+            manifest = future.result()
+        except CorruptBlobError as e:
+            return self.rerun(nid, e)
+        except QbuildError as e:
+            return self.fail(nid, str(e), e.exit_code, getattr(e, "output", None))
+        except Exception as e:  # a worker that died (killed, out of memory) or an executor fault
+            return self.fail(nid, f"{self.plan.nodes[nid].name}: worker failed: {type(e).__name__}: {e}")
+        how = "cached" if manifest.meta.get("reused") else "built"
+        self.accept(nid, manifest, how, time.monotonic() - started)
 
+    def refusal(self, node: Node, key: str) -> QbuildError | None:
+        """Why a miss is not built here: --strict, a step larger than the whole memory budget (bad input: the budget
+        must grow), or the executor's answer (this host or cluster cannot run it)."""
+        if self.options.strict:
+            return BuildError(f"{node.name} is not in the store (key {key[:16]}) and --strict forbids building it")
+        if self.sched.over_budget(node.id):
+            return UserError(f"{node.name} needs ~{human_bytes(node.est_peak_bytes)} alone, more than the whole "
+                             f"memory budget of {human_bytes(self.options.mem_budget)} ({self.options.mem_source}); "
+                             "give at least that")
+        if self.executor is None:
+            self.store.check_writable()   # a read-only or unusable store fails here, before any step runs
+            self.executor = self.executor_factory()
+        why = self.executor.capacity_check(node)
+        return None if why is None else BuildError(why)
 
-def _dependents(plan: Plan, nid: str, candidates: list[str]) -> list[str]:
-    out: list[str] = []
-    frontier = {nid}
-    changed = True
-    while changed:
-        changed = False
-        for other in candidates:
-            if other not in out and frontier & set(plan.nodes[other].deps.values()):
-                out.append(other)
-                frontier.add(other)
-                changed = True
-    return out
+    def cannot_run(self, nid: str) -> str | None:
+        """Why a device step can never run on this executor; None for any other step."""
+        node = self.plan.nodes[nid]
+        return self.executor.capacity_check(node) if node.needs_device else None
+
+    def locked_digest(self, nid: str, key: str) -> str | None:
+        entry = self.locked.get(nid)
+        return None if entry is None else entry.digest_under(key)
+
+    def accept(self, nid: str, manifest: Manifest, how: Literal["cached", "built"], seconds: float = 0.0) -> None:
+        node = self.plan.nodes[nid]
+        refused = other_bytes(node.name, how, manifest, self.locked_digest(nid, manifest.key))
+        if refused is not None:
+            return self.fail(nid, refused)
+        self.sched.done(nid)
+        self.result.manifests[nid] = manifest
+        (self.result.built if how == "built" else self.result.cached).append(nid)
+        self.on_event(Event(how, node, manifest, seconds=seconds,
+                            output=manifest.meta.get("output") if how == "built" else None))
+
+    def fail(self, nid: str, error: str, code: int = BuildError.exit_code, output: list[str] | None = None) -> None:
+        self.result.failed[nid] = error
+        self.result.failed_codes[nid] = code
+        self.on_event(Event("failed", self.plan.nodes[nid], error=error, output=output))
+        for dep in self.sched.fail(nid):
+            self.result.skipped.append(dep)
+            self.on_event(Event("skipped", self.plan.nodes[dep], error=f"input {self.plan.nodes[nid].name} failed"))
+
+    def defer(self, nid: str, why: str) -> None:
+        self.result.deferred.append(nid)
+        self.on_event(Event("skipped", self.plan.nodes[nid], error=f"left unbuilt (--skip-device): {why}"))
+        for dep in self.sched.defer(nid):
+            self.result.deferred.append(dep)
+            self.on_event(Event("skipped", self.plan.nodes[dep],
+                                error=f"input {self.plan.nodes[nid].name} left unbuilt"))
+
+    def rerun(self, nid: str, e: CorruptBlobError) -> None:
+        """An input of `nid` was corrupt or gone: build whatever produced it again, then `nid`."""
+        producers = [p for p in self.sched.producers(nid)
+                     if any(o["digest"] == e.digest for o in self.result.manifests[p].outputs.values())]
+        if not self.sched.rerun(nid, producers):
+            return self.fail(nid, str(e), e.exit_code)
+        self.on_event(Event("missing" if e.missing else "corrupt", self.plan.nodes[nid], error=str(e)))
+        for producer in producers:
+            self.result.forget(producer)
 
 
 def raise_for(result: BuildResult, plan: Plan) -> None:

@@ -27,6 +27,7 @@ from typing import Iterator
 from qbuild.build.actions import RunContext
 from qbuild.core.errors import BuildError, InfraError, QbuildError
 from qbuild.store import Store, StoreSpec
+from qbuild.store.lock import other_bytes
 from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest
 
@@ -56,6 +57,8 @@ class Job:
     entry: str                       # "module:function" the worker imports and calls
     context: dict = field(default_factory=dict)
     backend: str | None = None       # the backend whose code the node runs (part of its action source)
+    locked_digest: str | None = None  # the lock's output under this key: a build of other bytes is refused before
+                                      # it is committed or pushed (qbuild.store.lock.other_bytes)
 
 
 def run_job(job: Job) -> Manifest:
@@ -69,6 +72,7 @@ def build_job(job: Job, store: Store) -> Manifest:
         existing = store.get_manifest(job.key)
         if existing is not None:
             # Another process built it while this one waited for the lock; say so, so it counts as cached.
+            _refuse_other_bytes(job, existing, "cached")
             return replace(existing, meta={**existing.meta, "reused": True})
         store.local.clear_staging(job.key)
         stage = store.local.staging_dir(job.key)
@@ -105,11 +109,21 @@ def _build(job: Job, store: Store, stage: Path) -> Manifest:
     manifest = Manifest(key=job.key, kind=job.kind, preimage=job.preimage, outputs=outputs,
                         meta={"seconds": round(time.monotonic() - start, 3), "log": log_lines[-50:],
                               "output": _tail(output_file)})
+    _refuse_other_bytes(job, manifest, "built")
     # The staging dir goes before the manifest lands: a build killed just after its commit would leave it behind
     # for good, since a cached key is never built (and its staging cleared) again.
     shutil.rmtree(stage, ignore_errors=True)
     store.commit(manifest)
     return manifest
+
+
+def _refuse_other_bytes(job: Job, manifest: Manifest, how: str) -> None:
+    """Refuse a result under the job's key whose digest is not the lock's for that key, before it is committed or
+    pushed: it never becomes the key's entry, here or on a remote (a refused build's blobs stay unnamed until gc
+    takes them)."""
+    refused = other_bytes(job.name, how, manifest, job.locked_digest)
+    if refused is not None:
+        raise BuildError(refused)
 
 
 def _input_files(job: Job, root: Path) -> dict[Path, tuple[str, str, os.stat_result]]:

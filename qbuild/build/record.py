@@ -62,7 +62,7 @@ class BuildRecorder:
         if e.kind == "start":
             step["start"], step["end"] = now, None     # a retry after a corrupt input starts the step again
             return
-        if e.kind == "corrupt":
+        if e.kind in ("corrupt", "missing"):
             step["retries"] += 1
             return
         step["outcome"], step["end"] = e.kind, now

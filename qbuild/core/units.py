@@ -34,3 +34,12 @@ def parse_duration(value: str, flag: str) -> float:
     if m is None:
         raise UserError(f"{flag}: cannot read {value!r}; use a duration like 1h, 10m or 0")
     return float(m[1]) * DURATION_UNITS[m[2].upper()]
+
+
+def human_bytes(n: float) -> str:
+    """A size as a person reads it: 512 B, 1.5 KiB, 64.0 GiB (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

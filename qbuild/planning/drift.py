@@ -20,6 +20,7 @@ from qbuild.core.errors import InfraError, QbuildError
 from qbuild.core.hashing import StatCache
 from qbuild.model.arch import Arch
 from qbuild.planning.environment import HostEnvironment
+from qbuild.planning.graph import graph_of, upstream
 from qbuild.planning.keys import as_locked, diff_preimages
 from qbuild.planning.plan import Plan, PlannedRecipe, build_plan
 from qbuild.recipe import source
@@ -89,7 +90,7 @@ def first_change(plan: Plan, planned: PlannedRecipe, doc: dict, entry: dict) -> 
     locked node of its role; None where none does."""
     locked = {role: doc["nodes"][nid] for role, nid in entry["nodes"].items()}
     role_of = {nid: role for role, nid in planned.nodes.items()}
-    bundle_steps = _upstream(plan, planned.bundle)
+    bundle_steps = upstream(graph_of(plan), [planned.bundle])
     for nid, node in plan.nodes.items():
         role = role_of.get(nid)
         if role is None:
@@ -109,13 +110,3 @@ def first_change(plan: Plan, planned: PlannedRecipe, doc: dict, entry: dict) -> 
     gone = sorted(set(locked) - set(planned.nodes))
     return f"{gone[0]}: a locked step the recipe no longer plans" if gone else None
 
-
-def _upstream(plan: Plan, nid: str) -> set[str]:
-    """`nid` and every node it is built from."""
-    out, todo = set(), [nid]
-    while todo:
-        n = todo.pop()
-        if n not in out:
-            out.add(n)
-            todo.extend(plan.nodes[n].deps.values())
-    return out

@@ -181,16 +181,33 @@ def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGIST
 DigestSource = Callable[[str, str], "str | None"]
 
 
+class PlanKeys:
+    """Keys the nodes of one plan as their inputs' digests become known, one node at a time: the rule walk() applies
+    in one pass, and the engine step by step as steps are cached or built. A node that is not portable is keyed for
+    the platform `host()` names, asked only once such a node is keyed."""
+
+    def __init__(self, plan: Plan, registry: Registry = REGISTRY, host: Callable[[], str] = host_tag):
+        self.plan = plan
+        self.registry = registry
+        self.host = host
+        self.portable = portability(plan, registry)
+
+    def key(self, nid: str, digests: Mapping[str, str]) -> NodeKey:
+        """Node `nid`'s key given the output digests known so far (node id -> digest)."""
+        node = self.plan.nodes[nid]
+        tag = None if self.portable[nid] or any(d not in digests for d in node.deps.values()) else self.host()
+        return key_node(node, digests, self.registry, tag)
+
+
 def walk(plan: Plan, source: DigestSource, registry: Registry = REGISTRY,
          host: Callable[[], str] = host_tag) -> dict[str, NodeKey]:
-    """Key every node of `plan` in topological order, taking each keyed node's output digest from `source`; nodes
-    that are not portable are keyed for the platform `host()` names (asked only once such a node is keyed)."""
+    """Key every node of `plan` in topological order (PlanKeys), taking each keyed node's output digest from
+    `source`."""
+    keys = PlanKeys(plan, registry, host)
     digests: dict[str, str] = {}
     out: dict[str, NodeKey] = {}
-    portable = portability(plan, registry)
-    for nid, node in plan.nodes.items():
-        tag = None if portable[nid] or any(d not in digests for d in node.deps.values()) else host()
-        nk = key_node(node, digests, registry, tag)
+    for nid in plan.nodes:
+        nk = keys.key(nid, digests)
         if nk.key is not None:
             digest = source(nid, nk.key)
             if digest is not None:

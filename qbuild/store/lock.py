@@ -16,7 +16,9 @@ A recipe's `recipe` path is relative to the lockfile's directory (absolute when 
 recipe names are unique per lockfile. A recipe has an entry only once its bundle was built: a build that fails
 before leaves the recipe's entry as it was. A node's preimage holds its params, input digests, action source hash
 and toolchain versions, and for a node whose output is not portable (native code, CPU-dependent numbers) the
-platform it was built for, so `qbuild explain` can name the field that changed. The serialiser is a pure function;
+platform it was built for, so `qbuild explain` can name the field that changed. A node id is the plan's, except where
+two recipes share a step that one of them built again into another output: the other recipe's entry, left as it
+was, keeps its own under `<node id>@<digest prefix>` until it is built again. The serialiser is a pure function;
 writes go through an atomic rename under an flock of the lockfile's directory, and merge with what other processes
 wrote meanwhile. `read` refuses a document of the wrong shape or whose entries disagree with their own nodes
 (qbuild.store.lock_schema), so no command acts on one.
@@ -80,14 +82,9 @@ def node_entry(node, manifest: Manifest) -> dict:
 def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], lock_path: Path,
                  verify_failure: str | None = None) -> dict:
     """The lock entry of one recipe, given the manifests of the nodes built so far (and why its verify failed). The
-    recipe file is recorded relative to the lockfile's directory (absolute when outside it), so it names the same
-    file from any working directory."""
-    try:
-        recipe_path = planned.loaded.path.relative_to(lock_path.parent.resolve()).as_posix()
-    except ValueError:
-        recipe_path = planned.loaded.path.as_posix()
+    recipe file is recorded as recorded_path says."""
     bundle = manifests.get(planned.bundle)
-    entry = {"recipe": recipe_path, "model": model,
+    entry = {"recipe": recorded_path(planned.loaded.path, lock_path), "model": model,
              "nodes": {role: nid for role, nid in sorted(planned.nodes.items()) if nid in manifests},
              "bundle": bundle.digest if bundle else None,
              "verified": planned.verify in manifests}
@@ -98,6 +95,15 @@ def recipe_entry(planned, model: dict, manifests: dict[str, Manifest], lock_path
         source = {k: v for k, v in port.preimage["params"].items() if k in ("url", "rev", "subdir")}
         entry["port"] = {**source, "digest": port.digest}
     return entry
+
+
+def recorded_path(path: Path, lock_path: Path) -> str:
+    """A recipe file as the lock records it: relative to the lockfile's directory (absolute when outside it), so it
+    names the same file from any working directory."""
+    try:
+        return path.resolve().relative_to(lock_path.parent.resolve()).as_posix()
+    except ValueError:
+        return path.resolve().as_posix()
 
 
 @dataclass(frozen=True)
@@ -139,11 +145,11 @@ def hub_pins(doc: dict) -> dict[str, HubPin]:
     return out
 
 
-def set_pins(path: Path, pins: Mapping[str, tuple[str, HubPin]]) -> dict[str, HubPin | None]:
+def set_pins(path: Path, pins: Mapping[str, tuple[str, HubPin]]) -> tuple[dict, dict[str, HubPin | None]]:
     """Write hub pins (recipe name -> (its recipe file as recorded in the lock, its pin)) into the lockfile on disk,
     atomically, and nothing else: a locked recipe keeps its nodes, bundle and verify state, and its model's file
     digests where the commit did not move; a recipe the lock does not hold gets an entry with its pin only.
-    Returns recipe name -> the pin it had before (None: none)."""
+    Returns the document written, and recipe name -> the pin it had before (None: none)."""
     with _directory_locked(path.parent):
         old = read(path)
         before = hub_pins(old)
@@ -157,20 +163,21 @@ def set_pins(path: Path, pins: Mapping[str, tuple[str, HubPin]]) -> dict[str, Hu
         new = merge(old, recipes, {})
         if not same(new, old) or not path.exists():
             atomic_write(path, dumps(new).encode())
-    return {name: before.get(name) for name in pins}
+    return new, {name: before.get(name) for name in pins}
 
 
 def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
-    """`doc` with the given recipe and node entries replaced, and nodes no recipe names any more dropped.
-
-    A node shared by several recipes (a conversion two recipes use) keeps its id when its output changes (a converter
-    edit; `--update` accepting other bytes), so the entry of a recipe built from the old output, not rebuilt yet in
-    this run, would name inputs no node of its own produces any more: that entry is dropped, never kept disagreeing
-    with itself. The recipe gets its entry back when its bundle is built again (the rest of the same run, or the
-    next one); until then `lock check` names it as not locked."""
+    """`doc` with the given recipe and node entries replaced, and nodes no recipe names any more dropped. A recipe
+    entry left as it was keeps the nodes its bundle was built from: where it shares a step with a recipe written now
+    and that step's entry changes (built again into another output), it keeps the old entry under its own id (see
+    _kept_apart), so every entry still agrees with itself (lock_schema). An entry that would disagree with itself all
+    the same is dropped, never written: its recipe is locked again when its bundle is next built."""
     from qbuild.store.lock_schema import entry_problem
 
     out = {"version": LOCK_VERSION, "recipes": dict(doc["recipes"]), "nodes": dict(doc["nodes"])}
+    for name, entry in doc["recipes"].items():
+        if name not in recipes:
+            out["recipes"][name] = _kept_apart(entry, doc["nodes"], nodes, out["nodes"])
     out["recipes"].update(recipes)
     out["nodes"].update(nodes)
     for name in [n for n in out["recipes"] if n not in recipes]:
@@ -179,6 +186,20 @@ def merge(doc: dict, recipes: dict[str, dict], nodes: dict[str, dict]) -> dict:
     live = {nid for entry in out["recipes"].values() for nid in entry["nodes"].values()}
     out["nodes"] = {nid: n for nid, n in out["nodes"].items() if nid in live}
     return out
+
+
+def _kept_apart(entry: dict, old: dict[str, dict], new: dict[str, dict], out: dict[str, dict]) -> dict:
+    """A recipe entry that stays as it was, with each node of it whose entry `new` replaces by another moved to the id
+    `<node id>@<its output digest's first 12>` (added to `out`). Lock ids need not be the plan's: nodes are matched
+    by role (locked_nodes), and the entry goes when its recipe is written again."""
+    moved = {role: nid for role, nid in entry["nodes"].items() if nid in new and new[nid] != old.get(nid)}
+    if not moved:
+        return entry
+    roles = dict(entry["nodes"])
+    for role, nid in moved.items():
+        roles[role] = f"{nid}@{old[nid]['digest'][:12]}"
+        out[roles[role]] = old[nid]
+    return {**entry, "nodes": roles}
 
 
 def update(path: Path, recipes: dict[str, dict], nodes: dict[str, dict]) -> bool:
@@ -255,6 +276,21 @@ class LockedNode:
     def platform(self) -> str | None:
         """The platform the node was built for; None for a portable node (its preimage names none)."""
         return self.preimage.get("platform")
+
+    def digest_under(self, key: str) -> str | None:
+        """The output a result under `key` must have: the locked digest where `key` is the locked key, else None."""
+        return self.digest if key == self.key else None
+
+
+def other_bytes(name: str, how: str, manifest: Manifest, locked_digest: str | None) -> str | None:
+    """Why `manifest`, the result of node `name` (`how`: "built" or "cached"), must not be accepted: the lock holds
+    `locked_digest` as the output under its key (LockedNode.digest_under), and its own digest is another (an input
+    changed outside the key, or a store or remote holds other bytes under it). None where it may be accepted."""
+    if locked_digest is None or manifest.digest == locked_digest:
+        return None
+    return (f"{name}: the {how} output {manifest.digest[:12]} differs from the locked {locked_digest[:12]} under "
+            f"the same key {manifest.key[:16]}: an input changed outside the key, or the store or remote holds other "
+            "bytes under it; refusing it (run `qbuild compile --update` to accept it)")
 
 
 def locked_nodes(doc: dict, roles: Mapping[str, list[tuple[str, str]]]) -> dict[str, LockedNode]:

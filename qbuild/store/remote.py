@@ -48,7 +48,7 @@ from qbuild.core.hashing import digest_file, digest_json
 from qbuild.core.threads import map_all
 from qbuild.store.files import safe_join
 from qbuild.store import Store, StoreSpec
-from qbuild.store.local import LocalStore
+from qbuild.store.local import CorruptBlobError, LocalStore
 from qbuild.store.manifest import Manifest, tree_digest
 from qbuild.store.s3 import TRANSFER_THREADS, S3Remote
 
@@ -358,12 +358,18 @@ class RemoteStore:
         self.local.materialize(outputs, dest, verify=verify, share=share)
 
     def _record_complete(self, manifests: list[Manifest] | None = None) -> None:
-        """Write locally those of `manifests` (default: every pending remote hit) whose blobs are all local."""
+        """Write locally those of `manifests` (default: every pending remote hit) whose blobs are all local. Whether
+        they are is put_manifest's answer, given as it writes: one that names a blob not here (not downloaded yet, or
+        removed meanwhile by gc) stays pending, and its blobs come down when it is used."""
         with self._pending_lock:
             candidates = list(self._pending.values()) if manifests is None else manifests
-        done = [m for m in candidates if all(self.local.has_blob(o["digest"]) for o in m.outputs.values())]
-        for m in done:
-            self.local.put_manifest(m)
+        for m in candidates:
+            try:
+                self.local.put_manifest(m)
+            except CorruptBlobError as e:
+                if not e.missing:
+                    raise
+                continue
             with self._pending_lock:
                 self._pending.pop(m.key, None)
 
