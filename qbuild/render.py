@@ -16,8 +16,8 @@ from qbuild.core import jsonio
 from qbuild.core.units import human_bytes
 
 if TYPE_CHECKING:
-    from qbuild.build.engine import BuildResult, Event
-    from qbuild.build.workspace import PinMove
+    from qbuild.execution.engine import BuildResult, Event
+    from qbuild.execution.workspace import PinMove
     from qbuild.store.gc import GcReport
     from qbuild.store.manifest import Manifest
     from qbuild.store.remote import PushReport
@@ -290,10 +290,10 @@ class BuildProgress:
         self.running: dict[str, tuple[float, object]] = {}   # name -> (start time, its spinner)
         self._live = None
         self.started = time.monotonic()
-        # The build's record beside the lockfile (qbuild.build.record), which `qbuild report` draws its timeline from.
+        # The build's record beside the lockfile (qbuild.execution.record), which `qbuild report` draws its timeline from.
         self.recorder = None
         if lock is not None:
-            from qbuild.build.record import BuildRecorder
+            from qbuild.execution.record import BuildRecorder
 
             self.recorder = BuildRecorder(lock)
 

@@ -36,7 +36,7 @@ from qbuild.store.manifest import Manifest, tree_digest
 # Taken shared by every writer of a blob, exclusively by every remover (locks/cas.lock): see `discard_blobs`.
 CAS_LOCK = "cas.lock"
 # A blob's mtime is set this far back when it is stored, so that any later write into it (by a step that writes into
-# an input, which is a hardlink to it: qbuild/build/job.py) moves its mtime, even within the clock tick it was made in.
+# an input, which is a hardlink to it: qbuild/execution/job.py) moves its mtime, even within the clock tick it was made in.
 BLOB_BACKDATE_NS = 10**9
 
 
