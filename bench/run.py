@@ -277,8 +277,8 @@ def bench_restore(args) -> dict:
 
 
 def bench_scheduling(args) -> dict:
-    from qbuild.build.engine import BuildOptions, build
-    from qbuild.build.executors.local import LocalExecutor
+    from qbuild.execution.engine import BuildOptions, build
+    from qbuild.execution.executors.local import LocalExecutor
     from qbuild.planning.plan import Plan, _add
     from qbuild.store import LocalStore, StoreSpec
     import tests.engine_actions  # noqa: F401  registers the sleep action

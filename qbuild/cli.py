@@ -76,7 +76,7 @@ def _workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, 
                backend: Optional[BackendName] = None, transfers=None):
     """The command's Workspace; `transfers` (a render.TransferDisplay) shows what its remote-backed store moves."""
     from qbuild.store import StoreSpec, default_store_path, resolve_remote
-    from qbuild.build.workspace import Workspace
+    from qbuild.execution.workspace import Workspace
 
     root = store or default_store_path()
     url = resolve_remote(remote)
@@ -188,7 +188,7 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
                 help="Ray cluster for --executor ray [default: auto: the cluster `ray start` runs on this "
                      "machine]")) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
-    from qbuild.build.engine import BuildOptions, raise_for
+    from qbuild.execution.engine import BuildOptions, raise_for
     from qbuild.render import BuildProgress, TransferDisplay, print_build_result
     from qbuild.core.units import parse_size
 
@@ -231,12 +231,12 @@ def _executor(name: str, address: Optional[str], address_given: bool, jobs: Opti
     if name == "local":
         if address_given:
             raise UserError("--address: only used with --executor ray")
-        from qbuild.build.executors.local import LocalExecutor
+        from qbuild.execution.executors.local import LocalExecutor
 
         jobs = jobs or 1
         return (lambda: LocalExecutor(jobs)), jobs, _default_mem()
     if name == "ray":
-        from qbuild.build.executors.ray import RayExecutor, require_remote
+        from qbuild.execution.executors.ray import RayExecutor, require_remote
 
         require_remote(ws.store_spec)
         address = address or "auto"
@@ -515,7 +515,7 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
 def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files"), json_: bool = JsonOpt) -> None:
     """Validate recipes against the schema and against their model's architecture."""
     from qbuild.planning.plan import validate_recipe
-    from qbuild.recipe.source import load_arch
+    from qbuild.hub.checkpoint import load_arch
     from qbuild.recipe.schema import load_recipe
 
     results, failed = [], []

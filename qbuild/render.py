@@ -16,8 +16,8 @@ from qbuild.core import jsonio
 from qbuild.core.units import human_bytes
 
 if TYPE_CHECKING:
-    from qbuild.build.engine import BuildResult, Event
-    from qbuild.build.workspace import PinMove
+    from qbuild.execution.engine import BuildResult, Event
+    from qbuild.execution.workspace import PinMove
     from qbuild.store.gc import GcReport
     from qbuild.store.manifest import Manifest
     from qbuild.store.remote import PushReport
@@ -290,10 +290,10 @@ class BuildProgress:
         self.running: dict[str, tuple[float, object]] = {}   # name -> (start time, its spinner)
         self._live = None
         self.started = time.monotonic()
-        # The build's record beside the lockfile (qbuild.build.record), which `qbuild report` draws its timeline from.
+        # The build's record beside the lockfile (qbuild.execution.record), which `qbuild report` draws its timeline from.
         self.recorder = None
         if lock is not None:
-            from qbuild.build.record import BuildRecorder
+            from qbuild.execution.record import BuildRecorder
 
             self.recorder = BuildRecorder(lock)
 
@@ -484,13 +484,17 @@ def print_gc(reports: list[GcReport], wheres: list[str], as_json: bool) -> None:
     for report in reports:
         for r in report.removed:
             label = f" ({r.kind})" if r.kind else ""
-            name = r.name if r.what == "cache" else r.name[:16]   # a cache group is named by its folder
+            # a cache group is named by its folder, a partial write by its file
+            name = r.name if r.what in ("cache", "partial") else r.name[:16]
             print(f"{verb} {r.what} {name}{label} {human_bytes(r.size)} [{r.where}]")
     for report, where in zip(reports, wheres):
         manifests = sum(r.what == "manifest" for r in report.removed)
         caches = sum(r.what == "cache" for r in report.removed)
-        _err_line(f"{where}: {verb} {manifests} manifests and {len(report.removed) - manifests - caches} blobs"
+        partials = sum(r.what == "partial" for r in report.removed)
+        blobs = len(report.removed) - manifests - caches - partials
+        _err_line(f"{where}: {verb} {manifests} manifests and {blobs} blobs"
                   + (f" and {caches} compile cache groups" if caches else "")
+                  + (f" and {partials} abandoned partial writes" if partials else "")
                   + f" ({human_bytes(report.bytes_freed)}); kept {report.kept_manifests} manifests, "
                   f"{report.kept_blobs} blobs"
                   + (f", {report.kept_cache} compile cache groups" if report.kept_cache else "")

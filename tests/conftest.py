@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 # build took 10% more CPU). One thread each, as a Ray worker gets; the steps whose floats depend on the thread count
 # set their own (qbuild.core.numerics), so no output changes.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Every build the suite runs refuses, from Python, to open a step's input for writing (qbuild/build/job.py): the
+# Every build the suite runs refuses, from Python, to open a step's input for writing (qbuild/execution/job.py): the
 # inputs are hardlinks to the store's blobs, which root could otherwise write through. Not part of any key.
 os.environ.setdefault("QBUILD_AUDIT_INPUT_WRITES", "1")
 
@@ -38,14 +38,14 @@ def pytest_runtest_setup(item):
 def user_cache_seed(tmp_path_factory, worker_id) -> Path:
     """qbuild's part of a user cache as the first command leaves it, made once per run: this host's platform probe
     (qbuild.core.platform), the map of modules to installed distributions, and the digest and imports of each of
-    qbuild's modules (qbuild.planning.sources; each entry is found again only by the file's inode, size, mtime and
+    qbuild's modules (qbuild.planning.closures; each entry is found again only by the file's inode, size, mtime and
     ctime). Every test's fresh cache starts with a copy, instead of importing torch in a subprocess, reading every
     installed distribution's file list and parsing every module of a closure again (half a second a command)."""
     def make(root: Path) -> None:
         env = dict(os.environ, XDG_CACHE_HOME=str(root), PYTHONPATH=str(REPO))
         env.pop("ATEN_CPU_CAPABILITY", None)
         code = ("from qbuild.core.platform import host_tag; host_tag(); "
-                "from qbuild.planning.sources import DEFAULT, distribution_versions; distribution_versions(('torch',)); "
+                "from qbuild.planning.closures import DEFAULT, distribution_versions; distribution_versions(('torch',)); "
                 "from pathlib import Path; import qbuild; "
                 "[DEFAULT.facts(p) for p in sorted(Path(qbuild.__file__).parent.rglob('*.py'))]")
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300)

@@ -34,7 +34,7 @@ def install(point: str, marker: str, after_import) -> None:
         time.sleep(HOLD_S)
 
     if phase in ("start", "written"):
-        after_import(f"qbuild.build.actions.{kind}", lambda module: _wrap_action(module, phase, stop))
+        after_import(f"qbuild.execution.actions.{kind}", lambda module: _wrap_action(module, phase, stop))
     else:
         after_import("qbuild.store.local", lambda module: _wrap_commit(module.LocalStore, kind, phase, stop))
 

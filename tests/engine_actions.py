@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.planning.keys import ActionSpec
 
 SLEEP = ActionSpec("test-sleep", "tests.engine_actions:sleep")

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.planning.keys import REGISTRY, ActionSpec
 
 TEXT = ActionSpec("ray-text", "tests.ray_actions:text")

@@ -78,14 +78,14 @@ def verify_action(ctx) -> None:
 
 
 def register_fake_actions() -> None:
-    import qbuild.recipe.source
+    import qbuild.hub.checkpoint
     from qbuild.planning.keys import REGISTRY, ActionSpec
 
     for kind in FAKE_KINDS:
         REGISTRY[kind] = ActionSpec(kind, f"{MODULE}:{kind}_action")
     # The projects here pair a real config with placeholder weights and no tokenizer, read only by the fake steps:
     # the check a real checkpoint gets before a build does not apply to them, and nothing public turns it off.
-    qbuild.recipe.source.check_checkpoint = lambda directory, files=None: None
+    qbuild.hub.checkpoint.check_checkpoint = lambda directory, files=None: None
 
 
 

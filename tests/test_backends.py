@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.model.arch import arch_from_config
 from qbuild.core.errors import BuildError
 from qbuild.backends.cpu.backend import compile_params
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile
 from qbuild.recipe.params import parse, to_json
 from qbuild.recipe.schema import load_recipe
-from qbuild.recipe.source import load_arch
+from qbuild.hub.checkpoint import load_arch
 
 
 def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: str = "export", tp: int = 1,
@@ -72,7 +72,7 @@ def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
 
 
 def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints):
-    from qbuild.build.actions.compile import run
+    from qbuild.execution.actions.compile import run
     from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.store import StoreSpec
 
@@ -154,7 +154,7 @@ def test_a_backend_registered_through_using_replaces_it_only_within_the_block():
 @pytest.mark.parametrize("backend", ["export"])
 def test_a_cpu_compile_given_typed_params_writes_its_graph_and_signature(tmp_path, tiny_checkpoints, backend):
     """The compile action receives the typed params the planner built and asks their backend to compile them."""
-    from qbuild.build.actions.compile import run
+    from qbuild.execution.actions.compile import run
 
     params = _params(tmp_path, tiny_checkpoints["qwen3_5"], "tkg", 64, backend=backend)
     assert isinstance(params, CpuTextCompile)

@@ -100,7 +100,7 @@ def test_the_build_unpickles_nothing_but_pool_messages_and_graph_examples(ws):
     recorded = events(ws.root / "build-audit.log")
     assert violations(recorded) == []
     # The audit ran in the workers too (their jobs arrive pickled), and graphs were loaded under it (verify).
-    assert any(e["api"] == "pickle.find_class" and e["detail"] == "qbuild.build.job.Job" for e in recorded)
+    assert any(e["api"] == "pickle.find_class" and e["detail"] == "qbuild.execution.job.Job" for e in recorded)
     assert any(e["api"] == "torch.load" for e in recorded)
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.build.engine import BuildOptions, build, raise_for
-from qbuild.build.executors.local import LocalExecutor
+from qbuild.execution.engine import BuildOptions, build, raise_for
+from qbuild.execution.executors.local import LocalExecutor
 from qbuild.planning.keys import REGISTRY
 from qbuild.planning.plan import Plan, _add
 from qbuild.core.errors import UserError
@@ -176,7 +176,7 @@ def test_an_input_removed_meanwhile_is_reported_missing_and_its_producer_is_rebu
 
 
 def test_progress_names_a_missing_input_missing_and_a_corrupt_one_corrupt(capsys):
-    from qbuild.build.engine import Event
+    from qbuild.execution.engine import Event
     from qbuild.render import BuildProgress
 
     plan = _graph(Path("log"), [("b", "test-sleep", [], 1)])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.build.job import AUDIT_ENV
+from qbuild.execution.job import AUDIT_ENV
 from qbuild.store import LocalStore
 from qbuild.store.gc import gc_local
 from qbuild.store.lease import LEASES_DIR, Lease, live_leases

@@ -17,7 +17,7 @@ import pytest
 
 from qbuild import backends
 from qbuild.planning.keys import REGISTRY
-from qbuild.planning.sources import Sources
+from qbuild.planning.closures import Sources
 from tests.conftest import REPO, qbuild
 
 PACKAGE = REPO / "qbuild"
@@ -149,7 +149,7 @@ def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(kind, backend)
 
 
 ALLOWED_DYNAMIC_IMPORTS = {
-    "qbuild.build.job",                     # the action entry itself (its closure is the key)
+    "qbuild.execution.job",                     # the action entry itself (its closure is the key)
     "qbuild.backends",                      # a backend's implementation (joins the key of nodes that run it)
     "qbuild.backends.neuron.sdk_worker",    # a port's modules in the SDK worker (keyed as the port's files)
     "qbuild.backends.neuron.vllm_plugin",   # a port's modules inside vLLM, when a bundle is served (no key)
@@ -215,7 +215,7 @@ def test_an_install_on_the_path_shows_in_the_next_commands_toolchain(tmp_path):
             (info / "RECORD").write_text("probemod/__init__.py,,\n")
 
     def versions(cwd: Path) -> str:
-        code = "from qbuild.planning.sources import distribution_versions as v; print(v(('probemod',)))"
+        code = "from qbuild.planning.closures import distribution_versions as v; print(v(('probemod',)))"
         env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{site}")
         return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
                               check=True, timeout=120).stdout.strip()

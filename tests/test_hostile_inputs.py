@@ -495,7 +495,7 @@ sys.meta_path.insert(0, _Hold())
 """
 
 
-@pytest.mark.parametrize("held", ["typer", "qbuild.build.workspace", "qbuild.planning.plan"],
+@pytest.mark.parametrize("held", ["typer", "qbuild.execution.workspace", "qbuild.planning.plan"],
                          ids=["while-the-cli-loads", "as-the-command-starts", "while-planning"])
 def test_sigint_during_plan_exits_130_with_one_line(held, small_checkpoints, tmp_path):
     recipe = write_recipe(tmp_path, "r", small_checkpoints[FAMILY])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.build.actions import RunContext
-from qbuild.build.job import AUDIT_ENV, Job, build_job
+from qbuild.execution.actions import RunContext
+from qbuild.execution.job import AUDIT_ENV, Job, build_job
 from qbuild.core.errors import BuildError
 from qbuild.core.hashing import digest_file, digest_json
 from qbuild.store import LocalStore, Manifest, StoreSpec

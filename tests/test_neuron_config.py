@@ -19,7 +19,7 @@ from qbuild.backends.neuron.params import NxdParallel
 from qbuild.model.fp8 import policy
 from qbuild.recipe.params import to_json
 from qbuild.recipe.schema import load_recipe
-from qbuild.recipe.source import load_arch
+from qbuild.hub.checkpoint import load_arch
 
 # What each lineage's get_compiler_args() returns (docs/nxdi.md section 1).
 MAIN_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
@@ -235,8 +235,8 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     assert params.layout == "nxd-moe"
     assert (params.tp, params.ep, params.dense_tp, params.moe_tp) == (4, 2, 2, 2)
     # The shard action runs those params as planned: 4 rank files, attention split over 2.
-    from qbuild.build.actions import RunContext
-    from qbuild.build.actions.shard import run
+    from qbuild.execution.actions import RunContext
+    from qbuild.execution.actions.shard import run
     from qbuild.model.convert.convert import convert_checkpoint
 
     convert_checkpoint(tiny_checkpoints["qwen3_next"], tmp_path / "conv", dtype="bfloat16")

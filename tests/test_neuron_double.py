@@ -583,11 +583,11 @@ def test_pull_prints_the_vllm_command(dense, tmp_path):
 
 @pytest.mark.slow
 def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
-    """qbuild.build.actions.verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
+    """qbuild.execution.actions.verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
     with the port's class (config read back from neuron_config.json) and generate() runs once per text prompt the
     way NxDI's accuracy check calls it; thresholds of 0 pass whatever the double returns."""
-    from qbuild.build.actions import RunContext
-    from qbuild.build.actions import reference, verify
+    from qbuild.execution.actions import RunContext
+    from qbuild.execution.actions import reference, verify
     from qbuild.recipe.params import ReferenceParams, VerifyParams
 
     require_bundle(dense.result, dense.stderr)

@@ -258,7 +258,7 @@ def test_the_double_refuses_the_compile_configuration_with_one_value_changed(mai
     from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.backends.neuron.config import inference_kwargs, neuron_config
     from qbuild.recipe.schema import load_recipe
-    from qbuild.recipe.source import load_arch
+    from qbuild.hub.checkpoint import load_arch
 
     recipe = write_recipe(tmp_path / "lc.yaml", small_checkpoints["qwen3_5"], MAIN_PORT, text=TEXT)
     loaded = load_recipe(recipe)
@@ -287,7 +287,7 @@ def test_the_128k_recipe_is_a_configuration_the_double_builds(main_port, tmp_pat
     from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.backends.neuron.config import inference_kwargs, neuron_config
     from qbuild.recipe.schema import load_recipe
-    from qbuild.recipe.source import load_arch
+    from qbuild.hub.checkpoint import load_arch
     from tests.conftest import REPO
 
     loaded = load_recipe(REPO / "recipes" / "36-27b-fp8-128k.yaml")

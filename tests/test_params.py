@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qbuild.model.arch import Arch, VisionArch
-from qbuild.recipe.source import load_arch
+from qbuild.hub.checkpoint import load_arch
 from qbuild.planning.environment import HostEnvironment
 from qbuild.core.hashing import StatCache, canonical_json
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile

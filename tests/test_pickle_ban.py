@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 
 STARTUP = Path(__file__).resolve().parent / "startup"
 # The innermost callers (outside the loaders) through which the process pool unpickles its own messages.
-POOL_IPC = ("qbuild.build.executors.local:_receive",)
+POOL_IPC = ("qbuild.execution.executors.local:_receive",)
 EXPORT_DESERIALIZER = "torch._export.serde.serialize:deserialize_torch_artifact"
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from qbuild.backends.neuron.params import PortGit
-from qbuild.build.actions import RunContext
-from qbuild.build.actions import port as port_action
+from qbuild.execution.actions import RunContext
+from qbuild.execution.actions import port as port_action
 from qbuild.core.errors import InfraError, RecipeError, UserError
 from qbuild.core.hashing import digest_file
 from qbuild.recipe.schema import load_recipe

@@ -25,7 +25,7 @@ import pytest
 
 from qbuild.planning.keys import ActionSpec
 from qbuild.core.errors import InfraError, UserError
-from qbuild.build.executors import ray as rayexec
+from qbuild.execution.executors import ray as rayexec
 from qbuild.planning.plan import Node, Plan, _add
 from qbuild.store import StoreSpec
 from tests.conftest import wait_until
@@ -103,7 +103,7 @@ def test_remote_is_required():
 
 
 def test_worker_with_other_action_source_refuses_to_build():
-    from qbuild.build.job import Job
+    from qbuild.execution.job import Job
 
     action = ActionSpec("ray-text", "tests.ray_actions:text")
     pre = {"action": "ray-text", "version": "0" * 32, "params": {}, "inputs": {}, "toolchain": {}}
@@ -118,7 +118,7 @@ def test_worker_with_other_action_source_refuses_to_build():
 def test_a_worker_reads_its_code_afresh_for_each_task(tmp_path, monkeypatch):
     """A Ray worker outlives many tasks; its checkout may change between them. The check reads the code as it is at
     each task, never as an earlier task found it."""
-    from qbuild.build.job import Job
+    from qbuild.execution.job import Job
 
     (tmp_path / "probeaction").mkdir()
     (tmp_path / "probeaction" / "__init__.py").write_text("")
@@ -136,7 +136,7 @@ def test_a_worker_reads_its_code_afresh_for_each_task(tmp_path, monkeypatch):
 
 
 def test_worker_on_another_platform_refuses_a_node_that_is_not_portable():
-    from qbuild.build.job import Job
+    from qbuild.execution.job import Job
     from qbuild.core.platform import host_tag
 
     action = ActionSpec("ray-text", "tests.ray_actions:text", portable=False)
@@ -168,7 +168,7 @@ def test_cli_refuses_ray_without_a_remote_in_one_line(tmp_path):
 
 
 def test_ray_is_not_imported_on_the_planning_path():
-    code = ("import sys, qbuild.cli, qbuild.build.executors.ray, qbuild.build.workspace, qbuild.build.engine; "
+    code = ("import sys, qbuild.cli, qbuild.execution.executors.ray, qbuild.execution.workspace, qbuild.execution.engine; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(REPO)},
                           timeout=60).returncode == 0
@@ -331,7 +331,7 @@ def _graph(log: Path, spec: list[tuple[str, str, list[str], float]], **extra) ->
 
 def _build(plan: Plan, spec: StoreSpec, cluster: Cluster, **opts):
     """engine.build on the Ray executor, in a thread so that a hang fails the test instead of stalling it."""
-    from qbuild.build.engine import BuildOptions, build
+    from qbuild.execution.engine import BuildOptions, build
     from qbuild.store.remote import open_store
 
     box: dict = {"events": []}

@@ -9,7 +9,7 @@ import pytest
 
 from qbuild.core.errors import RecipeError, UserError
 from qbuild.recipe.schema import HFSource, PathSource, load_recipe
-from qbuild.recipe.source import shipped_config_path
+from qbuild.hub.checkpoint import shipped_config_path
 from tests.conftest import qbuild
 
 BASE = """\
@@ -152,7 +152,7 @@ def test_broken_recipe_is_one_error_naming_file_and_field(tmp_path, case):
     """What `qbuild recipe validate` and every command that plans run: the schema, then the checks against the
     model's architecture."""
     from qbuild.planning.plan import validate_recipe
-    from qbuild.recipe.source import load_arch
+    from qbuild.hub.checkpoint import load_arch
 
     text, needle = CASES[case]
     recipe = _write(tmp_path, case, text)
@@ -252,7 +252,7 @@ def test_schema_is_json_schema():
 
 def _validate(tmp: Path, text: str):
     from qbuild.planning.plan import validate_recipe
-    from qbuild.recipe.source import load_arch
+    from qbuild.hub.checkpoint import load_arch
 
     loaded = load_recipe(_write(tmp, "r", text))
     validate_recipe(loaded, load_arch(loaded))
@@ -280,7 +280,7 @@ def test_the_verify_image_is_cut_into_the_patches_transformers_makes(tiny_checkp
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from PIL import Image
 
-    from qbuild.build.actions.reference import IMAGE_SIZE
+    from qbuild.execution.actions.reference import IMAGE_SIZE
     from qbuild.model.arch import arch_from_config
     from qbuild.recipe.checks import VERIFY_IMAGE_SIZE, image_patches
 

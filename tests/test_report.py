@@ -15,8 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from qbuild.build.engine import Event
-from qbuild.build.record import BuildRecorder, read_record, record_path
+from qbuild.execution.engine import Event
+from qbuild.execution.record import BuildRecorder, read_record, record_path
 from qbuild.core.errors import InfraError
 from qbuild.render import BuildProgress
 from tests.conftest import qbuild

@@ -3,7 +3,7 @@ deferral closure, and a bad input's producer run again. Pure: no store, no execu
 
 from __future__ import annotations
 
-from qbuild.build.scheduler import MAX_RERUNS, Scheduler
+from qbuild.execution.scheduler import MAX_RERUNS, Scheduler
 from qbuild.planning.graph import graph_of, upstream, users
 
 GIB = 1 << 30

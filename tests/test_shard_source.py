@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from qbuild.build.actions import RunContext
-from qbuild.build.actions import convert as convert_action
-from qbuild.build.actions import fetch as fetch_action
-from qbuild.build.actions import shard as shard_action
+from qbuild.execution.actions import RunContext
+from qbuild.execution.actions import convert as convert_action
+from qbuild.execution.actions import fetch as fetch_action
+from qbuild.execution.actions import shard as shard_action
 from qbuild.core.errors import UserError
 from qbuild.model.convert.convert import convert_checkpoint
 from qbuild.model.convert.shard import shard_checkpoint

@@ -349,3 +349,35 @@ def test_gc_refuses_a_lockfile_that_vanished_before_it_was_read(tmp_path):
         _gc(store, tmp_path / "gone.lock")
     assert "no such lockfile" in str(e.value)
     assert store.get_manifest(entry.key) == entry
+
+
+def _partial_write(store: LocalStore, m: Manifest, age_s: float) -> Path:
+    """What a manifest write killed between its write and its rename leaves beside the entry (store.files.staged)."""
+    path = store.manifest_path(m.key)
+    partial = path.parent / f".{path.name}.partial-0123456789ab"
+    partial.write_bytes(m.to_bytes()[:40])
+    when = time.time() - age_s
+    os.utime(partial, (when, when))
+    return partial
+
+
+def test_verify_and_gc_remove_abandoned_partial_writes_and_leave_live_ones(tmp_path):
+    """A manifest write killed before its rename leaves a `.partial-` file that no entry names: verify reports it and
+    --repair removes it; gc removes it as well; one younger than the age a live write can reach stays."""
+    store = LocalStore(tmp_path / "store")
+    m = _entry(store, "a")
+    old, young = _partial_write(store, m, 2 * localmod.ABANDONED_WRITE_S), _partial_write(store, _entry(store, "b"), 1)
+    assert store.verify() == [f"abandoned partial write {old}"]
+    assert old.exists()
+    assert store.verify(repair=True) == [f"abandoned partial write {old}"]
+    assert not old.exists() and young.exists() and store.verify() == []
+    assert store.get_manifest(m.key) == m
+
+    again = _partial_write(store, m, 2 * gcmod.GRACE_S)
+    lock = tmp_path / "artifacts.lock"
+    lock.write_text(json.dumps(EMPTY_LOCK))
+    dry = gc_local(store, [lock], keep_size=1 << 40, dry_run=True)
+    assert [(r.what, r.name) for r in dry.removed] == [("partial", again.name)] and again.exists()
+    report = gc_local(store, [lock], keep_size=1 << 40)
+    assert [(r.what, r.name) for r in report.removed] == [("partial", again.name)]
+    assert not again.exists() and young.exists() and store.get_manifest(m.key) == m

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from qbuild.build.actions.verify import _line, compare, failures
+from qbuild.execution.actions.verify import _line, compare, failures
 from qbuild.recipe.params import VerifyParams
 
 THRESHOLDS = VerifyParams(top1_min=0.99, token_match_min=1.0, max_logit_err=1e-3)
@@ -44,7 +44,7 @@ def test_top1_is_weighted_by_prompt_length():
 
 
 def test_shipped_golden_prompts_are_pinned():
-    from qbuild.build.actions.reference import golden
+    from qbuild.execution.actions.reference import golden
 
     doc = golden()  # raises if prompts.json changed without its pinned digest
     assert doc["prompts"] and all(isinstance(p, str) and p for p in doc["prompts"]) and doc["image_prompt"]
@@ -68,7 +68,7 @@ def _reference(tmp_path, prompts) -> tuple:
 def _verify(tmp_path, ref, bundle, thresholds=None) -> list[dict]:
     import json
 
-    from qbuild.build.actions import RunContext, verify
+    from qbuild.execution.actions import RunContext, verify
 
     out = tmp_path / "out"
     out.mkdir()

@@ -104,7 +104,7 @@ class ServeOptions:
 
 
 class StepContext(Protocol):
-    """What a backend reads of an action's context (qbuild.build.actions.RunContext)."""
+    """What a backend reads of an action's context (qbuild.execution.actions.RunContext)."""
 
     params: object
     inputs: dict[str, Path]

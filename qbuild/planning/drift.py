@@ -23,7 +23,7 @@ from qbuild.planning.environment import HostEnvironment
 from qbuild.planning.graph import graph_of, upstream
 from qbuild.planning.keys import as_locked, diff_preimages
 from qbuild.planning.plan import Plan, PlannedRecipe, build_plan
-from qbuild.recipe import source
+from qbuild.hub import checkpoint
 from qbuild.recipe.params import to_json
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
 from qbuild.store.lock import hub_pins, recipe_file
@@ -54,7 +54,7 @@ class OfflineEnvironment:
     host: HostEnvironment
 
     def arch(self, loaded: LoadedRecipe, commit: str | None = None) -> Arch:
-        return source.load_arch(loaded, commit)
+        return checkpoint.load_arch(loaded, commit)
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:
         return self.host.checkpoint_digests(directory)

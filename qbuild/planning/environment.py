@@ -10,7 +10,7 @@ from pathlib import Path
 from qbuild.core.errors import InfraError, QbuildError
 from qbuild.core.hashing import StatCache
 from qbuild.model.arch import Arch
-from qbuild.recipe import source
+from qbuild.hub import checkpoint, hf
 from qbuild.recipe.schema import HFSource, LoadedRecipe, recipe_field_location
 
 # A port's source: its Python files, minus tests (editing a port's tests must not rebuild anything).
@@ -38,24 +38,24 @@ class HostEnvironment:
         """A hub model's config.json at `commit`: on this machine, else downloaded (into qbuild's config cache), else
         the shipped copy where there is one."""
         src = loaded.recipe.model
-        if isinstance(src, HFSource) and commit is not None and source.hub_config_path(src.hf, commit) is None:
+        if isinstance(src, HFSource) and commit is not None and hf.hub_config_path(src.hf, commit) is None:
             try:
-                if source.hub_offline():
+                if hf.hub_offline():
                     raise InfraError(f"model.hf: {src.hf}@{commit[:12]}: config.json is not on this machine and the "
                                      "Hub cannot be asked (offline)")
-                source.download_hub_config(src.hf, commit)
+                hf.download_hub_config(src.hf, commit)
             except QbuildError as e:
-                if not source.shipped_config_path(src.hf).is_file():
+                if not checkpoint.shipped_config_path(src.hf).is_file():
                     raise type(e)(f"{recipe_field_location(loaded, 'model.hf')}: {e}") from None
-        return source.load_arch(loaded, commit)
+        return checkpoint.load_arch(loaded, commit)
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:
-        return {p.name: "blake3:" + self.stat_cache.digest(p) for p in source.checkpoint_files(directory)}
+        return {p.name: "blake3:" + self.stat_cache.digest(p) for p in checkpoint.checkpoint_files(directory)}
 
     def hf_commit(self, repo: str, revision: str) -> str:
         if (repo, revision) not in self._resolved:
             try:
-                self._resolved[repo, revision] = source.resolve_hub_revision(repo, revision)
+                self._resolved[repo, revision] = hf.resolve_hub_revision(repo, revision)
             except QbuildError as e:
                 self._resolved[repo, revision] = e
         found = self._resolved[repo, revision]

@@ -1,7 +1,7 @@
 """Walks over a plan's DAG as plain data: what a node is built from, and what is built from it.
 
 A `Graph` maps each node id to the ids of its inputs, in a topological order (a plan's order). The engine's scheduler
-(qbuild.build.scheduler) and the drift check (qbuild.planning.drift) walk it here; nothing here reads a node's params.
+(qbuild.execution.scheduler) and the drift check (qbuild.planning.drift) walk it here; nothing here reads a node's params.
 """
 
 from __future__ import annotations

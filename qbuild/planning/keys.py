@@ -1,7 +1,7 @@
 """Content keys: the action specs, a node's key preimage, and the one walk that keys a plan.
 
 A node's key is blake3 of its preimage {action, version, params, inputs, toolchain[, platform]}: the action's kind
-and source hash (the digest of its import closure and data files, qbuild.planning.sources), the node's typed params,
+and source hash (the digest of its import closure and data files, qbuild.planning.closures), the node's typed params,
 its inputs' output digests, the toolchain it runs with (the installed versions of the third-party distributions its
 closure imports, or the versions a neuron compile pins), and for a node whose output is not portable, this host's
 platform tag (qbuild.core.platform). A node is portable when its action's output is the same on every platform
@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Protocol
 from qbuild import backends
 from qbuild.core.platform import host_tag
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
-from qbuild.planning.sources import DEFAULT, Closure, Sources, distribution_versions
+from qbuild.planning.closures import DEFAULT, Closure, Sources, distribution_versions
 from qbuild.recipe.params import to_json
 
 
@@ -43,7 +43,7 @@ class Plan(Protocol):
 @dataclass(frozen=True)
 class ActionSpec:
     """An action: the function a worker calls, and the data files it reads besides code. What it is made of (its
-    source and its third-party distributions) is read from the code: qbuild.planning.sources."""
+    source and its third-party distributions) is read from the code: qbuild.planning.closures."""
 
     kind: str
     entry: str                                 # "package.module:function", called as function(ctx)
@@ -77,7 +77,7 @@ class ActionSpec:
 Registry = Mapping[str, ActionSpec]           # kind -> spec
 
 
-_SRC = "qbuild.build.actions"
+_SRC = "qbuild.execution.actions"
 # An action runs the function `entry` names (imported only in the worker, so planning stays light).
 REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
     ActionSpec("fetch", f"{_SRC}.fetch:run"),

@@ -30,7 +30,7 @@ from qbuild.recipe import checks
 from qbuild.recipe.params import (ConvertParams, FetchHub, FetchParams, FetchPath, ReferenceParams, VerifyParams,
                                   to_json)
 from qbuild.recipe.schema import HFSource, LoadedRecipe, PathSource, recipe_field_location
-from qbuild.recipe.source import is_commit
+from qbuild.hub.hf import is_commit
 from qbuild.store.lock import HubPin, LockedNode
 from qbuild.store.manifest import Manifest
 

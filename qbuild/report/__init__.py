@@ -1,5 +1,5 @@
 """`qbuild report`: one self-contained HTML page about a lockfile's or recipes' build: the DAG with each node's status,
-key and size (drawn by Graphviz's `dot`), the last build's timeline (from the build record, qbuild.build.record), the
+key and size (drawn by Graphviz's `dot`), the last build's timeline (from the build record, qbuild.execution.record), the
 verify reports against their thresholds, and TTFT / TPOT charts of `qbuild bench` documents (drawn by pygal).
 
 data gathers what the page shows; graph and charts draw it as SVG; page renders the HTML (Jinja2). Nothing here
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qbuild.build.record import read_record
+from qbuild.execution.record import read_record
 from qbuild.render import plan_dot
 from qbuild.report import charts, graph, page
 from qbuild.report.data import BenchDoc, ReportData, gather, locked_recipes, read_bench

@@ -71,7 +71,7 @@ class ReportData:
     nodes: list[NodeRow]
     verifies: list[VerifyTable]
     benches: list[BenchDoc]
-    record: dict | None            # the last build's record (qbuild/build/record.py), or None
+    record: dict | None            # the last build's record (qbuild/execution/record.py), or None
     record_note: str | None        # why there is no record, where there is none
     other_steps: int = 0           # steps of that build that belong to nodes not in this report
 
@@ -199,7 +199,7 @@ def _read_blob(store: Store, entry: dict, remote: bool) -> dict | None:
 
 def summarize(report: dict) -> dict:
     """metric -> (value over every prompt, its threshold, whether it passes), as the verify step's gate computes them
-    (qbuild/build/actions/verify.py `failures`): top-1 weighted by prompt positions, token match averaged over
+    (qbuild/execution/actions/verify.py `failures`): top-1 weighted by prompt positions, token match averaged over
     prompts, the largest logit error."""
     prompts, thresholds = report["prompts"], report.get("thresholds") or {}
     if not prompts:

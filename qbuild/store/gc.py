@@ -34,7 +34,7 @@ GRACE_S = 3600.0
 @dataclass
 class Removal:
     where: str                              # "local" or the remote URL
-    what: Literal["manifest", "blob", "cache"]
+    what: Literal["manifest", "blob", "cache", "partial"]
     name: str                               # key, digest, or a compile cache group ("<pin>/<target>/<group>")
     size: int
     kind: str = ""                          # the manifest's action kind
@@ -53,7 +53,7 @@ class GcReport:
     @property
     def bytes_freed(self) -> int:
         """Blobs, and a local cache group's files (a remote group's files are its blobs)."""
-        return sum(r.size for r in self.removed if r.what == "blob" or (r.what == "cache" and r.where == "local"))
+        return sum(r.size for r in self.removed if r.what in ("blob", "partial") or (r.what == "cache" and r.where == "local"))
 
     def to_json(self) -> dict:
         return {"dry_run": self.dry_run, "removed": [asdict(r) for r in self.removed],
@@ -159,6 +159,9 @@ def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, d
     gone = {b.name for b, _ in candidates} if dry_run else {b.name for b in store.discard_blobs(candidates)}
     report.removed += [Removal("local", "blob", blob.name, st.st_size) for blob, st in candidates if blob.name in gone]
     report.kept_blobs += len(candidates) - len(gone)   # claimed or linked since it was listed: in use again
+    abandoned = store.abandoned_writes(grace_s)
+    gone_partials = [p for p, _ in abandoned] if dry_run else store.discard_abandoned(abandoned)
+    report.removed += [Removal("local", "partial", p.name, st.st_size) for p, st in abandoned if p in gone_partials]
     return report
 
 

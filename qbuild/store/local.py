@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import stat
+import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,8 +36,10 @@ from qbuild.store.manifest import Manifest, tree_digest
 
 # Taken shared by every writer of a blob, exclusively by every remover (locks/cas.lock): see `discard_blobs`.
 CAS_LOCK = "cas.lock"
+# A partial write of a manifest this old has no writer left (a rename follows its write within moments).
+ABANDONED_WRITE_S = 3600.0
 # A blob's mtime is set this far back when it is stored, so that any later write into it (by a step that writes into
-# an input, which is a hardlink to it: qbuild/build/job.py) moves its mtime, even within the clock tick it was made in.
+# an input, which is a hardlink to it: qbuild/execution/job.py) moves its mtime, even within the clock tick it was made in.
 BLOB_BACKDATE_NS = 10**9
 
 
@@ -323,7 +326,34 @@ class LocalStore:
                 problems.append(found[0])
                 if repair:
                     self.discard_manifest(path, found[1])
+        for path, st in self.abandoned_writes():
+            problems.append(f"abandoned partial write {path}")
+            if repair:
+                self.discard_abandoned([(path, st)])
         return problems + self._verify_staging(repair)
+
+    def abandoned_writes(self, older_than_s: float = ABANDONED_WRITE_S) -> list[tuple[Path, os.stat_result]]:
+        """The temporary files of manifest writes (store.files.staged: `.<name>.partial-<nonce>` beside the entry)
+        older than `older_than_s`, with the lstat each was judged by: a write killed between its write and its rename
+        leaves one. A live write renames its file within moments, so one that old has no writer."""
+        found, now = [], time.time()
+        for path in sorted((self.root / "ac").glob("*/.*.partial-*")):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue   # renamed into place or removed meanwhile
+            if now - st.st_mtime >= older_than_s:
+                found.append((path, st))
+        return found
+
+    def discard_abandoned(self, judged: list[tuple[Path, os.stat_result]]) -> list[Path]:
+        """Remove each abandoned partial write of `judged` that is still the file it was judged by; those removed."""
+        removed = []
+        for path, st in judged:
+            if _unchanged(path, st):
+                discard_path(path)
+                removed.append(path)
+        return removed
 
     def _manifest_problem(self, path: Path, bad_blobs: set[str]) -> tuple[str, os.stat_result] | None:
         """What is wrong with the manifest at `path` and the lstat it was judged by; None where nothing is, or where

@@ -112,7 +112,7 @@ def vllm_glue(out: Path, p: NeuronPackageParams, record: dict) -> None:
     glue = out / VLLM_DIR
     (glue / _PLUGIN_DIST).mkdir(parents=True)
     # Imported (it has no effect until vLLM calls register()) rather than read by path, so that its source is in
-    # this step's key like any code the step runs (qbuild.planning.sources).
+    # this step's key like any code the step runs (qbuild.planning.closures).
     from qbuild.backends.neuron import vllm_plugin
 
     (glue / f"{_PLUGIN_MODULE}.py").write_bytes(Path(vllm_plugin.__file__).read_bytes())

@@ -27,7 +27,7 @@ from qbuild.core.userfile import read_small_file
 from qbuild.store.files import atomic_write
 
 if TYPE_CHECKING:
-    from qbuild.build.engine import Event
+    from qbuild.execution.engine import Event
 
 RECORD_VERSION = 1
 MAX_RECORD_BYTES = 64 << 20      # a build of every shipped recipe records a few hundred steps: tens of KiB

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from qbuild.build.actions import RunContext
-from qbuild.build.actions.checkpoint import source_files
+from qbuild.execution.actions import RunContext
+from qbuild.execution.actions.checkpoint import source_files
 from qbuild.recipe.params import ShardParams
 
 

@@ -7,7 +7,7 @@ are described in qbuild/store/bundle.py. Where the compiled graphs go is the bac
 from __future__ import annotations
 
 from qbuild import backends
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.recipe.params import PackageParams
 from qbuild.store.bundle import write_manifest
 from qbuild.store.files import link_tree

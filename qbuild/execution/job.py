@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.core.errors import BuildError, InfraError, QbuildError
 from qbuild.store import Store, StoreSpec
 from qbuild.store.lock import other_bytes

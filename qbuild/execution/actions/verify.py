@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, replace
 
 from qbuild import backends
 from qbuild.backends.base import PromptRun
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.core import jsonio
 from qbuild.core.errors import BuildError
 from qbuild.core.numerics import fix_threads

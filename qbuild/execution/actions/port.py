@@ -24,7 +24,7 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
 from qbuild.core.urls import carries_credentials, without_credentials as _shown
 

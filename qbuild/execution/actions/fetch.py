@@ -15,12 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from qbuild.core import jsonio
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
 from qbuild.recipe.params import FetchParams, FetchPath
-from qbuild.recipe.source import (CHECKPOINT_PATTERNS, check_checkpoint, checkpoint_files, hf_cache_dir,
-                                  hf_repo_dir, hf_served_commit, hub_endpoint, hub_offline, hub_snapshot_files,
-                                  is_commit)
+from qbuild.hub.hf import CHECKPOINT_PATTERNS, hf_cache_dir, hf_repo_dir, hf_served_commit, hub_endpoint, hub_offline, hub_snapshot_files, is_commit
+from qbuild.hub.checkpoint import check_checkpoint, checkpoint_files
 
 
 def run(ctx: RunContext) -> None:

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field, replace
 from qbuild.core.platform import host_tag
 from qbuild.planning.keys import REGISTRY, ActionSpec, Registry
 from qbuild.core.errors import InfraError, QbuildError, UserError
-from qbuild.build.job import Job, build_job
+from qbuild.execution.job import Job, build_job
 from qbuild.planning.plan import Node
-from qbuild.planning.sources import Sources
+from qbuild.planning.closures import Sources
 from qbuild.store import StoreSpec, default_store_path
 from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest

@@ -7,7 +7,7 @@ text model in one node and each vision bucket in its own.
 from __future__ import annotations
 
 from qbuild import backends
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 
 
 def run(ctx: RunContext) -> None:

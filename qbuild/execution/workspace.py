@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from qbuild.store import lock as lockmod
-from qbuild.build.engine import BuildOptions, BuildResult, Event, build
+from qbuild.execution.engine import BuildOptions, BuildResult, Event, build
 from qbuild.planning import locking
 from qbuild.planning.environment import HostEnvironment
 from qbuild.core.errors import BuildError, UserError
@@ -158,7 +158,8 @@ class Workspace:
         one line, exit 2, with nothing in the store or the lock. A cached fetch was checked when it ran; a hub model
         not downloaded yet (or only in part) is checked by its fetch step, and one in the HF cache has its bytes
         checked against the digests its blobs are named by first (a corrupt cache is exit 3, not a bad checkpoint)."""
-        from qbuild.recipe.source import check_checkpoint, hub_snapshot_files, hub_snapshot_partial, source_directory
+        from qbuild.hub.hf import hub_snapshot_files, hub_snapshot_partial
+        from qbuild.hub.checkpoint import check_checkpoint, source_directory
 
         checked: set[str] = set()
         for planned in plan.recipes.values():

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
 from qbuild.recipe.params import FetchHub
-from qbuild.recipe.source import locate, read_snapshot
+from qbuild.hub.checkpoint import locate, read_snapshot
 
 
 def source_files(ctx: RunContext) -> tuple[dict[str, Path], dict[str, str]]:
@@ -29,7 +29,7 @@ def source_files(ctx: RunContext) -> tuple[dict[str, Path], dict[str, str]]:
 
 
 def _fetch_again(snapshot: dict, ctx: RunContext) -> None:
-    from qbuild.build.actions import fetch
+    from qbuild.execution.actions import fetch
 
     repo, commit = snapshot["repo"], snapshot["revision"]
     ctx.log(f"{repo}@{commit[:12]} is not in this machine's HF cache: fetching it")

@@ -13,12 +13,12 @@ import json
 from pathlib import Path
 
 from qbuild.core import jsonio
-from qbuild.build.actions import RunContext
+from qbuild.execution.actions import RunContext
 from qbuild.core.numerics import fix_threads
 from qbuild.core.errors import BuildError
 from qbuild.model.families import MODEL_TYPES
 from qbuild.recipe.params import ReferenceParams
-from qbuild.recipe.source import locate, read_snapshot
+from qbuild.hub.checkpoint import locate, read_snapshot
 
 GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "prompts.json"
 # The shipped prompts are data, not source: pinning their digest here puts them in this action's source hash, so
@@ -32,7 +32,7 @@ def golden() -> dict:
 
     data = GOLDEN.read_bytes()
     if digest_bytes(data) != GOLDEN_BLAKE3:
-        raise BuildError(f"{GOLDEN}: changed without updating GOLDEN_BLAKE3 in qbuild/build/actions/reference.py to "
+        raise BuildError(f"{GOLDEN}: changed without updating GOLDEN_BLAKE3 in qbuild/execution/actions/reference.py to "
                          f"{digest_bytes(data)} (the references built from it would not rebuild otherwise)")
     return json.loads(data)
 

@@ -1,6 +1,6 @@
 """The engine: walks the plan, runs what is not cached on an executor, and reports each step as an event.
 
-What may start when is the scheduler's answer (qbuild.build.scheduler: the dependency order, the number of jobs (-j),
+What may start when is the scheduler's answer (qbuild.execution.scheduler: the dependency order, the number of jobs (-j),
 and a memory budget: each node declares its estimated peak, and running nodes never sum past the budget; a node
 larger than the whole budget is refused as bad input). The loop here does the work around it: a ready node is keyed
 with its inputs' digests (qbuild.planning.keys.PlanKeys; for a node whose output is not portable, with this host's
@@ -22,8 +22,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Literal, Mapping, Protocol
 
-from qbuild.build.job import Job
-from qbuild.build.scheduler import UNSTARTED, Scheduler
+from qbuild.execution.job import Job
+from qbuild.execution.scheduler import UNSTARTED, Scheduler
 from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
 from qbuild.core.units import human_bytes
 from qbuild.planning.graph import graph_of

@@ -27,13 +27,13 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import BinaryIO
 
-from qbuild.build.job import Job, run_job
+from qbuild.execution.job import Job, run_job
 from qbuild.core.errors import BuildError
 from qbuild.planning.plan import Node
 from qbuild.store.manifest import Manifest
 
 _HEADER = struct.Struct(">Q")     # the length of the pickle that follows
-_SERVE = "import sys; from qbuild.build.executors.local import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+_SERVE = "import sys; from qbuild.execution.executors.local import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
 
 
 class WorkerLost(RuntimeError):

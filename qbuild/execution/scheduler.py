@@ -1,7 +1,7 @@
 """The scheduler: which steps of a build are ready, which may start now, and what a failure or a deferral takes along.
 
 Pure bookkeeping over the plan's graph (qbuild.planning.graph), each step's state and its estimated peak memory: no
-store, no executor, no clock. The engine (qbuild.build.engine) asks it and does the work: it keys a ready step, looks
+store, no executor, no clock. The engine (qbuild.execution.engine) asks it and does the work: it keys a ready step, looks
 it up in the store, and tells the scheduler what became of it.
 
 A step's life:

@@ -11,7 +11,7 @@ the module. The tree is written out by node type and non-empty fields, so the sa
 every Python version whose parser gives the same tree.
 
 Dynamic imports (`importlib.import_module`) are invisible to this walk. qbuild has four, each accounted for: the
-action entry itself (qbuild.build.job), a backend's implementation (its closure joins the key of every node that
+action entry itself (qbuild.execution.job), a backend's implementation (its closure joins the key of every node that
 runs the backend: qbuild.planning.keys), and a port's modules, in the Neuron SDK worker (keyed as the port's files)
 and in the vLLM plugin a served bundle carries (which no build step runs). tests/test_hermetic_sources.py fails on
 any other.

@@ -1,1 +1,0 @@
-"""Executors run jobs: a local process pool here, a Ray cluster in qbuild.build.executors.ray."""
