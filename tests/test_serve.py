@@ -351,3 +351,10 @@ def test_dry_run_of_a_cpu_bundle_names_the_server_and_its_limits(tmp_path):
                    "max_prompt_tokens": 128, "max_model_len": 256}
     text = qbuild("serve", str(bundle), "--dry-run", check=True).stdout
     assert "# server: qbuild" in text and "# url: http://127.0.0.1:8000/v1" in text
+    # Arguments after `--` are for a server another program runs (vLLM); qbuild's own takes none, and says so.
+    for dry in (["--dry-run"], []):
+        proc = qbuild("serve", str(bundle), *dry, "--", "--chat-template", "t.jinja")
+        assert proc.returncode == 2 and proc.stdout == "", proc
+        assert proc.stderr.strip().splitlines() == [
+            f"error: {bundle}: the inductor bundle is served by qbuild's own server, which takes no arguments after "
+            "`--` (given: --chat-template t.jinja)"], proc.stderr

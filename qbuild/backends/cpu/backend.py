@@ -14,7 +14,7 @@ from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, Serve
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile, graph_file
 from qbuild.core import jsonio
 from qbuild.core.dtypes import DTYPE_BYTES
-from qbuild.core.errors import BuildError
+from qbuild.core.errors import BuildError, UserError
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import EXTEND, LongContext, PrefixCacheSpec, extend_buckets
 from qbuild.recipe import checks
@@ -204,6 +204,7 @@ class CpuBackend:
     def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
         """qbuild's own server (qbuild.backends.cpu.serve) in this process; its limits are the bundle's buckets (with
         chunked prefill, a prompt may fill the KV cache), and its prefix cache the bundle's."""
+        self._no_server_args(bundle, options)
         buckets = manifest["buckets"]
         host = f"[{options.host}]" if ":" in options.host else options.host
         plan = LongContext.from_json(manifest.get("long_context"))
@@ -222,11 +223,19 @@ class CpuBackend:
         from qbuild.backends.cpu.serve import serve
         from qbuild.model.runtime import Runtime
 
+        self._no_server_args(bundle, options)
         options.log(f"loading the {self.name} bundle {options.name}")
         runtime = Runtime.load(bundle, verify_digests=not options.digests_checked)
         for graph in manifest["graphs"]:
             runtime.graph(graph)
         return serve(runtime, options)
+
+    def _no_server_args(self, bundle: Path, options: ServeOptions) -> None:
+        """Arguments after `--` are for a server another program runs; qbuild's own server takes none, and ignoring
+        them would serve something other than what the user asked for."""
+        if options.server_args:
+            raise UserError(f"{bundle}: the {self.name} bundle is served by qbuild's own server, which takes no "
+                            f"arguments after `--` (given: {' '.join(options.server_args)})")
 
 
 def images_served(buckets: list[int], allow_urls: bool) -> dict:
