@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -441,6 +442,10 @@ def test_pipeline_through_ray_gives_the_local_lockfile(cluster, s3_client_env, t
     out = json.loads(first.stdout)
     assert out["failed"] == {} and len(out["built"]) > 0
     assert (project / "ray.lock").read_bytes() == (project / "local.lock").read_bytes()
+    # The build record names the Ray worker of each step (a host and a pid), for `qbuild report`'s lanes.
+    (record,) = (project / ".cache" / "qbuild" / "builds").glob("ray-*.json")
+    steps = json.loads(record.read_text())["steps"]
+    assert len(steps) == 8 and all(re.fullmatch(r".+ \(pid \d+\)", s["worker"] or "") for s in steps), steps
     # Every locked entry is on the remote, complete; the workers built them in their own stores, and the
     # driver read them through the remote, downloading only what it needed (the fetch snapshots the lockfile
     # writer reads), so only those are recorded in its store.

@@ -18,6 +18,7 @@ unreferenced blobs in the remote, never a manifest, so the store never shows hal
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -147,7 +148,9 @@ def run_task(job: Job, action: ActionSpec) -> dict:
     manifest = build_job(replace(job, store_spec=spec), store)
     # A key this worker had cached locally is not pushed by build_job; the remote must hold it all the same.
     push_manifests(store.local, store.remote, [manifest])
-    return manifest.to_json()
+    # Who ran it is a fact of this run (meta, never in a key): `qbuild report` draws each step on its worker's lane.
+    worker = f"{socket.gethostname()} (pid {os.getpid()})"
+    return replace(manifest, meta={**manifest.meta, "worker": worker}).to_json()
 
 
 def _check_same_action(job: Job, action: ActionSpec) -> None:
