@@ -243,10 +243,11 @@ def serve_text(serve: dict) -> None:
 
 def print_build_result(plan: Plan, result: BuildResult, progress: BuildProgress, as_json: bool,
                        extra: dict | None = None) -> None:
-    """`qbuild compile`'s output: the result document (with `extra` entries) on stdout, or the summary line."""
+    """`qbuild compile`'s output: the result document (with `extra` entries) on stdout, or the summary line (always
+    the summary event with --progress json)."""
     if as_json:
         print(jsonio.dumps({**result_json(plan, result), **(extra or {})}, indent=1, sort_keys=True))
-    else:
+    if not as_json or progress.json:
         progress.summary(plan, result)
 
 
@@ -369,13 +370,16 @@ class BuildProgress:
             if self.json:
                 return _json_line(progress_json(report, node.name, node.id, node.kind))
             amount, rate, eta = progress_text(report)
+            what = "" if report.what == node.kind else f": {report.what}"    # "compile x: compile" says it twice
             task = self._tasks.get(node.id)
             if task is not None:
-                self._bars.update(task, description=f"{node.name}: {report.what}", total=report.total,
-                                  completed=report.done, amount=amount, rate=rate, eta=eta)
+                if report.unit == "s" and report.total is None:
+                    amount = ""     # elapsed only: the row's own clock shows it, ticking between reports
+                self._bars.update(task, description=node.name + what, total=report.total, completed=report.done,
+                                  amount=amount, rate=rate, eta=eta)
                 self._bars.refresh()
             elif self._bars is None and self._lines.due(node.id):
-                _err_line(f"  {node.name}: {report.what} " + ", ".join(x for x in (amount, rate, eta) if x))
+                _err_line(f"  {node.name}{what} " + ", ".join(x for x in (amount, rate, eta) if x))
 
     def summary(self, plan: Plan, result: BuildResult) -> None:
         took = time.monotonic() - self.started
@@ -415,10 +419,10 @@ def progress_json(report: Report, node: str | None, nid: str | None, step: str) 
 
 def progress_text(report: Report) -> tuple[str, str, str]:
     """(amount, rate, ETA) of a report as a person reads them: "1.5 MiB/4.0 MiB", "12.0 MiB/s", "ETA 0:03"; for
-    seconds, "0:42/~3:10" (elapsed, and how long the last such step took), no rate, the time left by that measure.
-    Empty strings where a part is not known."""
+    seconds, "0:42/~3:10" (elapsed, and how long the last such step took) or "0:42 elapsed", no rate, the time left by
+    that measure. Empty strings where a part is not known."""
     if report.unit == "s":
-        amount = _clock(report.done) + ("" if report.total is None else f"/~{_clock(report.total)}")
+        amount = _clock(report.done) + (" elapsed" if report.total is None else f"/~{_clock(report.total)}")
         left = None if report.total is None else report.total - report.done
         return amount, "", f"ETA ~{_clock(left)}" if left is not None and left > 0 else ""
     amount = human_bytes(report.done) + ("" if report.total is None else f"/{human_bytes(report.total)}")
