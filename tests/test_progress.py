@@ -222,3 +222,26 @@ def test_a_step_in_a_worker_process_reports_to_the_driver_before_its_result(tmp_
     assert second.ok and second.built == [nid]
     timed = [h[2] for h in heard if h[0] == "progress" and h[2].unit == "s"]
     assert timed and {r.total for r in timed} == {manifest.meta["seconds"]}
+
+
+def test_a_report_that_cannot_be_delivered_fails_neither_the_step_nor_the_build(tmp_path):
+    from qbuild.execution.engine import BuildOptions, build
+    from qbuild.execution.executors.local import LocalExecutor
+    from qbuild.planning.keys import ActionSpec
+    from qbuild.planning.plan import Plan, _add
+    from qbuild.store import LocalStore, StoreSpec
+
+    def broken(*args) -> None:
+        raise BrokenPipeError("the display went away")
+
+    meter = StepProgress(broken, FakeClock()).meter("write", "B", 10)
+    meter.advance(10)                      # the worker's side: the report is dropped
+    meter.close()
+
+    registry = {"test-meter": ActionSpec("test-meter", "tests.engine_actions:metered")}
+    nodes: dict = {}
+    _add(nodes, "toy", "test-meter", "metered", {"name": "metered", "bytes": 1 << 20}, {}, 1, 1)
+    root = tmp_path / "store"
+    result = build(Plan(nodes, {}), LocalStore(root), StoreSpec(local=str(root)), lambda: LocalExecutor(1),
+                   BuildOptions(), registry=registry, on_progress=broken)   # the driver's side
+    assert result.ok and len(result.built) == 1, result.failed

@@ -54,6 +54,17 @@ def _rounded(x: float | None) -> float | None:
 Emit = Callable[[Report], None]
 
 
+def guarded(emit: Emit) -> Emit:
+    """`emit`, dropping a report it fails to deliver (a pipe or an actor gone, a display that broke): progress never
+    fails a step or a build."""
+    def deliver(report: Report) -> None:
+        try:
+            emit(report)
+        except Exception:
+            pass
+    return deliver
+
+
 class Throttle:
     """Decides which measurements become reports: the first; the one that reaches the total; and otherwise one only
     when both `interval` seconds and `fraction` of the total (if known) have passed since the last report."""
@@ -159,7 +170,7 @@ class StepProgress:
     last count."""
 
     def __init__(self, emit: Emit, clock: Clock = time.monotonic):
-        self._emit, self.clock = emit, clock
+        self._emit, self.clock = guarded(emit), clock
         self._meters: list[Meter] = []
         self._lock = threading.Lock()
 

@@ -103,8 +103,7 @@ def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Exe
     """Build every node of `plan`, keying each with its inputs' digests as they are cached or built. `locked` (node id
     -> the lock's entry for it): a result under a locked key must have the locked digest (see the module docstring).
     `on_progress` hears what running steps report (from the executor's threads)."""
-    run = _Run(plan, store, spec, executor_factory, options, on_event, registry, locked or {})
-    run.on_progress = on_progress
+    run = _Run(plan, store, spec, executor_factory, options, on_event, registry, locked or {}, on_progress)
     try:
         run.loop()
     finally:
@@ -119,9 +118,10 @@ class _Run:
 
     def __init__(self, plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor],
                  options: BuildOptions, on_event: Callable[[Event], None], registry: Registry,
-                 locked: Mapping[str, LockedNode]):
+                 locked: Mapping[str, LockedNode], on_progress: ProgressCallback | None = None):
         self.plan, self.store, self.spec, self.options = plan, store, spec, options
         self.on_event, self.registry, self.locked = on_event, registry, locked
+        self.on_progress = on_progress
         self.executor_factory = executor_factory
         self.executor: Executor | None = None            # started at the first step to run
         self.keys = PlanKeys(plan, registry)
@@ -131,7 +131,6 @@ class _Run:
         self.result = BuildResult()
         self.jobs: dict[str, Job] = {}                    # queued node -> its job
         self.running: dict[Future, tuple[str, float]] = {}   # -> (node id, when it started)
-        self.on_progress: ProgressCallback | None = None
         self.durations = Durations(store.local)            # read once, at the first timed step to build
 
     def loop(self) -> None:

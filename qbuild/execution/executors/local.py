@@ -29,10 +29,9 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import BinaryIO, Callable
 
-from qbuild.core.progress import Report
-
 from qbuild.execution.job import Job, run_job
 from qbuild.core.errors import BuildError
+from qbuild.core.progress import Report, guarded
 from qbuild.planning.plan import Node
 from qbuild.store.manifest import Manifest
 
@@ -60,7 +59,7 @@ class LocalExecutor:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the local executor is shut down")
-            self._queue.put((job, future, on_progress or _ignore))
+            self._queue.put((job, future, guarded(on_progress or _ignore)))
             self._waiting += 1
             # A worker starts only when every started one is busy, up to -j of them: each one imports torch (seconds
             # and hundreds of MiB), which a build of few steps at a time, such as most rebuilds, never needs twice.

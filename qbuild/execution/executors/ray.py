@@ -33,7 +33,7 @@ from typing import Callable
 from qbuild.core.platform import host_tag
 from qbuild.planning.keys import REGISTRY, ActionSpec, Registry
 from qbuild.core.errors import InfraError, QbuildError, UserError
-from qbuild.core.progress import Report, StepProgress, silent
+from qbuild.core.progress import Report, StepProgress, guarded, silent
 from qbuild.execution.job import Job, build_job
 from qbuild.planning.plan import Node
 from qbuild.planning.closures import Sources
@@ -260,7 +260,7 @@ class RayExecutor:
         inbox = None
         if on_progress is not None:
             with self._lock:
-                self._listeners[job.node_id] = on_progress
+                self._listeners[job.node_id] = guarded(on_progress)
                 inbox = self._progress_inbox()
         self._pool.submit(self._launch, job, node, out, inbox)
         return out
