@@ -55,6 +55,11 @@ BackendOpt = typer.Option(None, "--backend",
 RemoteOpt = typer.Option(None, "--remote", metavar="s3://BUCKET/PREFIX", envvar="QBUILD_REMOTE",
                          help="remote store to read through [default: remote: in ./qbuild.yaml]")
 AllowUnverifiedOpt = typer.Option(False, "--allow-unverified", help="use a locked bundle whose verify did not pass")
+ProgressMode = Enum("ProgressMode", {name: name for name in ("auto", "plain", "json")}, type=str)
+ProgressOpt = typer.Option(ProgressMode.auto, "--progress",
+                           help="how progress shows on stderr: auto (live on a terminal, else plain), plain (lines, "
+                                "at most one per running step every 30 s), json (one JSON event per line; "
+                                "docs/progress.md)")
 StrictOpt = typer.Option(False, "--strict",
                          help="refuse a locked recipe whose recipe file changed since it was locked (or whose change "
                               "cannot be told here) instead of naming the change")
@@ -186,16 +191,18 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
             address: Optional[str] = typer.Option(
                 None, "--address", metavar="auto|HOST:PORT|ray://HOST:PORT", envvar="RAY_ADDRESS",
                 help="Ray cluster for --executor ray [default: auto: the cluster `ray start` runs on this "
-                     "machine]")) -> None:
+                     "machine]"),
+            progress_mode: ProgressMode = ProgressOpt) -> None:
     """Build what is not cached: fetch, convert, shard, compile per bucket, package, reference, verify."""
     from qbuild.execution.engine import BuildOptions, raise_for
-    from qbuild.render import BuildProgress, TransferDisplay, print_build_result
+    from qbuild.render import BuildProgress, print_build_result, transfer_display
     from qbuild.core.units import parse_size
 
     if update and frozen:
         raise UserError("--update and --frozen: --update changes the lockfile's pins, --frozen forbids any change")
     explicit_budget = None if mem is None else parse_size(mem, "--mem", allow_zero=False)
-    ws = _workspace(store, lock, remote, push=push, backend=backend, transfers=TransferDisplay(bars=False))
+    ws = _workspace(store, lock, remote, push=push, backend=backend,
+                    transfers=transfer_display(progress_mode.value, "compile", bars=False))
     ws.keep_intermediates = keep_intermediates
     # $RAY_ADDRESS is meant for Ray: a local build ignores it; only an --address given here must go with Ray.
     source = ctx.get_parameter_source("address")
@@ -210,9 +217,9 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
         from qbuild.render import print_pin_moves
 
         print_pin_moves(ws.update_pins(loaded), False)
-    with BuildProgress(verbose=verbose, lock=lock) as progress:
+    with BuildProgress(verbose=verbose, lock=lock, mode=progress_mode.value) as progress:
         the_plan, result, rebuilt = ws.compile(loaded, options, factory, progress.on_event, frozen=frozen,
-                                               update=update)
+                                               update=update, on_progress=progress.on_progress)
     pushed = _push_results(ws, result) if push else None
     extra = {"pushed": pushed.to_json()} if pushed is not None else {}
     if rebuilt is not None:
@@ -301,13 +308,13 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
                                              help="all: every locked step; bundles: what pull and a rebuild "
                                                   "elsewhere need (all but the reference logits; docs/bytes.md)"),
             remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
-            lock: Path = LockOpt) -> None:
+            lock: Path = LockOpt, progress_mode: ProgressMode = ProgressOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
     from qbuild.store import lock as lockmod
-    from qbuild.render import TransferDisplay, print_published
+    from qbuild.render import print_published, transfer_display
     from qbuild.store.transfer import publish as publish_locked, recipe_names
 
-    ws = _workspace(store, lock, remote, transfers=TransferDisplay())
+    ws = _workspace(store, lock, remote, transfers=transfer_display(progress_mode.value, "publish"))
     if ws.store_spec.remote is None:
         raise UserError("publish needs a remote: pass --remote s3://bucket/prefix, set QBUILD_REMOTE, "
                         "or add remote: to ./qbuild.yaml")
@@ -324,14 +331,14 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
          lock: Path = LockOpt,
          allow_unverified: bool = typer.Option(False, "--allow-unverified",
                                                help="lay out a bundle whose verify did not pass"),
-         strict: bool = StrictOpt) -> None:
+         strict: bool = StrictOpt, progress_mode: ProgressMode = ProgressOpt) -> None:
     """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
     from qbuild.store import lock as lockmod
-    from qbuild.render import TransferDisplay, print_pulled
+    from qbuild.render import print_pulled, transfer_display
     from qbuild.store.transfer import pull_bundle
 
     _check_new_dir(to, "the --to directory", "pull into a new or empty one")
-    ws = _workspace(store, lock, remote, transfers=TransferDisplay())
+    ws = _workspace(store, lock, remote, transfers=transfer_display(progress_mode.value, "pull"))
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
     doc = lockmod.read(lock)

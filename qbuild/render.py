@@ -16,6 +16,7 @@ from qbuild.core import jsonio
 from qbuild.core.units import human_bytes
 
 if TYPE_CHECKING:
+    from qbuild.core.progress import Report
     from qbuild.execution.engine import BuildResult, Event
     from qbuild.execution.workspace import PinMove
     from qbuild.store.gc import GcReport
@@ -242,10 +243,11 @@ def serve_text(serve: dict) -> None:
 
 def print_build_result(plan: Plan, result: BuildResult, progress: BuildProgress, as_json: bool,
                        extra: dict | None = None) -> None:
-    """`qbuild compile`'s output: the result document (with `extra` entries) on stdout, or the summary line."""
+    """`qbuild compile`'s output: the result document (with `extra` entries) on stdout, or the summary line (always
+    the summary event with --progress json)."""
     if as_json:
         print(jsonio.dumps({**result_json(plan, result), **(extra or {})}, indent=1, sort_keys=True))
-    else:
+    if not as_json or progress.json:
         progress.summary(plan, result)
 
 
@@ -271,24 +273,29 @@ def result_json(plan: Plan, result: BuildResult) -> dict:
                         for name, pr in sorted(plan.recipes.items())}}
 
 
-class _Rerendered:
-    """A renderable rebuilt at every refresh, so elapsed times tick between events."""
-
-    def __init__(self, build):
-        self._build = build
-
-    def __rich__(self):
-        return self._build()
+PROGRESS_MODES = ("auto", "plain", "json")
 
 
 class BuildProgress:
-    """Live progress on a TTY (a spinner per running step); one plain line per event elsewhere."""
+    """A build's events and its steps' progress on stderr, in one of PROGRESS_MODES (docs/progress.md):
+    - auto: on a TTY, rich's Progress with a row per running step (bytes or seconds done of the total, rate, ETA);
+      elsewhere, as plain;
+    - plain: a line per event, and per running step at most one progress line every LINE_EVERY_S (from its start);
+    - json: one JSON object per line for every event and every progress report (stdout keeps the --json document).
+    `on_progress` is called from the executor's threads."""
 
-    def __init__(self, verbose: bool = False, lock: Path | None = None):
-        self.tty = sys.stderr.isatty()
+    def __init__(self, verbose: bool = False, lock: Path | None = None, mode: str = "auto", clock=time.monotonic):
+        import threading
+
+        from qbuild.core.progress import LineThrottle
+
+        self.json = mode == "json"
+        self.tty = mode == "auto" and sys.stderr.isatty()
         self.verbose = verbose        # also print what each built or failed step's libraries printed
-        self.running: dict[str, tuple[float, object]] = {}   # name -> (start time, its spinner)
-        self._live = None
+        self._bars = None             # rich's Progress, on a TTY
+        self._tasks: dict[str, object] = {}      # node id -> its row in the bars
+        self._lines = LineThrottle(clock)
+        self._lock = threading.Lock()
         self.started = time.monotonic()
         # The build's record beside the lockfile (qbuild.execution.record), which `qbuild report` draws its timeline from.
         self.recorder = None
@@ -299,16 +306,18 @@ class BuildProgress:
 
     def __enter__(self) -> "BuildProgress":
         if self.tty:
-            from rich.live import Live
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-            self._live = Live(_Rerendered(self._render), console=console_err(), refresh_per_second=8,
-                              transient=True)
-            self._live.__enter__()
+            self._bars = Progress(SpinnerColumn("dots"), TextColumn("{task.description}"), BarColumn(bar_width=20),
+                                  TextColumn("{task.fields[amount]}"), TextColumn("{task.fields[rate]}"),
+                                  TextColumn("{task.fields[eta]}"), TimeElapsedColumn(), console=console_err(),
+                                  refresh_per_second=8, transient=True)
+            self._bars.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._live is not None:
-            self._live.__exit__(*exc)
+        if self._bars is not None:
+            self._bars.stop()
         if self.recorder is not None and self.recorder.steps:   # a command refused before any step writes nothing
             self._write_record(interrupted=exc[0] is not None)
 
@@ -322,26 +331,14 @@ class BuildProgress:
         except QbuildError as e:
             _err_line(f"warning: the build record was not written: {e}")
 
-    def _render(self):
-        from rich.table import Table
-        from rich.text import Text
-
-        table = Table.grid(padding=(0, 1))
-        now = time.monotonic()
-        for name, (started, spinner) in self.running.items():
-            table.add_row(spinner, Text(name), Text(f"{now - started:.0f}s", style="dim"))
-        return table
-
     def on_event(self, e: Event) -> None:
         if self.recorder is not None:
             self.recorder.on_event(e)
+        with self._lock:
+            self._track(e)
+        if self.json:
+            return _json_line(event_json(e, self.verbose))
         name = e.node.name
-        if e.kind == "start":
-            from rich.spinner import Spinner
-
-            self.running[name] = (time.monotonic(), Spinner("dots"))
-        else:
-            self.running.pop(name, None)
         line = {"start": f"start  {name}", "built": f"built  {name} ({e.seconds:.1f}s)",
                 "failed": f"FAILED {name}: {e.error}",
                 "corrupt": f"CORRUPT input of {name}: {e.error}", "missing": f"MISSING input of {name}: {e.error}",
@@ -353,11 +350,43 @@ class BuildProgress:
         if self.verbose and e.output:
             console_err().print("\n".join(f"  | {text}" for text in e.output), markup=False, highlight=False,
                                 soft_wrap=True)
-        if self._live is not None:
-            self._live.refresh()
+
+    def _track(self, e: Event) -> None:
+        """A running step's row (TTY) and line throttle, opened at its start and closed at its end."""
+        nid = e.node.id
+        if e.kind == "start":
+            self._lines.started(nid)
+            if self._bars is not None and nid not in self._tasks:
+                self._tasks[nid] = self._bars.add_task(e.node.name, total=None, amount="", rate="", eta="")
+            return
+        self._lines.ended(nid)
+        task = self._tasks.pop(nid, None)
+        if task is not None:
+            self._bars.remove_task(task)
+
+    def on_progress(self, node, report: Report) -> None:
+        """What a running step reported (engine.build's on_progress)."""
+        with self._lock:
+            if self.json:
+                return _json_line(progress_json(report, node.name, node.id, node.kind))
+            amount, rate, eta = progress_text(report)
+            what = "" if report.what == node.kind else f": {report.what}"    # "compile x: compile" says it twice
+            task = self._tasks.get(node.id)
+            if task is not None:
+                if report.unit == "s" and report.total is None:
+                    amount = ""     # elapsed only: the row's own clock shows it, ticking between reports
+                self._bars.update(task, description=node.name + what, total=report.total, completed=report.done,
+                                  amount=amount, rate=rate, eta=eta)
+                self._bars.refresh()
+            elif self._bars is None and self._lines.due(node.id):
+                _err_line(f"  {node.name}{what} " + ", ".join(x for x in (amount, rate, eta) if x))
 
     def summary(self, plan: Plan, result: BuildResult) -> None:
         took = time.monotonic() - self.started
+        if self.json:
+            return _json_line({"event": "summary", "built": len(result.built), "cached": len(result.cached),
+                               "failed": len(result.failed), "skipped": len(result.skipped),
+                               "deferred": len(result.deferred), "seconds": round(took, 3)})
         msg = (f"{len(result.built)} built, {len(result.cached)} cached, {len(result.failed)} failed, "
                f"{len(result.skipped)} skipped in {took:.1f}s")
         if result.deferred:
@@ -367,6 +396,53 @@ class BuildProgress:
         else:
             # Words and numbers, which rich would write unchanged: a no-op build does not load rich for one line.
             print(msg, file=sys.stderr)
+
+
+def event_json(e: Event, verbose: bool = False) -> dict:
+    """A build event as `--progress json` writes it: {"event", "node", "id", "step"}, with "seconds" (built),
+    "error" (failed, skipped, corrupt, missing) and, with -v, "output" (what the step's libraries printed)."""
+    doc: dict = {"event": e.kind, "node": e.node.name, "id": e.node.id, "step": e.node.kind}
+    if e.kind == "built":
+        doc["seconds"] = round(e.seconds, 3)
+    if e.error is not None:
+        doc["error"] = e.error
+    if verbose and e.output:
+        doc["output"] = e.output
+    return doc
+
+
+def progress_json(report: Report, node: str | None, nid: str | None, step: str) -> dict:
+    """A progress report as `--progress json` writes it: {"event": "progress", "node", "id", "step", "what", "done",
+    "total" (null: not known), "unit" ("B" or "s"), "rate" (units per second, or null)}."""
+    return {"event": "progress", "node": node, "id": nid, "step": step, **report.to_json()}
+
+
+def progress_text(report: Report) -> tuple[str, str, str]:
+    """(amount, rate, ETA) of a report as a person reads them: "1.5 MiB/4.0 MiB", "12.0 MiB/s", "ETA 0:03"; for
+    seconds, "0:42/~3:10" (elapsed, and how long the last such step took) or "0:42 elapsed", no rate, the time left by
+    that measure. Empty strings where a part is not known."""
+    if report.unit == "s":
+        amount = _clock(report.done) + (" elapsed" if report.total is None else f"/~{_clock(report.total)}")
+        left = None if report.total is None else report.total - report.done
+        return amount, "", f"ETA ~{_clock(left)}" if left is not None and left > 0 else ""
+    amount = human_bytes(report.done) + ("" if report.total is None else f"/{human_bytes(report.total)}")
+    rate = f"{human_bytes(report.rate)}/s" if report.rate else ""
+    eta = ""
+    if report.total is not None and report.rate:
+        eta = f"ETA {_clock(max(0.0, report.total - report.done) / report.rate)}"
+    return amount, rate, eta
+
+
+def _clock(seconds: float) -> str:
+    """0:42, 12:05, 1:02:03."""
+    s = int(round(seconds))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _json_line(doc: dict) -> None:
+    """One JSON object on one line of stderr, written at once (threads report concurrently)."""
+    sys.stderr.write(jsonio.dumps(doc) + "\n")
+    sys.stderr.flush()
 
 
 # --- transfers and gc ------------------------------------------------------------------------------------------
@@ -435,6 +511,17 @@ class TransferDisplay:
 
 def _files(n: int) -> str:
     return f"{n} file" if n == 1 else f"{n} files"
+
+
+def transfer_display(mode: str, step: str, bars: bool | None = None):
+    """How a command (`step`: compile, publish, pull) shows its store's transfers (store.remote.Progress), in one of
+    PROGRESS_MODES: auto, a TransferDisplay (bars on a TTY unless `bars` is False); plain, its lines; json, one
+    progress_json line per report, with no node (throttled as a step's: qbuild.core.progress)."""
+    if mode == "json":
+        from qbuild.core.progress import StepProgress
+
+        return StepProgress(lambda report: _json_line(progress_json(report, None, None, step))).transfers()
+    return TransferDisplay(bars=False if mode == "plain" else bars)
 
 
 def pushed_text(report: PushReport, url: str) -> None:

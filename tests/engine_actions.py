@@ -67,3 +67,14 @@ def big(ctx: RunContext) -> None:
     """Writes more bytes than a small filesystem holds."""
     with open(ctx.out / "big.bin", "wb") as f:
         f.write(os.urandom(ctx.params["bytes"]))
+
+
+def metered(ctx: RunContext) -> None:
+    """Writes `bytes` bytes in 64 KiB pieces, counting each into the step's progress."""
+    size, piece = ctx.params["bytes"], 64 << 10
+    meter = ctx.progress.meter("write", "B", size)
+    with open(ctx.out / "data.bin", "wb") as f:
+        for start in range(0, size, piece):
+            n = min(piece, size - start)
+            f.write(ctx.params["name"].encode()[:1] * n)
+            meter.advance(n)

@@ -43,7 +43,13 @@ def _write_outputs(ctx: RunContext) -> None:
     (ctx.out / "value.txt").write_text(ctx.params["name"] + "(" + ",".join(inputs) + ")")
     seed = ctx.params["name"].encode()
     (ctx.out / "nested").mkdir()
-    (ctx.out / "nested" / "data.bin").write_bytes((seed * (256 * 1024 // len(seed) + 1))[:256 * 1024])
+    data = (seed * (256 * 1024 // len(seed) + 1))[:256 * 1024]
+    meter = ctx.progress.meter("write", "B", len(data)) if ctx.progress is not None else None
+    with open(ctx.out / "nested" / "data.bin", "wb") as f:
+        for start in range(0, len(data), 64 * 1024):
+            f.write(data[start:start + 64 * 1024])
+            if meter is not None:
+                meter.advance(len(data[start:start + 64 * 1024]))
 
 
 def text(ctx: RunContext) -> None:

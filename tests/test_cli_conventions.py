@@ -43,6 +43,7 @@ def test_shell_completion_options_are_offered():
     (["plan", "--all"], "--backend", NAMES),
     (["compile", "--all"], "--backend", NAMES),
     (["compile", "--all"], "--executor", ("local", "ray")),
+    (["compile", "--all"], "--progress", ("auto", "plain", "json")),
 ])
 def test_a_value_outside_the_choices_is_a_usage_error_naming_them(tmp_path, command, option, choices):
     proc = run_qbuild(*command, option, "bogus", cwd=tmp_path)

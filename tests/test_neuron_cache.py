@@ -116,6 +116,27 @@ def remote(monkeypatch):
     return S3Remote(f"s3://{BUCKET}/{os.urandom(4).hex()}")
 
 
+class _Transfers:
+    """What a store's transfers report (qbuild.store.remote.Progress), batch by batch: (verb, files, total bytes,
+    bytes advanced)."""
+
+    def __init__(self):
+        self.batches: list[tuple[str, int, int, int]] = []
+
+    def begin(self, verb: str, files: int, total_bytes: int) -> None:
+        self.batches.append((verb, files, total_bytes, 0))
+
+    def advance(self, nbytes: int) -> None:
+        verb, files, total, done = self.batches[-1]
+        self.batches[-1] = (verb, files, total, done + nbytes)
+
+    def file_done(self, name: str) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
 def test_groups_travel_as_blobs_and_an_index_and_gc_remote_trims_them(tmp_path, remote):
     """push uploads the complete entries (never a failed one) as blobs plus the group's index, once; pull lays them
     out byte for byte in another store, and refuses a blob whose bytes changed; gc --remote keeps an index within the
@@ -125,7 +146,11 @@ def test_groups_travel_as_blobs_and_an_index_and_gc_remote_trims_them(tmp_path, 
     entries = [_complete(group, "one"), _complete(group, "two", 300)]
     _entry(group, "failed", {"model.log": b"error"})
     name = "2.26.6360.0/trn2/text-shared"
-    assert compile_cache.push_group(group, name, remote) == 2
+    up = _Transfers()
+    assert compile_cache.push_group(group, name, remote, up) == 2
+    files = [f for e in entries for f in e.iterdir()]
+    blobs = {digest_file(f): f.stat().st_size for f in files}     # files of equal bytes go up once
+    assert up.batches == [("compile cache upload", len(blobs), sum(blobs.values()), sum(blobs.values()))]
     assert compile_cache.push_group(group, name, remote) == 0
     index = compile_cache.read_index(remote, compile_cache.index_key(remote, name))
     assert sorted(index) == sorted(e.relative_to(group).as_posix() for e in entries)
@@ -134,7 +159,10 @@ def test_groups_travel_as_blobs_and_an_index_and_gc_remote_trims_them(tmp_path, 
 
     there = LocalStore(tmp_path / "there")
     target = _group(there, "text-shared")
-    assert compile_cache.pull(target, name, remote) == 2
+    down = _Transfers()
+    assert compile_cache.pull(target, name, remote, down) == 2
+    complete = sum(f.stat().st_size for f in files)
+    assert down.batches == [("compile cache download", len(files), complete, complete)]
     for e in entries:
         copy = target / e.relative_to(group)
         assert {p.name: p.read_bytes() for p in copy.iterdir()} == {p.name: p.read_bytes() for p in e.iterdir()}
@@ -159,6 +187,14 @@ def test_groups_travel_as_blobs_and_an_index_and_gc_remote_trims_them(tmp_path, 
     assert remote.has_blobs(blobs) == set()
 
 
+def _cache_bytes(stderr: str, what: str) -> None:
+    """A text compile's `--progress json` events counted the compile cache's transfer (`what`) up to its total."""
+    reports = [e for e in map(json.loads, stderr.splitlines()) if e["event"] == "progress" and e["what"] == what]
+    assert reports and reports[-1]["done"] == reports[-1]["total"] > 0, stderr
+    assert {(e["step"], e["unit"]) for e in reports} == {("compile", "B")}
+    assert all(e["node"].startswith("compile text") for e in reports)
+
+
 @pytest.mark.slow
 def test_compiles_share_neffs_through_the_remote_and_the_store_drops_cached_failures(tmp_path, small_checkpoints,
                                                                                      monkeypatch):
@@ -173,8 +209,9 @@ def test_compiles_share_neffs_through_the_remote_and_the_store_drops_cached_fail
     a, b = Build(tmp_path / "a"), Build(tmp_path / "b")
     checkpoint = small_checkpoints["qwen3_5"]
     recipe = write_recipe(a.root / "recipes" / "dense.yaml", checkpoint, MAIN_PORT)
-    result, stderr = a.compile(recipe, "--remote", url, "--push", **s3)
+    result, stderr = a.compile(recipe, "--remote", url, "--push", "--progress", "json", **s3)
     compiled(result, stderr)
+    _cache_bytes(stderr, "compile cache upload")
     pin = RELEASES[TOOLCHAIN["sdk"]]["neuronx-cc"]
     (group,) = [g for g in compile_cache.groups(a.store) if g.name.startswith(f"{pin}/trn2/")]
     layout = {p.relative_to(e).as_posix() for e in compile_cache.entries(group.path) for p in e.iterdir()}
@@ -185,8 +222,10 @@ def test_compiles_share_neffs_through_the_remote_and_the_store_drops_cached_fail
 
     more = write_recipe(b.root / "recipes" / "dense.yaml", checkpoint, MAIN_PORT, text={"tkg_buckets": [64, 128]})
     log = b.root / "b.jsonl"
-    result, stderr = b.compile(more, "--remote", url, log=log, QBUILD_NEURON_WORKDIR=str(a.work), **s3)
+    result, stderr = b.compile(more, "--remote", url, "--progress", "json", log=log, QBUILD_NEURON_WORKDIR=str(a.work),
+                               **s3)
     compiled(result, stderr)
+    _cache_bytes(stderr, "compile cache download")
     (call,) = [c for c in read_log(log) if c["call"] == "compile"]
     assert [(n["tag"], n["bucket"]) for n in call["neffs"] if not n["hit"]] == [("token_generation_model", 128)]
     assert len(call["neffs"]) == 4

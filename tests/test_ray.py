@@ -330,19 +330,29 @@ def _graph(log: Path, spec: list[tuple[str, str, list[str], float]], **extra) ->
     return Plan(nodes, {})
 
 
-def _build(plan: Plan, spec: StoreSpec, cluster: Cluster, **opts):
-    """engine.build on the Ray executor, in a thread so that a hang fails the test instead of stalling it."""
+def _build(plan: Plan, spec: StoreSpec, cluster: Cluster, timeline: list | None = None, **opts):
+    """engine.build on the Ray executor, in a thread so that a hang fails the test instead of stalling it. With
+    `timeline`, every event ("event", kind, node name) and progress report ("progress", node name, report) is
+    appended to it as the driver hears it."""
     from qbuild.execution.engine import BuildOptions, build
     from qbuild.store.remote import open_store
 
     box: dict = {"events": []}
+    on_event, on_progress = box["events"].append, None
+    if timeline is not None:
+        def on_event(e) -> None:
+            box["events"].append(e)
+            timeline.append(("event", e.kind, e.node.name))
+
+        def on_progress(node, report) -> None:
+            timeline.append(("progress", node.name, report))
 
     def run() -> None:
         try:
             store = open_store(spec)
             box["result"] = build(plan, store, spec,
                                   lambda: rayexec.RayExecutor(store, cluster.address, RAY_REGISTRY),
-                                  BuildOptions(jobs=4, **opts), box["events"].append, RAY_REGISTRY)
+                                  BuildOptions(jobs=4, **opts), on_event, RAY_REGISTRY, on_progress=on_progress)
         except BaseException as e:  # reported below, in the test's thread
             box["error"] = e
 
@@ -402,6 +412,26 @@ def test_worker_killed_mid_task_is_retried_and_never_half_published(cluster, dri
     remote = _remote_manifests(s3_client_env, cluster.bucket, prefix)
     assert set(remote) == {m.key for m in result.manifests.values()}
     assert remote[victim.key]["digest"] == victim.digest
+
+
+@ON_THE_CLUSTER
+@pytest.mark.slow
+def test_progress_of_steps_on_ray_workers_reaches_the_driver_before_their_results(cluster, driver, s3_client_env,
+                                                                                  tmp_path):
+    """What a step measures on a Ray worker (its own bytes written, its store's upload) reaches the driver through the
+    progress inbox, each step's last count before the step's built event."""
+    plan = _graph(tmp_path / "log", [("a", "ray-text", [], 0.25), ("b", "ray-text", ["a"], 0.25)])
+    spec = StoreSpec(local=str(tmp_path / "driver"), remote=cluster.remote(f"progress-{tmp_path.name}"))
+    timeline: list = []
+    result, _ = _build(plan, spec, cluster, timeline)
+    assert result.ok, result.failed
+    for name in ("a", "b"):
+        reports = [(i, t[2]) for i, t in enumerate(timeline) if t[0] == "progress" and t[1] == name]
+        writes = [r for _, r in reports if r.what == "write"]
+        assert writes and writes[-1].done == writes[-1].total == 256 * 1024
+        uploads = [r for _, r in reports if r.what == "upload"]
+        assert uploads and uploads[-1].done == uploads[-1].total > 256 * 1024
+        assert max(i for i, _ in reports) < timeline.index(("event", "built", name))
 
 
 @ON_THE_CLUSTER

@@ -112,6 +112,7 @@ class StepContext(Protocol):
     scratch: Path
     store: object
     log: Callable[[str], None]
+    progress: object              # qbuild.core.progress.StepProgress, or None where nobody listens
 
 
 class SourceEnvironment(Protocol):

@@ -8,6 +8,10 @@ platform tag), a hit in the store skips it, a miss runs on the executor. By defa
 (the steps already running finish and are kept); with keep_going, only the failed node's dependents are skipped. A
 step whose input turns out corrupt or missing runs again after that input's producer is built again.
 
+While a step runs, what it reports of its work (bytes, seconds: qbuild.core.progress) reaches `on_progress` with its
+node, from the executor's threads; a timed step (ActionSpec.timed: compile) is told how long the last build of the
+same kind and architecture took (qbuild.store.durations).
+
 A node whose key is the one the lock holds for it must have the lock's output: a result under that key with another
 digest (built from an input that changed outside the key, or cached in a store or remote that holds other bytes
 under it) fails the node, naming both digests, before anything uses it; a worker refuses such a result before it
@@ -25,11 +29,13 @@ from typing import TYPE_CHECKING, Callable, Literal, Mapping, Protocol
 from qbuild.execution.job import Job
 from qbuild.execution.scheduler import UNSTARTED, Scheduler
 from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
+from qbuild.core.progress import Report
 from qbuild.core.units import human_bytes
 from qbuild.planning.graph import graph_of
 from qbuild.planning.keys import REGISTRY, PlanKeys, Registry
 from qbuild.planning.plan import Node, Plan
 from qbuild.store import StoreSpec
+from qbuild.store.durations import Durations
 from qbuild.store.local import CorruptBlobError
 from qbuild.store.lock import other_bytes
 from qbuild.store.manifest import Manifest
@@ -39,7 +45,7 @@ if TYPE_CHECKING:
 
 
 class Executor(Protocol):
-    def submit(self, job: Job, node: Node) -> Future: ...
+    def submit(self, job: Job, node: Node, on_progress: Callable[[Report], None] | None = None) -> Future: ...
     def capacity_check(self, node: Node) -> str | None: ...
     def shutdown(self) -> None: ...
 
@@ -88,12 +94,16 @@ class BuildOptions:
                                         # so is any step built only for such steps
 
 
+ProgressCallback = Callable[[Node, Report], None]
+
+
 def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor], options: BuildOptions,
           on_event: Callable[[Event], None] = lambda e: None, registry: Registry = REGISTRY,
-          locked: Mapping[str, LockedNode] | None = None) -> BuildResult:
+          locked: Mapping[str, LockedNode] | None = None, on_progress: ProgressCallback | None = None) -> BuildResult:
     """Build every node of `plan`, keying each with its inputs' digests as they are cached or built. `locked` (node id
-    -> the lock's entry for it): a result under a locked key must have the locked digest (see the module docstring)."""
-    run = _Run(plan, store, spec, executor_factory, options, on_event, registry, locked or {})
+    -> the lock's entry for it): a result under a locked key must have the locked digest (see the module docstring).
+    `on_progress` hears what running steps report (from the executor's threads)."""
+    run = _Run(plan, store, spec, executor_factory, options, on_event, registry, locked or {}, on_progress)
     try:
         run.loop()
     finally:
@@ -108,9 +118,10 @@ class _Run:
 
     def __init__(self, plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor],
                  options: BuildOptions, on_event: Callable[[Event], None], registry: Registry,
-                 locked: Mapping[str, LockedNode]):
+                 locked: Mapping[str, LockedNode], on_progress: ProgressCallback | None = None):
         self.plan, self.store, self.spec, self.options = plan, store, spec, options
         self.on_event, self.registry, self.locked = on_event, registry, locked
+        self.on_progress = on_progress
         self.executor_factory = executor_factory
         self.executor: Executor | None = None            # started at the first step to run
         self.keys = PlanKeys(plan, registry)
@@ -120,14 +131,17 @@ class _Run:
         self.result = BuildResult()
         self.jobs: dict[str, Job] = {}                    # queued node -> its job
         self.running: dict[Future, tuple[str, float]] = {}   # -> (node id, when it started)
+        self.durations = Durations(store.local)            # read once, at the first timed step to build
 
     def loop(self) -> None:
         while True:
             while (nid := self.sched.next_ready()) is not None:
                 self.decide(nid)
             for nid in self.sched.admit():
-                self.running[self.executor.submit(self.jobs.pop(nid), self.plan.nodes[nid])] = (nid, time.monotonic())
-                self.on_event(Event("start", self.plan.nodes[nid]))
+                node = self.plan.nodes[nid]
+                self.running[self.executor.submit(self.jobs.pop(nid), node, self.reporter(node))] = \
+                    (nid, time.monotonic())
+                self.on_event(Event("start", node))
             if not self.running:
                 return
             done, _ = wait(list(self.running), return_when=FIRST_COMPLETED)
@@ -154,12 +168,18 @@ class _Run:
                 if self.sched.state[dev] in UNSTARTED:
                     self.defer(dev, why)
             return self.defer(nid, "only " + ", ".join(self.plan.nodes[d].name for d in left) + " needs it")
+        timed = self.registry[node.kind].timed
         self.jobs[nid] = Job(node_id=nid, kind=node.kind, name=node.name, key=nk.key, preimage=nk.preimage,
                              params=node.params, store_spec=self.spec, entry=self.registry[node.kind].entry,
                              inputs={name: self.result.manifests[d].outputs for name, d in node.deps.items()},
                              context=node.context, backend=node.backend,
-                             locked_digest=self.locked_digest(nid, nk.key))
+                             locked_digest=self.locked_digest(nid, nk.key), timed=timed,
+                             expected_seconds=self.durations.expected(node.kind, nk.preimage) if timed else None)
         self.sched.queue(nid)
+
+    def reporter(self, node: Node) -> Callable[[Report], None] | None:
+        on_progress = self.on_progress
+        return None if on_progress is None else (lambda report: on_progress(node, report))
 
     def finish(self, future: Future) -> None:
         nid, started = self.running.pop(future)

@@ -26,6 +26,7 @@ from typing import Iterator
 
 from qbuild.execution.actions import RunContext
 from qbuild.core.errors import BuildError, InfraError, QbuildError
+from qbuild.core.progress import Emit, StepProgress, elapsed, silent
 from qbuild.store import Store, StoreSpec
 from qbuild.store.lock import other_bytes
 from qbuild.store.remote import open_store
@@ -59,15 +60,20 @@ class Job:
     backend: str | None = None       # the backend whose code the node runs (part of its action source)
     locked_digest: str | None = None  # the lock's output under this key: a build of other bytes is refused before
                                       # it is committed or pushed (qbuild.store.lock.other_bytes)
+    timed: bool = False              # report the step's elapsed seconds (qbuild.core.progress.elapsed) ...
+    expected_seconds: float | None = None   # ... against how long the last such step took (None: not known)
 
 
-def run_job(job: Job) -> Manifest:
-    """Build `job` into the store its spec names (see build_job)."""
-    return build_job(job, open_store(job.store_spec))
+def run_job(job: Job, emit: Emit | None = None) -> Manifest:
+    """Build `job` into the store its spec names (see build_job), reporting its progress to `emit`."""
+    progress = silent() if emit is None else StepProgress(emit)
+    store = open_store(job.store_spec, progress.transfers())
+    return build_job(job, store, progress)
 
 
-def build_job(job: Job, store: Store) -> Manifest:
-    """Build `job` into `store` unless another process already has; returns the committed manifest."""
+def build_job(job: Job, store: Store, progress: StepProgress | None = None) -> Manifest:
+    """Build `job` into `store` unless another process already has; returns the committed manifest. What the step
+    reports of its work goes to `progress` (a remote-backed store reports its transfers where it was opened)."""
     with store.local.lock(job.key):
         existing = store.get_manifest(job.key)
         if existing is not None:
@@ -76,15 +82,17 @@ def build_job(job: Job, store: Store) -> Manifest:
             return replace(existing, meta={**existing.meta, "reused": True})
         store.local.clear_staging(job.key)
         stage = store.local.staging_dir(job.key)
+        progress = progress or silent()
         try:
-            return _build(job, store, stage)
+            return _build(job, store, stage, progress)
         finally:
+            progress.close()
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def _build(job: Job, store: Store, stage: Path) -> Manifest:
+def _build(job: Job, store: Store, stage: Path, progress: StepProgress) -> Manifest:
     ctx = RunContext(kind=job.kind, params=job.params, inputs={}, out=stage / "out", scratch=stage / "tmp",
-                     context=job.context, store=job.store_spec)
+                     context=job.context, store=job.store_spec, progress=progress)
     ctx.out.mkdir()
     ctx.scratch.mkdir()
     for name, outputs in job.inputs.items():
@@ -96,7 +104,7 @@ def _build(job: Job, store: Store, stage: Path) -> Manifest:
     start = time.monotonic()
     output_file = stage / "output.log"
     try:
-        with _captured_output(output_file), _audited_inputs(inputs):
+        with _captured_output(output_file), _audited_inputs(inputs), _timed(job, progress):
             _load(job.entry)(ctx)
     except Exception as e:
         error = _input_written(job, store, inputs) or _step_error(job, store, stage, e)
@@ -115,6 +123,16 @@ def _build(job: Job, store: Store, stage: Path) -> Manifest:
     shutil.rmtree(stage, ignore_errors=True)
     store.commit(manifest)
     return manifest
+
+
+@contextmanager
+def _timed(job: Job, progress: StepProgress) -> Iterator[None]:
+    """A timed step reports its elapsed seconds while its action runs (docs/progress.md)."""
+    if not job.timed:
+        yield
+        return
+    with elapsed(progress, job.kind, job.expected_seconds):
+        yield
 
 
 def _refuse_other_bytes(job: Job, manifest: Manifest, how: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from qbuild.store import lock as lockmod
-from qbuild.execution.engine import BuildOptions, BuildResult, Event, build
+from qbuild.execution.engine import BuildOptions, BuildResult, Event, ProgressCallback, build
 from qbuild.planning import locking
 from qbuild.planning.environment import HostEnvironment
 from qbuild.core.errors import BuildError, UserError
@@ -102,13 +102,15 @@ class Workspace:
     # --- building --------------------------------------------------------------------------------------------
     def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
                 on_event: Callable[[Event], None] = lambda e: None, frozen: bool = False,
-                update: bool = False) -> tuple[Plan, BuildResult, PlatformRebuild | None]:
+                update: bool = False, on_progress: ProgressCallback | None = None,
+                ) -> tuple[Plan, BuildResult, PlatformRebuild | None]:
         """Build `recipes`; the lockfile gets an entry for each recipe whose bundle was built (written as each step
         succeeds), and none for the others, whose entries stay as they were. With `frozen`, nothing is written and
         the build fails unless it reproduces the lock: every node bit for bit, except those that are not portable
         and that the lock holds for another platform, which are rebuilt for this one (the third value names them).
         Without `frozen`, a node whose key is the lock's must still have the lock's output (a cached one included),
-        and a hub model fetched at its pinned commit the lock's files, unless `update` accepts other bytes."""
+        and a hub model fetched at its pinned commit the lock's files, unless `update` accepts other bytes.
+        `on_progress` hears what running steps report (engine.build)."""
         # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
         lockmod.check_unique_names(self.lock_doc, self.lock_path, [(r.name, r.path) for r in recipes])
         plan = self._build_plan(recipes)
@@ -120,14 +122,16 @@ class Workspace:
         self._check_sources(plan)
         # --frozen compares the whole lock once the build is done; --update accepts what the build gives.
         locked = {} if frozen or update else locking.locked_entries(plan, self.lock_doc)
-        result = self._run(plan, options, executor_factory, on_event, locked, write=not frozen)
+        result = self._run(plan, options, executor_factory, on_event, locked, write=not frozen,
+                           on_progress=on_progress)
         if frozen and locking.frozen_changes(plan, self.lock_doc, self._lock_entries(plan, result), rebuilt):
             raise BuildError(f"{self.lock_path}: --frozen, but this build would change the lockfile; "
                              "run `qbuild compile` without --frozen and commit the lockfile")
         return plan, result, rebuilt
 
     def _run(self, plan: Plan, options: BuildOptions, executor_factory: Callable, on_event: Callable[[Event], None],
-             locked: dict[str, lockmod.LockedNode], write: bool) -> BuildResult:
+             locked: dict[str, lockmod.LockedNode], write: bool,
+             on_progress: ProgressCallback | None = None) -> BuildResult:
         """Run the engine under a lease, so that a concurrent `qbuild gc` keeps what this build uses until the lockfile
         names it; with `write`, the lock entries of each step are written as soon as it succeeds, so an interrupted
         run keeps them, and once more with the whole result (a failed verify is recorded)."""
@@ -145,7 +149,7 @@ class Workspace:
 
         try:
             result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry,
-                           locked)
+                           locked, on_progress)
             if write:
                 self._write_lock(plan, result)
         finally:

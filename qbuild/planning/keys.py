@@ -51,6 +51,9 @@ class ActionSpec:
     # Whether the output is the same on every platform (machine, libc, Python, torch's CPU kernels); None: the
     # backend the node's params name decides (Backend.portable).
     portable: bool | None = True
+    # Whether a running step reports its elapsed seconds against how long the last one of its kind and architecture
+    # took (qbuild.core.progress.elapsed); a step without byte counts of its own. Not in any key.
+    timed: bool = False
 
     @property
     def module(self) -> str:
@@ -86,7 +89,7 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
     # The converted weights written out in full, built only on request (--keep-intermediates); no node reads them.
     ActionSpec("materialize", f"{_SRC}.convert:materialize"),
     ActionSpec("shard", f"{_SRC}.shard:run"),
-    ActionSpec("compile", f"{_SRC}.compile:run", portable=None),
+    ActionSpec("compile", f"{_SRC}.compile:run", portable=None, timed=True),
     ActionSpec("package", f"{_SRC}.package:run", portable=None),
     # Logits computed with torch's vectorised CPU kernels, whose last bits depend on the capability they run with.
     ActionSpec("reference", f"{_SRC}.reference:run", data=("golden/prompts.json",), portable=False),

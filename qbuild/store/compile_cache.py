@@ -18,7 +18,8 @@ shared and trimmed:
   uploads the complete entries the remote lacks: their files as blobs of the remote's CAS, then the group's index
   object `<prefix>/neuron-compile-cache/<pin>/<target>/<group>.json`, {"version": 1, "entries": {"neuronxcc-<v>/
   MODULE_<k>": {file: {"digest", "size"}}}}. The SDK never writes to the remote itself. A cache is an optimisation:
-  a transfer that fails is logged and the compile goes on without it;
+  a transfer that fails is logged and the compile goes on without it. Its bytes are reported as a store's transfers
+  are (the `progress` of `using`, qbuild.store.remote.Progress: begin, advance, end), so the driver shows them;
 - `qbuild gc` trims whole groups, least recently used first, within the --keep-size budget it also spends on the
   store's unlocked entries (qbuild.store.gc), locally and on the remote;
 - `qbuild store verify` names every entry that is not complete, and --repair removes them.
@@ -135,10 +136,11 @@ def prune(group: Path) -> list[str]:
 
 @contextmanager
 def using(store, remote_url: str | None, push: bool, toolchain: str, target: str, group: str,
-          log: Callable[[str], None]) -> Iterator[Path]:
+          log: Callable[[str], None], progress=None) -> Iterator[Path]:
     """The group directory of a compile in `store` (a LocalStore; the directory is the compile's
     NEURON_COMPILE_CACHE_URL), locked for it, pruned, and with what the remote at `remote_url` holds for it laid out;
-    after the compile succeeded, the complete entries the remote lacks go up where the build pushes."""
+    after the compile succeeded, the complete entries the remote lacks go up where the build pushes. The bytes of
+    both transfers are reported to `progress` (qbuild.store.remote.Progress), if given."""
     name = group_name(toolchain, target, group)
     path = Path(store.root) / CACHE_DIR / name
     with store.lock(lock_key(name)):
@@ -152,11 +154,11 @@ def using(store, remote_url: str | None, push: bool, toolchain: str, target: str
             from qbuild.store.s3 import S3Remote
 
             remote = S3Remote(remote_url)
-            _transfer("download", lambda: pull(path, name, remote), remote, log)
+            _transfer("download", lambda: pull(path, name, remote, progress), remote, log)
         yield path
         _touch(path)
         if remote is not None and push:
-            _transfer("upload", lambda: push_group(path, name, remote), remote, log)
+            _transfer("upload", lambda: push_group(path, name, remote, progress), remote, log)
 
 
 def _transfer(verb: str, move: Callable[[], int], remote, log: Callable[[str], None]) -> None:
@@ -192,9 +194,9 @@ def read_index(remote, key: str) -> dict[str, dict]:
     return found
 
 
-def pull(group: Path, name: str, remote) -> int:
+def pull(group: Path, name: str, remote, progress=None) -> int:
     """Lay out in `group` the entries the remote's index names that are not complete here, each file checked against
-    its digest, each entry renamed into place whole. Returns how many."""
+    its digest, each entry renamed into place whole; the bytes are reported to `progress`. Returns how many."""
     from qbuild.core.threads import map_all
     from qbuild.store.s3 import TRANSFER_THREADS
 
@@ -210,12 +212,13 @@ def pull(group: Path, name: str, remote) -> int:
             entry, rel, meta = job
             dest = safe_join(stage / entry, rel)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            remote.download_blob(meta["digest"], dest)
+            remote.download_blob(meta["digest"], dest, None if progress is None else progress.advance)
             if dest.stat().st_size != meta["size"] or digest_file(dest) != meta["digest"]:
                 raise InfraError(f"{remote.object_url(remote.blob_key(meta['digest']))}: does not match its digest; "
                                  f"refusing {entry}/{rel}")
 
-        map_all(one, jobs, TRANSFER_THREADS)
+        with _reported(progress, "compile cache download", len(jobs), sum(meta["size"] for *_, meta in jobs)):
+            map_all(one, jobs, TRANSFER_THREADS)
         for entry in sorted(wanted):
             target = group / entry
             if target.exists():
@@ -227,9 +230,10 @@ def pull(group: Path, name: str, remote) -> int:
     return len(wanted)
 
 
-def push_group(group: Path, name: str, remote) -> int:
+def push_group(group: Path, name: str, remote, progress=None) -> int:
     """Upload the complete entries of `group` that the remote's index lacks: their files first (those the remote's
-    CAS lacks), then the index with them added. Returns how many entries went up."""
+    CAS lacks), then the index with them added; the bytes are reported to `progress`. Returns how many entries went
+    up."""
     from qbuild.core.threads import map_all
     from qbuild.store.s3 import TRANSFER_THREADS
 
@@ -251,12 +255,28 @@ def push_group(group: Path, name: str, remote) -> int:
     if not new:
         return 0
     have = remote.has_blobs(paths)
-    map_all(lambda d: remote.upload_blob(paths[d], d), sorted(set(paths) - have), TRANSFER_THREADS)
+    send = sorted(set(paths) - have)
+    with _reported(progress, "compile cache upload", len(send), sum(paths[d].stat().st_size for d in send)):
+        map_all(lambda d: remote.upload_blob(paths[d], d, None if progress is None else progress.advance), send,
+                TRANSFER_THREADS)
     # Read again just before writing: another host may have added entries since. Two hosts writing at once can
     # still lose one's additions, which costs a later compile those NEFFs, never a wrong one.
     merged = {**read_index(remote, key), **new}
     remote.put_object(key, json.dumps({"version": INDEX_VERSION, "entries": merged}, sort_keys=True).encode())
     return len(new)
+
+
+@contextmanager
+def _reported(progress, verb: str, files: int, total_bytes: int) -> Iterator[None]:
+    """One batch of transfers, as `progress` (qbuild.store.remote.Progress, or None) hears of it."""
+    if progress is None:
+        yield
+        return
+    progress.begin(verb, files, total_bytes)
+    try:
+        yield
+    finally:
+        progress.end()
 
 
 # --- store verify ----------------------------------------------------------------------------------------------------

@@ -262,11 +262,12 @@ class NeuronBackend:
         from qbuild.backends.neuron import driver
 
         p = ctx.params
+        transfers = None if ctx.progress is None else ctx.progress.transfers()   # the compile cache's
         if isinstance(p, NeuronVisionCompile):
             driver.compile_vision(p, ctx.inputs["port"], ctx.inputs["converted"] / "vision" / "model.safetensors",
-                                  ctx.out, ctx.scratch, ctx.store, ctx.log)
+                                  ctx.out, ctx.scratch, ctx.store, ctx.log, transfers)
         else:
-            driver.compile_text(p, ctx.inputs["port"], ctx.out, ctx.scratch, ctx.store, ctx.log)
+            driver.compile_text(p, ctx.inputs["port"], ctx.out, ctx.scratch, ctx.store, ctx.log, transfers)
 
     def package(self, ctx: StepContext) -> dict[str, str]:
         from qbuild.backends.neuron.package import package

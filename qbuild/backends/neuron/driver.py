@@ -133,18 +133,19 @@ def run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
 
 
 @contextmanager
-def compile_dirs(params: NeuronCompile, store, log):
+def compile_dirs(params: NeuronCompile, store, log, progress=None):
     """(work dir, compile cache folder) of a compile, both held for it: the work dir under its lock, the store's
-    cache folder through qbuild.store.compile_cache.using (pruned, and synchronised with the remote, if any)."""
+    cache folder through qbuild.store.compile_cache.using (pruned, and synchronised with the remote, if any, its
+    transfers reported to `progress`)."""
     if store is None:
         raise BuildError("backend neuron: no store to keep the Neuron compile cache in")
     local = LocalStore(Path(store.local))
     with locked(work_dir(params)) as wd, \
-            compile_cache.using(local, store.remote, store.push, *cache_group(params, wd), log) as cache:
+            compile_cache.using(local, store.remote, store.push, *cache_group(params, wd), log, progress) as cache:
         yield wd, cache
 
 
-def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path, store, log) -> dict:
+def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path, store, log, progress=None) -> dict:
     """ONE NxDI compile of a recipe's text model: `out` becomes NxDI's compiled directory (model.pt and NxDI's own
     neuron_config.json), plus metaneff/ (each NEFF's expected weights) and qbuild-neuron.json. `store` is the
     StoreSpec the build writes to (its compile cache)."""
@@ -156,7 +157,7 @@ def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path
     model_dir = scratch / "hf"
     model_dir.mkdir(parents=True, exist_ok=True)
     (model_dir / "config.json").write_text(jsonio.dumps(inference_kwargs(params), indent=1, sort_keys=True))
-    with compile_dirs(params, store, log) as (wd, cache):
+    with compile_dirs(params, store, log, progress) as (wd, cache):
         env = {**cfg["env"], "BASE_COMPILE_WORK_DIR": f"{wd}/", "NEURON_COMPILE_CACHE_URL": str(cache)}
         run_sdk("text", text_request(params, cfg, port, model_dir, out, wd), env, scratch, log)
     write_record(out, {"params": to_json(params), "config": cfg})
@@ -165,14 +166,14 @@ def compile_text(params: NeuronTextCompile, port: Path, out: Path, scratch: Path
 
 
 def compile_vision(params: NeuronVisionCompile, port: Path, weights: Path, out: Path, scratch: Path, store,
-                   log) -> dict:
+                   log, progress=None) -> dict:
     """Trace the port's vision encoder at one patch bucket with the real weights inlined: CPUVisionModel on one core
     -> vision_encoder_<b>.pt, or, with vision tp > 1, NeuronQwen35VisionModel over tp cores -> bucket_<b>/tp_<r>.pt
     (config.vision_config)."""
     require_sdk()
     check_toolchain(params.toolchain)
     cfg = neuron_config(params)
-    with compile_dirs(params, store, log) as (wd, cache):
+    with compile_dirs(params, store, log, progress) as (wd, cache):
         run_sdk("vision" if params.tp == 1 else "vision_tp", vision_request(params, cfg, port, weights, out, wd),
                 {**cfg["env"], "NEURON_COMPILE_CACHE_URL": str(cache),
                  "NEURON_PLATFORM_TARGET_OVERRIDE": params.compiler.target}, scratch, log)

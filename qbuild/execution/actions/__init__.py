@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    from qbuild.core.progress import StepProgress
     from qbuild.store import StoreSpec
 
 
@@ -27,3 +28,6 @@ class RunContext:
     context: dict = field(default_factory=dict)   # non-key facts, e.g. where a local checkpoint lives
     log: Callable[[str], None] = print
     store: "StoreSpec | None" = None               # the store the job builds into (e.g. for the Neuron compile cache)
+    # Where the step reports how much of its work is done (bytes, seconds): the worker's qbuild.core.progress
+    # StepProgress; None where nobody listens (an action called directly). Never read into an output.
+    progress: "StepProgress | None" = None

@@ -7,7 +7,8 @@ files, git blob sha1 of small ones), as the HF cache names their blobs, and thei
 name (through the stat cache, so once per file). Where the lock already holds the files of the pinned commit (the
 workspace passes them in the step's context, as "locked_files"), a snapshot whose files differ is refused: a mirror
 that serves other bytes for a pinned commit must not move the lock. Local files carry the BLAKE3 digests the planner
-computed.
+computed. A download reports its bytes to the step's progress, and huggingface_hub draws no bars of its own
+(qbuild.hub.bars).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from qbuild.execution.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
 from qbuild.recipe.params import FetchParams, FetchPath
 from qbuild.hub.hf import CHECKPOINT_PATTERNS, hf_cache_dir, hf_repo_dir, hf_served_commit, hub_endpoint, hub_offline, hub_snapshot_files, is_commit
+from qbuild.hub.bars import HubBars
 from qbuild.hub.checkpoint import check_checkpoint, checkpoint_files
 
 
@@ -59,9 +61,13 @@ def _hub(repo: str, commit: str, ctx: RunContext) -> dict:
     offline = hub_offline()
     # huggingface_hub's request hook obeys its import-time copy of HF_HUB_OFFLINE; this step obeys the one of now.
     constants.HF_HUB_OFFLINE = offline
+    progress = ctx.progress
+    bars = HubBars(None if progress is None else lambda total: progress.meter("download", "B", total),
+                   hf_repo_dir(repo), commit, CHECKPOINT_PATTERNS)
     try:
         local = Path(snapshot_download(repo, revision=commit, allow_patterns=list(CHECKPOINT_PATTERNS),
-                                        cache_dir=hf_cache_dir(), local_files_only=offline, endpoint=hub_endpoint()))
+                                        cache_dir=hf_cache_dir(), local_files_only=offline, endpoint=hub_endpoint(),
+                                        tqdm_class=bars))
     except RevisionNotFoundError:
         raise UserError(f"model.hf: {repo}@{commit[:12]}: the Hub has no such commit") from None
     except RepositoryNotFoundError:

@@ -19,4 +19,5 @@ def run(ctx: RunContext) -> None:
     # two threads: one unit's transposes and casts overlap another's kernel copies; memory stays one big unit's
     shard_checkpoint(ctx.inputs["converted"], ctx.out, tp=p.tp, ep=p.ep, fused_qkv=p.fused_qkv,
                      pad_intermediate_to=p.pad_intermediate_to, layout=p.layout, dtype=p.dtype, dense_tp=p.dense_tp,
-                     files=files, digests=digests, workers=min(2, os.cpu_count() or 1))
+                     files=files, digests=digests, workers=min(2, os.cpu_count() or 1),
+                     meter=None if ctx.progress is None else ctx.progress.meter("write"))

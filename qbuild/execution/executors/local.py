@@ -3,7 +3,9 @@
 Actions run in separate processes so a crash (or an out-of-memory kill) of one step cannot take the driver down,
 and so heavy imports (torch) happen once per worker, never in the planning process. Each worker is a fresh
 interpreter (never a fork of a driver holding threads or locks) that reads jobs from one pipe and answers on another,
-one job at a time; a thread of the driver feeds each worker.
+one job at a time; a thread of the driver feeds each worker. Before its answer, a worker sends on the same pipe the
+progress its step reports (("progress", report) messages, throttled where they are measured: qbuild.core.progress),
+which the feeding thread hands to the engine as they come.
 
 The pool uses no multiprocessing objects: a multiprocessing queue or lock is a named POSIX semaphore, registered with
 multiprocessing's resource tracker, which prints a "leaked semaphore" warning when the process that made it is
@@ -25,15 +27,17 @@ import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import replace
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from qbuild.execution.job import Job, run_job
 from qbuild.core.errors import BuildError
+from qbuild.core.progress import Report, guarded
 from qbuild.planning.plan import Node
 from qbuild.store.manifest import Manifest
 
 _HEADER = struct.Struct(">Q")     # the length of the pickle that follows
 _SERVE = "import sys; from qbuild.execution.executors.local import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
+_PROGRESS = "progress"            # a worker's message carrying a Report, before the job's answer
 
 
 class WorkerLost(RuntimeError):
@@ -50,12 +54,12 @@ class LocalExecutor:
         self._waiting = 0    # jobs in the queue that no feeder has taken yet
         self._idle = 0       # feeders (and so workers) waiting for a job
 
-    def submit(self, job: Job, node: Node) -> Future:
+    def submit(self, job: Job, node: Node, on_progress: Callable[[Report], None] | None = None) -> Future:
         future: Future = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("the local executor is shut down")
-            self._queue.put((job, future))
+            self._queue.put((job, future, guarded(on_progress or _ignore)))
             self._waiting += 1
             # A worker starts only when every started one is busy, up to -j of them: each one imports torch (seconds
             # and hundreds of MiB), which a build of few steps at a time, such as most rebuilds, never needs twice.
@@ -88,7 +92,7 @@ class LocalExecutor:
         for feeder in feeders:
             feeder.join()
 
-    def _take(self) -> tuple[Job, Future] | None:
+    def _take(self) -> tuple[Job, Future, Callable[[Report], None]] | None:
         """The next job for an idle feeder, waiting for one (None: shut down); the feeder is busy from here on."""
         item = self._queue.get()
         with self._lock:
@@ -108,14 +112,14 @@ class LocalExecutor:
         self._free()
         try:
             while (item := self._take()) is not None:
-                job, future = item
+                job, future, on_progress = item
                 if not future.set_running_or_notify_cancel():
                     self._free()
                     continue
                 try:
                     if worker is None or not worker.alive():
                         worker = _Worker()
-                    ok, value = worker.run(job)
+                    ok, value = worker.run(job, on_progress)
                 except WorkerLost as e:
                     worker = None
                     ok, value = False, e
@@ -163,11 +167,17 @@ class _Worker:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def run(self, job: Job) -> tuple[bool, object]:
-        """(True, the manifest) or (False, the exception the job raised); WorkerLost if the worker ended first."""
+    def run(self, job: Job, on_progress: Callable[[Report], None]) -> tuple[bool, object]:
+        """(True, the manifest) or (False, the exception the job raised); WorkerLost if the worker ended first. The
+        progress the step reports meanwhile goes to `on_progress`."""
         try:
             _send(self._jobs, job)
-            return _receive(self._results)
+            while True:
+                message = _receive(self._results)
+                if isinstance(message, tuple) and message[0] == _PROGRESS:
+                    on_progress(message[1])
+                    continue
+                return message
         except (EOFError, BrokenPipeError):
             self.close()
             raise WorkerLost(f"{job.name}: its worker process ended ({_how_it_ended(self._proc.returncode)})") \
@@ -181,6 +191,10 @@ class _Worker:
             except OSError:
                 pass
         self._proc.wait()
+
+
+def _ignore(report: Report) -> None:
+    pass
 
 
 def _how_it_ended(code: int | None) -> str:
@@ -215,6 +229,11 @@ def serve(jobs_fd: int, results_fd: int) -> None:
     os.set_inheritable(results_fd, False)
     jobs, results = open(jobs_fd, "rb"), open(results_fd, "wb")
     inbox: queue.SimpleQueue = queue.SimpleQueue()
+    sending = threading.Lock()     # a step's threads report progress while the main thread may answer
+
+    def send(message: object) -> None:
+        with sending:
+            _send(results, message)
 
     def read() -> None:
         try:
@@ -229,14 +248,14 @@ def serve(jobs_fd: int, results_fd: int) -> None:
         while True:
             job: Job = inbox.get()
             try:
-                reply: tuple[bool, object] = (True, run_job(job))
+                reply: tuple[bool, object] = (True, run_job(job, lambda report: send((_PROGRESS, report))))
             except BaseException as e:   # an interrupted step too: the driver decides what the build does next
                 reply = (False, e)
             try:
-                _send(results, reply)
+                send(reply)
             except (pickle.PicklingError, TypeError, AttributeError) as e:
-                _send(results, (False, BuildError(f"{job.name}: {type(reply[1]).__name__}: {reply[1]} (its worker "
-                                                  f"could not send it back: {e})")))
+                send((False, BuildError(f"{job.name}: {type(reply[1]).__name__}: {reply[1]} (its worker could not "
+                                        f"send it back: {e})")))
     except KeyboardInterrupt:   # Ctrl-C between steps: the driver got it too and is shutting down
         os._exit(130)
 

@@ -10,6 +10,11 @@ Each task asks Ray for what its node declares: 1 CPU, `memory=node.est_peak_byte
 unit for nodes that need a device. Ray queues a task until some node has that much free, so a node whose
 estimate exceeds every worker would wait forever; `capacity_check` turns that into an error up front.
 
+Progress. A task reports what its step measures (qbuild.core.progress) to a small actor of the driver's, the
+ProgressInbox, with calls that do not wait for an answer; a thread of the driver takes what it holds every POLL_S, and
+once more when a task ends, before its result is handed on, so the engine hears a step's last count before the step
+is done. Progress is best-effort: an inbox that fails loses reports, never a build.
+
 Failures. A worker lost mid-task (killed, out of memory, its host gone) is retried by Ray on a fresh worker
 process, at most MAX_RETRIES times. Application errors are not retried, except InfraError (a remote or a
 disk that failed us, which another attempt or another host may not hit). A killed attempt leaves at most
@@ -24,10 +29,12 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from qbuild.core.platform import host_tag
 from qbuild.planning.keys import REGISTRY, ActionSpec, Registry
 from qbuild.core.errors import InfraError, QbuildError, UserError
+from qbuild.core.progress import Report, StepProgress, guarded, silent
 from qbuild.execution.job import Job, build_job
 from qbuild.planning.plan import Node
 from qbuild.planning.closures import Sources
@@ -43,6 +50,8 @@ CONNECT_TIMEOUT_S = 10.0   # to reach the cluster's head before handing over to 
 DRIVER_THREADS = 4         # driver threads that seed inputs and read results back through the remote
 GIB = 1 << 30
 TASK_CPUS = 1              # every action runs on one core (its threads overlap I/O, not compute)
+POLL_S = 0.5               # how often the driver takes the progress its tasks reported
+INBOX_TIMEOUT_S = 10.0     # the longest the driver waits for the progress inbox to answer
 
 
 # --- what a task asks for, and who could give it (pure; tested without a cluster) ------------------------------
@@ -135,22 +144,50 @@ def worker_spec(driver: StoreSpec, local: str) -> StoreSpec:
     return StoreSpec(local=local, remote=driver.remote, push=True)
 
 
-def run_task(job: Job, action: ActionSpec) -> dict:
+def run_task(job: Job, action: ActionSpec, inbox=None) -> dict:
     """The body of every Ray task: check this worker computes the same key, build (the store downloads and checks
     the inputs as it lays them out), publish.
 
-    `action` is the driver's registration of the job's kind (plain data). Returns the manifest as JSON; by then
-    the remote holds its blobs and, last, the manifest itself.
+    `action` is the driver's registration of the job's kind (plain data); `inbox` the driver's ProgressInbox (None:
+    nobody listens). Returns the manifest as JSON; by then the remote holds its blobs and, last, the manifest itself.
     """
     _check_same_action(job, action)
     spec = worker_spec(job.store_spec, str(default_store_path()))
-    store = open_store(spec)
-    manifest = build_job(replace(job, store_spec=spec), store)
+    progress = silent() if inbox is None else StepProgress(lambda report: inbox.put.remote([(job.node_id, report)]))
+    store = open_store(spec, progress.transfers())
+    manifest = build_job(replace(job, store_spec=spec), store, progress)
     # A key this worker had cached locally is not pushed by build_job; the remote must hold it all the same.
-    push_manifests(store.local, store.remote, [manifest])
+    push_manifests(store.local, store.remote, [manifest], store.progress)
+    if inbox is not None:
+        _flush(inbox)
     # Who ran it is a fact of this run (meta, never in a key): `qbuild report` draws each step on its worker's lane.
     worker = f"{socket.gethostname()} (pid {os.getpid()})"
     return replace(manifest, meta={**manifest.meta, "worker": worker}).to_json()
+
+
+def _flush(inbox) -> None:
+    """Wait until the inbox holds every report this task sent: an actor runs one caller's calls in the order they
+    were made, so an answered call is behind all of them."""
+    import ray
+
+    try:
+        ray.get(inbox.put.remote([]), timeout=INBOX_TIMEOUT_S)
+    except Exception:   # best-effort: a lost report never fails the step
+        pass
+
+
+class ProgressInbox:
+    """A Ray actor holding what running tasks reported, (node id, Report) pairs, until the driver takes them."""
+
+    def __init__(self) -> None:
+        self._reports: list[tuple[str, Report]] = []
+
+    def put(self, reports: list[tuple[str, Report]]) -> None:
+        self._reports.extend(reports)
+
+    def take(self) -> list[tuple[str, Report]]:
+        reports, self._reports = self._reports, []
+        return reports
 
 
 def _check_same_action(job: Job, action: ActionSpec) -> None:
@@ -215,17 +252,53 @@ class RayExecutor:
         self._refs: dict = {}
         self._on_remote: set[str] = set()     # blob digests known to be on the remote
         self._nodes: tuple[float, list[WorkerNode]] = (float("-inf"), [])
+        self._listeners: dict[str, Callable[[Report], None]] = {}    # node id -> who hears its progress
+        self._inbox = None                   # the ProgressInbox, made for the first step with a listener
+        self._polling = threading.Event()    # set: stop polling
+        self._poller: threading.Thread | None = None
+        self._delivering = threading.Lock()
 
-    def submit(self, job: Job, node: Node) -> Future:
+    def submit(self, job: Job, node: Node, on_progress: Callable[[Report], None] | None = None) -> Future:
         out: Future = Future()
-        self._pool.submit(self._launch, job, node, out)
+        inbox = None
+        if on_progress is not None:
+            with self._lock:
+                self._listeners[job.node_id] = guarded(on_progress)
+                inbox = self._progress_inbox()
+        self._pool.submit(self._launch, job, node, out, inbox)
         return out
 
-    def _launch(self, job: Job, node: Node, out: Future) -> None:
+    def _progress_inbox(self):
+        """The inbox of this build's progress, and the thread that polls it, started on first use (with the lock)."""
+        if self._inbox is None:
+            self._inbox = self._ray.remote(num_cpus=0)(ProgressInbox).remote()
+            self._poller = threading.Thread(target=self._poll, name="qbuild-ray-progress", daemon=True)
+            self._poller.start()
+        return self._inbox
+
+    def _poll(self) -> None:
+        while not self._polling.wait(POLL_S):
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Hand what the inbox holds to each step's listener, in the order the inbox got it."""
+        if self._inbox is None:
+            return
+        with self._delivering:
+            try:
+                reports = self._ray.get(self._inbox.take.remote(), timeout=INBOX_TIMEOUT_S)
+            except Exception:   # best-effort: progress never fails a build
+                return
+            for nid, report in reports:
+                listener = self._listeners.get(nid)
+                if listener is not None:
+                    listener(report)
+
+    def _launch(self, job: Job, node: Node, out: Future, inbox=None) -> None:
         try:
             self._seed_inputs(job)
             ref = self._task.options(name=f"qbuild {node.name}", **task_resources(node).ray_options()) \
-                .remote(job, self._registry[job.kind])
+                .remote(job, self._registry[job.kind], inbox)
         except Exception as e:
             out.set_exception(_translate(e, node.name))
             return
@@ -242,6 +315,7 @@ class RayExecutor:
             out.cancel()
 
     def _finish(self, ray_future: Future, job: Job, node: Node, out: Future) -> None:
+        self._deliver()    # the step's last reports before its result
         try:
             built = Manifest.from_json(ray_future.result())
             # Read it back through the driver's store: the remote must really hold it, blobs and manifest.
@@ -285,6 +359,13 @@ class RayExecutor:
         for ref in abandoned:
             self._ray.cancel(ref, force=True)
         self._pool.shutdown(wait=not abandoned, cancel_futures=True)
+        self._polling.set()
+        if self._poller is not None:
+            self._poller.join()
+            try:
+                self._ray.kill(self._inbox)
+            except Exception:   # the cluster went away: the actor with it
+                pass
         if self._owns_connection:
             self._ray.shutdown()
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
 
 import torch
 
@@ -53,6 +53,9 @@ from qbuild.model.convert.safetensors_io import MappedSources, PlannedFile
 from qbuild.model.convert.writer import torch_ops_in_caller_threads, write_json
 from qbuild.store.files import staged
 from qbuild.core.threads import run_bounded
+
+if TYPE_CHECKING:
+    from qbuild.core.progress import Meter
 
 FORMAT_VERSION = 1
 
@@ -240,13 +243,14 @@ def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int,
 def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_qkv: bool = False,
                      pad_intermediate_to: int | None = None, workers: int = 1, layout: Layout = "cpu",
                      dtype: str | None = None, dense_tp: int | None = None, files: Mapping[str, Path] | None = None,
-                     digests: Mapping[str, str] | None = None) -> dict:
+                     digests: Mapping[str, str] | None = None, meter: Meter | None = None) -> dict:
     """A convert output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < tp) and dst/shard.json
     (returned). Described text weights are made from the checkpoint `files` locates (with the snapshot's `digests`;
     converted.open_converted), materialised ones read from the directory. Streams one unit at a time (a canonical
     tensor, or the few a conversion step or a fused q/k/v makes together); dst appears only when done.
     `layout` picks the rules (module docstring); `dtype` is the model dtype, required by the nxd layouts; `dense_tp`
-    (nxd layouts only, default tp) is the tensor-parallel degree of every non-expert layer (nxd.py)."""
+    (nxd layouts only, default tp) is the tensor-parallel degree of every non-expert layer (nxd.py). `meter` counts
+    the tensor bytes written into the rank files, against all of them."""
     converted = Path(converted)
     config = load_config(converted / "config.json")
     _, d = arch_of(config)
@@ -259,9 +263,11 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
             (tmp / "weights").mkdir()
             out = [PlannedFile(tmp / "weights" / f"tp{r}_sharded_checkpoint.safetensors", plans[r])
                    for r in range(tp)]
+            if meter is not None:
+                meter.set_total(sum(slot.nbytes for f in out for slot in f.slots.values()))
             try:
                 with torch_ops_in_caller_threads():
-                    _write_units(_units(source.producers(), steps), out, workers)
+                    _write_units(_units(source.producers(), steps), out, workers, meter)
             except BaseException:
                 for f in out:
                     f.discard()
@@ -337,8 +343,9 @@ def _units(producers: list[Producer], steps: list[ShardStep]) -> list[_Unit]:
 _UNITS_BUDGET = 1.5
 
 
-def _write_units(units: list[_Unit], files: list[PlannedFile], workers: int) -> None:
-    """Run every unit into the rank files, biggest first, `workers` at a time within the memory budget."""
+def _write_units(units: list[_Unit], files: list[PlannedFile], workers: int, meter: Meter | None = None) -> None:
+    """Run every unit into the rank files, biggest first, `workers` at a time within the memory budget; `meter`
+    counts the bytes of each tensor written."""
     def task(unit: _Unit):
         def run() -> None:  # replicated and dim-0 slices of mapped bytes are byte ranges: the kernel copies them
             mapped = MappedSources()
@@ -349,6 +356,8 @@ def _write_units(units: list[_Unit], files: list[PlannedFile], workers: int) -> 
                 for f, outs in zip(files, step.fn(*(tensors[n] for n in step.sources))):
                     for n, t in outs.items():
                         f.write(n, t, mapped)
+                        if meter is not None:
+                            meter.advance(f.slots[n].nbytes)
         return run
 
     units = sorted(units, key=lambda u: -u.nbytes)
