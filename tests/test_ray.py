@@ -472,10 +472,6 @@ def test_pipeline_through_ray_gives_the_local_lockfile(cluster, s3_client_env, t
     out = json.loads(first.stdout)
     assert out["failed"] == {} and len(out["built"]) > 0
     assert (project / "ray.lock").read_bytes() == (project / "local.lock").read_bytes()
-    # The build record names the Ray worker of each step (a host and a pid), for `qbuild report`'s lanes.
-    (record,) = (project / ".cache" / "qbuild" / "builds").glob("ray-*.json")
-    steps = json.loads(record.read_text())["steps"]
-    assert len(steps) == 8 and all(re.fullmatch(r".+ \(pid \d+\)", s["worker"] or "") for s in steps), steps
     # Every locked entry is on the remote, complete; the workers built them in their own stores, and the
     # driver read them through the remote, downloading only what it needed (the fetch snapshots the lockfile
     # writer reads), so only those are recorded in its store.
@@ -514,3 +510,7 @@ def test_real_tiny_recipe_through_ray_gives_the_local_lockfile(cluster, dense_pr
     assert {n: e["key"] for n, e in on_ray["nodes"].items() if e["kind"] != "package" and e["kind"] != "verify"} \
         == {n: e["key"] for n, e in local["nodes"].items() if e["kind"] != "package" and e["kind"] != "verify"}
     assert (project / "ray.lock").read_bytes() == (project / "local.lock").read_bytes()
+    # The build record names the Ray worker of each step (a host and a pid), for `qbuild report`'s lanes.
+    (record,) = (project / ".cache" / "qbuild" / "builds").glob("ray.lock-*.json")
+    steps = json.loads(record.read_text())["steps"]
+    assert len(steps) == 8 and all(re.fullmatch(r".+ \(pid \d+\)", s["worker"] or "") for s in steps), steps
