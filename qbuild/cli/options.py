@@ -1,7 +1,9 @@
-"""The options several commands share, and what they mean: the Workspace that --store, --lock, --remote and --backend
-name, the check of a directory a command would fill, and what --strict does to a recipe changed since it was
-locked."""
+"""The options and arguments several commands share, and what they mean: the Workspace that --store, --lock, --remote
+and --backend name, the check of a directory a command would fill, what --strict does to a recipe changed since it
+was locked, and the bundle a TARGET argument of run, bench and serve names."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -67,15 +69,37 @@ def check_new_dir(path: Path, what: str, if_not_empty: str | None) -> None:
         raise UserError(f"{path}: {what} is not empty; {if_not_empty}")
 
 
-def name_a_changed_recipe(ws, doc: dict, lock: Path, name: str, strict: bool) -> str | None:
+def name_a_changed_recipe(ws, name: str, strict: bool) -> str | None:
     """Name, in a note on stderr, how a locked recipe's file changed since it was locked (qbuild.planning.drift), or
     with --strict refuse it; returns the note (None: unchanged, or no recipe file here to compare)."""
     from qbuild.planning.drift import recipe_change
 
-    change = recipe_change(doc, lock, name, ws.stat_cache)
+    change = recipe_change(ws.lock_doc, ws.lock_path, name, ws.stat_cache)
     if change is None:
         return None
     if strict:
         raise UserError(f"{change.line()}; --strict refuses the locked one")
     err(f"note: {change.line()}")
     return change.line()
+
+
+@contextmanager
+def open_bundle(target: str, store: Optional[Path], lock: Path, remote: Optional[str], allow_unverified: bool,
+                strict: bool, share: bool) -> Iterator:
+    """The bundle a TARGET argument names (a qbuild.store.transfer.OpenBundle): a bundle directory as it is, or a
+    locked recipe's bundle laid out in a temporary directory for as long as the block runs, refused like `pull`
+    refuses it (unverified, or with --strict a recipe changed since it was locked)."""
+    from qbuild.store.transfer import OpenBundle, open_locked_bundle
+
+    if Path(target).is_dir():
+        yield OpenBundle(Path(target), Path(target).resolve().name)
+        return
+    if not lock.exists():
+        raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
+    from qbuild.store.lock import resolve_recipe
+
+    ws = workspace(store, lock, remote)
+    name_a_changed_recipe(ws, resolve_recipe(ws.lock_doc, lock, target), strict)
+    with open_locked_bundle(ws.store, ws.lock_doc, lock, target, share=share,
+                            allow_unverified=allow_unverified) as bundle:
+        yield bundle

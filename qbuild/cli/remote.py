@@ -26,7 +26,6 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
             remote: Optional[str] = RemoteOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
             lock: Path = LockOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
-    from qbuild.store import lock as lockmod
     from qbuild.render import TransferDisplay, print_published
     from qbuild.store.transfer import publish as publish_locked, recipe_names
 
@@ -34,9 +33,8 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
     if ws.store_spec.remote is None:
         raise UserError("publish needs a remote: pass --remote s3://bucket/prefix, set QBUILD_REMOTE, "
                         "or add remote: to ./qbuild.yaml")
-    doc = lockmod.read(lock)
-    names = recipe_names(doc, lock, recipes or [], all_)
-    report = publish_locked(ws.store, doc, lock, names, verify_remote=verify_remote, what=what.value)
+    names = recipe_names(ws.lock_doc, lock, recipes or [], all_)
+    report = publish_locked(ws.store, ws.lock_doc, lock, names, verify_remote=verify_remote, what=what.value)
     print_published(names, ws.store.remote.url, report, json_)
 
 
@@ -48,19 +46,18 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
                                                help="lay out a bundle whose verify did not pass"),
          strict: bool = StrictOpt) -> None:
     """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
-    from qbuild.store import lock as lockmod
     from qbuild.render import TransferDisplay, print_pulled
+    from qbuild.store.lock import resolve_recipe
     from qbuild.store.transfer import pull_bundle
 
     check_new_dir(to, "the --to directory", "pull into a new or empty one")
     ws = workspace(store, lock, remote, transfers=TransferDisplay())
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
-    doc = lockmod.read(lock)
-    name_a_changed_recipe(ws, doc, lock, lockmod.resolve_recipe(doc, lock, recipe), strict)
+    name_a_changed_recipe(ws, resolve_recipe(ws.lock_doc, lock, recipe), strict)
     # Root ignores the read-only bit that protects the store's blobs, so a root-owned bundle must not share their
     # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
-    manifest = pull_bundle(ws.store, doc, lock, recipe, to, share=os.geteuid() != 0,
+    manifest = pull_bundle(ws.store, ws.lock_doc, lock, recipe, to, share=os.geteuid() != 0,
                            allow_unverified=allow_unverified)
     print_pulled(recipe, to, manifest, _serve_instructions(to), json_)
 

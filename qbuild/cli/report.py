@@ -19,21 +19,21 @@ def report(recipes: list[str] = typer.Argument(None, help="recipe files [default
     """Write one self-contained HTML page: the DAG with each node's status, key and size, the last build's
     timeline, the verify reports against their thresholds, and TTFT / TPOT charts of bench results."""
     from qbuild import report as reportmod
+    from qbuild.recipe.locked import every_locked_recipe
     from qbuild.render import report_written
-    from qbuild.store import atomic_write, lock as lockmod
+    from qbuild.store import atomic_write
 
     benches = [reportmod.read_bench(f) for f in bench or []]   # a bad document is refused before any work
     if out.is_dir():
         raise UserError(f"--out {out}: is a directory; name the HTML file to write")
     ws = workspace(store, lock, remote, backend=backend)
-    doc = lockmod.read(lock)
     if recipes or all_:
         loaded = ws.load(recipes or [], all_)
     elif not lock.exists():
         raise UserError(f"{lock}: no lockfile; name recipe files, pass --all, or point --lock at a lockfile")
     else:
-        loaded = reportmod.locked_recipes(doc, lock, None if backend is None else backend.value)
+        loaded = every_locked_recipe(ws.lock_doc, lock, ws.backend)
     the_plan, status = ws.plan(loaded)
-    html, data, notes = reportmod.make(the_plan, status, ws.store, doc, lock, benches)
+    html, data, notes = reportmod.make(the_plan, status, ws.store, ws.lock_doc, lock, benches)
     atomic_write(out, html.encode())
     report_written(out, data.shown(), notes, json_)

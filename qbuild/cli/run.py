@@ -8,41 +8,20 @@ from typing import Optional
 import typer
 
 from qbuild.cli.options import (AllowUnverifiedOpt, JsonOpt, LockOpt, RemoteOpt, StoreOpt, StrictOpt, check_new_dir,
-                                name_a_changed_recipe, workspace)
+                                open_bundle)
 from qbuild.core import jsonio
-from qbuild.core.errors import QbuildError, UserError
+from qbuild.core.errors import UserError
 
 
 @contextmanager
 def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[str], allow_unverified: bool,
              strict: bool) -> Iterator:
-    """A Runtime for a pulled bundle directory, or for a recipe's locked bundle laid out in a temporary directory,
-    refused like `pull` refuses it (unverified, or with --strict a recipe changed since it was locked). Errors about
-    the latter name the recipe, never the temporary directory the user did not choose."""
-    import tempfile
-
+    """A Runtime for the bundle `target` names (options.open_bundle). Hardlinks are fine for a recipe's bundle laid
+    out for it: nothing writes to it, and it is removed afterwards."""
     from qbuild.model.runtime import Runtime
 
-    if Path(target).is_dir():
-        yield Runtime.load(Path(target))
-        return
-    from qbuild.store import lock as lockmod
-    from qbuild.store.transfer import pull_bundle
-
-    if not lock.exists():
-        raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
-    ws = workspace(store, lock, remote)
-    doc = lockmod.read(lock)
-    name_a_changed_recipe(ws, doc, lock, lockmod.resolve_recipe(doc, lock, target), strict)
-    with tempfile.TemporaryDirectory(prefix="qbuild-run-") as tmp:
-        bundle = Path(tmp) / "bundle"
-        try:
-            # Hardlinks are fine here: nothing writes to this layout, and it is removed afterwards.
-            pull_bundle(ws.store, doc, lock, target, bundle, share=True, allow_unverified=allow_unverified)
-            yield Runtime.load(bundle, verify_digests=False)  # pull checked every digest
-        except QbuildError as e:
-            e.args = (str(e).replace(str(bundle), f"{target} (its locked bundle)"),)
-            raise
+    with open_bundle(target, store, lock, remote, allow_unverified, strict, share=True) as bundle:
+        yield Runtime.load(bundle.path, verify_digests=not bundle.digests_checked, shown_as=bundle.shown_as)
 
 
 def _check_prompt_flags(prompt: Optional[str], prompt_ids: Optional[str]) -> None:

@@ -1,18 +1,15 @@
 """`qbuild serve`: a bundle's OpenAI-compatible endpoint, served by its backend until Ctrl-C."""
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from qbuild.cli.exits import err
-from qbuild.cli.options import (JsonOpt, LockOpt, RemoteOpt, StoreOpt, StrictOpt, check_new_dir,
-                                name_a_changed_recipe, workspace)
+from qbuild.cli.options import JsonOpt, LockOpt, RemoteOpt, StoreOpt, StrictOpt, check_new_dir, open_bundle
 from qbuild.core import jsonio
-from qbuild.core.errors import QbuildError, UserError
+from qbuild.core.errors import UserError
 
 
 def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbuild pull`), or a locked recipe"),
@@ -48,7 +45,7 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
     from qbuild.backends.base import ServeOptions
     from qbuild.render import serve_text
     from qbuild.store import atomic_write
-    from qbuild.store.bundle import read_manifest
+    from qbuild.store.bundle import MANIFEST, read_manifest, shown_path
 
     if ready_file is not None:
         check_new_dir(ready_file.parent, "the --ready-file's directory", None)
@@ -61,15 +58,18 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         if ready_file is not None:
             atomic_write(ready_file, (url + "\n").encode())
 
-    with _served_bundle(target, store, lock, remote, allow_unverified, strict) as (bundle, name, checked):
-        manifest = read_manifest(bundle)
+    # A recipe's bundle is named by the recipe (a directory by its name), and laid out as `pull` lays it out: root gets
+    # copies, so that no server process can change the store's blobs.
+    with open_bundle(target, store, lock, remote, allow_unverified, strict, share=os.geteuid() != 0) as opened:
+        bundle = opened.path.resolve()
+        manifest = read_manifest(bundle, opened.shown_as)
         if manifest.get("backend") not in backends.NAMES:
-            raise UserError(f"{bundle}/bundle.json: backend {manifest.get('backend')!r} is not one of "
-                            f"{', '.join(backends.NAMES)}; only a bundle qbuild built can be served")
+            raise UserError(f"{shown_path(bundle, MANIFEST, opened.shown_as)}: backend {manifest.get('backend')!r} is "
+                            f"not one of {', '.join(backends.NAMES)}; only a bundle qbuild built can be served")
         backend = backends.get(manifest["backend"])
-        options = ServeOptions(name=name, host=host, port=port, log=err, on_ready=on_ready, digests_checked=checked,
-                               server_args=tuple(server_args or ()), api_key=api_key,
-                               allow_image_urls=allow_image_urls)
+        options = ServeOptions(name=opened.name, host=host, port=port, log=err, on_ready=on_ready,
+                               digests_checked=opened.digests_checked, server_args=tuple(server_args or ()),
+                               api_key=api_key, allow_image_urls=allow_image_urls)
         if dry_run:
             doc = backend.serve_command(bundle, manifest, options)
             if json_:
@@ -82,38 +82,3 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                 "reach it can use the model; set QBUILD_API_KEY (or --api-key)")
         code = backend.serve(bundle, manifest, options)
     raise typer.Exit(code)
-
-
-@contextmanager
-def _served_bundle(target: str, store: Optional[Path], lock: Path, remote: Optional[str],
-                   allow_unverified: bool, strict: bool) -> Iterator[tuple[Path, str, bool]]:
-    """(bundle directory, the model name clients send, whether every file was checked against its digest just now):
-    a pulled bundle directory as it is, named by its directory; or a locked recipe's bundle, named by the recipe,
-    laid out in a temporary directory for as long as it is served. Like `pull`, serving a recipe refuses an
-    unverified bundle unless allowed, and names a recipe changed since it was locked (--strict: refuses it). Errors
-    name the recipe, never the temporary directory."""
-    import tempfile
-
-    if Path(target).is_dir():
-        bundle = Path(target).resolve()
-        yield bundle, bundle.name, False
-        return
-    from qbuild.store import lock as lockmod
-    from qbuild.store.transfer import pull_bundle
-
-    if not lock.exists():
-        raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
-    ws = workspace(store, lock, remote)
-    doc = lockmod.read(lock)
-    name = lockmod.resolve_recipe(doc, lock, target)
-    name_a_changed_recipe(ws, doc, lock, name, strict)
-    with tempfile.TemporaryDirectory(prefix="qbuild-serve-") as tmp:
-        bundle = Path(tmp) / name
-        try:
-            # As `pull` lays a bundle out: root gets copies, so that no server process can change the store's blobs.
-            pull_bundle(ws.store, doc, lock, name, bundle, share=os.geteuid() != 0,
-                        allow_unverified=allow_unverified)
-            yield bundle, name, True
-        except QbuildError as e:
-            e.args = (str(e).replace(str(bundle), f"{target} (its locked bundle)"),)
-            raise

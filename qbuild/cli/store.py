@@ -8,7 +8,6 @@ import typer
 from qbuild.cli.exits import err
 from qbuild.cli.options import JsonOpt, StoreOpt, workspace
 from qbuild.core import jsonio
-from qbuild.core.errors import UserError
 
 app = typer.Typer(no_args_is_help=True, help="Inspect and repair the local store.")
 
@@ -28,31 +27,14 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
                                                                  "[default: artifacts.lock]"),
            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt) -> None:
     """Remove store entries no lockfile references (beyond --keep-size locally; all of them on --remote)."""
-    from qbuild.store.gc import gc_local, gc_remote
-    from qbuild.render import print_gc
     from qbuild.core.units import parse_duration, parse_size
+    from qbuild.render import print_gc
+    from qbuild.store import default_store_path
+    from qbuild.store.gc import collect
 
     budget, grace_s = parse_size(keep_size, "--keep-size"), parse_duration(grace, "--grace")
-    if remote is not None:
-        from qbuild.store.s3 import parse_remote
-
-        parse_remote(remote)   # a bad URL is refused before the local store is touched
-    lock_paths = locks or [Path("artifacts.lock")]
-    missing = [str(p) for p in lock_paths if not p.exists()]
-    if missing:
-        raise UserError(f"{missing[0]}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
-    from qbuild.store import LocalStore, default_store_path
-
-    # Each gc reads the lockfiles itself, after the leases of the builds running: read here, before them, they would
-    # miss what a build that ended in between locked (qbuild/store/gc.py).
-    reports = [gc_local(LocalStore((store or default_store_path()).resolve()), lock_paths, budget, dry_run=dry_run,
-                        grace_s=grace_s)]
-    # Deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it.
-    if remote is not None:
-        from qbuild.store.s3 import S3Remote
-
-        reports.append(gc_remote(S3Remote(remote, probe=True), lock_paths, keep_size=budget, dry_run=dry_run,
-                                 grace_s=grace_s))
+    reports = collect(store or default_store_path(), locks or [Path("artifacts.lock")], budget, dry_run=dry_run,
+                      grace_s=grace_s, remote_url=remote)
     print_gc(reports, ["local store", remote], json_)
 
 
