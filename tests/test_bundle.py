@@ -52,3 +52,22 @@ def test_paths_cannot_escape_the_bundle(tmp_path):
 def test_not_a_bundle(tmp_path):
     with pytest.raises(UserError, match="not a qbuild bundle"):
         read_manifest(tmp_path)
+
+
+def test_errors_name_the_bundle_as_shown(tmp_path):
+    """A bundle laid out where the user did not choose (a locked recipe's, for `run`) is named as the caller says,
+    and its files inside that name; the directory itself is never named."""
+    root, doc = _bundle(tmp_path)
+    shown = "recipes/r.yaml (its locked bundle)"
+    (root / "weights" / "tp0_sharded_checkpoint.safetensors").unlink()
+    with pytest.raises(UserError) as e:
+        check_files(root, doc, shown_as=shown)
+    assert str(e.value) == f"{shown}/weights/tp0_sharded_checkpoint.safetensors: missing (bundle.json lists it)"
+    (root / MANIFEST).write_text("{")
+    with pytest.raises(UserError) as e:
+        read_manifest(root, shown)
+    assert str(e.value).startswith(f"{shown}/bundle.json: unreadable bundle manifest") and str(root) not in str(e.value)
+    (root / MANIFEST).unlink()
+    with pytest.raises(UserError) as e:
+        read_manifest(root, shown)
+    assert str(e.value).startswith(f"{shown}: not a qbuild bundle (no bundle.json)")

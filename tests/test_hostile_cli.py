@@ -464,12 +464,36 @@ def test_a_recipe_the_lock_does_not_hold_is_one_line_naming_the_locked_ones(proj
     assert state(project / "store") == before and not (project / "x").exists()
 
 
-def test_run_resolves_an_absolute_recipe_and_names_it_not_a_temporary_directory(project):
-    """The test actions' bundle has no bundle.json, so the runtime refuses it: the error must name the recipe."""
+@pytest.mark.parametrize("command", [["run", "--prompt", "hi"], ["bench"], ["serve", "--dry-run"]],
+                         ids=["run", "bench", "serve"])
+def test_a_locked_recipe_is_named_not_its_temporary_directory(project, command):
+    """The test actions' bundle has no bundle.json, so the runtime (serve: the manifest read) refuses it: the error
+    must name the recipe, given as an absolute path."""
     target = str(project / "recipes" / "alpha.yaml")
-    line = one_line(cli(project, "run", target, "--prompt", "hi"), 2, f"{target} (its locked bundle)",
+    line = one_line(cli(project, command[0], target, *command[1:]), 2, f"{target} (its locked bundle)",
                     "not a qbuild bundle")
-    assert "qbuild-run-" not in line and "not in the lockfile" not in line
+    assert "qbuild-bundle-" not in line and "not in the lockfile" not in line
+
+
+def test_opening_a_locked_bundle_lays_it_out_for_the_block_only(project):
+    from qbuild.core.errors import UserError
+    from qbuild.store import LocalStore
+    from qbuild.store import lock as lockmod
+    from qbuild.store.transfer import open_locked_bundle
+
+    lock = project / "artifacts.lock"
+    doc = lockmod.read(lock)
+    target = str(project / "recipes" / ".." / "recipes" / "beta.yaml")     # resolved to the locked recipe "beta"
+    with open_locked_bundle(LocalStore(project / "store"), doc, lock, target, share=True) as bundle:
+        assert (bundle.name, bundle.shown_as) == ("beta", f"{target} (its locked bundle)")
+        assert bundle.digests_checked and bundle.path.name == "beta"
+        assert sorted(p.name for p in (bundle.path / "weights").iterdir()) == [
+            "tp0_sharded_checkpoint.safetensors", "tp1_sharded_checkpoint.safetensors"]
+    assert not bundle.path.exists() and not bundle.path.parent.exists()
+    doc["recipes"]["alpha"]["verified"] = False
+    with pytest.raises(UserError, match="alpha: the bundle is not verified"):
+        with open_locked_bundle(LocalStore(project / "store"), doc, lock, "alpha", share=True):
+            pass
 
 
 # --- 13. a pulled bundle never corrupts the store; run names the real mismatch ---------------------------------------

@@ -1,13 +1,15 @@
 """The layers of pyproject.toml's import-linter contracts hold: every import (lazy ones too) points down the layers,
-and no package's modules import each other in a circle."""
+and no package's modules import each other in a circle. Functions stay small: none is over MAX_FUNCTION_LINES."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+MAX_FUNCTION_LINES = 80    # from its `def` line to its last, docstring and comments included
 
 
 def test_import_contracts_are_kept():
@@ -18,9 +20,37 @@ def test_import_contracts_are_kept():
 
 
 def test_every_layer_package_says_what_it_may_import():
-    for package in ("core", "store", "model", "recipe", "hub", "backends", "planning", "execution"):
+    for package in ("core", "store", "model", "recipe", "hub", "backends", "planning", "execution", "report", "cli"):
         doc = (REPO / "qbuild" / package / "__init__.py").read_text()
         assert "import" in doc.split('"""')[1], f"qbuild/{package}/__init__.py: its docstring names no import rule"
+
+
+def _long_functions(source: str, where: str) -> list[str]:
+    """"<where>:<function> (<n> lines, from line <l>)" for each function (methods and nested ones too) in `source`
+    longer than MAX_FUNCTION_LINES."""
+    found = []
+    for node in ast.walk(ast.parse(source, where)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found.append(f"{where}:{node.name} ({length} lines, from line {node.lineno})")
+    return found
+
+
+def test_no_function_is_over_80_lines():
+    found = []
+    for path in sorted((REPO / "qbuild").rglob("*.py")):
+        found += _long_functions(path.read_text(), str(path.relative_to(REPO)))
+    assert found == []
+
+
+def test_the_length_check_sees_a_long_function():
+    def source(lines: int) -> str:   # a method `f` of `lines` lines inside a class, after a decorator
+        body = "\n".join(f"        x{i} = {i}" for i in range(lines - 1))
+        return f"class C:\n    @staticmethod\n    async def f():\n{body}\n"
+
+    assert _long_functions(source(MAX_FUNCTION_LINES), "m.py") == []
+    assert _long_functions(source(MAX_FUNCTION_LINES + 1), "m.py") == ["m.py:f (81 lines, from line 3)"]
 
 
 def _readme_layout() -> str:

@@ -27,7 +27,7 @@ from qbuild.store.lease import open_lease
 
 if TYPE_CHECKING:
     from qbuild.store.manifest import Manifest
-    from qbuild.store.remote import Progress
+    from qbuild.store.remote import Progress, PushReport
 
 RECIPES_DIR = Path("recipes")
 
@@ -231,3 +231,12 @@ class Workspace:
 
     def check_lock(self, recipes: list[str] | None = None) -> list[str]:
         return lockmod.check(self.lock_doc, self.store, recipes)
+
+    # --- after a build ---------------------------------------------------------------------------------------
+    def push(self, result: BuildResult) -> PushReport:
+        """After a --push build: everything the build produced or found must be on the remote (the workers pushed what
+        they built; this uploads cached entries the remote lacks, and fails with exit 3 if the remote is gone)."""
+        from qbuild.store.remote import push_manifests
+
+        store = self.store
+        return push_manifests(store.local, store.remote, list(result.manifests.values()), store.progress)

@@ -25,7 +25,8 @@ from qbuild.planning.keys import as_locked, diff_preimages
 from qbuild.planning.plan import Plan, PlannedRecipe, build_plan
 from qbuild.hub import checkpoint
 from qbuild.recipe.params import to_json
-from qbuild.recipe.schema import LoadedRecipe, load_recipe
+from qbuild.recipe.locked import locked_recipe
+from qbuild.recipe.schema import LoadedRecipe
 from qbuild.store.lock import hub_pins, recipe_file
 
 
@@ -75,9 +76,7 @@ def recipe_change(doc: dict, lock_path: Path, name: str, stat_cache: StatCache) 
     if entry["bundle"] is None or not path.is_file():
         return None
     try:
-        loaded = load_recipe(path)
-        backend = name.partition("@")[2]   # `<name>@<backend>`: a build of the recipe on another backend
-        loaded = loaded.with_backend(backend) if backend else loaded
+        loaded = locked_recipe(doc, lock_path, name)
         plan = build_plan([loaded], OfflineEnvironment(HostEnvironment(stat_cache)), hub_pins(doc))
     except QbuildError as e:
         return RecipeChange(name, path, str(e), known=False)

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 from qbuild.execution.record import read_record
 from qbuild.render import plan_dot
 from qbuild.report import charts, graph, page
-from qbuild.report.data import BenchDoc, ReportData, gather, locked_recipes, read_bench
+from qbuild.report.data import BenchDoc, ReportData, gather, read_bench
 
 if TYPE_CHECKING:
     from qbuild.planning.plan import NodeStatus, Plan
     from qbuild.store import Store
 
-__all__ = ["BenchDoc", "ReportData", "locked_recipes", "make", "read_bench"]
+__all__ = ["BenchDoc", "ReportData", "make", "read_bench"]
 
 
 def make(plan: Plan, status: dict[str, NodeStatus], store: Store, lock_doc: dict, lock_path: Path,

@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING
 
 from qbuild.core.errors import UserError
 from qbuild.core.userfile import read_small_file
-from qbuild.recipe.schema import LoadedRecipe, load_recipe
 from qbuild.render import STATUS_TEXT
-from qbuild.store import lock as lockmod
 
 if TYPE_CHECKING:
     from qbuild.planning.plan import NodeStatus, Plan
@@ -79,18 +77,6 @@ class ReportData:
         """What the page shows, in brief (`qbuild report --json`)."""
         return {"recipes": [r["name"] for r in self.recipes], "nodes": len(self.nodes),
                 "verify": {v.recipe: v.verdict for v in self.verifies}, "bench": len(self.benches)}
-
-
-def locked_recipes(doc: dict, lock_path: Path, backend: str | None) -> list[LoadedRecipe]:
-    """The recipes a lockfile holds, loaded from the files it records; a recipe locked as `<name>@<backend>` (built
-    with --backend) on that backend."""
-    if not doc["recipes"]:
-        raise UserError(f"{lock_path}: the lockfile holds no recipe; name recipe files, or pass --all")
-    out = []
-    for name, entry in sorted(doc["recipes"].items()):
-        locked_backend = name.partition("@")[2] or None
-        out.append(load_recipe(lockmod.recipe_file(entry, lock_path)).with_backend(backend or locked_backend))
-    return out
 
 
 def read_bench(path: Path) -> BenchDoc:

@@ -55,31 +55,40 @@ def write_manifest(root: Path, meta: dict) -> dict:
     return doc
 
 
-def read_manifest(root: Path) -> dict:
+def read_manifest(root: Path, shown_as: str | None = None) -> dict:
+    """The bundle.json of the bundle at `root`; errors name the bundle as `shown_as` (default: `root`)."""
     path = root / MANIFEST
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
-        raise UserError(f"{root}: not a qbuild bundle (no {MANIFEST}); pull one with `qbuild pull RECIPE --to DIR`") \
-            from None
+        raise UserError(f"{shown_as or root}: not a qbuild bundle (no {MANIFEST}); pull one with "
+                        "`qbuild pull RECIPE --to DIR`") from None
     except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: unreadable bundle manifest: {e}") from None
+        raise UserError(f"{shown_path(root, MANIFEST, shown_as)}: unreadable bundle manifest: {e}") from None
     if doc.get("format") != FORMAT:
-        raise UserError(f"{path}: bundle format {doc.get('format')!r}; this qbuild reads format {FORMAT}")
+        raise UserError(f"{shown_path(root, MANIFEST, shown_as)}: bundle format {doc.get('format')!r}; this qbuild reads "
+                        f"format {FORMAT}")
     for rel in doc.get("files", {}):
         safe_join(root, rel)  # a manifest naming a path outside the bundle is refused before anything is read
     return doc
 
 
-def check_files(root: Path, doc: dict, *, digests: bool = True) -> None:
-    """Every file the manifest names is present with its size (and digest); raises UserError naming the first."""
+def check_files(root: Path, doc: dict, *, digests: bool = True, shown_as: str | None = None) -> None:
+    """Every file the manifest names is present with its size (and digest); raises UserError naming the first, inside
+    the bundle named `shown_as` (default: `root`)."""
     changed = "changed since the bundle was made; pull it again (`qbuild pull RECIPE --to DIR`)"
     for rel, meta in sorted(doc["files"].items()):
         path = safe_join(root, rel)
+        shown = shown_path(root, rel, shown_as)
         if not path.is_file():
-            raise UserError(f"{path}: missing (bundle.json lists it)")
+            raise UserError(f"{shown}: missing (bundle.json lists it)")
         size = path.stat().st_size
         if size != meta["size"]:
-            raise UserError(f"{path}: {size} bytes where bundle.json says {meta['size']}: {changed}")
+            raise UserError(f"{shown}: {size} bytes where bundle.json says {meta['size']}: {changed}")
         if digests and digest_file(path) != meta["digest"]:
-            raise UserError(f"{path}: content does not match its digest in bundle.json: {changed}")
+            raise UserError(f"{shown}: content does not match its digest in bundle.json: {changed}")
+
+
+def shown_path(root: Path, rel: str, shown_as: str | None) -> str:
+    """How an error names the file `rel` of the bundle at `root`, which errors name `shown_as` (None: by its path)."""
+    return f"{shown_as}/{rel}" if shown_as else str(root / rel)

@@ -23,7 +23,7 @@ from qbuild.store.lease import live_leases
 from qbuild.store.local import LocalStore
 from qbuild.store.manifest import Manifest
 from qbuild.store.remote import holding
-from qbuild.store.s3 import POOL_THREADS, S3Remote
+from qbuild.store.s3 import POOL_THREADS, S3Remote, parse_remote
 from qbuild.core.threads import map_all
 
 # What was written this recently is kept: a blob no manifest names may belong to a push still in flight, and a
@@ -102,6 +102,24 @@ def _list_local(root: Path) -> _Listed:
             continue
     listed.groups = compile_cache.groups(root)
     return listed
+
+
+def collect(store_root: Path, lock_paths: Sequence[Path], keep_size: int, *, dry_run: bool = False,
+            grace_s: float = GRACE_S, remote_url: str | None = None) -> list[GcReport]:
+    """`qbuild gc`: gc_local of the store at `store_root`, then, given `remote_url`, gc_remote of that remote (an
+    explicit URL only: deleting shared artifacts is never configured). A malformed URL, or a lockfile that is not
+    there, is refused before the local store is touched. Each gc reads the lockfiles itself, after the leases of the
+    builds running: read before them, they would miss what a build that ended in between locked."""
+    if remote_url is not None:
+        parse_remote(remote_url)
+    missing = [str(p) for p in lock_paths if not p.exists()]
+    if missing:
+        raise UserError(f"{missing[0]}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
+    reports = [gc_local(LocalStore(store_root.resolve()), lock_paths, keep_size, dry_run=dry_run, grace_s=grace_s)]
+    if remote_url is not None:
+        reports.append(gc_remote(S3Remote(remote_url, probe=True), lock_paths, keep_size=keep_size, dry_run=dry_run,
+                                 grace_s=grace_s))
+    return reports
 
 
 def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, dry_run: bool = False,

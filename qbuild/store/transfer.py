@@ -2,13 +2,18 @@
 
     publish    the lockfile's nodes of some recipes (all, or what bundles need) -> the remote (blobs first, manifests
                last, conditionally)
-    pull       one recipe's locked bundle (its package node's outputs) -> a directory, every digest checked
+    pull       one recipe's locked bundle (its package node's outputs) -> a directory, every digest checked; or,
+               for as long as a command reads it (run, bench, serve), a temporary one (open_locked_bundle)
 
 Both read the lockfile, never the recipes, so a serving host needs nothing but qbuild and artifacts.lock.
 """
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.core.errors import InfraError, UserError
@@ -125,10 +130,11 @@ def _check_remote_only(store: RemoteStore, blobs: dict[str, tuple[str, str, int]
 # --- pull ----------------------------------------------------------------------------------------------------------
 
 def pull_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, dest: Path, *, share: bool,
-                allow_unverified: bool = False) -> Manifest:
+                allow_unverified: bool = False, shown_as: str | None = None) -> Manifest:
     """Lay out the locked bundle of `recipe` in `dest` (new or empty), checking every digest first. With `share` the
     files are the store's own read-only blobs (hardlinks); without, they share no inode with it (see materialize).
-    A bundle whose verify did not pass is refused unless `allow_unverified`.
+    A bundle whose verify did not pass is refused unless `allow_unverified`. Errors name `dest` as `shown_as`
+    (default: its path).
 
     Through a RemoteStore only the manifest is read at lookup; `materialize` then downloads (ensure_blobs) and
     verifies exactly the bundle's blobs; a blob that does not match aborts the pull before anything is written to
@@ -144,7 +150,7 @@ def pull_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, dest: Pat
         raise UserError(f"{lock_path}: {name}: the bundle is not verified ({why}); refusing to lay it out. Fix the "
                         "recipe and rebuild, or pass --allow-unverified")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
-        raise UserError(f"{dest}: exists and is not an empty directory; pull into a new or empty one")
+        raise UserError(f"{shown_as or dest}: exists and is not an empty directory; pull into a new or empty one")
     manifest = store.get_manifest(node["key"])
     if manifest is None:
         if isinstance(store, RemoteStore):
@@ -164,5 +170,31 @@ def pull_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, dest: Pat
         with staged(dest, directory=True) as stage:
             store.materialize(manifest.outputs, stage, verify=True, share=share)
     except OSError as e:
-        raise InfraError(f"{dest}: {e.strerror or e}") from None
+        raise InfraError(f"{shown_as or dest}: {e.strerror or e}") from None
     return manifest
+
+
+@dataclass(frozen=True)
+class OpenBundle:
+    """A bundle directory a command reads: one the user gave, or a locked recipe's bundle laid out for the command."""
+
+    path: Path
+    name: str                       # the locked recipe's name, or the directory's
+    shown_as: str | None = None     # how errors name it; None: by its path
+    digests_checked: bool = False   # every file was checked against its digest as it was laid out
+
+
+@contextmanager
+def open_locked_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, *, share: bool,
+                       allow_unverified: bool = False) -> Iterator[OpenBundle]:
+    """The locked bundle of `recipe` (a name or a recipe file, as resolve_recipe takes it), laid out from the store
+    (pull_bundle: `share`, `allow_unverified`, every digest checked) in a temporary directory that is removed when
+    the block ends. Errors name it "<recipe> (its locked bundle)", never the temporary directory the user did not
+    choose; pass `shown_as` on to what reads it (Runtime.load, bundle.read_manifest) for theirs to do the same."""
+    name = recipe_names(doc, lock_path, [recipe], False)[0]
+    shown_as = f"{recipe} (its locked bundle)"
+    with tempfile.TemporaryDirectory(prefix="qbuild-bundle-") as tmp:
+        path = Path(tmp) / name
+        pull_bundle(store, doc, lock_path, name, path, share=share, allow_unverified=allow_unverified,
+                    shown_as=shown_as)
+        yield OpenBundle(path, name, shown_as, digests_checked=True)

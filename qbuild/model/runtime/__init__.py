@@ -22,7 +22,7 @@ from typing import Callable
 
 from qbuild.model.chunking import EXTEND, LongContext, kv_bucket, pieces
 from qbuild.model.runtime.images import EncodedImage, ImageSource, PreparedImage
-from qbuild.store.bundle import check_files, read_manifest
+from qbuild.store.bundle import check_files, read_manifest, shown_path
 from qbuild.core.errors import UserError
 
 
@@ -41,8 +41,10 @@ class Generation:
 class Runtime:
     """A loaded bundle. Build with `Runtime.load(dir)`; call `generate(...)`."""
 
-    def __init__(self, root: Path, manifest: dict, config: dict, tokenizer, weights: dict, arch, vision):
+    def __init__(self, root: Path, manifest: dict, config: dict, tokenizer, weights: dict, arch, vision,
+                 shown_as: str | None = None):
         self.root, self.manifest, self.config, self.tokenizer = root, manifest, config, tokenizer
+        self.shown = shown_as or str(root)     # how errors name the bundle
         self.weights, self.arch, self.vision = weights, arch, vision
         self.batch = manifest["batch_size"]
         self.cte = sorted(manifest["buckets"]["cte"])
@@ -56,14 +58,17 @@ class Runtime:
 
     # --- loading ---------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, root: Path, *, verify_digests: bool = True) -> "Runtime":
+    def load(cls, root: Path, *, verify_digests: bool = True, shown_as: str | None = None) -> "Runtime":
+        """The bundle at `root`. Errors name it `shown_as` (default: `root`): a locked recipe's bundle laid out in a
+        temporary directory is named by the recipe (qbuild.store.transfer.open_locked_bundle)."""
         root = Path(root)
         # The bundle is checked before torch is imported, so a bad one is refused at once.
-        manifest = read_manifest(root)
+        manifest = read_manifest(root, shown_as)
         # A CPU bundle's graphs are under graphs/; a neuron bundle's compiled model is NxDI's model.pt.
         if not all(path.startswith("graphs/") for path in manifest.get("graphs", {}).values()):
-            raise UserError(f"{root}: a neuron bundle runs on a Neuron host through NxDI, not on this runtime")
-        check_files(root, manifest, digests=verify_digests)
+            raise UserError(f"{shown_as or root}: a neuron bundle runs on a Neuron host through NxDI, not on this "
+                            "runtime")
+        check_files(root, manifest, digests=verify_digests, shown_as=shown_as)
 
         import torch
         from safetensors.torch import load_file
@@ -81,10 +86,10 @@ class Runtime:
         try:
             model.load_shards(shards)
         except ValueError as e:
-            raise UserError(f"{root / 'weights'}: {e}") from None
+            raise UserError(f"{shown_path(root, 'weights', shown_as)}: {e}") from None
         weights = dict(model.state_dict())
         vision = _load_vision(root, arch, config, dtype) if manifest["buckets"].get("vision") else None
-        return cls(root, manifest, config, _tokenizer(root), weights, arch, vision)
+        return cls(root, manifest, config, _tokenizer(root, shown_as), weights, arch, vision, shown_as)
 
     def signature(self, name: str) -> dict:
         """A graph's call signature, written beside it by its compile (qbuild.backends.cpu)."""
@@ -404,7 +409,7 @@ class Runtime:
         will run through; UserError naming it where this bundle cannot take it. Cheap next to encoding it, which
         `generate` does."""
         if self.vision is None:
-            raise UserError(f"{self.root}: this bundle has no vision graph; an image needs a VL recipe with "
+            raise UserError(f"{self.shown}: this bundle has no vision graph; an image needs a VL recipe with "
                             "`vision: {buckets: [...]}`")
         return self.vision.prepare(image, self.vision_buckets, label)
 
@@ -440,13 +445,13 @@ class Runtime:
             raise UserError(f"the prompt holds {held} image tokens (<|image_pad|>) and there is {what}")
 
 
-def _tokenizer(root: Path):
+def _tokenizer(root: Path, shown_as: str | None):
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(root))
     except (OSError, ValueError) as e:
-        raise UserError(f"{root}: cannot load the bundle's tokenizer: {e}") from None
+        raise UserError(f"{shown_as or root}: cannot load the bundle's tokenizer: {e}") from None
 
 
 def _load_vision(root: Path, arch, config: dict, dtype):
