@@ -164,13 +164,14 @@ def test_extend_continues_a_prefill_chunk_by_chunk_as_transformers_runs_the_whol
     from qbuild.model.arch import arch_from_config
     from qbuild.model.convert.convert import convert_state_dict
     from qbuild.model.convert.shard import shard_state_dict
+    from qbuild.model.ranks import RankLayout
     from qbuild.model.modeling import TextModel, text_position_ids
 
     path = tiny_checkpoints[family]
     config = json.loads((path / "config.json").read_text())
     tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
     text, _ = convert_state_dict(config, tensors, dtype="float32")
-    shards = shard_state_dict(config, text, tp=2, ep=1)
+    shards = shard_state_dict(config, text, ranks=RankLayout.split(2, 1))
     first, model = (TextModel(arch_from_config(config), tp=2, max_seq_len=L).eval() for L in (32, 160))
     first.load_shards(shards)
     model.load_shards(shards)

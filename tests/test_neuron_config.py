@@ -14,8 +14,8 @@ import pytest
 from dataclasses import replace
 
 from qbuild.backends.neuron.backend import text_compile_params, vision_compile_params
-from qbuild.backends.neuron.config import modules_to_not_convert, neff_reuse, neuron_config, nxd_parallel
-from qbuild.backends.neuron.params import NxdParallel
+from qbuild.backends.neuron.config import modules_to_not_convert, neff_reuse, neuron_config, nxd_degrees, rank_layout
+from qbuild.model.ranks import RankLayout
 from qbuild.model.fp8 import policy
 from qbuild.recipe.params import to_json
 from qbuild.recipe.schema import load_recipe
@@ -154,10 +154,13 @@ def test_other_moe_backends(tmp_path, backend, expected):
 
 
 def test_parallel_degrees_per_lineage():
-    assert nxd_parallel("main", True, 8, 1).world_size == 8
-    assert nxd_parallel("moe", True, 8, 2) == NxdParallel(tp_degree=8, ep_degree=2, moe_tp_degree=8, moe_ep_degree=2,
-                                                          world_size=16)
-    assert nxd_parallel("main", False, 4, 1).moe_tp_degree is None
+    assert rank_layout("main", True, 8, 1) == RankLayout(world=8, dense_tp=8, moe_tp=8, moe_ep=1)
+    # Coder-Next's EP: ep_degree = moe_ep_degree = ep multiplies the ranks; moe_tp_degree = tp_degree.
+    ep_world = rank_layout("moe", True, 8, 2)
+    assert ep_world == RankLayout(world=16, dense_tp=8, moe_tp=8, moe_ep=2)
+    assert nxd_degrees(ep_world, True) == {"tp_degree": 8, "ep_degree": 2, "moe_tp_degree": 8, "moe_ep_degree": 2}
+    # A dense model names no MoE degree, and NxD's ep_degree only where the world holds expert-parallel copies.
+    assert nxd_degrees(rank_layout("main", False, 4, 1), False) == {"tp_degree": 4}
 
 
 def test_neff_reuse_says_what_adding_a_bucket_costs(tmp_path):
@@ -185,7 +188,7 @@ def test_neff_reuse_says_what_adding_a_bucket_costs(tmp_path):
 def test_pure_function_imports_without_torch():
     code = ("import sys, qbuild.backends.neuron.config as n, qbuild.planning.plan, qbuild.render; "
             "from qbuild import backends; [backends.get(name) for name in backends.NAMES]; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print(n.nxd_parallel('main', False, 2, 1))")
+            "assert 'torch' not in sys.modules, 'torch imported'; print(n.rank_layout('main', False, 2, 1))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -233,7 +236,7 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     # NxDI's world is tp_degree * ep_degree = 4 rank files; non-expert layers split over tp_degree 2; experts over
     # moe_ep_degree 2 groups of moe_tp_degree 2.
     assert params.layout == "nxd-moe"
-    assert (params.tp, params.ep, params.dense_tp, params.moe_tp) == (4, 2, 2, 2)
+    assert params.ranks == RankLayout(world=4, dense_tp=2, moe_tp=2, moe_ep=2)
     # The shard action runs those params as planned: 4 rank files, attention split over 2.
     from qbuild.execution.actions import RunContext
     from qbuild.execution.actions.shard import run
@@ -244,7 +247,7 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     run(RunContext("shard", params, {"converted": tmp_path / "conv"}, tmp_path / "out", tmp_path))
     report = json.loads((tmp_path / "out" / "shard.json").read_text())
     assert report["files"] == [f"tp{r}_sharded_checkpoint.safetensors" for r in range(4)]
-    assert report["dense_tp"] == 2
+    assert report["ranks"]["dense_tp"] == 2
 
 
 def test_dense_main_lineage_shard_has_no_expert_parallelism(tmp_path, tiny_checkpoints):
@@ -253,8 +256,7 @@ def test_dense_main_lineage_shard_has_no_expert_parallelism(tmp_path, tiny_check
         parallel: {{tp: 2}}
         text: {{seq_len: 128, cte_buckets: [128]}}
     """)
-    # nxd_parallel gives a dense model no moe_ep_degree; the shard step still needs ep 1.
-    assert (params.layout, params.tp, params.ep, params.dense_tp) == ("nxd-main", 2, 1, 2)
+    assert (params.layout, params.ranks) == ("nxd-main", RankLayout(world=2, dense_tp=2, moe_tp=2, moe_ep=1))
 
 
 # --- long context: the Qwen3.6-27B port's block KV layout and hybrid APC (docs/long-context.md section 5) ----------

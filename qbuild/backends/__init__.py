@@ -6,8 +6,8 @@ and run.
 - neuron: NxDI / neuronx-cc where the Neuron SDK is installed (its config translation is pure).
 
 Callers name a backend only by a recipe's (or --backend's) string and ask `get(name)` for its implementation, which
-is imported on first use. The backend classes import torch and the SDK only inside the methods that build, so
-planning stays light.
+is imported on first use; a shard step asks `shard_layout(name)` for the rules its params name. The backend classes
+import torch and the SDK only inside the methods that build, so planning stays light.
 
 May import: qbuild.core, qbuild.store, qbuild.model, qbuild.recipe. Nothing outside this package names a backend.
 """
@@ -26,6 +26,14 @@ NAMES: tuple[str, ...] = ("neuron", "inductor", "export")   # what a recipe's `b
 _IMPLEMENTATIONS = {"neuron": "qbuild.backends.neuron.backend:NeuronBackend",
                     "inductor": "qbuild.backends.cpu.backend:CpuBackend",
                     "export": "qbuild.backends.cpu.backend:CpuBackend"}
+# A shard layout's name (ShardParams.layout) -> "module:object" of its rules (a ShardLayout,
+# qbuild.model.convert.parallel).
+# The shard step imports the module of its own layout alone, so an edit of one layout's rules keys only its steps.
+_LAYOUTS = {"cpu": "qbuild.model.convert.shard:CPU",
+            "nxd-main": "qbuild.backends.neuron.layout.nxd:MAIN",
+            "nxd-main-replicated": "qbuild.backends.neuron.layout.nxd:MAIN_REPLICATED",
+            "nxd-moe": "qbuild.backends.neuron.layout.nxd:MOE"}
+LAYOUTS: tuple[str, ...] = tuple(_LAYOUTS)                  # what ShardParams.layout may name
 _loaded: dict[str, "Backend"] = {}
 _overrides: dict[str, "Backend"] = {}
 
@@ -47,6 +55,21 @@ def get(name: str) -> "Backend":
         module, factory = _IMPLEMENTATIONS[name].split(":")
         _loaded[name] = getattr(importlib.import_module(module), factory)(name)
     return _loaded[name]
+
+
+def layout_module(layout: str) -> str:
+    """The module holding the rules of shard layout `layout`: what a shard step writing it imports beyond its action's
+    own code."""
+    if layout not in _LAYOUTS:
+        raise ValueError(f"shard layout {layout!r} is not one of {', '.join(_LAYOUTS)}")
+    return _LAYOUTS[layout].partition(":")[0]
+
+
+def shard_layout(layout: str):
+    """The rules of shard layout `layout` (a qbuild.model.convert.parallel.ShardLayout, imported on first use);
+    ValueError for a name no layout has."""
+    module = layout_module(layout)
+    return getattr(importlib.import_module(module), _LAYOUTS[layout].partition(":")[2])
 
 
 @contextmanager

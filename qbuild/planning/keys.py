@@ -33,7 +33,7 @@ class Node(Protocol):
     kind: str
     params: object
     deps: dict[str, str]
-    backend: str | None             # the backend whose code the node runs (qbuild.backends.get), if any
+    code: tuple[str, ...]           # modules the node runs beyond its action's entry (ActionSpec.closure)
 
 
 class Plan(Protocol):
@@ -56,22 +56,22 @@ class ActionSpec:
     def module(self) -> str:
         return self.entry.partition(":")[0]
 
-    def closure(self, backend: str | None = None, sources: Sources = DEFAULT) -> Closure:
-        """The action's import closure; with the implementation of `backend` where the node runs one (the action
-        reaches it through qbuild.backends.get, which the static walk cannot see)."""
-        entries = (self.module,) if backend is None else (self.module, backends.implementation_module(backend))
-        return sources.closure(entries)
+    def closure(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> Closure:
+        """The action's import closure, with that of each module in `code`: what a node of it runs beyond the action's
+        own imports (a backend's implementation, a shard layout's rules), which the action reaches through the
+        backend registry and the static walk cannot see."""
+        return sources.closure((self.module, *code))
 
-    def source_hash(self, backend: str | None = None, sources: Sources = DEFAULT) -> str:
-        closure = self.closure(backend, sources)
+    def source_hash(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> str:
+        closure = self.closure(code, sources)
         parts = [sources.digest(closure)]
         root = sources.root(self.module.split(".")[0])
         for rel in self.data:
             parts.append(f"{rel}:{digest_bytes((root / rel).read_bytes())}")
         return digest_bytes("\n".join(parts).encode())[:32]
 
-    def toolchain_versions(self, backend: str | None = None, sources: Sources = DEFAULT) -> dict[str, str]:
-        return distribution_versions(self.closure(backend, sources).third_party)
+    def toolchain_versions(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> dict[str, str]:
+        return distribution_versions(self.closure(code, sources).third_party)
 
 
 Registry = Mapping[str, ActionSpec]           # kind -> spec
@@ -120,8 +120,8 @@ def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY, 
     spec = registry[node.kind]
     params = to_json(node.params)
     # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
-    toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions(node.backend)
-    pre = {"action": node.kind, "version": spec.source_hash(node.backend), "params": params, "inputs": inputs,
+    toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions(node.code)
+    pre = {"action": node.kind, "version": spec.source_hash(node.code), "params": params, "inputs": inputs,
            "toolchain": toolchain}
     if platform is not None:
         pre["platform"] = platform

@@ -62,7 +62,7 @@ class Node:
     name: str                       # what a person reads: "compile cte-128", "fetch Qwen/Qwen3.5-2B"
     params: object                  # the step's typed params (qbuild.recipe.params); their JSON enters the key
     deps: dict[str, str]            # input name -> node id
-    backend: str | None             # the backend whose code the node runs, if any (its code joins the key)
+    backend: str | None             # the backend whose implementation the node runs (qbuild.backends.get), if any
     est_out_bytes: int
     est_peak_bytes: int
     context: dict = field(default_factory=dict)   # where things are on this machine; never in a key
@@ -71,6 +71,8 @@ class Node:
     neffs: int = 0                  # NEFFs a neuron compile produces (one per bucket of each submodel)
     unresolved: QbuildError | None = None   # why a hub fetch has no commit (so no key); None when it has one
     est_new_bytes: int | None = None    # what of its output no input holds (a package links them); None: all of it
+    code: tuple[str, ...] = ()      # modules it runs beyond its action's entry (a backend's implementation, a shard
+                                    # layout's rules): their import closures join its key (keys.ActionSpec.closure)
 
     @property
     def needs_device(self) -> bool:
@@ -101,13 +103,16 @@ class Plan:
 
 def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params, deps: dict[str, str],
          out: int, peak: int, context: dict | None = None, neuron_cores: int = 0, neffs: int = 0,
-         backend: str | None = None, unresolved: QbuildError | None = None, new: int | None = None) -> str:
+         backend: str | None = None, unresolved: QbuildError | None = None, new: int | None = None,
+         code: tuple[str, ...] = ()) -> str:
     node_id = digest_json({"kind": kind, "params": to_json(params), "deps": deps, "backend": backend})[:16]
     node = nodes.get(node_id)
     if node is None:
+        if backend is not None:
+            code = (backends.implementation_module(backend), *code)
         node = nodes[node_id] = Node(node_id, kind, name, params, deps, backend, out, peak, dict(context or {}),
                                      neuron_cores=neuron_cores, neffs=neffs, unresolved=unresolved,
-                                     est_new_bytes=new)
+                                     est_new_bytes=new, code=code)
     if recipe not in node.recipes:
         node.recipes.append(recipe)
     return node_id
@@ -216,10 +221,10 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
         roles[step.role] = _add_step(nodes, name, step, roles, r.backend)
     # Every source node a backend adds (a port) is an input of the shard, package and verify steps.
     sources = {step.role: roles[step.role] for step in bp.sources}
-    shard_label = "" if bp.shard.layout == "cpu" else bp.shard.layout + " "
     roles["shard"] = shard = _add(
-        nodes, name, "shard", f"shard {shard_label}tp{r.parallel.tp} ep{r.parallel.ep}", bp.shard,
-        {"converted": convert, "snapshot": fetch, **sources}, weights, 3 * big + GIB // 2, fctx)
+        nodes, name, "shard", f"shard {bp.shard.layout} {bp.shard.ranks.describe()}", bp.shard,
+        {"converted": convert, "snapshot": fetch, **sources}, weights, 3 * big + GIB // 2, fctx,
+        code=(backends.layout_module(bp.shard.layout),))
     compile_ids = {step.role: _add_step(nodes, name, step, roles, r.backend) for step in bp.compiles}
     roles.update(compile_ids)
     deps = {"converted": convert, "shard": shard, **sources,

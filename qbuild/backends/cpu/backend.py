@@ -17,6 +17,7 @@ from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import BuildError
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import EXTEND, LongContext, PrefixCacheSpec, extend_buckets
+from qbuild.model.ranks import RankLayout
 from qbuild.recipe import checks
 from qbuild.recipe.params import PackageParams, ShardParams
 from qbuild.recipe.schema import LoadedRecipe
@@ -61,8 +62,8 @@ def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) ->
         return CpuVisionCompile(graph, bucket, r.backend, r.dtype, arch.vision, r.vision.tp)
     chunk = long_context(loaded).step if graph == EXTEND else None
     return CpuTextCompile(graph, bucket, r.backend, r.dtype, arch.text_model(), r.parallel.tp, r.parallel.ep,
-                          r.parallel.effective_moe_tp if arch.is_moe else None, r.text.batch_size, r.text.seq_len,
-                          r.fp8, checks.moe_backend(loaded, arch), r.fused_qkv, chunk)
+                          r.text.batch_size, r.text.seq_len, r.fp8, checks.moe_backend(loaded, arch), r.fused_qkv,
+                          chunk)
 
 
 # A graph's example inputs are allocated, held by the exported program (torch.export keeps them) and written out
@@ -112,8 +113,7 @@ class CpuBackend:
 
     def plan(self, loaded: LoadedRecipe, arch: Arch, env, sizes: Sizes) -> BackendPlan:
         r = loaded.recipe
-        moe_tp = r.parallel.effective_moe_tp if arch.is_moe else None
-        shard = ShardParams("cpu", r.parallel.tp, r.parallel.ep, r.parallel.tp, moe_tp, r.fused_qkv, None, r.dtype)
+        shard = ShardParams("cpu", RankLayout.split(r.parallel.tp, r.parallel.ep), r.fused_qkv, r.dtype)
         graphs = text_graphs(loaded) + [("vision", b) for b in (r.vision.buckets if r.vision else [])]
         compiles = tuple(
             PlannedStep(f"compile {graph}-{bucket}", "compile", f"compile {graph}-{bucket} ({self.name})",

@@ -35,7 +35,7 @@ def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
     lineage = lineage_for(arch.family, r.port.lineage)
     return NeuronTextCompile(
         graph="text", backend="neuron", lineage=lineage.name, text=arch.text_model(),
-        parallel=config.nxd_parallel(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
+        parallel=config.rank_layout(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
         dtype=r.dtype, fp8=r.fp8, moe_backend=checks.moe_backend(loaded, arch), fused_qkv=r.fused_qkv,
         batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
         tkg_buckets=tuple(r.text.token_buckets), compiler=_compiler(r), toolchain=toolchain(loaded),
@@ -208,12 +208,9 @@ class NeuronBackend:
     def plan(self, loaded: LoadedRecipe, arch: Arch, env: SourceEnvironment, sizes: Sizes) -> BackendPlan:
         r = loaded.recipe
         text = text_compile_params(loaded, arch)
-        par, ranks = text.parallel, text.parallel.world_size
-        # One file per rank of NxD's world; every non-expert layer is split over tp_degree (dense_tp), which is
-        # smaller than the world where ep_degree > 1 (qbuild.model.convert.nxd). A dense model has no moe_ep_degree
-        # (None), and its shard step takes ep 1.
-        shard = ShardParams(LINEAGES[text.lineage].shard_layout, ranks, par.moe_ep_degree if arch.is_moe else 1,
-                            par.tp_degree, par.moe_tp_degree if arch.is_moe else None, r.fused_qkv, None, r.dtype)
+        ranks = text.parallel.world
+        # One file per rank of NxD's world, in the files NxD writes for the port's lineage (layout/nxd.py).
+        shard = ShardParams(LINEAGES[text.lineage].shard_layout, text.parallel, r.fused_qkv, r.dtype)
         neffs = config.neuron_config(text)["neffs"]
         layout = f", block KV {text.block_kv.block_size} x {text.block_kv.num_blocks}" if text.block_kv else ""
         # neuronx-cc runs on any host with the SDK: CPUs and memory, no device.

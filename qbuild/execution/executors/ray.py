@@ -161,11 +161,11 @@ def _check_same_action(job: Job, action: ActionSpec) -> None:
     # The code as it is now: a worker outlives many tasks and its checkout may change between them, and one Sources
     # sees one state of the tree.
     sources = Sources()
-    source_hash = action.source_hash(job.backend, sources)
+    source_hash = action.source_hash(job.code, sources)
     if source_hash != job.preimage.get("version"):
         differs.append(f"{job.kind} action source {source_hash[:12]} (driver: "
                        f"{str(job.preimage.get('version'))[:12]})")
-    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions(job.backend, sources)
+    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions(job.code, sources)
     differs += [f"{d} {ours.get(d, 'absent')} (driver: {theirs.get(d, 'absent')})"
                 for d in sorted(set(theirs) | set(ours)) if ours.get(d) != theirs.get(d)]
     if differs:
