@@ -359,7 +359,7 @@ def _name_a_changed_recipe(ws, doc: dict, lock: Path, name: str, strict: bool) -
     with --strict refuse it; returns the note (None: unchanged, or no recipe file here to compare)."""
     from qbuild.planning.drift import recipe_change
 
-    change = recipe_change(doc, lock, name, ws.stat_cache)
+    change = recipe_change(doc, lock, name, ws.stat_cache, ws.backends)
     if change is None:
         return None
     if strict:
@@ -514,6 +514,7 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
 @recipe_app.command("validate")
 def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files"), json_: bool = JsonOpt) -> None:
     """Validate recipes against the schema and against their model's architecture."""
+    from qbuild import backends
     from qbuild.planning.plan import validate_recipe
     from qbuild.hub.checkpoint import load_arch
     from qbuild.recipe.schema import load_recipe
@@ -523,7 +524,7 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
         try:
             loaded = load_recipe(f)
             arch = load_arch(loaded)
-            validate_recipe(loaded, arch)
+            validate_recipe(loaded, arch, backends)
         except QbuildError as e:
             failed.append(e)
             results.append({"file": str(f), "ok": False, "error": str(e)})

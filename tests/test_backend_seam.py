@@ -1,5 +1,5 @@
 """The backend seam: outside qbuild.backends nothing asks which backend it holds, and every import points down the
-layers (core < store < model < recipe < hub < backends < planning < execution < cli, render), lazy imports included."""
+layers (core < store < model < recipe < hub < planning < backends < execution < cli, render), lazy imports included."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 from qbuild import backends
 
 ROOT = Path(__file__).resolve().parents[1] / "qbuild"
-LAYERS = ("core", "store", "model", "recipe", "hub", "backends", "planning", "execution", "cli", "render")
+LAYERS = ("core", "store", "model", "recipe", "hub", "planning", "backends", "execution", "cli", "render")
 # The seam (qbuild.backends, qbuild.backends.base) may be imported from anywhere above it; an implementation (every
 # other module or package under qbuild/backends) only through qbuild.backends.get.
 IMPLEMENTATIONS = {p.name.removesuffix(".py") for p in (ROOT / "backends").iterdir()} - {"base", "__init__",

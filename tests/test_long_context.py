@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qbuild import backends
 from qbuild.core.errors import UserError
 from qbuild.model.chunking import LongContext, PrefixCacheSpec, extend_buckets, pieces
 from qbuild.model.tinymodel import SPECIAL_TOKENS, VOCAB_SIZE
@@ -81,7 +82,7 @@ def _validate(tmp_path: Path, name: str, extra: str, seq_len: int = 4096):
     f = tmp_path / f"{name}.yaml"
     f.write_text(RECIPE.format(seq_len=seq_len, extra=extra))
     loaded = load_recipe(f)
-    validate_recipe(loaded, load_arch(loaded))
+    validate_recipe(loaded, load_arch(loaded), backends)
     return loaded, f
 
 
@@ -134,10 +135,10 @@ def test_verify_prompts_may_exceed_the_largest_bucket_with_chunked_prefill(tmp_p
 
     loaded = load_recipe(tmp_path / "a.yaml")
     with pytest.raises(UserError, match="verify prompt"):
-        validate_recipe(loaded, load_arch(loaded))
+        validate_recipe(loaded, load_arch(loaded), backends)
     (tmp_path / "b.yaml").write_text(base.format(seq_len=64, extra="  chunked_prefill: {}"))
     loaded = load_recipe(tmp_path / "b.yaml")
-    validate_recipe(loaded, load_arch(loaded))
+    validate_recipe(loaded, load_arch(loaded), backends)
 
 
 # --- where prompts are cut -----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 from dataclasses import replace
 
+from qbuild import backends
 from qbuild.backends.neuron.backend import text_compile_params, vision_compile_params
 from qbuild.backends.neuron.config import modules_to_not_convert, neff_reuse, neuron_config, nxd_degrees, rank_layout
 from qbuild.model.ranks import RankLayout
@@ -210,8 +211,8 @@ def test_plan_json_shows_lineage_neffs_and_config(tmp_path):
     assert len(text) == 1 and text[0]["neffs"] == 3 and text[0]["neuron_config"]["neuron_config"]["tp_degree"] == 8
     assert len(vision) == 1 and set(vision[0]["deps"]) == {"port", "converted"}
     verify = next(n for n in doc["nodes"] if n["kind"] == "verify")
-    assert verify["neuron_cores"] == 8
-    assert all(n["neuron_cores"] == 0 for n in doc["nodes"] if n["kind"] != "verify")
+    assert verify["resources"] == {"neuron_cores": 8}
+    assert all(n["resources"] == {} for n in doc["nodes"] if n["kind"] != "verify")
 
 
 def _shard_params(tmp_path, name: str, body: str):
@@ -223,7 +224,7 @@ def _shard_params(tmp_path, name: str, body: str):
     # the NxD EP layout is planned and sharded exactly, ready for a port that does.
     loaded, arch = _recipe(tmp_path, name, body)
     nodes = {}
-    planned = plan_recipe(nodes, loaded, arch, HostEnvironment(StatCache(tmp_path / "stat.db")))
+    planned = plan_recipe(nodes, loaded, arch, HostEnvironment(StatCache(tmp_path / "stat.db")), backends=backends)
     return nodes[planned.nodes["shard"]].params
 
 
@@ -322,13 +323,13 @@ def test_what_the_port_and_vllm_refuse_is_one_line_naming_the_field(tmp_path, ca
     body = textwrap.dedent(_LC.replace("[256, 512]", "[128, 256, 512]" if case == "default-interval" else "[256, 512]"))
     loaded, arch = _recipe(tmp_path, case, body + extra + "\n")
     with pytest.raises(UserError) as err:
-        validate_recipe(loaded, arch)
+        validate_recipe(loaded, arch, backends)
     message = str(err.value)
     assert "\n" not in message and f"{case}.yaml" in message and needle in message, message
     # They are the port's and vLLM's limits: a CPU proof of the same recipe is not refused.
     cpu = tmp_path / "cpu.yaml"
     cpu.write_text(body + extra + "\nbackend: export\n")
-    validate_recipe(load_recipe(cpu), arch)
+    validate_recipe(load_recipe(cpu), arch, backends)
 
 
 def test_long_context_needs_the_main_lineage(tmp_path):
@@ -342,7 +343,7 @@ def test_long_context_needs_the_main_lineage(tmp_path):
         text: {seq_len: 1024, cte_buckets: [256], chunked_prefill: {}}
     """)
     with pytest.raises(UserError, match="text.chunked_prefill: the moe-lineage port has no block KV layout"):
-        validate_recipe(loaded, arch)
+        validate_recipe(loaded, arch, backends)
 
 
 def test_neff_reuse_counts_the_prefix_caching_pairs(tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild import backends
 from qbuild.model.arch import Arch, VisionArch
 from qbuild.hub.checkpoint import load_arch
 from qbuild.planning.environment import HostEnvironment
@@ -37,7 +38,7 @@ def _planned(tmp_path: Path, name: str, body: str, extra: str = "") -> dict:
     f.write_text(textwrap.dedent(body) + extra)
     loaded = load_recipe(f)
     nodes = {}
-    plan_recipe(nodes, loaded, load_arch(loaded), HostEnvironment(StatCache(tmp_path / "stat.db")))
+    plan_recipe(nodes, loaded, load_arch(loaded), HostEnvironment(StatCache(tmp_path / "stat.db")), backends=backends)
     out: dict = {}
     for node in nodes.values():
         out.setdefault(node.kind, []).append(node.params)

@@ -9,7 +9,9 @@ Callers name a backend only by a recipe's (or --backend's) string and ask `get(n
 is imported on first use; a shard step asks `shard_layout(name)` for the rules its params name. The backend classes
 import torch and the SDK only inside the methods that build, so planning stays light.
 
-May import: qbuild.core, qbuild.store, qbuild.model, qbuild.recipe. Nothing outside this package names a backend.
+May import: qbuild.core, qbuild.store, qbuild.model, qbuild.recipe, qbuild.hub, qbuild.planning (whose protocols a
+backend implements: planning imports no backend, and is handed this registry by whoever plans). Nothing outside this
+package names a backend.
 """
 
 from __future__ import annotations

@@ -20,10 +20,10 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
-from qbuild import backends
 from qbuild.core.platform import host_tag
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
 from qbuild.planning.closures import DEFAULT, Closure, Sources, distribution_versions
+from qbuild.planning.steps import Backends
 from qbuild.recipe.params import to_json
 
 
@@ -38,6 +38,7 @@ class Node(Protocol):
 
 class Plan(Protocol):
     nodes: dict[str, Node]
+    backends: Backends | None       # the registry the plan was made with, which answers for its backends' steps
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class ActionSpec:
     entry: str                                 # "package.module:function", called as function(ctx)
     data: tuple[str, ...] = ()                 # files it reads, relative to its top-level package's directory
     # Whether the output is the same on every platform (machine, libc, Python, torch's CPU kernels); None: the
-    # backend the node's params name decides (Backend.portable).
+    # backend the node's params name decides (PlanningBackend.portable).
     portable: bool | None = True
 
     @property
@@ -96,10 +97,12 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
 
 # --- portability -------------------------------------------------------------------------------------------------
 
-def action_portable(node: Node, registry: Registry = REGISTRY) -> bool:
-    """Whether `node`'s action, whatever its inputs, writes the same output on every platform."""
+def action_portable(node: Node, registry: Registry = REGISTRY, backends: Backends | None = None) -> bool:
+    """Whether `node`'s action, whatever its inputs, writes the same output on every platform (asking `backends` for
+    the backend's answer where the action leaves it to the backend)."""
     portable = registry[node.kind].portable
     if portable is None:
+        assert backends is not None, f"a {node.kind} node is planned with the backends that decide its portability"
         return backends.get(node.params.backend).portable(node.kind)
     return portable
 
@@ -108,7 +111,7 @@ def portability(plan: Plan, registry: Registry = REGISTRY) -> dict[str, bool]:
     """Node id -> whether the node's output is the same on every platform: its action's is, and every input's."""
     out: dict[str, bool] = {}
     for nid, node in plan.nodes.items():    # topological order: every input is decided first
-        out[nid] = action_portable(node, registry) and all(out[dep] for dep in node.deps.values())
+        out[nid] = action_portable(node, registry, plan.backends) and all(out[dep] for dep in node.deps.values())
     return out
 
 
@@ -119,7 +122,7 @@ def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY, 
     not portable, the platform tag it is built for (None: a portable node, whose preimage has no platform)."""
     spec = registry[node.kind]
     params = to_json(node.params)
-    # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
+    # A node that pins its toolchain is keyed on the pin, never on what this host has installed.
     toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions(node.code)
     pre = {"action": node.kind, "version": spec.source_hash(node.code), "params": params, "inputs": inputs,
            "toolchain": toolchain}

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, Sizes, StepContext
+from qbuild.backends.base import PromptRun, ServeOptions, StepContext
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile, graph_file
 from qbuild.core import jsonio
 from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import BuildError
+from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import EXTEND, LongContext, PrefixCacheSpec, extend_buckets
 from qbuild.model.ranks import RankLayout
+from qbuild.planning.steps import BackendPlan, PlannedStep, Sizes
 from qbuild.recipe import checks
 from qbuild.recipe.params import PackageParams, ShardParams
 from qbuild.recipe.schema import LoadedRecipe
@@ -124,7 +126,7 @@ class CpuBackend:
                                 r.text.batch_size, r.text.seq_len, tuple(r.text.cte_buckets),
                                 tuple(r.text.token_buckets), tuple(r.vision.buckets if r.vision else ()), r.dtype,
                                 long_context=long_context(loaded))
-        return BackendPlan((), shard, compiles, package, 0)
+        return BackendPlan((), shard, compiles, package)
 
     def explain_reuse(self, old: dict, new) -> str | None:
         return None
@@ -137,6 +139,10 @@ class CpuBackend:
         return {}
 
     def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
+        return None
+
+    def host_lacks(self, resources: dict[str, int]) -> str | None:
+        """A CPU step asks for no device: every host runs it."""
         return None
 
     # --- building ------------------------------------------------------------------------------------------------

@@ -13,20 +13,24 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from qbuild.backends.base import (GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, SourceEnvironment, Sizes,
-                                  StepContext)
+from qbuild.backends.base import PromptRun, ServeOptions, StepContext
 from qbuild.backends.neuron import (config, deploy, long_context, releases, vllm_images, vllm_serve,
                                    worker_env)
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, VL_PORT_ENV, lineage_for, port_dir
 from qbuild.core.errors import UserError
+from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import LongContext, PrefixCacheSpec
 from qbuild.model.fp8 import policy as fp8_policy
+from qbuild.planning.steps import BackendPlan, PlannedStep, SourceEnvironment, Sizes
 from qbuild.recipe import checks
 from qbuild.recipe.params import ShardParams
 from qbuild.recipe.schema import LoadedRecipe
+
+# The resource a step on NeuronCores asks an executor for (Ray's custom resource of that name: docs/ray.md).
+NEURON_CORES = "neuron_cores"
 
 
 def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
@@ -74,8 +78,7 @@ def vision_step(loaded: LoadedRecipe, arch: Arch, bucket: int, sizes: Sizes) -> 
     params = vision_compile_params(loaded, arch, bucket)
     tp = f", tp{params.tp}" if params.tp > 1 else ""
     return PlannedStep(f"compile vision-{bucket}", "compile", f"compile vision-{bucket} (neuron{tp})", params,
-                       {"port": "port", "converted": "convert"}, 64 << 20, params.tp * (4 * sizes.vision + 8 * GIB),
-                       neffs=params.tp)
+                       {"port": "port", "converted": "convert"}, 64 << 20, params.tp * (4 * sizes.vision + 8 * GIB))
 
 
 def toolchain(loaded: LoadedRecipe) -> dict[str, str]:
@@ -215,7 +218,7 @@ class NeuronBackend:
         layout = f", block KV {text.block_kv.block_size} x {text.block_kv.num_blocks}" if text.block_kv else ""
         # neuronx-cc runs on any host with the SDK: CPUs and memory, no device.
         compiles = [PlannedStep("compile text", "compile", f"compile text ({neffs} NEFFs, neuron{layout})", text,
-                                {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB, neffs=neffs)]
+                                {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB)]
         for b in (r.vision.buckets if r.vision else []):
             compiles.append(vision_step(loaded, arch, b, sizes))
         package = NeuronPackageParams(
@@ -225,7 +228,7 @@ class NeuronBackend:
             dtype=r.dtype, lineage=text.lineage, fp8=r.fp8, block_kv=text.block_kv,
             long_context=bundle_long_context(loaded))
         # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
-        return BackendPlan((port_step(loaded, env),), shard, tuple(compiles), package, ranks)
+        return BackendPlan((port_step(loaded, env),), shard, tuple(compiles), package, {NEURON_CORES: ranks})
 
     def explain_reuse(self, old: dict, new) -> str | None:
         return config.neff_reuse(old, new)
@@ -238,6 +241,13 @@ class NeuronBackend:
     def describe_compile(self, params) -> dict:
         cfg = config.neuron_config(params)
         return {"neffs": cfg["neffs"], "neuron_config": cfg}
+
+    def host_lacks(self, resources: dict[str, int]) -> str | None:
+        """A step on NeuronCores (verifying a bundle) runs where the Neuron driver shows a device (/dev/neuron<N>)."""
+        if not resources.get(NEURON_CORES) or deploy.neuron_devices():
+            return None
+        return (f"runs on {resources[NEURON_CORES]} NeuronCores and this host has no Neuron device; run it on a trn "
+                "host")
 
     def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
         """The port a recipe resolves to: lineage, module and class names, and where its source is found."""

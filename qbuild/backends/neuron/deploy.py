@@ -3,6 +3,7 @@ qbuild.backends.neuron.vllm_serve."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from contextlib import contextmanager
@@ -32,6 +33,11 @@ def run_bundle(bundle: Path, port: Path, prompts: list[list[int]], new_tokens: i
         res = run_sdk("verify", verify_request(params, bundle, port, prompts, new_tokens, logits),
                        record["config"]["env"], scratch, log)
     return res["greedy"], load_file(logits)
+
+
+def neuron_devices() -> list[str]:
+    """The Neuron devices of this host (the driver's /dev/neuron<N> nodes)."""
+    return sorted(glob.glob("/dev/neuron[0-9]*"))
 
 
 @contextmanager
