@@ -384,6 +384,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
                                                                  "[default: artifacts.lock]"),
            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt) -> None:
     """Remove store entries no lockfile references (beyond --keep-size locally; all of them on --remote)."""
+    from qbuild import backends
     from qbuild.store.gc import gc_local, gc_remote
     from qbuild.render import print_gc
     from qbuild.core.units import parse_duration, parse_size
@@ -401,14 +402,15 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 
     # Each gc reads the lockfiles itself, after the leases of the builds running: read here, before them, they would
     # miss what a build that ended in between locked (qbuild/store/gc.py).
+    caches = backends.side_caches()
     reports = [gc_local(LocalStore((store or default_store_path()).resolve()), lock_paths, budget, dry_run=dry_run,
-                        grace_s=grace_s)]
+                        grace_s=grace_s, caches=caches)]
     # Deleting shared artifacts needs an explicit --remote; $QBUILD_REMOTE and qbuild.yaml never do it.
     if remote is not None:
         from qbuild.store.s3 import S3Remote
 
         reports.append(gc_remote(S3Remote(remote, probe=True), lock_paths, keep_size=budget, dry_run=dry_run,
-                                 grace_s=grace_s))
+                                 grace_s=grace_s, caches=caches))
     print_gc(reports, ["local store", remote], json_)
 
 
@@ -497,12 +499,13 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
                                                                      "incomplete compile cache entries"),
                  store: Optional[Path] = StoreOpt, json_: bool = JsonOpt) -> None:
     """Check every blob's digest and every manifest; with --repair, remove what is broken so it gets rebuilt."""
-    from qbuild.store import compile_cache
+    from qbuild import backends
 
     ws = _workspace(store, Path("artifacts.lock"))
-    # The compile cache is checked here, not by LocalStore.verify, whose module every build step imports: the
-    # cache's remote code (and boto3) stays out of their keys.
-    problems = ws.store.local.verify(repair=repair) + compile_cache.verify(ws.store.local, repair)
+    # The backends' side caches are checked here, not by LocalStore.verify, whose module every build step imports:
+    # a cache's remote code (and boto3) stays out of their keys.
+    problems = ws.store.local.verify(repair=repair)
+    problems += [p for cache in backends.side_caches() for p in cache.verify(ws.store.local, repair)]
     if json_:
         print(jsonio.dumps({"ok": not problems, "problems": problems, "repaired": repair}))
     for p in problems:

@@ -74,6 +74,16 @@ def shard_layout(layout: str):
     return getattr(importlib.import_module(module), _LAYOUTS[layout].partition(":")[2])
 
 
+def side_caches() -> list:
+    """Every side cache some backend keeps in the store (qbuild.store.side_cache), once each: what gc trims and
+    `store verify` checks beside the store's own entries."""
+    found = {}
+    for name in NAMES:
+        for cache in get(name).side_caches():
+            found.setdefault(cache.name, cache)
+    return list(found.values())
+
+
 @contextmanager
 def using(backend: "Backend") -> Iterator["Backend"]:
     """Within the block, `get(backend.name)` returns `backend` (a test double, or one configured otherwise) in this

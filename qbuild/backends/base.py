@@ -18,6 +18,7 @@ from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch
 from qbuild.planning.steps import PlanningBackend
 from qbuild.recipe.schema import LoadedRecipe
+from qbuild.store.side_cache import SideCache
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class Backend(PlanningBackend, Protocol):
 
     def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
         """The port source the recipe resolves to, for `plan --json` (None where the backend runs none)."""
+
+    def side_caches(self) -> tuple[SideCache, ...]:
+        """The caches this backend keeps in the store beside its entries (a compiler's own), which gc trims and
+        `store verify` checks (qbuild.store.side_cache)."""
 
     def host_lacks(self, resources: dict[str, int]) -> str | None:
         """Why this host cannot run a step of this backend that needs `resources` (a node's, by the backend's own

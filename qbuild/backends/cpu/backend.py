@@ -141,6 +141,10 @@ class CpuBackend:
     def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
         return None
 
+    def side_caches(self) -> tuple:
+        """torch.export and AOTInductor keep nothing between compiles that a build relies on."""
+        return ()
+
     def host_lacks(self, resources: dict[str, int]) -> str | None:
         """A CPU step asks for no device: every host runs it."""
         return None

@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from qbuild.backends.base import PromptRun, ServeOptions, StepContext
-from qbuild.backends.neuron import (config, deploy, long_context, releases, vllm_images, vllm_serve,
+from qbuild.backends.neuron import (compile_cache, config, deploy, long_context, releases, vllm_images, vllm_serve,
                                    worker_env)
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortGit, PortMissing)
@@ -241,6 +241,10 @@ class NeuronBackend:
     def describe_compile(self, params) -> dict:
         cfg = config.neuron_config(params)
         return {"neffs": cfg["neffs"], "neuron_config": cfg}
+
+    def side_caches(self) -> tuple:
+        """The Neuron compile cache, kept in the store so compiles reuse each other's NEFFs (compile_cache)."""
+        return (compile_cache.CACHE,)
 
     def host_lacks(self, resources: dict[str, int]) -> str | None:
         """A step on NeuronCores (verifying a bundle) runs where the Neuron driver shows a device (/dev/neuron<N>)."""
