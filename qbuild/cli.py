@@ -351,7 +351,7 @@ def _serve_instructions(bundle: Path) -> dict | None:
     if not (bundle / MANIFEST).is_file():   # a bundle of test-defined steps records no backend
         return None
     manifest = read_manifest(bundle)
-    return backends.get(manifest["backend"]).serve_instructions(bundle.resolve(), manifest)
+    return backends.server(manifest["backend"]).serve_instructions(bundle.resolve(), manifest)
 
 
 def _name_a_changed_recipe(ws, doc: dict, lock: Path, name: str, strict: bool) -> str | None:
@@ -596,10 +596,10 @@ def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[st
     the latter name the recipe, never the temporary directory the user did not choose."""
     import tempfile
 
-    from qbuild.model.runtime import Runtime
+    from qbuild.backends import load_runtime
 
     if Path(target).is_dir():
-        yield Runtime.load(Path(target))
+        yield load_runtime(Path(target))
         return
     from qbuild.store import lock as lockmod
     from qbuild.store.transfer import pull_bundle
@@ -614,7 +614,7 @@ def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[st
         try:
             # Hardlinks are fine here: nothing writes to this layout, and it is removed afterwards.
             pull_bundle(ws.store, doc, lock, target, bundle, share=True, allow_unverified=allow_unverified)
-            yield Runtime.load(bundle, verify_digests=False)  # pull checked every digest
+            yield load_runtime(bundle, verify_digests=False)  # pull checked every digest
         except QbuildError as e:
             e.args = (str(e).replace(str(bundle), f"{target} (its locked bundle)"),)
             raise
@@ -755,7 +755,7 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         if manifest.get("backend") not in backends.NAMES:
             raise UserError(f"{bundle}/bundle.json: backend {manifest.get('backend')!r} is not one of "
                             f"{', '.join(backends.NAMES)}; only a bundle qbuild built can be served")
-        backend = backends.get(manifest["backend"])
+        backend = backends.server(manifest["backend"])
         options = ServeOptions(name=name, host=host, port=port, log=_err, on_ready=on_ready, digests_checked=checked,
                                server_args=tuple(server_args or ()), api_key=api_key,
                                allow_image_urls=allow_image_urls)

@@ -142,7 +142,8 @@ def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(kind, code):
 
 ALLOWED_DYNAMIC_IMPORTS = {
     "qbuild.execution.job",                     # the action entry itself (its closure is the key)
-    "qbuild.backends",                      # a backend's implementation (joins the key of nodes that run it)
+    "qbuild.backends",                      # a backend's implementation or a shard layout (joins the key of the
+                                            # nodes that run it), or a backend's server (no build step serves)
     "qbuild.backends.neuron.sdk_worker",    # a port's modules in the SDK worker (keyed as the port's files)
     "qbuild.backends.neuron.vllm_plugin",   # a port's modules inside vLLM, when a bundle is served (no key)
 }

@@ -502,13 +502,13 @@ def test_qbuild_bench_measures_prefill_not_the_cache(runtimes):
 def test_serve_dry_run_names_the_long_prompt_limit_and_the_cache(tmp_path):
     """Read from bundle.json alone: with chunked prefill a prompt may fill the KV cache, and the cache is named."""
     from qbuild.backends.base import ServeOptions
-    from qbuild.backends.cpu.backend import CpuBackend
+    from qbuild.backends.cpu.serving import CpuServer
 
     manifest = {"family": "qwen3_5", "backend": "export", "tp": 1, "ep": 1, "batch_size": 1, "seq_len": 256,
                 "dtype": "float32", "buckets": {"cte": [32], "tkg": [256], "vision": []}, "graphs": {},
                 "long_context": {"chunk_size": 32, "prefix_cache": {"block_size": 16, "num_blocks": 16,
                                                                     "checkpoint_interval": 32, "checkpoint_slots": 8}}}
     options = ServeOptions(name="tiny", host="127.0.0.1", port=9001, log=print, on_ready=print)
-    doc = CpuBackend("export").serve_command(tmp_path, manifest, options)
+    doc = CpuServer("export").serve_command(tmp_path, manifest, options)
     assert doc["max_prompt_tokens"] == 256 and doc["max_model_len"] == 256
     assert doc["long_context"] == manifest["long_context"]

@@ -104,8 +104,23 @@ class Backend(PlanningBackend, Protocol):
     def package(self, ctx: StepContext) -> dict[str, str]:
         """Put the compiled graphs into the bundle at ctx.out; returns graph name -> file in the bundle."""
 
+    def recognises(self, manifest: dict) -> bool:
+        """Whether a bundle with this bundle.json is one this backend packages (its backend and its graphs' layout)."""
+
+    def runtime(self, bundle: Path, manifest: dict, verify_digests: bool = True):
+        """The bundle loaded to run prompts on this host (`qbuild run`, `qbuild bench`); UserError where this host
+        cannot run it."""
+
     def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """Run the bundle (ctx.inputs["bundle"]) on the reference's prompts."""
+
+
+class Server(Protocol):
+    """How `qbuild serve` and `qbuild pull` serve a backend's bundle (qbuild.backends.server). Apart from Backend
+    because no build step serves: the registry keeps the two implementations apart, so no key holds a server's
+    code."""
+
+    name: str
 
     def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
         """What `qbuild pull` prints beside a pulled bundle about serving it elsewhere (None: `qbuild serve` alone)."""

@@ -13,9 +13,8 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from qbuild.backends.base import PromptRun, ServeOptions, StepContext
-from qbuild.backends.neuron import (compile_cache, config, deploy, long_context, releases, vllm_images, vllm_serve,
-                                   worker_env)
+from qbuild.backends.base import PromptRun, StepContext
+from qbuild.backends.neuron import compile_cache, config, deploy, long_context, releases, worker_env
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, VL_PORT_ENV, lineage_for, port_dir
@@ -284,6 +283,18 @@ class NeuronBackend:
 
         return package(ctx)
 
+    def recognises(self, manifest: dict) -> bool:
+        """One of this backend's bundles: NxDI's compiled directory, its text model NxDI's model.pt at the top
+        (package.py), never under the CPU backends' graphs/."""
+        graphs = manifest.get("graphs")
+        return manifest.get("backend") == self.name and isinstance(graphs, dict) and \
+            not any(isinstance(p, str) and p.startswith("graphs/") for p in graphs.values())
+
+    def runtime(self, bundle: Path, manifest: dict, verify_digests: bool = True):
+        """qbuild's runtime runs CPU graphs only: a neuron bundle runs where NxDI loads it (`qbuild serve` on a trn
+        host, or the port's own scripts)."""
+        raise UserError(f"{bundle}: a neuron bundle runs on a Neuron host through NxDI, not on this runtime")
+
     def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns
         the last position's logits only, so the comparison takes the first generated token's logits against the
@@ -301,34 +312,3 @@ class NeuronBackend:
             record = deploy.until_pad(record, pad)
             runs.append(PromptRun(i, record, logits[f"prompt{k}"], greedy[k][:len(record["greedy"])], last_only=True))
         return runs
-
-    # --- serving -------------------------------------------------------------------------------------------------
-
-    def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
-        """The vLLM command for a host that serves the pulled bundle without qbuild (`qbuild serve DIR` runs it);
-        None where qbuild's glue cannot serve it (`qbuild serve DIR` says why)."""
-        try:
-            return _with_images(vllm_serve.printable(vllm_serve.serve_command(
-                bundle, manifest, bundle.name, "127.0.0.1", 8000, "python")), manifest)
-        except UserError:
-            return None
-
-    def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
-        import sys
-
-        vllm_images.check_image_urls(manifest, options.allow_image_urls)
-        return _with_images(vllm_serve.printable(vllm_serve.serve_command(
-            bundle, manifest, options.name, options.host, options.port, sys.executable, options.server_args,
-            getattr(options, "api_key", None))), manifest)
-
-    def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
-        vllm_images.check_image_urls(manifest, options.allow_image_urls)
-        if (note := vllm_images.images_note(manifest)) is not None:
-            options.log(f"warning: images are not served: {note['why']}")
-        return vllm_serve.serve(bundle, manifest, options)
-
-
-def _with_images(doc: dict, manifest: dict) -> dict:
-    """The serving document with, for a VL bundle, what happens to its images (vllm_images)."""
-    note = vllm_images.images_note(manifest)
-    return doc if note is None else {**doc, "images": note}
