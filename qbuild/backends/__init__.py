@@ -98,7 +98,12 @@ def bundle_backend(bundle: Path, manifest: dict) -> "Backend":
         if get(name).recognises(manifest):
             return get(name)
     raise UserError(f"{bundle}: not a bundle of any backend ({', '.join(NAMES)}): its bundle.json names backend "
-                    f"{manifest.get('backend')!r} and graphs {sorted(manifest.get('graphs') or {})}")
+                    f"{manifest.get('backend')!r} and graphs {_names(manifest.get('graphs'))}")
+
+
+def _names(graphs) -> list[str]:
+    """The graph names a bundle.json lists, for a message (whatever it holds)."""
+    return sorted(map(str, graphs)) if isinstance(graphs, dict) else []
 
 
 def load_runtime(bundle: Path, *, verify_digests: bool = True):

@@ -189,7 +189,7 @@ class CpuBackend:
 
     def recognises(self, manifest: dict) -> bool:
         """One of this backend's bundles: its graphs are under graphs/ (CpuBackend.package)."""
-        graphs = manifest.get("graphs")
+        graphs = manifest.get("graphs", {})
         return manifest.get("backend") == self.name and isinstance(graphs, dict) and \
             all(isinstance(p, str) and p.startswith("graphs/") for p in graphs.values())
 

@@ -286,7 +286,7 @@ class NeuronBackend:
     def recognises(self, manifest: dict) -> bool:
         """One of this backend's bundles: NxDI's compiled directory, its text model NxDI's model.pt at the top
         (package.py), never under the CPU backends' graphs/."""
-        graphs = manifest.get("graphs")
+        graphs = manifest.get("graphs", {})
         return manifest.get("backend") == self.name and isinstance(graphs, dict) and \
             not any(isinstance(p, str) and p.startswith("graphs/") for p in graphs.values())
 
