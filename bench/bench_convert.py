@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 from qbuild.model.convert.safetensors_io import PlannedFile  # noqa: E402
 
 # recipes/35b-a3b-tp8.yaml's shard step (`qbuild plan recipes/35b-a3b-tp8.yaml --json`)
-SHARD = dict(layout="nxd-main", tp=8, ep=1, dense_tp=8, fused_qkv=False, dtype="bfloat16")
+SHARD = dict(layout="nxd-main", ranks=dict(world=8, dense_tp=8, moe_tp=8, moe_ep=1), fused_qkv=False, dtype="bfloat16")
 
 H, E, I, SHARED, VOCAB = 2048, 256, 512, 512, 248320
 NH, NKV, D = 16, 2, 256
@@ -131,12 +131,15 @@ CHILD = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
     from qbuild.model.convert.convert import convert_checkpoint, describe_checkpoint
+    from qbuild import backends
     from qbuild.model.convert.shard import shard_checkpoint
+    from qbuild.model.ranks import RankLayout
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
     mode, src, conv, shard, workers = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4]), int(sys.argv[5])
     digests, shard_args = json.loads(sys.argv[6]), json.loads(sys.argv[7])
+    shard_args.update(layout=backends.shard_layout(shard_args["layout"]), ranks=RankLayout(**shard_args["ranks"]))
     files = {p.name: p for p in src.iterdir()}
     base = status("VmRSS")
     t0 = time.perf_counter()

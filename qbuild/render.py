@@ -173,7 +173,7 @@ def plan_json(plan: Plan, status: dict[str, NodeStatus]) -> dict:
         nodes.append({"id": nid, "kind": node.kind, "name": node.name, "recipes": sorted(node.recipes),
                       "key": st.key, "deps": dict(sorted(node.deps.items())), "status": st.status, "why": st.why,
                       "params": to_json(node.params), "est_out_bytes": node.est_out_bytes,
-                      "est_peak_bytes": node.est_peak_bytes, "neuron_cores": node.neuron_cores})
+                      "est_peak_bytes": node.est_peak_bytes, "resources": node.resources})
         if node.kind == "compile":
             nodes[-1].update(backends.get(node.params.backend).describe_compile(node.params))
     recipes = {name: {"file": str(pr.loaded.path), "family": pr.arch.family, "backend": pr.loaded.recipe.backend,

@@ -47,7 +47,7 @@ def convert_action(ctx) -> None:
 
 def shard_action(ctx) -> None:
     seed = _tree_seed(ctx.inputs["converted"])
-    for rank in range(ctx.params.tp):
+    for rank in range(ctx.params.ranks.world):
         (ctx.out / f"tp{rank}_sharded_checkpoint.safetensors").write_bytes(blob_bytes(f"{seed}/{rank}", 64 << 10))
 
 

@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from qbuild import backends
 from qbuild.model.convert import CheckpointError
 from qbuild.model.convert.convert import convert_checkpoint, describe_checkpoint, materialise
 from qbuild.model.convert.safetensors_header import read_header
 from qbuild.model.convert.shard import shard_checkpoint
+from qbuild.model.ranks import RankLayout
 from tests.conftest_convert import load_dir, same_tensors, tiny
 
 
@@ -31,15 +33,19 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("variant, fp8, shard", [
-    ("qwen3_5_moe_fused", "mlp_only", dict(tp=2, ep=2, fused_qkv=True)),
-    ("qwen3_5_moe_tp4", "mlp_only", dict(tp=4, ep=2, fused_qkv=True, pad_intermediate_to=24)),
-    ("qwen3_next", "full", dict(tp=2)),
-    ("qwen3_5_moe_tp4", "mlp_only", dict(tp=4, ep=2, fused_qkv=True, layout="nxd-main", dtype="bfloat16")),
-    ("qwen3_5_moe", "none", dict(tp=2, ep=2, fused_qkv=True, layout="nxd-moe", dtype="bfloat16")),
-    ("qwen3_next", "none", dict(tp=4, ep=2, layout="nxd-moe", dtype="bfloat16", dense_tp=2)),
-    ("qwen3_5", "none", dict(tp=2, fused_qkv=True, layout="nxd-main-replicated", dtype="bfloat16")),
+    ("qwen3_5_moe_fused", "mlp_only", dict(ranks=RankLayout.split(2, 2), fused_qkv=True)),
+    ("qwen3_5_moe_tp4", "mlp_only", dict(ranks=RankLayout.split(4, 2), fused_qkv=True)),
+    ("qwen3_next", "full", dict(ranks=RankLayout.split(2))),
+    ("qwen3_5_moe_tp4", "mlp_only", dict(ranks=RankLayout.split(4, 2), fused_qkv=True, layout="nxd-main",
+                                         dtype="bfloat16")),
+    ("qwen3_5_moe", "none", dict(ranks=RankLayout.split(2, 2), fused_qkv=True, layout="nxd-moe", dtype="bfloat16")),
+    ("qwen3_next", "none", dict(ranks=RankLayout(world=4, dense_tp=2, moe_tp=2, moe_ep=2), layout="nxd-moe",
+                                dtype="bfloat16")),
+    ("qwen3_5", "none", dict(ranks=RankLayout.split(2), fused_qkv=True, layout="nxd-main-replicated",
+                             dtype="bfloat16")),
 ])
 def test_shards_through_the_description_are_the_shards_of_the_materialised_weights(tmp_path, variant, fp8, shard):
+    shard = {**shard, "layout": backends.shard_layout(shard.get("layout", "cpu"))}
     src = tiny(variant)
     convert_checkpoint(src, tmp_path / "materialised", fp8=fp8)
     describe_checkpoint(src, tmp_path / "described", fp8=fp8)
@@ -104,7 +110,7 @@ def test_the_description_is_refused_against_another_checkpoint(tmp_path):
     data[-1] ^= 0xFF
     (src / name).write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"^text/description\.json: files differs from the checkpoint's"):
-        shard_checkpoint(tmp_path / "d", tmp_path / "out", tp=2, files=_files(src))
+        shard_checkpoint(tmp_path / "d", tmp_path / "out", ranks=RankLayout.split(2), files=_files(src))
     assert not (tmp_path / "out").exists()
 
 
@@ -117,9 +123,9 @@ def test_a_description_this_program_would_not_write_is_refused(tmp_path):
     doc["steps"][step]["rule"] = "steps.same"      # as a convert before a rule's rename would have named it
     path.write_text(json.dumps(doc))
     with pytest.raises(CheckpointError, match=rf"^text/description\.json: step {step} \(.*norm.weight\) differs"):
-        shard_checkpoint(tmp_path / "d", tmp_path / "out", tp=2, files=_files(src))
+        shard_checkpoint(tmp_path / "d", tmp_path / "out", ranks=RankLayout.split(2), files=_files(src))
     with pytest.raises(CheckpointError, match=r"^text/description\.json: describes weights .* its files are needed"):
-        shard_checkpoint(tmp_path / "d", tmp_path / "out", tp=2)
+        shard_checkpoint(tmp_path / "d", tmp_path / "out", ranks=RankLayout.split(2))
     assert not (tmp_path / "out").exists()
 
 
@@ -167,7 +173,7 @@ def test_the_description_does_not_change_with_a_rules_code(tmp_path, monkeypatch
     monkeypatch.setattr(norms, "LAYER_NORMS", tuple(replace(r, transform=plus_two) for r in norms.LAYER_NORMS))
     describe_checkpoint(src, tmp_path / "b")
     assert _tree_bytes(tmp_path / "a") == _tree_bytes(tmp_path / "b")
-    shard_checkpoint(tmp_path / "b", tmp_path / "s", tp=2, files=_files(src))
+    shard_checkpoint(tmp_path / "b", tmp_path / "s", ranks=RankLayout.split(2), files=_files(src))
     rank = load_file(tmp_path / "s" / "weights" / "tp0_sharded_checkpoint.safetensors")
     hf = load_dir(src)["model.language_model.layers.0.input_layernorm.weight"]
     assert torch.equal(rank["layers.0.input_layernorm.weight"], hf.float() + 2.0)   # the rule as it is now

@@ -70,6 +70,7 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     from qbuild.model.convert.convert import convert_checkpoint, describe_checkpoint
     from qbuild.model.convert.shard import shard_checkpoint
+    from qbuild.model.ranks import RankLayout
     def status(key):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
@@ -87,8 +88,8 @@ CHILD = textwrap.dedent("""
         digests = {name: "blake3:planned" for name in files}
         report, first = step(lambda: describe_checkpoint(src, out / "converted", dtype="bfloat16", files=files,
                                                           digests=digests))
-        _, second = step(lambda: shard_checkpoint(out / "converted", out / "shard", tp=2, files=files,
-                                                  digests=digests, workers=2))
+        _, second = step(lambda: shard_checkpoint(out / "converted", out / "shard", ranks=RankLayout.split(2),
+                                                  files=files, digests=digests, workers=2))
         growth = max(first, second)
     print(json.dumps({"growth": growth, "bytes": report["bytes"]}))
 """)

@@ -231,7 +231,7 @@ def test_skip_device_leaves_unbuilt_the_device_steps_and_what_only_they_need(tmp
     for name, deps, cores in (("a", [], 0), ("b", ["a"], 0), ("r1", ["a"], 0), ("r2", ["r1"], 0), ("s", ["a"], 0),
                               ("v", ["b", "r2", "s"], 2), ("t", ["s"], 0)):
         ids[name] = _add(nodes, "toy", "test-sleep", name, {"name": name, "log": str(log), "seconds": 0.01},
-                         {d: ids[d] for d in deps}, 1, GIB, neuron_cores=cores)
+                         {d: ids[d] for d in deps}, 1, GIB, resources={"neuron_cores": cores} if cores else None)
     plan = Plan(nodes, {"toy": PlannedRecipe(None, None, dict(ids), bundle=ids["b"], verify=ids["v"])})
     events = []
 

@@ -12,6 +12,7 @@ from qbuild.model.convert.convert import convert_state_dict
 from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.convert.deltanet import reorder_qkv_channels
 from qbuild.model.convert.fp8 import FP8_DTYPE, FP8_MAX, SCALE_FLOOR, dequantize, quantize
+from qbuild.model.ranks import RankLayout
 from tests.conftest_convert import hf_state_dict
 
 # e4m3 keeps 3 mantissa bits: round-to-nearest is within 2^-4 relative for normals; below the smallest normal
@@ -101,7 +102,7 @@ def test_query_gate_scales_split_like_their_weights():
 def test_sharded_scales_follow_fused_qkv_reorder_and_row_splits():
     config, hf = hf_state_dict("qwen3_5")
     text, _ = convert_state_dict(config, hf, fp8="full")
-    ranks = shard_state_dict(config, text, tp=2, fused_qkv=True)
+    ranks = shard_state_dict(config, text, ranks=RankLayout.split(2), fused_qkv=True)
     a = "layers.3.self_attn."
     for r, rank in enumerate(ranks):
         want = torch.cat([text[f"{a}q_proj.scale"].chunk(2)[r], text[f"{a}k_proj.scale"].chunk(2)[r],

@@ -27,6 +27,7 @@ from qbuild.model.arch import arch_from_config
 from qbuild.model.convert.convert import convert_state_dict
 from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.modeling import TextModel, text_position_ids
+from qbuild.model.ranks import RankLayout
 
 MIN_TOP1_AGREEMENT = 0.99
 MAX_BROKEN_TOP1_AGREEMENT = 0.95  # what mis-scaled weights may keep: well under the pass bar, above what they do
@@ -50,7 +51,7 @@ def _top1(config, tensors, fp8: str, scale_error: float = 1.0) -> torch.Tensor:
     text, _ = convert_state_dict(config, tensors, dtype="bfloat16", fp8=fp8)
     text = {n: t * scale_error if n.endswith(".scale") else t for n, t in text.items()}
     model = TextModel(arch_from_config(config), tp=2, ep=1, dtype=torch.bfloat16, max_seq_len=PROMPT_LEN)
-    model.load_shards(shard_state_dict(config, text, tp=2))
+    model.load_shards(shard_state_dict(config, text, ranks=RankLayout.split(2)))
     ids = torch.randint(0, 480, (PROMPTS, PROMPT_LEN), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         logits, _ = model.prefill(ids, text_position_ids(PROMPT_LEN, PROMPTS), torch.full((PROMPTS,), PROMPT_LEN))

@@ -21,8 +21,12 @@ from qbuild.planning.closures import Sources
 from tests.conftest import REPO, qbuild
 
 PACKAGE = REPO / "qbuild"
-# (kind, backend): an action alone, or with the backend whose code a node of it runs (qbuild.backends.get).
-PAIRS = [(kind, backend) for kind in REGISTRY for backend in (None, *backends.NAMES)]
+# What a node runs beyond its action's entry (qbuild.planning.plan.Node.code): nothing, a backend's implementation
+# (qbuild.backends.get), or a shard layout's rules (qbuild.backends.shard_layout).
+CODES = [(), *sorted({(backends.implementation_module(name),) for name in backends.NAMES}),
+         *sorted({(backends.layout_module(name),) for name in backends.LAYOUTS})]
+# (kind, code): every action with every such code.
+PAIRS = [(kind, code) for kind in REGISTRY for code in CODES]
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -43,7 +47,7 @@ def tree(tmp_path_factory) -> Path:
 
 
 def _hashes(sources: Sources) -> dict[tuple, str]:
-    return {(kind, backend): REGISTRY[kind].source_hash(backend, sources) for kind, backend in PAIRS}
+    return {(kind, code): REGISTRY[kind].source_hash(code, sources) for kind, code in PAIRS}
 
 
 def _code_edit(text: str) -> str:
@@ -118,31 +122,19 @@ def _type_checking_imports(path: Path) -> set[str]:
     return out
 
 
-def _distinct_entries() -> list[tuple[str, str | None]]:
-    """One (kind, backend) per distinct set of entry modules: two backends of one implementation module (export and
-    inductor are both qbuild.backends.cpu) give the same closure."""
-    seen, out = set(), []
-    for kind, backend in PAIRS:
-        entries = (REGISTRY[kind].module, backend and backends.implementation_module(backend))
-        if entries not in seen:
-            seen.add(entries)
-            out.append((kind, backend))
-    return out
-
-
-@pytest.mark.parametrize("kind,backend", _distinct_entries())
-def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(kind, backend):
+@pytest.mark.parametrize("kind,code", PAIRS)
+def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(kind, code):
     """modulefinder follows every import instruction of the compiled code (nested functions too). It also follows
     imports under `if TYPE_CHECKING:`, which never run, so those it is told to skip; then it finds exactly the
     closure."""
     sources = Sources({"qbuild": PACKAGE})
-    ours = {name for name, _ in REGISTRY[kind].closure(backend, sources).modules}
+    ours = {name for name, _ in REGISTRY[kind].closure(code, sources).modules}
     typing_only = set()
     for name, path in _modules(PACKAGE).items():
         if name in ours:
             typing_only |= _type_checking_imports(path)
     finder = modulefinder.ModuleFinder(path=[str(REPO)], excludes=sorted(typing_only - ours))
-    for module in [REGISTRY[kind].module] + ([backends.implementation_module(backend)] if backend else []):
+    for module in (REGISTRY[kind].module, *code):
         finder.import_hook(module)
     theirs = {name for name in finder.modules if name == "qbuild" or name.startswith("qbuild.")}
     assert ours == theirs
@@ -150,7 +142,8 @@ def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(kind, backend)
 
 ALLOWED_DYNAMIC_IMPORTS = {
     "qbuild.execution.job",                     # the action entry itself (its closure is the key)
-    "qbuild.backends",                      # a backend's implementation (joins the key of nodes that run it)
+    "qbuild.backends",                      # a backend's implementation or a shard layout (joins the key of the
+                                            # nodes that run it), or a backend's server (no build step serves)
     "qbuild.backends.neuron.sdk_worker",    # a port's modules in the SDK worker (keyed as the port's files)
     "qbuild.backends.neuron.vllm_plugin",   # a port's modules inside vLLM, when a bundle is served (no key)
 }

@@ -648,7 +648,7 @@ def test_blob_replaced_by_a_directory_is_repaired_by_the_next_build(built, tmp_p
     assert not blob.exists()
     proc = qbuild("compile", OK_RECIPE, "--json", cwd=project, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert blob.is_file() and "shard tp1 ep1" in json.loads(proc.stdout)["built"]
+    assert blob.is_file() and "shard cpu 1 rank" in json.loads(proc.stdout)["built"]
     assert qbuild("lock", "check", cwd=project, env=env).returncode == 0
     assert qbuild("store", "verify", cwd=project, env=env).returncode == 0
 
@@ -664,7 +664,7 @@ def test_manifest_replaced_by_a_fifo_neither_hangs_nor_stays(built, tmp_path):
     os.mkfifo(manifest)
     proc = qbuild("compile", OK_RECIPE, "--json", cwd=project, env={"QBUILD_STORE": str(store)}, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert manifest.is_file() and "shard tp1 ep1" in json.loads(proc.stdout)["built"], proc.stdout
+    assert manifest.is_file() and "shard cpu 1 rank" in json.loads(proc.stdout)["built"], proc.stdout
 
 
 def _read_only(path: Path):

@@ -16,7 +16,7 @@ def test_import_contracts_are_kept():
     lint = Path(sys.executable).parent / "lint-imports"
     proc = subprocess.run([str(lint), "--no-cache"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "Contracts: 2 kept, 0 broken." in proc.stdout
+    assert "Contracts: 3 kept, 0 broken." in proc.stdout
 
 
 def test_every_layer_package_says_what_it_may_import():
@@ -73,3 +73,33 @@ def test_the_readme_layout_names_every_package_module_and_doc():
             assert module.name in layout, f"README layout: no qbuild/{module.name}"
     for doc in sorted((REPO / "docs").glob("*.md")):
         assert doc.name in layout, f"README layout: no docs/{doc.name}"
+
+
+def _layout_entries(layout: str) -> list[str]:
+    """The layout block's entries: a line that starts at the margin and the indented lines under it."""
+    entries: list[str] = []
+    for line in layout.splitlines():
+        if line and not line[0].isspace():
+            entries.append(line)
+        elif entries:
+            entries[-1] += "\n" + line
+    return entries
+
+
+def test_the_readme_layout_names_every_module_in_its_package_entry():
+    """Every module of every package is named (by its name, with or without .py) in the layout entry of its
+    top-level package, beside its sub-package's name: a module added without a word on the map fails here."""
+    import re
+
+    entries = _layout_entries(_readme_layout())
+    for path in sorted((REPO / "qbuild").rglob("*.py")):
+        parts = path.relative_to(REPO / "qbuild").parts
+        if len(parts) == 1 or path.name == "__init__.py":
+            continue
+        entry = next((e for e in entries if f"qbuild/{parts[0]}/" in e), None)
+        assert entry is not None, f"README layout: no entry for qbuild/{parts[0]}/"
+        for sub in parts[1:-1]:
+            assert f"{sub}/" in entry, f"README layout: qbuild/{parts[0]}/'s entry names no {sub}/"
+        stem = path.stem
+        assert re.search(rf"(?<![\w/]){re.escape(stem)}(\.py)?(?!\w)", entry), \
+            f"README layout: qbuild/{'/'.join(parts)} is not named in qbuild/{parts[0]}/'s entry"

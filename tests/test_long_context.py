@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from qbuild import backends
 from qbuild.core.errors import UserError
 from qbuild.model.chunking import LongContext, PrefixCacheSpec, extend_buckets, pieces
 from qbuild.model.tinymodel import SPECIAL_TOKENS, VOCAB_SIZE
@@ -81,7 +82,7 @@ def _validate(tmp_path: Path, name: str, extra: str, seq_len: int = 4096):
     f = tmp_path / f"{name}.yaml"
     f.write_text(RECIPE.format(seq_len=seq_len, extra=extra))
     loaded = load_recipe(f)
-    validate_recipe(loaded, load_arch(loaded))
+    validate_recipe(loaded, load_arch(loaded), backends)
     return loaded, f
 
 
@@ -134,10 +135,10 @@ def test_verify_prompts_may_exceed_the_largest_bucket_with_chunked_prefill(tmp_p
 
     loaded = load_recipe(tmp_path / "a.yaml")
     with pytest.raises(UserError, match="verify prompt"):
-        validate_recipe(loaded, load_arch(loaded))
+        validate_recipe(loaded, load_arch(loaded), backends)
     (tmp_path / "b.yaml").write_text(base.format(seq_len=64, extra="  chunked_prefill: {}"))
     loaded = load_recipe(tmp_path / "b.yaml")
-    validate_recipe(loaded, load_arch(loaded))
+    validate_recipe(loaded, load_arch(loaded), backends)
 
 
 # --- where prompts are cut -----------------------------------------------------------------------------------------
@@ -164,13 +165,14 @@ def test_extend_continues_a_prefill_chunk_by_chunk_as_transformers_runs_the_whol
     from qbuild.model.arch import arch_from_config
     from qbuild.model.convert.convert import convert_state_dict
     from qbuild.model.convert.shard import shard_state_dict
+    from qbuild.model.ranks import RankLayout
     from qbuild.model.modeling import TextModel, text_position_ids
 
     path = tiny_checkpoints[family]
     config = json.loads((path / "config.json").read_text())
     tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
     text, _ = convert_state_dict(config, tensors, dtype="float32")
-    shards = shard_state_dict(config, text, tp=2, ep=1)
+    shards = shard_state_dict(config, text, ranks=RankLayout.split(2, 1))
     first, model = (TextModel(arch_from_config(config), tp=2, max_seq_len=L).eval() for L in (32, 160))
     first.load_shards(shards)
     model.load_shards(shards)
@@ -500,13 +502,13 @@ def test_qbuild_bench_measures_prefill_not_the_cache(runtimes):
 def test_serve_dry_run_names_the_long_prompt_limit_and_the_cache(tmp_path):
     """Read from bundle.json alone: with chunked prefill a prompt may fill the KV cache, and the cache is named."""
     from qbuild.backends.base import ServeOptions
-    from qbuild.backends.cpu.backend import CpuBackend
+    from qbuild.backends.cpu.serving import CpuServer
 
     manifest = {"family": "qwen3_5", "backend": "export", "tp": 1, "ep": 1, "batch_size": 1, "seq_len": 256,
                 "dtype": "float32", "buckets": {"cte": [32], "tkg": [256], "vision": []}, "graphs": {},
                 "long_context": {"chunk_size": 32, "prefix_cache": {"block_size": 16, "num_blocks": 16,
                                                                     "checkpoint_interval": 32, "checkpoint_slots": 8}}}
     options = ServeOptions(name="tiny", host="127.0.0.1", port=9001, log=print, on_ready=print)
-    doc = CpuBackend("export").serve_command(tmp_path, manifest, options)
+    doc = CpuServer("export").serve_command(tmp_path, manifest, options)
     assert doc["max_prompt_tokens"] == 256 and doc["max_model_len"] == 256
     assert doc["long_context"] == manifest["long_context"]

@@ -20,6 +20,7 @@ from qbuild.model.convert.convert import convert_state_dict
 from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.modeling import TextModel, text_position_ids
 from qbuild.model.tinymodel import FOUR_LAYERS, TP4_TEXT, VOCAB_SIZE, SPECIAL_TOKENS, write_tiny_checkpoint
+from qbuild.model.ranks import RankLayout
 
 # One worker takes the whole file, so the module-scoped HF models of `checkpoints` are loaded once.
 pytestmark = pytest.mark.xdist_group("modeling")
@@ -87,7 +88,7 @@ def _mirror_pad_row_zeroing(hf, text: dict, config: dict) -> None:
 
 def _model(config: dict, text: dict, tp: int, ep: int, **shard_options) -> TextModel:
     model = TextModel(arch_from_config(config), tp=tp, ep=ep, max_seq_len=MAX_SEQ_LEN).eval()
-    model.load_shards(shard_state_dict(config, text, tp=tp, ep=ep, **shard_options))
+    model.load_shards(shard_state_dict(config, text, ranks=RankLayout.split(tp, ep), **shard_options))
     return model
 
 
@@ -181,7 +182,7 @@ def test_fused_qkv_shards_load_to_the_same_model(checkpoints):
 def test_fp8_shards_are_dequantised(checkpoints):
     config, text, _ = checkpoints("qwen3_5")
     fp8_text, _ = convert_state_dict(config, checkpoints.hf_tensors("qwen3_5"), dtype="float32", fp8="full")
-    shards = shard_state_dict(config, fp8_text, tp=2)
+    shards = shard_state_dict(config, fp8_text, ranks=RankLayout.split(2))
     model = TextModel(arch_from_config(config), tp=2, max_seq_len=MAX_SEQ_LEN).eval()
     model.load_shards(shards)
     quantised = [n for n, t in shards[0].items() if t.dtype == torch.float8_e4m3fn]
@@ -209,7 +210,7 @@ def _corrupt(shards: list[dict], rank: int, changes: dict) -> list[dict]:
 
 def test_load_shards_is_strict(checkpoints):
     config, text, _ = checkpoints("qwen3_5_moe")
-    shards = shard_state_dict(config, text, tp=2, ep=2)
+    shards = shard_state_dict(config, text, ranks=RankLayout.split(2, 2))
     model = TextModel(arch_from_config(config), tp=2, ep=2, max_seq_len=MAX_SEQ_LEN)
     qkv = "layers.0.linear_attn.in_proj_qkv.weight"
     cases = [

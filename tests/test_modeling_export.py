@@ -18,6 +18,7 @@ from qbuild.model.arch import arch_from_config
 from qbuild.model.convert.convert import convert_state_dict
 from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.modeling import EntryPoint, TextModel, text_position_ids
+from qbuild.model.ranks import RankLayout
 
 BUCKET, MAX_SEQ_LEN, BATCH = 72, 96, 2
 # The exported graph runs the same aten ops as eager; only kernel dispatch inside them may differ.
@@ -29,7 +30,7 @@ def _loaded_model(path, tp: int, ep: int) -> TextModel:
     tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
     text, _ = convert_state_dict(config, tensors, dtype="float32")
     model = TextModel(arch_from_config(config), tp=tp, ep=ep, max_seq_len=MAX_SEQ_LEN).eval()
-    model.load_shards(shard_state_dict(config, text, tp=tp, ep=ep))
+    model.load_shards(shard_state_dict(config, text, ranks=RankLayout.split(tp, ep)))
     return model
 
 

@@ -13,6 +13,7 @@ from qbuild.model.arch import arch_from_config
 from qbuild.model.convert.convert import convert_state_dict
 from qbuild.model.convert.shard import shard_state_dict
 from qbuild.model.modeling import TextModel
+from qbuild.model.ranks import RankLayout
 from qbuild.model.modeling.vision import (
     MASK_VALUE,
     VisionHost,
@@ -123,7 +124,7 @@ def test_image_prompt_matches_transformers_vl_model(vl, family, tp, ep):
     arch = arch_from_config(config)
     host, encoder = load_vision(arch, vision)
     model = TextModel(arch, tp=tp, ep=ep, max_seq_len=PROMPT_BUCKET + DECODE_STEPS).eval()
-    model.load_shards(shard_state_dict(config, text, tp=tp, ep=ep))
+    model.load_shards(shard_state_dict(config, text, ranks=RankLayout.split(tp, ep)))
     grid = torch.tensor([(1, 8, 8)])
     pixels = _pixels(tuple(grid[0].tolist()))
     prompt = _image_prompt(config, tuple(grid[0].tolist()))

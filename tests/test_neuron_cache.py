@@ -1,4 +1,4 @@
-"""The Neuron compile cache is the store's (qbuild.store.compile_cache): one folder per toolchain, target and work
+"""The Neuron compile cache is the store's (qbuild.backends.neuron.compile_cache, a side cache the backend registers): one folder per toolchain, target and work
 directory, in the SDK's own entry layout; `store verify` checks every entry and --repair drops broken ones; `gc` trims
 groups by last use within --keep-size; with a remote, entries travel as blobs plus one index object per group."""
 
@@ -15,12 +15,24 @@ import pytest
 from qbuild.backends.neuron.releases import RELEASES
 from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_file
-from qbuild.store import LocalStore, compile_cache
-from qbuild.store.gc import gc_local, gc_remote
+from qbuild import backends
+from qbuild.backends.neuron import compile_cache
+from qbuild.store import LocalStore
+from qbuild.store.gc import gc_local as _gc_local, gc_remote as _gc_remote
 from tests.conftest import qbuild
 from tests.nxdi_double import MAIN_PORT, read_log
 from tests.s3server import s3_env, shared_server
 from tests.test_neuron_double import TOOLCHAIN, Build, compiled, write_recipe
+
+
+def gc_local(store, locks, **options):
+    """gc as `qbuild gc` runs it: with the side caches the backends register (the neuron backend's compile cache)."""
+    return _gc_local(store, locks, caches=backends.side_caches(), **options)
+
+
+def gc_remote(remote, locks, **options):
+    return _gc_remote(remote, locks, caches=backends.side_caches(), **options)
+
 
 BUCKET = "qb-ncc"
 SDK_DIR = "neuronxcc-2.26.6360.0+6f180f47"
@@ -96,7 +108,7 @@ def test_gc_trims_whole_groups_by_last_use_within_the_budget(tmp_path):
     # Within the grace period, or held by a compile, a group stays whatever the budget.
     assert gc_local(store, [], keep_size=0, grace_s=3600).removed == []
     (held,) = compile_cache.groups(store.root)
-    with store.lock(held.lock_key):
+    with store.lock(compile_cache.lock_key(held.name)):
         report = gc_local(store, [], keep_size=0, grace_s=0)
     assert report.removed == [] and report.kept_cache == 1
     assert gc_local(store, [], keep_size=0, grace_s=0, dry_run=True).removed[0].name == held.name

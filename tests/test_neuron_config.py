@@ -13,9 +13,10 @@ import pytest
 
 from dataclasses import replace
 
+from qbuild import backends
 from qbuild.backends.neuron.backend import text_compile_params, vision_compile_params
-from qbuild.backends.neuron.config import modules_to_not_convert, neff_reuse, neuron_config, nxd_parallel
-from qbuild.backends.neuron.params import NxdParallel
+from qbuild.backends.neuron.config import modules_to_not_convert, neff_reuse, neuron_config, nxd_degrees, rank_layout
+from qbuild.model.ranks import RankLayout
 from qbuild.model.fp8 import policy
 from qbuild.recipe.params import to_json
 from qbuild.recipe.schema import load_recipe
@@ -154,10 +155,13 @@ def test_other_moe_backends(tmp_path, backend, expected):
 
 
 def test_parallel_degrees_per_lineage():
-    assert nxd_parallel("main", True, 8, 1).world_size == 8
-    assert nxd_parallel("moe", True, 8, 2) == NxdParallel(tp_degree=8, ep_degree=2, moe_tp_degree=8, moe_ep_degree=2,
-                                                          world_size=16)
-    assert nxd_parallel("main", False, 4, 1).moe_tp_degree is None
+    assert rank_layout("main", True, 8, 1) == RankLayout(world=8, dense_tp=8, moe_tp=8, moe_ep=1)
+    # Coder-Next's EP: ep_degree = moe_ep_degree = ep multiplies the ranks; moe_tp_degree = tp_degree.
+    ep_world = rank_layout("moe", True, 8, 2)
+    assert ep_world == RankLayout(world=16, dense_tp=8, moe_tp=8, moe_ep=2)
+    assert nxd_degrees(ep_world, True) == {"tp_degree": 8, "ep_degree": 2, "moe_tp_degree": 8, "moe_ep_degree": 2}
+    # A dense model names no MoE degree, and NxD's ep_degree only where the world holds expert-parallel copies.
+    assert nxd_degrees(rank_layout("main", False, 4, 1), False) == {"tp_degree": 4}
 
 
 def test_neff_reuse_says_what_adding_a_bucket_costs(tmp_path):
@@ -185,7 +189,7 @@ def test_neff_reuse_says_what_adding_a_bucket_costs(tmp_path):
 def test_pure_function_imports_without_torch():
     code = ("import sys, qbuild.backends.neuron.config as n, qbuild.planning.plan, qbuild.render; "
             "from qbuild import backends; [backends.get(name) for name in backends.NAMES]; "
-            "assert 'torch' not in sys.modules, 'torch imported'; print(n.nxd_parallel('main', False, 2, 1))")
+            "assert 'torch' not in sys.modules, 'torch imported'; print(n.rank_layout('main', False, 2, 1))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
 
@@ -207,8 +211,8 @@ def test_plan_json_shows_lineage_neffs_and_config(tmp_path):
     assert len(text) == 1 and text[0]["neffs"] == 3 and text[0]["neuron_config"]["neuron_config"]["tp_degree"] == 8
     assert len(vision) == 1 and set(vision[0]["deps"]) == {"port", "converted"}
     verify = next(n for n in doc["nodes"] if n["kind"] == "verify")
-    assert verify["neuron_cores"] == 8
-    assert all(n["neuron_cores"] == 0 for n in doc["nodes"] if n["kind"] != "verify")
+    assert verify["resources"] == {"neuron_cores": 8}
+    assert all(n["resources"] == {} for n in doc["nodes"] if n["kind"] != "verify")
 
 
 def _shard_params(tmp_path, name: str, body: str):
@@ -220,7 +224,7 @@ def _shard_params(tmp_path, name: str, body: str):
     # the NxD EP layout is planned and sharded exactly, ready for a port that does.
     loaded, arch = _recipe(tmp_path, name, body)
     nodes = {}
-    planned = plan_recipe(nodes, loaded, arch, HostEnvironment(StatCache(tmp_path / "stat.db")))
+    planned = plan_recipe(nodes, loaded, arch, HostEnvironment(StatCache(tmp_path / "stat.db")), backends=backends)
     return nodes[planned.nodes["shard"]].params
 
 
@@ -233,7 +237,7 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     # NxDI's world is tp_degree * ep_degree = 4 rank files; non-expert layers split over tp_degree 2; experts over
     # moe_ep_degree 2 groups of moe_tp_degree 2.
     assert params.layout == "nxd-moe"
-    assert (params.tp, params.ep, params.dense_tp, params.moe_tp) == (4, 2, 2, 2)
+    assert params.ranks == RankLayout(world=4, dense_tp=2, moe_tp=2, moe_ep=2)
     # The shard action runs those params as planned: 4 rank files, attention split over 2.
     from qbuild.execution.actions import RunContext
     from qbuild.execution.actions.shard import run
@@ -244,7 +248,7 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     run(RunContext("shard", params, {"converted": tmp_path / "conv"}, tmp_path / "out", tmp_path))
     report = json.loads((tmp_path / "out" / "shard.json").read_text())
     assert report["files"] == [f"tp{r}_sharded_checkpoint.safetensors" for r in range(4)]
-    assert report["dense_tp"] == 2
+    assert report["ranks"]["dense_tp"] == 2
 
 
 def test_dense_main_lineage_shard_has_no_expert_parallelism(tmp_path, tiny_checkpoints):
@@ -253,8 +257,7 @@ def test_dense_main_lineage_shard_has_no_expert_parallelism(tmp_path, tiny_check
         parallel: {{tp: 2}}
         text: {{seq_len: 128, cte_buckets: [128]}}
     """)
-    # nxd_parallel gives a dense model no moe_ep_degree; the shard step still needs ep 1.
-    assert (params.layout, params.tp, params.ep, params.dense_tp) == ("nxd-main", 2, 1, 2)
+    assert (params.layout, params.ranks) == ("nxd-main", RankLayout(world=2, dense_tp=2, moe_tp=2, moe_ep=1))
 
 
 # --- long context: the Qwen3.6-27B port's block KV layout and hybrid APC (docs/long-context.md section 5) ----------
@@ -320,13 +323,13 @@ def test_what_the_port_and_vllm_refuse_is_one_line_naming_the_field(tmp_path, ca
     body = textwrap.dedent(_LC.replace("[256, 512]", "[128, 256, 512]" if case == "default-interval" else "[256, 512]"))
     loaded, arch = _recipe(tmp_path, case, body + extra + "\n")
     with pytest.raises(UserError) as err:
-        validate_recipe(loaded, arch)
+        validate_recipe(loaded, arch, backends)
     message = str(err.value)
     assert "\n" not in message and f"{case}.yaml" in message and needle in message, message
     # They are the port's and vLLM's limits: a CPU proof of the same recipe is not refused.
     cpu = tmp_path / "cpu.yaml"
     cpu.write_text(body + extra + "\nbackend: export\n")
-    validate_recipe(load_recipe(cpu), arch)
+    validate_recipe(load_recipe(cpu), arch, backends)
 
 
 def test_long_context_needs_the_main_lineage(tmp_path):
@@ -340,7 +343,7 @@ def test_long_context_needs_the_main_lineage(tmp_path):
         text: {seq_len: 1024, cte_buckets: [256], chunked_prefill: {}}
     """)
     with pytest.raises(UserError, match="text.chunked_prefill: the moe-lineage port has no block KV layout"):
-        validate_recipe(loaded, arch)
+        validate_recipe(loaded, arch, backends)
 
 
 def test_neff_reuse_counts_the_prefix_caching_pairs(tmp_path):

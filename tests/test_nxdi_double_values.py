@@ -172,7 +172,9 @@ def test_padded_q_heads_from_the_converter_load_and_mis_padding_fails(bundles, l
     from qbuild.backends.neuron.ports import LINEAGES
     from qbuild.model.arch import arch_from_config
     from qbuild.model.convert.convert import convert_checkpoint
+    from qbuild import backends
     from qbuild.model.convert.shard import shard_checkpoint
+    from qbuild.model.ranks import RankLayout
     from qbuild.model.tinymodel import TP4_TEXT, write_tiny_checkpoint
     from qbuild.recipe.params import parse
     from qbuild.store import StoreSpec
@@ -194,8 +196,9 @@ def test_padded_q_heads_from_the_converter_load_and_mis_padding_fails(bundles, l
     driver.compile_text(params, bundle / "port", compiled, tmp_path / "scratch", StoreSpec(str(build.store)),
                         log=lambda line: None)
     convert_checkpoint(hf, tmp_path / "converted", dtype=params.dtype)
-    shard_checkpoint(tmp_path / "converted", tmp_path / "shards", tp=TP, fused_qkv=params.fused_qkv,
-                     layout=LINEAGES[lineage].shard_layout, dtype=params.dtype)
+    shard_checkpoint(tmp_path / "converted", tmp_path / "shards", ranks=RankLayout.split(TP),
+                     fused_qkv=params.fused_qkv, layout=backends.shard_layout(LINEAGES[lineage].shard_layout),
+                     dtype=params.dtype)
     shutil.copytree(tmp_path / "shards" / "weights", compiled / "weights")
     shutil.copytree(bundle / "port", compiled / "port")
     head = HEAD_DIM

@@ -350,12 +350,12 @@ def test_file_size_limit_mid_shard_is_exit_3_and_the_next_run_completes(tmp_path
     proc = subprocess.run([sys.executable, "-m", MODULE, "compile", "recipes/alpha.yaml", "--mem", "1T", "--store",
                            "store"], cwd=project, env=env(PYTHONDONTWRITEBYTECODE="1"), capture_output=True,
                           text=True, timeout=120, preexec_fn=limited)
-    one_error_line(proc, 3, "shard tp2", str((project / "store").resolve()), "File too large", "ulimit -f")
+    one_error_line(proc, 3, "shard cpu 2 ranks", str((project / "store").resolve()), "File too large", "ulimit -f")
     ok(qb(project, "lock", "check"))   # the lock records what did build, all of it in the store
     check = json.loads(qb(project, "store", "verify", "--json").stdout)
     assert check["problems"] == [], check
     assert not list((project / "store" / "staging").iterdir())
     proc = ok(qb(project, "compile", "recipes/alpha.yaml", "--mem", "1T", "--json"))
-    assert "shard tp2 ep1" in json.loads(proc.stdout)["built"]
+    assert "shard cpu 2 ranks" in json.loads(proc.stdout)["built"]
     ok(qb(project, "lock", "check"))
     assert LocalStore(project / "store").verify() == []

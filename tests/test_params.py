@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild import backends
 from qbuild.model.arch import Arch, VisionArch
 from qbuild.hub.checkpoint import load_arch
 from qbuild.planning.environment import HostEnvironment
@@ -16,6 +17,7 @@ from qbuild.core.hashing import StatCache, canonical_json
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile
 from qbuild.backends.neuron.params import (NeuronCompile, NeuronPackageParams, NeuronTextCompile, NeuronVisionCompile,
                                            PortFiles, PortMissing, PortParams)
+from qbuild.model.ranks import RankLayout
 from qbuild.recipe.params import (ConvertParams, FetchHub, FetchParams, FetchPath, PackageParams, ParamsError,
                                   ReferenceParams, ShardParams, VerifyParams, parse, to_json)
 from qbuild.planning.plan import plan_recipe
@@ -36,7 +38,7 @@ def _planned(tmp_path: Path, name: str, body: str, extra: str = "") -> dict:
     f.write_text(textwrap.dedent(body) + extra)
     loaded = load_recipe(f)
     nodes = {}
-    plan_recipe(nodes, loaded, load_arch(loaded), HostEnvironment(StatCache(tmp_path / "stat.db")))
+    plan_recipe(nodes, loaded, load_arch(loaded), HostEnvironment(StatCache(tmp_path / "stat.db")), backends=backends)
     out: dict = {}
     for node in nodes.values():
         out.setdefault(node.kind, []).append(node.params)
@@ -111,15 +113,15 @@ def test_planned_fields_are_typed(tmp_path, tiny_checkpoints):
     vision = next(p for p in kinds["compile"] if p.graph == "vision")
     assert isinstance(text.text, Arch) and text.text.is_moe and text.text.vision is None
     assert isinstance(vision.vision, VisionArch)
-    assert text.cte_buckets == (128, 512) and text.parallel.world_size == 8 and text.compiler.lnc == 2
+    assert text.cte_buckets == (128, 512) and text.parallel.world == 8 and text.compiler.lnc == 2
     assert text.port_env == {"QWEN36_FLAG": "1"} and text.fp8 == "mlp_only"
     package = kinds["package"][0]
     assert isinstance(package, NeuronPackageParams) and package.lineage == "main" and package.vision_buckets == (1024,)
     assert package.bundle_meta()["ranks"] == 8 and "ranks" not in PackageParams.bundle_meta(package)
     shard = kinds["shard"][0]
-    assert shard.layout == "nxd-main" and shard.tp == 8 and shard.dense_tp == 8 and shard.dtype == "bfloat16"
+    assert shard.layout == "nxd-main" and shard.ranks == RankLayout.split(8) and shard.dtype == "bfloat16"
     cpu_shard = _recipes(tmp_path, tiny_checkpoints)["cpu-moe"]["shard"][0]
-    assert cpu_shard == ShardParams("cpu", 2, 2, 2, 1, False, None, "bfloat16")
+    assert cpu_shard == ShardParams("cpu", RankLayout(world=2, dense_tp=2, moe_tp=1, moe_ep=2), False, "bfloat16")
 
 
 def _cpu_text(tmp_path, tiny_checkpoints) -> dict:
@@ -156,7 +158,9 @@ def test_nested_and_list_fields_are_checked(tmp_path, tiny_checkpoints):
     kinds = _recipes(tmp_path, tiny_checkpoints)["neuron-next"]
     text = to_json(next(p for p in kinds["compile"] if p.graph == "text"))
     for edit, message in [
-        (lambda p: p["parallel"].pop("world_size"), "compile params.parallel.world_size: missing"),
+        (lambda p: p["parallel"].pop("world"), "compile params.parallel.world: missing"),
+        (lambda p: p["parallel"].update(moe_ep=3),
+         "compile params.parallel: 32 ranks, dense_tp 8, experts moe_tp 8 x moe_ep 3"),
         (lambda p: p["compiler"].update(target="trn3"), "compile params.compiler.target: 'trn3' is not one of"),
         (lambda p: p.update(cte_buckets=[128, "256"]), "compile params.cte_buckets[1]: expected int, got str"),
         (lambda p: p.update(tkg_buckets=1024), "compile params.tkg_buckets: expected a list, got int"),

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from qbuild import backends
 from qbuild.planning.keys import walk
 from qbuild.planning.plan import build_plan, written_bytes
 from tests.conftest import REPO
@@ -16,7 +17,8 @@ from tests.test_planner import FakeEnvironment, _cpu
 
 def _plan(tmp_path, keep: bool = False):
     env = FakeEnvironment(checkpoints={tmp_path / "ck": {"config.json": "blake3:1", "model.safetensors": "blake3:2"}})
-    return build_plan([_cpu(tmp_path, "one"), _cpu(tmp_path, "two", tp=2)], env, keep_intermediates=keep)
+    return build_plan([_cpu(tmp_path, "one"), _cpu(tmp_path, "two", tp=2)], env, keep_intermediates=keep,
+                      backends=backends)
 
 
 def test_shard_reads_the_description_and_the_checkpoint_where_the_fetch_found_it(tmp_path):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild import backends
 from qbuild.core.hashing import StatCache
 from qbuild.model.families import FAMILIES
 from qbuild.planning.environment import HostEnvironment
@@ -79,7 +80,7 @@ def test_the_probe_runs_once_per_capability_setting(tmp_path):
 def _keyed(small_checkpoints, tmp_path, backend: str, host: str = "TAG") -> tuple[Plan, dict]:
     recipe = tmp_path / f"{backend}.yaml"
     recipe.write_text(RECIPE.format(model=small_checkpoints["qwen3_5"], backend=backend))
-    plan = build_plan([load_recipe(recipe)], HostEnvironment(StatCache(tmp_path / "stat-cache")))
+    plan = build_plan([load_recipe(recipe)], HostEnvironment(StatCache(tmp_path / "stat-cache")), backends=backends)
     # Every node's output digest known, as after a build: every node is keyed.
     return plan, walk(plan, lambda nid, key: f"blake3:{nid}", host=lambda: host)
 

@@ -134,7 +134,7 @@ def test_a_terminal_shows_rich_rows_with_the_bytes_a_step_wrote(tmp_path, dense_
     (project / "store" / "ac" / key[:2] / f"{key}.json").unlink()       # the shard step runs again
     code, screen = _on_a_terminal(["compile", "--all", "--store", "store"], project)
     assert code == 0, screen
-    row = re.search(r"shard tp1 ep1: write .*?(\d+\.\d (?:KiB|MiB))/(\d+\.\d (?:KiB|MiB)) +\S+ (?:KiB|MiB)/s", screen)
+    row = re.search(r"shard cpu 1 rank: write .*?(\d+\.\d (?:KiB|MiB))/(\d+\.\d (?:KiB|MiB)) +\S+ (?:KiB|MiB)/s", screen)
     assert row is not None, screen
     assert "1 built" in screen
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild import backends
 from qbuild.core.errors import RecipeError, UserError
 from qbuild.recipe.schema import HFSource, PathSource, load_recipe
 from qbuild.hub.checkpoint import shipped_config_path
@@ -158,7 +159,7 @@ def test_broken_recipe_is_one_error_naming_file_and_field(tmp_path, case):
     recipe = _write(tmp_path, case, text)
     with pytest.raises(UserError) as err:
         loaded = load_recipe(recipe)
-        validate_recipe(loaded, load_arch(loaded))
+        validate_recipe(loaded, load_arch(loaded), backends)
     message = str(err.value)
     assert "\n" not in message and needle in message, message
     assert str(recipe) in message or recipe.name in message, message
@@ -255,7 +256,7 @@ def _validate(tmp: Path, text: str):
     from qbuild.hub.checkpoint import load_arch
 
     loaded = load_recipe(_write(tmp, "r", text))
-    validate_recipe(loaded, load_arch(loaded))
+    validate_recipe(loaded, load_arch(loaded), backends)
 
 
 def test_new_tokens_are_refused_exactly_past_the_bound_the_message_names(tmp_path):

@@ -7,12 +7,12 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from qbuild.model.arch import arch_from_config
 from qbuild.model.convert import ShardError
 from qbuild.model.convert.convert import convert_checkpoint, convert_state_dict
 from qbuild.model.convert.shard import shard_checkpoint, shard_state_dict
+from qbuild.model.ranks import RankLayout
 from tests.conftest_convert import hf_state_dict, load_dir, same_tensors, tiny
 
 COLUMN = re.compile(r".*(self_attn\.(q_proj|output_gate_proj)|linear_attn\.(in_proj_z|in_proj_a|in_proj_b|A_log_weight"
@@ -81,7 +81,7 @@ def check_rank_pieces(name: str, full: torch.Tensor, pieces: list[torch.Tensor],
 @pytest.mark.parametrize("variant, tp, ep", CASES)
 def test_ranks_reconstruct_the_canonical_tensors(variant, tp, ep):
     config, d, text = _converted(variant)
-    ranks = shard_state_dict(config, text, tp=tp, ep=ep)
+    ranks = shard_state_dict(config, text, ranks=RankLayout.split(tp, ep))
     assert len(ranks) == tp
     rank_names = {"rank_util.rank"} | {f"layers.{i}.self_attn.rank_util.rank"
                                        for i in range(d.num_layers) if d.is_full_attention(i)}
@@ -94,7 +94,7 @@ def test_ranks_reconstruct_the_canonical_tensors(variant, tp, ep):
 
 def test_rank_shapes_of_a_moe_layer_at_tp4_ep2():
     config, d, text = _converted("qwen3_5_moe_tp4")
-    r = shard_state_dict(config, text, tp=4, ep=2)[3]
+    r = shard_state_dict(config, text, ranks=RankLayout.split(4, 2))[3]
     shapes = {n.removeprefix("layers.3."): tuple(t.shape) for n, t in r.items() if n.startswith("layers.3.")}
     assert shapes["mlp.moe.expert_mlps.mlp_op.gate_up_proj.weight"] == (4, 64, 32)  # E/ep, H, 2*I/moe_tp
     assert shapes["mlp.moe.expert_mlps.mlp_op.down_proj.weight"] == (4, 16, 64)
@@ -102,7 +102,7 @@ def test_rank_shapes_of_a_moe_layer_at_tp4_ep2():
     assert shapes["self_attn.q_proj.weight"] == (64, 64)  # 8 heads / 4 ranks * 32
     assert shapes["self_attn.k_proj.weight"] == (32, 64)  # one replicated kv head
     assert shapes["self_attn.o_proj.weight"] == (64, 64)
-    r0 = shard_state_dict(config, text, tp=4, ep=2)[0]
+    r0 = shard_state_dict(config, text, ranks=RankLayout.split(4, 2))[0]
     assert r0["layers.0.linear_attn.in_proj_qkv.weight"].shape == (16 + 16 + 32, 64)
     assert r0["layers.0.linear_attn.conv1d_weight.weight"].shape == (64, 4)
     assert r0["layers.0.linear_attn.A_log_weight.weight"].shape == (2, 1)
@@ -110,8 +110,8 @@ def test_rank_shapes_of_a_moe_layer_at_tp4_ep2():
 
 def test_fused_qkv_concatenates_each_ranks_query_k_v():
     config, d, text = _converted("qwen3_5_tp4")
-    plain = shard_state_dict(config, text, tp=4)
-    fused = shard_state_dict(config, text, tp=4, fused_qkv=True)
+    plain = shard_state_dict(config, text, ranks=RankLayout.split(4))
+    fused = shard_state_dict(config, text, ranks=RankLayout.split(4), fused_qkv=True)
     a = "layers.3.self_attn."
     for p, f in zip(plain, fused):
         assert torch.equal(f[f"{a}Wqkv.weight"], torch.cat([p[f"{a}q_proj.weight"], p[f"{a}k_proj.weight"],
@@ -120,63 +120,45 @@ def test_fused_qkv_concatenates_each_ranks_query_k_v():
         assert torch.equal(f[f"{a}output_gate_proj.weight"], p[f"{a}output_gate_proj.weight"])
 
 
-def _expert(x, gate_up, down):
-    """One SwiGLU expert in the NxDI layout: gate_up (H, 2I), down (I, H)."""
-    gate, up = (x @ gate_up).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ down
-
-
-def test_padded_intermediate_keeps_every_experts_output():
-    config, d, text = _converted("qwen3_5_moe_tp4")
-    ranks = shard_state_dict(config, text, tp=4, ep=2, pad_intermediate_to=24)
-    gu, dn = (f"layers.1.mlp.moe.expert_mlps.mlp_op.{p}_proj.weight" for p in ("gate_up", "down"))
-    assert ranks[0][gu].shape == (4, 64, 48) and ranks[0][dn].shape == (4, 24, 64)  # I/moe_tp 16 -> 24
-    x = torch.randn(5, 64)
-    for e in range(8):
-        g, local = divmod(e, 4)
-        full = _expert(x, text[gu][e], text[dn][e])
-        parts = sum(_expert(x, ranks[g * 2 + j][gu][local], ranks[g * 2 + j][dn][local]) for j in range(2))
-        torch.testing.assert_close(parts, full, rtol=1e-5, atol=1e-5)
-        assert ranks[g * 2][gu][local][:, 16:24].abs().sum() == 0  # the gate's padding is zero
-
-
-def test_padding_to_a_multiple_already_met_changes_nothing():
-    config, d, text = _converted("qwen3_5_moe")
-    a = shard_state_dict(config, text, tp=2, pad_intermediate_to=16)
-    b = shard_state_dict(config, text, tp=2)
-    assert all(same_tensors(x, y) for x, y in zip(a, b))
-
-
-@pytest.mark.parametrize("variant, kwargs, match", [
-    ("qwen3_5", dict(tp=3), "attention heads"),
-    ("qwen3_5", dict(tp=4), "DeltaNet"),
-    ("qwen3_5", dict(tp=2, ep=2), "mixture-of-experts"),
-    ("qwen3_5_moe", dict(tp=2, ep=3), "ep must divide tp"),
-    ("qwen3_5_moe_tp4", dict(tp=4, ep=4, pad_intermediate_to=0), "positive"),
-    ("qwen3_5", dict(tp=2, pad_intermediate_to=256), "MoE experts only"),
+@pytest.mark.parametrize("variant, ranks, match", [
+    ("qwen3_5", RankLayout.split(3), "attention heads"),
+    ("qwen3_5", RankLayout.split(4), "DeltaNet"),
+    ("qwen3_5", RankLayout.split(2, 2), "mixture-of-experts"),
+    ("qwen3_5_moe_tp4", RankLayout(world=4, dense_tp=2, moe_tp=2, moe_ep=2), "dense_tp = world"),
 ])
-def test_impossible_layouts_are_refused(variant, kwargs, match):
+def test_impossible_layouts_are_refused(variant, ranks, match):
     config, d, text = _converted(variant)
     with pytest.raises(ShardError, match=match):
-        shard_state_dict(config, text, **kwargs)
+        shard_state_dict(config, text, ranks=ranks)
 
 
-@pytest.mark.parametrize("variant, tp, ep, fp8, fused_qkv, pad", [
-    ("qwen3_5_moe_tp4", 4, 2, "mlp_only", True, 24),
-    ("qwen3_next", 2, 1, "full", False, None),
-    ("qwen3_5", 2, 1, "none", True, None),
+@pytest.mark.parametrize("make, match", [
+    (lambda: RankLayout.split(2, 3), "ep must divide tp"),
+    (lambda: RankLayout(world=4, dense_tp=4, moe_tp=2, moe_ep=1), "moe_tp \\* moe_ep"),
+    (lambda: RankLayout(world=4, dense_tp=3, moe_tp=4, moe_ep=1), "dense_tp must divide"),
+    (lambda: RankLayout(world=0, dense_tp=1, moe_tp=0, moe_ep=1), "positive"),
 ])
-def test_streaming_shard_matches_in_memory(tmp_path, variant, tp, ep, fp8, fused_qkv, pad):
+def test_inconsistent_rank_layouts_are_refused(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("variant, tp, ep, fp8, fused_qkv", [
+    ("qwen3_5_moe_tp4", 4, 2, "mlp_only", True),
+    ("qwen3_next", 2, 1, "full", False),
+    ("qwen3_5", 2, 1, "none", True),
+])
+def test_streaming_shard_matches_in_memory(tmp_path, variant, tp, ep, fp8, fused_qkv):
     src = tiny(variant)
     convert_checkpoint(src, tmp_path / "conv", fp8=fp8)
-    report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", tp=tp, ep=ep, fused_qkv=fused_qkv,
-                              pad_intermediate_to=pad, workers=2)
+    report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", ranks=RankLayout.split(tp, ep),
+                              fused_qkv=fused_qkv, workers=2)
     config, hf = hf_state_dict(variant)
     text, _ = convert_state_dict(config, hf, fp8=fp8)
-    want = shard_state_dict(config, text, tp=tp, ep=ep, fused_qkv=fused_qkv, pad_intermediate_to=pad)
+    want = shard_state_dict(config, text, ranks=RankLayout.split(tp, ep), fused_qkv=fused_qkv)
     files = sorted(p.name for p in (tmp_path / "shard" / "weights").iterdir())
     assert files == sorted(f"tp{r}_sharded_checkpoint.safetensors" for r in range(tp)) == sorted(report["files"])
-    assert report["tp"] == tp and report["ep"] == ep and report["moe_tp"] == tp // ep
+    assert report["ranks"] == {"world": tp, "dense_tp": tp, "moe_tp": tp // ep, "moe_ep": ep}
     assert (tmp_path / "shard" / "shard.json").is_file()
     for r in range(tp):
         from safetensors.torch import load_file
@@ -189,6 +171,6 @@ def test_shard_of_a_missing_directory_names_the_file(tmp_path):
     from qbuild.model.convert import CheckpointError
 
     with pytest.raises(CheckpointError, match="config.json"):
-        shard_checkpoint(tmp_path / "nope", tmp_path / "out", tp=2)
+        shard_checkpoint(tmp_path / "nope", tmp_path / "out", ranks=RankLayout.split(2))
     assert not (tmp_path / "out").exists()
     assert load_dir(tmp_path) == {}

@@ -12,10 +12,12 @@ import json
 import pytest
 import torch
 
+from qbuild import backends
 from qbuild.model.convert import CheckpointError, ShardError
 from qbuild.model.convert.convert import convert_checkpoint, convert_state_dict
 from qbuild.model.convert.shard import shard_checkpoint
 from qbuild.model.convert.shard import shard_state_dict
+from qbuild.model.ranks import RankLayout
 from qbuild.model.tinymodel import FOUR_LAYERS, TP4_TEXT, write_tiny_checkpoint
 from tests.conftest_convert import _ROOT, bits, hf_state_dict, load_config, load_dir, same_tensors, tiny
 
@@ -223,12 +225,22 @@ def expected(config: dict, hf: dict, lineage: str, tp: int, ep: int, fused: bool
     return [{k: v.to(MODEL_DTYPE) if v.is_floating_point() else v for k, v in rank.items()} for rank in out]
 
 
+def _ranks(tp: int, ep: int = 1, dense_tp: int | None = None) -> RankLayout:
+    """`tp` ranks (NxD's world), experts in `ep` groups, non-expert layers over `dense_tp` (NxDI's tp_degree)."""
+    return RankLayout(world=tp, dense_tp=dense_tp or tp, moe_tp=tp // ep, moe_ep=ep)
+
+
+def _shard(config: dict, text: dict, tp: int, ep: int = 1, dense_tp: int | None = None, layout: str = "nxd-main",
+           **options) -> list[dict]:
+    return shard_state_dict(config, text, ranks=_ranks(tp, ep, dense_tp), layout=backends.shard_layout(layout),
+                            **options)
+
+
 def sharded(variant: str, lineage: str, tp: int, ep: int, fused: bool = False, fp8: str = "none",
             dense_tp: int | None = None):
     config, hf = checkpoint(variant)
     text, _ = convert_state_dict(config, hf, dtype="float32", fp8=fp8)
-    return config, hf, text, shard_state_dict(config, text, tp=tp, ep=ep, fused_qkv=fused, layout=lineage,
-                                              dtype="bfloat16", dense_tp=dense_tp)
+    return config, hf, text, _shard(config, text, tp, ep, dense_tp, lineage, fused_qkv=fused, dtype="bfloat16")
 
 
 def assert_same(got: dict, want: dict) -> None:
@@ -456,7 +468,7 @@ def test_per_tensor_scales_are_replicated():
     config, hf = checkpoint("qwen3_5_moe")
     text, _ = convert_state_dict(config, hf, dtype="float32", fp8="mlp_only")
     text["layers.1.mlp.shared_gate_proj.scale"] = torch.tensor([0.5])
-    ranks = shard_state_dict(config, text, tp=2, layout="nxd-main", dtype="bfloat16")
+    ranks = _shard(config, text, 2, layout="nxd-main", dtype="bfloat16")
     assert all(torch.equal(r["layers.1.mlp.shared_gate_proj.scale"], torch.tensor([0.5])) for r in ranks)
 
 
@@ -464,10 +476,9 @@ def test_moe_lineage_refuses_what_its_port_cannot_load():
     config, hf = checkpoint("qwen3_next")
     full, _ = convert_state_dict(config, hf, dtype="float32", fp8="full")
     with pytest.raises(CheckpointError, match=r"linear_attn\.in_proj_qkv\.scale"):
-        shard_state_dict(config, full, tp=2, layout="nxd-moe", dtype="bfloat16")
+        _shard(config, full, 2, layout="nxd-moe", dtype="bfloat16")
     with pytest.raises(CheckpointError, match="fuses Wqkv without its scales"):
-        shard_state_dict(config, _without_deltanet_fp8(full), tp=2, fused_qkv=True, layout="nxd-moe",
-                         dtype="bfloat16")
+        _shard(config, _without_deltanet_fp8(full), 2, layout="nxd-moe", fused_qkv=True, dtype="bfloat16")
 
 
 def _without_deltanet_fp8(text: dict) -> dict:
@@ -488,10 +499,9 @@ def _config(variant: str, text: dict | None = None) -> dict:
 
 
 @pytest.mark.parametrize("config, kwargs, match", [
-    (("qwen3_5_moe",), dict(tp=2, pad_intermediate_to=256), "pad_intermediate_to"),
-    # NxD's ep_degree (tp / dense_tp = 4) would differ from moe_ep_degree (ep = 2).
-    (("qwen3_next",), dict(tp=4, ep=2, dense_tp=1, layout="nxd-moe"), "dense_tp must be tp .* or tp / ep"),
-    (("qwen3_5_moe",), dict(tp=2, ep=2, dense_tp=1, layout="cpu"), "dense_tp applies to the nxd layouts"),
+    # NxD's ep_degree (world / dense_tp = 4) would differ from moe_ep_degree (2).
+    (("qwen3_next",), dict(tp=4, ep=2, dense_tp=1, layout="nxd-moe"), "dense_tp must be the world .* or moe_tp"),
+    (("qwen3_5_moe",), dict(tp=2, ep=2, dense_tp=1, layout="cpu"), "dense_tp = world"),
     # Attention is split over dense_tp 2, where 3 kv heads need CONVERT_TO_MHA, which NxD mis-sizes (over the
     # world of 6 they would replicate evenly).
     (("qwen3_next", dict(num_attention_heads=6, num_key_value_heads=3, num_experts=6)),
@@ -501,13 +511,17 @@ def _config(variant: str, text: dict | None = None) -> dict:
     (("qwen3_5_moe",), dict(tp=2, layout="nxd-main-replicated"), "dense MLP in every layer"),
     (("qwen3_5", dict(num_attention_heads=6, num_key_value_heads=3)), dict(tp=2), "CONVERT_TO_MHA"),
     (("qwen3_5_moe",), dict(tp=2, ep=2, layout="nxd-moe", dtype=None), "needs dtype"),
-    (("qwen3_5_moe",), dict(tp=2, layout="nxd"), "layout must be one of"),
     (("qwen3_5_moe",), dict(tp=2, dtype="bf16"), "dtype must be one of"),
     (("qwen3_next", dict(tie_word_embeddings=True)), dict(tp=2, layout="nxd-moe"), "tied"),
 ])
 def test_impossible_nxd_layouts_are_refused(config, kwargs, match):
     with pytest.raises(ShardError, match=match):
-        shard_state_dict(_config(*config), {}, **{"layout": "nxd-main", "dtype": "bfloat16", **kwargs})
+        _shard(_config(*config), {}, **{"dtype": "bfloat16", **kwargs})
+
+
+def test_a_layout_no_backend_has_is_refused_by_name():
+    with pytest.raises(ValueError, match="shard layout 'nxd' is not one of cpu, nxd-main"):
+        backends.shard_layout("nxd")
 
 
 @pytest.mark.parametrize("variant, lineage, tp, ep, fused, fp8, dense_tp", [
@@ -518,17 +532,16 @@ def test_impossible_nxd_layouts_are_refused(config, kwargs, match):
 ])
 def test_streaming_shard_matches_in_memory(tmp_path, variant, lineage, tp, ep, fused, fp8, dense_tp):
     convert_checkpoint(tiny(variant), tmp_path / "conv", dtype="bfloat16", fp8=fp8)
-    report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", tp=tp, ep=ep, fused_qkv=fused, workers=2,
-                              layout=lineage, dtype="bfloat16", dense_tp=dense_tp)
+    report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", ranks=_ranks(tp, ep, dense_tp), fused_qkv=fused,
+                              workers=2, layout=backends.shard_layout(lineage), dtype="bfloat16")
     assert report["layout"] == lineage and json.loads((tmp_path / "shard" / "shard.json").read_text()) == report
-    assert report["dense_tp"] == (dense_tp or tp)
+    assert report["ranks"] == {"world": tp, "dense_tp": dense_tp or tp, "moe_tp": tp // ep, "moe_ep": ep}
     # One file per rank of the world, named by global rank (NxD model_builder.py shard_weights_with_cache).
     names = sorted(f.name for f in (tmp_path / "shard" / "weights").iterdir())
     assert names == sorted(f"tp{r}_sharded_checkpoint.safetensors" for r in range(tp)) == sorted(report["files"])
     config, hf = checkpoint(variant)
     text, _ = convert_state_dict(config, hf, dtype="bfloat16", fp8=fp8)
-    want = shard_state_dict(config, text, tp=tp, ep=ep, fused_qkv=fused, layout=lineage, dtype="bfloat16",
-                            dense_tp=dense_tp)
+    want = _shard(config, text, tp, ep, dense_tp, lineage, fused_qkv=fused, dtype="bfloat16")
     from safetensors.torch import load_file
 
     for r in range(tp):
@@ -538,8 +551,8 @@ def test_streaming_shard_matches_in_memory(tmp_path, variant, lineage, tp, ep, f
 
 def test_cpu_layout_is_the_default(tmp_path):
     convert_checkpoint(tiny("qwen3_5"), tmp_path / "conv", dtype="bfloat16")
-    report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", tp=2, dtype="bfloat16")
-    assert report["layout"] == "cpu" and "dense_tp" not in report  # the cpu layout's shard.json is unchanged
+    report = shard_checkpoint(tmp_path / "conv", tmp_path / "shard", ranks=RankLayout.split(2), dtype="bfloat16")
+    assert report["layout"] == "cpu"
     from safetensors.torch import load_file
 
     got = load_file(tmp_path / "shard" / "weights" / "tp0_sharded_checkpoint.safetensors")

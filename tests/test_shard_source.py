@@ -19,12 +19,13 @@ from qbuild.execution.actions import shard as shard_action
 from qbuild.core.errors import UserError
 from qbuild.model.convert.convert import convert_checkpoint
 from qbuild.model.convert.shard import shard_checkpoint
+from qbuild.model.ranks import RankLayout
 from qbuild.recipe.params import ConvertParams, FetchHub, FetchPath, ShardParams
 from tests.hubdouble import HubDouble
 from tests.conftest_convert import same_tensors, tiny
 
 REPO_ID = "tiny-org/moe"
-SHARD = ShardParams("cpu", 2, 2, 2, 1, True, None, "float32")
+SHARD = ShardParams("cpu", RankLayout.split(2, 2), True, "float32")
 
 
 def _ctx(tmp: Path, name: str, params, inputs: dict, context: dict) -> RunContext:
@@ -60,8 +61,8 @@ def test_a_shard_on_a_machine_without_the_hub_model_fetches_it_again(tmp_path, m
     assert any(p.endswith(".safetensors") for p in downloads)
     assert (tmp_path / "other-hf-home" / "hub" / "models--tiny-org--moe" / "snapshots" / commit).is_dir()
     convert_checkpoint(src, tmp_path / "materialised", dtype="float32")
-    want = shard_checkpoint(tmp_path / "materialised", tmp_path / "want", tp=2, ep=2, fused_qkv=True,
-                            dtype="float32")
+    want = shard_checkpoint(tmp_path / "materialised", tmp_path / "want", ranks=RankLayout.split(2, 2),
+                            fused_qkv=True, dtype="float32")
     assert json.loads((shard.out / "shard.json").read_text()) == want
     for r in range(2):
         name = f"weights/tp{r}_sharded_checkpoint.safetensors"
@@ -80,7 +81,7 @@ def test_a_local_checkpoint_gone_from_its_path_is_one_line(tmp_path):
                    {"path": str(src)})
     convert_action.run(convert)
     shutil.rmtree(src)
-    shard = _ctx(tmp_path, "shard", ShardParams("cpu", 2, 1, 2, None, False, None, "float32"),
+    shard = _ctx(tmp_path, "shard", ShardParams("cpu", RankLayout.split(2), False, "float32"),
                  {"converted": convert.out, "snapshot": fetch.out}, {"path": str(src)})
     with pytest.raises(UserError, match=r"ck/.*: missing; the checkpoint changed since it was planned"):
         shard_action.run(shard)

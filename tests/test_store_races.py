@@ -21,7 +21,9 @@ import qbuild.store.local as localmod
 from qbuild.cli import app
 from qbuild.core.errors import UserError
 from qbuild.core.hashing import digest_json
-from qbuild.store import LocalStore, Manifest, compile_cache
+from qbuild import backends
+from qbuild.backends.neuron import compile_cache
+from qbuild.store import LocalStore, Manifest
 from qbuild.store.files import atomic_write
 from qbuild.store.gc import gc_local
 from qbuild.store.lease import Lease
@@ -228,7 +230,7 @@ def test_a_remote_hit_whose_blob_gc_removes_as_it_is_recorded_stays_pending_and_
 # --- gc --------------------------------------------------------------------------------------------------------------
 
 def _gc(store: LocalStore, *locks: Path):
-    return gc_local(store, list(locks), keep_size=0, grace_s=0)
+    return gc_local(store, list(locks), keep_size=0, grace_s=0, caches=backends.side_caches())
 
 
 def _after_listing_gc(monkeypatch, act) -> None:

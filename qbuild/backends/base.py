@@ -1,4 +1,5 @@
-"""The Backend protocol: what the planner, the checks, the actions, the renderer and the CLI may ask of a backend.
+"""The Backend protocol: what the planner, the checks, the actions, the renderer and the CLI may ask of a backend
+(its planning part, and the types a backend's part of a plan is made of, are in qbuild.planning.steps).
 
 A backend offers capabilities and decisions (which extra source nodes a recipe needs, how its weights are sharded,
 which graphs it compiles and how, what a bundle is and how it runs), never its own identity: nothing outside
@@ -15,45 +16,9 @@ from typing import Callable, Protocol
 
 from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch
-from qbuild.recipe.params import PackageParams, ShardParams
+from qbuild.planning.steps import PlanningBackend
 from qbuild.recipe.schema import LoadedRecipe
-
-GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """The planner's estimates of a recipe's weights, which a backend's own estimates build on."""
-
-    weights: int                     # the text weights, in the recipe's dtype and FP8 policy
-    vision: int                      # the vision encoder's weights (0 without one)
-
-
-@dataclass(frozen=True)
-class PlannedStep:
-    """One node a backend adds to a recipe's plan: a source node (a port) or a compile node."""
-
-    role: str                        # the recipe's name for it: "port", "compile text", "compile cte-128"
-    kind: str                        # the action kind
-    name: str                        # what a person reads
-    params: object                   # the step's typed params
-    deps: dict[str, str]             # input name -> the role of the recipe node it takes ("convert", "port")
-    est_out_bytes: int
-    est_peak_bytes: int
-    context: dict = field(default_factory=dict)
-    neffs: int = 0                   # NEFFs a Neuron compile produces
-
-
-@dataclass(frozen=True)
-class BackendPlan:
-    """A backend's part of a recipe's plan. Every source node is an input of the shard, package and verify nodes
-    under its role; each compile node names its own inputs."""
-
-    sources: tuple[PlannedStep, ...]
-    shard: ShardParams
-    compiles: tuple[PlannedStep, ...]
-    package: PackageParams
-    verify_cores: int                # NeuronCores verifying the bundle runs on (0: any host)
+from qbuild.store.side_cache import SideCache
 
 
 @dataclass(frozen=True)
@@ -115,28 +80,9 @@ class StepContext(Protocol):
     progress: object              # qbuild.core.progress.StepProgress, or None where nobody listens
 
 
-class SourceEnvironment(Protocol):
-    """What a backend's planning reads of the machine (a part of qbuild.planning.plan.Environment)."""
-
-    def port_digests(self, port_dir: Path) -> dict[str, str] | None:
-        """Relative path -> "blake3:<hex>" of a port's source files; None where the directory does not exist."""
-
-
-class Backend(Protocol):
-    name: str
-
-    def validate(self, loaded: LoadedRecipe, arch: Arch) -> None:
-        """Raise RecipeError (at the field's file:line:column) for what this backend cannot build of the recipe."""
-
-    def plan(self, loaded: LoadedRecipe, arch: Arch, env: SourceEnvironment, sizes: Sizes) -> BackendPlan:
-        """The recipe's source, shard, compile and package steps on this backend."""
-
-    def explain_reuse(self, old: dict, new: object) -> str | None:
-        """What a compile whose locked params were `old` (JSON) can still reuse now that they are `new`."""
-
-    def portable(self, kind: str) -> bool:
-        """Whether what this backend's `kind` step (compile, package) writes is the same, and runs, on every platform:
-        False for native code built for this host's machine, libc, Python and CPU."""
+class Backend(PlanningBackend, Protocol):
+    """What planning asks (PlanningBackend: validate, plan, explain_reuse, portable), and what the renderer, the
+    actions, the executors and the CLI ask."""
 
     def describe_compile(self, params: object) -> dict:
         """Extra fields of a compile node in `plan --json`."""
@@ -144,14 +90,38 @@ class Backend(Protocol):
     def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
         """The port source the recipe resolves to, for `plan --json` (None where the backend runs none)."""
 
+    def side_caches(self) -> tuple[SideCache, ...]:
+        """The caches this backend keeps in the store beside its entries (a compiler's own), which gc trims and
+        `store verify` checks (qbuild.store.side_cache)."""
+
+    def host_lacks(self, resources: dict[str, int]) -> str | None:
+        """Why this host cannot run a step of this backend that needs `resources` (a node's, by the backend's own
+        names), as the rest of a sentence after the step's name ("runs on 8 NeuronCores and this host has no Neuron
+        device; ..."); None where it can."""
+
     def compile(self, ctx: StepContext) -> None:
         """Build one compile node into ctx.out."""
 
     def package(self, ctx: StepContext) -> dict[str, str]:
         """Put the compiled graphs into the bundle at ctx.out; returns graph name -> file in the bundle."""
 
+    def recognises(self, manifest: dict) -> bool:
+        """Whether a bundle with this bundle.json is one this backend packages (its backend and its graphs' layout)."""
+
+    def runtime(self, bundle: Path, manifest: dict, verify_digests: bool = True, shown_as: str | None = None):
+        """The bundle loaded to run prompts on this host (`qbuild run`, `qbuild bench`); UserError where this host
+        cannot run it. Errors name the bundle `shown_as` (default: `bundle`)."""
+
     def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """Run the bundle (ctx.inputs["bundle"]) on the reference's prompts."""
+
+
+class Server(Protocol):
+    """How `qbuild serve` and `qbuild pull` serve a backend's bundle (qbuild.backends.server). Apart from Backend
+    because no build step serves: the registry keeps the two implementations apart, so no key holds a server's
+    code."""
+
+    name: str
 
     def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
         """What `qbuild pull` prints beside a pulled bundle about serving it elsewhere (None: `qbuild serve` alone)."""

@@ -79,7 +79,7 @@ def name_a_changed_recipe(ws, name: str, strict: bool) -> str | None:
     with --strict refuse it; returns the note (None: unchanged, or no recipe file here to compare)."""
     from qbuild.planning.drift import recipe_change
 
-    change = recipe_change(ws.lock_doc, ws.lock_path, name, ws.stat_cache)
+    change = recipe_change(ws.lock_doc, ws.lock_path, name, ws.stat_cache, ws.backends)
     if change is None:
         return None
     if strict:

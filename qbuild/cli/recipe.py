@@ -15,6 +15,7 @@ app = typer.Typer(no_args_is_help=True, help="Validate recipes and print their s
 @app.command("validate")
 def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files"), json_: bool = JsonOpt) -> None:
     """Validate recipes against the schema and against their model's architecture."""
+    from qbuild import backends
     from qbuild.planning.plan import validate_recipe
     from qbuild.hub.checkpoint import load_arch
     from qbuild.recipe.schema import load_recipe
@@ -24,7 +25,7 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
         try:
             loaded = load_recipe(f)
             arch = load_arch(loaded)
-            validate_recipe(loaded, arch)
+            validate_recipe(loaded, arch, backends)
         except QbuildError as e:
             failed.append(e)
             results.append({"file": str(f), "ok": False, "error": str(e)})

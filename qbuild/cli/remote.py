@@ -70,4 +70,4 @@ def _serve_instructions(bundle: Path) -> dict | None:
     if not (bundle / MANIFEST).is_file():   # a bundle of test-defined steps records no backend
         return None
     manifest = read_manifest(bundle)
-    return backends.get(manifest["backend"]).serve_instructions(bundle.resolve(), manifest)
+    return backends.server(manifest["backend"]).serve_instructions(bundle.resolve(), manifest)

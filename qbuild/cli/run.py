@@ -18,10 +18,10 @@ def _runtime(target: str, store: Optional[Path], lock: Path, remote: Optional[st
              strict: bool) -> Iterator:
     """A Runtime for the bundle `target` names (options.open_bundle). Hardlinks are fine for a recipe's bundle laid
     out for it: nothing writes to it, and it is removed afterwards."""
-    from qbuild.model.runtime import Runtime
+    from qbuild.backends import load_runtime
 
     with open_bundle(target, store, lock, remote, allow_unverified, strict, share=True) as bundle:
-        yield Runtime.load(bundle.path, verify_digests=not bundle.digests_checked, shown_as=bundle.shown_as)
+        yield load_runtime(bundle.path, verify_digests=not bundle.digests_checked, shown_as=bundle.shown_as)
 
 
 def _check_prompt_flags(prompt: Optional[str], prompt_ids: Optional[str]) -> None:

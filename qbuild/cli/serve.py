@@ -66,7 +66,7 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         if manifest.get("backend") not in backends.NAMES:
             raise UserError(f"{shown_path(bundle, MANIFEST, opened.shown_as)}: backend {manifest.get('backend')!r} is "
                             f"not one of {', '.join(backends.NAMES)}; only a bundle qbuild built can be served")
-        backend = backends.get(manifest["backend"])
+        backend = backends.server(manifest["backend"])
         options = ServeOptions(name=opened.name, host=host, port=port, log=err, on_ready=on_ready,
                                digests_checked=opened.digests_checked, server_args=tuple(server_args or ()),
                                api_key=api_key, allow_image_urls=allow_image_urls)

@@ -27,6 +27,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
                                                                  "[default: artifacts.lock]"),
            json_: bool = JsonOpt, store: Optional[Path] = StoreOpt) -> None:
     """Remove store entries no lockfile references (beyond --keep-size locally; all of them on --remote)."""
+    from qbuild import backends
     from qbuild.core.units import parse_duration, parse_size
     from qbuild.render import print_gc
     from qbuild.store import default_store_path
@@ -34,7 +35,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
 
     budget, grace_s = parse_size(keep_size, "--keep-size"), parse_duration(grace, "--grace")
     reports = collect(store or default_store_path(), locks or [Path("artifacts.lock")], budget, dry_run=dry_run,
-                      grace_s=grace_s, remote_url=remote)
+                      grace_s=grace_s, remote_url=remote, caches=backends.side_caches())
     print_gc(reports, ["local store", remote], json_)
 
 
@@ -43,12 +44,13 @@ def store_verify(repair: bool = typer.Option(False, "--repair", help="drop corru
                                                                      "incomplete compile cache entries"),
                  store: Optional[Path] = StoreOpt, json_: bool = JsonOpt) -> None:
     """Check every blob's digest and every manifest; with --repair, remove what is broken so it gets rebuilt."""
-    from qbuild.store import compile_cache
+    from qbuild import backends
 
     ws = workspace(store, Path("artifacts.lock"))
-    # The compile cache is checked here, not by LocalStore.verify, whose module every build step imports: the
-    # cache's remote code (and boto3) stays out of their keys.
-    problems = ws.store.local.verify(repair=repair) + compile_cache.verify(ws.store.local, repair)
+    # The backends' side caches are checked here, not by LocalStore.verify, whose module every build step imports:
+    # a cache's remote code (and boto3) stays out of their keys.
+    problems = ws.store.local.verify(repair=repair)
+    problems += [p for cache in backends.side_caches() for p in cache.verify(ws.store.local, repair)]
     if json_:
         print(jsonio.dumps({"ok": not problems, "problems": problems, "repaired": repair}))
     for p in problems:

@@ -14,6 +14,7 @@ _NUMBER = r"(\d+(?:\.\d*)?|\.\d+)"
 _SIZE = re.compile(_NUMBER + r"\s*([KMGT]?)(?:I?B)?", re.IGNORECASE)
 _DURATION = re.compile(_NUMBER + r"\s*([SMHD]?)", re.IGNORECASE)
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+GIB = SIZE_UNITS["G"]
 DURATION_UNITS = {"": 1, "S": 1, "M": 60, "H": 3600, "D": 86400}
 
 

@@ -172,7 +172,7 @@ class _Run:
         self.jobs[nid] = Job(node_id=nid, kind=node.kind, name=node.name, key=nk.key, preimage=nk.preimage,
                              params=node.params, store_spec=self.spec, entry=self.registry[node.kind].entry,
                              inputs={name: self.result.manifests[d].outputs for name, d in node.deps.items()},
-                             context=node.context, backend=node.backend,
+                             context=node.context, code=node.code,
                              locked_digest=self.locked_digest(nid, nk.key), timed=timed,
                              expected_seconds=self.durations.expected(node.kind, nk.preimage) if timed else None)
         self.sched.queue(nid)

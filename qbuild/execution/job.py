@@ -57,7 +57,7 @@ class Job:
     store_spec: StoreSpec            # the store the worker opens (plain data, so a job pickles)
     entry: str                       # "module:function" the worker imports and calls
     context: dict = field(default_factory=dict)
-    backend: str | None = None       # the backend whose code the node runs (part of its action source)
+    code: tuple[str, ...] = ()       # modules the node runs beyond its action's entry (part of its action source)
     locked_digest: str | None = None  # the lock's output under this key: a build of other bytes is refused before
                                       # it is committed or pushed (qbuild.store.lock.other_bytes)
     timed: bool = False              # report the step's elapsed seconds (qbuild.core.progress.elapsed) ...

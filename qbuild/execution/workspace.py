@@ -10,6 +10,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from qbuild import backends as backend_registry
 from qbuild.store import lock as lockmod
 from qbuild.execution.engine import BuildOptions, BuildResult, Event, ProgressCallback, build
 from qbuild.planning import locking
@@ -19,6 +20,7 @@ from qbuild.core.hashing import StatCache, default_stat_cache
 from qbuild.planning.keys import REGISTRY, Registry, key_node
 from qbuild.planning.locking import PlatformRebuild
 from qbuild.planning.plan import NodeStatus, Plan, build_plan, evaluate, explain, require_resolved, resolve_hub
+from qbuild.planning.steps import Backends
 from qbuild.recipe.params import FetchHub
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
 from qbuild.store import Store, StoreSpec
@@ -53,6 +55,7 @@ class Workspace:
     stat_cache: StatCache = field(default_factory=default_stat_cache)
     backend: str | None = None      # --backend: build every recipe on this backend instead of its own
     registry: Registry = field(default_factory=lambda: REGISTRY)
+    backends: Backends = field(default=backend_registry)    # what plans each recipe's backend part
     progress: Progress | None = None    # where a remote-backed store reports its transfers
     keep_intermediates: bool = False    # also materialise each recipe's converted weights (never locked)
 
@@ -88,7 +91,8 @@ class Workspace:
         return HostEnvironment(self.stat_cache)
 
     def _build_plan(self, recipes: list[LoadedRecipe]) -> Plan:
-        return build_plan(recipes, self.environment, lockmod.hub_pins(self.lock_doc), self.keep_intermediates)
+        return build_plan(recipes, self.environment, lockmod.hub_pins(self.lock_doc), self.keep_intermediates,
+                          backends=self.backends)
 
     def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
         plan = self._build_plan(recipes)

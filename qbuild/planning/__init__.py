@@ -1,5 +1,7 @@
-"""Recipes -> a plan: the DAG of steps with their typed params (plan), the content keys of its nodes (keys),
-and the one view of this machine that planning reads (environment). Pure over its inputs; nothing here builds.
+"""Recipes -> a plan: the DAG of steps with their typed params (plan), the content keys of its nodes (keys), what
+planning asks of a backend and what a backend adds to a plan (steps), and the one view of this machine that planning
+reads (environment). Pure over its inputs; nothing here builds.
 
-May import: qbuild.core, qbuild.store, qbuild.model, qbuild.recipe, qbuild.hub, qbuild.backends.
+May import: qbuild.core, qbuild.store, qbuild.model, qbuild.recipe, qbuild.hub. Never qbuild.backends: whoever plans
+passes the backends in (steps.Backends), and the backends implement planning's protocols.
 """

@@ -10,11 +10,12 @@ a blank line or a re-wrapped line changes no key; a code edit changes the key of
 the module. The tree is written out by node type and non-empty fields, so the same source gives the same digest on
 every Python version whose parser gives the same tree.
 
-Dynamic imports (`importlib.import_module`) are invisible to this walk. qbuild has four, each accounted for: the
-action entry itself (qbuild.execution.job), a backend's implementation (its closure joins the key of every node that
-runs the backend: qbuild.planning.keys), and a port's modules, in the Neuron SDK worker (keyed as the port's files)
-and in the vLLM plugin a served bundle carries (which no build step runs). tests/test_hermetic_sources.py fails on
-any other.
+Dynamic imports (`importlib.import_module`) are invisible to this walk. qbuild has these, each accounted for: the
+action entry itself (qbuild.execution.job); in the backend registry (qbuild.backends), a backend's implementation
+and a shard layout's rules (a node records the ones it runs, and their closures join its key: plan.Node.code,
+keys.ActionSpec.closure) and a backend's server (which no build step runs); and a port's modules, in the Neuron SDK
+worker (keyed as the port's files) and in the vLLM plugin a served bundle carries (which no build step runs).
+tests/test_hermetic_sources.py fails on any other.
 
 Per file, the digest and the imports are cached by the file's stat identity (qbuild.core.hashing.StatCache), so
 planning parses only the files that changed.

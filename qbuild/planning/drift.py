@@ -23,6 +23,7 @@ from qbuild.planning.environment import HostEnvironment
 from qbuild.planning.graph import graph_of, upstream
 from qbuild.planning.keys import as_locked, diff_preimages
 from qbuild.planning.plan import Plan, PlannedRecipe, build_plan
+from qbuild.planning.steps import Backends
 from qbuild.hub import checkpoint
 from qbuild.recipe.params import to_json
 from qbuild.recipe.locked import locked_recipe
@@ -67,17 +68,18 @@ class OfflineEnvironment:
         return self.host.port_digests(port_dir)
 
 
-def recipe_change(doc: dict, lock_path: Path, name: str, stat_cache: StatCache) -> RecipeChange | None:
-    """How the recipe file of the locked recipe `name` changed since it was locked; None where it did not, where the
-    lock holds no bundle for it (only a pin: nothing built to compare), or where the file is not on this machine (a
-    serving host may hold the lockfile alone)."""
+def recipe_change(doc: dict, lock_path: Path, name: str, stat_cache: StatCache,
+                  backends: Backends) -> RecipeChange | None:
+    """How the recipe file of the locked recipe `name` changed since it was locked (planned again with `backends`);
+    None where it did not, where the lock holds no bundle for it (only a pin: nothing built to compare), or where the
+    file is not on this machine (a serving host may hold the lockfile alone)."""
     entry = doc["recipes"][name]
     path = recipe_file(entry, lock_path)
     if entry["bundle"] is None or not path.is_file():
         return None
     try:
         loaded = locked_recipe(doc, lock_path, name)
-        plan = build_plan([loaded], OfflineEnvironment(HostEnvironment(stat_cache)), hub_pins(doc))
+        plan = build_plan([loaded], OfflineEnvironment(HostEnvironment(stat_cache)), hub_pins(doc), backends=backends)
     except QbuildError as e:
         return RecipeChange(name, path, str(e), known=False)
     what = first_change(plan, plan.recipes[loaded.name], doc, entry)

@@ -20,10 +20,10 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol
 
-from qbuild import backends
 from qbuild.core.platform import host_tag
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
 from qbuild.planning.closures import DEFAULT, Closure, Sources, distribution_versions
+from qbuild.planning.steps import Backends
 from qbuild.recipe.params import to_json
 
 
@@ -33,11 +33,12 @@ class Node(Protocol):
     kind: str
     params: object
     deps: dict[str, str]
-    backend: str | None             # the backend whose code the node runs (qbuild.backends.get), if any
+    code: tuple[str, ...]           # modules the node runs beyond its action's entry (ActionSpec.closure)
 
 
 class Plan(Protocol):
     nodes: dict[str, Node]
+    backends: Backends | None       # the registry the plan was made with, which answers for its backends' steps
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class ActionSpec:
     entry: str                                 # "package.module:function", called as function(ctx)
     data: tuple[str, ...] = ()                 # files it reads, relative to its top-level package's directory
     # Whether the output is the same on every platform (machine, libc, Python, torch's CPU kernels); None: the
-    # backend the node's params name decides (Backend.portable).
+    # backend the node's params name decides (PlanningBackend.portable).
     portable: bool | None = True
     # Whether a running step reports its elapsed seconds against how long the last one of its kind and architecture
     # took (qbuild.core.progress.elapsed); a step without byte counts of its own. Not in any key.
@@ -59,22 +60,22 @@ class ActionSpec:
     def module(self) -> str:
         return self.entry.partition(":")[0]
 
-    def closure(self, backend: str | None = None, sources: Sources = DEFAULT) -> Closure:
-        """The action's import closure; with the implementation of `backend` where the node runs one (the action
-        reaches it through qbuild.backends.get, which the static walk cannot see)."""
-        entries = (self.module,) if backend is None else (self.module, backends.implementation_module(backend))
-        return sources.closure(entries)
+    def closure(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> Closure:
+        """The action's import closure, with that of each module in `code`: what a node of it runs beyond the action's
+        own imports (a backend's implementation, a shard layout's rules), which the action reaches through the
+        backend registry and the static walk cannot see."""
+        return sources.closure((self.module, *code))
 
-    def source_hash(self, backend: str | None = None, sources: Sources = DEFAULT) -> str:
-        closure = self.closure(backend, sources)
+    def source_hash(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> str:
+        closure = self.closure(code, sources)
         parts = [sources.digest(closure)]
         root = sources.root(self.module.split(".")[0])
         for rel in self.data:
             parts.append(f"{rel}:{digest_bytes((root / rel).read_bytes())}")
         return digest_bytes("\n".join(parts).encode())[:32]
 
-    def toolchain_versions(self, backend: str | None = None, sources: Sources = DEFAULT) -> dict[str, str]:
-        return distribution_versions(self.closure(backend, sources).third_party)
+    def toolchain_versions(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> dict[str, str]:
+        return distribution_versions(self.closure(code, sources).third_party)
 
 
 Registry = Mapping[str, ActionSpec]           # kind -> spec
@@ -99,10 +100,12 @@ REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
 
 # --- portability -------------------------------------------------------------------------------------------------
 
-def action_portable(node: Node, registry: Registry = REGISTRY) -> bool:
-    """Whether `node`'s action, whatever its inputs, writes the same output on every platform."""
+def action_portable(node: Node, registry: Registry = REGISTRY, backends: Backends | None = None) -> bool:
+    """Whether `node`'s action, whatever its inputs, writes the same output on every platform (asking `backends` for
+    the backend's answer where the action leaves it to the backend)."""
     portable = registry[node.kind].portable
     if portable is None:
+        assert backends is not None, f"a {node.kind} node is planned with the backends that decide its portability"
         return backends.get(node.params.backend).portable(node.kind)
     return portable
 
@@ -111,7 +114,7 @@ def portability(plan: Plan, registry: Registry = REGISTRY) -> dict[str, bool]:
     """Node id -> whether the node's output is the same on every platform: its action's is, and every input's."""
     out: dict[str, bool] = {}
     for nid, node in plan.nodes.items():    # topological order: every input is decided first
-        out[nid] = action_portable(node, registry) and all(out[dep] for dep in node.deps.values())
+        out[nid] = action_portable(node, registry, plan.backends) and all(out[dep] for dep in node.deps.values())
     return out
 
 
@@ -122,9 +125,9 @@ def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY, 
     not portable, the platform tag it is built for (None: a portable node, whose preimage has no platform)."""
     spec = registry[node.kind]
     params = to_json(node.params)
-    # A node that pins its toolchain (a neuron compile) is keyed on the pin, never on what this host has installed.
-    toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions(node.backend)
-    pre = {"action": node.kind, "version": spec.source_hash(node.backend), "params": params, "inputs": inputs,
+    # A node that pins its toolchain is keyed on the pin, never on what this host has installed.
+    toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions(node.code)
+    pre = {"action": node.kind, "version": spec.source_hash(node.code), "params": params, "inputs": inputs,
            "toolchain": toolchain}
     if platform is not None:
         pre["platform"] = platform

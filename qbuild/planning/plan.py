@@ -3,8 +3,10 @@
 A node's id is structural (its kind, params and the ids of its inputs), so equal work in two recipes is one
 node: the tp4 and tp8 recipes of a model share fetch, convert and reference. A node's key is the content key of
 docs/architecture.md (qbuild.planning.keys); it is known once every input's output digest is known, that is once the
-upstream nodes are cached or built. The backend a recipe names plans its own part (qbuild.backends.base.Backend.plan):
-extra source nodes, the shard layout, the compile nodes and the package.
+upstream nodes are cached or built. The backend a recipe names plans its own part (qbuild.planning.steps.PlanningBackend
+.plan): extra source nodes, the shard layout, the compile nodes and the package. Planning names and imports no
+backend: the caller passes the registry of backends in (qbuild.planning.steps.Backends), and the plan keeps it for its
+keys and explanations.
 
 What planning needs of this machine (checkpoint files' digests, the commit a Hub branch resolves to, config.json)
 comes through an `Environment` the caller passes in; the store and the lock come in as a lookup, the locked nodes and
@@ -19,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Mapping, Protocol, Sequence
 
-from qbuild import backends
-from qbuild.backends.base import GIB, Backend, PlannedStep, Sizes
 from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import InfraError, QbuildError, RecipeError, UserError
 from qbuild.core.hashing import digest_json
+from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
 from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, walk
+from qbuild.planning.steps import Backends, PlanningBackend, PlannedStep, Sizes
 from qbuild.recipe import checks
 from qbuild.recipe.params import (ConvertParams, FetchHub, FetchParams, FetchPath, ReferenceParams, VerifyParams,
                                   to_json)
@@ -57,24 +59,28 @@ class Environment(Protocol):
 
 @dataclass
 class Node:
+    """One step of the plan. `resources` are the devices the step runs on, by the name its backend gives them and an
+    executor schedules them by (verifying a neuron bundle: {"neuron_cores": 8}); empty where any host runs it."""
+
     id: str
     kind: str
     name: str                       # what a person reads: "compile cte-128", "fetch Qwen/Qwen3.5-2B"
     params: object                  # the step's typed params (qbuild.recipe.params); their JSON enters the key
     deps: dict[str, str]            # input name -> node id
-    backend: str | None             # the backend whose code the node runs, if any (its code joins the key)
+    backend: str | None             # the backend whose implementation the node runs (Backends.get), if any
     est_out_bytes: int
     est_peak_bytes: int
     context: dict = field(default_factory=dict)   # where things are on this machine; never in a key
     recipes: list[str] = field(default_factory=list)
-    neuron_cores: int = 0           # NeuronCores the step runs on (verifying a neuron bundle); 0: any host
-    neffs: int = 0                  # NEFFs a neuron compile produces (one per bucket of each submodel)
+    resources: dict[str, int] = field(default_factory=dict)     # devices it runs on; empty: any host
     unresolved: QbuildError | None = None   # why a hub fetch has no commit (so no key); None when it has one
     est_new_bytes: int | None = None    # what of its output no input holds (a package links them); None: all of it
+    code: tuple[str, ...] = ()      # modules it runs beyond its action's entry (a backend's implementation, a shard
+                                    # layout's rules): their import closures join its key (keys.ActionSpec.closure)
 
     @property
     def needs_device(self) -> bool:
-        return self.neuron_cores > 0
+        return any(self.resources.values())
 
 
 @dataclass
@@ -92,6 +98,7 @@ class PlannedRecipe:
 class Plan:
     nodes: dict[str, Node]          # in a topological order
     recipes: dict[str, PlannedRecipe]
+    backends: Backends | None = None    # the registry it was planned with (None: a plan of no backend's nodes)
 
     def roles(self, node_id: str) -> list[tuple[str, str]]:
         return [(r, role) for r, pr in self.recipes.items() for role, nid in pr.nodes.items() if nid == node_id]
@@ -100,14 +107,17 @@ class Plan:
 # --- building the graph ---------------------------------------------------------------------------------------
 
 def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params, deps: dict[str, str],
-         out: int, peak: int, context: dict | None = None, neuron_cores: int = 0, neffs: int = 0,
-         backend: str | None = None, unresolved: QbuildError | None = None, new: int | None = None) -> str:
+         out: int, peak: int, context: dict | None = None, resources: dict[str, int] | None = None,
+         backend: str | None = None, unresolved: QbuildError | None = None, new: int | None = None,
+         code: tuple[str, ...] = ()) -> str:
+    """The id of the node of this kind, params, inputs and backend, added to `nodes` unless it is there (then the
+    recipe is one more that needs it). `code`: the modules it runs beyond its action's entry (Node.code)."""
     node_id = digest_json({"kind": kind, "params": to_json(params), "deps": deps, "backend": backend})[:16]
     node = nodes.get(node_id)
     if node is None:
         node = nodes[node_id] = Node(node_id, kind, name, params, deps, backend, out, peak, dict(context or {}),
-                                     neuron_cores=neuron_cores, neffs=neffs, unresolved=unresolved,
-                                     est_new_bytes=new)
+                                     resources=dict(resources or {}), unresolved=unresolved, est_new_bytes=new,
+                                     code=code)
     if recipe not in node.recipes:
         node.recipes.append(recipe)
     return node_id
@@ -185,12 +195,15 @@ def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
 
 
 def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: Environment,
-                hub: HubRevision | None = None, keep_intermediates: bool = False) -> PlannedRecipe:
-    """Add one recipe's nodes to `nodes`. `hub`: its model's resolved revision (resolve_hub; resolved here, without
-    the lock's pins, when not given). `keep_intermediates` adds a node that materialises the converted weights, which
-    nothing else reads: every other node's id and key are the same without it."""
+                hub: HubRevision | None = None, keep_intermediates: bool = False, *,
+                backends: Backends) -> PlannedRecipe:
+    """Add one recipe's nodes to `nodes`, with the backend `backends` gives for its name. `hub`: its model's resolved
+    revision (resolve_hub; resolved here, without the lock's pins, when not given). `keep_intermediates` adds a node
+    that materialises the converted weights, which nothing else reads: every other node's id and key are the same
+    without it."""
     r, name = loaded.recipe, loaded.name
-    backend = resolve_backend(loaded)
+    backend = resolve_backend(loaded, backends)
+    runs = (backends.implementation_module(r.backend),)      # what a node running the backend runs: its code
     dbytes = DTYPE_BYTES[r.dtype]
     weights = checks.weight_bytes(arch, r.dtype, r.fp8)
     vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * dbytes
@@ -213,21 +226,21 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
         {"converted": convert, "snapshot": fetch}, weights + vision_bytes, 3 * big + GIB // 2, fctx)
     bp = backend.plan(loaded, arch, env, Sizes(weights, vision_bytes))
     for step in bp.sources:
-        roles[step.role] = _add_step(nodes, name, step, roles, r.backend)
+        roles[step.role] = _add_step(nodes, name, step, roles, r.backend, runs)
     # Every source node a backend adds (a port) is an input of the shard, package and verify steps.
     sources = {step.role: roles[step.role] for step in bp.sources}
-    shard_label = "" if bp.shard.layout == "cpu" else bp.shard.layout + " "
     roles["shard"] = shard = _add(
-        nodes, name, "shard", f"shard {shard_label}tp{r.parallel.tp} ep{r.parallel.ep}", bp.shard,
-        {"converted": convert, "snapshot": fetch, **sources}, weights, 3 * big + GIB // 2, fctx)
-    compile_ids = {step.role: _add_step(nodes, name, step, roles, r.backend) for step in bp.compiles}
+        nodes, name, "shard", f"shard {bp.shard.layout} {bp.shard.ranks.describe()}", bp.shard,
+        {"converted": convert, "snapshot": fetch, **sources}, weights, 3 * big + GIB // 2, fctx,
+        code=(backends.layout_module(bp.shard.layout),))
+    compile_ids = {step.role: _add_step(nodes, name, step, roles, r.backend, runs) for step in bp.compiles}
     roles.update(compile_ids)
     deps = {"converted": convert, "shard": shard, **sources,
             **{role.replace(" ", ":"): nid for role, nid in compile_ids.items()}}
     # A bundle links its weights and graphs from its inputs: what it writes itself is a manifest and configs.
     roles["package"] = package = _add(
         nodes, name, "package", f"package {name}", bp.package, deps,
-        weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2, backend=r.backend, new=1 << 20)
+        weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2, backend=r.backend, new=1 << 20, code=runs)
     v = r.verify
     prompts = None if v.prompts is None else tuple(v.prompts)
     roles["reference"] = reference = _add(
@@ -237,7 +250,7 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
     roles["verify"] = verify = _add(
         nodes, name, "verify", f"verify {name}", VerifyParams(v.top1_min, v.token_match_min, v.max_logit_err),
         {"bundle": package, "reference": reference, **sources}, 1 << 20,
-        2 * weights + GIB + _run_bytes(loaded, arch), neuron_cores=bp.verify_cores, backend=r.backend)
+        2 * weights + GIB + _run_bytes(loaded, arch), resources=bp.verify_resources, backend=r.backend, code=runs)
     return PlannedRecipe(loaded, arch, roles, package, verify, kept)
 
 
@@ -291,20 +304,21 @@ def _run_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
     return 2 * kv + 2 * logits + vision
 
 
-def _add_step(nodes: dict[str, Node], recipe: str, step: PlannedStep, roles: dict[str, str], backend: str) -> str:
+def _add_step(nodes: dict[str, Node], recipe: str, step: PlannedStep, roles: dict[str, str], backend: str,
+              code: tuple[str, ...]) -> str:
     """A backend's node, its inputs named by the roles of nodes already planned."""
     deps = {name: roles[role] for name, role in step.deps.items()}
     return _add(nodes, recipe, step.kind, step.name, step.params, deps, step.est_out_bytes, step.est_peak_bytes,
-                step.context, neffs=step.neffs, backend=backend)
+                step.context, backend=backend, code=code)
 
 
-def validate_recipe(loaded: LoadedRecipe, arch: Arch) -> None:
+def validate_recipe(loaded: LoadedRecipe, arch: Arch, backends: Backends) -> None:
     """Every check of a recipe against its architecture: the recipe layer's, then its backend's own."""
     checks.validate(loaded, arch)
-    resolve_backend(loaded).validate(loaded, arch)
+    resolve_backend(loaded, backends).validate(loaded, arch)
 
 
-def resolve_backend(loaded: LoadedRecipe) -> Backend:
+def resolve_backend(loaded: LoadedRecipe, backends: Backends) -> PlanningBackend:
     """The backend a recipe names; RecipeError at the recipe's `backend:` for a name no backend has."""
     try:
         return backends.get(loaded.recipe.backend)
@@ -314,9 +328,10 @@ def resolve_backend(loaded: LoadedRecipe) -> Backend:
 
 
 def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str, HubPin] | None = None,
-               keep_intermediates: bool = False) -> Plan:
-    """Validate each recipe against its architecture and expand all of them into one deduplicated DAG. `pins`: the
-    lock's hub pins by recipe name (qbuild.store.lock.hub_pins). `keep_intermediates`: see plan_recipe."""
+               keep_intermediates: bool = False, *, backends: Backends) -> Plan:
+    """Validate each recipe against its architecture and expand all of them into one deduplicated DAG, each recipe's
+    own part planned by the backend it names in `backends`. `pins`: the lock's hub pins by recipe name
+    (qbuild.store.lock.hub_pins). `keep_intermediates`: see plan_recipe."""
     nodes: dict[str, Node] = {}
     planned: dict[str, PlannedRecipe] = {}
     for loaded in recipes:
@@ -331,9 +346,9 @@ def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str,
                 raise
             # Without a commit there is no config.json to read but a shipped one: the reason is the missing commit.
             raise type(hub.unresolved)(str(hub.unresolved)) from None
-        validate_recipe(loaded, arch)
-        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env, hub, keep_intermediates)
-    return Plan(nodes, planned)
+        validate_recipe(loaded, arch, backends)
+        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env, hub, keep_intermediates, backends=backends)
+    return Plan(nodes, planned, backends)
 
 
 # --- statuses and reasons -------------------------------------------------------------------------------------
@@ -376,7 +391,7 @@ def evaluate(plan: Plan, lookup: Callable[[str], Manifest | None], locked: Mappi
         else:
             entry = locked.get(nid)
             why = "no entry" if entry is None else \
-                _what_changed(plan.nodes[nid], entry.preimage, nk.preimage, "not in the store", pins)
+                _what_changed(plan, nid, entry.preimage, nk.preimage, "not in the store", pins)
             result[nid] = NodeStatus("build", nk.key, nk.preimage, None, why)
     return result
 
@@ -404,21 +419,22 @@ def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, L
         elif entry is None:
             out[nid] = f"{st.why}; no entry"
         else:
-            changed = _what_changed(plan.nodes[nid], entry.preimage, pre, "")
+            changed = _what_changed(plan, nid, entry.preimage, pre, "")
             out[nid] = f"{st.why}; {changed}" if changed else st.why
     return out
 
 
-def _what_changed(node: Node, old: dict, pre: dict, otherwise: str, pins: Sequence[str] = ()) -> str:
+def _what_changed(plan: Plan, nid: str, old: dict, pre: dict, otherwise: str, pins: Sequence[str] = ()) -> str:
     """The hub pins that moved below the node (`pins`), the fields of `pre` that differ from the locked preimage `old`
     (`otherwise` where none does), and for a compile, what its backend can still reuse (a neuron text compile's
     NEFFs). A fetch's moved pin is its changed revision, so that field is named once, as the pin."""
+    node = plan.nodes[nid]
     changed = diff_preimages(old, as_locked(pre))
     if pins and node.kind == "fetch":
         changed = [c for c in changed if not c.startswith("params.revision")]
     parts = [*pins, "; ".join(changed) or ("" if pins else otherwise)]
     if node.kind == "compile":
-        parts.append(backends.get(node.params.backend).explain_reuse(old["params"], node.params))
+        parts.append(plan.backends.get(node.params.backend).explain_reuse(old["params"], node.params))
     return "; ".join(p for p in parts if p)
 
 

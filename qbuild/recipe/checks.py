@@ -45,10 +45,10 @@ def validate(loaded: LoadedRecipe, arch: Arch) -> None:
     if arch.is_moe:
         if arch.num_experts % ep:
             fail(loaded, "parallel.ep", f"ep={ep} does not divide the {arch.num_experts} experts")
-        moe_tp = r.parallel.effective_moe_tp
+        moe_tp = r.parallel.moe_tp
         if arch.moe_intermediate_size % moe_tp:
-            fail(loaded, "parallel.moe_tp", f"moe_tp={moe_tp} does not divide the expert intermediate size "
-                                             f"{arch.moe_intermediate_size}")
+            fail(loaded, "parallel.ep", f"tp / ep = {moe_tp} ranks per expert group do not divide the expert "
+                                        f"intermediate size {arch.moe_intermediate_size}")
     else:
         if ep != 1:
             fail(loaded, "parallel.ep", f"ep={ep} needs an MoE model; {arch.family} is dense")

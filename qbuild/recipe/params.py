@@ -22,6 +22,7 @@ from qbuild.model.arch import Arch, VisionArch
 from qbuild.model.families import FamilyName
 from qbuild.model.fp8 import FP8PolicyName
 from qbuild.model.chunking import LongContext
+from qbuild.model.ranks import RankLayout
 
 
 class ParamsError(ValueError):
@@ -57,15 +58,12 @@ class ConvertParams:
 
 @dataclass(frozen=True)
 class ShardParams:
-    """How converted text weights are split into one file per rank (qbuild.model.convert.shard_checkpoint)."""
+    """How converted text weights are split into one file per rank (qbuild.model.convert.shard.shard_checkpoint)."""
 
-    layout: str                      # "cpu" or an NxD layout (qbuild.model.convert.shard.LAYOUTS)
-    tp: int                          # the number of ranks
-    ep: int
-    dense_tp: int                    # the tensor-parallel degree of every non-expert layer (tp on the cpu layout)
-    moe_tp: int | None               # None for a dense model
+    layout: str                      # whose rules: "cpu" (qbuild's reference model) or a backend's own layout, found
+                                     # by name (qbuild.backends.shard_layout)
+    ranks: RankLayout                # the world and how each kind of layer is split over it
     fused_qkv: bool
-    pad_intermediate_to: int | None
     dtype: DType
 
 
@@ -151,7 +149,12 @@ def _parse(cls, value, where: str):
     names = [f.name for f in fields(cls)]
     _check_names(value, names, where)
     hints = _hints(cls)
-    return cls(**{n: _value(hints[n], value[n], f"{where}.{n}") for n in names})
+    try:
+        return cls(**{n: _value(hints[n], value[n], f"{where}.{n}") for n in names})
+    except ParamsError:
+        raise
+    except ValueError as e:     # fields each of its type, but not together (a RankLayout's degrees)
+        raise ParamsError(f"{where}: {e}") from None
 
 
 def _arch(cls, value, where: str):

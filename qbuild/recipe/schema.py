@@ -83,22 +83,24 @@ ModelSource = Annotated[
     BeforeValidator(_set_source_fields)]
 
 
-class Parallel(_Strict):
-    tp: StrictInt = Field(1, ge=1, le=64, description="tensor-parallel degree (ranks)")
-    ep: StrictInt = Field(1, ge=1, le=64, description="expert-parallel degree (MoE families)")
-    moe_tp: StrictInt | None = Field(None, ge=1, description="MoE tensor-parallel degree; default tp // ep")
+class Parallelism(_Strict):
+    """How the recipe's model is split over ranks: `tp` splits every layer, `ep` groups the experts. The files and
+    ranks each backend derives from them are its RankLayout (qbuild.model.ranks), on the shard step's params."""
+
+    tp: StrictInt = Field(1, ge=1, le=64, description="tensor-parallel degree: the ranks every layer is split over")
+    ep: StrictInt = Field(1, ge=1, le=64, description="expert-parallel degree (MoE families): the groups the experts "
+                                                      "are split into; it divides tp on the CPU backends")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "Parallel":
+    def _consistent(self) -> "Parallelism":
         if self.tp % self.ep:
             raise ValueError(f"ep={self.ep} must divide tp={self.tp}")
-        if self.moe_tp is not None and self.moe_tp * self.ep != self.tp:
-            raise ValueError(f"moe_tp * ep must equal tp ({self.moe_tp} * {self.ep} != {self.tp})")
         return self
 
     @property
-    def effective_moe_tp(self) -> int:
-        return self.moe_tp if self.moe_tp is not None else self.tp // self.ep
+    def moe_tp(self) -> int:
+        """The ranks of one expert group, over which each expert's intermediate is split (tp // ep)."""
+        return self.tp // self.ep
 
 
 def _check_buckets(v: list[int]) -> list[int]:
@@ -336,7 +338,7 @@ class Recipe(_Strict):
 
     name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     model: ModelSource
-    parallel: Parallel = Parallel()
+    parallel: Parallelism = Parallelism()
     text: Text
     vision: Vision | None = None
     dtype: DType = "bfloat16"

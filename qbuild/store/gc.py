@@ -1,6 +1,7 @@
 """Garbage collection: drop store entries no lockfile references, locally beyond an LRU size budget, remotely all
-but those written within the grace period; and the Neuron compile cache's groups (qbuild.store.compile_cache), least
-recently used first, beyond the same budget here and on the remote.
+but those written within the grace period; and the groups of the side caches it is handed (qbuild.store.side_cache:
+a backend's compiler cache, such as the Neuron compile cache), least recently used first, beyond the same budget here
+and on the remote.
 
 Like publish and pull it reads lockfiles, never recipes.
 """
@@ -16,7 +17,6 @@ from pathlib import Path
 from typing import Literal
 
 from qbuild.core.errors import UserError
-from qbuild.store import compile_cache
 from qbuild.store import lock as lockmod
 from qbuild.store.files import read_regular
 from qbuild.store.lease import live_leases
@@ -24,6 +24,7 @@ from qbuild.store.local import LocalStore
 from qbuild.store.manifest import Manifest
 from qbuild.store.remote import holding
 from qbuild.store.s3 import POOL_THREADS, S3Remote, parse_remote
+from qbuild.store.side_cache import CacheGroup, SideCache
 from qbuild.core.threads import map_all
 
 # What was written this recently is kept: a blob no manifest names may belong to a push still in flight, and a
@@ -35,9 +36,9 @@ GRACE_S = 3600.0
 class Removal:
     where: str                              # "local" or the remote URL
     what: Literal["manifest", "blob", "cache", "partial"]
-    name: str                               # key, digest, or a compile cache group ("<pin>/<target>/<group>")
+    name: str                               # key, digest, a side cache's group (relative to the cache), or a file
     size: int
-    kind: str = ""                          # the manifest's action kind
+    kind: str = ""                          # the manifest's action kind, or the side cache's name
 
 
 @dataclass
@@ -47,7 +48,7 @@ class GcReport:
     kept_blobs: int = 0
     young_orphans: int = 0       # blobs no manifest names, kept because they are younger than the grace period
     in_use: int = 0              # manifests kept because a running build holds them or they are within the grace
-    kept_cache: int = 0          # compile cache groups kept
+    kept_cache: int = 0          # side cache groups kept
     dry_run: bool = False
 
     @property
@@ -83,10 +84,10 @@ class _Listed:
 
     manifests: list[tuple[Manifest, Path, os.stat_result]] = field(default_factory=list)
     blobs: list[tuple[Path, os.stat_result]] = field(default_factory=list)
-    groups: list[compile_cache.Group] = field(default_factory=list)
+    groups: list[tuple[SideCache, CacheGroup]] = field(default_factory=list)
 
 
-def _list_local(root: Path) -> _Listed:
+def _list_local(root: Path, caches: Sequence[SideCache]) -> _Listed:
     listed = _Listed()
     for path in sorted((root / "ac").glob("*/*.json")):
         try:
@@ -100,12 +101,13 @@ def _list_local(root: Path) -> _Listed:
                 listed.blobs.append((blob, os.lstat(blob)))
         except FileNotFoundError:
             continue
-    listed.groups = compile_cache.groups(root)
+    listed.groups = [(cache, group) for cache in caches for group in cache.groups(root)]
     return listed
 
 
 def collect(store_root: Path, lock_paths: Sequence[Path], keep_size: int, *, dry_run: bool = False,
-            grace_s: float = GRACE_S, remote_url: str | None = None) -> list[GcReport]:
+            grace_s: float = GRACE_S, remote_url: str | None = None,
+            caches: Sequence[SideCache] = ()) -> list[GcReport]:
     """`qbuild gc`: gc_local of the store at `store_root`, then, given `remote_url`, gc_remote of that remote (an
     explicit URL only: deleting shared artifacts is never configured). A malformed URL, or a lockfile that is not
     there, is refused before the local store is touched. Each gc reads the lockfiles itself, after the leases of the
@@ -115,21 +117,22 @@ def collect(store_root: Path, lock_paths: Sequence[Path], keep_size: int, *, dry
     missing = [str(p) for p in lock_paths if not p.exists()]
     if missing:
         raise UserError(f"{missing[0]}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
-    reports = [gc_local(LocalStore(store_root.resolve()), lock_paths, keep_size, dry_run=dry_run, grace_s=grace_s)]
+    reports = [gc_local(LocalStore(store_root.resolve()), lock_paths, keep_size, dry_run=dry_run, grace_s=grace_s,
+                        caches=caches)]
     if remote_url is not None:
         reports.append(gc_remote(S3Remote(remote_url, probe=True), lock_paths, keep_size=keep_size, dry_run=dry_run,
-                                 grace_s=grace_s))
+                                 grace_s=grace_s, caches=caches))
     return reports
 
 
 def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, dry_run: bool = False,
-             grace_s: float = GRACE_S) -> GcReport:
+             grace_s: float = GRACE_S, caches: Sequence[SideCache] = ()) -> GcReport:
     """Keep the manifests the lockfiles at `lock_paths` reference, those a running build holds (see store/lease.py)
     and those written within `grace_s`, then the most recently used others while their blobs fit in `keep_size`
     bytes; remove the remaining manifests, then every blob no kept manifest names (but those a running build
-    wrote or claimed, and blobs no manifest names at all only once older than `grace_s`). The compile cache's groups
-    compete for the same budget by their last use; one used within `grace_s` or since a running build began, or held
-    by a compile, is kept.
+    wrote or claimed, and blobs no manifest names at all only once older than `grace_s`). The groups of the side
+    `caches` compete for the same budget by their last use; one used within `grace_s` or since a running build began,
+    or held by a build, is kept.
 
     The order of the reads is what makes this safe beside builds. The entries are listed first, then the leases,
     then the lockfiles: whatever was listed was written by a build that is running when its lease is read (which
@@ -137,33 +140,33 @@ def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, d
     then); what a build writes after the listing is not touched. A removal checks its file again under the lock its
     writers take, so an entry a build put back or claimed meanwhile stays."""
     report = GcReport(dry_run=dry_run)
-    listed = _list_local(store.root)
+    listed = _list_local(store.root, caches)
     live = live_leases(store.root, reap=False)
     locked = referenced_keys(read_lockfiles(lock_paths))
     if not dry_run:
         live.reap()
     now = time.time()
-    entries: list[tuple[float, Manifest | compile_cache.Group, Path | None, os.stat_result | None]] = []
+    entries: list[tuple[float, Manifest | tuple[SideCache, CacheGroup], Path | None, os.stat_result | None]] = []
     for manifest, path, st in listed.manifests:
         if manifest.key not in locked and (manifest.key in live.keys or live.protects(st.st_mtime)
                                            or now - st.st_mtime < grace_s):
             report.in_use += 1
             locked.add(manifest.key)
         entries.append((max(st.st_atime, st.st_mtime), manifest, path, st))
-    for group in listed.groups:
+    for cache, group in listed.groups:
         if live.protects(group.used) or now - group.used < grace_s:
             report.in_use += 1
             report.kept_cache += 1
         else:
-            entries.append((group.used, group, None, None))
+            entries.append((group.used, (cache, group), None, None))
     named = {o["digest"] for m, _, _ in listed.manifests for o in m.outputs.values()}
     kept_blobs = {o["digest"] for m, _, _ in listed.manifests if m.key in locked for o in m.outputs.values()}
     doomed, doomed_groups = _over_budget(entries, locked, kept_blobs, keep_size, report)
     _remove_manifests(store, doomed, kept_blobs, report)
-    for group in doomed_groups:
-        if dry_run or compile_cache.remove_group(store, group):
-            report.removed.append(Removal("local", "cache", group.name, group.size, compile_cache.CACHE_DIR))
-        else:   # a compile took it meanwhile
+    for cache, group in doomed_groups:
+        if dry_run or cache.remove_group(store, group):
+            report.removed.append(Removal("local", "cache", group.name, group.size, cache.name))
+        else:   # a build took it meanwhile
             report.in_use += 1
             report.kept_cache += 1
     candidates = []
@@ -184,15 +187,16 @@ def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, d
 
 
 def _over_budget(entries: list, locked: set[str], kept_blobs: set[str], keep_size: int,
-                 report: GcReport) -> tuple[list[tuple[Manifest, Path, os.stat_result]], list[compile_cache.Group]]:
-    """The manifests and compile cache groups beyond `keep_size`, most recently used kept first; `kept_blobs` gets
-    the blobs of the manifests kept."""
+                 report: GcReport) -> tuple[list[tuple[Manifest, Path, os.stat_result]],
+                                            list[tuple[SideCache, CacheGroup]]]:
+    """The manifests and side cache groups beyond `keep_size`, most recently used kept first; `kept_blobs` gets the
+    blobs of the manifests kept."""
     budget = keep_size
     doomed, doomed_groups = [], []
     for _, m, path, st in sorted(entries, key=lambda e: -e[0]):   # most recently used first
-        if isinstance(m, compile_cache.Group):
-            if m.size <= budget:
-                budget -= m.size
+        if isinstance(m, tuple):    # (side cache, group)
+            if m[1].size <= budget:
+                budget -= m[1].size
                 report.kept_cache += 1
             else:
                 doomed_groups.append(m)
@@ -225,64 +229,65 @@ def _remove_manifests(store: LocalStore, doomed: list, kept_blobs: set[str], rep
 
 
 def gc_remote(remote: S3Remote, lock_paths: Sequence[Path], *, keep_size: int = 0, dry_run: bool = False,
-              grace_s: float = GRACE_S) -> GcReport:
+              grace_s: float = GRACE_S, caches: Sequence[SideCache] = ()) -> GcReport:
     """Remove every remote manifest no lockfile references and older than `grace_s` (one written since may be a
-    push whose lockfile is not committed yet), and the compile cache's index objects beyond the `keep_size` budget
-    (most recently written kept first; those written within `grace_s` always), then every blob no remaining manifest
-    or index names (blobs nothing names at all only once older than `grace_s`: a publish uploads blobs before its
-    manifest, a cache upload before its index). A gc that deletes holds the remote's gc lease
+    push whose lockfile is not committed yet), and the index objects of the side `caches` beyond the `keep_size`
+    budget (most recently written kept first; those written within `grace_s` always), then every blob no remaining
+    manifest or index names (blobs nothing names at all only once older than `grace_s`: a publish uploads blobs
+    before its manifest, a cache upload before its index). A gc that deletes holds the remote's gc lease
     (qbuild.store.remote): it waits for the pushes under way, and none starts until it is done, so no blob a push
     found present goes. The lockfiles at `lock_paths` are read once the lease is held, so one written while the gc
     waited for the pushes under way is read too."""
     if dry_run:
-        return _gc_remote(remote, read_lockfiles(lock_paths), keep_size, dry_run, grace_s)
+        return _gc_remote(remote, read_lockfiles(lock_paths), keep_size, dry_run, grace_s, caches)
     with holding(remote, "gc"):
-        return _gc_remote(remote, read_lockfiles(lock_paths), keep_size, dry_run, grace_s)
+        return _gc_remote(remote, read_lockfiles(lock_paths), keep_size, dry_run, grace_s, caches)
 
 
-def _gc_remote(remote: S3Remote, docs: list[dict], keep_size: int, dry_run: bool, grace_s: float) -> GcReport:
+@dataclass(frozen=True)
+class _Index:
+    """One index object of a side cache on the remote, and the blobs it names."""
+
+    cache: SideCache
+    obj: object                     # the listed object (name, size, modified)
+    blobs: set[str]
+
+    @property
+    def group(self) -> str:
+        return self.obj.name.split(f"{self.cache.name}/", 1)[-1].removesuffix(".json")
+
+
+def _list_indexes(remote: S3Remote, caches: Sequence[SideCache]) -> list[_Index]:
+    listed = [(cache, o) for cache in caches for o in remote.list_objects(remote.object_key(cache.name) + "/")
+              if o.name.endswith(".json")]
+    blobs = map_all(lambda item: item[0].index_blobs(remote, item[1].name), listed, POOL_THREADS)
+    return [_Index(cache, o, names) for (cache, o), names in zip(listed, blobs)]
+
+
+def _gc_remote(remote: S3Remote, docs: list[dict], keep_size: int, dry_run: bool, grace_s: float,
+               caches: Sequence[SideCache]) -> GcReport:
     report = GcReport(dry_run=dry_run)
     locked = referenced_keys(docs)
     listed = {m.name: m for m in remote.list_manifests()}
     blobs = list(remote.list_blobs())
     manifests = dict(zip(listed, map_all(remote.get_manifest, list(listed), POOL_THREADS)))
-    indexes = [o for o in remote.list_objects(remote.object_key(compile_cache.CACHE_DIR) + "/")
-               if o.name.endswith(".json")]
-    cached = dict(zip((o.name for o in indexes),
-                      map_all(lambda o: compile_cache.read_index(remote, o.name), indexes, POOL_THREADS)))
-    sizes = {b.name: b.size for b in blobs}
-
-    def index_blobs(name: str) -> set[str]:
-        return {m["digest"] for files in cached[name].values() for m in files.values()}
-
+    indexes = _list_indexes(remote, caches)
     now = time.time()
     young = {k for k, obj in listed.items() if k not in locked and now - obj.modified.timestamp() < grace_s}
     report.in_use = len(young)
     locked |= young
     named = {o["digest"] for m in manifests.values() if m for o in m.outputs.values()}
-    named |= {d for name in cached for d in index_blobs(name)}
+    named |= {d for index in indexes for d in index.blobs}
     kept_blobs = {o["digest"] for k, m in manifests.items() if m and k in locked for o in m.outputs.values()}
     doomed = sorted(k for k in listed if k not in locked)
     report.kept_manifests = len(listed) - len(doomed)
     for key in doomed:
         m = manifests.get(key)
         report.removed.append(Removal(remote.url, "manifest", key, listed[key].size, m.kind if m else ""))
-    budget = keep_size
-    doomed_indexes = []
-    for index in sorted(indexes, key=lambda o: -o.modified.timestamp()):   # most recently written first
-        extra = index_blobs(index.name) - kept_blobs
-        cost = sum(sizes.get(d, 0) for d in extra)
-        young = now - index.modified.timestamp() < grace_s
-        if young or cost <= budget:
-            budget -= 0 if young else cost
-            kept_blobs |= extra
-            report.kept_cache += 1
-        else:
-            doomed_indexes.append(index)
-            group = index.name.split(f"{compile_cache.CACHE_DIR}/", 1)[-1].removesuffix(".json")
-            report.removed.append(Removal(remote.url, "cache", group, index.size, compile_cache.CACHE_DIR))
+    doomed_indexes = _indexes_over_budget(remote, indexes, kept_blobs, {b.name: b.size for b in blobs}, keep_size,
+                                          now - grace_s, report)
     if not dry_run:   # manifests and indexes before the blobs they name
-        remote.delete([remote.manifest_key(k) for k in doomed] + [o.name for o in doomed_indexes])
+        remote.delete([remote.manifest_key(k) for k in doomed] + [index.obj.name for index in doomed_indexes])
     gone = []
     for blob in blobs:
         if blob.name in kept_blobs:
@@ -296,3 +301,22 @@ def _gc_remote(remote: S3Remote, docs: list[dict], keep_size: int, dry_run: bool
     if not dry_run:
         remote.delete(gone)
     return report
+
+
+def _indexes_over_budget(remote: S3Remote, indexes: list[_Index], kept_blobs: set[str], sizes: dict[str, int],
+                         budget: int, young_since: float, report: GcReport) -> list[_Index]:
+    """The side caches' index objects beyond `budget`, most recently written kept first (and every one written after
+    `young_since`); `kept_blobs` gets the blobs of those kept."""
+    doomed = []
+    for index in sorted(indexes, key=lambda i: -i.obj.modified.timestamp()):   # most recently written first
+        extra = index.blobs - kept_blobs
+        cost = sum(sizes.get(d, 0) for d in extra)
+        young = index.obj.modified.timestamp() > young_since
+        if young or cost <= budget:
+            budget -= 0 if young else cost
+            kept_blobs |= extra
+            report.kept_cache += 1
+        else:
+            doomed.append(index)
+            report.removed.append(Removal(remote.url, "cache", index.group, index.obj.size, index.cache.name))
+    return doomed

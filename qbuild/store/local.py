@@ -306,7 +306,7 @@ class LocalStore:
     # --- maintenance ---------------------------------------------------------------------------------------
     def verify(self, repair: bool = False) -> list[str]:
         """Check every blob's digest, every manifest's blobs and the staging dirs; returns one line per problem
-        found. (`qbuild store verify` also checks the Neuron compile cache: qbuild.store.compile_cache.verify.)
+        found. (`qbuild store verify` also checks the side caches the backends register: qbuild.store.side_cache.)
 
         Builds and gc may run meanwhile: an entry removed or replaced between its listing and its check is no
         problem (gc removes a manifest before its blobs; a build replaces a file whole), and `repair` removes only

@@ -2,7 +2,8 @@
 
     <prefix>/cas/ab/<blake3>       immutable blobs
     <prefix>/ac/ab/<key>.json      manifests (the same JSON as the local store), written last and only if absent
-    <prefix>/neuron-compile-cache/ small index objects of the compile cache (qbuild.store.compile_cache)
+    <prefix>/<side cache>/         small index objects of a backend's side cache (qbuild.store.side_cache), e.g.
+                                   neuron-compile-cache/ (qbuild.backends.neuron.compile_cache)
 
 boto3 is imported when a remote is first used, never on the planning path of a build without one. Credentials come
 from boto3's standard chain; `QBUILD_S3_ENDPOINT_URL` (or `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`) points at an

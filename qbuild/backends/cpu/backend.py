@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.backends.base import GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, Sizes, StepContext
+from qbuild.backends.base import PromptRun, StepContext
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile, graph_file
 from qbuild.core import jsonio
 from qbuild.core.dtypes import DTYPE_BYTES
-from qbuild.core.errors import BuildError, UserError
+from qbuild.core.errors import BuildError
+from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import EXTEND, LongContext, PrefixCacheSpec, extend_buckets
+from qbuild.model.ranks import RankLayout
+from qbuild.planning.steps import BackendPlan, PlannedStep, Sizes
 from qbuild.recipe import checks
 from qbuild.recipe.params import PackageParams, ShardParams
 from qbuild.recipe.schema import LoadedRecipe
@@ -61,8 +64,8 @@ def compile_params(loaded: LoadedRecipe, arch: Arch, graph: str, bucket: int) ->
         return CpuVisionCompile(graph, bucket, r.backend, r.dtype, arch.vision, r.vision.tp)
     chunk = long_context(loaded).step if graph == EXTEND else None
     return CpuTextCompile(graph, bucket, r.backend, r.dtype, arch.text_model(), r.parallel.tp, r.parallel.ep,
-                          r.parallel.effective_moe_tp if arch.is_moe else None, r.text.batch_size, r.text.seq_len,
-                          r.fp8, checks.moe_backend(loaded, arch), r.fused_qkv, chunk)
+                          r.text.batch_size, r.text.seq_len, r.fp8, checks.moe_backend(loaded, arch), r.fused_qkv,
+                          chunk)
 
 
 # A graph's example inputs are allocated, held by the exported program (torch.export keeps them) and written out
@@ -112,8 +115,7 @@ class CpuBackend:
 
     def plan(self, loaded: LoadedRecipe, arch: Arch, env, sizes: Sizes) -> BackendPlan:
         r = loaded.recipe
-        moe_tp = r.parallel.effective_moe_tp if arch.is_moe else None
-        shard = ShardParams("cpu", r.parallel.tp, r.parallel.ep, r.parallel.tp, moe_tp, r.fused_qkv, None, r.dtype)
+        shard = ShardParams("cpu", RankLayout.split(r.parallel.tp, r.parallel.ep), r.fused_qkv, r.dtype)
         graphs = text_graphs(loaded) + [("vision", b) for b in (r.vision.buckets if r.vision else [])]
         compiles = tuple(
             PlannedStep(f"compile {graph}-{bucket}", "compile", f"compile {graph}-{bucket} ({self.name})",
@@ -124,7 +126,7 @@ class CpuBackend:
                                 r.text.batch_size, r.text.seq_len, tuple(r.text.cte_buckets),
                                 tuple(r.text.token_buckets), tuple(r.vision.buckets if r.vision else ()), r.dtype,
                                 long_context=long_context(loaded))
-        return BackendPlan((), shard, compiles, package, 0)
+        return BackendPlan((), shard, compiles, package)
 
     def explain_reuse(self, old: dict, new) -> str | None:
         return None
@@ -137,6 +139,14 @@ class CpuBackend:
         return {}
 
     def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
+        return None
+
+    def side_caches(self) -> tuple:
+        """torch.export and AOTInductor keep nothing between compiles that a build relies on."""
+        return ()
+
+    def host_lacks(self, resources: dict[str, int]) -> str | None:
+        """A CPU step asks for no device: every host runs it."""
         return None
 
     # --- building ------------------------------------------------------------------------------------------------
@@ -177,6 +187,18 @@ class CpuBackend:
             raise ValueError(f"package got graphs {sorted(graphs)}, planned {sorted(expected)}")
         return graphs
 
+    def recognises(self, manifest: dict) -> bool:
+        """One of this backend's bundles: its graphs are under graphs/ (CpuBackend.package)."""
+        graphs = manifest.get("graphs", {})
+        return manifest.get("backend") == self.name and isinstance(graphs, dict) and \
+            all(isinstance(p, str) and p.startswith("graphs/") for p in graphs.values())
+
+    def runtime(self, bundle: Path, manifest: dict, verify_digests: bool = True, shown_as: str | None = None):
+        """qbuild's own runtime (qbuild.model.runtime)."""
+        from qbuild.model.runtime import Runtime
+
+        return Runtime.load(bundle, verify_digests=verify_digests, shown_as=shown_as)
+
     def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """Every prompt, image prompts included, through qbuild's runtime."""
         from qbuild.model.runtime import Runtime
@@ -195,55 +217,3 @@ class CpuBackend:
                                  f"reference {record['ids'][:12]}...")
             runs.append(PromptRun(i, record, gen.prefill_logits, gen.token_ids, last_only=False))
         return runs
-
-    def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
-        return None
-
-    # --- serving -------------------------------------------------------------------------------------------------
-
-    def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
-        """qbuild's own server (qbuild.backends.cpu.serve) in this process; its limits are the bundle's buckets (with
-        chunked prefill, a prompt may fill the KV cache), and its prefix cache the bundle's."""
-        self._no_server_args(bundle, options)
-        buckets = manifest["buckets"]
-        host = f"[{options.host}]" if ":" in options.host else options.host
-        plan = LongContext.from_json(manifest.get("long_context"))
-        doc = {"server": "qbuild", "backend": self.name, "bundle": str(bundle), "model": options.name,
-               "url": f"http://{host}:{options.port}/v1", "routes": ["/v1/models", "/v1/completions",
-                                                                  "/v1/chat/completions"],
-               "max_prompt_tokens": max(buckets["tkg"]) if plan else max(buckets["cte"]),
-               "max_model_len": max(buckets["tkg"])}
-        if buckets.get("vision"):
-            doc["images"] = images_served(buckets["vision"], options.allow_image_urls)
-        return doc if plan is None else {**doc, "long_context": plan.to_json()}
-
-    def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
-        """Load the bundle into qbuild's runtime, with every text graph, so the first request is as fast as the
-        others, then answer requests until stopped."""
-        from qbuild.backends.cpu.serve import serve
-        from qbuild.model.runtime import Runtime
-
-        self._no_server_args(bundle, options)
-        options.log(f"loading the {self.name} bundle {options.name}")
-        runtime = Runtime.load(bundle, verify_digests=not options.digests_checked)
-        for graph in manifest["graphs"]:
-            runtime.graph(graph)
-        return serve(runtime, options)
-
-    def _no_server_args(self, bundle: Path, options: ServeOptions) -> None:
-        """Arguments after `--` are for a server another program runs; qbuild's own server takes none, and ignoring
-        them would serve something other than what the user asked for."""
-        if options.server_args:
-            raise UserError(f"{bundle}: the {self.name} bundle is served by qbuild's own server, which takes no "
-                            f"arguments after `--` (given: {' '.join(options.server_args)})")
-
-
-def images_served(buckets: list[int], allow_urls: bool) -> dict:
-    """What a CPU server of a VL bundle takes as an image (qbuild.backends.cpu.serve): one per chat request, within
-    `qbuild run --image`'s limits, tiled past the largest bucket."""
-    from qbuild.model.runtime.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
-    from qbuild.model.tiling import largest_patches
-
-    return {"per_request": 1, "sources": ["data:"] + (["http:", "https:"] if allow_urls else []),
-            "max_bytes": MAX_IMAGE_BYTES, "max_pixels": MAX_IMAGE_PIXELS, "buckets": sorted(buckets),
-            "tiled_above": max(buckets), "max_patches": largest_patches(buckets)}

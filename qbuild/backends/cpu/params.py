@@ -21,9 +21,8 @@ class CpuTextCompile:
     backend: CpuBackendName
     dtype: DType
     text: Arch                       # the text model's fingerprint (no vision encoder)
-    tp: int
-    ep: int
-    moe_tp: int | None               # None for a dense model
+    tp: int                          # the ranks the graph computes over (qbuild's reference model, one file each)
+    ep: int                          # the expert groups among them
     batch_size: int
     seq_len: int
     fp8: FP8PolicyName

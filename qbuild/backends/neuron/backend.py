@@ -13,20 +13,23 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from qbuild.backends.base import (GIB, BackendPlan, PlannedStep, PromptRun, ServeOptions, SourceEnvironment, Sizes,
-                                  StepContext)
-from qbuild.backends.neuron import (config, deploy, long_context, releases, vllm_images, vllm_serve,
-                                   worker_env)
+from qbuild.backends.base import PromptRun, StepContext
+from qbuild.backends.neuron import compile_cache, config, deploy, long_context, releases, worker_env
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, VL_PORT_ENV, lineage_for, port_dir
 from qbuild.core.errors import UserError
+from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import LongContext, PrefixCacheSpec
 from qbuild.model.fp8 import policy as fp8_policy
+from qbuild.planning.steps import BackendPlan, PlannedStep, SourceEnvironment, Sizes
 from qbuild.recipe import checks
 from qbuild.recipe.params import ShardParams
 from qbuild.recipe.schema import LoadedRecipe
+
+# The resource a step on NeuronCores asks an executor for (Ray's custom resource of that name: docs/ray.md).
+NEURON_CORES = "neuron_cores"
 
 
 def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
@@ -35,7 +38,7 @@ def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
     lineage = lineage_for(arch.family, r.port.lineage)
     return NeuronTextCompile(
         graph="text", backend="neuron", lineage=lineage.name, text=arch.text_model(),
-        parallel=config.nxd_parallel(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
+        parallel=config.rank_layout(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep),
         dtype=r.dtype, fp8=r.fp8, moe_backend=checks.moe_backend(loaded, arch), fused_qkv=r.fused_qkv,
         batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
         tkg_buckets=tuple(r.text.token_buckets), compiler=_compiler(r), toolchain=toolchain(loaded),
@@ -74,8 +77,7 @@ def vision_step(loaded: LoadedRecipe, arch: Arch, bucket: int, sizes: Sizes) -> 
     params = vision_compile_params(loaded, arch, bucket)
     tp = f", tp{params.tp}" if params.tp > 1 else ""
     return PlannedStep(f"compile vision-{bucket}", "compile", f"compile vision-{bucket} (neuron{tp})", params,
-                       {"port": "port", "converted": "convert"}, 64 << 20, params.tp * (4 * sizes.vision + 8 * GIB),
-                       neffs=params.tp)
+                       {"port": "port", "converted": "convert"}, 64 << 20, params.tp * (4 * sizes.vision + 8 * GIB))
 
 
 def toolchain(loaded: LoadedRecipe) -> dict[str, str]:
@@ -208,17 +210,14 @@ class NeuronBackend:
     def plan(self, loaded: LoadedRecipe, arch: Arch, env: SourceEnvironment, sizes: Sizes) -> BackendPlan:
         r = loaded.recipe
         text = text_compile_params(loaded, arch)
-        par, ranks = text.parallel, text.parallel.world_size
-        # One file per rank of NxD's world; every non-expert layer is split over tp_degree (dense_tp), which is
-        # smaller than the world where ep_degree > 1 (qbuild.model.convert.nxd). A dense model has no moe_ep_degree
-        # (None), and its shard step takes ep 1.
-        shard = ShardParams(LINEAGES[text.lineage].shard_layout, ranks, par.moe_ep_degree if arch.is_moe else 1,
-                            par.tp_degree, par.moe_tp_degree if arch.is_moe else None, r.fused_qkv, None, r.dtype)
+        ranks = text.parallel.world
+        # One file per rank of NxD's world, in the files NxD writes for the port's lineage (layout/nxd.py).
+        shard = ShardParams(LINEAGES[text.lineage].shard_layout, text.parallel, r.fused_qkv, r.dtype)
         neffs = config.neuron_config(text)["neffs"]
         layout = f", block KV {text.block_kv.block_size} x {text.block_kv.num_blocks}" if text.block_kv else ""
         # neuronx-cc runs on any host with the SDK: CPUs and memory, no device.
         compiles = [PlannedStep("compile text", "compile", f"compile text ({neffs} NEFFs, neuron{layout})", text,
-                                {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB, neffs=neffs)]
+                                {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB)]
         for b in (r.vision.buckets if r.vision else []):
             compiles.append(vision_step(loaded, arch, b, sizes))
         package = NeuronPackageParams(
@@ -228,7 +227,7 @@ class NeuronBackend:
             dtype=r.dtype, lineage=text.lineage, fp8=r.fp8, block_kv=text.block_kv,
             long_context=bundle_long_context(loaded))
         # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
-        return BackendPlan((port_step(loaded, env),), shard, tuple(compiles), package, ranks)
+        return BackendPlan((port_step(loaded, env),), shard, tuple(compiles), package, {NEURON_CORES: ranks})
 
     def explain_reuse(self, old: dict, new) -> str | None:
         return config.neff_reuse(old, new)
@@ -241,6 +240,17 @@ class NeuronBackend:
     def describe_compile(self, params) -> dict:
         cfg = config.neuron_config(params)
         return {"neffs": cfg["neffs"], "neuron_config": cfg}
+
+    def side_caches(self) -> tuple:
+        """The Neuron compile cache, kept in the store so compiles reuse each other's NEFFs (compile_cache)."""
+        return (compile_cache.CACHE,)
+
+    def host_lacks(self, resources: dict[str, int]) -> str | None:
+        """A step on NeuronCores (verifying a bundle) runs where the Neuron driver shows a device (/dev/neuron<N>)."""
+        if not resources.get(NEURON_CORES) or deploy.neuron_devices():
+            return None
+        return (f"runs on {resources[NEURON_CORES]} NeuronCores and this host has no Neuron device; run it on a trn "
+                "host")
 
     def port_info(self, loaded: LoadedRecipe, arch: Arch) -> dict | None:
         """The port a recipe resolves to: lineage, module and class names, and where its source is found."""
@@ -274,6 +284,19 @@ class NeuronBackend:
 
         return package(ctx)
 
+    def recognises(self, manifest: dict) -> bool:
+        """One of this backend's bundles: NxDI's compiled directory, its text model NxDI's model.pt at the top
+        (package.py), never under the CPU backends' graphs/."""
+        graphs = manifest.get("graphs", {})
+        return manifest.get("backend") == self.name and isinstance(graphs, dict) and \
+            not any(isinstance(p, str) and p.startswith("graphs/") for p in graphs.values())
+
+    def runtime(self, bundle: Path, manifest: dict, verify_digests: bool = True, shown_as: str | None = None):
+        """qbuild's runtime runs CPU graphs only: a neuron bundle runs where NxDI loads it (`qbuild serve` on a trn
+        host, or the port's own scripts)."""
+        raise UserError(f"{shown_as or bundle}: a neuron bundle runs on a Neuron host through NxDI, not on this "
+                        "runtime")
+
     def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns
         the last position's logits only, so the comparison takes the first generated token's logits against the
@@ -291,34 +314,3 @@ class NeuronBackend:
             record = deploy.until_pad(record, pad)
             runs.append(PromptRun(i, record, logits[f"prompt{k}"], greedy[k][:len(record["greedy"])], last_only=True))
         return runs
-
-    # --- serving -------------------------------------------------------------------------------------------------
-
-    def serve_instructions(self, bundle: Path, manifest: dict) -> dict | None:
-        """The vLLM command for a host that serves the pulled bundle without qbuild (`qbuild serve DIR` runs it);
-        None where qbuild's glue cannot serve it (`qbuild serve DIR` says why)."""
-        try:
-            return _with_images(vllm_serve.printable(vllm_serve.serve_command(
-                bundle, manifest, bundle.name, "127.0.0.1", 8000, "python")), manifest)
-        except UserError:
-            return None
-
-    def serve_command(self, bundle: Path, manifest: dict, options: ServeOptions) -> dict:
-        import sys
-
-        vllm_images.check_image_urls(manifest, options.allow_image_urls)
-        return _with_images(vllm_serve.printable(vllm_serve.serve_command(
-            bundle, manifest, options.name, options.host, options.port, sys.executable, options.server_args,
-            getattr(options, "api_key", None))), manifest)
-
-    def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
-        vllm_images.check_image_urls(manifest, options.allow_image_urls)
-        if (note := vllm_images.images_note(manifest)) is not None:
-            options.log(f"warning: images are not served: {note['why']}")
-        return vllm_serve.serve(bundle, manifest, options)
-
-
-def _with_images(doc: dict, manifest: dict) -> dict:
-    """The serving document with, for a VL bundle, what happens to its images (vllm_images)."""
-    note = vllm_images.images_note(manifest)
-    return doc if note is None else {**doc, "images": note}

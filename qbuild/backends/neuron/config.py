@@ -13,10 +13,10 @@ import re
 from dataclasses import replace
 
 from qbuild.backends.neuron import long_context
-from qbuild.backends.neuron.params import (CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile,
-                                           NxdParallel)
+from qbuild.backends.neuron.params import CompilerSettings, NeuronCompile, NeuronTextCompile, NeuronVisionCompile
 from qbuild.backends.neuron.ports import LINEAGES, VISION_COMPILER_ARGS
 from qbuild.model.fp8 import FP8Policy, policy as fp8_policy
+from qbuild.model.ranks import RankLayout
 from qbuild.recipe.params import ParamsError, parse
 
 FP8_ENV = {"XLA_HANDLE_SPECIAL_SCALAR": "1", "UNSAFE_FP8FNCAST": "1"}   # PR 173 qwen36_27b_compile_fp8.py
@@ -41,17 +41,28 @@ FP8_SKIP_LAYOUT_OPTIMIZATION = (r".*\.scale$", r".*\.weight_scale$", r".*linear_
 
 # --- the pure translation ----------------------------------------------------------------------------------------
 
-def nxd_parallel(lineage: str, is_moe: bool, tp: int, ep: int) -> NxdParallel:
-    """NxDI's parallel degrees for a recipe's tp/ep, and the number of ranks (shard files, NeuronCores).
+def rank_layout(lineage: str, is_moe: bool, tp: int, ep: int) -> RankLayout:
+    """NxD's world for a recipe's tp and ep: the number of ranks (shard files, NeuronCores) and how the layers are split
+    over them. NxDI's degrees follow from it (nxd_degrees).
 
     NxDI: world_size = tp_degree * pp_degree * ep_degree (models/config.py). The moe lineage runs expert parallelism
     the way Coder-Next validated it: ep_degree = moe_ep_degree = ep, moe_tp_degree = tp (PR 170 README), so ep
-    multiplies the ranks. The main lineage has no EP (qbuild.recipe.checks refuses ep > 1 there): moe_tp_degree = tp.
+    multiplies the ranks. Otherwise there is no EP (the backend refuses ep > 1): tp ranks, moe_tp_degree = tp.
     """
     if lineage == "moe" and is_moe and ep > 1:
-        return NxdParallel(tp_degree=tp, ep_degree=ep, moe_tp_degree=tp, moe_ep_degree=ep, world_size=tp * ep)
-    return NxdParallel(tp_degree=tp, ep_degree=1, moe_tp_degree=tp if is_moe else None,
-                       moe_ep_degree=1 if is_moe else None, world_size=tp)
+        return RankLayout(world=tp * ep, dense_tp=tp, moe_tp=tp, moe_ep=ep)
+    return RankLayout.split(tp)
+
+
+def nxd_degrees(ranks: RankLayout, is_moe: bool) -> dict[str, int]:
+    """NxDI's NeuronConfig parallel degrees of a world: tp_degree, ep_degree where NxD's world has expert-parallel
+    copies of the tp group, and for a MoE model moe_tp_degree and moe_ep_degree."""
+    degrees = {"tp_degree": ranks.dense_tp}
+    if ranks.world > ranks.dense_tp:
+        degrees["ep_degree"] = ranks.world // ranks.dense_tp
+    if is_moe:
+        degrees.update(moe_tp_degree=ranks.moe_tp, moe_ep_degree=ranks.moe_ep)
+    return degrees
 
 
 def modules_to_not_convert(policy: FP8Policy, num_layers: int) -> list[str]:
@@ -96,9 +107,9 @@ def compiler_args(port_args: tuple[str, ...], compiler: CompilerSettings) -> str
 
 def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
     """(NeuronConfig class, constructor kwargs, attributes set after construction) of a text compile."""
-    par = p.parallel
+    is_moe = p.text.num_experts is not None
     cfg = {
-        "tp_degree": par.tp_degree, "batch_size": p.batch_size, "max_batch_size": p.batch_size,
+        **nxd_degrees(p.parallel, is_moe), "batch_size": p.batch_size, "max_batch_size": p.batch_size,
         "ctx_batch_size": p.batch_size, "tkg_batch_size": p.batch_size,
         "seq_len": p.seq_len, "max_length": p.seq_len,
         "max_context_length": long_context.max_context_length(p.cte_buckets, p.tkg_buckets, p.block_kv),
@@ -109,8 +120,6 @@ def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
         # qbuild's shard step writes weights/ in NxD's format; load() reads them from there.
         "save_sharded_checkpoint": True, "skip_sharding": True,
     }
-    if par.ep_degree > 1:
-        cfg["ep_degree"] = par.ep_degree
     if p.block_kv is not None:
         cfg.update(long_context.neuron_config(p.block_kv))
     attributes: dict = {}
@@ -123,10 +132,9 @@ def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
                    activation_quantization_type=None,
                    modules_to_not_convert=modules_to_not_convert(fp8, p.text.num_layers),
                    weights_to_skip_layout_optimization=list(FP8_SKIP_LAYOUT_OPTIMIZATION))
-    if p.text.num_experts is None:
+    if not is_moe:
         return "NeuronConfig", cfg, attributes
-    cfg.update(moe_tp_degree=par.moe_tp_degree, moe_ep_degree=par.moe_ep_degree,
-               blockwise_matmul_config=dict(BLOCKWISE[p.moe_backend], logical_nc_config=p.compiler.lnc))
+    cfg.update(blockwise_matmul_config=dict(BLOCKWISE[p.moe_backend], logical_nc_config=p.compiler.lnc))
     # Router in fp32 with softmax, set as attributes after construction as the ports do (run_text_smoke.py @ 4bcdc54;
     # the moe lineage's config sets them itself). MoENeuronConfig has no normalize_top_k_affinities argument.
     attributes = {"router_config.dtype": "float32", "router_config.act_fn": "softmax"}
@@ -149,7 +157,7 @@ def neuron_config(params: NeuronCompile) -> dict:
             "config_class": lineage.config_class, "neuron_config_class": cls, "neuron_config": cfg,
             "attributes": attributes, "port_config": port_config(params),
             "compiler_args": compiler_args(lineage.compiler_args, params.compiler), "env": env, "buckets": buckets,
-            "neffs": sum(len(b) for b in buckets.values()), "ranks": params.parallel.world_size}
+            "neffs": sum(len(b) for b in buckets.values()), "ranks": params.parallel.world}
 
 
 def port_config(params: NeuronTextCompile) -> dict:

@@ -3,6 +3,7 @@ qbuild.backends.neuron.vllm_serve."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from contextlib import contextmanager
@@ -32,6 +33,11 @@ def run_bundle(bundle: Path, port: Path, prompts: list[list[int]], new_tokens: i
         res = run_sdk("verify", verify_request(params, bundle, port, prompts, new_tokens, logits),
                        record["config"]["env"], scratch, log)
     return res["greedy"], load_file(logits)
+
+
+def neuron_devices() -> list[str]:
+    """The Neuron devices of this host (the driver's /dev/neuron<N> nodes)."""
+    return sorted(glob.glob("/dev/neuron[0-9]*"))
 
 
 @contextmanager
@@ -66,7 +72,7 @@ def until_pad(record: dict, pad: int | None) -> dict:
     """`record` with its greedy tokens cut after the first one that is the bundle's pad id. On a neuron bundle a
     generated pad token is fed back as padding: the main ports zero a decode token's DeltaNet update where the input id
     is the pad id (_qwen36_deltanet_padding_mask, contrib/models/Qwen3.5-35B-A3B/src/modeling_qwen35.py:5108-5166 @
-    4bcdc54) and the Coder-Next converter zeroes its embedding row (convert/nxd.py hidden_columns_pad_row_zeroed), so
+    4bcdc54) and the Coder-Next converter zeroes its embedding row (layout/nxd.py hidden_columns_pad_row_zeroed), so
     the tokens after it follow another input than transformers' did."""
     tokens = record["greedy"]
     if pad is None or pad not in tokens:

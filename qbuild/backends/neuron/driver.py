@@ -1,6 +1,6 @@
 """The neuron backend's compiles through the Neuron SDK: the SDK and toolchain checks, the work directories and
-their locks, the store's Neuron compile cache (qbuild.store.compile_cache), and the driver that runs each SDK operation
-in a fresh interpreter (qbuild.backends.neuron.sdk_worker) with a hermetic environment
+their locks, the store's Neuron compile cache (qbuild.backends.neuron.compile_cache), and the driver that runs each
+SDK operation in a fresh interpreter (qbuild.backends.neuron.sdk_worker) with a hermetic environment
 (qbuild.backends.neuron.worker_env).
 
 - `compile_text` runs ONE NxDI `compile()` for a recipe: NxDI always builds both submodels with every CTE and TKG
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-from qbuild.backends.neuron import long_context
+from qbuild.backends.neuron import compile_cache, long_context
 from qbuild.backends.neuron.config import inference_kwargs, neuron_config
 from qbuild.backends.neuron.params import NeuronCompile, NeuronTextCompile, NeuronVisionCompile
 from qbuild.backends.neuron.ports import LINEAGES
@@ -29,7 +29,6 @@ from qbuild.backends.neuron.worker_env import worker_env
 from qbuild.core import jsonio
 from qbuild.core.errors import BuildError, InfraError
 from qbuild.recipe.params import to_json
-from qbuild.store import compile_cache
 from qbuild.store.local import LocalStore
 
 REQUIRED_PACKAGES = (("neuronx_distributed_inference", "neuronx-distributed-inference"),
@@ -135,8 +134,8 @@ def run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
 @contextmanager
 def compile_dirs(params: NeuronCompile, store, log, progress=None):
     """(work dir, compile cache folder) of a compile, both held for it: the work dir under its lock, the store's
-    cache folder through qbuild.store.compile_cache.using (pruned, and synchronised with the remote, if any, its
-    transfers reported to `progress`)."""
+    cache folder through qbuild.backends.neuron.compile_cache.using (pruned, and synchronised with the remote, if any,
+    its transfers reported to `progress`)."""
     if store is None:
         raise BuildError("backend neuron: no store to keep the Neuron compile cache in")
     local = LocalStore(Path(store.local))

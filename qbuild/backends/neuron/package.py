@@ -227,7 +227,7 @@ def _add_checkpoint_banks(ctx: StepContext, p: NeuronPackageParams, shards: list
     long-context compile has (qbuild.backends.neuron.long_context), with max_gdn_checkpoint_slots slots each
     (HybridGDNCheckpointCache, L4075-4140); the package's shard check then holds them to the compiled model's list."""
     from qbuild.model.arch import arch_from_config
-    from qbuild.model.convert.hybrid import gdn_checkpoint_banks
+    from qbuild.backends.neuron.layout.hybrid import gdn_checkpoint_banks
 
     arch = arch_from_config(json.loads((ctx.inputs["converted"] / "config.json").read_text()))
     banks = gdn_checkpoint_banks(arch, p.tp, p.dtype, slots=p.block_kv.checkpoint_slots)

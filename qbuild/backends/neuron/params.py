@@ -18,6 +18,7 @@ from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch, VisionArch
 from qbuild.model.families import MoEBackend
 from qbuild.model.fp8 import FP8PolicyName
+from qbuild.model.ranks import RankLayout
 from qbuild.recipe.params import PackageParams
 from qbuild.recipe.schema import LineageName, Target
 
@@ -57,17 +58,6 @@ PortParams = Union[PortGit, PortFiles, PortMissing]
 
 
 @dataclass(frozen=True)
-class NxdParallel:
-    """NxDI's parallel degrees (qbuild.backends.neuron.config.nxd_parallel); world_size is the number of ranks."""
-
-    tp_degree: int
-    ep_degree: int
-    moe_tp_degree: int | None        # None for a dense model
-    moe_ep_degree: int | None
-    world_size: int
-
-
-@dataclass(frozen=True)
 class CompilerSettings:
     target: Target
     lnc: int                         # logical NeuronCore config (the recipe's, or the target's default)
@@ -93,7 +83,7 @@ class NeuronTextCompile:
     backend: Literal["neuron"]
     lineage: LineageName
     text: Arch
-    parallel: NxdParallel
+    parallel: RankLayout             # NxD's world and degrees (qbuild.backends.neuron.config.rank_layout)
     dtype: DType
     fp8: FP8PolicyName
     moe_backend: MoEBackend | None

@@ -43,7 +43,7 @@ class Lineage:
     vision_module: str | None        # the port's vision module (CPUVisionModel), None where the lineage has none
     import_root: str                 # "." (the port directory) or "src" (the port's src/ directory)
     compiler_args: tuple[str, ...]
-    shard_layout: str                # qbuild.model.convert.shard_checkpoint(layout=...) that writes NxD's format
+    shard_layout: str                # the shard layout (qbuild.backends.shard_layout) of the files NxD writes for it
 
     def module_dir(self, port_dir: Path) -> Path:
         """The directory that goes on sys.path so that `text_module` imports as the port expects."""

@@ -17,7 +17,6 @@ by SIGKILL, which runs no cleanup) the worker reads end-of-file and exits, also 
 
 from __future__ import annotations
 
-import glob
 import os
 import pickle
 import queue
@@ -29,6 +28,7 @@ from concurrent.futures import Future
 from dataclasses import replace
 from typing import BinaryIO, Callable
 
+from qbuild import backends
 from qbuild.execution.job import Job, run_job
 from qbuild.core.errors import BuildError
 from qbuild.core.progress import Report, guarded
@@ -70,10 +70,11 @@ class LocalExecutor:
         return future
 
     def capacity_check(self, node: Node) -> str | None:
-        if node.needs_device and not neuron_devices():
-            return (f"{node.name} runs on {node.neuron_cores} NeuronCores and this host has no Neuron device; "
-                    "run it on a trn host")
-        return None
+        """A step that runs on devices runs here where the backend that asks for them finds them on this host."""
+        if not node.needs_device:
+            return None
+        lacks = backends.get(node.backend).host_lacks(node.resources)
+        return None if lacks is None else f"{node.name} {lacks}"
 
     def shutdown(self) -> None:
         """Cancel the jobs no worker has started, wait for the running ones, and end every worker."""
@@ -258,8 +259,3 @@ def serve(jobs_fd: int, results_fd: int) -> None:
                                         f"send it back: {e})")))
     except KeyboardInterrupt:   # Ctrl-C between steps: the driver got it too and is shutting down
         os._exit(130)
-
-
-def neuron_devices() -> list[str]:
-    """The Neuron devices of this host (the driver's /dev/neuron<N> nodes)."""
-    return sorted(glob.glob("/dev/neuron[0-9]*"))

@@ -6,9 +6,10 @@ as with the local executor; the engine does not know which executor it drives. A
 result there (blobs first, manifest last) before the task returns. Driver and workers share no disk: the
 remote store is the only shared state, so it is required.
 
-Each task asks Ray for what its node declares: 1 CPU, `memory=node.est_peak_bytes`, and one `neuron_cores`
-unit for nodes that need a device. Ray queues a task until some node has that much free, so a node whose
-estimate exceeds every worker would wait forever; `capacity_check` turns that into an error up front.
+Each task asks Ray for what its node declares: 1 CPU, `memory=node.est_peak_bytes`, and its devices as Ray custom
+resources under the names its backend gives them (`node.resources`: a neuron verify asks for `neuron_cores`). Ray
+queues a task until some node has that much free, so a node whose estimate exceeds every worker would wait forever;
+`capacity_check` turns that into an error up front.
 
 Progress. A task reports what its step measures (qbuild.core.progress) to a small actor of the driver's, the
 ProgressInbox, with calls that do not wait for an answer; a thread of the driver takes what it holds every POLL_S, and
@@ -44,7 +45,6 @@ from qbuild.store.manifest import Manifest
 from qbuild.store.remote import RemoteStore, push_manifests, upload_blobs
 
 MAX_RETRIES = 2
-NEURON_RESOURCE = "neuron_cores"
 NODES_TTL_S = 5.0           # how long a snapshot of the cluster's nodes serves capacity checks
 CONNECT_TIMEOUT_S = 10.0   # to reach the cluster's head before handing over to ray.init
 DRIVER_THREADS = 4         # driver threads that seed inputs and read results back through the remote
@@ -68,8 +68,8 @@ class TaskResources:
 
 def task_resources(node: Node) -> TaskResources:
     """The Ray resources of one node's task, from the node's own estimates."""
-    # Only the steps that run on NeuronCores (verifying a neuron bundle) ask for them; a neuron compile needs none.
-    custom = {NEURON_RESOURCE: float(node.neuron_cores)} if node.needs_device else {}
+    # Only the steps that run on devices (verifying a bundle on them) ask for them; a compile for them needs none.
+    custom = {name: float(count) for name, count in node.resources.items() if count}
     return TaskResources(TASK_CPUS, node.est_peak_bytes, custom)
 
 
@@ -201,11 +201,11 @@ def _check_same_action(job: Job, action: ActionSpec) -> None:
     # The code as it is now: a worker outlives many tasks and its checkout may change between them, and one Sources
     # sees one state of the tree.
     sources = Sources()
-    source_hash = action.source_hash(job.backend, sources)
+    source_hash = action.source_hash(job.code, sources)
     if source_hash != job.preimage.get("version"):
         differs.append(f"{job.kind} action source {source_hash[:12]} (driver: "
                        f"{str(job.preimage.get('version'))[:12]})")
-    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions(job.backend, sources)
+    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions(job.code, sources)
     differs += [f"{d} {ours.get(d, 'absent')} (driver: {theirs.get(d, 'absent')})"
                 for d in sorted(set(theirs) | set(ours)) if ours.get(d) != theirs.get(d)]
     if differs:

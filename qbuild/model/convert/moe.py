@@ -8,7 +8,6 @@ NxDI layout (E experts, H hidden, I expert intermediate):
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
@@ -108,59 +107,39 @@ def expert_group(t: torch.Tensor, ep: int, group: int) -> torch.Tensor:
     return t.chunk(ep, dim=0)[group]
 
 
-def padded_intermediate(per_rank: int, multiple: int | None) -> int:
-    """I/moe_tp rounded up to `multiple` (the shard-on-intermediate kernel's tile), or unchanged."""
-    return per_rank if multiple is None else math.ceil(per_rank / multiple) * multiple
-
-
-def gate_up_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int, pad_to: int | None,
-                  fill: float = 0.0) -> torch.Tensor:
-    """One rank's gate_up (E/ep, H, 2*I_r) (or its FP8 scale (E/ep, 1, 2*I_r)): the group's experts, and moe_tp
-    slice j of both the gate and the up halves, each padded up to `pad_to` with `fill` (zero weights add nothing:
-    silu(0) * 0 = 0)."""
+def gate_up_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int) -> torch.Tensor:
+    """One rank's gate_up (E/ep, H, 2*I_r) (or its FP8 scale (E/ep, 1, 2*I_r)), I_r = I / moe_tp: the group's experts,
+    and moe_tp slice j of both the gate and the up halves."""
     import torch
 
     g = expert_group(t, ep, group)
     two_i = g.shape[-1]
-    part = g.reshape(*g.shape[:-1], 2, two_i // 2).chunk(moe_tp, dim=-1)[j]    # (E/ep, H, 2, I_r), a view
-    size = padded_intermediate(part.shape[-1], pad_to)
-    if size == part.shape[-1] and moe_tp == 1:
+    if moe_tp == 1:
         return g
-    out = torch.empty(*part.shape[:-1], size, dtype=g.dtype, device=g.device)
-    if size != part.shape[-1]:
-        out[..., part.shape[-1]:] = fill
+    part = g.reshape(*g.shape[:-1], 2, two_i // 2).chunk(moe_tp, dim=-1)[j]    # (E/ep, H, 2, I_r), a view
+    out = torch.empty(part.shape, dtype=g.dtype, device=g.device)
     if part.dim() == 4 and part.stride(1) == 1 and part.shape[1] > 1:
         _gather_transposed(out, part)
     else:
-        out[..., :part.shape[-1]].copy_(part)
-    return out.reshape(*g.shape[:-1], 2 * size)
+        out.copy_(part)
+    return out.reshape(*g.shape[:-1], 2 * part.shape[-1])
 
 
 def _gather_transposed(out: torch.Tensor, part: torch.Tensor) -> None:
-    """out[..., :I_r] = part, for `part` (E, H, 2, I_r) whose H is its innermost dim (a transposed view of HF's
-    (E, 2I, H) rows, as gate_up_from_fused gives it) and `out` (E, H, 2, size) contiguous: per expert, its rank's
-    gate and up rows are gathered (contiguous copies) and transposed in one 2D copy, which torch runs through its
-    cache-blocked transpose kernel; the generic strided copy of the whole slice is about twice as slow."""
+    """out = part, for `part` (E, H, 2, I_r) whose H is its innermost dim (a transposed view of HF's (E, 2I, H) rows,
+    as gate_up_from_fused gives it) and `out` (E, H, 2, I_r) contiguous: per expert, its rank's gate and up rows are
+    gathered (contiguous copies) and transposed in one 2D copy, which torch runs through its cache-blocked transpose
+    kernel; the generic strided copy of the whole slice is about twice as slow."""
     import torch
 
     e, h, _, i_r = part.shape
-    size = out.shape[-1]
     rows = part.permute(0, 2, 3, 1)                           # (E, 2, I_r, H): H contiguous
-    tmp = torch.empty(2, size, h, dtype=out.dtype, device=out.device)
-    if size != i_r:
-        tmp[:, i_r:] = out[0, 0, :, i_r:, None]               # the padding's fill
+    tmp = torch.empty(2, i_r, h, dtype=out.dtype, device=out.device)
     for x in range(e):
-        tmp[:, :i_r].copy_(rows[x])
-        out[x].view(h, 2 * size).copy_(tmp.view(2 * size, h).T)
+        tmp.copy_(rows[x])
+        out[x].view(h, 2 * i_r).copy_(tmp.view(2 * i_r, h).T)
 
 
-def down_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int, pad_to: int | None) -> torch.Tensor:
-    """One rank's down_proj (E/ep, I_r, H): the group's experts and moe_tp slice j of the intermediate dim (dim 1),
-    zero-padded up to `pad_to`."""
-    import torch
-
-    part = expert_group(t, ep, group).chunk(moe_tp, dim=1)[j]
-    size = padded_intermediate(part.shape[1], pad_to)
-    if size != part.shape[1]:
-        part = torch.nn.functional.pad(part, (0, 0, 0, size - part.shape[1]))
-    return part
+def down_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int) -> torch.Tensor:
+    """One rank's down_proj (E/ep, I_r, H): the group's experts and moe_tp slice j of the intermediate dim (dim 1)."""
+    return expert_group(t, ep, group).chunk(moe_tp, dim=1)[j]

@@ -1,46 +1,17 @@
-"""The vocabulary shared by every shard layout: the parallel degrees, the unit of sharding (a step from a few
-converted tensors to one {name: tensor} per rank) and the placements that are the same in every layout."""
+"""The vocabulary shared by every shard layout: the unit of sharding (a step from a few converted tensors to one
+{name: tensor} per rank), the placements that are the same in every layout, and what a layout is. The ranks are a
+RankLayout (qbuild.model.ranks)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 
 from qbuild.model.arch import Arch
 from qbuild.model.convert.errors import CheckpointError
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """`tp` is the number of ranks (one file each), `ep` the expert-parallel degree (moe_tp = tp // ep ranks per
-    expert group). `dense_tp` is the tensor-parallel degree of every non-expert parallel layer (NxDI's tp_degree):
-    None means tp, the only value the cpu layout takes; the nxd layouts also take tp // ep, NxD's EP world, where
-    those layers are split over dense_tp ranks and repeated for each of the tp // dense_tp copies (nxd.py)."""
-    tp: int
-    ep: int = 1
-    fused_qkv: bool = False
-    pad_intermediate_to: int | None = None
-    dense_tp: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.dense_tp is None:
-            object.__setattr__(self, "dense_tp", self.tp)
-
-    @property
-    def moe_tp(self) -> int:
-        return self.tp // self.ep
-
-    def group(self, rank: int) -> int:
-        return rank // self.moe_tp
-
-    def moe_rank(self, rank: int) -> int:
-        return rank % self.moe_tp
-
-    def dense_rank(self, rank: int) -> int:
-        """The slice of a non-expert parallel layer that `rank` holds: its rank in its contiguous dense_tp group."""
-        return rank % self.dense_tp
+from qbuild.model.ranks import RankLayout
 
 
 @dataclass(frozen=True)
@@ -51,19 +22,19 @@ class ShardStep:
 
 # Placements: a canonical tensor -> one tensor per rank, in rank order. One whose ranks are copies (the expert
 # slices) yields them one at a time, so a writer holds one rank's copy, not every rank's at once.
-Placement = Callable[[torch.Tensor, Arch, ParallelLayout], Iterable[torch.Tensor]]
+Placement = Callable[[torch.Tensor, Arch, RankLayout], Iterable[torch.Tensor]]
 
 
 def replicate(t, d, p):
-    return [t] * p.tp
+    return [t] * p.world
 
 
 def column(t, d, p):
-    return list(t.chunk(p.tp, dim=0))
+    return list(t.chunk(p.world, dim=0))
 
 
 def row(t, d, p):
-    return list(t.chunk(p.tp, dim=1))
+    return list(t.chunk(p.world, dim=1))
 
 
 def qkv_trios(d: Arch, names, label: str) -> list[tuple[int, str, list[str]]]:
@@ -79,3 +50,15 @@ def qkv_trios(d: Arch, names, label: str) -> list[tuple[int, str, list[str]]]:
             if present:
                 out.append((i, kind, trio))
     return out
+
+
+class ShardLayout(Protocol):
+    """A shard layout's rules: the reference model's ("cpu", qbuild.model.convert.shard) or a backend's own, which
+    the shard step reaches through qbuild.backends.shard_layout by the name its params hold."""
+
+    name: str
+
+    def program(self, d: Arch, names, ranks: RankLayout, fused_qkv: bool, dtype: str | None,
+                label: str) -> list[ShardStep]:
+        """The checked shard program of the converted tensors `names` (ShardError for a split the layout cannot
+        make); `dtype` is the model dtype where the layout casts to it."""

@@ -1,14 +1,12 @@
 """The shard step: converted (tp-independent) NxDI text weights -> one safetensors file per tensor-parallel rank.
 
-Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(tp), and dst/shard.json. `unpack_rank` reads a
-"cpu" rank back as qbuild's reference model holds it (FP8 dequantised, a fused Wqkv split).
+Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(world), and dst/shard.json. The ranks are a
+RankLayout (qbuild.model.ranks); which tensor goes where is a layout's rules (qbuild.model.convert.parallel.ShardLayout):
+`CPU` below, the layout qbuild's reference model reads, or a backend's own (the files its runtime loads), which the
+shard step reaches through the backend registry. `unpack_rank` reads a "cpu" rank back as qbuild's reference model
+holds it (FP8 dequantised, a fused Wqkv split).
 
-Layouts: "cpu" (below) is the one qbuild's CPU reference model reads; "nxd-main", "nxd-main-replicated" and
-"nxd-moe" are the files NxD's ModelBuilder.shard_checkpoint writes for the three port lineages, with NxD's names,
-splits and dtypes (nxd.py). Only the nxd layouts take `dense_tp` (NxDI's tp_degree, when it differs from the number
-of ranks tp: NxD's EP world).
-
-Rank convention of the "cpu" layout (world size = tp):
+Rank convention of the "cpu" layout (tp = world = dense_tp, ep = moe_ep):
 - Attention: q heads (q_proj, output_gate_proj) split contiguously; k/v heads split contiguously when tp <= nKV,
   else rank r holds kv head r * nKV // tp (replicated); o_proj split on its input dim; q/k_layernorm replicated.
   With fused_qkv, each rank's Wqkv = cat(its q, its k, its v) and the separate q/k/v keys are dropped.
@@ -28,25 +26,24 @@ Rank convention of the "cpu" layout (world size = tp):
 - FP8 scales follow their weight where the weight's output channels are split (column, kv heads, DeltaNet channels,
   experts) and are replicated where only the input dim is split (o_proj, out_proj, down projections): a per-output-
   channel scale is valid for any slice of its row.
-- pad_intermediate_to: each rank's expert intermediate (I / moe_tp) is zero-padded up to a multiple of it, for the
-  shard-on-intermediate kernel (moe.gate_up_shard / moe.down_shard).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
 from qbuild.model.arch import Arch
-from qbuild.model.convert import attention, deltanet, fp8, moe, nxd
+from qbuild.model.convert import attention, deltanet, fp8, moe
 from qbuild.model.convert.checkpoint import arch_of, load_config
-from qbuild.core.dtypes import DTYPES, torch_dtype
+from qbuild.core.dtypes import DTYPES
 from qbuild.model.convert.errors import CheckpointError, ShardError
-from qbuild.model.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
+from qbuild.model.convert.parallel import Placement, ShardLayout, ShardStep, column, qkv_trios, replicate, row
+from qbuild.model.ranks import RankLayout
 from qbuild.model.convert.converted import open_converted
 from qbuild.model.convert.description import Producer
 from qbuild.model.convert.safetensors_io import MappedSources, PlannedFile
@@ -57,69 +54,61 @@ from qbuild.core.threads import run_bounded
 if TYPE_CHECKING:
     from qbuild.core.progress import Meter
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
-def check_layout(d: Arch, p: ParallelLayout) -> None:
-    """ShardError unless every tensor of a model of architecture `d` splits evenly under `p`."""
+def check_layout(d: Arch, p: RankLayout) -> None:
+    """ShardError unless every tensor of a model of architecture `d` splits evenly under `p` in the cpu layout."""
     def need(ok: bool, why: str) -> None:
         if not ok:
-            raise ShardError(f"tp={p.tp} ep={p.ep}: {why}")
+            raise ShardError(f"{p.describe()}: {why}")
 
-    need(p.tp >= 1 and p.ep >= 1 and p.tp % p.ep == 0, "tp and ep must be positive and ep must divide tp")
-    need(p.ep == 1 or bool(d.moe_layers), "ep > 1 needs a mixture-of-experts model")
-    need(d.num_heads % p.tp == 0, f"{d.num_heads} attention heads do not split into {p.tp} ranks")
-    need(d.num_kv_heads % p.tp == 0 if p.tp <= d.num_kv_heads else p.tp % d.num_kv_heads == 0,
-         f"{d.num_kv_heads} kv heads can be neither split nor evenly replicated over {p.tp} ranks")
+    need(p.dense_tp == p.world, "the cpu layout splits every non-expert layer over all ranks (dense_tp = world)")
+    need(p.moe_ep == 1 or bool(d.moe_layers), "expert groups (moe_ep > 1) need a mixture-of-experts model")
+    need(d.num_heads % p.world == 0, f"{d.num_heads} attention heads do not split into {p.world} ranks")
+    need(d.num_kv_heads % p.world == 0 if p.world <= d.num_kv_heads else p.world % d.num_kv_heads == 0,
+         f"{d.num_kv_heads} kv heads can be neither split nor evenly replicated over {p.world} ranks")
     if "linear_attention" in d.layer_types:
-        need(d.num_k_heads % p.tp == 0 and d.num_v_heads % p.tp == 0,
-             f"DeltaNet key/value heads ({d.num_k_heads}/{d.num_v_heads}) must both be divisible by tp")
+        need(d.num_k_heads % p.world == 0 and d.num_v_heads % p.world == 0,
+             f"DeltaNet key/value heads ({d.num_k_heads}/{d.num_v_heads}) must both be divisible by the ranks")
     if d.intermediate_size is not None and len(d.moe_layers) < d.num_layers:
         need(d.intermediate_size % p.moe_tp == 0,
              f"dense intermediate {d.intermediate_size} does not split into {p.moe_tp}")
     if d.moe_layers:
-        need(d.num_experts % p.ep == 0, f"{d.num_experts} experts do not split into {p.ep} groups")
+        need(d.num_experts % p.moe_ep == 0, f"{d.num_experts} experts do not split into {p.moe_ep} groups")
         need(d.moe_intermediate_size % p.moe_tp == 0 and d.shared_intermediate_size % p.moe_tp == 0,
              f"expert / shared intermediate ({d.moe_intermediate_size}/{d.shared_intermediate_size}) must divide by "
              f"moe_tp {p.moe_tp}")
-    if p.pad_intermediate_to is not None:
-        need(bool(d.moe_layers), "pad_intermediate_to applies to MoE experts only")
-        need(p.pad_intermediate_to >= 1, "pad_intermediate_to must be a positive integer")
 
 
 def kv_heads(t, d, p):
-    return attention.kv_head_shards(t, d.num_kv_heads, p.tp)
+    return attention.kv_head_shards(t, d.num_kv_heads, p.world)
 
 
 def deltanet_qkv(t, d, p):
-    return deltanet.qkv_shards(t, d, p.tp)
+    return deltanet.qkv_shards(t, d, p.world)
 
 
 def moe_column(t, d, p):
     parts = t.chunk(p.moe_tp, dim=0)
-    return [parts[p.moe_rank(r)] for r in range(p.tp)]
+    return [parts[p.moe_rank(r)] for r in range(p.world)]
 
 
 def moe_row(t, d, p):
     parts = t.chunk(p.moe_tp, dim=1)
-    return [parts[p.moe_rank(r)] for r in range(p.tp)]
+    return [parts[p.moe_rank(r)] for r in range(p.world)]
 
 
-def experts_gate_up(t, d, p, fill: float = 0.0):
-    return (moe.gate_up_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), p.pad_intermediate_to, fill)
-            for r in range(p.tp))
-
-
-def experts_gate_up_scale(t, d, p):
-    return experts_gate_up(t, d, p, fill=1.0)  # padded channels hold zero weights; a unit scale keeps them zero
+def experts_gate_up(t, d, p):
+    return (moe.gate_up_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
 
 
 def experts_down(t, d, p):
-    return (moe.down_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), p.pad_intermediate_to) for r in range(p.tp))
+    return (moe.down_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
 
 
 def experts_only(t, d, p):
-    return [moe.expert_group(t, p.ep, p.group(r)) for r in range(p.tp)]
+    return [moe.expert_group(t, p.moe_ep, p.group(r)) for r in range(p.world)]
 
 
 # Layer-relative module name -> (placement of `.weight`, placement of its FP8 `.scale`; None: never quantised).
@@ -153,7 +142,7 @@ PLACEMENTS: dict[str, tuple[Placement, Placement | None]] = {
     "mlp.shared_down_proj": (moe_row, replicate),
     "mlp.shared_expert_gate": (replicate, None),
     "mlp.moe.router.linear_router": (replicate, None),
-    moe.GATE_UP: (experts_gate_up, experts_gate_up_scale),
+    moe.GATE_UP: (experts_gate_up, experts_gate_up),
     moe.DOWN: (experts_down, experts_only),
 }
 _LAYER = re.compile(r"layers\.\d+\.(.+)")
@@ -169,11 +158,11 @@ def placement_of(name: str, label: str) -> Placement:
     return chosen
 
 
-def _single(name: str, place: Placement, d: Arch, p: ParallelLayout) -> ShardStep:
+def _single(name: str, place: Placement, d: Arch, p: RankLayout) -> ShardStep:
     return ShardStep((name,), lambda t: ({name: x} for x in place(t, d, p)))
 
 
-def _fused_qkv(layer: int, kind: str, d: Arch, p: ParallelLayout) -> ShardStep:
+def _fused_qkv(layer: int, kind: str, d: Arch, p: RankLayout) -> ShardStep:
     base = f"layers.{layer}.self_attn."
     names = tuple(f"{base}{x}_proj.{kind}" for x in "qkv")
 
@@ -183,86 +172,74 @@ def _fused_qkv(layer: int, kind: str, d: Arch, p: ParallelLayout) -> ShardStep:
     return ShardStep(names, fn)
 
 
-def _rank_util(d: Arch, p: ParallelLayout) -> ShardStep:
+def _rank_util(d: Arch, p: RankLayout) -> ShardStep:
     names = ["rank_util.rank"] + [f"layers.{i}.self_attn.rank_util.rank"
                                   for i in range(d.num_layers) if d.is_full_attention(i)]
-    ranks = torch.arange(p.tp, dtype=torch.int32).chunk(p.tp)
-    return ShardStep((), lambda: [{n: ranks[r].clone() for n in names} for r in range(p.tp)])
+    ranks = torch.arange(p.world, dtype=torch.int32).chunk(p.world)
+    return ShardStep((), lambda: [{n: ranks[r].clone() for n in names} for r in range(p.world)])
 
 
-def shard_program(d: Arch, names, p: ParallelLayout, label: str) -> list[ShardStep]:
-    steps = [_rank_util(d, p)]
-    fused: set[str] = set()
-    for i, kind, trio in (qkv_trios(d, names, label) if p.fused_qkv else []):
-        steps.append(_fused_qkv(i, kind, d, p))
-        fused.update(trio)
-    for name in names:
-        if name not in fused:
-            steps.append(_single(name, placement_of(name, label), d, p))
-    return steps
+class CpuLayout:
+    """The layout qbuild's reference model reads (the module docstring): qbuild's names, the converted dtypes."""
+
+    name = "cpu"
+
+    def program(self, d: Arch, names, ranks: RankLayout, fused_qkv: bool, dtype: str | None,
+                label: str) -> list[ShardStep]:
+        check_layout(d, ranks)
+        steps = [_rank_util(d, ranks)]
+        fused: set[str] = set()
+        for i, kind, trio in (qkv_trios(d, names, label) if fused_qkv else []):
+            steps.append(_fused_qkv(i, kind, d, ranks))
+            fused.update(trio)
+        for name in names:
+            if name not in fused:
+                steps.append(_single(name, placement_of(name, label), d, ranks))
+        return steps
 
 
-Layout = Literal["cpu", "nxd-main", "nxd-main-replicated", "nxd-moe"]
-LAYOUTS: tuple[str, ...] = ("cpu", nxd.NXD_MAIN, nxd.NXD_MAIN_REPLICATED, nxd.NXD_MOE)
+CPU = CpuLayout()
 
 
-def layout_program(d: Arch, names, p: ParallelLayout, layout: Layout, dtype: str | None,
-                   label: str) -> list[ShardStep]:
-    """The checked shard program of `layout`: ShardError for an unknown layout, a missing or unknown dtype (the
-    model dtype, required by the nxd layouts; the cpu layout keeps the converted dtypes) or an impossible split."""
-    if layout not in LAYOUTS:
-        raise ShardError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+def _program(d: Arch, names, layout: ShardLayout, ranks: RankLayout, fused_qkv: bool, dtype: str | None,
+             label: str) -> list[ShardStep]:
     if dtype is not None and dtype not in DTYPES:
         raise ShardError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if layout == "cpu":
-        if p.dense_tp != p.tp:
-            raise ShardError(f"tp={p.tp} dense_tp={p.dense_tp}: dense_tp applies to the nxd layouts; the cpu layout "
-                             "splits every non-expert layer over tp")
-        check_layout(d, p)
-        return shard_program(d, names, p, label)
-    if dtype is None:
-        raise ShardError(f"layout {layout} needs dtype, the model dtype NxD casts every weight to")
-    lineage = nxd.LINEAGES[layout]
-    nxd.check_nxd_layout(d, p, lineage)
-    return nxd.nxd_program(d, names, p, lineage, torch_dtype(dtype), label)
+    return layout.program(d, names, ranks, fused_qkv, dtype, label)
 
 
-def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, tp: int, ep: int = 1,
-                     fused_qkv: bool = False, pad_intermediate_to: int | None = None, layout: Layout = "cpu",
-                     dtype: str | None = None, dense_tp: int | None = None) -> list[dict[str, torch.Tensor]]:
+def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, ranks: RankLayout, layout: ShardLayout = CPU,
+                     fused_qkv: bool = False, dtype: str | None = None) -> list[dict[str, torch.Tensor]]:
     """Converted NxDI text tensors -> one {name: tensor} per rank, in memory (same rules as shard_checkpoint)."""
     _, d = arch_of(config, "config")
-    p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
-    ranks: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-    for step in layout_program(d, list(text), p, layout, dtype, "<state dict>"):
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(ranks.world)]
+    for step in _program(d, list(text), layout, ranks, fused_qkv, dtype, "<state dict>"):
         for r, outs in enumerate(step.fn(*(text[n] for n in step.sources))):
-            ranks[r].update({n: t.clone() for n, t in outs.items()})
-    return ranks
+            out[r].update({n: t.clone() for n, t in outs.items()})
+    return out
 
 
-def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_qkv: bool = False,
-                     pad_intermediate_to: int | None = None, workers: int = 1, layout: Layout = "cpu",
-                     dtype: str | None = None, dense_tp: int | None = None, files: Mapping[str, Path] | None = None,
-                     digests: Mapping[str, str] | None = None, meter: Meter | None = None) -> dict:
-    """A convert output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < tp) and dst/shard.json
-    (returned). Described text weights are made from the checkpoint `files` locates (with the snapshot's `digests`;
-    converted.open_converted), materialised ones read from the directory. Streams one unit at a time (a canonical
-    tensor, or the few a conversion step or a fused q/k/v makes together); dst appears only when done.
-    `layout` picks the rules (module docstring); `dtype` is the model dtype, required by the nxd layouts; `dense_tp`
-    (nxd layouts only, default tp) is the tensor-parallel degree of every non-expert layer (nxd.py). `meter` counts
-    the tensor bytes written into the rank files, against all of them."""
+def shard_checkpoint(converted: Path, dst: Path, *, ranks: RankLayout, layout: ShardLayout = CPU,
+                     fused_qkv: bool = False, dtype: str | None = None, workers: int = 1,
+                     files: Mapping[str, Path] | None = None, digests: Mapping[str, str] | None = None,
+                     meter: Meter | None = None) -> dict:
+    """A convert output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < ranks.world) and
+    dst/shard.json (returned). Described text weights are made from the checkpoint `files` locates (with the
+    snapshot's `digests`; converted.open_converted), materialised ones read from the directory. Streams one unit at a
+    time (a canonical tensor, or the few a conversion step or a fused q/k/v makes together); dst appears only when
+    done. `layout` picks the rules (module docstring); `dtype` is the model dtype, which a layout that casts to it
+    requires. `meter` counts the tensor bytes written into the rank files, against all of them."""
     converted = Path(converted)
     config = load_config(converted / "config.json")
     _, d = arch_of(config)
-    p = ParallelLayout(tp, ep, fused_qkv, pad_intermediate_to, dense_tp)
     source = open_converted(converted, files, digests)
     try:
-        steps = layout_program(d, list(source.specs), p, layout, dtype, source.label)
-        plans = _rank_plans(steps, source.specs, tp)
+        steps = _program(d, list(source.specs), layout, ranks, fused_qkv, dtype, source.label)
+        plans = _rank_plans(steps, source.specs, ranks.world)
         with staged(Path(dst), directory=True) as tmp:
             (tmp / "weights").mkdir()
             out = [PlannedFile(tmp / "weights" / f"tp{r}_sharded_checkpoint.safetensors", plans[r])
-                   for r in range(tp)]
+                   for r in range(ranks.world)]
             if meter is not None:
                 meter.set_total(sum(slot.nbytes for f in out for slot in f.slots.values()))
             try:
@@ -275,14 +252,10 @@ def shard_checkpoint(converted: Path, dst: Path, *, tp: int, ep: int = 1, fused_
             for f in out:
                 f.close()
             report = {
-                "format": FORMAT_VERSION, "layout": layout, "dtype": dtype, "tp": tp, "ep": ep, "moe_tp": p.moe_tp,
-                "fused_qkv": fused_qkv, "pad_intermediate_to": pad_intermediate_to,
-                "files": [f.path.name for f in out],
-                "tensors_per_rank": len(plans[0]),
+                "format": FORMAT_VERSION, "layout": layout.name, "dtype": dtype, "ranks": asdict(ranks),
+                "fused_qkv": fused_qkv, "files": [f.path.name for f in out], "tensors_per_rank": len(plans[0]),
                 "bytes_per_rank": [sum(s.nbytes for s in f.slots.values()) for f in out],
             }
-            if layout != "cpu":  # the cpu layout's shard.json, and so its output digest, stays as it was
-                report["dense_tp"] = p.dense_tp
             write_json(tmp / "shard.json", report)
     finally:
         source.close()

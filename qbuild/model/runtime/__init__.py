@@ -62,12 +62,9 @@ class Runtime:
         """The bundle at `root`. Errors name it `shown_as` (default: `root`): a locked recipe's bundle laid out in a
         temporary directory is named by the recipe (qbuild.store.transfer.open_locked_bundle)."""
         root = Path(root)
-        # The bundle is checked before torch is imported, so a bad one is refused at once.
+        # The bundle is checked before torch is imported, so a bad one is refused at once. Which runtime runs a bundle
+        # is its backend's answer (qbuild.backends.load_runtime): this one runs the CPU backends'.
         manifest = read_manifest(root, shown_as)
-        # A CPU bundle's graphs are under graphs/; a neuron bundle's compiled model is NxDI's model.pt.
-        if not all(path.startswith("graphs/") for path in manifest.get("graphs", {}).values()):
-            raise UserError(f"{shown_as or root}: a neuron bundle runs on a Neuron host through NxDI, not on this "
-                            "runtime")
         check_files(root, manifest, digests=verify_digests, shown_as=shown_as)
 
         import torch

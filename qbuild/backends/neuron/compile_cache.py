@@ -1,4 +1,5 @@
-"""The Neuron compile cache, kept in the store.
+"""The Neuron compile cache, kept in the store: one of the store's side caches (qbuild.store.side_cache), which the
+neuron backend registers (NeuronBackend.side_caches) so that gc trims it and `store verify` checks it.
 
 The Neuron compiler's wrapper keeps every NEFF it compiles in a persistent cache and reuses it when the same HLO and
 flags come again (docs/nxdi.md section 10). A neuron compile points it (NEURON_COMPILE_CACHE_URL) at a folder of the
@@ -21,7 +22,7 @@ shared and trimmed:
   a transfer that fails is logged and the compile goes on without it. Its bytes are reported as a store's transfers
   are (the `progress` of `using`, qbuild.store.remote.Progress: begin, advance, end), so the driver shows them;
 - `qbuild gc` trims whole groups, least recently used first, within the --keep-size budget it also spends on the
-  store's unlocked entries (qbuild.store.gc), locally and on the remote;
+  store's unlocked entries (qbuild.store.gc, through `CACHE` below), locally and on the remote;
 - `qbuild store verify` names every entry that is not complete, and --repair removes them.
 """
 
@@ -41,6 +42,7 @@ from typing import Callable, Iterator
 from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_bytes, digest_file
 from qbuild.store.files import discard_path, safe_join
+from qbuild.store.side_cache import CacheGroup
 
 CACHE_DIR = "neuron-compile-cache"
 INDEX_VERSION = 1
@@ -50,18 +52,6 @@ INDEX_VERSION = 1
 NEFF, DONE, LOG = "model.neff", "model.done", "model.log"
 _ENTRY = re.compile(r"^neuronxcc-[^/]+/MODULE_[^/]+$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
-
-
-@dataclass(frozen=True)
-class Group:
-    path: Path
-    name: str                      # "<pin>/<target>/<group>", relative to the cache root
-    used: float                    # the last time a compile used it
-    size: int                      # bytes of its files
-
-    @property
-    def lock_key(self) -> str:
-        return lock_key(self.name)
 
 
 def lock_key(name: str) -> str:
@@ -76,8 +66,8 @@ def group_name(toolchain: str, target: str, group: str) -> str:
     return f"{toolchain}/{target}/{group}"
 
 
-def groups(store_root: Path) -> list[Group]:
-    """Every group of the store's compile cache."""
+def groups(store_root: Path) -> list[CacheGroup]:
+    """Every group of the store's compile cache, named "<pin>/<target>/<group>"."""
     out = []
     for path in sorted((Path(store_root) / CACHE_DIR).glob("*/*/*")):
         try:
@@ -86,7 +76,7 @@ def groups(store_root: Path) -> list[Group]:
             used = path.stat().st_mtime
         except FileNotFoundError:
             continue
-        out.append(Group(path, path.relative_to(Path(store_root) / CACHE_DIR).as_posix(), used, _size(path)))
+        out.append(CacheGroup(path, path.relative_to(Path(store_root) / CACHE_DIR).as_posix(), used, _size(path)))
     return out
 
 
@@ -287,7 +277,7 @@ def verify(store, repair: bool = False) -> list[str]:
     problems = []
     for g in groups(store.root):
         try:
-            with store.lock(g.lock_key, timeout=0):
+            with store.lock(lock_key(g.name), timeout=0):
                 for entry in entries(g.path):
                     what = state(entry)
                     if what != "complete":
@@ -305,10 +295,10 @@ def verify(store, repair: bool = False) -> list[str]:
     return problems
 
 
-def remove_group(store, g: Group) -> bool:
+def remove_group(store, g: CacheGroup) -> bool:
     """Remove a whole group unless a compile holds it or used it since `g` was listed; returns whether it went."""
     try:
-        with store.lock(g.lock_key, timeout=0):
+        with store.lock(lock_key(g.name), timeout=0):
             try:
                 if os.stat(g.path).st_mtime != g.used:   # a compile marked it used meanwhile
                     return False
@@ -318,3 +308,30 @@ def remove_group(store, g: Group) -> bool:
             return True
     except TimeoutError:
         return False
+
+
+def index_blobs(remote, key: str) -> set[str]:
+    """The CAS blobs the index object at `key` names."""
+    return {meta["digest"] for files in read_index(remote, key).values() for meta in files.values()}
+
+
+@dataclass(frozen=True)
+class NeuronCompileCache:
+    """The compile cache as a side cache of the store (qbuild.store.side_cache.SideCache)."""
+
+    name: str = CACHE_DIR
+
+    def groups(self, store_root: Path) -> list[CacheGroup]:
+        return groups(store_root)
+
+    def remove_group(self, store, group: CacheGroup) -> bool:
+        return remove_group(store, group)
+
+    def index_blobs(self, remote, key: str) -> set[str]:
+        return index_blobs(remote, key)
+
+    def verify(self, store, repair: bool) -> list[str]:
+        return verify(store, repair)
+
+
+CACHE = NeuronCompileCache()

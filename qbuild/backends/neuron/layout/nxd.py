@@ -19,15 +19,15 @@ Ports:
   (nn.Linear / nn.Conv1d / nn.Parameter); MoE directly under `mlp.`; shared expert wrapped in
   SigmoidGatedSharedExperts around NxD's SharedExperts.
 
-Ranks: `tp` is the number of ranks, NxD's world size: ModelBuilder.shard_checkpoint writes one
+Ranks (a RankLayout, qbuild.model.ranks): `world` is NxD's world size: ModelBuilder.shard_checkpoint writes one
 tp{r}_sharded_checkpoint.safetensors for each r < world_size (NxD trace/model_builder.py shard_checkpoint /
 shard_weights_with_cache), and NxDI sets world_size = tp_degree * pp_degree * ep_degree (NxDI models/config.py:384).
-`dense_tp` is NxDI's tp_degree, so NxD's ep_degree is tp / dense_tp. Two worlds are modelled:
-- ep_degree 1 (dense_tp = tp): the experts use NxD's MoE process groups of moe_tp_degree = tp / ep and
-  moe_ep_degree = ep inside the one tp group (NxD modules/moe/moe_process_group.py);
-- NxD's EP world (dense_tp = tp / ep, ep_degree = moe_ep_degree = ep, moe_tp_degree = dense_tp), the one
-  configuration a public port validated (Coder-Next README @ 753c7f5: tp_degree 8, ep_degree = moe_ep_degree 4,
-  moe_tp_degree 8, 32 ranks).
+`dense_tp` is NxDI's tp_degree, so NxD's ep_degree is world / dense_tp. Two worlds are modelled:
+- ep_degree 1 (dense_tp = world): the experts use NxD's MoE process groups of moe_tp_degree = world / moe_ep and
+  moe_ep_degree = moe_ep inside the one tp group (NxD modules/moe/moe_process_group.py);
+- NxD's EP world (dense_tp = moe_tp = world / moe_ep, ep_degree = moe_ep_degree = moe_ep), the one configuration a
+  public port validated (Coder-Next README @ 753c7f5: tp_degree 8, ep_degree = moe_ep_degree 4, moe_tp_degree 8,
+  32 ranks).
 In both, rank r is moe-tp rank r % moe_tp of expert-parallel rank r // moe_tp: initialize_model_parallel makes each
 tensor-parallel group a block of contiguous ranks and strides the expert-parallel groups by its size (NxD
 parallel_layers/parallel_state.py ascending_ring_PG_group), and the MoE groups are built the same way from
@@ -52,10 +52,12 @@ from dataclasses import dataclass
 
 import torch
 
+from qbuild.core.dtypes import torch_dtype
 from qbuild.model.arch import Arch
 from qbuild.model.convert import attention, deltanet, embeddings, moe
 from qbuild.model.convert.errors import CheckpointError, ShardError
-from qbuild.model.convert.parallel import ParallelLayout, Placement, ShardStep, column, qkv_trios, replicate, row
+from qbuild.model.convert.parallel import Placement, ShardStep, column, qkv_trios, replicate, row
+from qbuild.model.ranks import RankLayout
 
 NXD_MAIN = "nxd-main"
 NXD_MAIN_REPLICATED = "nxd-main-replicated"
@@ -116,30 +118,30 @@ def pad_q_heads(t: torch.Tensor, dim: int, d: Arch, tp: int) -> torch.Tensor:
 
 
 def q_heads(t, d, p):
-    return list(pad_q_heads(t, 0, d, p.tp).chunk(p.tp, dim=0))
+    return list(pad_q_heads(t, 0, d, p.world).chunk(p.world, dim=0))
 
 
 def o_heads(t, d, p):
-    return list(pad_q_heads(t, 1, d, p.tp).chunk(p.tp, dim=1))
+    return list(pad_q_heads(t, 1, d, p.world).chunk(p.world, dim=1))
 
 
 def kv_heads(t, d, p):
     """REPLICATE: kv heads repeat_interleave'd to tp, so rank r holds source head r*nKV//tp (or contiguous heads when
     nKV == tp), which is attention.kv_head_shards. CONVERT_TO_MHA on an MHA model: zero heads at the tail."""
-    g = gqa(d, p.tp)
+    g = gqa(d, p.world)
     if g.replicate:
-        return attention.kv_head_shards(t, d.num_kv_heads, p.tp)
+        return attention.kv_head_shards(t, d.num_kv_heads, p.world)
     full = t
     if g.num_kv_heads != d.num_kv_heads:
         full = _zero_heads(t, 0, d.num_kv_heads, 1, g.num_kv_heads - d.num_kv_heads)
-    return list(full.chunk(p.tp, dim=0))
+    return list(full.chunk(p.world, dim=0))
 
 
 # --- Other placements ------------------------------------------------------------------------------------------
 
 def hidden_columns(t, d, p):
     """ParallelEmbedding(shard_across_embedding=True): (V, H/tp), partition dim 1 (NxD parallel_layers/layers.py)."""
-    return list(t.chunk(p.tp, dim=1))
+    return list(t.chunk(p.world, dim=1))
 
 
 def hidden_columns_pad_row_zeroed(t, d, p):
@@ -153,25 +155,25 @@ def hidden_columns_pad_row_zeroed(t, d, p):
 def deltanet_qkv(t, d, p):
     """The main port reorders in_proj_qkv and conv1d channels to per-rank [Q_r | K_r | V_r] when tp > 1
     (_reorder_deltanet_qkv_for_tp / _reorder_deltanet_qkv_channels_for_tp) before ColumnParallelLinear's dim-0 slice."""
-    return deltanet.qkv_shards(t, d, p.tp)
+    return deltanet.qkv_shards(t, d, p.world)
 
 
 def experts_gate_up(t, d, p):
     """ExpertFusedColumnParallelLinear, stride 2: each of gate and up sliced on dim 2 (trace.py create_local_weight),
     then this rank's experts (create_local_weight_with_expert_parallel). An expert-wise FP8 scale (E, 1, 2I) follows
     the weight (quantization_layers.py _setup_for_scale partitions it when per_channel_axis == partition dim)."""
-    return (moe.gate_up_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), None) for r in range(p.tp))
+    return (moe.gate_up_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
 
 
 def experts_down(t, d, p):
     """ExpertFusedRowParallelLinear: dim 1 sliced over moe_tp, then this rank's experts."""
-    return [moe.down_shard(t, p.ep, p.moe_tp, p.group(r), p.moe_rank(r), None) for r in range(p.tp)]
+    return [moe.down_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world)]
 
 
 def experts_only(t, d, p):
     """The row-parallel expert scale (E, 1, H): not tensor-partitioned, but expert-parallel like every parameter of
     an expert layer (moe_parallel_layers.py _mark_expert_parallel_weights)."""
-    return [moe.expert_group(t, p.ep, p.group(r)) for r in range(p.tp)]
+    return [moe.expert_group(t, p.moe_ep, p.group(r)) for r in range(p.world)]
 
 
 def conv1d_replicated(t, d, p):
@@ -191,8 +193,8 @@ def over_dense_tp(place: Placement) -> Placement:
     with num_partitions = tensor_parallel_group.size() (NxD parallel_layers/layers.py). So each expert-parallel copy
     of the group holds the same slices. `place` sees a layout of dense_tp ranks and nothing of the experts."""
     def placed(t, d, p):
-        pieces = list(place(t, d, ParallelLayout(p.dense_tp)))
-        return [pieces[p.dense_rank(r)] for r in range(p.tp)]
+        pieces = list(place(t, d, RankLayout.split(p.dense_tp)))
+        return [pieces[p.dense_rank(r)] for r in range(p.world)]
     return placed
 
 
@@ -203,7 +205,7 @@ class Rule:
     target: str                     # the NxD parameter name of the weight (the scale is the same module's `.scale`)
     weight: Placement
     scale: Placement | None = None  # None: the module is never an FP8 one in this lineage
-    experts: bool = False           # an ExpertMLPsV2 parameter: placed over all tp ranks by expert group and moe_tp
+    experts: bool = False           # an ExpertMLPsV2 parameter: placed over all ranks by expert group and moe_tp
                                     # slice; every other rule's placements go through over_dense_tp
 
     @property
@@ -328,21 +330,18 @@ LINEAGES: dict[str, Lineage] = {
 }
 
 
-def check_nxd_layout(d: Arch, p: ParallelLayout, lineage: Lineage) -> None:
+def check_nxd_layout(d: Arch, p: RankLayout, lineage: Lineage) -> None:
     """ShardError unless NxD can shard a model of architecture `d` under `p` for this port lineage."""
     def need(ok: bool, why: str) -> None:
         if not ok:
-            raise ShardError(f"{lineage.name} tp={p.tp} ep={p.ep} dense_tp={p.dense_tp}: {why}")
+            raise ShardError(f"{lineage.name} {p.describe()}: {why}")
 
-    need(p.tp >= 1 and p.ep >= 1 and p.tp % p.ep == 0, "tp and ep must be positive and ep must divide tp")
-    # The two worlds of the module docstring. Any other dense_tp would make NxD's ep_degree (tp / dense_tp) differ
-    # from moe_ep_degree (ep), which no port runs (Coder-Next README @ 753c7f5: "moe_ep_degree=4, # Must match
+    # The two worlds of the module docstring. Any other dense_tp would make NxD's ep_degree (world / dense_tp) differ
+    # from moe_ep_degree, which no port runs (Coder-Next README @ 753c7f5: "moe_ep_degree=4, # Must match
     # ep_degree").
-    need(p.dense_tp in (p.tp, p.tp // p.ep),
-         "dense_tp must be tp (NxD ep_degree 1) or tp / ep (NxD's EP world: ep_degree = moe_ep_degree = ep)")
-    need(p.ep == 1 or bool(d.moe_layers), "ep > 1 needs a mixture-of-experts model")
-    need(p.pad_intermediate_to is None, "pad_intermediate_to is a cpu-layout option: NxD's ExpertMLPsV2 shards the "
-                                        "unpadded expert intermediate, so a padded shard would not load")
+    need(p.dense_tp in (p.world, p.moe_tp),
+         "dense_tp must be the world (NxD ep_degree 1) or moe_tp (NxD's EP world: ep_degree = moe_ep_degree)")
+    need(p.moe_ep == 1 or bool(d.moe_layers), "expert groups (moe_ep > 1) need a mixture-of-experts model")
     need(lineage.name != NXD_MOE or bool(d.moe_layers), "the Coder-Next port builds routed experts in every "
                                                         "layer; this model has none")
     need(not d.moe_layers or len(d.moe_layers) == d.num_layers,
@@ -365,7 +364,7 @@ def check_nxd_layout(d: Arch, p: ParallelLayout, lineage: Lineage) -> None:
         need(d.intermediate_size % p.dense_tp == 0,
              f"dense intermediate {d.intermediate_size} does not split into {p.dense_tp}")
     if d.moe_layers:
-        need(d.num_experts % p.ep == 0, f"{d.num_experts} experts do not split into {p.ep} groups")
+        need(d.num_experts % p.moe_ep == 0, f"{d.num_experts} experts do not split into {p.moe_ep} groups")
         need(d.moe_intermediate_size % p.moe_tp == 0,
              f"expert intermediate {d.moe_intermediate_size} must divide by moe_tp {p.moe_tp}")
         need(d.shared_intermediate_size % p.dense_tp == 0,
@@ -387,7 +386,7 @@ def cast(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype)
 
 
-def _rank_tensors(d: Arch, p: ParallelLayout, lineage: Lineage) -> ShardStep:
+def _rank_tensors(d: Arch, p: RankLayout, lineage: Lineage) -> ShardStep:
     """SPMDRank parameters (NxD parallel_layers/layers.py:1543): `rank` (1,) int32 with num_partitions = the SPMDRank's
     world_size, so rank r holds [r % world_size] (trace.py:801).
     - The ports' converters write `rank_util.rank` and `layers.N.self_attn.rank_util.rank` (full-attention layers) as
@@ -402,15 +401,15 @@ def _rank_tensors(d: Arch, p: ParallelLayout, lineage: Lineage) -> ShardStep:
     names = ["rank_util.rank"] + [f"layers.{i}.self_attn.rank_util.rank"
                                   for i in range(d.num_layers) if d.is_full_attention(i)]
     experts = [f"layers.{i}.{lineage.expert_mlps}.spmd_rank." for i in range(d.num_layers) if d.is_moe_layer(i)]
-    local = d.num_experts // p.ep if d.moe_layers else 0
+    local = d.num_experts // p.moe_ep if d.moe_layers else 0
 
     def fn() -> list[dict[str, torch.Tensor]]:
         out = []
-        for r in range(p.tp):
+        for r in range(p.world):
             rank = {n: torch.tensor([p.dense_rank(r)], dtype=torch.int32) for n in names}
             for e in experts:
                 rank[f"{e}rank"] = torch.tensor([r], dtype=torch.int32)
-                if p.ep > 1:
+                if p.moe_ep > 1:
                     first = p.group(r) * local
                     rank[f"{e}local_expert_indices"] = torch.arange(first, first + local, dtype=torch.int32)[None]
             out.append(rank)
@@ -435,7 +434,7 @@ def _rule(name: str, lineage: Lineage, label: str) -> tuple[str, Placement]:
                                  "in a module NxD does not quantise)", name)
 
 
-def _single(name: str, target: str, place: Placement, d: Arch, p: ParallelLayout,
+def _single(name: str, target: str, place: Placement, d: Arch, p: RankLayout,
             dtype: torch.dtype) -> ShardStep:
     def fn(t: torch.Tensor) -> list[dict[str, torch.Tensor]]:
         t = cast(target, t, dtype)  # before placing: one cast copy at most, shared by replicated ranks
@@ -445,28 +444,28 @@ def _single(name: str, target: str, place: Placement, d: Arch, p: ParallelLayout
     return ShardStep((name,), fn)
 
 
-def _fused_qkv(layer: int, kind: str, d: Arch, p: ParallelLayout, dtype: torch.dtype) -> ShardStep:
+def _fused_qkv(layer: int, kind: str, d: Arch, p: RankLayout, dtype: torch.dtype) -> ShardStep:
     """GroupQueryAttention_QKV with fused_qkv: each rank's Wqkv is [Q_r | K_r | V_r] of the padded / replicated heads
     (gqa.py preshard_hook, then trace.py create_local_weight_qkv), over the dense_tp group like every attention
     layer (over_dense_tp)."""
     base = f"layers.{layer}.self_attn."
     names = tuple(f"{base}{x}_proj.{kind}" for x in "qkv")
     target = f"{base}qkv_proj.Wqkv.{kind}"
-    group = ParallelLayout(p.dense_tp)
+    group = RankLayout.split(p.dense_tp)
 
     def fn(q, k, v):
         q, k, v = (cast(target, x, dtype) for x in (q, k, v))
         parts = zip(q_heads(q, d, group), kv_heads(k, d, group), kv_heads(v, d, group))
         fused = [attention.fuse_qkv(*qkv) for qkv in parts]
-        return [{target: fused[p.dense_rank(r)]} for r in range(p.tp)]
+        return [{target: fused[p.dense_rank(r)]} for r in range(p.world)]
     return ShardStep(names, fn)
 
 
-def nxd_program(d: Arch, names, p: ParallelLayout, lineage: Lineage, dtype: torch.dtype,
+def nxd_program(d: Arch, names, p: RankLayout, lineage: Lineage, fused_qkv: bool, dtype: torch.dtype,
                 label: str) -> list[ShardStep]:
     steps = [_rank_tensors(d, p, lineage)]
     fused: set[str] = set()
-    for i, kind, trio in (qkv_trios(d, names, label) if p.fused_qkv else []):
+    for i, kind, trio in (qkv_trios(d, names, label) if fused_qkv else []):
         if kind == "scale" and not lineage.fuses_qkv_scales:
             raise CheckpointError(label, f"is an FP8 scale, but the {lineage.name} port's converter fuses Wqkv "
                                          "without its scales", trio[0])
@@ -476,3 +475,25 @@ def nxd_program(d: Arch, names, p: ParallelLayout, lineage: Lineage, dtype: torc
         if name not in fused:
             steps.append(_single(name, *_rule(name, lineage, label), d, p, dtype))
     return steps
+
+
+@dataclass(frozen=True)
+class NxdLayout:
+    """The files NxD writes for one port lineage (qbuild.model.convert.parallel.ShardLayout): NxD's names, splits and
+    dtypes, every floating tensor cast to the model dtype."""
+
+    lineage: Lineage
+
+    @property
+    def name(self) -> str:
+        return self.lineage.name
+
+    def program(self, d: Arch, names, ranks: RankLayout, fused_qkv: bool, dtype: str | None,
+                label: str) -> list[ShardStep]:
+        if dtype is None:
+            raise ShardError(f"layout {self.name} needs dtype, the model dtype NxD casts every weight to")
+        check_nxd_layout(d, ranks, self.lineage)
+        return nxd_program(d, names, ranks, self.lineage, fused_qkv, torch_dtype(dtype), label)
+
+
+MAIN, MAIN_REPLICATED, MOE = (NxdLayout(LINEAGES[name]) for name in (NXD_MAIN, NXD_MAIN_REPLICATED, NXD_MOE))
