@@ -1,11 +1,12 @@
 """The README and docs/ hold together: every relative link resolves to a file of the repository, every `#anchor` into a
-markdown file to one of its headings (GitHub's slugs), every `docs/NAME.md` they mention exists, and the README stays
+markdown file to one of its headings (GitHub's slugs), every document under docs/ they mention by path exists, and the README stays
 a page a user reads (at most 200 lines) whose set-up commands are the ones CI runs."""
 
 from __future__ import annotations
 
 import re
 import unicodedata
+import uuid
 from pathlib import Path
 
 import pytest
@@ -115,14 +116,16 @@ def test_the_link_check_finds_a_broken_file_and_a_broken_anchor(tmp_path, monkey
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "guide.md").write_text("# Guide\n\n## 2. The store, and `gc`\n\n## Notes *(double)*\n\n"
                                                 "## Notes *(double)*\n\n```sh\n# not a heading\n```\n")
+    # Names no file of the fixture has: a random one per link, so none can exist by chance.
+    gone, in_code, web, ref = (f"{uuid.uuid4().hex}.md" for _ in range(4))
     page = tmp_path / "README.md"
     page.write_text("[ok](docs/guide.md#2-the-store-and-gc) [ok](docs/guide.md#notes-double-1) [up](#top)\n"
-                    "[gone](docs/gone.md) [bad](docs/guide.md#not-a-heading) <https://example.com> "
-                    "[web](https://example.com/x.md)\n`[in code](docs/none.md)`\n\n# Top\n[ref]: docs/missing.md\n")
-    assert broken_links(page) == ["README.md:2: docs/gone.md: no such file",
+                    f"[gone](docs/{gone}) [bad](docs/guide.md#not-a-heading) <https://example.com> "
+                    f"[web](https://example.com/{web})\n`[in code](docs/{in_code})`\n\n# Top\n[ref]: docs/{ref}\n")
+    assert broken_links(page) == [f"README.md:2: docs/{gone}: no such file",
                                   "README.md:2: docs/guide.md#not-a-heading: no heading with that anchor in "
                                   "docs/guide.md",
-                                  "README.md:6: docs/missing.md: no such file"]
+                                  f"README.md:6: docs/{ref}: no such file"]
 
 
 def test_github_slugs():

@@ -6,7 +6,7 @@ vllm-neuron 0.5.0 @ 3afb0a9 gets images to NxDI only for the architectures in NE
 multimodal wrappers (neuronx_distributed_model_loader.py:998-1007), which build NxDI's ImageToText application from a
 text and a vision NeuronConfig (L576-631), and only they are run with their multimodal inputs (neuronx_distributed_
 model_runner.py:752-761); the runner's preprocessing of those inputs knows the model types llava, qwen2_vl, qwen3_vl and
-llama4 and raises NotImplementedError for any other (L1084-1118), whatever the architecture. The Qwen3.5 ports' VL
+llama4 and raises for any other (L1084-1118), whatever the architecture. The Qwen3.5 ports' VL
 model, NeuronQwen35VLForCausalLM, is no NxDI application at all ("NOT an NeuronBaseForImageToText subclass":
 contrib/models/Qwen3.5-2B/src/modeling_qwen35_vl.py:251-265 @ 4bcdc54), so no registration a plugin can make gives
 vllm-neuron a class it could load and run with images. The bundle's plugin therefore registers the text model, as

@@ -261,7 +261,7 @@ class Runtime:
 
     def _block_hashes(self, prompt_ids: list[int], images: EncodedImage | None) -> list[bytes]:
         """The prompt's block hash chain; an image's features are an extra key of the first block (its tokens in
-        the prompt are placeholders). A tiled image's features are its four tiles' stitched together, so they key it
+        the prompt are image pad tokens, the same for every image). A tiled image's features are its four tiles' stitched together, so they key it
         the same way."""
         import hashlib
 

@@ -6,7 +6,8 @@ ids and, for the first block, extra keys (vLLM's `hash_block_tokens` and `genera
 a request's cache salt to the first block's keys; vllm/v1/core/kv_cache_utils.py, cited with lines in
 docs/long-context.md). A block's hash therefore names the whole prefix up to its end, and equal hashes mean equal
 prefixes (sha256; a collision would be needed to confuse two). A checkpoint is keyed by the hash of the block it ends
-with. The extra key here is the image a VL prompt carries (its encoded features), whose tokens are placeholders.
+with. The extra key here is the image a VL prompt carries (its encoded features), whose tokens in the prompt are
+image pad tokens, the same for every image.
 
 DeltaNet's state is not per token, so a prefix can only be resumed where its state was kept: at a checkpoint whose
 blocks are all cached, and before the prompt's last token (whose logits choose the first new token). The runtime
