@@ -31,7 +31,8 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
                                              help="leave steps that need a Neuron device (verifying a neuron bundle) "
                                                   "unbuilt on a host without one, instead of failing, and the "
                                                   "steps only they need (its reference)"),
-            keep_intermediates: bool = KeepOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
+            keep_intermediates: bool = KeepOpt, json_: bool = JsonOpt, store: Optional[Path] = StoreOpt,
+            lock: Path = LockOpt,
             remote: Optional[str] = RemoteOpt, backend: Optional[BackendName] = BackendOpt,
             verbose: bool = typer.Option(False, "-v", "--verbose",
                                          help="also show what each step's libraries printed (warnings, progress)"),
