@@ -107,22 +107,28 @@ def expert_group(t: torch.Tensor, ep: int, group: int) -> torch.Tensor:
     return t.chunk(ep, dim=0)[group]
 
 
-def gate_up_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int) -> torch.Tensor:
+def gate_up_shard(t: torch.Tensor, ep: int, moe_tp: int, group: int, j: int):
     """One rank's gate_up (E/ep, H, 2*I_r) (or its FP8 scale (E/ep, 1, 2*I_r)), I_r = I / moe_tp: the group's experts,
-    and moe_tp slice j of both the gate and the up halves."""
-    import torch
+    and moe_tp slice j of both the gate and the up halves. With moe_tp > 1 no strided view holds that slice, so it is
+    a safetensors_io.Deferred, laid out a few experts at a time as it is written."""
+    from qbuild.model.convert.safetensors_io import Deferred
 
     g = expert_group(t, ep, group)
     two_i = g.shape[-1]
     if moe_tp == 1:
         return g
     part = g.reshape(*g.shape[:-1], 2, two_i // 2).chunk(moe_tp, dim=-1)[j]    # (E/ep, H, 2, I_r), a view
-    out = torch.empty(part.shape, dtype=g.dtype, device=g.device)
-    if part.dim() == 4 and part.stride(1) == 1 and part.shape[1] > 1:
-        _gather_transposed(out, part)
-    else:
-        out.copy_(part)
-    return out.reshape(*g.shape[:-1], 2 * part.shape[-1])
+    transposed = part.dim() == 4 and part.stride(1) == 1 and part.shape[1] > 1
+
+    def fill(out: torch.Tensor, start: int) -> None:
+        piece = part[start:start + out.shape[0]]
+        dst = out.view(piece.shape)
+        if transposed:
+            _gather_transposed(dst, piece)
+        else:
+            dst.copy_(piece)
+
+    return Deferred((*g.shape[:-1], 2 * part.shape[-1]), g.dtype, fill)
 
 
 def _gather_transposed(out: torch.Tensor, part: torch.Tensor) -> None:

@@ -5,13 +5,16 @@ RankLayout (qbuild.model.ranks)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Protocol
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol
 
 import torch
 
 from qbuild.model.arch import Arch
 from qbuild.model.convert.errors import CheckpointError
 from qbuild.model.ranks import RankLayout
+
+if TYPE_CHECKING:
+    from qbuild.model.convert.safetensors_io import Deferred
 
 
 @dataclass(frozen=True)
@@ -20,9 +23,11 @@ class ShardStep:
     fn: Callable[..., Iterable[dict[str, torch.Tensor]]]  # (*tensors) -> per rank {name: tensor}, in rank order
 
 
-# Placements: a canonical tensor -> one tensor per rank, in rank order. One whose ranks are copies (the expert
-# slices) yields them one at a time, so a writer holds one rank's copy, not every rank's at once.
-Placement = Callable[[torch.Tensor, Arch, RankLayout], Iterable[torch.Tensor]]
+# Placements: a canonical tensor -> one tensor per rank, in rank order. The streaming writer takes every rank's at
+# once and writes them side by side, so a big tensor's ranks are views of it, or Deferred where no view expresses
+# the slice (the expert gate_up: safetensors_io.Deferred), made piece by piece as they are written; only small
+# tensors are copied whole.
+Placement = Callable[[torch.Tensor, Arch, RankLayout], Iterable["torch.Tensor | Deferred"]]
 
 
 def replicate(t, d, p):

@@ -69,6 +69,9 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
     A contiguous tensor is written from its own memory. Any other (e.g. a transposed view of a mapped input) is
     laid out piece by piece, along dim 0, in one small reused buffer that stays in cache and is written after each
     piece: no full-size copy is ever allocated, so memory stays bounded by the piece, not by the tensor."""
+    if isinstance(tensor, Deferred):
+        _write_deferred(fd, offset, tensor)
+        return
     t = tensor.detach()
     if t.numel() == 0:
         return
@@ -88,16 +91,50 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
         _pwrite_all(fd, offset + r0 * row, out)
 
 
+class Deferred:
+    """A tensor made piece by piece as it is written, for a layout no strided view of its source expresses (a rank's
+    expert gate_up, each row its slice of gate^T then of up^T: moe.gate_up_shard). `fill(out, start)` writes rows
+    [start, start + len(out)) of dim 0 into the contiguous `out`. The writer fills one small buffer at a time, so the
+    tensor is never allocated whole; `materialise` makes it whole, for the in-memory shard."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, fill):
+        self.shape, self.dtype, self.fill = torch.Size(shape), dtype, fill
+
+    def materialise(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        if out.numel():
+            self.fill(out, 0)
+        return out
+
+
+def _write_deferred(fd: int, offset: int, t: Deferred) -> None:
+    if not t.shape.numel():
+        return
+    row = t.shape[1:].numel() * t.dtype.itemsize
+    rows = max(1, min(t.shape[0], _PIECE_BYTES // max(row, 1)))
+    buf = torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
+    for r0 in range(0, t.shape[0], rows):
+        out = buf[:min(rows, t.shape[0] - r0)]
+        t.fill(out, r0)
+        _pwrite_all(fd, offset + r0 * row, out)
+
+
 # Bytes laid out per write of a non-contiguous tensor: a few experts, small enough to stay in cache.
 _PIECE_BYTES = 8 << 20
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst.copy_(src) for a contiguous dst. A 3D+ src whose last two dims are swapped relative to row-major (an
-    expert transpose) is copied one 2D matrix at a time: torch's 2D transposed copy has a cache-blocked kernel,
-    several times faster than the generic strided copy it would otherwise take."""
-    if src.dim() >= 3 and src.stride(-2) == 1 and src.stride(-1) == src.shape[-2]:
+    expert transpose, or a slice of one) is copied one 2D matrix at a time: torch's 2D transposed copy has a
+    cache-blocked kernel, several times faster than the generic strided copy it would otherwise take, and a slice
+    (a rank's columns of each expert) is first gathered into a small contiguous buffer that kernel accepts."""
+    if src.dim() >= 3 and src.stride(-2) == 1 and src.shape[-2] > 1:
+        whole = src.stride(-1) == src.shape[-2]
+        tmp = None if whole else torch.empty(src.shape[-1], src.shape[-2], dtype=src.dtype)
         for d, s in zip(dst.view(-1, *dst.shape[-2:]), src.reshape(-1, *src.shape[-2:])):
+            if tmp is not None:
+                tmp.copy_(s.T)
+                s = tmp.T
             d.copy_(s)
     else:
         dst.copy_(src)
@@ -161,11 +198,11 @@ class PlannedFile:
         os.pwrite(self.fd, struct.pack("<Q", len(raw)) + raw, 0)
         os.ftruncate(self.fd, self.size)
 
-    def write(self, name: str, tensor: torch.Tensor, sources: "MappedSources | None" = None) -> None:
+    def write(self, name: str, tensor: torch.Tensor | Deferred, sources: "MappedSources | None" = None) -> None:
         """Write `tensor` as `name`; when it is a contiguous byte range of one of `sources`, the kernel copies it."""
         slot = self.slots[name]
         assert tensor.dtype == slot.dtype and tuple(tensor.shape) == slot.shape, (name, tensor.dtype, tensor.shape, slot)
-        origin = sources.origin(tensor) if sources is not None else None
+        origin = sources.origin(tensor) if sources is not None and not isinstance(tensor, Deferred) else None
         if origin is None or not copy_range(*origin[:2], self.fd, slot.offset, slot.nbytes):
             write_at(self.fd, slot.offset, tensor)
         self._written.add(name)

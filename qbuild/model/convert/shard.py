@@ -31,6 +31,7 @@ Rank convention of the "cpu" layout (tp = world = dense_tp, ep = moe_ep):
 from __future__ import annotations
 
 import re
+from functools import partial
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -46,10 +47,10 @@ from qbuild.model.convert.parallel import Placement, ShardLayout, ShardStep, col
 from qbuild.model.ranks import RankLayout
 from qbuild.model.convert.converted import open_converted
 from qbuild.model.convert.description import Producer
-from qbuild.model.convert.safetensors_io import MappedSources, PlannedFile
+from qbuild.model.convert.safetensors_io import Deferred, MappedSources, PlannedFile
 from qbuild.model.convert.writer import torch_ops_in_caller_threads, write_json
 from qbuild.store.files import staged
-from qbuild.core.threads import run_bounded
+from qbuild.core.threads import run_grouped
 
 if TYPE_CHECKING:
     from qbuild.core.progress import Meter
@@ -215,7 +216,7 @@ def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, ranks: R
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(ranks.world)]
     for step in _program(d, list(text), layout, ranks, fused_qkv, dtype, "<state dict>"):
         for r, outs in enumerate(step.fn(*(text[n] for n in step.sources))):
-            out[r].update({n: t.clone() for n, t in outs.items()})
+            out[r].update({n: t.materialise() if isinstance(t, Deferred) else t.clone() for n, t in outs.items()})
     return out
 
 
@@ -225,9 +226,9 @@ def shard_checkpoint(converted: Path, dst: Path, *, ranks: RankLayout, layout: S
                      meter: Meter | None = None) -> dict:
     """A convert output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < ranks.world) and
     dst/shard.json (returned). Described text weights are made from the checkpoint `files` locates (with the
-    snapshot's `digests`; converted.open_converted), materialised ones read from the directory. Streams one unit at a
-    time (a canonical tensor, or the few a conversion step or a fused q/k/v makes together); dst appears only when
-    done. `layout` picks the rules (module docstring); `dtype` is the model dtype, which a layout that casts to it
+    snapshot's `digests`; converted.open_converted), materialised ones read from the directory. Streams unit by
+    unit (a canonical tensor, or the few a conversion step or a fused q/k/v makes together; _write_units), every rank
+    tensor straight to its offset; dst appears only when done. `layout` picks the rules (module docstring); `dtype` is the model dtype, which a layout that casts to it
     requires. `meter` counts the tensor bytes written into the rank files, against all of them."""
     converted = Path(converted)
     config = load_config(converted / "config.json")
@@ -312,30 +313,35 @@ def _units(producers: list[Producer], steps: list[ShardStep]) -> list[_Unit]:
 
 # Units run side by side while their inputs total at most this many times the biggest unit's: the biggest never
 # runs beside another as big (peak memory stays under 2x the largest tensor: each unit holds its mapped inputs and
-# one rank's copy), while a big unit and a smaller one overlap their copies and their writes.
+# the writers' small buffers), while a big unit and a smaller one overlap their copies and their writes.
 _UNITS_BUDGET = 1.5
 
 
 def _write_units(units: list[_Unit], files: list[PlannedFile], workers: int, meter: Meter | None = None) -> None:
-    """Run every unit into the rank files, biggest first, `workers` at a time within the memory budget; `meter`
-    counts the bytes of each tensor written."""
-    def task(unit: _Unit):
-        def run() -> None:  # replicated and dim-0 slices of mapped bytes are byte ranges: the kernel copies them
+    """Write every unit into the rank files, biggest first, on `workers` threads within the memory budget; `meter`
+    counts the bytes of each tensor written. A unit's rank tensors are views of its inputs or Deferred (made as they
+    are written), so each rank tensor is a job of its own: the ranks of a unit too big to share the budget are still
+    written side by side (writing to the page cache costs as much CPU as laying the bytes out)."""
+    def open_unit(unit: _Unit):
+        def open_() -> list:  # replicated and dim-0 slices of mapped bytes are byte ranges: the kernel copies them
             mapped = MappedSources()
             tensors: dict[str, torch.Tensor] = {}
             for prod in unit.producers:
                 tensors.update(prod.run(mapped))
-            for step in unit.steps:
-                for f, outs in zip(files, step.fn(*(tensors[n] for n in step.sources))):
-                    for n, t in outs.items():
-                        f.write(n, t, mapped)
-                        if meter is not None:
-                            meter.advance(f.slots[n].nbytes)
-        return run
+            return [partial(_write_one, f, n, t, mapped, meter) for step in unit.steps
+                    for f, outs in zip(files, step.fn(*(tensors[n] for n in step.sources)))
+                    for n, t in outs.items()]
+        return open_
 
     units = sorted(units, key=lambda u: -u.nbytes)
     budget = int(_UNITS_BUDGET * max((u.nbytes for u in units), default=0))
-    run_bounded([(u.nbytes, task(u)) for u in units], workers, budget)
+    run_grouped([(u.nbytes, open_unit(u)) for u in units], workers, budget)
+
+
+def _write_one(f: PlannedFile, name: str, t, mapped: MappedSources, meter: Meter | None) -> None:
+    f.write(name, t, mapped)
+    if meter is not None:
+        meter.advance(f.slots[name].nbytes)
 
 
 def _is_fp8(t: torch.Tensor) -> bool:
