@@ -1,13 +1,13 @@
 """Benchmark: long prompts on a CPU bundle of the tiny model, each figure a ratio to a baseline of the same run.
 
-    .venv/bin/python bench/bench_longctx.py [--bucket 128] [--times 16] [--repeats 5] [--width 1] [--dir DIR]
-                                            [--out FILE]
+    .venv/bin/python bench/bench_longctx.py [--bucket 128] [--times 21] [--repeats 5] [--width 1]
+                                            [--backend export|inductor] [--dir DIR] [--out FILE]
 
-Builds a tiny dense Qwen3.5 bundle (export backend, float32) whose largest context-encoding bucket is --bucket, with
-chunked prefill in chunks of that bucket, KV buckets doubling from twice the bucket to the sequence length (as
-NxDI's token-generation buckets: a piece attends to the KV bucket that holds it, not to the whole cache) and a
-prefix cache (blocks of bucket/4 tokens, a DeltaNet checkpoint every bucket), then, on one prompt of --times x the
-bucket (at least 8; the tiny model's 4096 positions bound it):
+Builds a tiny dense Qwen3.5 bundle (float32, with the CPU backend --backend names) whose largest context-encoding
+bucket is --bucket, with chunked prefill in chunks of that bucket, KV buckets doubling from twice the bucket to the
+sequence length (as NxDI's token-generation buckets: a piece attends to the KV bucket that holds it, not to the
+whole cache) and a prefix cache (blocks of bucket/4 tokens, a DeltaNet checkpoint every bucket), then, on one prompt
+of --times x the bucket (at least 8; the tiny model's 4096 positions bound it):
 - chunked prefill: time to the first token of the bundle with the cache off (every piece prefilled), against one
   forward of the whole prompt through transformers in the same process (the logits of every position, the first
   token's argmax), the figure the goal compares; and against one prefill of the whole prompt through qbuild's
@@ -51,7 +51,7 @@ def widened(width: int) -> dict:
             "linear_num_key_heads": 2 * width, "linear_num_value_heads": 4 * width}
 
 
-def build_bundle(work: Path, bucket: int, times: int, width: int) -> tuple[Path, Path]:
+def build_bundle(work: Path, bucket: int, times: int, width: int, backend: str = "export") -> tuple[Path, Path]:
     """The tiny checkpoint and its bundle (built with qbuild compile, then pulled). Returns (checkpoint, bundle)."""
     from qbuild.model.tinymodel import write_tiny_checkpoint
 
@@ -63,7 +63,7 @@ def build_bundle(work: Path, bucket: int, times: int, width: int) -> tuple[Path,
     recipe = work / "recipes" / "longctx.yaml"
     recipe.parent.mkdir(parents=True, exist_ok=True)
     recipe.write_text(
-        f"model: {{path: {checkpoint}}}\nbackend: export\ndtype: float32\n"
+        f"model: {{path: {checkpoint}}}\nbackend: {backend}\ndtype: float32\n"
         f"text:\n  seq_len: {seq_len}\n  cte_buckets: [{bucket // 2}, {bucket}]\n  tkg_buckets: {kv_buckets}\n"
         f"  chunked_prefill: {{chunk_size: {bucket}}}\n"
         f"  prefix_cache: {{block_size: {bucket // 4}, checkpoint_interval: {bucket}, checkpoint_slots: {2 * times}}}\n"
@@ -180,9 +180,12 @@ def measure(checkpoint: Path, bundle: Path, bucket: int, times: int, repeats: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bucket", type=int, default=128, help="the largest context-encoding bucket (= the chunk)")
-    ap.add_argument("--times", type=int, default=16, help="the prompt's length in largest buckets (at least 8)")
+    # 21 pieces by default: the prompt PR 173 measured warm against cold on Neuron (10.8K tokens in 512-token chunks)
+    ap.add_argument("--times", type=int, default=21, help="the prompt's length in largest buckets (at least 8)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--width", type=int, default=1, help="make the tiny model this many times as wide")
+    ap.add_argument("--backend", default="export", choices=["export", "inductor"],
+                    help="the CPU backend the bundle is built with")
     ap.add_argument("--dir", default=None, help="work directory (default: a temp dir); kept, so a rerun reuses it")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "longctx.json"))
     args = ap.parse_args()
@@ -190,8 +193,9 @@ def main() -> None:
         ap.error("--times must be at least 8 and --bucket a multiple of 4")
     work = Path(args.dir or tempfile.mkdtemp(prefix="qbuild-bench-longctx-"))
     work.mkdir(parents=True, exist_ok=True)
-    checkpoint, bundle = build_bundle(work, args.bucket, args.times, args.width)
-    result = {**measure(checkpoint, bundle, args.bucket, args.times, args.repeats), "width": args.width}
+    checkpoint, bundle = build_bundle(work, args.bucket, args.times, args.width, args.backend)
+    result = {**measure(checkpoint, bundle, args.bucket, args.times, args.repeats), "width": args.width,
+              "backend": args.backend}
     for k, v in result.items():
         print(f"{k:40s} {v:.4f}" if isinstance(v, float) else f"{k:40s} {v}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -312,11 +312,16 @@ def bench_convert(args) -> dict:
 
 def bench_longctx(args) -> dict:
     """Chunked prefill against one transformers forward of the same prompt, warm against cold time to the first
-    token, and the prefix cache's peak against its budget (bench/bench_longctx.py)."""
-    out = Path(args.out) / "longctx.json"
-    subprocess.run([sys.executable, str(REPO / "bench" / "bench_longctx.py"), "--dir",
-                    str(Path(args.work) / "longctx"), "--out", str(out)], check=True)
-    return json.loads(out.read_text())
+    token, and the prefix cache's peak against its budget (bench/bench_longctx.py), for a bundle of each CPU backend:
+    AOTInductor's compiled graphs, and torch.export's graphs run op by op (where dispatching each of a piece's few
+    hundred operations costs about as much as the tiny model's arithmetic)."""
+    results = {}
+    for backend in ("inductor", "export"):
+        out = Path(args.out) / f"longctx-{backend}.json"
+        subprocess.run([sys.executable, str(REPO / "bench" / "bench_longctx.py"), "--backend", backend, "--dir",
+                        str(Path(args.work) / f"longctx-{backend}"), "--out", str(out)], check=True)
+        results[backend] = json.loads(out.read_text())
+    return results
 
 
 def bench_plan_bytes(args) -> dict:
@@ -332,15 +337,18 @@ BENCHES = {"planning": bench_planning, "plan_scale": bench_plan_scale, "hashing"
            "longctx": bench_longctx, "plan_bytes": bench_plan_bytes}
 
 
-# The targets: (benchmark, figure, comparison, bound, what it says).
+# The targets: (benchmark, figure, comparison, bound, what it says); a figure without a bound is reported beside them.
 GOALS = [
     ("planning", "plan_ratio_vs_python", "<=", 6.0, "plan --all, x python -c pass"),
     ("planning", "noop_compile_ratio_vs_python", "<=", 6.0, "no-op compile --all, x python -c pass"),
     ("planning", "plan_speedup_vs_dvc_status", ">=", 5.0, "plan --all, times faster than dvc status"),
     ("planning", "noop_compile_speedup_vs_dvc_repro", ">=", 5.0, "no-op compile --all, times faster than dvc repro"),
     ("plan_scale", ("n100", "plan_s"), "<", 2.0, "plan --all --json of 100 recipes, seconds"),
-    ("longctx", "chunked_vs_whole_forward", "<=", 1.5, "chunked prefill, x one transformers forward of the prompt"),
-    ("longctx", "warm_speedup_exact_repeat", ">=", 10.0, "exact repeat, cold TTFT / warm TTFT"),
+    ("longctx", ("inductor", "chunked_vs_whole_forward"), "<=", 1.5,
+     "chunked prefill (AOTInductor), x one transformers forward"),
+    ("longctx", ("inductor", "warm_speedup_exact_repeat"), ">=", 10.0, "exact repeat (AOTInductor), cold / warm TTFT"),
+    ("longctx", ("export", "chunked_vs_whole_forward"), None, None, "chunked prefill (torch.export), x the same"),
+    ("longctx", ("export", "warm_speedup_exact_repeat"), None, None, "exact repeat (torch.export), cold / warm TTFT"),
     ("convert", "written_over_model", "<=", 1.02, "convert+shard: bytes written beyond the checkpoint, x model"),
     ("convert", "published_over_model", "<=", 1.02, "convert+shard: bytes a publish uploads, x model"),
     ("convert", "convert_shard_over_cp", "<=", 1.1, "convert+shard wall time, x cp of the model's bytes"),
@@ -357,6 +365,9 @@ def print_goals(results: dict) -> None:
             value = value.get(part) if isinstance(value, dict) else None
         if not isinstance(value, (int, float)):
             print(f"   {what:62s} not measured")
+            continue
+        if op is None:
+            print(f"   {what:62s} {value:7.2f} (reported)")
             continue
         met = value <= bound if op == "<=" else value < bound if op == "<" else value >= bound
         print(f"   {what:62s} {value:7.2f} (goal {op} {bound:g}) {'met' if met else 'MISSED'}")

@@ -177,3 +177,19 @@ def test_the_description_does_not_change_with_a_rules_code(tmp_path, monkeypatch
     rank = load_file(tmp_path / "s" / "weights" / "tp0_sharded_checkpoint.safetensors")
     hf = load_dir(src)["model.language_model.layers.0.input_layernorm.weight"]
     assert torch.equal(rank["layers.0.input_layernorm.weight"], hf.float() + 2.0)   # the rule as it is now
+
+
+def test_rank_tensors_laid_out_a_row_at_a_time_are_the_same_bytes(tmp_path, monkeypatch):
+    """The writer lays out a rank tensor that is not a byte range of the checkpoint (a transposed expert slice, a
+    Deferred gate_up, a hidden-dim column) 8 MiB at a time, which a tiny model's tensors never exceed: laid out one
+    row at a time instead, every piece after the first starts mid-tensor, and the files must not change."""
+    from qbuild.model.convert import safetensors_io
+
+    src = tiny("qwen3_5_moe_tp4")   # fused experts, split over moe_tp 2: rank gate_up slices are Deferred
+    describe_checkpoint(src, tmp_path / "described")
+    shard = dict(ranks=RankLayout.split(4, 2), fused_qkv=True, layout=backends.shard_layout("nxd-main"),
+                 dtype="bfloat16", files=_files(src))
+    shard_checkpoint(tmp_path / "described", tmp_path / "whole", workers=2, **shard)
+    monkeypatch.setattr(safetensors_io, "_PIECE_BYTES", 1)
+    shard_checkpoint(tmp_path / "described", tmp_path / "rows", workers=2, **shard)
+    assert _tree_bytes(tmp_path / "whole") == _tree_bytes(tmp_path / "rows")

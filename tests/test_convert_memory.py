@@ -20,8 +20,9 @@ from qbuild.model.convert.safetensors_io import PlannedFile
 MIB = 1 << 20
 TENSOR_BYTES = 64 * MIB
 # A convert step holds its mapped input and the converted output (~1.5 tensors here), and so does a shard unit (its
-# rank pieces are views, or one rank's copy at a time); with a few tens of MiB of torch's own at first use, which
-# tensors this small do not hide (the 35B-A3B shapes of bench/bench_convert.py do), allow 3 before calling it a leak.
+# rank pieces are views, or laid out a few rows at a time as they are written); with a few tens of MiB of torch's own
+# at first use, which tensors this small do not hide (the 35B-A3B shapes of bench/bench_convert.py do), allow 3
+# before calling it a leak.
 PEAK_TENSORS = 3
 
 CONFIG = {  # a text-only Qwen3.5 whose 8 big tensors are 64 MiB each in float32 (512 MiB in all), tp2-shardable

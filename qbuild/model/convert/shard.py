@@ -228,8 +228,9 @@ def shard_checkpoint(converted: Path, dst: Path, *, ranks: RankLayout, layout: S
     dst/shard.json (returned). Described text weights are made from the checkpoint `files` locates (with the
     snapshot's `digests`; converted.open_converted), materialised ones read from the directory. Streams unit by
     unit (a canonical tensor, or the few a conversion step or a fused q/k/v makes together; _write_units), every rank
-    tensor straight to its offset; dst appears only when done. `layout` picks the rules (module docstring); `dtype` is the model dtype, which a layout that casts to it
-    requires. `meter` counts the tensor bytes written into the rank files, against all of them."""
+    tensor straight to its offset; dst appears only when done. `layout` picks the rules (module docstring); `dtype`
+    is the model dtype, which a layout that casts to it requires. `meter` counts the tensor bytes written into the
+    rank files, against all of them."""
     converted = Path(converted)
     config = load_config(converted / "config.json")
     _, d = arch_of(config)

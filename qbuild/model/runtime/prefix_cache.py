@@ -23,10 +23,10 @@ from them).
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from qbuild.model.chunking import PrefixCacheSpec
@@ -36,10 +36,12 @@ def block_hashes(token_ids: list[int], block_size: int, salt: bytes = b"") -> li
     """The chain hash of each full block of `token_ids`: block i's covers block i-1's hash and its own token ids; the
     first block's parent is a fixed root, and `salt` (an extra key, e.g. an image) is part of the first block's."""
     hashes, parent = [], hashlib.sha256(b"qbuild prefix cache root").digest()
-    for i in range(len(token_ids) // block_size):
-        block = token_ids[i * block_size:(i + 1) * block_size]
+    full = len(token_ids) // block_size * block_size
+    raw = memoryview(np.array(token_ids[:full], dtype="<i8").tobytes())   # each id as 8 bytes, little-endian
+    step = block_size * 8
+    for i in range(full // block_size):
         h = hashlib.sha256(parent)
-        h.update(struct.pack(f"<{block_size}q", *block))
+        h.update(raw[i * step:(i + 1) * step])
         h.update(salt if i == 0 else b"")
         parent = h.digest()
         hashes.append(parent)
@@ -81,6 +83,7 @@ class PrefixCache:
         self.spec, self.attention, self.deltanet = spec, attention, deltanet
         self._blocks: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
         self._checkpoints: OrderedDict[bytes, list[torch.Tensor]] = OrderedDict()
+        self._held = 0    # bytes of the tensors held, counted as they come and go
         self.stats = CacheStats(budget_bytes=self._budget(state_shapes))
 
     def _budget(self, shapes: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
@@ -115,10 +118,10 @@ class PrefixCache:
 
     def restore(self, resume: Resume, state: list[torch.Tensor]) -> None:
         """Write a resume's blocks into the host's full caches and its checkpoint into the DeltaNet state."""
-        size = self.spec.block_size
-        for j, block in enumerate(resume.blocks):
-            for i, part in zip(self.attention, block):
-                state[i][:, :, :, j * size:(j + 1) * size] = part
+        if resume.blocks:
+            end = len(resume.blocks) * self.spec.block_size
+            for k, i in enumerate(self.attention):
+                state[i][:, :, :, :end] = torch.cat([block[k] for block in resume.blocks], dim=3)
         for i, saved in zip(self.deltanet, resume.checkpoint):
             state[i] = saved.clone()
 
@@ -129,9 +132,10 @@ class PrefixCache:
             self._checkpoints.move_to_end(key)
             return
         while len(self._checkpoints) >= self.spec.checkpoint_slots:
-            self._checkpoints.popitem(last=False)
+            self._held -= _nbytes(self._checkpoints.popitem(last=False)[1])
             self.stats.evicted_checkpoints += 1
-        self._checkpoints[key] = [state[i].clone() for i in self.deltanet]
+        self._checkpoints[key] = saved = [state[i].clone() for i in self.deltanet]
+        self._held += _nbytes(saved)
         self._account()
 
     def save_blocks(self, hashes: list[bytes], state: list[torch.Tensor]) -> None:
@@ -141,9 +145,11 @@ class PrefixCache:
         for j, key in enumerate(hashes):
             if key not in self._blocks:
                 while len(self._blocks) >= self.spec.num_blocks:
-                    self._blocks.popitem(last=False)
+                    self._held -= _nbytes(self._blocks.popitem(last=False)[1])
                     self.stats.evicted_blocks += 1
-                self._blocks[key] = [state[i][:, :, :, j * size:(j + 1) * size].clone() for i in self.attention]
+                block = [state[i][:, :, :, j * size:(j + 1) * size].clone() for i in self.attention]
+                self._blocks[key] = block
+                self._held += _nbytes(block)
         self._touch(hashes, None)
         self._account()
 
@@ -159,10 +165,11 @@ class PrefixCache:
     def _account(self) -> None:
         s = self.stats
         s.blocks, s.checkpoints = len(self._blocks), len(self._checkpoints)
-        s.bytes = sum(_nbytes(t) for t in self._blocks.values()) + sum(_nbytes(t) for t in self._checkpoints.values())
+        s.bytes = self._held
         s.peak_bytes = max(s.peak_bytes, s.bytes)
 
     def clear(self) -> None:
         self._blocks.clear()
         self._checkpoints.clear()
+        self._held = 0
         self._account()
