@@ -180,7 +180,8 @@ def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, d
     gone = {b.name for b, _ in candidates} if dry_run else {b.name for b in store.discard_blobs(candidates)}
     report.removed += [Removal("local", "blob", blob.name, st.st_size) for blob, st in candidates if blob.name in gone]
     report.kept_blobs += len(candidates) - len(gone)   # claimed or linked since it was listed: in use again
-    abandoned = store.abandoned_writes(grace_s)
+    # Their own age, not the grace: a live write's partial file is moments old, however short a grace the user asks for.
+    abandoned = store.abandoned_writes()
     gone_partials = [p for p, _ in abandoned] if dry_run else store.discard_abandoned(abandoned)
     report.removed += [Removal("local", "partial", p.name, st.st_size) for p, st in abandoned if p in gone_partials]
     return report

@@ -347,12 +347,18 @@ class LocalStore:
         return found
 
     def discard_abandoned(self, judged: list[tuple[Path, os.stat_result]]) -> list[Path]:
-        """Remove each abandoned partial write of `judged` that is still the file it was judged by; those removed."""
+        """Remove each abandoned partial write of `judged` that is still the file it was judged by and whose key no
+        build holds (a build commits under its key's lock); those removed."""
         removed = []
         for path, st in judged:
-            if _unchanged(path, st):
-                discard_path(path)
-                removed.append(path)
+            key = path.name[1:].partition(".json.partial-")[0]
+            try:
+                with self.lock(key, timeout=0):
+                    if _unchanged(path, st):
+                        discard_path(path)
+                        removed.append(path)
+            except TimeoutError:
+                continue
         return removed
 
     def _manifest_problem(self, path: Path, bad_blobs: set[str]) -> tuple[str, os.stat_result] | None:
