@@ -376,6 +376,14 @@ def print_goals(results: dict) -> None:
         print(f"   {'(floor: typer+pydantic+yaml+rich doing nothing, x python -c pass)':62s} {floor:7.2f}")
 
 
+def _flat(figures: dict, prefix: str = "") -> dict:
+    """Nested figures (one dict per backend or recipe) as "outer.inner" keys, for the printed table."""
+    out = {}
+    for k, v in figures.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=",".join(BENCHES))
@@ -392,7 +400,7 @@ def main() -> None:
             results[name] = BENCHES[name](args)
         except Exception as e:  # one failing benchmark must not hide the others' numbers
             results[name] = {"error": f"{type(e).__name__}: {e}"}
-        for k, v in results[name].items():
+        for k, v in _flat(results[name]).items():
             print(f"   {k:28s} {v:.4f}" if isinstance(v, float) else f"   {k:28s} {v}")
     print_goals(results)
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2, sort_keys=True))
