@@ -443,7 +443,7 @@ def test_too_big_for_every_worker_fails_clearly_and_errors_are_not_retried(clust
                         ("broken", "ray-fail", [], 0.25)])
     spec = StoreSpec(local=str(tmp_path / "driver"), remote=cluster.remote(f"cap-{tmp_path.name}"))
     started = time.monotonic()
-    result, _ = _build(plan, spec, cluster, keep_going=True)
+    result, events = _build(plan, spec, cluster, keep_going=True)
     # A hang guard only (a task no worker can take must fail, not wait): far above any machine's build time.
     assert time.monotonic() - started < 600
     ids = {plan.nodes[n].name: n for n in plan.nodes}
@@ -451,6 +451,9 @@ def test_too_big_for_every_worker_fails_clearly_and_errors_are_not_retried(clust
     huge = result.failed[ids["huge"]]
     assert huge.startswith("huge needs ~4096.0 GiB of memory") and "the largest is" in huge and "256.0 GiB" in huge
     assert "failed on purpose" in result.failed[ids["broken"]]
+    failures = {e.node.name: e.worker for e in events if e.kind == "failed"}
+    assert re.fullmatch(r"\S+ \(pid \d+\)", failures["broken"]), failures   # the worker it failed on
+    assert failures["huge"] is None                                            # refused before any worker ran it
     assert [e["event"] for e in read_log(log) if e["node"] == "broken"] == ["start"], "a BuildError was retried"
     assert not any(e["node"] == "huge" for e in read_log(log))
 

@@ -172,6 +172,7 @@ def test_the_build_record_times_each_step_and_names_its_worker(built, monkeypatc
     plan = {n["name"]: n for n in _plan(root, "recipes/unverified.yaml")["nodes"]}
     assert set(steps) == set(plan)
     assert steps["verify unverified"]["outcome"] == "failed" and "verify failed" in steps["verify unverified"]["error"]
+    assert WORKER.match(steps["verify unverified"]["worker"]), steps["verify unverified"]   # a failure's worker too
     for name, step in steps.items():
         assert record["started"] <= step["start"] <= step["end"] <= record["ended"], name
         if step["outcome"] == "built":

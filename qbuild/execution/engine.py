@@ -59,6 +59,7 @@ class Event:
     error: str | None = None
     seconds: float = 0.0
     output: list[str] | None = None    # what the step's libraries printed (built or failed steps)
+    worker: str | None = None          # who ran a failed step (a built one's is in its manifest's meta)
 
 
 @dataclass
@@ -188,9 +189,10 @@ class _Run:
         except CorruptBlobError as e:
             return self.rerun(nid, e)
         except QbuildError as e:
-            return self.fail(nid, str(e), e.exit_code, getattr(e, "output", None))
+            return self.fail(nid, str(e), e.exit_code, getattr(e, "output", None), getattr(e, "worker", None))
         except Exception as e:  # a worker that died (killed, out of memory) or an executor fault
-            return self.fail(nid, f"{self.plan.nodes[nid].name}: worker failed: {type(e).__name__}: {e}")
+            return self.fail(nid, f"{self.plan.nodes[nid].name}: worker failed: {type(e).__name__}: {e}",
+                             worker=getattr(e, "worker", None))
         how = "cached" if manifest.meta.get("reused") else "built"
         self.accept(nid, manifest, how, time.monotonic() - started)
 
@@ -229,10 +231,11 @@ class _Run:
         self.on_event(Event(how, node, manifest, seconds=seconds,
                             output=manifest.meta.get("output") if how == "built" else None))
 
-    def fail(self, nid: str, error: str, code: int = BuildError.exit_code, output: list[str] | None = None) -> None:
+    def fail(self, nid: str, error: str, code: int = BuildError.exit_code, output: list[str] | None = None,
+             worker: str | None = None) -> None:
         self.result.failed[nid] = error
         self.result.failed_codes[nid] = code
-        self.on_event(Event("failed", self.plan.nodes[nid], error=error, output=output))
+        self.on_event(Event("failed", self.plan.nodes[nid], error=error, output=output, worker=worker))
         for dep in self.sched.fail(nid):
             self.result.skipped.append(dep)
             self.on_event(Event("skipped", self.plan.nodes[dep], error=f"input {self.plan.nodes[nid].name} failed"))

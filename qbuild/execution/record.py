@@ -71,6 +71,8 @@ class BuildRecorder:
         meta = e.manifest.meta if e.manifest is not None else {}
         if e.kind == "built":
             step["worker"] = meta.get("worker")
+        if e.kind == "failed":
+            step["worker"] = e.worker
         if e.kind == "cached" and step["end"] == step["start"]:
             step["built_seconds"] = meta.get("seconds")   # found in the store: its build was an earlier one's
 

@@ -117,9 +117,11 @@ class LocalExecutor:
                 if not future.set_running_or_notify_cancel():
                     self._free()
                     continue
+                name = None
                 try:
                     if worker is None or not worker.alive():
                         worker = _Worker()
+                    name = _name(worker)
                     ok, value = worker.run(job, on_progress)
                 except WorkerLost as e:
                     worker = None
@@ -129,18 +131,19 @@ class LocalExecutor:
                 # Free before the engine hears the result: the step it submits next then goes to this worker.
                 self._free()
                 if ok:
-                    future.set_result(_ran_by(value, worker))
+                    future.set_result(replace(value, meta={**value.meta, "worker": name}))
                 else:
+                    value.worker = name   # a failed step's record names its worker too (engine.Event.worker)
                     future.set_exception(value)
         finally:
             if worker is not None:
                 worker.close()
 
 
-def _ran_by(manifest: Manifest, worker: _Worker) -> Manifest:
-    """The manifest as the engine gets it, with the worker that ran the step among its facts (meta, never in a key):
+def _name(worker: _Worker) -> str:
+    """Who runs a step, as the engine gets it among a built manifest's facts (meta, never in a key) or on a failure:
     `qbuild report` draws each step on its worker's lane."""
-    return replace(manifest, meta={**manifest.meta, "worker": f"{threading.current_thread().name} (pid {worker.pid})"})
+    return f"{threading.current_thread().name} (pid {worker.pid})"
 
 
 class _Worker:

@@ -151,17 +151,22 @@ def run_task(job: Job, action: ActionSpec, inbox=None) -> dict:
     `action` is the driver's registration of the job's kind (plain data); `inbox` the driver's ProgressInbox (None:
     nobody listens). Returns the manifest as JSON; by then the remote holds its blobs and, last, the manifest itself.
     """
-    _check_same_action(job, action)
-    spec = worker_spec(job.store_spec, str(default_store_path()))
-    progress = silent() if inbox is None else StepProgress(lambda report: inbox.put.remote([(job.node_id, report)]))
-    store = open_store(spec, progress.transfers())
-    manifest = build_job(replace(job, store_spec=spec), store, progress)
-    # A key this worker had cached locally is not pushed by build_job; the remote must hold it all the same.
-    push_manifests(store.local, store.remote, [manifest], store.progress)
-    if inbox is not None:
-        _flush(inbox)
-    # Who ran it is a fact of this run (meta, never in a key): `qbuild report` draws each step on its worker's lane.
+    # Who ran it is a fact of this run (meta, never in a key), on a failure too: `qbuild report` draws each step on
+    # its worker's lane.
     worker = f"{socket.gethostname()} (pid {os.getpid()})"
+    try:
+        _check_same_action(job, action)
+        spec = worker_spec(job.store_spec, str(default_store_path()))
+        progress = silent() if inbox is None else StepProgress(lambda r: inbox.put.remote([(job.node_id, r)]))
+        store = open_store(spec, progress.transfers())
+        manifest = build_job(replace(job, store_spec=spec), store, progress)
+        # A key this worker had cached locally is not pushed by build_job; the remote must hold it all the same.
+        push_manifests(store.local, store.remote, [manifest], store.progress)
+        if inbox is not None:
+            _flush(inbox)
+    except Exception as e:
+        e.worker = worker     # travels with the exception (its __dict__ pickles) to the driver
+        raise
     return replace(manifest, meta={**manifest.meta, "worker": worker}).to_json()
 
 
