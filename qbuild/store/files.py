@@ -24,6 +24,15 @@ def infra_error(e: OSError, path: Path) -> InfraError:
     return InfraError(f"{path}: {e.strerror or e}")
 
 
+# A staged write is `.<name>.partial-<nonce>` beside its destination `<name>`.
+PARTIAL = ".partial-"
+
+
+def staged_for(path: Path) -> str:
+    """The destination name a staged write's temporary path is for."""
+    return path.name[1:].rpartition(PARTIAL)[0]
+
+
 @contextmanager
 def staged(dst: Path, *, directory: bool = False) -> Iterator[Path]:
     """A temporary path beside `dst` (a new empty directory with `directory`, else a file name to write), renamed to
@@ -33,7 +42,7 @@ def staged(dst: Path, *, directory: bool = False) -> Iterator[Path]:
     if directory and dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst} already exists and is not an empty directory")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f".{dst.name}.partial-{uuid.uuid4().hex[:12]}"
+    tmp = dst.parent / f".{dst.name}{PARTIAL}{uuid.uuid4().hex[:12]}"
     if directory:
         tmp.mkdir()
     try:

@@ -30,8 +30,8 @@ from typing import Iterator
 
 from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_file
-from qbuild.store.files import (atomic_write, clone_or_copy, discard_path, infra_error, link_or_copy, read_regular,
-                                safe_join, same_file)
+from qbuild.store.files import (PARTIAL, atomic_write, clone_or_copy, discard_path, infra_error, link_or_copy,
+                                read_regular, safe_join, same_file, staged_for)
 from qbuild.store.manifest import Manifest, tree_digest
 
 # Taken shared by every writer of a blob, exclusively by every remover (locks/cas.lock): see `discard_blobs`.
@@ -337,7 +337,7 @@ class LocalStore:
         older than `older_than_s`, with the lstat each was judged by: a write killed between its write and its rename
         leaves one. A live write renames its file within moments, so one that old has no writer."""
         found, now = [], time.time()
-        for path in sorted((self.root / "ac").glob("*/.*.partial-*")):
+        for path in sorted((self.root / "ac").glob(f"*/.*{PARTIAL}*")):
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
@@ -351,7 +351,7 @@ class LocalStore:
         build holds (a build commits under its key's lock); those removed."""
         removed = []
         for path, st in judged:
-            key = path.name[1:].partition(".json.partial-")[0]
+            key = Path(staged_for(path)).stem
             try:
                 with self.lock(key, timeout=0):
                     if _unchanged(path, st):

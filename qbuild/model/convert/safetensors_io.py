@@ -77,18 +77,10 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
         return
     if t.is_contiguous():
         _pwrite_all(fd, offset, t)
-        return
-    if t.dim() == 1:
+    elif t.dim() == 1:
         _pwrite_all(fd, offset, t.contiguous())
-        return
-    row = t[0].numel() * t.element_size()
-    rows = max(1, min(t.shape[0], _PIECE_BYTES // max(row, 1)))
-    buf = torch.empty((rows, *t.shape[1:]), dtype=t.dtype)
-    for r0 in range(0, t.shape[0], rows):
-        piece = t[r0:r0 + rows]
-        out = buf[:piece.shape[0]]
-        copy_into(out, piece)
-        _pwrite_all(fd, offset + r0 * row, out)
+    else:
+        _write_deferred(fd, offset, Deferred(t.shape, t.dtype, lambda out, r0: copy_into(out, t[r0:r0 + len(out)])))
 
 
 class Deferred:
@@ -108,6 +100,7 @@ class Deferred:
 
 
 def _write_deferred(fd: int, offset: int, t: Deferred) -> None:
+    """Lay `t` out a few rows at a time in one small reused buffer, writing each piece as it is filled."""
     if not t.shape.numel():
         return
     row = t.shape[1:].numel() * t.dtype.itemsize

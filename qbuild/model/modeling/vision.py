@@ -306,10 +306,11 @@ def mrope_position_ids(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | N
         n = int(seq_lens[b])
         # A text-only row (or a text-only export of a VL family, which has mRoPE but no image token) counts its
         # positions on all three axes together, padding included: the loop below would give the same, token by token.
-        if arch.image_token_id is None or not bool((input_ids[b, :n] == arch.image_token_id).any()):
+        marked = None if arch.image_token_id is None else input_ids[b, :n] == arch.image_token_id
+        if marked is None or not bool(marked.any()):
             position_ids[:, b] = torch.arange(length)
             continue
-        is_image = (input_ids[b, :n] == arch.image_token_id).tolist()
+        is_image = marked.tolist()
         pieces, start, i = [], 0, 0
         while i < n:
             j = i
