@@ -33,7 +33,6 @@ from qbuild.execution.job import Job, run_job
 from qbuild.core.errors import BuildError
 from qbuild.core.progress import Report, guarded
 from qbuild.planning.plan import Node
-from qbuild.store.manifest import Manifest
 
 _HEADER = struct.Struct(">Q")     # the length of the pickle that follows
 _SERVE = "import sys; from qbuild.execution.executors.local import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
