@@ -17,7 +17,7 @@ from qbuild.planning.keys import REGISTRY
 from qbuild.planning.plan import Plan, _add
 from qbuild.core.errors import UserError
 from qbuild.store import LocalStore, StoreSpec
-from qbuild.store.lock import LockedNode
+from qbuild.planning.keys import LockedNode
 from tests.engine_actions import TEST_REGISTRY, read_log
 
 GIB = 1 << 30
@@ -306,27 +306,24 @@ _COUNT_LOCK_READS = textwrap.dedent("""
     import json, sys
     from tests.remote_actions import register_fake_actions
     register_fake_actions()
-    from qbuild.store import lock as lockmod
+    from qbuild.planning import lock as lockmod
     seen = {"reads": 0, "merges": 0, "writes": 0}
+    read, directory_locked, atomic_write = lockmod.read, lockmod.directory_locked, lockmod.atomic_write
     merging = []
-    read, update, atomic_write = lockmod.read, lockmod.update, lockmod.atomic_write
 
     def counted_read(path):
         seen["merges" if merging else "reads"] += 1
         return read(path)
 
-    def counted_update(*args):
+    def counted_lock(directory):
         merging.append(True)
-        try:
-            return update(*args)
-        finally:
-            merging.pop()
+        return directory_locked(directory)
 
     def counted_write(path, data):
         seen["writes"] += 1
         return atomic_write(path, data)
 
-    lockmod.read, lockmod.update, lockmod.atomic_write = counted_read, counted_update, counted_write
+    lockmod.read, lockmod.directory_locked, lockmod.atomic_write = counted_read, counted_lock, counted_write
     from qbuild.cli import app
     try:
         app(["compile", "--all", "--mem", "1T", "--store", "store"], standalone_mode=False)

@@ -171,7 +171,7 @@ def test_gc_keeps_what_a_live_lease_holds_and_reaps_a_dead_one(tmp_path):
         assert child.stdout.readline().strip() == "held"
         fresh = _entry(store, "fresh", 0)
         assert live_leases(store.root).count == 1
-        report = gc_local(store, [], keep_size=0, grace_s=0)
+        report = gc_local(store, set, keep_size=0, grace_s=0)
         # `used` is named by the lease and `fresh` was written after it began; only `old` goes.
         assert {r.name for r in report.removed if r.what == "manifest"} == {old}
         assert report.in_use == 2
@@ -180,7 +180,7 @@ def test_gc_keeps_what_a_live_lease_holds_and_reaps_a_dead_one(tmp_path):
         child.kill()
         child.wait()
     # The lease's process is gone, so its flock is: gc removes the lease and everything it protected.
-    report = gc_local(store, [], keep_size=0, grace_s=0)
+    report = gc_local(store, set, keep_size=0, grace_s=0)
     assert {r.name for r in report.removed if r.what == "manifest"} == {used, fresh}
     assert not list((store.root / LEASES_DIR).iterdir())
 
@@ -188,10 +188,10 @@ def test_gc_keeps_what_a_live_lease_holds_and_reaps_a_dead_one(tmp_path):
 def test_grace_covers_recent_manifests_and_their_blobs(tmp_path):
     store = LocalStore(tmp_path / "store")
     old, recent = _entry(store, "old", 7200), _entry(store, "recent", 60)
-    report = gc_local(store, [], keep_size=0, grace_s=600)
+    report = gc_local(store, set, keep_size=0, grace_s=600)
     assert {r.name for r in report.removed if r.what == "manifest"} == {old}
     assert {m.key for m in store.manifests()} == {recent}   # its blobs stayed too, or it would be a miss
-    report = gc_local(store, [], keep_size=0, grace_s=30)
+    report = gc_local(store, set, keep_size=0, grace_s=30)
     assert {m.key for m in store.manifests()} == set()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from qbuild.core.hashing import digest_json
+from qbuild.planning.lock import referenced_keys
 from qbuild.store.gc import gc_local
 from qbuild.store import LocalStore, Manifest
 from tests.s3server import shared_server
@@ -96,9 +97,8 @@ def _entry(store: LocalStore, name: str, size: int, used: float, shared: Path | 
 
 
 def _locked_node(m: Manifest) -> dict:
-    """A lockfile's node entry for a store entry, as a build writes it (store.lock.node_entry)."""
-    return {"kind": m.kind, "name": m.kind, "key": m.key, "preimage": m.preimage, "digest": m.digest,
-            "outputs": m.outputs}
+    """A lockfile's node entry for a store entry, as a build writes it (qbuild.planning.lock.NodeEntry.of)."""
+    return {"kind": m.kind, "key": m.key, "preimage": m.preimage, "digest": m.digest, "outputs": m.outputs}
 
 
 def test_local_gc_keeps_the_most_recently_used_within_the_budget(tmp_path):
@@ -115,17 +115,17 @@ def test_local_gc_keeps_the_most_recently_used_within_the_budget(tmp_path):
     orphan_src.write_bytes(b"orphan")
     orphan = store.put_file(orphan_src)
     doc = tmp_path / "artifacts.lock"
-    doc.write_text(json.dumps({"version": 1, "recipes": {}, "nodes": {"n": _locked_node(locked)}}))
+    doc.write_text(json.dumps({"version": 2, "recipes": {}, "nodes": {"n": _locked_node(locked)}}))
 
     # Budget for two unlocked entries: the two most recently used stay (mid's shared blob is already kept).
     # blobs of two entries plus their small manifests; a grace shorter than every entry's age, so none is in use
-    report = gc_local(store, [doc], keep_size=7000, grace_s=60)
+    report = gc_local(store, lambda: referenced_keys([doc]), keep_size=7000, grace_s=60)
     gone = {r.name for r in report.removed}
     assert gone == {old.key, old.outputs["out.bin"]["digest"]}
     assert report.young_orphans == 1 and store.has_blob(orphan)
     assert {m.key for m in store.manifests()} == {locked.key, mid.key, new.key}
 
-    report = gc_local(store, [doc], keep_size=0, grace_s=0)
+    report = gc_local(store, lambda: referenced_keys([doc]), keep_size=0, grace_s=0)
     assert {r.name for r in report.removed} == {mid.key, new.key, mid.outputs["out.bin"]["digest"],
                                                 new.outputs["out.bin"]["digest"], orphan}
     assert {m.key for m in store.manifests()} == {locked.key} and store.has_blob(shared.name)

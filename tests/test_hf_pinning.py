@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.store import lock as lockmod
+from qbuild.planning import lock as lockmod
 from tests.conftest import REPO, qbuild
 from tests.hubdouble import HubDouble
 from tests.test_fetch import populate_hf_cache
@@ -29,6 +29,11 @@ backend: export
 verify: {{prompts: ["Hello"], new_tokens: 2, top1_min: 0.99, token_match_min: 1.0, max_logit_err: 0.001}}
 """
 FETCH = f"fetch {REPO_ID}"
+
+
+def _read_lock(path: Path) -> dict:
+    """The lockfile as its JSON document, once lockmod.read has checked it."""
+    return lockmod.read(path).to_json()
 
 
 @dataclass
@@ -123,7 +128,7 @@ def test_the_hub_is_asked_once_per_command_and_never_for_a_pinned_recipe(tmp_pat
     assert proc.stderr.splitlines() == [f"one: model {REPO_ID}@main: pinned to {hub.a[:8]}",
                                         f"two: model {REPO_ID}@main: pinned to {hub.a[:8]}"]
     assert hub.double.resolution_requests(REPO_ID) == 2
-    doc = lockmod.read(tmp_path / "artifacts.lock")
+    doc = _read_lock(tmp_path / "artifacts.lock")
     assert doc["recipes"]["one"] == {"recipe": "recipes/one.yaml", "nodes": {}, "bundle": None, "verified": False,
                                      "model": {"source": "hf", "repo": REPO_ID, "requested": "main",
                                                "revision": hub.a, "files": {}}}
@@ -241,7 +246,7 @@ def test_compile_update_moves_the_pin_before_building(tmp_path, hub):
     # --strict builds nothing: what --update did to the lock is all that happens.
     proc = qbuild("compile", str(recipe), "--update", "--strict", cwd=tmp_path, env=hub.online)
     assert proc.returncode != 0 and f"hubby: model {REPO_ID}@main: {hub.a[:8]} -> {hub.b[:8]}" in proc.stderr
-    assert lockmod.hub_pins(lockmod.read(tmp_path / "artifacts.lock"))["hubby"].revision == hub.b
+    assert lockmod.read(tmp_path / "artifacts.lock").hub_pins()["hubby"].revision == hub.b
     assert _manifests(tmp_path / "store") == []
 
 
@@ -273,14 +278,14 @@ def _copy(built: Path, tmp_path: Path) -> tuple[Path, dict]:
 
 def _drop_fetch(root: Path) -> dict:
     """Remove the fetch step's store entry, so the next build fetches again; returns the lock's fetch node."""
-    doc = lockmod.read(root / "project" / "artifacts.lock")
+    doc = _read_lock(root / "project" / "artifacts.lock")
     node = doc["nodes"][doc["recipes"]["hubby"]["nodes"]["fetch"]]
     (root / "store" / "ac" / node["key"][:2] / f"{node['key']}.json").unlink()
     return node
 
 
 def _fetched_revision(root: Path) -> str:
-    doc = lockmod.read(root / "project" / "artifacts.lock")
+    doc = _read_lock(root / "project" / "artifacts.lock")
     digest = doc["nodes"][doc["recipes"]["hubby"]["nodes"]["fetch"]]["outputs"]["snapshot.json"]["digest"]
     return json.loads((root / "store" / "cas" / digest[:2] / digest).read_text())["revision"]
 
@@ -291,7 +296,7 @@ def test_a_build_keeps_its_pin_until_lock_update_moves_it(built, hub, tmp_path):
     root, env = _copy(built, tmp_path)
     env.update(hub.online)
     project = root / "project"
-    model = lockmod.read(project / "artifacts.lock")["recipes"]["hubby"]["model"]
+    model = _read_lock(project / "artifacts.lock")["recipes"]["hubby"]["model"]
     assert {k: v for k, v in model.items() if k != "files"} == {"source": "hf", "repo": REPO_ID, "requested": "main",
                                                                "revision": hub.a}
     assert model["files"]["config.json"].startswith("git-sha1:") and _fetched_revision(root) == hub.a
@@ -302,11 +307,11 @@ def test_a_build_keeps_its_pin_until_lock_update_moves_it(built, hub, tmp_path):
     out = json.loads(qbuild("compile", "recipes/hubby.yaml", "--json", cwd=project, env=env, check=True).stdout)
     assert out["built"] == [FETCH] and _fetched_revision(root) == hub.a
     assert hub.double.resolution_requests(REPO_ID) == 0
-    before = lockmod.read(project / "artifacts.lock")
+    before = _read_lock(project / "artifacts.lock")
     # Moving the pin is explicit, and moves nothing else.
     proc = qbuild("lock", "update", cwd=project, env=env, check=True)
     assert proc.stderr.splitlines() == [f"hubby: model {REPO_ID}@main: {hub.a[:8]} -> {hub.b[:8]}"]
-    after = lockmod.read(project / "artifacts.lock")
+    after = _read_lock(project / "artifacts.lock")
     assert after["recipes"]["hubby"]["model"] == {"source": "hf", "repo": REPO_ID, "requested": "main",
                                                   "revision": hub.b, "files": {}}
     assert after["nodes"] == before["nodes"]
@@ -351,7 +356,7 @@ def test_a_flipped_byte_in_the_hf_cache_never_reaches_a_rebuilt_step_or_the_lock
     env.update(OFFLINE)
     project = root / "project"
     lock_before = (project / "artifacts.lock").read_bytes()
-    doc = lockmod.read(project / "artifacts.lock")
+    doc = _read_lock(project / "artifacts.lock")
     for role in ("convert", "reference"):
         key = doc["nodes"][doc["recipes"]["hubby"]["nodes"][role]]["key"]
         (root / "store" / "ac" / key[:2] / f"{key}.json").unlink()

@@ -166,8 +166,9 @@ def test_verify_gate_fails_on_a_non_finite_logit(where, bad):
 
 def test_json_written_by_qbuild_refuses_nan_and_infinity_in_values_and_keys(tmp_path):
     from qbuild.core import jsonio
-    from qbuild.store import lock
-    from qbuild.core.hashing import canonical_json
+    from qbuild.core.hashing import canonical_json, digest_json
+    from qbuild.planning.lock import Lock, NodeEntry
+    from qbuild.store.manifest import tree_digest
     from qbuild.store.manifest import Manifest
 
     with pytest.raises(ValueError, match=r"\$\.prompts\[0\]\.max_logit_err"):
@@ -176,8 +177,10 @@ def test_json_written_by_qbuild_refuses_nan_and_infinity_in_values_and_keys(tmp_
         jsonio.dumps({float("inf"): 1})
     with pytest.raises(ValueError):
         canonical_json({"x": float("-inf")})
+    node = NodeEntry(kind="verify", key=digest_json({}), preimage={"x": float("nan")}, digest=tree_digest({}),
+                     outputs={})
     with pytest.raises(ValueError):
-        lock.dumps({"version": 1, "recipes": {}, "nodes": {"n": {"x": float("nan")}}})
+        Lock(nodes={"n": node}).dumps()
     with pytest.raises(ValueError):
         Manifest("k", "verify", {"p": float("nan")}, {}).to_bytes()
     assert json.loads(jsonio.dumps({"a": [1.5, 2]}, indent=1)) == {"a": [1.5, 2]}
@@ -477,9 +480,9 @@ def test_a_locked_recipe_is_named_not_its_temporary_directory(project, command):
 
 def test_opening_a_locked_bundle_lays_it_out_for_the_block_only(project):
     from qbuild.core.errors import UserError
+    from qbuild.execution.transfer import open_locked_bundle
+    from qbuild.planning import lock as lockmod
     from qbuild.store import LocalStore
-    from qbuild.store import lock as lockmod
-    from qbuild.store.transfer import open_locked_bundle
 
     lock = project / "artifacts.lock"
     doc = lockmod.read(lock)
@@ -490,7 +493,9 @@ def test_opening_a_locked_bundle_lays_it_out_for_the_block_only(project):
         assert sorted(p.name for p in (bundle.path / "weights").iterdir()) == [
             "tp0_sharded_checkpoint.safetensors", "tp1_sharded_checkpoint.safetensors"]
     assert not bundle.path.exists() and not bundle.path.parent.exists()
-    doc["recipes"]["alpha"]["verified"] = False
+    alpha = doc.recipes["alpha"]
+    doc = doc.model_copy(update={"recipes": {**doc.recipes, "alpha": alpha.model_copy(update={
+        "verified": False, "nodes": {r: n for r, n in alpha.nodes.items() if r != "verify"}})}})
     with pytest.raises(UserError, match="alpha: the bundle is not verified"):
         with open_locked_bundle(LocalStore(project / "store"), doc, lock, "alpha", share=True):
             pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from qbuild.planning.keys import ActionSpec, as_locked, key_node, key_of, preimage, walk
-from qbuild.store.lock import LockedNode
+from qbuild.planning.keys import LockedNode
 from qbuild.planning.plan import Plan, _add, evaluate, explain
 from qbuild.store.manifest import Manifest
 from tests.engine_actions import SLEEP, TEST_REGISTRY

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from qbuild.core.hashing import digest_json
-from qbuild.store import lock as lockmod
+from qbuild.planning import lock as lockmod
 from tests.conftest import REPO, qbuild
 
 # One copy of the built project serves the whole file, on one worker, outside the fast lane.
@@ -44,17 +44,19 @@ def test_lockfile_is_deterministic_sorted_and_round_trips(built):
     root, recipe, store, lock, env = built
     text = lock.read_text()
     doc = lockmod.read(lock)
-    assert lockmod.dumps(doc) == text
-    entry = doc["recipes"][NAME]
-    assert entry["model"]["source"] == "path" and entry["model"]["files"]["config.json"].startswith("blake3:")
-    assert entry["bundle"] and entry["verified"] is True
-    assert set(entry["nodes"]) == {"fetch", "convert", "shard", "compile cte-32", "compile tkg-48", "package",
-                                   "reference", "verify"}
-    node = doc["nodes"][entry["nodes"]["compile cte-32"]]
-    assert node["preimage"]["params"]["bucket"] == 32 and "torch" in node["preimage"]["toolchain"]
-    assert all(set(o) == {"digest", "size"} for o in node["outputs"].values())
+    assert doc.dumps() == text and json.loads(text)["version"] == lockmod.LOCK_VERSION
+    entry = doc.recipes[NAME]
+    assert entry.model.source == "path" and entry.model.files["config.json"].startswith("blake3:")
+    assert entry.bundle and entry.verified is True
+    assert set(entry.nodes) == {"fetch", "convert", "shard", "compile cte-32", "compile tkg-48", "package",
+                                "reference", "verify"}
+    node = doc.node(NAME, "compile cte-32")
+    assert node.preimage["params"]["bucket"] == 32 and "torch" in node.preimage["toolchain"]
+    assert all(set(o) == {"digest", "size"} for o in json.loads(text)["nodes"][entry.nodes["package"]]["outputs"]
+               .values())
     # Merging the same entries again changes nothing, byte for byte.
-    assert lockmod.dumps(lockmod.merge(doc, {NAME: entry}, {})) == text
+    written = lockmod.Lock(recipes={NAME: entry}, nodes={nid: doc.nodes[nid] for nid in entry.nodes.values()})
+    assert lockmod.merge(doc, written).dumps() == text
 
 
 def test_noop_and_lock_check(built):
@@ -68,10 +70,9 @@ def test_noop_and_lock_check(built):
 
 def test_lock_check_names_a_corrupt_artifact(built, tmp_path):
     recipe, lock, env = _copy(built, tmp_path)
-    doc = lockmod.read(lock)
-    node = doc["nodes"][doc["recipes"][NAME]["nodes"]["compile cte-32"]]
-    rel, meta = sorted(node["outputs"].items())[-1]
-    blob = tmp_path / "store" / "cas" / meta["digest"][:2] / meta["digest"]
+    node = lockmod.read(lock).node(NAME, "compile cte-32")
+    rel, out = sorted(node.outputs.items())[-1]
+    blob = tmp_path / "store" / "cas" / out.digest[:2] / out.digest
     os.chmod(blob, 0o644)
     data = bytearray(blob.read_bytes())
     data[-1] ^= 1
@@ -104,7 +105,7 @@ def test_explain_names_a_changed_converter_source(built, tmp_path):
     stored_key = conv["key"]
     conv["preimage"]["version"] = "0" * 32   # as if the lock was written by another converter version
     conv["key"] = digest_json(conv["preimage"])
-    lock.write_text(lockmod.dumps(doc))
+    lock.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     # Everything is cached, so the lock's record alone changes nothing the store answers.
     rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
     assert {r["why"] for r in rows} == {"cached"}
@@ -129,7 +130,7 @@ def test_explain_names_a_field_changed_below_a_miss(built, tmp_path):
     shard["preimage"]["params"]["fused_qkv"] = not shard["preimage"]["params"]["fused_qkv"]
     shard["preimage"]["version"] = "0" * 32
     shard["key"] = digest_json(shard["preimage"])
-    lock.write_text(lockmod.dumps(doc))
+    lock.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     rows = json.loads(qbuild("explain", str(recipe), "--lock", str(lock), "--json", env=env, check=True).stdout)
     by_name = {r["name"].split()[0]: r for r in rows}
     fused = shard["preimage"]["params"]["fused_qkv"]
@@ -205,47 +206,3 @@ def test_bench_refuses_more_new_tokens_than_the_cache_holds_instead_of_cutting_t
         "at most 17"), proc.stderr
     doc = json.loads(qbuild(*args, "--new-tokens", "17", "--json", env=env, cwd=tmp_path, check=True).stdout)
     assert [(p["prompt_len"], p["new_tokens"]) for p in doc["points"]] == [(16, 17), (32, 17)]
-
-
-def _node(kind: str, inputs: dict[str, str], content: str) -> dict:
-    from qbuild.store.manifest import tree_digest
-
-    preimage = {"action": kind, "params": {}, "inputs": inputs}
-    outputs = {"out": {"digest": digest_json({"content": content}), "size": len(content)}}
-    return {"kind": kind, "name": kind, "key": digest_json(preimage), "preimage": preimage,
-            "digest": tree_digest(outputs), "outputs": outputs}
-
-
-def _entry(nodes: dict[str, str], package: dict) -> dict:
-    return {"recipe": "r.yaml", "model": {"source": "path", "revision": None, "files": {}}, "nodes": nodes,
-            "bundle": package["digest"], "verified": False}
-
-
-def test_a_shared_node_whose_output_moved_stays_locked_apart_for_the_recipe_built_from_the_old_one():
-    """Two recipes share a conversion (one node id); a run rebuilds it into other bytes (a converter edit) and locks
-    the first recipe: the second's locked package was built from the old conversion, so its entry keeps that
-    conversion under an id of its own, and the lockfile still agrees with itself (a later read would refuse it)."""
-    from qbuild.store.lock_schema import first_inconsistency
-
-    old_convert = _node("convert", {}, "old")
-    a_pkg, b_pkg = (_node("package", {"converted": old_convert["digest"]}, r) for r in "ab")
-    doc = {"version": 1, "nodes": {"c": old_convert, "pa": a_pkg, "pb": b_pkg},
-           "recipes": {"alpha": _entry({"convert": "c", "package": "pa"}, a_pkg),
-                       "beta": _entry({"convert": "c", "package": "pb"}, b_pkg)}}
-    assert first_inconsistency(doc) is None
-    new_convert = _node("convert", {}, "new")
-    new_pkg = _node("package", {"converted": new_convert["digest"]}, "a")
-    merged = lockmod.merge(doc, {"alpha": _entry({"convert": "c", "package": "pa2"}, new_pkg)},
-                           {"c": new_convert, "pa2": new_pkg})
-    assert sorted(merged["recipes"]) == ["alpha", "beta"]
-    kept_id = merged["recipes"]["beta"]["nodes"]["convert"]
-    assert kept_id != "c" and merged["nodes"][kept_id] == old_convert and merged["nodes"]["c"] == new_convert
-    assert sorted(merged["nodes"]) == sorted(["c", "pa2", "pb", kept_id])
-    assert first_inconsistency(merged) is None
-    # Locking beta again puts it back on the shared id, and the kept copy goes.
-    new_b = _node("package", {"converted": new_convert["digest"]}, "b")
-    again = lockmod.merge(merged, {"beta": _entry({"convert": "c", "package": "pb2"}, new_b)}, {"c": new_convert, "pb2": new_b})
-    assert sorted(again["nodes"]) == ["c", "pa2", "pb2"] and first_inconsistency(again) is None
-    # An entry the merge leaves in agreement stays.
-    kept = lockmod.merge(doc, {"alpha": doc["recipes"]["alpha"]}, {})
-    assert sorted(kept["recipes"]) == ["alpha", "beta"]

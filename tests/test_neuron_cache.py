@@ -25,13 +25,13 @@ from tests.s3server import s3_env, shared_server
 from tests.test_neuron_double import TOOLCHAIN, Build, compiled, write_recipe
 
 
-def gc_local(store, locks, **options):
+def gc_local(store, referenced, **options):
     """gc as `qbuild gc` runs it: with the side caches the backends register (the neuron backend's compile cache)."""
-    return _gc_local(store, locks, caches=backends.side_caches(), **options)
+    return _gc_local(store, referenced, caches=backends.side_caches(), **options)
 
 
-def gc_remote(remote, locks, **options):
-    return _gc_remote(remote, locks, caches=backends.side_caches(), **options)
+def gc_remote(remote, referenced, **options):
+    return _gc_remote(remote, referenced, caches=backends.side_caches(), **options)
 
 
 BUCKET = "qb-ncc"
@@ -99,21 +99,21 @@ def test_gc_trims_whole_groups_by_last_use_within_the_budget(tmp_path):
         _age(groups[name], now - age)
     size = compile_cache.groups(store.root)[0].size
 
-    report = gc_local(store, [], keep_size=size + size // 2, grace_s=60)
+    report = gc_local(store, set, keep_size=size + size // 2, grace_s=60)
     assert {(r.what, r.name) for r in report.removed} == {("cache", "2.26.6360.0/trn2/text-old"),
                                                            ("cache", "2.26.6360.0/trn2/text-mid")}
     assert report.bytes_freed == 2 * size and report.kept_cache == 1
     assert [g.name for g in compile_cache.groups(store.root)] == ["2.26.6360.0/trn2/text-new"]
 
     # Within the grace period, or held by a compile, a group stays whatever the budget.
-    assert gc_local(store, [], keep_size=0, grace_s=3600).removed == []
+    assert gc_local(store, set, keep_size=0, grace_s=3600).removed == []
     (held,) = compile_cache.groups(store.root)
     with store.lock(compile_cache.lock_key(held.name)):
-        report = gc_local(store, [], keep_size=0, grace_s=0)
+        report = gc_local(store, set, keep_size=0, grace_s=0)
     assert report.removed == [] and report.kept_cache == 1
-    assert gc_local(store, [], keep_size=0, grace_s=0, dry_run=True).removed[0].name == held.name
+    assert gc_local(store, set, keep_size=0, grace_s=0, dry_run=True).removed[0].name == held.name
     assert held.path.is_dir()
-    assert [r.name for r in gc_local(store, [], keep_size=0, grace_s=0).removed] == [held.name]
+    assert [r.name for r in gc_local(store, set, keep_size=0, grace_s=0).removed] == [held.name]
     assert compile_cache.groups(store.root) == []
 
 
@@ -189,11 +189,11 @@ def test_groups_travel_as_blobs_and_an_index_and_gc_remote_trims_them(tmp_path, 
     assert compile_cache.entries(elsewhere) == [] and not list(elsewhere.glob(".pull-*"))
 
     blobs = {m["digest"] for files in index.values() for m in files.values()}
-    kept = gc_remote(remote, [], keep_size=1 << 30, grace_s=0)
+    kept = gc_remote(remote, set, keep_size=1 << 30, grace_s=0)
     assert kept.removed == [] and kept.kept_cache == 1
-    young = gc_remote(remote, [], keep_size=0, grace_s=3600)
+    young = gc_remote(remote, set, keep_size=0, grace_s=3600)
     assert young.removed == [] and young.kept_cache == 1
-    report = gc_remote(remote, [], keep_size=0, grace_s=0)
+    report = gc_remote(remote, set, keep_size=0, grace_s=0)
     assert {(r.what, r.name) for r in report.removed} == {("cache", name)} | {("blob", d) for d in blobs}
     assert remote.get_object(compile_cache.index_key(remote, name)) is None
     assert remote.has_blobs(blobs) == set()

@@ -17,7 +17,7 @@ from qbuild.planning.keys import walk
 from qbuild.planning.plan import build_plan, evaluate, require_resolved
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
 from qbuild.recipe.params import FetchHub, FetchPath, to_json
-from qbuild.store.lock import HubPin
+from qbuild.planning.plan import HubPin
 
 CONFIG = Path(qbuild.__file__).parent / "configs" / "Qwen--Qwen3.5-2B.json"
 COMMIT = "a" * 40

@@ -26,7 +26,8 @@ from qbuild.planning.environment import HostEnvironment
 from qbuild.planning.keys import ActionSpec, diff_preimages, portability, walk
 from qbuild.planning.plan import Plan, _add, build_plan
 from qbuild.recipe.schema import load_recipe
-from qbuild.store import lock as lockmod
+from qbuild.planning import lock as lockmod
+from qbuild.planning.plan import HubPin
 from tests.conftest import REPO, qbuild, wait_until
 from tests.engine_actions import SLEEP
 
@@ -211,16 +212,15 @@ def test_a_failed_compile_leaves_the_lockfile_byte_identical(tmp_path):
     assert not (tmp_path / "new.lock").exists()
 
 
-def test_lock_check_fails_on_an_entry_without_a_bundle(tmp_path):
+def test_lock_check_fails_on_a_recipe_pinned_but_never_built(tmp_path):
     lock = tmp_path / "artifacts.lock"
-    doc = lockmod.empty()
-    doc["recipes"]["2b-tp8"] = {"recipe": "recipes/2b-tp8.yaml", "model": {"source": "hf:Qwen/Qwen3.5-2B",
-                                "revision": None, "files": {}}, "nodes": {}, "bundle": None, "verified": False}
-    lock.write_text(lockmod.dumps(doc))
+    pin = HubPin("Qwen/Qwen3.5-2B", "main", "a" * 40)
+    entry = lockmod.RecipeEntry.pinned_only("recipes/2b-tp8.yaml", lockmod.ModelEntry.pinned(pin))
+    lock.write_text(lockmod.Lock(recipes={"2b-tp8": entry}).dumps())
     proc = qbuild("lock", "check", "--lock", str(lock), "--store", str(tmp_path / "store"), cwd=tmp_path)
     assert proc.returncode == 1
-    assert proc.stderr.splitlines() == ["2b-tp8: locked without a bundle (its build did not finish); run "
-                                        "`qbuild compile` on recipes/2b-tp8.yaml"]
+    assert proc.stderr.splitlines() == ["2b-tp8: pinned, but no bundle is locked for it; run `qbuild compile` on "
+                                        "recipes/2b-tp8.yaml"]
 
 
 # --- a SIGKILLed driver ----------------------------------------------------------------------------------------------

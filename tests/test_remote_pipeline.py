@@ -53,8 +53,8 @@ def make_locked_project(root: Path) -> Path:
     weight shard per rank, no bundle.json) and a passed verify step. For the cases that need what a lockfile names,
     not the steps that made it."""
     from qbuild.core.hashing import digest_json
+    from qbuild.planning import lock as lockmod
     from qbuild.store import LocalStore, Manifest
-    from qbuild.store import lock as lockmod
 
     make_project(root)
     store = LocalStore(root / "store")
@@ -73,16 +73,15 @@ def make_locked_project(root: Path) -> Path:
             outputs = store.ingest_tree(staging)
             shutil.rmtree(staging)
             # A verify's preimage names the bundle it verified, as a build's does (lock.read checks it).
-            inputs = {"bundle": nodes[roles["package"]]["digest"]} if kind == "verify" else {}
+            inputs = {"bundle": nodes[roles["package"]].digest} if kind == "verify" else {}
             preimage = {"action": kind, "recipe": name, "inputs": inputs}
             manifest = Manifest(digest_json(preimage), kind, preimage, outputs)
             store.put_manifest(manifest)
             roles[kind] = nid = f"n{manifest.key[:15]}"
-            nodes[nid] = {"kind": kind, "name": f"{kind} {name}", "key": manifest.key, "preimage": preimage,
-                          "digest": manifest.digest, "outputs": outputs}
-        recipes[name] = {"recipe": f"recipes/{name}.yaml", "model": {"source": "path", "revision": None, "files": {}},
-                         "nodes": roles, "bundle": nodes[roles["package"]]["digest"], "verified": True}
-    lockmod.update(root / "artifacts.lock", recipes, nodes)
+            nodes[nid] = lockmod.NodeEntry.of(kind, manifest)
+        recipes[name] = lockmod.RecipeEntry(recipe=f"recipes/{name}.yaml", model=lockmod.ModelEntry(
+            source="path", revision=None, files={}), nodes=roles, bundle=nodes[roles["package"]].digest, verified=True)
+    lockmod.write(root / "artifacts.lock", lockmod.Lock(recipes=recipes, nodes=nodes))
     return root
 
 

@@ -182,7 +182,7 @@ def test_credentials_in_the_endpoint_are_not_echoed(server, tmp_path):
 
 
 def test_no_remote_means_no_boto3_on_the_planning_path():
-    code = ("import sys; import qbuild.cli, qbuild.execution.workspace, qbuild.store.transfer, qbuild.store.gc, qbuild.store.remote; "
+    code = ("import sys; import qbuild.cli, qbuild.execution.workspace, qbuild.execution.transfer, qbuild.store.gc, qbuild.store.remote; "
             "from qbuild.store import StoreSpec; from qbuild.store.remote import open_store; open_store(StoreSpec(local='/tmp/x')); "
             "print('boto3' in sys.modules or 'botocore' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("QBUILD_REMOTE")}

@@ -25,11 +25,12 @@ from qbuild import backends
 from qbuild.backends.neuron import compile_cache
 from qbuild.store import LocalStore, Manifest
 from qbuild.store.files import atomic_write
+from qbuild.planning.lock import referenced_keys
 from qbuild.store.gc import gc_local
 from qbuild.store.lease import Lease
 from qbuild.store.local import CorruptBlobError
 
-EMPTY_LOCK = {"version": 1, "recipes": {}, "nodes": {}}
+EMPTY_LOCK = {"version": 2, "recipes": {}, "nodes": {}}
 
 
 def _entry(store: LocalStore, name: str, files: dict[str, bytes] | None = None) -> Manifest:
@@ -230,7 +231,7 @@ def test_a_remote_hit_whose_blob_gc_removes_as_it_is_recorded_stays_pending_and_
 # --- gc --------------------------------------------------------------------------------------------------------------
 
 def _gc(store: LocalStore, *locks: Path):
-    return gc_local(store, list(locks), keep_size=0, grace_s=0, caches=backends.side_caches())
+    return gc_local(store, lambda: referenced_keys(locks), keep_size=0, grace_s=0, caches=backends.side_caches())
 
 
 def _after_listing_gc(monkeypatch, act) -> None:
@@ -378,11 +379,11 @@ def test_verify_and_gc_remove_abandoned_partial_writes_and_leave_live_ones(tmp_p
     again = _partial_write(store, m, 2 * gcmod.GRACE_S)
     lock = tmp_path / "artifacts.lock"
     lock.write_text(json.dumps(EMPTY_LOCK))
-    dry = gc_local(store, [lock], keep_size=1 << 40, dry_run=True)
+    dry = gc_local(store, lambda: referenced_keys([lock]), keep_size=1 << 40, dry_run=True)
     assert [(r.what, r.name) for r in dry.removed] == [("partial", again.name)] and again.exists()
     with store.lock(m.key):   # a build holding the key is still writing it, however old its file
-        assert gc_local(store, [lock], keep_size=1 << 40).removed == [] and again.exists()
+        assert gc_local(store, lambda: referenced_keys([lock]), keep_size=1 << 40).removed == [] and again.exists()
     # A partial write's age is its own, not the grace: with none, the live one (a second old) stays all the same.
-    report = gc_local(store, [lock], keep_size=1 << 40, grace_s=0)
+    report = gc_local(store, lambda: referenced_keys([lock]), keep_size=1 << 40, grace_s=0)
     assert [(r.what, r.name) for r in report.removed] == [("partial", again.name)]
     assert not again.exists() and young.exists() and store.get_manifest(m.key) == m

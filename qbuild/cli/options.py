@@ -79,7 +79,7 @@ def name_a_changed_recipe(ws, name: str, strict: bool) -> str | None:
     with --strict refuse it; returns the note (None: unchanged, or no recipe file here to compare)."""
     from qbuild.planning.drift import recipe_change
 
-    change = recipe_change(ws.lock_doc, ws.lock_path, name, ws.stat_cache, ws.backends)
+    change = recipe_change(ws.lock, ws.lock_path, name, ws.stat_cache, ws.backends)
     if change is None:
         return None
     if strict:
@@ -91,20 +91,20 @@ def name_a_changed_recipe(ws, name: str, strict: bool) -> str | None:
 @contextmanager
 def open_bundle(target: str, store: Optional[Path], lock: Path, remote: Optional[str], allow_unverified: bool,
                 strict: bool, share: bool) -> Iterator:
-    """The bundle a TARGET argument names (a qbuild.store.transfer.OpenBundle): a bundle directory as it is, or a
+    """The bundle a TARGET argument names (a qbuild.execution.transfer.OpenBundle): a bundle directory as it is, or a
     locked recipe's bundle laid out in a temporary directory for as long as the block runs, refused like `pull`
     refuses it (unverified, or with --strict a recipe changed since it was locked)."""
-    from qbuild.store.transfer import OpenBundle, open_locked_bundle
+    from qbuild.execution.transfer import OpenBundle, open_locked_bundle
 
     if Path(target).is_dir():
         yield OpenBundle(Path(target), Path(target).resolve().name)
         return
     if not lock.exists():
         raise UserError(f"{target}: neither a bundle directory nor, without a lockfile ({lock}), a locked recipe")
-    from qbuild.store.lock import resolve_recipe
+    from qbuild.planning.lock import resolve_recipe
 
     ws = workspace(store, lock, remote)
-    name_a_changed_recipe(ws, resolve_recipe(ws.lock_doc, lock, target), strict)
-    with open_locked_bundle(ws.store, ws.lock_doc, lock, target, share=share,
+    name_a_changed_recipe(ws, resolve_recipe(ws.lock, lock, target), strict)
+    with open_locked_bundle(ws.store, ws.lock, lock, target, share=share,
                             allow_unverified=allow_unverified) as bundle:
         yield bundle

@@ -27,14 +27,15 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
             lock: Path = LockOpt, progress_mode: ProgressMode = ProgressOpt) -> None:
     """Upload the locked artifacts of recipes to the remote: blobs it lacks first, then each manifest."""
     from qbuild.render import print_published, transfer_display
-    from qbuild.store.transfer import publish as publish_locked, recipe_names
+    from qbuild.execution.transfer import publish as publish_locked
+    from qbuild.planning.lock import recipe_names
 
     ws = workspace(store, lock, remote, transfers=transfer_display(progress_mode.value, "publish"))
     if ws.store_spec.remote is None:
         raise UserError("publish needs a remote: pass --remote s3://bucket/prefix, set QBUILD_REMOTE, "
                         "or add remote: to ./qbuild.yaml")
-    names = recipe_names(ws.lock_doc, lock, recipes or [], all_)
-    report = publish_locked(ws.store, ws.lock_doc, lock, names, verify_remote=verify_remote, what=what.value)
+    names = recipe_names(ws.lock, lock, recipes or [], all_)
+    report = publish_locked(ws.store, ws.lock, lock, names, verify_remote=verify_remote, what=what.value)
     print_published(names, ws.store.remote.url, report, json_)
 
 
@@ -47,17 +48,17 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
          strict: bool = StrictOpt, progress_mode: ProgressMode = ProgressOpt) -> None:
     """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
     from qbuild.render import print_pulled, transfer_display
-    from qbuild.store.lock import resolve_recipe
-    from qbuild.store.transfer import pull_bundle
+    from qbuild.execution.transfer import pull_bundle
+    from qbuild.planning.lock import resolve_recipe
 
     check_new_dir(to, "the --to directory", "pull into a new or empty one")
     ws = workspace(store, lock, remote, transfers=transfer_display(progress_mode.value, "pull"))
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
-    name_a_changed_recipe(ws, resolve_recipe(ws.lock_doc, lock, recipe), strict)
+    name_a_changed_recipe(ws, resolve_recipe(ws.lock, lock, recipe), strict)
     # Root ignores the read-only bit that protects the store's blobs, so a root-owned bundle must not share their
     # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
-    manifest = pull_bundle(ws.store, ws.lock_doc, lock, recipe, to, share=os.geteuid() != 0,
+    manifest = pull_bundle(ws.store, ws.lock, lock, recipe, to, share=os.geteuid() != 0,
                            allow_unverified=allow_unverified)
     print_pulled(recipe, to, manifest, _serve_instructions(to), json_)
 

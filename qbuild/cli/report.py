@@ -19,7 +19,7 @@ def report(recipes: list[str] = typer.Argument(None, help="recipe files [default
     """Write one self-contained HTML page: the DAG with each node's status, key and size, the last build's
     timeline, the verify reports against their thresholds, and TTFT / TPOT charts of bench results."""
     from qbuild import report as reportmod
-    from qbuild.recipe.locked import every_locked_recipe
+    from qbuild.planning.lock import every_locked_recipe
     from qbuild.render import report_written
     from qbuild.store import atomic_write
 
@@ -32,8 +32,8 @@ def report(recipes: list[str] = typer.Argument(None, help="recipe files [default
     elif not lock.exists():
         raise UserError(f"{lock}: no lockfile; name recipe files, pass --all, or point --lock at a lockfile")
     else:
-        loaded = every_locked_recipe(ws.lock_doc, lock, ws.backend)
+        loaded = every_locked_recipe(ws.lock, lock, ws.backend)
     the_plan, status = ws.plan(loaded)
-    html, data, notes = reportmod.make(the_plan, status, ws.store, ws.lock_doc, lock, benches)
+    html, data, notes = reportmod.make(the_plan, status, ws.store, ws.lock, lock, benches)
     atomic_write(out, html.encode())
     report_written(out, data.shown(), notes, json_)

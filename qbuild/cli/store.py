@@ -29,12 +29,14 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     """Remove store entries no lockfile references (beyond --keep-size locally; all of them on --remote)."""
     from qbuild import backends
     from qbuild.core.units import parse_duration, parse_size
+    from qbuild.planning.lock import referenced_keys
     from qbuild.render import print_gc
     from qbuild.store import default_store_path
     from qbuild.store.gc import collect
 
     budget, grace_s = parse_size(keep_size, "--keep-size"), parse_duration(grace, "--grace")
-    reports = collect(store or default_store_path(), locks or [Path("artifacts.lock")], budget, dry_run=dry_run,
+    paths = locks or [Path("artifacts.lock")]
+    reports = collect(store or default_store_path(), lambda: referenced_keys(paths), budget, dry_run=dry_run,
                       grace_s=grace_s, remote_url=remote, caches=backends.side_caches())
     print_gc(reports, ["local store", remote], json_)
 

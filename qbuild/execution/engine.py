@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Literal, Mapping, Protocol
+from typing import Callable, Literal, Mapping, Protocol
 
 from qbuild.execution.job import Job
 from qbuild.execution.scheduler import UNSTARTED, Scheduler
@@ -32,16 +32,12 @@ from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
 from qbuild.core.progress import Report
 from qbuild.core.units import human_bytes
 from qbuild.planning.graph import graph_of
-from qbuild.planning.keys import REGISTRY, PlanKeys, Registry
+from qbuild.planning.keys import REGISTRY, LockedNode, PlanKeys, Registry, other_bytes
 from qbuild.planning.plan import Node, Plan
 from qbuild.store import StoreSpec
 from qbuild.store.durations import Durations
 from qbuild.store.local import CorruptBlobError
-from qbuild.store.lock import other_bytes
 from qbuild.store.manifest import Manifest
-
-if TYPE_CHECKING:
-    from qbuild.store.lock import LockedNode
 
 
 class Executor(Protocol):

@@ -27,8 +27,8 @@ from typing import Iterator
 from qbuild.execution.actions import RunContext
 from qbuild.core.errors import BuildError, InfraError, QbuildError
 from qbuild.core.progress import Emit, StepProgress, elapsed, silent
+from qbuild.planning.keys import other_bytes
 from qbuild.store import Store, StoreSpec
-from qbuild.store.lock import other_bytes
 from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest
 
@@ -59,7 +59,7 @@ class Job:
     context: dict = field(default_factory=dict)
     code: tuple[str, ...] = ()       # modules the node runs beyond its action's entry (part of its action source)
     locked_digest: str | None = None  # the lock's output under this key: a build of other bytes is refused before
-                                      # it is committed or pushed (qbuild.store.lock.other_bytes)
+                                      # it is committed or pushed (qbuild.planning.keys.other_bytes)
     timed: bool = False              # report the step's elapsed seconds (qbuild.core.progress.elapsed) ...
     expected_seconds: float | None = None   # ... against how long the last such step took (None: not known)
 

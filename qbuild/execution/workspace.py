@@ -11,15 +11,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from qbuild import backends as backend_registry
-from qbuild.store import lock as lockmod
 from qbuild.execution.engine import BuildOptions, BuildResult, Event, ProgressCallback, build
-from qbuild.planning import locking
+from qbuild.planning import lock as lockmod
 from qbuild.planning.environment import HostEnvironment
 from qbuild.core.errors import BuildError, UserError
 from qbuild.core.hashing import StatCache, default_stat_cache
-from qbuild.planning.keys import REGISTRY, Registry, key_node
-from qbuild.planning.locking import PlatformRebuild
-from qbuild.planning.plan import NodeStatus, Plan, build_plan, evaluate, explain, require_resolved, resolve_hub
+from qbuild.planning.keys import REGISTRY, LockedNode, Registry, key_node
+from qbuild.planning.lock import Lock, PlatformRebuild
+from qbuild.planning.plan import HubPin, NodeStatus, Plan, build_plan, evaluate, explain, require_resolved, resolve_hub
 from qbuild.planning.steps import Backends
 from qbuild.recipe.params import FetchHub
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
@@ -39,8 +38,8 @@ class PinMove:
     """What `qbuild lock update` did to one recipe's pin."""
 
     recipe: str
-    pin: lockmod.HubPin
-    before: lockmod.HubPin | None       # None: the recipe had no pin
+    pin: HubPin
+    before: HubPin | None       # None: the recipe had no pin
 
     @property
     def moved(self) -> bool:
@@ -66,10 +65,14 @@ class Workspace:
         return open_store(self.store_spec, self.progress, probe=True)
 
     @cached_property
-    def lock_doc(self) -> dict:
-        """The lockfile as this command read it, once (lock.read validates it). A build's own writes merge into the
+    def read_lock(self) -> lockmod.ReadLock:
+        """The lockfile as this command read it, once (lock.read checks it). A build's own writes merge into the
         file under its directory's lock and leave this as read: it is what the build is compared with."""
-        return lockmod.read(self.lock_path)
+        return lockmod.ReadLock.of(self.lock_path)
+
+    @property
+    def lock(self) -> Lock:
+        return self.read_lock.lock
 
     # --- recipes and plans -----------------------------------------------------------------------------------
     def recipe_files(self, files: list[str], all_: bool) -> list[Path]:
@@ -91,75 +94,92 @@ class Workspace:
         return HostEnvironment(self.stat_cache)
 
     def _build_plan(self, recipes: list[LoadedRecipe]) -> Plan:
-        return build_plan(recipes, self.environment, lockmod.hub_pins(self.lock_doc), self.keep_intermediates,
+        return build_plan(recipes, self.environment, self.lock.hub_pins(), self.keep_intermediates,
                           backends=self.backends)
 
     def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
         plan = self._build_plan(recipes)
-        status = evaluate(plan, self.store.get_manifest, locking.locked_entries(plan, self.lock_doc), self.registry)
+        status = evaluate(plan, self.store.get_manifest, lockmod.locked_entries(plan, self.lock), self.registry)
         return plan, status
 
     def explain(self, plan: Plan, status: dict[str, NodeStatus]) -> dict[str, str]:
         """Why each node would rebuild (see plan.explain), against this workspace's lockfile."""
-        return explain(plan, status, locking.locked_entries(plan, self.lock_doc), self.registry)
+        return explain(plan, status, lockmod.locked_entries(plan, self.lock), self.registry)
 
     # --- building --------------------------------------------------------------------------------------------
     def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
                 on_event: Callable[[Event], None] = lambda e: None, frozen: bool = False,
                 update: bool = False, on_progress: ProgressCallback | None = None,
                 ) -> tuple[Plan, BuildResult, PlatformRebuild | None]:
-        """Build `recipes`; the lockfile gets an entry for each recipe whose bundle was built (written as each step
-        succeeds), and none for the others, whose entries stay as they were. With `frozen`, nothing is written and
-        the build fails unless it reproduces the lock: every node bit for bit, except those that are not portable
-        and that the lock holds for another platform, which are rebuilt for this one (the third value names them).
-        Without `frozen`, a node whose key is the lock's must still have the lock's output (a cached one included),
-        and a hub model fetched at its pinned commit the lock's files, unless `update` accepts other bytes.
-        `on_progress` hears what running steps report (engine.build)."""
+        """Build `recipes`; the lockfile gets the entry of each recipe whose build is over once it is (every step
+        built, cached, failed or skipped) and its bundle was built; a recipe whose build did not finish keeps the entry
+        it had. With `frozen`, nothing is written and the build fails unless it reproduces the lock: every node bit
+        for bit, except those that are not portable and that the lock holds for another platform, which are rebuilt
+        for this one (the third value names them). Without `frozen`, a node whose key is the lock's must still have
+        the lock's output (a cached one included), and a hub model fetched at its pinned commit the lock's files,
+        unless `update` accepts other bytes. `on_progress` hears what running steps report (engine.build)."""
         # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
-        lockmod.check_unique_names(self.lock_doc, self.lock_path, [(r.name, r.path) for r in recipes])
+        lockmod.check_unique_names(self.lock, self.lock_path, [(r.name, r.path) for r in recipes])
         plan = self._build_plan(recipes)
         require_resolved(plan)
-        rebuilt = locking.frozen_verdict(plan, self.lock_doc, self.lock_path, self.registry) if frozen else None
+        rebuilt = lockmod.frozen_verdict(plan, self.lock, self.lock_path, self.registry) if frozen else None
         if not update:
-            for nid, files in locking.locked_files(plan, self.lock_doc, self.lock_path).items():
+            for nid, files in lockmod.locked_files(plan, self.lock, self.lock_path).items():
                 plan.nodes[nid].context["locked_files"] = files
         self._check_sources(plan)
         # --frozen compares the whole lock once the build is done; --update accepts what the build gives.
-        locked = {} if frozen or update else locking.locked_entries(plan, self.lock_doc)
-        result = self._run(plan, options, executor_factory, on_event, locked, write=not frozen,
-                           on_progress=on_progress)
-        if frozen and locking.frozen_changes(plan, self.lock_doc, self._lock_entries(plan, result), rebuilt):
-            raise BuildError(f"{self.lock_path}: --frozen, but this build would change the lockfile; "
-                             "run `qbuild compile` without --frozen and commit the lockfile")
+        locked = {} if frozen or update else lockmod.locked_entries(plan, self.lock)
+        result, written = self._run(plan, options, executor_factory, on_event, locked, write=not frozen,
+                                    on_progress=on_progress)
+        if frozen:
+            where = lockmod.frozen_difference(plan, self.lock, written, rebuilt)
+            if where is not None:
+                raise BuildError(f"{self.lock_path}: --frozen, but this build would change the lockfile, first at "
+                                 f"{where}; run `qbuild compile` without --frozen and commit the lockfile")
         return plan, result, rebuilt
 
     def _run(self, plan: Plan, options: BuildOptions, executor_factory: Callable, on_event: Callable[[Event], None],
-             locked: dict[str, lockmod.LockedNode], write: bool,
-             on_progress: ProgressCallback | None = None) -> BuildResult:
+             locked: dict[str, LockedNode], write: bool,
+             on_progress: ProgressCallback | None = None) -> tuple[BuildResult, Lock]:
         """Run the engine under a lease, so that a concurrent `qbuild gc` keeps what this build uses until the lockfile
-        names it; with `write`, the lock entries of each step are written as soon as it succeeds, so an interrupted
-        run keeps them, and once more with the whole result (a failed verify is recorded)."""
-        seen = BuildResult()
+        names it. Each recipe's entry is made once its build is over, and with `write` merged into the lockfile then,
+        so an interrupted build keeps the entries of the recipes it finished and no other. Returns the result and
+        the entries made (a Lock of those recipes)."""
         lease = open_lease(self.store.local.root)
+        manifests: dict[str, Manifest] = {}
+        outcomes: dict[str, str] = {}        # node id -> how it ended: built, cached, failed, skipped
+        why: dict[str, str] = {}             # node id -> why it failed or was skipped
+        recipes_of = {nid: [name for name, _ in pairs] for nid, pairs in lockmod.roles_by_node(plan).items()}
+        over: set[str] = set()
+        entries: list[Lock] = []
 
         def track(event: Event) -> None:
+            nid = event.node.id
             if event.manifest is not None:
-                seen.manifests[event.node.id] = event.manifest
+                manifests[nid] = event.manifest
                 if lease is not None:
                     lease.add(event.manifest.key)
-            if event.kind == "built" and write:
-                self._write_lock(plan, seen)
+            if event.kind in ("built", "cached", "failed", "skipped"):
+                outcomes[nid] = event.kind
+                if event.error is not None:
+                    why[nid] = event.error
+                for name in recipes_of.get(nid, ()):
+                    if name not in over and lockmod.finished(plan.recipes[name], outcomes):
+                        over.add(name)
+                        entry = self._entry(plan, name, manifests, why)
+                        if entry is not None:
+                            entries.append(entry)
+                            if write:
+                                lockmod.write(self.lock_path, entry, self.read_lock)
             on_event(event)
 
         try:
             result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry,
                            locked, on_progress)
-            if write:
-                self._write_lock(plan, result)
         finally:
             if lease is not None:
                 lease.close()
-        return result
+        return result, lockmod.combined(entries)
 
     def _check_sources(self, plan: Plan) -> None:
         """Check each checkpoint whose fetch step will run before any step starts, so that a bad checkpoint is
@@ -186,14 +206,13 @@ class Workspace:
             if directory is not None:
                 check_checkpoint(directory)
 
-    def _lock_entries(self, plan: Plan, result: BuildResult) -> tuple[dict, dict]:
-        """locking.lock_entries of `result`, with the snapshot of each fetch those entries name read from the store."""
-        snapshots = {}
-        for name in locking.recipes_with_bundles(plan, result.manifests):
-            fetch = plan.recipes[name].nodes["fetch"]
-            if fetch in result.manifests and fetch not in snapshots:
-                snapshots[fetch] = self._snapshot(result.manifests[fetch])
-        return locking.lock_entries(plan, result.manifests, result.failed, snapshots, self.lock_path)
+    def _entry(self, plan: Plan, name: str, manifests: dict[str, Manifest], why: dict[str, str]) -> Lock | None:
+        """The lock entry of recipe `name`, whose build is over (lock.written_entry), with its fetch's snapshot read
+        from the store."""
+        planned = plan.recipes[name]
+        fetch = planned.nodes["fetch"]
+        snapshot = self._snapshot(manifests[fetch]) if fetch in manifests and planned.bundle in manifests else None
+        return lockmod.written_entry(plan, name, manifests, why.get(planned.verify), snapshot, self.lock_path)
 
     def _snapshot(self, fetch: Manifest) -> dict:
         """A fetch step's snapshot.json (a remote hit's blobs come down only on use)."""
@@ -203,20 +222,12 @@ class Workspace:
         self.store.ensure_blobs({"snapshot.json": snapshot})
         return json.loads(self.store.blob_path(snapshot["digest"]).read_text())
 
-    def _write_lock(self, plan: Plan, result: BuildResult) -> bool:
-        """Merge the result's entries into the lockfile on disk (lock.update), unless they are what it held when this
-        command read it: a build that changed nothing reads it once and writes nothing."""
-        recipes, nodes = self._lock_entries(plan, result)
-        if self.lock_path.exists() and lockmod.same(lockmod.merge(self.lock_doc, recipes, nodes), self.lock_doc):
-            return False
-        return lockmod.update(self.lock_path, recipes, nodes)
-
     # --- pins and checks -------------------------------------------------------------------------------------
     def update_pins(self, recipes: list[LoadedRecipe]) -> list[PinMove]:
         """Resolve the hub revision of each recipe through the Hub, ignoring its pin, and write the pins (nothing
         else) into the lockfile; this workspace then plans with them. Every recipe is resolved before anything is
         written: one that cannot be leaves the lockfile as it was."""
-        lockmod.check_unique_names(self.lock_doc, self.lock_path, [(r.name, r.path) for r in recipes])
+        lockmod.check_unique_names(self.lock, self.lock_path, [(r.name, r.path) for r in recipes])
         pins, moves = {}, []
         for loaded in recipes:
             hub = resolve_hub(loaded, self.environment)
@@ -225,16 +236,17 @@ class Workspace:
             if hub.unresolved is not None:
                 raise type(hub.unresolved)(str(hub.unresolved))
             pins[loaded.name] = (lockmod.recorded_path(loaded.path, self.lock_path),
-                                 lockmod.HubPin(hub.repo, hub.requested, hub.commit))
+                                 HubPin(hub.repo, hub.requested, hub.commit))
         if not pins:
             return []
-        self.lock_doc, before = lockmod.set_pins(self.lock_path, pins)
+        _, before = lockmod.set_pins(self.lock_path, pins)
+        self.read_lock = lockmod.ReadLock.of(self.lock_path)
         for name, (_, pin) in pins.items():
             moves.append(PinMove(name, pin, before[name]))
         return moves
 
     def check_lock(self, recipes: list[str] | None = None) -> list[str]:
-        return lockmod.check(self.lock_doc, self.store, recipes)
+        return lockmod.check(self.lock, self.store, recipes)
 
     # --- after a build ---------------------------------------------------------------------------------------
     def push(self, result: BuildResult) -> PushReport:

@@ -25,6 +25,7 @@ from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
 from qbuild.planning.closures import DEFAULT, Closure, Sources, distribution_versions
 from qbuild.planning.steps import Backends
 from qbuild.recipe.params import to_json
+from qbuild.store.manifest import Manifest
 
 
 class Node(Protocol):
@@ -158,6 +159,38 @@ def diff_preimages(old: dict, new: dict, prefix: str = "") -> list[str]:
         else:
             out.append(f"{path}: {a} -> {b}")
     return out
+
+
+# --- what the lock holds ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LockedNode:
+    """What the lockfile holds for a node (qbuild.planning.lock.NodeEntry.locked): its key, the key's preimage, and
+    the digest of its output tree."""
+
+    key: str
+    preimage: dict
+    digest: str
+
+    @property
+    def platform(self) -> str | None:
+        """The platform the node was built for; None for a portable node (its preimage names none)."""
+        return self.preimage.get("platform")
+
+    def digest_under(self, key: str) -> str | None:
+        """The output a result under `key` must have: the locked digest where `key` is the locked key, else None."""
+        return self.digest if key == self.key else None
+
+
+def other_bytes(name: str, how: str, manifest: Manifest, locked_digest: str | None) -> str | None:
+    """Why `manifest`, the result of node `name` (`how`: "built" or "cached"), must not be accepted: the lock holds
+    `locked_digest` as the output under its key (LockedNode.digest_under), and its own digest is another (an input
+    changed outside the key, or a store or remote holds other bytes under it). None where it may be accepted."""
+    if locked_digest is None or manifest.digest == locked_digest:
+        return None
+    return (f"{name}: the {how} output {manifest.digest[:12]} differs from the locked {locked_digest[:12]} under "
+            f"the same key {manifest.key[:16]}: an input changed outside the key, or the store or remote holds other "
+            "bytes under it; refusing it (run `qbuild compile --update` to accept it)")
 
 
 # --- the walk ----------------------------------------------------------------------------------------------------

@@ -26,14 +26,13 @@ from qbuild.core.errors import InfraError, QbuildError, RecipeError, UserError
 from qbuild.core.hashing import digest_json
 from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
-from qbuild.planning.keys import REGISTRY, Registry, as_locked, diff_preimages, walk
+from qbuild.planning.keys import REGISTRY, LockedNode, Registry, as_locked, diff_preimages, walk
 from qbuild.planning.steps import Backends, PlanningBackend, PlannedStep, Sizes
 from qbuild.recipe import checks
 from qbuild.recipe.params import (ConvertParams, FetchHub, FetchParams, FetchPath, ReferenceParams, VerifyParams,
                                   to_json)
 from qbuild.recipe.schema import HFSource, LoadedRecipe, PathSource, recipe_field_location
 from qbuild.hub.hf import is_commit
-from qbuild.store.lock import HubPin, LockedNode
 from qbuild.store.manifest import Manifest
 
 
@@ -121,6 +120,16 @@ def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params, deps
     if recipe not in node.recipes:
         node.recipes.append(recipe)
     return node_id
+
+
+@dataclass(frozen=True)
+class HubPin:
+    """A recipe's hub model pinned to a commit in the lockfile, as uv or Cargo lock a version: the repo, the revision
+    the recipe asks for (a branch, a tag or the commit itself) and the commit it was resolved to."""
+
+    repo: str
+    requested: str
+    revision: str
 
 
 @dataclass(frozen=True)
@@ -331,7 +340,7 @@ def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str,
                keep_intermediates: bool = False, *, backends: Backends) -> Plan:
     """Validate each recipe against its architecture and expand all of them into one deduplicated DAG, each recipe's
     own part planned by the backend it names in `backends`. `pins`: the lock's hub pins by recipe name
-    (qbuild.store.lock.hub_pins). `keep_intermediates`: see plan_recipe."""
+    (qbuild.planning.lock.Lock.hub_pins). `keep_intermediates`: see plan_recipe."""
     nodes: dict[str, Node] = {}
     planned: dict[str, PlannedRecipe] = {}
     for loaded in recipes:

@@ -19,17 +19,18 @@ from qbuild.report import charts, graph, page
 from qbuild.report.data import BenchDoc, ReportData, gather, read_bench
 
 if TYPE_CHECKING:
+    from qbuild.planning.lock import Lock
     from qbuild.planning.plan import NodeStatus, Plan
     from qbuild.store import Store
 
 __all__ = ["BenchDoc", "ReportData", "make", "read_bench"]
 
 
-def make(plan: Plan, status: dict[str, NodeStatus], store: Store, lock_doc: dict, lock_path: Path,
+def make(plan: Plan, status: dict[str, NodeStatus], store: Store, lock: Lock, lock_path: Path,
          benches: list[BenchDoc]) -> tuple[str, ReportData, list[str]]:
     """(the page's HTML, what it shows, notes on what it could not show: no `dot`, no build record)."""
     record, record_note = read_record(lock_path)
-    data = gather(plan, status, store, lock_doc, lock_path, record, record_note, benches)
+    data = gather(plan, status, store, lock, lock_path, record, record_note, benches)
     extra = {row.id: [page.size_text(row), page.step_text(row.step)] for row in data.nodes}
     dag_svg, dag_note = graph.draw(plan_dot(plan, status, extra, link="#row-"))
     html = page.render(data, dag_svg, dag_note, charts.draw(benches) if benches else {})

@@ -19,6 +19,7 @@ from qbuild.core.userfile import read_small_file
 from qbuild.render import STATUS_TEXT
 
 if TYPE_CHECKING:
+    from qbuild.planning.lock import Lock
     from qbuild.planning.plan import NodeStatus, Plan
     from qbuild.store import Store
 
@@ -109,12 +110,12 @@ def _finite(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def gather(plan: Plan, status: dict[str, NodeStatus], store: Store, lock_doc: dict, lock_path: Path,
+def gather(plan: Plan, status: dict[str, NodeStatus], store: Store, lock: Lock, lock_path: Path,
            record: dict | None, record_note: str | None, benches: list[BenchDoc]) -> ReportData:
     steps = {s.get("id"): s for s in record["steps"] if isinstance(s, dict)} if record else {}
-    nodes = [_node_row(plan, nid, status[nid], lock_doc, steps.get(nid)) for nid in plan.nodes]
-    recipes = [_recipe_summary(name, pr, status, lock_doc) for name, pr in plan.recipes.items()]
-    verifies = [_verify_table(plan, name, pr.verify, status[pr.verify], store, lock_doc, steps.get(pr.verify))
+    nodes = [_node_row(plan, nid, status[nid], lock, steps.get(nid)) for nid in plan.nodes]
+    recipes = [_recipe_summary(name, pr, status, lock) for name, pr in plan.recipes.items()]
+    verifies = [_verify_table(plan, name, pr.verify, status[pr.verify], store, lock, steps.get(pr.verify))
                 for name, pr in plan.recipes.items()]
     other = sum(1 for sid in steps if sid not in plan.nodes)
     return ReportData(title=", ".join(plan.recipes), lock_path=lock_path, generated=time.time(), recipes=recipes,
@@ -122,46 +123,47 @@ def gather(plan: Plan, status: dict[str, NodeStatus], store: Store, lock_doc: di
                       other_steps=other)
 
 
-def _node_row(plan: Plan, nid: str, st: NodeStatus, lock_doc: dict, step: dict | None) -> NodeRow:
+def _node_row(plan: Plan, nid: str, st: NodeStatus, lock: Lock, step: dict | None) -> NodeRow:
     node = plan.nodes[nid]
     row = NodeRow(id=nid, name=node.name, kind=node.kind, recipes=sorted(node.recipes), status=st.status,
                   why=st.why, key=st.key, digest=None, size=node.est_out_bytes, size_source="estimate", step=step)
-    locked = lock_doc["nodes"].get(nid)
+    locked = lock.nodes.get(nid)
     if st.manifest is not None:
         row.digest, row.size, row.size_source = st.manifest.digest, st.manifest.size, "store"
-    elif isinstance(locked, dict) and isinstance(locked.get("outputs"), dict):
-        row.digest = locked.get("digest")
-        row.size = sum(o.get("size", 0) for o in locked["outputs"].values() if isinstance(o, dict))
+    elif locked is not None:
+        row.digest = locked.digest
+        row.size = sum(o.size for o in locked.outputs.values())
         row.size_source = "lockfile"
     return row
 
 
-def _recipe_summary(name: str, pr, status: dict[str, NodeStatus], lock_doc: dict) -> dict:
+def _recipe_summary(name: str, pr, status: dict[str, NodeStatus], lock: Lock) -> dict:
     recipe = pr.loaded.recipe
-    entry = lock_doc["recipes"].get(name) or {}
+    entry = lock.recipes.get(name)
     counts: dict[str, int] = {}
     for nid in set(pr.nodes.values()):
         counts[status[nid].status] = counts.get(status[nid].status, 0) + 1
     return {"name": name, "file": str(pr.loaded.path), "family": pr.arch.family, "backend": recipe.backend,
-            "tp": recipe.parallel.tp, "ep": recipe.parallel.ep, "counts": counts, "bundle": entry.get("bundle"),
-            "verified": entry.get("verified"), "verify_failure": entry.get("verify_failure")}
+            "tp": recipe.parallel.tp, "ep": recipe.parallel.ep, "counts": counts,
+            "bundle": entry.bundle if entry else None, "verified": entry.verified if entry else None,
+            "verify_failure": entry.verify_failure if entry else None}
 
 
-def _verify_table(plan: Plan, recipe: str, nid: str, st: NodeStatus, store: Store, lock_doc: dict,
+def _verify_table(plan: Plan, recipe: str, nid: str, st: NodeStatus, store: Store, lock: Lock,
                   step: dict | None) -> VerifyTable:
     table = VerifyTable(recipe=recipe, node_id=nid, name=plan.nodes[nid].name, report=None, source="")
     if st.manifest is not None and "report.json" in st.manifest.outputs:
         table.report, table.source = _read_blob(store, st.manifest.outputs["report.json"], remote=True), "store"
     else:
-        locked = (lock_doc["nodes"].get(nid) or {}).get("outputs") or {}
-        entry = locked.get("report.json")
-        if isinstance(entry, dict) and store.local.has_blob(entry.get("digest", "")):
+        node = lock.nodes.get(nid)
+        entry = node.outputs_json().get("report.json") if node is not None else None
+        if entry is not None and store.local.has_blob(entry["digest"]):
             table.report, table.source = _read_blob(store, entry, remote=False), "lockfile"
     if table.report is not None:
         table.summary = summarize(table.report)
         table.verdict = "passed" if table.report.get("ok") else "failed"
         return table
-    failure = (lock_doc["recipes"].get(recipe) or {}).get("verify_failure")
+    failure = lock.recipes[recipe].verify_failure if recipe in lock.recipes else None
     if step is not None and step.get("outcome") == "failed":
         failure = step.get("error") or failure
     if failure:

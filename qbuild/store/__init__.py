@@ -1,5 +1,5 @@
-"""Stores: where action outputs live. A local store, optionally backed by a remote one (S3); the lockfile (lock),
-publishing and pulling (transfer), garbage collection (gc), build leases (lease) and the deployable bundle (bundle).
+"""Stores: where action outputs live. A local store, optionally backed by a remote one (S3); garbage collection of
+what no lockfile names (gc), build leases (lease) and the deployable bundle (bundle).
 
 May import: qbuild.core.
 """

@@ -20,7 +20,7 @@ section 7), with the same bundle.json, tokenizer files and weights/ (in NxD's fo
 
 bundle.json = {format, family, backend, tp, ep, batch_size, seq_len, dtype, buckets: {cte, tkg, vision},
                graphs: {"cte-32": path, ...}, files: {path: {digest (blake3), size}}}; `files` lists every file
-of the bundle but bundle.json itself. Its digests are the store's (BLAKE3), so `qbuild pull` (qbuild.store.transfer)
+of the bundle but bundle.json itself. Its digests are the store's (BLAKE3), so `qbuild pull` (qbuild.execution.transfer)
 lays a bundle out from the store by hardlink and checks it against the lockfile.
 """
 

@@ -3,7 +3,8 @@ but those written within the grace period; and the groups of the side caches it 
 a backend's compiler cache, such as the Neuron compile cache), least recently used first, beyond the same budget here
 and on the remote.
 
-Like publish and pull it reads lockfiles, never recipes.
+What it keeps is what lockfiles name: the caller hands in how to read their keys (qbuild.planning.lock
+.referenced_keys), and gc calls it at the moment that makes the removal safe beside builds (see gc_local).
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from qbuild.core.errors import UserError
-from qbuild.store import lock as lockmod
 from qbuild.store.files import read_regular
 from qbuild.store.lease import live_leases
 from qbuild.store.local import LocalStore
@@ -63,19 +62,8 @@ class GcReport:
                 "bytes_freed": self.bytes_freed}
 
 
-def referenced_keys(docs: Iterable[dict]) -> set[str]:
-    return {node["key"] for doc in docs for node in doc["nodes"].values()}
-
-
-def read_lockfiles(paths: Sequence[Path]) -> list[dict]:
-    """The lockfiles whose artifacts gc keeps. UserError for one that is gone: read as empty, it would keep nothing."""
-    docs = []
-    for path in paths:
-        doc = lockmod.read(path)
-        if not os.path.lexists(path):
-            raise UserError(f"{path}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
-        docs.append(doc)
-    return docs
+# The keys of every artifact the lockfiles name, read when called (their lockfiles can change while gc runs).
+Referenced = Callable[[], set[str]]
 
 
 @dataclass
@@ -105,29 +93,27 @@ def _list_local(root: Path, caches: Sequence[SideCache]) -> _Listed:
     return listed
 
 
-def collect(store_root: Path, lock_paths: Sequence[Path], keep_size: int, *, dry_run: bool = False,
+def collect(store_root: Path, referenced: Referenced, keep_size: int, *, dry_run: bool = False,
             grace_s: float = GRACE_S, remote_url: str | None = None,
             caches: Sequence[SideCache] = ()) -> list[GcReport]:
     """`qbuild gc`: gc_local of the store at `store_root`, then, given `remote_url`, gc_remote of that remote (an
-    explicit URL only: deleting shared artifacts is never configured). A malformed URL, or a lockfile that is not
-    there, is refused before the local store is touched. Each gc reads the lockfiles itself, after the leases of the
-    builds running: read before them, they would miss what a build that ended in between locked."""
+    explicit URL only: deleting shared artifacts is never configured). A malformed URL, or a lockfile that cannot be
+    read, is refused before the local store is touched. Each gc reads the lockfiles again itself, after the leases of
+    the builds running: read before them, they would miss what a build that ended in between locked."""
     if remote_url is not None:
         parse_remote(remote_url)
-    missing = [str(p) for p in lock_paths if not p.exists()]
-    if missing:
-        raise UserError(f"{missing[0]}: no such lockfile; gc keeps only what lockfiles reference, so it needs them")
-    reports = [gc_local(LocalStore(store_root.resolve()), lock_paths, keep_size, dry_run=dry_run, grace_s=grace_s,
+    referenced()
+    reports = [gc_local(LocalStore(store_root.resolve()), referenced, keep_size, dry_run=dry_run, grace_s=grace_s,
                         caches=caches)]
     if remote_url is not None:
-        reports.append(gc_remote(S3Remote(remote_url, probe=True), lock_paths, keep_size=keep_size, dry_run=dry_run,
+        reports.append(gc_remote(S3Remote(remote_url, probe=True), referenced, keep_size=keep_size, dry_run=dry_run,
                                  grace_s=grace_s, caches=caches))
     return reports
 
 
-def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, dry_run: bool = False,
+def gc_local(store: LocalStore, referenced: Referenced, keep_size: int, *, dry_run: bool = False,
              grace_s: float = GRACE_S, caches: Sequence[SideCache] = ()) -> GcReport:
-    """Keep the manifests the lockfiles at `lock_paths` reference, those a running build holds (see store/lease.py)
+    """Keep the manifests the lockfiles reference (`referenced()`), those a running build holds (see store/lease.py)
     and those written within `grace_s`, then the most recently used others while their blobs fit in `keep_size`
     bytes; remove the remaining manifests, then every blob no kept manifest names (but those a running build
     wrote or claimed, and blobs no manifest names at all only once older than `grace_s`). The groups of the side
@@ -142,7 +128,7 @@ def gc_local(store: LocalStore, lock_paths: Sequence[Path], keep_size: int, *, d
     report = GcReport(dry_run=dry_run)
     listed = _list_local(store.root, caches)
     live = live_leases(store.root, reap=False)
-    locked = referenced_keys(read_lockfiles(lock_paths))
+    locked = referenced()
     if not dry_run:
         live.reap()
     now = time.time()
@@ -229,7 +215,7 @@ def _remove_manifests(store: LocalStore, doomed: list, kept_blobs: set[str], rep
             kept_blobs.update(o["digest"] for o in m.outputs.values())
 
 
-def gc_remote(remote: S3Remote, lock_paths: Sequence[Path], *, keep_size: int = 0, dry_run: bool = False,
+def gc_remote(remote: S3Remote, referenced: Referenced, *, keep_size: int = 0, dry_run: bool = False,
               grace_s: float = GRACE_S, caches: Sequence[SideCache] = ()) -> GcReport:
     """Remove every remote manifest no lockfile references and older than `grace_s` (one written since may be a
     push whose lockfile is not committed yet), and the index objects of the side `caches` beyond the `keep_size`
@@ -237,12 +223,12 @@ def gc_remote(remote: S3Remote, lock_paths: Sequence[Path], *, keep_size: int = 
     manifest or index names (blobs nothing names at all only once older than `grace_s`: a publish uploads blobs
     before its manifest, a cache upload before its index). A gc that deletes holds the remote's gc lease
     (qbuild.store.remote): it waits for the pushes under way, and none starts until it is done, so no blob a push
-    found present goes. The lockfiles at `lock_paths` are read once the lease is held, so one written while the gc
+    found present goes. The lockfiles are read (`referenced()`) once the lease is held, so one written while the gc
     waited for the pushes under way is read too."""
     if dry_run:
-        return _gc_remote(remote, read_lockfiles(lock_paths), keep_size, dry_run, grace_s, caches)
+        return _gc_remote(remote, referenced(), keep_size, dry_run, grace_s, caches)
     with holding(remote, "gc"):
-        return _gc_remote(remote, read_lockfiles(lock_paths), keep_size, dry_run, grace_s, caches)
+        return _gc_remote(remote, referenced(), keep_size, dry_run, grace_s, caches)
 
 
 @dataclass(frozen=True)
@@ -265,10 +251,9 @@ def _list_indexes(remote: S3Remote, caches: Sequence[SideCache]) -> list[_Index]
     return [_Index(cache, o, names) for (cache, o), names in zip(listed, blobs)]
 
 
-def _gc_remote(remote: S3Remote, docs: list[dict], keep_size: int, dry_run: bool, grace_s: float,
+def _gc_remote(remote: S3Remote, locked: set[str], keep_size: int, dry_run: bool, grace_s: float,
                caches: Sequence[SideCache]) -> GcReport:
     report = GcReport(dry_run=dry_run)
-    locked = referenced_keys(docs)
     listed = {m.name: m for m in remote.list_manifests()}
     blobs = list(remote.list_blobs())
     manifests = dict(zip(listed, map_all(remote.get_manifest, list(listed), POOL_THREADS)))

@@ -60,7 +60,7 @@ class Runtime:
     @classmethod
     def load(cls, root: Path, *, verify_digests: bool = True, shown_as: str | None = None) -> "Runtime":
         """The bundle at `root`. Errors name it `shown_as` (default: `root`): a locked recipe's bundle laid out in a
-        temporary directory is named by the recipe (qbuild.store.transfer.open_locked_bundle)."""
+        temporary directory is named by the recipe (qbuild.execution.transfer.open_locked_bundle)."""
         root = Path(root)
         # The bundle is checked before torch is imported, so a bad one is refused at once. Which runtime runs a bundle
         # is its backend's answer (qbuild.backends.load_runtime): this one runs the CPU backends'.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.core.errors import InfraError, UserError
-from qbuild.store.lock import resolve_recipe
+from qbuild.planning.lock import Lock, NodeEntry, recipe_names
 from qbuild.store import Store
 from qbuild.store.files import staged
 from qbuild.store.manifest import Manifest
@@ -26,26 +26,12 @@ from qbuild.store.remote import NoProgress, PushReport, RemoteStore, remote_blob
 
 # --- choosing locked nodes -----------------------------------------------------------------------------------------
 
-def recipe_names(doc: dict, lock_path: Path, recipes: list[str], all_: bool) -> list[str]:
-    """Lock entries named by recipe name or recipe file (see lock.resolve_recipe); --all takes every one."""
-    if all_:
-        if not doc["recipes"]:
-            raise UserError(f"{lock_path}: --all, but the lockfile names no recipes; run `qbuild compile` first")
-        return sorted(doc["recipes"])
-    if not recipes:
-        raise UserError("name at least one recipe (as in the lockfile), or pass --all")
-    return list(dict.fromkeys(resolve_recipe(doc, lock_path, r) for r in recipes))
-
-
-def locked_nodes(doc: dict, lock_path: Path, names: list[str]) -> dict[str, tuple[str, str, dict]]:
-    """node id -> (recipe, role, lock node entry) for every node the named recipes lock."""
-    out: dict[str, tuple[str, str, dict]] = {}
+def locked_nodes(lock: Lock, names: list[str]) -> dict[str, tuple[str, str, NodeEntry]]:
+    """node id -> (recipe, role, its entry) for every node the named recipes lock."""
+    out: dict[str, tuple[str, str, NodeEntry]] = {}
     for name in names:
-        for role, nid in sorted(doc["recipes"][name]["nodes"].items()):
-            node = doc["nodes"].get(nid)
-            if node is None:
-                raise UserError(f"{lock_path}: {name}: {role}: node {nid} is missing from the lockfile")
-            out.setdefault(nid, (name, role, node))
+        for role, nid in sorted(lock.recipes[name].nodes.items()):
+            out.setdefault(nid, (name, role, lock.nodes[nid]))
     return out
 
 
@@ -59,29 +45,29 @@ PUBLISHED = ("bundles", "all")
 _REVERIFY_ONLY = ("reference",)
 
 
-def published_nodes(doc: dict, lock_path: Path, names: list[str], what: str = "all") -> dict[str, tuple[str, str, dict]]:
+def published_nodes(lock: Lock, names: list[str], what: str = "all") -> dict[str, tuple[str, str, NodeEntry]]:
     """locked_nodes of `names`, less those `what` leaves out."""
-    nodes = locked_nodes(doc, lock_path, names)
+    nodes = locked_nodes(lock, names)
     if what == "all":
         return nodes
-    return {nid: v for nid, v in nodes.items() if v[2].get("kind") not in _REVERIFY_ONLY}
+    return {nid: v for nid, v in nodes.items() if v[2].kind not in _REVERIFY_ONLY}
 
 
-def publish(store: RemoteStore, doc: dict, lock_path: Path, names: list[str], *,
+def publish(store: RemoteStore, lock: Lock, lock_path: Path, names: list[str], *,
             verify_remote: bool = False, what: str = "all") -> PushReport:
     """Upload every locked node of `names` (of those `what` names: PUBLISHED) that the remote lacks. Idempotent: a
     second run uploads nothing. `verify_remote` reads back every blob the remote has for them and re-uploads the ones
     that do not match."""
     manifests: list[Manifest] = []
     absent: dict[str, tuple[str, str]] = {}
-    for recipe, role, node in published_nodes(doc, lock_path, names, what).values():
-        m = store.local.get_manifest(node["key"])
+    for recipe, role, node in published_nodes(lock, names, what).values():
+        m = store.local.get_manifest(node.key)
         if m is None:
-            absent[node["key"]] = (recipe, role)
+            absent[node.key] = (recipe, role)
             continue
-        if m.digest != node["digest"]:
-            raise UserError(f"{lock_path}: {recipe}: {role}: the store's entry for key {node['key'][:16]} has digest "
-                            f"{m.digest[:16]}, the lockfile {node['digest'][:16]}; rebuild with `qbuild compile`")
+        if m.digest != node.digest:
+            raise UserError(f"{lock_path}: {recipe}: {role}: the store's entry for key {node.key[:16]} has digest "
+                            f"{m.digest[:16]}, the lockfile {node.digest[:16]}; rebuild with `qbuild compile`")
         manifests.append(m)
     if absent:
         on_remote = store.remote.has_manifests(absent)
@@ -89,7 +75,7 @@ def publish(store: RemoteStore, doc: dict, lock_path: Path, names: list[str], *,
             if key not in on_remote:
                 raise UserError(f"{recipe}: {role} (key {key[:16]}) is in neither the local store ({store.root}) "
                                 f"nor {store.remote.url}; run `qbuild compile` for it first")
-    unchecked = _remote_only_blobs(doc, lock_path, names, absent, what) if verify_remote else {}
+    unchecked = _remote_only_blobs(lock, names, absent, what) if verify_remote else {}
     sound = _check_remote_only(store, unchecked)
     report = push_manifests(store.local, store.remote, manifests, store.progress, verify_remote=verify_remote)
     report.manifests_present += len(absent)
@@ -97,15 +83,15 @@ def publish(store: RemoteStore, doc: dict, lock_path: Path, names: list[str], *,
     return report
 
 
-def _remote_only_blobs(doc: dict, lock_path: Path, names: list[str], absent: dict,
+def _remote_only_blobs(lock: Lock, names: list[str], absent: dict,
                        what: str = "all") -> dict[str, tuple[str, str, int]]:
     """digest -> (first recipe naming it, path, size) of the locked outputs of nodes this store has no entry for: the
     remote's copy is the only one, so verifying the remote reads those back too."""
     out: dict[str, tuple[str, str, int]] = {}
-    for recipe, _, node in sorted(published_nodes(doc, lock_path, names, what).values(), key=lambda v: v[0]):
-        if node["key"] in absent:
-            for rel, meta in sorted(node["outputs"].items()):
-                out.setdefault(meta["digest"], (recipe, rel, meta["size"]))
+    for recipe, _, node in sorted(published_nodes(lock, names, what).values(), key=lambda v: v[0]):
+        if node.key in absent:
+            for rel, o in sorted(node.outputs.items()):
+                out.setdefault(o.digest, (recipe, rel, o.size))
     return out
 
 
@@ -129,7 +115,7 @@ def _check_remote_only(store: RemoteStore, blobs: dict[str, tuple[str, str, int]
 
 # --- pull ----------------------------------------------------------------------------------------------------------
 
-def pull_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, dest: Path, *, share: bool,
+def pull_bundle(store: Store, lock: Lock, lock_path: Path, recipe: str, dest: Path, *, share: bool,
                 allow_unverified: bool = False, shown_as: str | None = None) -> Manifest:
     """Lay out the locked bundle of `recipe` in `dest` (new or empty), checking every digest first. With `share` the
     files are the store's own read-only blobs (hardlinks); without, they share no inode with it (see materialize).
@@ -139,32 +125,32 @@ def pull_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, dest: Pat
     Through a RemoteStore only the manifest is read at lookup; `materialize` then downloads (ensure_blobs) and
     verifies exactly the bundle's blobs; a blob that does not match aborts the pull before anything is written to
     `dest`."""
-    name = recipe_names(doc, lock_path, [recipe], False)[0]
-    entry = doc["recipes"][name]
-    nid = entry["nodes"].get("package")
-    node = doc["nodes"].get(nid) if nid else None
+    name = recipe_names(lock, lock_path, [recipe], False)[0]
+    entry = lock.recipes[name]
+    node = lock.node(name, "package")
     if node is None:
         raise UserError(f"{lock_path}: {name} has no locked bundle (its package step has not been built)")
-    if not entry.get("verified") and not allow_unverified:
-        why = entry.get("verify_failure") or "its verify step has not run"
+    if not entry.verified and not allow_unverified:
+        why = entry.verify_failure or "its verify step has not run"
         raise UserError(f"{lock_path}: {name}: the bundle is not verified ({why}); refusing to lay it out. Fix the "
                         "recipe and rebuild, or pass --allow-unverified")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise UserError(f"{shown_as or dest}: exists and is not an empty directory; pull into a new or empty one")
-    manifest = store.get_manifest(node["key"])
+    manifest = store.get_manifest(node.key)
     if manifest is None:
         if isinstance(store, RemoteStore):
-            raise InfraError(f"{name}: bundle {node['key'][:16]} is in neither the local store ({store.root}) nor "
+            raise InfraError(f"{name}: bundle {node.key[:16]} is in neither the local store ({store.root}) nor "
                              f"{store.remote.url}; publish it there with `qbuild publish {name}`")
-        raise InfraError(f"{name}: bundle {node['key'][:16]} is not in the local store ({store.root}); "
+        raise InfraError(f"{name}: bundle {node.key[:16]} is not in the local store ({store.root}); "
                          "pass --remote s3://bucket/prefix to fetch it")
-    if manifest.digest != node["digest"]:
-        raise InfraError(f"{name}: the stored bundle {node['key'][:16]} differs from the one {lock_path} locks "
-                         f"(digest {manifest.digest[:16]}, locked {node['digest'][:16]}); refusing it")
-    if manifest.outputs != node["outputs"]:   # the same paths and digests (the tree digest), other sizes
-        rel = next(r for r in sorted(node["outputs"]) if manifest.outputs.get(r) != node["outputs"][r])
-        raise InfraError(f"{name}: the stored bundle {node['key'][:16]} records {rel} with "
-                         f"{manifest.outputs[rel]['size']} bytes, {lock_path} with {node['outputs'][rel]['size']}; "
+    if manifest.digest != node.digest:
+        raise InfraError(f"{name}: the stored bundle {node.key[:16]} differs from the one {lock_path} locks "
+                         f"(digest {manifest.digest[:16]}, locked {node.digest[:16]}); refusing it")
+    locked_outputs = node.outputs_json()
+    if manifest.outputs != locked_outputs:   # the same paths and digests (the tree digest), other sizes
+        rel = next(r for r in sorted(locked_outputs) if manifest.outputs.get(r) != locked_outputs[r])
+        raise InfraError(f"{name}: the stored bundle {node.key[:16]} records {rel} with "
+                         f"{manifest.outputs[rel]['size']} bytes, {lock_path} with {locked_outputs[rel]['size']}; "
                          "refusing it")
     try:
         with staged(dest, directory=True) as stage:
@@ -185,16 +171,16 @@ class OpenBundle:
 
 
 @contextmanager
-def open_locked_bundle(store: Store, doc: dict, lock_path: Path, recipe: str, *, share: bool,
+def open_locked_bundle(store: Store, lock: Lock, lock_path: Path, recipe: str, *, share: bool,
                        allow_unverified: bool = False) -> Iterator[OpenBundle]:
     """The locked bundle of `recipe` (a name or a recipe file, as resolve_recipe takes it), laid out from the store
     (pull_bundle: `share`, `allow_unverified`, every digest checked) in a temporary directory that is removed when
     the block ends. Errors name it "<recipe> (its locked bundle)", never the temporary directory the user did not
     choose; pass `shown_as` on to what reads it (Runtime.load, bundle.read_manifest) for theirs to do the same."""
-    name = recipe_names(doc, lock_path, [recipe], False)[0]
+    name = recipe_names(lock, lock_path, [recipe], False)[0]
     shown_as = f"{recipe} (its locked bundle)"
     with tempfile.TemporaryDirectory(prefix="qbuild-bundle-") as tmp:
         path = Path(tmp) / name
-        pull_bundle(store, doc, lock_path, name, path, share=share, allow_unverified=allow_unverified,
+        pull_bundle(store, lock, lock_path, name, path, share=share, allow_unverified=allow_unverified,
                     shown_as=shown_as)
         yield OpenBundle(path, name, shown_as, digests_checked=True)
