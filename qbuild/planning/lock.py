@@ -411,9 +411,14 @@ def _kept_apart(entry: RecipeEntry, old: Mapping[str, NodeEntry], new: Mapping[s
 
 
 def first_difference(old: Lock, new: Lock) -> str | None:
-    """The first entry and field, in file order, where two locks differ: "recipes.alpha.verified: true -> false",
-    "nodes.3f2a...: added"; None where they write the same file."""
-    return _first_difference(old.to_json(), new.to_json(), "")
+    """The first entry and field where two locks differ, the recipe entries before the nodes they name:
+    "recipes.alpha.verified: true -> false", "nodes.3f2a...: added"; None where they write the same file."""
+    a, b = old.to_json(), new.to_json()
+    for part in ("version", "recipes", "nodes"):
+        found = _first_difference(a[part], b[part], part)
+        if found:
+            return found
+    return None
 
 
 def _first_difference(a, b, path: str) -> str | None:
@@ -432,8 +437,10 @@ def _first_difference(a, b, path: str) -> str | None:
         return None
 
     def shown(v) -> str:
+        if isinstance(v, str) and len(v) > 24:     # a digest or a key: its prefix names it
+            return v[:16] + "..."
         text = json.dumps(v, sort_keys=True)
-        return text[:16] + "..." if len(text) > 24 else text
+        return text[:40] + "..." if len(text) > 48 else text
     return f"{path}: {shown(a)} -> {shown(b)}"
 
 
