@@ -1,6 +1,6 @@
 """qbuild benchmarks. Every figure is a ratio to a baseline measured in the same run, on the same bytes.
 
-    python bench/run.py [--only planning,plan_scale,hashing,restore,scheduling,convert,longctx,plan_bytes]
+    python bench/run.py [--only planning,plan_scale,lock,hashing,restore,scheduling,convert,longctx,plan_bytes]
                         [--size-gb 2]
                         [--out bench/results]
 
@@ -16,6 +16,7 @@ environment would otherwise make every run recompile qbuild's modules.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -126,6 +127,70 @@ def bench_plan_scale(args) -> dict:
                                               text=True).stdout)["nodes"])
         took = timed(plan, env=env, cwd=ws, repeat=3)
         out[f"n{n}"] = {"recipes": n, "nodes": nodes, "plan_s": took, "plan_ms_per_node": 1000 * took / nodes}
+    args.plan_n100_s = out["n100"]["plan_s"]     # the lock benchmark reports its cost beside it
+    return out
+
+
+def _lock_of(n: int, template: Path) -> "Lock":
+    """A lock of `n` recipes shaped like the repository's tiny ones (its entries copied, each copy's steps keyed
+    apart by a param of its own): real preimages, toolchains and output lists, ten steps a recipe."""
+    from qbuild.core.hashing import digest_json
+    from qbuild.planning.lock import Lock, read
+
+    base = read(template)
+    recipes, nodes = {}, {}
+    for i in range(n):
+        name = sorted(base.recipes)[i % len(base.recipes)]
+        entry = base.recipes[name]
+        roles = {}
+        for role, nid in entry.nodes.items():
+            node = base.nodes[nid]
+            pre = {**node.preimage, "params": {**node.preimage.get("params", {}), "bench_copy": i}}
+            roles[role] = f"{nid}-{i}"
+            nodes[roles[role]] = node.model_copy(update={"preimage": pre, "key": digest_json(pre)})
+        recipes[f"{name}-{i}"] = entry.model_copy(update={"nodes": roles})
+    return Lock(recipes=recipes, nodes=nodes)
+
+
+def bench_lock(args) -> dict:
+    """The lockfile's cost at 100 recipes (about 1000 steps): reading it (parse, schema, consistency), merging one
+    recipe's entry into it, and writing it (under the flock: read again, merge, canonical JSON, atomic rename), against `qbuild plan --all --json` of 100
+    recipes (plan_scale, when it ran first) and against json.loads + json.dumps of the same file."""
+    from qbuild.planning.lock import Lock, merge, read, write
+
+    work = Path(args.work) / "lock"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    lock = _lock_of(100, REPO / "artifacts.lock")
+    path = work / "artifacts.lock"
+    path.write_text(lock.dumps())
+    name = sorted(lock.recipes)[0]
+    one = Lock(recipes={name: lock.recipes[name]},
+               nodes={nid: lock.nodes[nid] for nid in lock.recipes[name].nodes.values()})
+    changed = one.model_copy(update={"recipes": {name: one.recipes[name].model_copy(
+        update={"verify_failure": None, "recipe": "recipes/moved.yaml"})}})
+
+    def median(fn, repeat: int = 7) -> float:
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    states = itertools.cycle([changed, one])     # each write changes the file
+    read(path)     # pydantic builds its validators on first use: once per command, counted apart
+    out = {"recipes": len(lock.recipes), "nodes": len(lock.nodes), "bytes": path.stat().st_size,
+           "read_s": median(lambda: read(path)), "merge_s": median(lambda: merge(lock, changed)),
+           "write_s": median(lambda: write(path, next(states)))}
+    out["read_merge_write_s"] = out["read_s"] + out["merge_s"] + out["write_s"]
+    text = path.read_text()
+    out["json_roundtrip_s"] = median(lambda: json.dumps(json.loads(text), indent=2, sort_keys=True))
+    out["ratio_vs_json_roundtrip"] = out["read_merge_write_s"] / out["json_roundtrip_s"]
+    plan_s = getattr(args, "plan_n100_s", None)
+    if plan_s:
+        out["plan_n100_s"] = plan_s
+        out["ratio_vs_plan_n100"] = out["read_merge_write_s"] / plan_s
     return out
 
 
@@ -332,7 +397,7 @@ def bench_plan_bytes(args) -> dict:
     return {name: entry["bytes"] for name, entry in json.loads(proc.stdout)["recipes"].items()}
 
 
-BENCHES = {"planning": bench_planning, "plan_scale": bench_plan_scale, "hashing": bench_hashing,
+BENCHES = {"planning": bench_planning, "plan_scale": bench_plan_scale, "lock": bench_lock, "hashing": bench_hashing,
            "restore": bench_restore, "scheduling": bench_scheduling, "convert": bench_convert,
            "longctx": bench_longctx, "plan_bytes": bench_plan_bytes}
 
@@ -344,6 +409,8 @@ GOALS = [
     ("planning", "plan_speedup_vs_dvc_status", ">=", 5.0, "plan --all, times faster than dvc status"),
     ("planning", "noop_compile_speedup_vs_dvc_repro", ">=", 5.0, "no-op compile --all, times faster than dvc repro"),
     ("plan_scale", ("n100", "plan_s"), "<", 2.0, "plan --all --json of 100 recipes, seconds"),
+    ("lock", "ratio_vs_plan_n100", None, None, "lockfile read + merge + write, 100 recipes, x their plan"),
+    ("lock", "ratio_vs_json_roundtrip", None, None, "the same, x json.loads + json.dumps of the file"),
     ("longctx", ("inductor", "chunked_vs_whole_forward"), "<=", 1.5,
      "chunked prefill (AOTInductor), x one transformers forward"),
     ("longctx", ("inductor", "warm_speedup_exact_repeat"), ">=", 10.0, "exact repeat (AOTInductor), cold / warm TTFT"),
