@@ -823,6 +823,34 @@ def test_a_locked_recipe_whose_file_cannot_be_planned_is_named_and_strict_refuse
     assert not (project / "c").exists()
 
 
+def test_a_locked_recipe_whose_file_was_deleted_is_named_and_strict_refuses_it(project):
+    """Deleted, a recipe's locked bundle was laid out, run and served with no word: the lock holds a bundle no recipe
+    file asks for any more."""
+    recipe = project / "recipes" / "alpha.yaml"
+    recipe.unlink()
+    gone = f"alpha: {recipe}, which it was locked from, is gone"
+    proc = ok(cli(project, "pull", "alpha", "--to", "b"))
+    assert [ln for ln in proc.stderr.splitlines() if ln.startswith("note: alpha")] == \
+        [f"note: {gone}; the lock holds the bundle it built, which no recipe file asks for now"]
+    for args in (["pull", "alpha", "--to", "c"], ["run", "alpha", "--prompt", "hi"], ["serve", "alpha", "--dry-run"],
+                 ["lock", "check", "alpha"]):
+        one_line(cli(project, *args, "--strict"), 2, gone, "--strict refuses")
+    assert not (project / "c").exists()
+    # beta's file is still there: it is not gone (this lock was not built from it, so it is named as changed).
+    assert "is gone" not in ok(cli(project, "pull", "beta", "--to", "d")).stderr
+
+
+def test_a_serving_host_holding_the_lockfile_alone_is_told_nothing_unless_strict(project, tmp_path):
+    host = tmp_path / "host"
+    host.mkdir()
+    shutil.copyfile(project / "artifacts.lock", host / "artifacts.lock")
+    proc = ok(cli(host, "pull", "alpha", "--to", "b", root=project))
+    assert "note:" not in proc.stderr, proc.stderr
+    one_line(cli(host, "pull", "alpha", "--to", "c", "--strict", root=project), 2,
+             f"alpha: {host / 'recipes' / 'alpha.yaml'}, which it was locked from, is not on this machine",
+             "--strict refuses")
+
+
 # --- 17. smaller items of the same run ------------------------------------------------------------------------------
 
 def test_tiny_refuses_a_negative_seed_as_a_usage_error(tmp_path):

@@ -75,8 +75,9 @@ def check_new_dir(path: Path, what: str, if_not_empty: str | None) -> None:
 
 
 def name_a_changed_recipe(ws, name: str, strict: bool) -> str | None:
-    """Name, in a note on stderr, how a locked recipe's file changed since it was locked (qbuild.planning.drift), or
-    with --strict refuse it; returns the note (None: unchanged, or no recipe file here to compare)."""
+    """Name, in a note on stderr, how a locked recipe's file changed since it was locked, or that it is gone
+    (qbuild.planning.drift), or with --strict refuse it; returns the note (None: unchanged, or a lockfile with none of
+    its recipe files beside it, as a serving host holds it, which only --strict refuses)."""
     from qbuild.planning.drift import recipe_change
 
     change = recipe_change(ws.lock, ws.lock_path, name, ws.stat_cache, ws.backends)
@@ -84,6 +85,8 @@ def name_a_changed_recipe(ws, name: str, strict: bool) -> str | None:
         return None
     if strict:
         raise UserError(f"{change.line()}; --strict refuses the locked one")
+    if change.quiet:
+        return None
     err(f"note: {change.line()}")
     return change.line()
 

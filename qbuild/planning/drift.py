@@ -8,13 +8,15 @@ field that differs is named, as `qbuild explain` names it. Neither the code vers
 an upgrade of qbuild or of a library re-keys every node while the recipe asks for the same bundle, and
 `compile --frozen` is the check for those. A step the plan has and the lock lacks is a change where the bundle is
 built from it (a new bucket); a reference or verify the lock lacks is a verify that did not pass, which `pull` names
-on its own.
+on its own. A recipe file that is gone is named too (deleted), unless no recipe file of the lock is on this machine:
+a serving host holds the lockfile alone, and only --strict refuses there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from qbuild.core.errors import InfraError, QbuildError
 from qbuild.core.hashing import StatCache
@@ -29,17 +31,31 @@ from qbuild.recipe.schema import LoadedRecipe
 
 @dataclass(frozen=True)
 class RecipeChange:
-    """A locked recipe whose file asks for something else now (`what`: the role and the first field that moved), or
-    whose file could not be planned to tell (`known` False, `what`: why)."""
+    """How a locked recipe's file differs from what the lock was built from. `state`:
+    - "changed": it asks for something else now (`what`: the role and the first field that moved);
+    - "unknown": it could not be planned to tell (`what`: why);
+    - "deleted": it is gone, while other recipe files of the lock are still beside it;
+    - "absent": no recipe file of the lock is on this machine (a serving host that holds the lockfile alone)."""
 
     recipe: str
     file: Path
     what: str
-    known: bool = True
+    state: Literal["changed", "unknown", "deleted", "absent"] = "changed"
+
+    @property
+    def quiet(self) -> bool:
+        """Said only where asked to be strict: a lockfile alone is how a serving host is meant to pull."""
+        return self.state == "absent"
 
     def line(self) -> str:
-        if not self.known:
+        if self.state == "unknown":
             return f"{self.recipe}: cannot tell whether {self.file} changed since it was locked: {self.what}"
+        if self.state == "deleted":
+            return (f"{self.recipe}: {self.file}, which it was locked from, is gone; the lock holds the bundle it "
+                    "built, which no recipe file asks for now")
+        if self.state == "absent":
+            return (f"{self.recipe}: {self.file}, which it was locked from, is not on this machine, so the locked "
+                    "bundle cannot be compared with it")
         return (f"{self.recipe}: {self.file} changed since it was locked ({self.what}); the lock holds what it asked "
                 f"for before: `qbuild compile {self.file}` builds what it asks for now")
 
@@ -67,17 +83,20 @@ class OfflineEnvironment:
 def recipe_change(lock: Lock, lock_path: Path, name: str, stat_cache: StatCache,
                   backends: Backends) -> RecipeChange | None:
     """How the recipe file of the locked recipe `name` changed since it was locked (planned again with `backends`);
-    None where it did not, where the lock holds no bundle for it (only a pin: nothing built to compare), or where the
-    file is not on this machine (a serving host may hold the lockfile alone)."""
+    None where it did not, or where the lock holds no bundle for it (only a pin: nothing built to compare). A file
+    that is gone is "deleted" where other recipe files of the lock are still beside it, else "absent" (RecipeChange)."""
     entry = lock.recipes[name]
     path = recipe_file(entry, lock_path)
-    if entry.bundle is None or not path.is_file():
+    if entry.bundle is None:
         return None
+    if not path.is_file():
+        others = any(recipe_file(e, lock_path).is_file() for e in lock.recipes.values())
+        return RecipeChange(name, path, "", "deleted" if others else "absent")
     try:
         loaded = locked_recipe(lock, lock_path, name)
         plan = build_plan([loaded], OfflineEnvironment(HostEnvironment(stat_cache)), lock.hub_pins(),
                           backends=backends)
     except QbuildError as e:
-        return RecipeChange(name, path, str(e), known=False)
+        return RecipeChange(name, path, str(e), "unknown")
     what = first_change(plan, plan.recipes[loaded.name], lock, name)
     return None if what is None else RecipeChange(name, path, what)
