@@ -346,7 +346,7 @@ def bench_scheduling(args) -> dict:
     from qbuild.execution.executors.local import LocalExecutor
     from qbuild.planning.plan import Plan, _add
     from qbuild.store import LocalStore, StoreSpec
-    import tests.engine_actions  # noqa: F401  registers the sleep action
+    from tests.engine_actions import TEST_REGISTRY
 
     n, j, d = 8, 2, 1.0
     work = Path(tempfile.mkdtemp(dir=args.work))
@@ -357,7 +357,7 @@ def bench_scheduling(args) -> dict:
     opts = BuildOptions(jobs=j)
     t = time.perf_counter()
     res = build(Plan(nodes, {}), LocalStore(work / "store"), StoreSpec(str(work / "store")),
-                lambda: LocalExecutor(j), opts)
+                lambda: LocalExecutor(j), opts, registry=TEST_REGISTRY)
     took = time.perf_counter() - t
     ideal = math.ceil(n / j) * d
     assert res.ok
@@ -472,6 +472,9 @@ def main() -> None:
     print_goals(results)
     (Path(args.out) / "summary.json").write_text(json.dumps(results, indent=2, sort_keys=True))
     print(f"wrote {Path(args.out) / 'summary.json'}")
+    failed = [name for name, figures in results.items() if "error" in figures]
+    if failed:
+        sys.exit(f"benchmarks that raised: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

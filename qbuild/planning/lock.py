@@ -168,9 +168,6 @@ class Lock(_Entry):
     nodes: dict[Name, NodeEntry] = {}
 
     # --- reading ---
-    def entry(self, name: str) -> RecipeEntry:
-        return self.recipes[name]
-
     def node(self, name: str, role: str) -> NodeEntry | None:
         """The node a recipe's role names (None where the recipe or the role is not locked)."""
         nid = self.recipes[name].nodes.get(role) if name in self.recipes else None
@@ -308,7 +305,7 @@ def first_inconsistency(lock: Lock) -> str | None:
         if problem:
             return problem
     for name, entry in sorted(lock.recipes.items()):
-        problem = entry_problem(lock, name, entry)
+        problem = _entry_problem(lock, name, entry)
         if problem:
             return problem
     return None
@@ -325,7 +322,7 @@ def _node_problem(where: str, node: NodeEntry) -> str | None:
     return None
 
 
-def entry_problem(lock: Lock, name: str, entry: RecipeEntry) -> str | None:
+def _entry_problem(lock: Lock, name: str, entry: RecipeEntry) -> str | None:
     """The first way one recipe entry disagrees with the lock's nodes, as a line starting with a JSON path; None
     where it agrees."""
     nodes: dict[str, NodeEntry] = {}
