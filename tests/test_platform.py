@@ -189,12 +189,12 @@ def test_frozen_on_another_platform_reproduces_the_tiny_lock_and_rebuilds_what_i
     store = LocalStore(there / "store")
     ours = set(json.loads(locked)["recipes"]["moe-tp2-ep2"]["nodes"].values())
     assert ours and ours <= nodes.keys()
-    for entry in (nodes[nid] for nid in ours):
+    for nid, entry in ((nid, nodes[nid]) for nid in ours):
         manifest = store.get_manifest(entry["key"])
         if "platform" in entry["preimage"]:
-            assert manifest is None and entry["kind"] in ("reference", "verify"), entry["name"]
+            assert manifest is None and entry["kind"] in ("reference", "verify"), nid
         else:
-            assert manifest is not None and manifest.outputs == entry["outputs"], entry["name"]
+            assert manifest is not None and manifest.outputs == entry["outputs"], nid
 
 
 # --- nothing written on failure --------------------------------------------------------------------------------------
