@@ -22,19 +22,24 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
 
+from qbuild.backends.cpu.serve_images import IMAGE_URL_TIMEOUT_S, MAX_IMAGE_FETCHES
 from qbuild.model.arch import VisionArch
 from qbuild.model.modeling.vision import VisionEncoder, split_tiles, stitch_tiles
 from qbuild.model.tiling import ImagePlan, ImageTooLarge, largest_patches, plan_image
 from tests.conftest import REPO, qbuild, wait_until
+from tests.test_serve_images import Origin
 
 pytestmark = pytest.mark.xdist_group("vision-images")
 
@@ -594,6 +599,100 @@ def test_image_urls_are_fetched_only_when_allowed(project):
     assert json.loads(dry.stdout)["images"] == {
         "per_request": 1, "sources": ["data:", "http:", "https:"], "max_bytes": 16 << 20, "max_pixels": 8192 * 8192,
         "max_aspect_ratio": 200, "buckets": [16, 64], "tiled_above": 64, "max_patches": 256}
+
+
+@pytest.fixture(scope="module")
+def url_server(project):
+    srv = serve(project, "--allow-image-urls", tag="slow-urls")
+    yield srv
+    srv.stop()
+
+
+def _answer(server: Server, ask: Callable) -> object:
+    """What `ask(api)` returns, or (status, message) of the error the server answered; each request within 60 s."""
+    import openai
+
+    try:
+        return ask(client(server).with_options(timeout=60))
+    except openai.APIStatusError as e:
+        return e.status_code, e.body["message"]
+
+
+def _chat(text: str, max_tokens: int = 4) -> Callable:
+    return lambda api: api.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}],
+                                                   max_tokens=max_tokens).choices[0].message.content
+
+
+def _image_chat(url: str) -> Callable:
+    return lambda api: api.chat.completions.create(model=NAME, messages=image_chat(url),
+                                                   max_tokens=NEW_TOKENS).choices[0].message.content
+
+
+def _completion(prompt: str, max_tokens: int, stream: bool = False) -> Callable:
+    def ask(api):
+        reply = api.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, stream=stream)
+        return "".join(c.choices[0].text for c in reply if c.choices) if stream else reply.choices[0].text
+    return ask
+
+
+DEADLINE_REFUSAL = (400, f"messages.0.content.0.image_url.url: fetching the URL took more than "
+                         f"{IMAGE_URL_TIMEOUT_S:g} s")
+
+
+@pytest.mark.slow
+def test_slow_image_urls_hold_up_no_other_request(url_server):
+    """A URL that sends one byte every 0.2 s: a text chat sent meanwhile is answered within 2 s (the tiny bundle
+    answers it in tens of milliseconds; the bound is for a loaded machine). With as many such URLs as the server
+    fetches at once, one more is a 503 at once, and each slow one is a 400 naming the deadline, 10 s in all. Before,
+    the fetch held the one thread that prepares requests, so the chat waited for it, and its limit held per read: a
+    URL that kept sending held it for as long as it sent (60 s here)."""
+    chat = _chat("What is two and two?")
+    expected = _answer(url_server, chat)
+    with Origin() as origin, ThreadPoolExecutor(MAX_IMAGE_FETCHES) as pool:
+        started = time.monotonic()
+        slow = [pool.submit(_answer, url_server, _image_chat(f"{origin.url}/slow"))]
+        wait_until(lambda: origin.trickling == 1, 60, "the server to fetch the slow URL")
+        asked = time.monotonic()
+        assert _answer(url_server, chat) == expected
+        assert time.monotonic() - asked < 2.0
+        slow += [pool.submit(_answer, url_server, _image_chat(f"{origin.url}/slow"))
+                 for _ in range(MAX_IMAGE_FETCHES - 1)]
+        wait_until(lambda: origin.trickling == MAX_IMAGE_FETCHES, 60, "the server to fetch every slow URL")
+        assert _answer(url_server, _image_chat(f"{origin.url}/slow")) == (
+            503, f"messages.0.content.0.image_url.url: the server is fetching {MAX_IMAGE_FETCHES} image URLs, as many "
+                 "as it fetches at once; send the request again shortly, or the image as a data: URL")
+        assert [f.result(timeout=60) for f in slow] == [DEADLINE_REFUSAL] * MAX_IMAGE_FETCHES
+        assert time.monotonic() - started < 3 * IMAGE_URL_TIMEOUT_S   # the deadline with room for a loaded machine
+    assert "Traceback" not in url_server.err.read_text()
+
+
+@pytest.mark.slow
+def test_fifty_concurrent_mixed_requests_with_a_slow_url_among_them(project, url_server):
+    """One chat whose image URL trickles, then 49 requests at once: completions, streamed ones, chats, image chats
+    (data: URLs, one of them tiled), refusals. Each answers what it answers alone, and every one of them is answered
+    while the slow URL is still being fetched: nothing waits for it."""
+    def refused(api):
+        return api.completions.create(model=NAME, prompt="Hello", max_tokens=2, temperature=0.7)
+
+    kinds = [_completion("The quick brown fox", 8), _completion("Hello", 4), _completion("1, 2, 3,", 6, stream=True),
+             _chat("Hello there"), _chat("Name a colour.", 6), _image_chat(data_url(project.images["64px"])),
+             _image_chat(data_url(project.images["256px"])), refused]
+    expected = [_answer(url_server, ask) for ask in kinds]
+    assert isinstance(expected[-1], tuple) and expected[-1][0] == 400
+    with Origin() as origin, ThreadPoolExecutor(50) as pool:
+        slow = pool.submit(_answer, url_server, _image_chat(f"{origin.url}/slow"))
+        wait_until(lambda: origin.trickling == 1, 60, "the server to fetch the slow URL")
+
+        def timed(i: int):
+            answer = _answer(url_server, kinds[i % len(kinds)])
+            return answer, time.monotonic()
+
+        others = [pool.submit(timed, i) for i in range(49)]
+        answers = [f.result(timeout=120) for f in others]
+        assert slow.result(timeout=60) == DEADLINE_REFUSAL
+    assert [a for a, _ in answers] == [expected[i % len(kinds)] for i in range(49)]
+    assert max(t for _, t in answers) < origin.trickles_ended[0]
+    assert "Traceback" not in url_server.err.read_text()
 
 
 @pytest.mark.slow
