@@ -6,13 +6,15 @@
   gives transformers' greedy tokens; a warm request (an exact repeat, a shared prefix with another tail) gives the
   cold request's tokens and logits bit for bit; a small checkpoint budget evicts and stays correct; a request that
   does not fit is refused before any work; `qbuild serve` answers a prompt of 8x the largest bucket and answers its
-  repeat from the cache, saying so in `usage`.
+  repeat from the cache, saying so in `usage`; `make demo`'s requests (demo/serve_client.py) to such a server.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -416,6 +418,41 @@ def test_serve_answers_8x_the_largest_bucket_and_its_repeat_from_the_cache(bundl
     assert code == 0, err
 
 
+
+
+@built
+def test_the_demos_requests_a_long_prompt_cold_and_warm_and_an_image_chat(bundles, runtimes, small_checkpoints,
+                                                                          tmp_path):
+    """`make demo`'s last step (demo/serve_client.py) against a served long-prompt VL bundle (the dense one: vision
+    and a prefix cache): the long prompt's repeat resumes at its deepest checkpoint before its last token and chooses
+    the cold token, the image chat answers, each line printed and the JSON document written for `qbuild report
+    --serve`; the report shows it."""
+    from tests.test_serve import start
+
+    bundle = Path(shutil.copytree(bundles["qwen3_5"], tmp_path / "bundle"))
+    server = start(str(bundle), tmp_path)
+    try:
+        proc = subprocess.run([sys.executable, str(REPO / "demo" / "serve_client.py"), server.url, "--out",
+                               str(tmp_path / "serve.json")], capture_output=True, text=True, timeout=300)
+    finally:
+        code, err = server.stop()
+    assert proc.returncode == 0 and code == 0, proc.stderr + err
+    doc = json.loads((tmp_path / "serve.json").read_text())
+    n = 160 * 7 // 8     # of the 160-token KV cache
+    interval = runtimes["qwen3_5"].prefix_cache.spec.checkpoint_interval
+    assert doc["long_prompt"]["tokens"] == n and doc["long_prompt"]["same_answer"] is True
+    assert doc["long_prompt"]["cold_cached_tokens"] == 0
+    assert doc["long_prompt"]["warm_cached_tokens"] == (n - 1) // interval * interval
+    assert doc["image"]["prompt_tokens"] > 20 and doc["image"]["completion_tokens"] > 0
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith(f"  a prompt of {n} tokens, cold: ") and lines[1].endswith("cached_tokens 0")
+    assert f"cached_tokens {(n - 1) // interval * interval} (" in lines[2] and "the same token" in lines[2]
+    assert lines[3].startswith("  an image of 128x96 pixels and 'What is in this picture?': ")
+    (tmp_path / "plain.yaml").write_text(f"model: {{path: {small_checkpoints['qwen3_5']}}}\nbackend: export\n"
+                                         "dtype: float32\ntext: {seq_len: 48, cte_buckets: [32]}\n")
+    shown = qbuild("report", "plain.yaml", "--serve", "serve.json", "--out", "r.html", "--json", cwd=tmp_path)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["serve"] == 1, shown.stderr
+    assert 'data-request="warm"' in (tmp_path / "r.html").read_text()
 
 
 @built
