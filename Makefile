@@ -5,23 +5,31 @@ QBUILD := $(VENV)/bin/qbuild
 DEMO   := .qbuild
 export QBUILD_STORE ?= $(CURDIR)/$(DEMO)/store
 
-.PHONY: install system-packages constraints demo test test-fast stress lock-check neuron-check bench clean
+.PHONY: install system-packages test-packages constraints demo test test-fast stress lock-check neuron-check bench \
+	clean
 
 install: system-packages $(VENV)/.installed
 
-# Debian packages: Graphviz's `dot` draws `qbuild report`'s DAG, and chromium is the browser the report's page test
-# drives (Playwright's own browser download is not used). Installed only where missing, and only as root with
-# apt-get; elsewhere a line names what is missing (the report is then written without its drawing, and the page test
-# is skipped outside CI).
-SYSTEM_PACKAGES := graphviz chromium
+# Debian packages, installed only where missing, and only as root with apt-get; elsewhere a line names what is
+# missing. Graphviz's `dot` draws `qbuild report`'s DAG (without it the report is written without its drawing): the
+# demo and the tests need it. Chromium is the browser the report's page test drives (Playwright's own browser download
+# is not used): only the test lane that runs that test installs it (`make test`, which CI runs), never the demo;
+# without it the page test is skipped outside CI.
+SYSTEM_PACKAGES := graphviz
+TEST_PACKAGES := chromium
+define APT_INSTALL
+missing=$$(for p in $(1); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | \
+    grep -q 'ok installed' || echo $$p; done); \
+if [ -z "$$missing" ]; then exit 0; fi; \
+if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+    echo "apt-get install $$missing"; \
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+else echo "not installed: $$missing (Debian packages; install them as root)" >&2; fi
+endef
 system-packages:
-	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | \
-	    grep -q 'ok installed' || echo $$p; done); \
-	if [ -z "$$missing" ]; then exit 0; fi; \
-	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "apt-get install $$missing"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
-	else echo "not installed: $$missing (Debian packages; install them as root)" >&2; fi
+	@$(call APT_INSTALL,$(SYSTEM_PACKAGES))
+test-packages:
+	@$(call APT_INSTALL,$(TEST_PACKAGES))
 
 # torch is pinned to the CPU build; an unpinned torch would pull a multi-GB CUDA build.
 # constraints.txt pins every other distribution to the versions that built artifacts.lock (their versions are in the
@@ -41,30 +49,25 @@ constraints: install
 $(DEMO)/tiny/%/config.json: | install
 	$(QBUILD) tiny $* $(DEMO)/tiny/$*
 
+# The served recipe is the dense one with long prompts and an encoder: demo/serve_client.py sends it a long prompt
+# twice (cold, then warm from the prefix cache: time to the first token and cached_tokens) and an image chat, and
+# writes what it got for the report.
+DEMO_SERVED := recipes/tiny/dense-tp2-long.yaml
 demo: install $(DEMO)/tiny/qwen3_5/config.json $(DEMO)/tiny/qwen3_5_moe/config.json $(DEMO)/tiny/qwen3_next/config.json
 	$(QBUILD) plan recipes/tiny/*.yaml --lock $(DEMO)/artifacts.lock
 	$(QBUILD) compile recipes/tiny/*.yaml -j 2 --lock $(DEMO)/artifacts.lock
 	$(QBUILD) lock check --lock $(DEMO)/artifacts.lock
 	$(QBUILD) run recipes/tiny/dense-tp2.yaml --lock $(DEMO)/artifacts.lock --prompt "The quick brown fox" --max-new-tokens 16
 	rm -f $(DEMO)/serve.url
-	$(QBUILD) serve recipes/tiny/dense-tp2.yaml --lock $(DEMO)/artifacts.lock --port 0 --ready-file $(DEMO)/serve.url & \
+	$(QBUILD) serve $(DEMO_SERVED) --lock $(DEMO)/artifacts.lock --port 0 --ready-file $(DEMO)/serve.url & \
 	pid=$$!; trap 'kill -INT $$pid 2>/dev/null' EXIT; \
 	for i in $$(seq 600); do [ -s $(DEMO)/serve.url ] && break; kill -0 $$pid 2>/dev/null || exit 1; sleep 0.5; done; \
 	[ -s $(DEMO)/serve.url ] || { echo "qbuild serve did not answer within 300 s" >&2; exit 1; }; \
-	$(PY) -c "$$SERVE_REQUEST" "$$(cat $(DEMO)/serve.url)" && kill -INT $$pid && wait $$pid
+	$(PY) demo/serve_client.py "$$(cat $(DEMO)/serve.url)" --out $(DEMO)/serve-demo.json && kill -INT $$pid && wait $$pid
 	$(QBUILD) bench recipes/tiny/dense-tp2.yaml --lock $(DEMO)/artifacts.lock --repeats 3 --out $(DEMO)/bench-dense-tp2.json
 	@echo "the demo's report, to open in a browser:"
-	$(QBUILD) report --lock $(DEMO)/artifacts.lock --bench $(DEMO)/bench-dense-tp2.json --out $(DEMO)/report.html
-
-# The demo's last step: one completion from `qbuild serve` through the OpenAI client (argument: the base URL).
-export SERVE_REQUEST
-define SERVE_REQUEST
-import sys, openai
-client = openai.OpenAI(base_url=sys.argv[1], api_key="unused")
-model = client.models.list().data[0].id
-reply = client.completions.create(model=model, prompt="The quick brown fox", max_tokens=16, temperature=0)
-print(f"{model} over HTTP ({sys.argv[1]}): {reply.choices[0].text!r}, {reply.usage.completion_tokens} tokens")
-endef
+	$(QBUILD) report --lock $(DEMO)/artifacts.lock --bench $(DEMO)/bench-dense-tp2.json --serve $(DEMO)/serve-demo.json \
+	    --out $(DEMO)/report.html
 
 # The suite starts hundreds of interpreters (the CLI, its workers): with bytecode writing turned off in the
 # environment, each of them would compile qbuild from source again. An empty value turns it back on.
@@ -72,7 +75,7 @@ test test-fast stress lock-check: export PYTHONDONTWRITEBYTECODE =
 
 # loadgroup: the tests of one xdist group (those sharing an expensive module fixture) run on one worker, so the
 # fixture is built once; ungrouped tests go to whichever worker is free.
-test: install
+test: install test-packages
 	$(PY) -m pytest -n 2 --dist loadgroup --durations=15 -q
 
 # The fast lane, for the edit-test loop: everything but the tests marked slow (AOTInductor, the Ray cluster,

@@ -524,16 +524,25 @@ def transfer_display(mode: str, step: str, bars: bool | None = None):
     return TransferDisplay(bars=False if mode == "plain" else bars)
 
 
-def pushed_text(report: PushReport, url: str) -> None:
-    """After `qbuild compile --push`: what the push itself uploaded (nothing is said when it uploaded nothing)."""
-    if report.manifests_uploaded:
+def pushed_text(report: PushReport, url: str, progress: str = "auto") -> None:
+    """After `qbuild compile --push`: what the push itself uploaded (nothing is said when it uploaded nothing); with
+    `--progress json`, a `pushed` event."""
+    if progress == "json":
+        _json_line({"event": "pushed", "step": "compile", "remote": url, **report.to_json()})
+    elif report.manifests_uploaded:
         _err_line(f"pushed {report.manifests_uploaded} entries to {url} ({human_bytes(report.bytes_uploaded)})")
 
 
-def print_published(names: list[str], url: str, report: PushReport, as_json: bool) -> None:
-    """`qbuild publish`'s output: the report as JSON on stdout, or one summary line on stderr."""
+def print_published(names: list[str], url: str, report: PushReport, as_json: bool, progress: str = "auto") -> None:
+    """`qbuild publish`'s output: the report as JSON on stdout, or one summary line on stderr; with `--progress
+    json` the line is a `summary` event, and stderr holds JSON lines only (it is written with `--json` too, as a
+    build's summary event is)."""
+    doc = {"recipes": names, "remote": url, **report.to_json()}
     if as_json:
-        print(jsonio.dumps({"recipes": names, "remote": url, **report.to_json()}, sort_keys=True))
+        print(jsonio.dumps(doc, sort_keys=True))
+    if progress == "json":
+        _json_line({"event": "summary", "step": "publish", **doc})
+    if as_json or progress == "json":
         return
     repaired = f", {report.blobs_repaired} of them replacing missing or corrupt remote copies" \
         if report.blobs_repaired else ""
@@ -542,19 +551,34 @@ def print_published(names: list[str], url: str, report: PushReport, as_json: boo
               f"{report.manifests_uploaded} manifests written, {report.manifests_present} already there")
 
 
-def print_pulled(recipe: str, dest, manifest: Manifest, serve: dict | None, as_json: bool) -> None:
-    """`qbuild pull`'s output: the bundle laid out (JSON on stdout, or a line on stderr) and how to serve it."""
+def print_pulled(recipe: str, dest, manifest: Manifest, serve: dict | None, as_json: bool,
+                 progress: str = "auto") -> None:
+    """`qbuild pull`'s output: the bundle laid out (JSON on stdout, or a line on stderr) and how to serve it; with
+    `--progress json` the line is a `summary` event, and stderr holds JSON lines only."""
+    doc = {"recipe": recipe, "dir": str(dest), "digest": manifest.digest, "files": len(manifest.outputs),
+           "bytes": manifest.size}
+    if serve is not None:
+        doc["serve"] = serve
     if as_json:
-        doc = {"recipe": recipe, "dir": str(dest), "digest": manifest.digest, "files": len(manifest.outputs),
-               "bytes": manifest.size}
-        if serve is not None:
-            doc["serve"] = serve
         print(jsonio.dumps(doc, sort_keys=True))
+    if progress == "json":
+        _json_line({"event": "summary", "step": "pull", **doc})
+    if as_json:
+        return
+    if progress == "json":   # the event holds the summary; how to serve it is data, on stdout as without the option
+        if serve is not None:
+            serve_text(serve)
         return
     _err_line(f"{dest}: {len(manifest.outputs)} files ({human_bytes(manifest.size)}), bundle "
               f"{manifest.digest[:16]} verified")
     if serve is not None:
         serve_text(serve)
+
+
+def note_json(step: str):
+    """How a command writes a note (a recipe changed since it was locked, ...) with `--progress json`: a `note`
+    event, so that stderr holds JSON lines only."""
+    return lambda text: _json_line({"event": "note", "step": step, "message": text})
 
 
 def _err_line(text: str) -> None:

@@ -2,18 +2,19 @@
 
 - The recipe fields and their checks (one line naming the field, at validate time).
 - The reference model's `extend` continuing a prefill chunk by chunk against transformers (every family).
-- The prefix cache's keys and eviction, on its own.
 - Built bundles of every family (export backend, one build per run): a prompt several times the largest bucket
   gives transformers' greedy tokens; a warm request (an exact repeat, a shared prefix with another tail) gives the
   cold request's tokens and logits bit for bit; a small checkpoint budget evicts and stays correct; a request that
   does not fit is refused before any work; `qbuild serve` answers a prompt of 8x the largest bucket and answers its
-  repeat from the cache, saying so in `usage`.
+  repeat from the cache, saying so in `usage`; `make demo`'s requests (demo/serve_client.py) to such a server.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,73 +193,6 @@ def test_extend_continues_a_prefill_chunk_by_chunk_as_transformers_runs_the_whol
         hf = auto.from_pretrained(path, dtype=torch.float32).eval()
         expected = hf(input_ids=prompt[None]).logits[0]
     assert (torch.cat(outs) - expected).abs().max().item() < LOGITS_ATOL
-
-
-# --- the prefix cache on its own -----------------------------------------------------------------------------------
-
-def _cache(slots: int = 2, blocks: int = 8):
-    """A cache of one attention layer (state 0, 1) and one DeltaNet layer (state 2, 3): blocks of 4 tokens,
-    checkpoints every 8."""
-    from qbuild.model.runtime.prefix_cache import PrefixCache
-
-    shapes = [((1, 1, 1, 32, 2), torch.float32)] * 2 + [((1, 1, 3, 2), torch.float32), ((1, 1, 2, 2, 2),
-                                                                                          torch.float32)]
-    return PrefixCache(PrefixCacheSpec(4, blocks, 8, slots), [0, 1], [2, 3], shapes)
-
-
-def _state(value: float) -> list[torch.Tensor]:
-    return [torch.full((1, 1, 1, 32, 2), value), torch.full((1, 1, 1, 32, 2), -value),
-            torch.full((1, 1, 3, 2), value), torch.full((1, 1, 2, 2, 2), value)]
-
-
-def _store(cache, ids: list[int], value: float) -> list[bytes]:
-    """What the runtime stores after prefilling `ids`: a checkpoint at every interval, then the blocks."""
-    from qbuild.model.runtime.prefix_cache import block_hashes
-
-    hashes = block_hashes(ids, 4)
-    for end in range(8, len(ids) + 1, 8):
-        cache.save_checkpoint(hashes[end // 4 - 1], _state(value + end))
-    cache.save_blocks(hashes[:len(ids) // 8 * 8 // 4], _state(value))
-    return hashes
-
-
-def test_block_hashes_chain_the_prefix_and_the_salt():
-    from qbuild.model.runtime.prefix_cache import block_hashes
-
-    a, b = block_hashes(list(range(12)), 4), block_hashes([0, 1, 2, 3, 9, 5, 6, 7, 8, 9, 10, 11], 4)
-    assert len(a) == 3 and a[0] == b[0] and a[1] != b[1] and a[2] != b[2]   # a changed block changes all after it
-    assert block_hashes(list(range(12)), 4, b"image")[0] != a[0]
-    assert block_hashes(list(range(11)), 4) == a[:2]                     # only full blocks
-
-
-def test_a_prompt_resumes_at_its_deepest_cached_checkpoint_before_its_last_token():
-    cache = _cache(slots=4)
-    ids = list(range(24))
-    hashes = _store(cache, ids, 1.0)
-    exact = cache.lookup(hashes, 24)   # the checkpoint at 24 would leave no token to compute the logits of
-    assert exact.tokens == 16 and torch.equal(exact.checkpoint[0], _state(17.0)[2])
-    state = [torch.zeros(1, 1, 1, 32, 2), torch.zeros(1, 1, 1, 32, 2), None, None]
-    cache.restore(exact, state)
-    assert state[0][..., :16, :].eq(1.0).all() and state[0][..., 16:, :].eq(0).all() and state[1][..., 0, 0] == -1
-    from qbuild.model.runtime.prefix_cache import block_hashes
-
-    longer = block_hashes(ids + [99] * 8, 4)
-    assert cache.lookup(longer, 32).tokens == 24
-    other = block_hashes([5] + ids[1:], 4)
-    assert cache.lookup(other, 24).tokens == 0
-    assert cache.stats.hits == 2 and cache.stats.cached_tokens == 40
-
-
-def test_eviction_is_least_recently_used_and_never_leaves_a_checkpoint_without_its_blocks():
-    cache = _cache(slots=2, blocks=8)
-    first = _store(cache, list(range(24)), 1.0)      # checkpoints at 8, 16, 24: the deepest two stay
-    assert cache.stats.checkpoints == 2 and cache.stats.evicted_checkpoints == 1
-    assert cache.lookup(first, 24).tokens == 16
-    second = _store(cache, list(range(100, 116)), 2.0)   # 4 blocks and 2 checkpoints: the first prompt's go first
-    assert cache.stats.blocks == 8 and cache.stats.evicted_blocks == 2 and cache.stats.checkpoints == 2
-    assert cache.lookup(second, 16).tokens == 8
-    assert cache.lookup(first, 24).tokens == 0       # its checkpoints are gone, and its deepest blocks with them
-    assert cache.stats.peak_bytes <= cache.stats.budget_bytes
 
 
 # --- built bundles -------------------------------------------------------------------------------------------------
@@ -484,6 +418,41 @@ def test_serve_answers_8x_the_largest_bucket_and_its_repeat_from_the_cache(bundl
     assert code == 0, err
 
 
+
+
+@built
+def test_the_demos_requests_a_long_prompt_cold_and_warm_and_an_image_chat(bundles, runtimes, small_checkpoints,
+                                                                          tmp_path):
+    """`make demo`'s last step (demo/serve_client.py) against a served long-prompt VL bundle (the dense one: vision
+    and a prefix cache): the long prompt's repeat resumes at its deepest checkpoint before its last token and chooses
+    the cold token, the image chat answers, each line printed and the JSON document written for `qbuild report
+    --serve`; the report shows it."""
+    from tests.test_serve import start
+
+    bundle = Path(shutil.copytree(bundles["qwen3_5"], tmp_path / "bundle"))
+    server = start(str(bundle), tmp_path)
+    try:
+        proc = subprocess.run([sys.executable, str(REPO / "demo" / "serve_client.py"), server.url, "--out",
+                               str(tmp_path / "serve.json")], capture_output=True, text=True, timeout=300)
+    finally:
+        code, err = server.stop()
+    assert proc.returncode == 0 and code == 0, proc.stderr + err
+    doc = json.loads((tmp_path / "serve.json").read_text())
+    n = 160 * 7 // 8     # of the 160-token KV cache
+    interval = runtimes["qwen3_5"].prefix_cache.spec.checkpoint_interval
+    assert doc["long_prompt"]["tokens"] == n and doc["long_prompt"]["same_answer"] is True
+    assert doc["long_prompt"]["cold_cached_tokens"] == 0
+    assert doc["long_prompt"]["warm_cached_tokens"] == (n - 1) // interval * interval
+    assert doc["image"]["prompt_tokens"] > 20 and doc["image"]["completion_tokens"] > 0
+    lines = proc.stdout.splitlines()
+    assert lines[1].startswith(f"  a prompt of {n} tokens, cold: ") and lines[1].endswith("cached_tokens 0")
+    assert f"cached_tokens {(n - 1) // interval * interval} (" in lines[2] and "the same token" in lines[2]
+    assert lines[3].startswith("  an image of 128x96 pixels and 'What is in this picture?': ")
+    (tmp_path / "plain.yaml").write_text(f"model: {{path: {small_checkpoints['qwen3_5']}}}\nbackend: export\n"
+                                         "dtype: float32\ntext: {seq_len: 48, cte_buckets: [32]}\n")
+    shown = qbuild("report", "plain.yaml", "--serve", "serve.json", "--out", "r.html", "--json", cwd=tmp_path)
+    assert shown.returncode == 0 and json.loads(shown.stdout)["serve"] == 1, shown.stderr
+    assert 'data-request="warm"' in (tmp_path / "r.html").read_text()
 
 
 @built

@@ -142,6 +142,8 @@ def test_a_terminal_shows_rich_rows_with_the_bytes_a_step_wrote(tmp_path, dense_
 # --- publish and pull against S3 -------------------------------------------------------------------------------
 
 def test_publish_and_pull_report_their_bytes_as_json_events(tmp_path):
+    """`--progress json`: every line of stderr is a JSON object, byte reports climbing to the total, a note (a recipe
+    changed since it was locked) and the closing summary among them; the summary is what --json prints on stdout."""
     from tests.test_remote_pipeline import make_locked_project, ok, run_qbuild
     from tests.s3server import shared_server
 
@@ -166,6 +168,20 @@ def test_publish_and_pull_report_their_bytes_as_json_events(tmp_path):
     pulled = ok(run_qbuild(host, "pull", "alpha", "--to", "bundle", "--store", "store", "--remote", remote,
                            "--progress", "json"))
     package = lock["nodes"][lock["recipes"]["alpha"]["nodes"]["package"]]
-    downloads = progress_of([e for e in map(json.loads, pulled.stderr.splitlines()[:-1])], "pull", "download")
-    assert_complete(downloads, sum({o["digest"]: o["size"] for o in package["outputs"].values()}.values()))
-    assert pulled.stderr.splitlines()[-1].startswith("bundle: ")       # the human summary stays last
+    pulled_events = events(pulled.stderr)   # JSON lines only: the summary too (it was a plain line)
+    downloads = progress_of(pulled_events, "pull", "download")
+    size = sum({o["digest"]: o["size"] for o in package["outputs"].values()}.values())
+    assert_complete(downloads, size)
+    assert pulled_events[-1] == {"event": "summary", "step": "pull", "recipe": "alpha", "dir": "bundle",
+                                 "digest": package["digest"], "files": len(package["outputs"]), "bytes": size}
+    assert pulled.stdout == ""
+
+    again = ok(run_qbuild(project, "publish", "--all", "--store", "store", "--remote", remote, "--progress", "json"))
+    summary = events(again.stderr)[-1]
+    assert summary["event"] == "summary" and summary["step"] == "publish" and summary["blobs_uploaded"] == 0
+    assert summary["recipes"] == ["alpha", "beta"] and summary["remote"] == remote
+
+    # in the project, whose recipe files are not what its lock was built from: the note is an event too
+    noted = ok(run_qbuild(project, "pull", "alpha", "--to", "noted", "--store", "store", "--progress", "json"))
+    notes = [e for e in events(noted.stderr) if e["event"] == "note"]
+    assert len(notes) == 1 and notes[0]["step"] == "pull" and notes[0]["message"].startswith("alpha")

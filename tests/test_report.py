@@ -153,7 +153,8 @@ def test_the_report_opens_in_chromium_with_every_node_and_verify_row(built, tmp_
 def test_the_report_json_names_the_page_and_what_it_shows(built):
     doc = built["doc"]
     assert doc["report"] == str((built["root"] / "out" / "report.html").resolve())
-    assert doc["recipes"] == ["tiny-dense", "unverified"] and doc["bench"] == 1 and doc["notes"] == []
+    assert doc["recipes"] == ["tiny-dense", "unverified"] and doc["bench"] == 1 and doc["serve"] == 0
+    assert doc["notes"] == []
     assert doc["verify"] == {"tiny-dense": "passed", "unverified": "failed"}
     assert doc["nodes"] == len(_plan(built["root"])["nodes"])
     assert built["stderr"] == ""
@@ -225,7 +226,7 @@ def test_a_report_before_any_build_lists_every_node_and_says_what_is_missing(unb
     assert page.values("data-node-id") == ids
     assert sorted(i.removeprefix("node-") for i in page.values("id") if i.startswith("node-")) == sorted(ids)
     assert page.values("data-status") == [n["status"] for n in plan["nodes"]]
-    assert 'id="timeline-note"' in html and 'id="bench-note"' in html
+    assert 'id="timeline-note"' in html and 'id="bench-note"' in html and 'id="serve-note"' in html
     assert '<span class="badge none">not verified</span>' in html
 
 
@@ -258,6 +259,48 @@ def test_a_bad_bench_document_is_refused_naming_the_field_and_nothing_is_written
     assert proc.returncode == 2 and proc.stdout == ""
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: bench.json: ") and field in line, line
+    assert not (unbuilt / "r.html").exists() and not (unbuilt / "store").exists()
+
+
+SERVE_DOC = {"model": "dense-tp2-long", "url": "http://127.0.0.1:8000/v1",
+             "long_prompt": {"tokens": 448, "cold_ms": 260.5, "warm_ms": 26.0, "cold_cached_tokens": 0,
+                             "warm_cached_tokens": 416, "same_answer": True},
+             "image": {"size": [128, 96], "question": "What is in this picture?", "answer": "<b>noise</b>",
+                       "prompt_tokens": 47, "completion_tokens": 16}}
+
+
+def test_requests_to_qbuild_serve_are_shown_cold_warm_and_with_an_image(unbuilt):
+    """`--serve`: the long prompt's cold and warm requests (cached tokens, time to the first token, the ratio) and the
+    image chat's answer, escaped as text; `--json` counts the document."""
+    (unbuilt / "serve.json").write_text(json.dumps(SERVE_DOC))
+    proc = qbuild("report", "recipes/plain.yaml", "--serve", "serve.json", "--out", "r.html", "--json", cwd=unbuilt)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["serve"] == 1
+    html = (unbuilt / "r.html").read_text()
+    page = _Attributes(html)
+    assert page.values("data-model") == ["dense-tp2-long"] and page.values("data-request") == ["cold", "warm", "image"]
+    rows = {m[0]: m[1] for m in re.findall(r'<tr data-request="(\w+)">(.*?)</tr>', html, re.S)}
+    assert ">0<" in rows["cold"] and "260.5 ms" in rows["cold"] and "the same token" in rows["cold"]
+    assert ">416<" in rows["warm"] and "26.0 ms" in rows["warm"] and "10.0x faster" in rows["warm"]
+    assert "128x96 pixels" in rows["image"] and "&lt;b&gt;noise&lt;/b&gt;" in rows["image"]
+    assert 'id="serve-note"' not in html
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({k: v for k, v in SERVE_DOC.items() if k != "image"}, "image: expected an object with size, question"),
+    ({**SERVE_DOC, "long_prompt": {**SERVE_DOC["long_prompt"], "warm_ms": 0}}, "long_prompt.warm_ms: expected a "
+                                                                                "positive number"),
+    ({**SERVE_DOC, "long_prompt": {**SERVE_DOC["long_prompt"], "warm_cached_tokens": True}},
+     "long_prompt.warm_cached_tokens: expected a whole number of tokens"),
+    ({**SERVE_DOC, "image": {**SERVE_DOC["image"], "size": [128]}}, "image.size: expected [width, height]"),
+    ([SERVE_DOC], "$: expected an object with model, url"),
+])
+def test_a_bad_serve_document_is_refused_naming_the_field_and_nothing_is_written(unbuilt, doc, field):
+    (unbuilt / "serve.json").write_text(json.dumps(doc))
+    proc = qbuild("report", "recipes/plain.yaml", "--serve", "serve.json", "--out", "r.html", cwd=unbuilt)
+    assert proc.returncode == 2 and proc.stdout == ""
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: serve.json: ") and field in line, line
     assert not (unbuilt / "r.html").exists() and not (unbuilt / "store").exists()
 
 

@@ -323,7 +323,7 @@ def test_gc_sees_a_build_that_writes_its_lockfile_and_ends_around_the_lease_read
 
     def build_ends() -> None:
         node = {"kind": built.kind, "name": built.kind, "key": built.key, "preimage": built.preimage,
-                "digest": built.digest, "outputs": built.outputs}   # as a build writes it (store.lock.node_entry)
+                "digest": built.digest, "outputs": built.outputs}   # as a build writes it (qbuild.planning.lock.NodeEntry)
         doc = {"version": 1, "recipes": {}, "nodes": {"n": node}}
         atomic_write(lock, json.dumps(doc).encode())
         lease.close()

@@ -22,19 +22,24 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
 
+from qbuild.backends.cpu.serve_images import IMAGE_URL_TIMEOUT_S, MAX_IMAGE_FETCHES
 from qbuild.model.arch import VisionArch
 from qbuild.model.modeling.vision import VisionEncoder, split_tiles, stitch_tiles
 from qbuild.model.tiling import ImagePlan, ImageTooLarge, largest_patches, plan_image
 from tests.conftest import REPO, qbuild, wait_until
+from tests.test_serve_images import Origin
 
 pytestmark = pytest.mark.xdist_group("vision-images")
 
@@ -188,6 +193,77 @@ def test_image_limits_hold_for_bytes_as_for_files(tmp_path):
         images.check_image(b"\0" * (images.MAX_IMAGE_BYTES + 1), "part")
     with pytest.raises(UserError, match="part: cannot read the image"):
         images.check_image(b"not an image", "part")
+
+
+# Images the Qwen VL processor refuses after decoding (transformers' smart_resize: sides in a ratio over 200), the
+# issue's sizes among them, and one of text sent as an image.
+LOPSIDED = [(1, 300), (300, 1), (4000, 16), (2, 1000), (1, 201), (16, 3201)]
+
+
+def _png(size: tuple[int, int]) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", size, (90, 30, 200)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_the_aspect_bound_is_the_processors_checked_from_the_header(small_checkpoints):
+    """An image is refused from its header exactly where transformers' Qwen VL processor would raise after decoding
+    it: sides in a ratio over 200 to 1. The message names the image and the bound; on the bound it is taken."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    from qbuild.core.errors import UserError
+    from qbuild.model.runtime import images
+
+    processor = images.image_processor(small_checkpoints["qwen3_5"],
+                                       json.loads((small_checkpoints["qwen3_5"] / "config.json").read_text())[
+                                           "vision_config"])
+    for w, h in LOPSIDED + [(1, 200), (200, 1), (16, 3200), (3, 600), (401, 2)]:
+        try:
+            smart_resize(h, w, factor=32)
+            refused_by_processor = False
+        except ValueError:
+            refused_by_processor = True
+        if refused_by_processor:
+            with pytest.raises(UserError) as caught:
+                images.check_image(_png((w, h)), "part")
+            assert str(caught.value).startswith(f"part: the image is {w}x{h} pixels, its sides in a ratio of ")
+            assert "more than the 200 to 1 the Qwen VL image processor takes" in str(caught.value)
+        else:
+            images.check_image(_png((w, h)), "part")
+            _, grid = images.pixels(processor, _png((w, h)), "part")
+            assert grid.shape == (1, 3), (w, h)
+
+
+@pytest.mark.parametrize("data", [b"just some text, sent as image/png", b"", b"\x89PNG\r\n\x1a\n" + b"\0" * 40,
+                                  b"GIF89a" + b"\xff" * 20, b"\xff\xd8\xff\xe0" + b"\0" * 64],
+                         ids=["text", "empty", "png-header", "gif-header", "jpeg-header"])
+def test_bytes_that_are_no_image_are_named_without_a_python_repr(data):
+    """Pillow's own message for bytes it cannot identify holds the repr of the stream it read (`<_io.BytesIO object
+    at 0x...>`); the refusal names the part and says what was wrong, in words."""
+    from qbuild.core.errors import UserError
+    from qbuild.model.runtime import images
+
+    with pytest.raises(UserError) as caught:
+        images.check_image(data, "messages.0.content.0.image_url")
+    message = str(caught.value)
+    assert message.startswith("messages.0.content.0.image_url: cannot read the image: ")
+    assert not re.search(r"<[^>]* at 0x[0-9a-f]+>", message), message
+
+
+def test_qbuild_run_refuses_a_lopsided_image_before_loading_a_bundle(tmp_path):
+    """`qbuild run --image` of an image the processor cannot take: exit 2, one line naming the file and the bound,
+    before any bundle is looked for (the target here does not exist)."""
+    image = tmp_path / "1x300.png"
+    image.write_bytes(_png((1, 300)))
+    proc = qbuild("run", str(tmp_path / "no-bundle"), "--prompt", "hi", "--image", str(image), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {image}: the image is 1x300 pixels, its sides in a ratio of 300 to 1, more than the 200 to 1 the "
+        "Qwen VL image processor takes; crop or pad it first"]
 
 
 # --- a tiny VL bundle against transformers -----------------------------------------------------------------------
@@ -434,7 +510,9 @@ def _refusal(server: Server, messages, status: int = 400) -> str:
 def test_image_parts_that_cannot_be_taken_are_a_400_naming_the_part(project, server, tmp_path):
     """Every image part the server cannot take is a 400 naming it: a URL it does not fetch, data that is not base64
     or not an image, an image declaring more pixels than `run --image` decodes, a grid the port cannot tile, a second
-    image, an image in a system message, a part of an unknown type; typed image tokens without an image too."""
+    image, an image in a system message, a part of an unknown type; typed image tokens without an image too; text sent
+    as image/png, and images whose sides the processor cannot take (a 500 with transformers' message before). None
+    leaves a traceback on the server's stderr."""
     from PIL import Image
 
     bomb = tmp_path / "bomb.png"
@@ -458,9 +536,15 @@ def test_image_parts_that_cannot_be_taken_are_a_400_naming_the_part(project, ser
         ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}]}],
          f"{part}: a content part of this type is not supported"),
         ([{"role": "user", "content": "<|image_pad|> hi"}], "messages: the prompt holds 1 image tokens"),
-    ]
+        (image_chat("data:image/png;base64," + base64.b64encode(b"plain text").decode()),
+         f"{part}.image_url: cannot read the image: its bytes are not an image format Pillow reads"),
+    ] + [(image_chat("data:image/png;base64," + base64.b64encode(_png(size)).decode()),
+          f"{part}.image_url: the image is {size[0]}x{size[1]} pixels, its sides in a ratio of") for size in LOPSIDED]
     for messages, expected in cases:
-        assert _refusal(server, messages).startswith(expected), expected
+        message = _refusal(server, messages)
+        assert message.startswith(expected), (expected, message)
+        assert not re.search(r"<[^>]* at 0x[0-9a-f]+>", message), message
+    assert "Traceback" not in server.err.read_text()
 
 
 class _Images(BaseHTTPRequestHandler):
@@ -514,7 +598,101 @@ def test_image_urls_are_fetched_only_when_allowed(project):
     assert dry.returncode == 0, dry.stderr
     assert json.loads(dry.stdout)["images"] == {
         "per_request": 1, "sources": ["data:", "http:", "https:"], "max_bytes": 16 << 20, "max_pixels": 8192 * 8192,
-        "buckets": [16, 64], "tiled_above": 64, "max_patches": 256}
+        "max_aspect_ratio": 200, "buckets": [16, 64], "tiled_above": 64, "max_patches": 256}
+
+
+@pytest.fixture(scope="module")
+def url_server(project):
+    srv = serve(project, "--allow-image-urls", tag="slow-urls")
+    yield srv
+    srv.stop()
+
+
+def _answer(server: Server, ask: Callable) -> object:
+    """What `ask(api)` returns, or (status, message) of the error the server answered; each request within 60 s."""
+    import openai
+
+    try:
+        return ask(client(server).with_options(timeout=60))
+    except openai.APIStatusError as e:
+        return e.status_code, e.body["message"]
+
+
+def _chat(text: str, max_tokens: int = 4) -> Callable:
+    return lambda api: api.chat.completions.create(model=NAME, messages=[{"role": "user", "content": text}],
+                                                   max_tokens=max_tokens).choices[0].message.content
+
+
+def _image_chat(url: str) -> Callable:
+    return lambda api: api.chat.completions.create(model=NAME, messages=image_chat(url),
+                                                   max_tokens=NEW_TOKENS).choices[0].message.content
+
+
+def _completion(prompt: str, max_tokens: int, stream: bool = False) -> Callable:
+    def ask(api):
+        reply = api.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens, stream=stream)
+        return "".join(c.choices[0].text for c in reply if c.choices) if stream else reply.choices[0].text
+    return ask
+
+
+DEADLINE_REFUSAL = (400, f"messages.0.content.0.image_url.url: fetching the URL took more than "
+                         f"{IMAGE_URL_TIMEOUT_S:g} s")
+
+
+@pytest.mark.slow
+def test_slow_image_urls_hold_up_no_other_request(url_server):
+    """A URL that sends one byte every 0.2 s: a text chat sent meanwhile is answered within 2 s (the tiny bundle
+    answers it in tens of milliseconds; the bound is for a loaded machine). With as many such URLs as the server
+    fetches at once, one more is a 503 at once, and each slow one is a 400 naming the deadline, 10 s in all. Before,
+    the fetch held the one thread that prepares requests, so the chat waited for it, and its limit held per read: a
+    URL that kept sending held it for as long as it sent (60 s here)."""
+    chat = _chat("What is two and two?")
+    expected = _answer(url_server, chat)
+    with Origin() as origin, ThreadPoolExecutor(MAX_IMAGE_FETCHES) as pool:
+        started = time.monotonic()
+        slow = [pool.submit(_answer, url_server, _image_chat(f"{origin.url}/slow"))]
+        wait_until(lambda: origin.trickling == 1, 60, "the server to fetch the slow URL")
+        asked = time.monotonic()
+        assert _answer(url_server, chat) == expected
+        assert time.monotonic() - asked < 2.0
+        slow += [pool.submit(_answer, url_server, _image_chat(f"{origin.url}/slow"))
+                 for _ in range(MAX_IMAGE_FETCHES - 1)]
+        wait_until(lambda: origin.trickling == MAX_IMAGE_FETCHES, 60, "the server to fetch every slow URL")
+        assert _answer(url_server, _image_chat(f"{origin.url}/slow")) == (
+            503, f"messages.0.content.0.image_url.url: the server is fetching {MAX_IMAGE_FETCHES} image URLs, as many "
+                 "as it fetches at once; send the request again shortly, or the image as a data: URL")
+        assert [f.result(timeout=60) for f in slow] == [DEADLINE_REFUSAL] * MAX_IMAGE_FETCHES
+        assert time.monotonic() - started < 3 * IMAGE_URL_TIMEOUT_S   # the deadline with room for a loaded machine
+    assert "Traceback" not in url_server.err.read_text()
+
+
+@pytest.mark.slow
+def test_fifty_concurrent_mixed_requests_with_a_slow_url_among_them(project, url_server):
+    """One chat whose image URL trickles, then 49 requests at once: completions, streamed ones, chats, image chats
+    (data: URLs, one of them tiled), refusals. Each answers what it answers alone, and every one of them is answered
+    while the slow URL is still being fetched: nothing waits for it."""
+    def refused(api):
+        return api.completions.create(model=NAME, prompt="Hello", max_tokens=2, temperature=0.7)
+
+    kinds = [_completion("The quick brown fox", 8), _completion("Hello", 4), _completion("1, 2, 3,", 6, stream=True),
+             _chat("Hello there"), _chat("Name a colour.", 6), _image_chat(data_url(project.images["64px"])),
+             _image_chat(data_url(project.images["256px"])), refused]
+    expected = [_answer(url_server, ask) for ask in kinds]
+    assert isinstance(expected[-1], tuple) and expected[-1][0] == 400
+    with Origin() as origin, ThreadPoolExecutor(50) as pool:
+        slow = pool.submit(_answer, url_server, _image_chat(f"{origin.url}/slow"))
+        wait_until(lambda: origin.trickling == 1, 60, "the server to fetch the slow URL")
+
+        def timed(i: int):
+            answer = _answer(url_server, kinds[i % len(kinds)])
+            return answer, time.monotonic()
+
+        others = [pool.submit(timed, i) for i in range(49)]
+        answers = [f.result(timeout=120) for f in others]
+        assert slow.result(timeout=60) == DEADLINE_REFUSAL
+    assert [a for a, _ in answers] == [expected[i % len(kinds)] for i in range(49)]
+    assert max(t for _, t in answers) < origin.trickles_ended[0]
+    assert "Traceback" not in url_server.err.read_text()
 
 
 @pytest.mark.slow

@@ -73,7 +73,7 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
     extra = {}
     if push:
         pushed = ws.push(result)
-        pushed_text(pushed, ws.store.remote.url)
+        pushed_text(pushed, ws.store.remote.url, progress_mode.value)
         extra["pushed"] = pushed.to_json()
     if rebuilt is not None:
         extra["rebuilt_for_platform"] = rebuilt.to_json()

@@ -2,7 +2,7 @@
 and --backend name, the check of a directory a command would fill, what --strict does to a recipe changed since it
 was locked, and the bundle a TARGET argument of run, bench and serve names."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -74,10 +74,10 @@ def check_new_dir(path: Path, what: str, if_not_empty: str | None) -> None:
         raise UserError(f"{path}: {what} is not empty; {if_not_empty}")
 
 
-def name_a_changed_recipe(ws, name: str, strict: bool) -> str | None:
-    """Name, in a note on stderr, how a locked recipe's file changed since it was locked, or that it is gone
-    (qbuild.planning.drift), or with --strict refuse it; returns the note (None: unchanged, or a lockfile with none of
-    its recipe files beside it, as a serving host holds it, which only --strict refuses)."""
+def name_a_changed_recipe(ws, name: str, strict: bool, say: Callable[[str], None] | None = None) -> str | None:
+    """Name, in a note on stderr (`say`, where given, writes it), how a locked recipe's file changed since it was
+    locked, or that it is gone (qbuild.planning.drift), or with --strict refuse it; returns the note (None: unchanged,
+    or a lockfile with none of its recipe files beside it, as a serving host holds it, which only --strict refuses)."""
     from qbuild.planning.drift import recipe_change
 
     change = recipe_change(ws.lock, ws.lock_path, name, ws.stat_cache, ws.backends)
@@ -87,7 +87,10 @@ def name_a_changed_recipe(ws, name: str, strict: bool) -> str | None:
         raise UserError(f"{change.line()}; --strict refuses the locked one")
     if change.quiet:
         return None
-    err(f"note: {change.line()}")
+    if say is None:
+        err(f"note: {change.line()}")
+    else:
+        say(change.line())
     return change.line()
 
 

@@ -36,7 +36,7 @@ def publish(recipes: list[str] = typer.Argument(None, help="recipe names (or fil
                         "or add remote: to ./qbuild.yaml")
     names = recipe_names(ws.lock, lock, recipes or [], all_)
     report = publish_locked(ws.store, ws.lock, lock, names, verify_remote=verify_remote, what=what.value)
-    print_published(names, ws.store.remote.url, report, json_)
+    print_published(names, ws.store.remote.url, report, json_, progress_mode.value)
 
 
 def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the lockfile"),
@@ -47,7 +47,7 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
                                                help="lay out a bundle whose verify did not pass"),
          strict: bool = StrictOpt, progress_mode: ProgressMode = ProgressOpt) -> None:
     """Lay out a recipe's locked bundle in a directory (from the remote when not local); every digest is checked."""
-    from qbuild.render import print_pulled, transfer_display
+    from qbuild.render import note_json, print_pulled, transfer_display
     from qbuild.execution.transfer import pull_bundle
     from qbuild.planning.lock import resolve_recipe
 
@@ -55,12 +55,13 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
     ws = workspace(store, lock, remote, transfers=transfer_display(progress_mode.value, "pull"))
     if not lock.exists():
         raise UserError(f"{lock}: no lockfile; pull lays out what a lockfile names")
-    name_a_changed_recipe(ws, resolve_recipe(ws.lock, lock, recipe), strict)
+    name_a_changed_recipe(ws, resolve_recipe(ws.lock, lock, recipe), strict,
+                          note_json("pull") if progress_mode.value == "json" else None)
     # Root ignores the read-only bit that protects the store's blobs, so a root-owned bundle must not share their
     # inodes: an edit to a bundle file would change the store's copy (and every other bundle made from it).
     manifest = pull_bundle(ws.store, ws.lock, lock, recipe, to, share=os.geteuid() != 0,
                            allow_unverified=allow_unverified)
-    print_pulled(recipe, to, manifest, _serve_instructions(to), json_)
+    print_pulled(recipe, to, manifest, _serve_instructions(to), json_, progress_mode.value)
 
 
 def _serve_instructions(bundle: Path) -> dict | None:

@@ -1,5 +1,5 @@
 """What a report shows, gathered as plain data: each node of the plan with its status, key and size, its step in the
-last build's record, each recipe's verify report, and the bench documents given. page.py renders it.
+last build's record, each recipe's verify report, and the bench and serve documents given. page.py renders it.
 
 Sizes and verify reports come from the store entry of the node's current key where the store has it, else from the
 lockfile's entry of the node (what was locked, which the plan may no longer match), and are shown as such.
@@ -62,6 +62,12 @@ class BenchDoc:
 
 
 @dataclass
+class ServeDoc:
+    file: str
+    doc: dict                      # `demo/serve_client.py --out`'s document: a long prompt twice, an image chat
+
+
+@dataclass
 class ReportData:
     title: str
     lock_path: Path
@@ -70,6 +76,7 @@ class ReportData:
     nodes: list[NodeRow]
     verifies: list[VerifyTable]
     benches: list[BenchDoc]
+    serves: list[ServeDoc]
     record: dict | None            # the last build's record (qbuild/execution/record.py), or None
     record_note: str | None        # why there is no record, where there is none
     other_steps: int = 0           # steps of that build that belong to nodes not in this report
@@ -77,7 +84,8 @@ class ReportData:
     def shown(self) -> dict:
         """What the page shows, in brief (`qbuild report --json`)."""
         return {"recipes": [r["name"] for r in self.recipes], "nodes": len(self.nodes),
-                "verify": {v.recipe: v.verdict for v in self.verifies}, "bench": len(self.benches)}
+                "verify": {v.recipe: v.verdict for v in self.verifies}, "bench": len(self.benches),
+                "serve": len(self.serves)}
 
 
 def read_bench(path: Path) -> BenchDoc:
@@ -102,6 +110,43 @@ def read_bench(path: Path) -> BenchDoc:
     return BenchDoc(str(path), f"{path.name} ({' '.join(parts)})" if parts else path.name, doc)
 
 
+# The fields of a serve document the page shows (what demo/serve_client.py writes), and how each is checked.
+SERVE_FIELDS = {"model": str, "url": str,
+                "long_prompt": {"tokens": "count", "cold_ms": "number", "warm_ms": "number",
+                                "cold_cached_tokens": "tokens", "warm_cached_tokens": "tokens", "same_answer": bool},
+                "image": {"size": "size", "question": str, "answer": str, "prompt_tokens": "count",
+                          "completion_tokens": "tokens"}}
+
+
+def read_serve(path: Path) -> ServeDoc:
+    """A document of requests to `qbuild serve` (`demo/serve_client.py --out`: a long prompt cold and warm, an image
+    chat), checked for the fields the page shows (UserError naming the field)."""
+    try:
+        doc = json.loads(read_small_file(path, MAX_BENCH_BYTES, "the serve document"))
+    except ValueError as e:
+        raise UserError(f"{path}: not a JSON document: {e}") from None
+    _check_fields(path, "", doc, SERVE_FIELDS)
+    return ServeDoc(str(path), doc)
+
+
+def _check_fields(path: Path, where: str, value, expected) -> None:
+    if isinstance(expected, dict):
+        if not isinstance(value, dict):
+            raise UserError(f"{path}: {where or '$'}: expected an object with {', '.join(expected)}")
+        for key, inner in expected.items():
+            _check_fields(path, f"{where}.{key}" if where else key, value.get(key), inner)
+        return
+    ok = {str: lambda v: isinstance(v, str), bool: lambda v: isinstance(v, bool), "count": _count,
+          "tokens": lambda v: _count(v) or v == 0 and not isinstance(v, bool),
+          "number": lambda v: _finite(v) and v > 0,
+          "size": lambda v: isinstance(v, list) and len(v) == 2 and all(_count(x) for x in v)}[expected](value)
+    if not ok:
+        what = {str: "a string", bool: "true or false", "count": "a positive whole number",
+                "tokens": "a whole number of tokens", "number": "a positive number",
+                "size": "[width, height] in pixels"}[expected]
+        raise UserError(f"{path}: {where}: expected {what}")
+
+
 def _count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -111,7 +156,8 @@ def _finite(value) -> bool:
 
 
 def gather(plan: Plan, status: dict[str, NodeStatus], store: Store, lock: Lock, lock_path: Path,
-           record: dict | None, record_note: str | None, benches: list[BenchDoc]) -> ReportData:
+           record: dict | None, record_note: str | None, benches: list[BenchDoc],
+           serves: list[ServeDoc]) -> ReportData:
     steps = {s.get("id"): s for s in record["steps"] if isinstance(s, dict)} if record else {}
     nodes = [_node_row(plan, nid, status[nid], lock, steps.get(nid)) for nid in plan.nodes]
     recipes = [_recipe_summary(name, pr, status, lock) for name, pr in plan.recipes.items()]
@@ -119,7 +165,8 @@ def gather(plan: Plan, status: dict[str, NodeStatus], store: Store, lock: Lock, 
                 for name, pr in plan.recipes.items()]
     other = sum(1 for sid in steps if sid not in plan.nodes)
     return ReportData(title=", ".join(plan.recipes), lock_path=lock_path, generated=time.time(), recipes=recipes,
-                      nodes=nodes, verifies=verifies, benches=benches, record=record, record_note=record_note,
+                      nodes=nodes, verifies=verifies, benches=benches, serves=serves, record=record,
+                      record_note=record_note,
                       other_steps=other)
 
 

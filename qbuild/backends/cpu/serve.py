@@ -26,7 +26,8 @@ What the runtime can do decides what the server accepts (qbuild.backends.cpu.ser
   "assistant:".
 - With an API key, every request needs `Authorization: Bearer <key>`; without one it is a 401, before its body is read.
 - A VL bundle takes one image per chat request, as an OpenAI `image_url` content part of a user message: a
-  `data:image/...;base64,` URL, or an http(s) URL only with --allow-image-urls (qbuild.backends.cpu.serve_images). The
+  `data:image/...;base64,` URL, or an http(s) URL only with --allow-image-urls (qbuild.backends.cpu.serve_images:
+  fetched on the event loop within a deadline in all, a few at once, so a slow URL holds up no other request). The
   image goes where its part stands in the message (the chat template's image marker, expanded to the image's tokens
   as transformers' processor expands it), passes `qbuild run --image`'s limits, and runs through the vision graphs
   as `run` runs it, tiled where it is larger than the largest bucket. Anything else in its place is a 400 naming the
@@ -43,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import signal
 import socket
 import threading
@@ -59,7 +61,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from qbuild.backends.base import ServeOptions
-from qbuild.backends.cpu.serve_images import ImageSourceError, base64_size, image_bytes
+from qbuild.backends.cpu.serve_images import (Fetcher, FetchesBusy, ImageSourceError, base64_size, data_url_bytes,
+                                              is_remote)
 from qbuild.backends.cpu.serve_requests import (ChatMessage, ChatRequest, CompletionRequest, ImagePart, RequestError,
                                                 StreamOptions, parse, shutting_down)
 from qbuild.core.errors import UserError
@@ -90,6 +93,15 @@ def max_body_bytes(seq_len: int, vision: bool = False) -> int:
 
 class ClientGone(Exception):
     """The client of a request closed its connection before the answer was complete."""
+
+
+@dataclass
+class ImageRef:
+    """The one image part of a chat request, checked for where it may stand, before its bytes are had."""
+
+    label: str        # how refusals name it: messages.<i>.content.<j>
+    url: str
+    remote: bool      # an http(s) URL to fetch, else a data: URL
 
 
 @dataclass
@@ -168,10 +180,12 @@ class Generator:
 
     Requests are prepared (parsed, tokenized, checked) on one thread and generated on another, each in arrival order.
     One at a time on each also bounds what requests can cost together: one tokenization (of a body within the limit)
-    and one generation."""
+    and one generation. An image URL is fetched on the event loop between two turns on the preparing thread (parsed,
+    then prepared with the image's bytes), so a slow URL holds up neither thread."""
 
     def __init__(self, runtime, name: str, allow_image_urls: bool = False):
         self.runtime, self.name, self.allow_image_urls = runtime, name, allow_image_urls
+        self.fetcher = Fetcher() if allow_image_urls else None
         self.text_limit = max_body_bytes(runtime.tkg[-1])
         self.created = int(time.time())
         self.eos = runtime.eos_ids()
@@ -182,8 +196,23 @@ class Generator:
 
     # --- preparing (on the prepare thread) ---------------------------------------------------------------------
     async def prepare(self, route: type[CompletionRequest] | type[ChatRequest], body: bytes) -> Prepared:
-        work = self._prepare_completion if route is CompletionRequest else self._prepare_chat
-        return await asyncio.get_running_loop().run_in_executor(self._preparing, work, body)
+        loop = asyncio.get_running_loop()
+        if route is CompletionRequest:
+            return await loop.run_in_executor(self._preparing, self._prepare_completion, body)
+        req, image = await loop.run_in_executor(self._preparing, self._parse_chat, body)
+        fetched = await self._fetch(image) if image is not None and image.remote else None
+        return await loop.run_in_executor(self._preparing, self._prepare_chat, req, image, fetched)
+
+    async def _fetch(self, image: ImageRef) -> bytes:
+        """An image URL's bytes, on the event loop; a 400 naming the part where they cannot be had, a 503 where the
+        server fetches as many URLs as it may."""
+        try:
+            return await self.fetcher.fetch(image.url)
+        except FetchesBusy as e:
+            raise RequestError(f"{image.label}.image_url.url: {e}", "messages", status=503,
+                               kind="server_error") from None
+        except ImageSourceError as e:
+            raise RequestError(f"{image.label}.image_url.url: {e}", "messages") from None
 
     def _prepare_completion(self, body: bytes) -> Prepared:
         req = parse(CompletionRequest, body)
@@ -193,13 +222,18 @@ class Generator:
         return Prepared(req, ids, self.new_tokens(len(ids), req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS,
                                                   "max_tokens"))
 
-    def _prepare_chat(self, body: bytes) -> Prepared:
+    def _parse_chat(self, body: bytes) -> tuple[ChatRequest, ImageRef | None]:
+        """A chat request parsed and checked, and its image part, if any, checked for where it stands."""
         req = parse(ChatRequest, body)
         self._check_model(req)
         if req.max_tokens is not None and req.max_completion_tokens is not None:
             raise RequestError("max_tokens and max_completion_tokens: give one of them", "max_tokens")
         self._check_text_size(req.messages)
-        image = self.chat_image(req.messages)
+        return req, self.chat_image(req.messages)
+
+    def _prepare_chat(self, req: ChatRequest, ref: ImageRef | None, fetched: bytes | None) -> Prepared:
+        """A parsed chat request tokenized, with its image (a data: URL's, or the bytes fetched for its URL)."""
+        image = self.image(ref, fetched) if ref is not None else None
         ids = self.chat_ids(req.messages)
         if image is not None:
             try:
@@ -221,9 +255,9 @@ class Generator:
             raise RequestError(f"the messages' text is {size} bytes, more than this server takes: at most "
                                f"{self.text_limit} bytes for this bundle", status=413, code="request_too_large")
 
-    def chat_image(self, messages: list[ChatMessage]):
-        """The one image of a chat request, read and cut into patches (runtime.prepare_image), or None; a 400 naming
-        the part where it cannot be taken."""
+    def chat_image(self, messages: list[ChatMessage]) -> ImageRef | None:
+        """The one image part of a chat request, or None; a 400 naming the part where it cannot stand where it does,
+        or names no image this server takes."""
         parts = [(i, j, part, m.role) for i, m in enumerate(messages) for j, part in m.images()]
         if not parts:
             return None
@@ -236,10 +270,18 @@ class Generator:
         if role != "user":
             raise RequestError(f"{label}: an image goes in a user message, not a {role} message", "messages")
         try:
-            data = image_bytes(part.image_url.url, self.allow_image_urls)
-            return self.runtime.prepare_image(data, label=f"{label}.image_url")
+            return ImageRef(label, part.image_url.url, is_remote(part.image_url.url, self.allow_image_urls))
         except ImageSourceError as e:
             raise RequestError(f"{label}.image_url.url: {e}", "messages") from None
+
+    def image(self, ref: ImageRef, fetched: bytes | None):
+        """An image part's bytes (`fetched` for a URL) read and cut into patches (runtime.prepare_image); a 400 naming
+        the part where it cannot be taken."""
+        try:
+            data = fetched if ref.remote else data_url_bytes(ref.url)
+            return self.runtime.prepare_image(data, label=f"{ref.label}.image_url")
+        except ImageSourceError as e:
+            raise RequestError(f"{ref.label}.image_url.url: {e}", "messages") from None
         except UserError as e:   # the image's own limits, or no bucket that takes it; the message names the part
             raise RequestError(str(e), "messages") from None
 
@@ -622,6 +664,8 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.generator.stop()
         await super().shutdown(sockets)
+        if self.generator.fetcher is not None:   # the requests that used it have ended
+            await self.generator.fetcher.close()
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -632,9 +676,18 @@ def listen(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise UserError(f"--host {host}: cannot resolve it ({e.strerror})") from None
     family, _, _, _, address = infos[0]
+    # Named as TCP (socket.create_server leaves the protocol 0): asyncio turns Nagle's algorithm off (TCP_NODELAY) only
+    # on connections it knows for TCP by their socket's protocol, and with it on, an answer's body waits for the
+    # client's delayed ACK of its headers, 40 ms on Linux, on every request after a connection's first.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
-        return socket.create_server(address, family=family, backlog=128)
+        if os.name == "posix":   # as create_server: a port in TIME_WAIT from an earlier server may be taken again
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+        return sock
     except OSError as e:
+        sock.close()
         raise UserError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror})") from None
 
 

@@ -61,9 +61,10 @@ class CpuServer:
 def images_served(buckets: list[int], allow_urls: bool) -> dict:
     """What a CPU server of a VL bundle takes as an image (qbuild.backends.cpu.serve): one per chat request, within
     `qbuild run --image`'s limits, tiled past the largest bucket."""
-    from qbuild.model.runtime.images import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
+    from qbuild.model.runtime.images import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS
     from qbuild.model.tiling import largest_patches
 
     return {"per_request": 1, "sources": ["data:"] + (["http:", "https:"] if allow_urls else []),
-            "max_bytes": MAX_IMAGE_BYTES, "max_pixels": MAX_IMAGE_PIXELS, "buckets": sorted(buckets),
+            "max_bytes": MAX_IMAGE_BYTES, "max_pixels": MAX_IMAGE_PIXELS, "max_aspect_ratio": MAX_ASPECT_RATIO,
+            "buckets": sorted(buckets),
             "tiled_above": max(buckets), "max_patches": largest_patches(buckets)}

@@ -234,24 +234,23 @@ class Runtime:
         plan = self._pieces(n)
         tokens, positions, deltas = self._prompt_inputs(prompt_ids, images, self._padded_length(plan))
         cache = self.prefix_cache if use_cache else None
-        hashes = self._block_hashes(prompt_ids, images) if cache else []
-        resume = cache.lookup(hashes, n) if cache else None
-        state = self._resumed_state(resume) if resume and resume.tokens else None
+        use = cache.lookup(self._block_hashes(prompt_ids, images), n) if cache else None
+        cached = use.tokens if use else 0
+        state = self._resumed_state(use) if cached else None
         outs = []
         for start, end in plan:
-            if resume and start < resume.tokens:
+            if start < cached:
                 continue
             if start == 0:
                 logits, state = self._first_piece(tokens, positions, end)
             else:
                 logits, state = self._extend(tokens, positions, start, end, state)
             outs.append(logits[0, :end - start])
-            if cache and end % cache.spec.checkpoint_interval == 0:
-                cache.save_checkpoint(hashes[end // cache.spec.block_size - 1], state)
-        if cache:
-            interval, size = cache.spec.checkpoint_interval, cache.spec.block_size
-            cache.save_blocks(hashes[:n // interval * interval // size], state)
-        return torch.cat(outs), state, deltas, resume.tokens if resume else 0
+            if use:
+                cache.save_checkpoint(use, end, state)
+        if use:
+            cache.store(use, state)
+        return torch.cat(outs), state, deltas, cached
 
     def _padded_length(self, plan: list[tuple[int, int]]) -> int:
         """The length the prompt's inputs are padded to: the first piece's CTE bucket, and every later piece's
@@ -354,13 +353,13 @@ class Runtime:
         deltanet = [i for i in range(len(shapes)) if i not in attention]
         return PrefixCache(plan.prefix_cache, attention, deltanet, shapes)
 
-    def _resumed_state(self, resume) -> list:
+    def _resumed_state(self, use) -> list:
         """The host's state at a cached checkpoint: its blocks' KV in the full caches (zeros past them, as a cold
         prefill leaves them) and its DeltaNet state."""
         import torch
 
         state = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._state_shapes()]
-        self.prefix_cache.restore(resume, state)
+        self.prefix_cache.restore(use, state)
         return state
 
     def _full_cache(self, state: list, real: int) -> list:

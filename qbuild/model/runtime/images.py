@@ -4,7 +4,8 @@ fits, or four 2x2 tiles through the largest as the VL ports do (qbuild.model.til
 image-pad tokens.
 
 Every image passes the same limits wherever it comes from (`qbuild run --image`, a chat request): at most
-MAX_IMAGE_BYTES encoded and MAX_IMAGE_PIXELS declared, checked before anything is decoded.
+MAX_IMAGE_BYTES encoded, MAX_IMAGE_PIXELS declared and sides in a ratio of at most MAX_ASPECT_RATIO (the processor's
+own bound), checked before anything is decoded.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ MAX_IMAGE_PIXELS = 8192 * 8192
 # run (tiled), is 1-3 MB as JPEG and 5-12 MB as PNG. A server's request limit grows by this much, base64-encoded
 # (qbuild.backends.cpu.serve).
 MAX_IMAGE_BYTES = 16 << 20
+# The longest side over the shortest the Qwen2-VL image processor takes: transformers' `smart_resize`
+# (models/qwen2_vl/image_processing_qwen2_vl.py, the processor the runtime and the reference step build) raises a
+# ValueError for more, after the image is decoded. Checked from the header instead, so such an image is refused in one
+# line naming it, as the size limits are.
+MAX_ASPECT_RATIO = 200
 
 ImageSource = Path | bytes   # an image file, or the encoded bytes of one
 
@@ -104,7 +110,7 @@ def _open(image: ImageSource, label: str):
     MAX_IMAGE_PIXELS pixels."""
     import warnings
 
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     Image.MAX_IMAGE_PIXELS = MAX_IMAGE_PIXELS   # PIL checks it when opening and again when decoding
     data = _read(image, label)
@@ -114,12 +120,20 @@ def _open(image: ImageSource, label: str):
             img = Image.open(data)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         raise _too_large(label, str(e)) from None
+    except UnidentifiedImageError:   # its message holds the repr of the stream it read
+        raise UserError(f"{label}: cannot read the image: its bytes are not an image format Pillow reads (PNG, JPEG, "
+                        "WebP, GIF, BMP, TIFF, ...)") from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:   # PIL's plugins raise these on corrupt headers
         raise UserError(f"{label}: cannot read the image: {e}") from None
     width, height = img.size
     if width * height > MAX_IMAGE_PIXELS:   # formats whose size PIL learns only when decoding
         img.close()
         raise _too_large(label, f"{width}x{height}")
+    if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+        img.close()
+        raise UserError(f"{label}: the image is {width}x{height} pixels, its sides in a ratio of "
+                        f"{max(width, height) / min(width, height):.4g} to 1, more than the {MAX_ASPECT_RATIO} to 1 "
+                        "the Qwen VL image processor takes; crop or pad it first")
     return img
 
 

@@ -13,11 +13,18 @@ DeltaNet's state is not per token, so a prefix can only be resumed where its sta
 blocks are all cached, and before the prompt's last token (whose logits choose the first new token). The runtime
 keeps the checkpoints of the prompt tokens it prefills; generated tokens are not cached.
 
-Eviction: an entry is used when a prompt is stored or resumed through it. Blocks and checkpoints of one prompt are
-touched deepest first, so that of two entries used together the deeper is evicted first, as vLLM frees a request's
-blocks tail first (FreeKVCacheBlockQueue): a prefix stays resumable while its tail goes. Within one prompt's new
-checkpoints, the deepest are kept when there are more than the slots (a repeat or an extension of the prompt resumes
-from them).
+What a prompt keeps, and what goes first (docs/long-context.md section 3 says why):
+- A prompt of n tokens that resumed at r has candidate checkpoints at the multiples of the interval in (r, limit],
+  limit being n or what num_blocks blocks hold. It keeps, while the slots last: its deepest candidate before its last
+  token (an exact repeat, or the next turn of a chat, resumes there); the deepest point of the prefix it shares with
+  the prompts before it (its run of cached blocks, floored to the interval and before its last token: where it
+  resumed, or a new checkpoint where it found blocks but no checkpoint), because a prefix two requests shared, such as
+  a system prompt, is the likeliest to come again; then its other candidates, deepest first. It keeps its blocks up to
+  the deepest checkpoint it keeps, and only those: a block past every kept checkpoint could never be resumed from.
+- Room for what a prompt keeps is made by evicting entries it does not keep: never its own prefix to store its tail.
+  What goes is the least recently used entry; of the entries one prompt used, the deepest first, as vLLM frees a
+  request's blocks tail first (FreeKVCacheBlockQueue), so a prefix stays resumable while its tail goes. A block's
+  checkpoint goes with it, so no checkpoint outlives the blocks it needs.
 """
 
 from __future__ import annotations
@@ -53,12 +60,15 @@ def _nbytes(tensors: list[torch.Tensor]) -> int:
 
 
 @dataclass
-class Resume:
-    """Where a prompt resumes: `tokens` cached tokens (0: none), and the state to resume with."""
+class Use:
+    """One prompt's use of the cache, from its lookup to its store: where it resumes (`tokens` cached tokens, 0: none,
+    and the state to resume with) and which of its checkpoints it keeps."""
 
+    hashes: list[bytes]                  # the prompt's full blocks' hashes
     tokens: int
-    blocks: list[list[torch.Tensor]]     # per block, its slice of each attention cache, in state order
-    checkpoint: list[torch.Tensor] | None   # the DeltaNet state tensors, in state order
+    blocks: list[list[torch.Tensor]]     # per resumed block, its slice of each attention cache, in state order
+    checkpoint: list[torch.Tensor] | None   # the DeltaNet state tensors to resume with, in state order
+    keep: list[int]                      # the positions of the checkpoints it keeps, in the policy's order
 
 
 @dataclass
@@ -98,69 +108,89 @@ class PrefixCache:
         return self.spec.num_blocks * block + self.spec.checkpoint_slots * checkpoint
 
     # --- reading ----------------------------------------------------------------------------------------------
-    def lookup(self, hashes: list[bytes], n: int) -> Resume:
-        """The deepest checkpoint of a prompt of n tokens (its full blocks' `hashes`) that can be resumed: all its
-        blocks cached, and before the last token. Touches what it returns."""
+    def lookup(self, hashes: list[bytes], n: int) -> Use:
+        """A prompt of n tokens (its full blocks' `hashes`): where it resumes, its deepest checkpoint whose blocks are
+        all cached and that lies before its last token, and what it will keep."""
         size, interval = self.spec.block_size, self.spec.checkpoint_interval
         present = 0
         while present < len(hashes) and hashes[present] in self._blocks:
             present += 1
-        deepest = min(present * size, n - 1) // interval * interval
-        for p in range(deepest, 0, -interval):
-            key = hashes[p // size - 1]
-            if key in self._checkpoints:
-                used = hashes[:p // size]
-                self._touch(used, key)
-                self.stats.hits += 1
-                self.stats.cached_tokens += p
-                return Resume(p, [self._blocks[h] for h in used], self._checkpoints[key])
-        return Resume(0, [], None)
+        shared = min(present * size, n - 1) // interval * interval
+        resumed = next((p for p in range(shared, 0, -interval) if hashes[p // size - 1] in self._checkpoints), 0)
+        keep = self._keep(n, resumed, shared)
+        if not resumed:
+            return Use(hashes, 0, [], None, keep)
+        self.stats.hits += 1
+        self.stats.cached_tokens += resumed
+        return Use(hashes, resumed, [self._blocks[h] for h in hashes[:resumed // size]],
+                   self._checkpoints[hashes[resumed // size - 1]], keep)
 
-    def restore(self, resume: Resume, state: list[torch.Tensor]) -> None:
-        """Write a resume's blocks into the host's full caches and its checkpoint into the DeltaNet state."""
-        if resume.blocks:
-            end = len(resume.blocks) * self.spec.block_size
+    def _keep(self, n: int, resumed: int, shared: int) -> list[int]:
+        """The positions of the checkpoints a prompt of n tokens keeps (it resumed at `resumed`; its cached blocks
+        reach `shared`, floored to the interval): its deepest new one before its last token, the end of the prefix
+        it shares, then its other new ones deepest first, while the slots last."""
+        size, interval = self.spec.block_size, self.spec.checkpoint_interval
+        limit = min(n, self.spec.num_blocks * size) // interval * interval
+        new = list(range(limit, resumed, -interval))
+        order = [p for p in new if p < n][:1]
+        order += [p for p in [shared] if p and p not in order]
+        order += [p for p in new if p not in order]
+        return order[:self.spec.checkpoint_slots]
+
+    def restore(self, use: Use, state: list[torch.Tensor]) -> None:
+        """Write a use's resumed blocks into the host's full caches and its checkpoint into the DeltaNet state."""
+        if use.blocks:
+            end = len(use.blocks) * self.spec.block_size
             for k, i in enumerate(self.attention):
-                state[i][:, :, :, :end] = torch.cat([block[k] for block in resume.blocks], dim=3)
-        for i, saved in zip(self.deltanet, resume.checkpoint):
+                state[i][:, :, :, :end] = torch.cat([block[k] for block in use.blocks], dim=3)
+        for i, saved in zip(self.deltanet, use.checkpoint):
             state[i] = saved.clone()
 
     # --- writing ----------------------------------------------------------------------------------------------
-    def save_checkpoint(self, key: bytes, state: list[torch.Tensor]) -> None:
-        """Keep the DeltaNet state after the block `key` (a copy: the state goes on changing)."""
-        if key in self._checkpoints:
-            self._checkpoints.move_to_end(key)
+    def save_checkpoint(self, use: Use, end: int, state: list[torch.Tensor]) -> None:
+        """Keep the DeltaNet state after the prompt's first `end` tokens (a copy: the state goes on changing), where
+        the use keeps a checkpoint there."""
+        if end not in use.keep:
             return
-        while len(self._checkpoints) >= self.spec.checkpoint_slots:
-            self._held -= _nbytes(self._checkpoints.popitem(last=False)[1])
-            self.stats.evicted_checkpoints += 1
+        key = use.hashes[end // self.spec.block_size - 1]
+        if key in self._checkpoints:
+            return
+        if len(self._checkpoints) >= self.spec.checkpoint_slots:
+            mine = {use.hashes[p // self.spec.block_size - 1] for p in use.keep}
+            self._drop_checkpoint(next(k for k in self._checkpoints if k not in mine))
         self._checkpoints[key] = saved = [state[i].clone() for i in self.deltanet]
         self._held += _nbytes(saved)
         self._account()
 
-    def save_blocks(self, hashes: list[bytes], state: list[torch.Tensor]) -> None:
-        """Keep the KV of the blocks `hashes` (a prompt's first len(hashes) blocks) from the host's full caches, and
-        mark them, and their prompt's checkpoints, used."""
+    def store(self, use: Use, state: list[torch.Tensor]) -> None:
+        """Keep the prompt's blocks up to its deepest kept checkpoint from the host's full caches, evicting only
+        blocks it does not keep, and mark what it keeps used."""
         size = self.spec.block_size
-        for j, key in enumerate(hashes):
-            if key not in self._blocks:
-                while len(self._blocks) >= self.spec.num_blocks:
-                    self._held -= _nbytes(self._blocks.popitem(last=False)[1])
-                    self.stats.evicted_blocks += 1
-                block = [state[i][:, :, :, j * size:(j + 1) * size].clone() for i in self.attention]
-                self._blocks[key] = block
-                self._held += _nbytes(block)
-        self._touch(hashes, None)
-        self._account()
-
-    def _touch(self, hashes: list[bytes], checkpoint: bytes | None) -> None:
-        """Mark a prompt's blocks (and a checkpoint) most recently used, its first block last: the deepest are the
-        first of them to go."""
-        for key in reversed(hashes):
+        mine = use.hashes[:max(use.keep, default=0) // size]
+        for key in mine:   # its cached blocks to the back, out of the way of the evictions below
             if key in self._blocks:
                 self._blocks.move_to_end(key)
-        if checkpoint is not None:
-            self._checkpoints.move_to_end(checkpoint)
+        for j, key in enumerate(mine):
+            if key not in self._blocks:
+                if len(self._blocks) >= self.spec.num_blocks:   # the front is another prompt's: this one's fit
+                    evicted, block = self._blocks.popitem(last=False)
+                    self._held -= _nbytes(block)
+                    self.stats.evicted_blocks += 1
+                    if evicted in self._checkpoints:
+                        self._drop_checkpoint(evicted)
+                self._blocks[key] = block = [state[i][:, :, :, j * size:(j + 1) * size].clone()
+                                             for i in self.attention]
+                self._held += _nbytes(block)
+        # most recently used, the deepest of them first to go
+        for key in reversed(mine):
+            self._blocks.move_to_end(key)
+        for p in sorted(use.keep, reverse=True):
+            self._checkpoints.move_to_end(use.hashes[p // size - 1])
+        self._account()
+
+    def _drop_checkpoint(self, key: bytes) -> None:
+        self._held -= _nbytes(self._checkpoints.pop(key))
+        self.stats.evicted_checkpoints += 1
 
     def _account(self) -> None:
         s = self.stats
