@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import wait_until
 from tests.nxdi_double import MAIN_PORT, VLLM_SITE, read_log
 from tests.test_neuron_double import Build, load_bundles, sdk, write_recipe  # noqa: F401 (sdk: a fixture)
-from tests.test_neuron_serve import Served, _bundle, _post, _run_printed, _unchanged, dry_run, flag
+from tests.test_neuron_serve import Served, _bundle, _double_env, _post, _run_printed, _unchanged, dry_run, flag
 
 pytestmark = pytest.mark.xdist_group("neuron-long-context")
 
@@ -50,8 +53,10 @@ def test_the_compile_is_the_ports_hybrid_apc_build(lc):
     build, _ = lc
     (call,) = build.calls("compile")
     nc = call["config"]["neuron_config"]
+    # 8 blocks for vLLM (one 256-token sequence of 32-token blocks), compiled as 9: vLLM's null block takes one of its
+    # num_gpu_blocks, and NxDI's cache adds its padding sink after the compiled count.
     assert (nc["is_block_kv_layout"], nc["is_prefix_caching"], nc["pa_block_size"], nc["pa_num_blocks"]) == \
-        (True, True, 32, 8)
+        (True, True, 32, 9)
     assert nc["prefix_buckets"] == [256] and nc["max_context_length"] == 256 and nc["chunked_prefill_config"] is None
     port = call["config"]
     assert (port["use_hybrid_apc_manager"], port["use_hybrid_cache_manager"]) == (True, False)
@@ -107,6 +112,7 @@ def test_serve_json_and_the_command_follow_the_ports_launcher(lc):
     command = doc["command"]
     assert (flag(command, "--block-size"), flag(command, "--num-gpu-blocks-override")) == ("32", "8")
     assert flag(command, "--max-num-batched-tokens") == "64" and flag(command, "--max-model-len") == "256"
+    assert flag(command, "--generation-config") == "vllm"
     assert {"--enable-chunked-prefill", "--enable-prefix-caching"} <= set(command)
     assert not {"--no-enable-chunked-prefill", "--no-enable-prefix-caching"} & set(command)
     assert (flag(command, "--mamba-cache-mode"), flag(command, "--mamba-ssm-cache-dtype")) == ("all", "float32")
@@ -140,12 +146,133 @@ def test_serve_runs_chunked_prefill_and_prefix_caching_through_vllm_neuron(lc, t
     (engine,) = served.calls("vllm_engine_core")
     assert (engine["chunked_prefill"], engine["prefix_caching"], engine["max_num_batched_tokens"]) == (True, True, 64)
     assert (engine["block_size"], engine["num_gpu_blocks"], engine["max_prompt_length"]) == (32, 9, 256)
+    assert engine["block_owners"] == {"0": "vLLM's null block", "9": "NxDI's padding sink"}
+    assert engine["cache_blocks"] == 10 and engine["generation_config"] == "vllm"
     layer_types = json.loads((bundle / "config.json").read_text())["layer_types"]
     assert engine["kv_cache_layers"] == [f"layers.{i}.self_attn" for i, kind in enumerate(layer_types)
                                          if kind == "full_attention"]
     assert {c["pid"] for c in served.calls("serving_patch_installed")} >= {engine["pid"]}
     assert len(served.calls("serving_patch_installed")) == 2
     _unchanged(bundle)
+
+
+# --- what the doubles learned from the bundle that served wrongly: the null block and the padding sink, the runtime
+# flag that counts a call's inputs -----------------------------------------------------------------------------------
+
+def _with_compiled(bundle: Path, dest: Path, **neuron_config) -> Path:
+    """A copy of `bundle` whose NxDI neuron_config.json says `neuron_config` (what another compile would have built)."""
+    copy = _copy(bundle, dest)
+    path = copy / "neuron_config.json"
+    saved = json.loads(path.read_text())
+    saved["neuron_config"].update(neuron_config)
+    path.write_text(json.dumps(saved))
+    return copy
+
+
+@pytest.mark.slow
+def test_vllms_blocks_and_nxdis_padding_sink_never_share_a_block(lc, tmp_path):
+    """vLLM hands out blocks 1..8 of its 9 (block 0 is its null block), and NxDI's prefix-caching cache writes every
+    padded slot into its last block: the bundle compiles 9 blocks, a cache of 10, so that sink is block 9. A model
+    compiled with the 8 vLLM is told (pa_num_blocks equal to --num-gpu-blocks-override, as the port's comments call
+    them "identical") has its sink on block 8, which a sequence owns too: the double's block table refuses it."""
+    build, bundle = lc
+    served = Served(build, str(bundle), tmp_path)
+    try:
+        assert served.url(), served.stop()[1]
+    finally:
+        code, err = served.stop()
+    assert code == 0, err
+    (engine,) = served.calls("vllm_engine_core")
+    assert engine["cache_blocks"] == 10 and engine["num_gpu_blocks"] == 9
+    assert engine["block_owners"] == {"0": "vLLM's null block", "9": "NxDI's padding sink"}
+
+    doc = dry_run(build, str(_with_compiled(bundle, tmp_path / "n-blocks", pa_num_blocks=8)))
+    proc = _run_printed(build, doc, tmp_path / "run.jsonl")
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "block 8 of the compiled KV cache has two owners: vLLM's block 8 and NxDI's padding sink" in proc.stderr
+
+
+def _serve_printed(build: Build, doc: dict, log: Path) -> subprocess.Popen:
+    """The command `qbuild serve --dry-run` printed (with its --port), started as printed; answered once it listens."""
+    proc = subprocess.Popen(doc["command"], env=_double_env(build, doc, log), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=build.root)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            return True
+        try:
+            return _get(doc["url"] + "/models") == 200
+        except OSError:
+            return False
+
+    wait_until(up, 240, "the printed vLLM command to answer or exit")
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return proc
+
+
+def _get(url: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.status
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=120)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_first_request_calls_the_graphs_with_the_inputs_they_were_traced_with(lc, tmp_path, prefix_caching):
+    """Every long-context compile traces the hybrid APC graphs (29 inputs); the port's patch sets vLLM's runtime
+    use_hybrid_apc_manager on the model around each step, and the model counts a call's inputs from it. qbuild sends
+    it true whether or not vLLM caches prefixes, so the first request runs (the double answers 501: it does not
+    generate); the same command with it false fails that request as the traced graph would."""
+    build, bundle = lc
+    copy = bundle if prefix_caching else _with_serve(bundle, tmp_path / "no-apc", prefix_caching=False)
+    port = _free_port()
+    doc = dry_run(build, str(copy), "--port", str(port))
+    extra = json.loads(flag(doc["command"], "--additional-config"))
+    assert extra["use_hybrid_apc_manager"] is True
+    assert extra["hybrid_apc_require_vllm_metadata"] is prefix_caching
+    assert ("--enable-prefix-caching" in doc["command"]) is prefix_caching
+    proc = _serve_printed(build, doc, tmp_path / "ok.jsonl")
+    try:
+        status, _ = _post(doc["url"] + "/completions", {"model": "bundle", "prompt": "hello world " * 50})
+    finally:
+        err = _stop(proc)
+    assert status == 501, err[-3000:]
+
+    doc["command"] = _with(doc["command"], "--additional-config", json.dumps({**extra, "use_hybrid_apc_manager": False}))
+    proc = _serve_printed(build, doc, tmp_path / "off.jsonl")
+    try:
+        status, answer = _post(doc["url"] + "/completions", {"model": "bundle", "prompt": "hello world " * 50})
+    finally:
+        _stop(proc)
+    assert status == 500, answer
+    assert "a call of 24 tensors (use_hybrid_apc_manager=False now) to a graph traced with 29 inputs" in \
+        answer["error"]["message"]
+
+
+def _with_serve(bundle: Path, dest: Path, **long_context) -> Path:
+    """A copy of `bundle` whose vllm/serve.json records `long_context` changes, its manifest rewritten to match."""
+    from qbuild.store.bundle import read_manifest, write_manifest
+
+    copy = _copy(bundle, dest)
+    path = copy / "vllm" / "serve.json"
+    serve = json.loads(path.read_text())
+    path.write_text(json.dumps({**serve, "long_context": {**serve["long_context"], **long_context}}))
+    write_manifest(copy, {k: v for k, v in read_manifest(bundle).items() if k not in ("files", "format")})
+    return copy
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # --- what vLLM and vllm-neuron refuse: one value of the printed command changed ---------------------------------
@@ -183,7 +310,7 @@ def test_a_consistent_command_for_another_layout_is_refused(lc, tmp_path):
     extra["override_neuron_config"].update(pa_block_size=16, pa_num_blocks=16)
     doc["command"] = _with(command, "--additional-config", json.dumps(extra))
     proc = _run_printed(build, doc, tmp_path / "run.jsonl")
-    assert proc.returncode != 0 and "the compiled KV cache is 8 blocks of 32" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "the compiled KV cache has blocks of 32" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -205,8 +332,9 @@ def test_a_bundle_whose_layout_disagrees_is_refused_before_vllm_starts(lc, tmp_p
     from qbuild.store.bundle import read_manifest, write_manifest
 
     build, bundle = lc
-    for change, words in (({"num_blocks": 16}, "neuron_config.pa_num_blocks is 8 where vllm/serve.json says 16"),
-                          ({"block_size": 16}, "neuron_config.pa_block_size is 32 where vllm/serve.json says 16")):
+    for change, words in (({"num_blocks": 16}, "neuron_config.pa_num_blocks is 9 where vllm/serve.json needs 17"),
+                          ({"num_blocks": 9}, "neuron_config.pa_num_blocks is 9 where vllm/serve.json needs 10"),
+                          ({"block_size": 16}, "neuron_config.pa_block_size is 32 where vllm/serve.json needs 16")):
         copy = _copy(bundle, tmp_path / str(len(list(tmp_path.iterdir()))))
         path = copy / "vllm" / "serve.json"
         serve = json.loads(path.read_text())

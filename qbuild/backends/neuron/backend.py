@@ -155,9 +155,21 @@ class NeuronBackend:
                                                f"top_k / experts = {load:.3g} here), and its context encoding "
                                                "under EP needs a patch no public port has; use ep: 1")
         try:
-            toolchain(loaded)
+            resolved = toolchain(loaded)
         except releases.ToolchainError as e:
             checks.fail(loaded, f"toolchain.{e.field}", e.msg)
+        try:
+            served_as, _ = releases.serving_stack(resolved, r.toolchain.sdk)
+        except ValueError as e:
+            checks.fail(loaded, "toolchain.sdk", str(e))
+        if checks.moe_backend(loaded, arch) == "shard_hidden" and \
+                any(releases.at_least(name, "2.29") for name in served_as):
+            # "The BWMM shard-on-hidden kernel previously used during prefill in Mixture-of-Experts models has been
+            # removed" (aws-neuron-sdk release-notes/components/nxd-inference.rst L62 @ a3247f5b8c30, the 2.29.0 notes;
+            # L36 @ 539a73c5).
+            checks.fail(loaded, "moe_backend", f"shard_hidden: SDK {', '.join(served_as)} has no shard-on-hidden "
+                                               "kernel (removed in 2.29.0); use shard_on_intermediate, shard_on_block "
+                                               "or torch_blockwise, or an SDK before 2.29")
 
     @staticmethod
     def _validate_port_env(loaded: LoadedRecipe) -> None:
@@ -225,7 +237,7 @@ class NeuronBackend:
             batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
             tkg_buckets=tuple(r.text.token_buckets), vision_buckets=tuple(r.vision.buckets if r.vision else ()),
             dtype=r.dtype, lineage=text.lineage, fp8=r.fp8, block_kv=text.block_kv,
-            long_context=bundle_long_context(loaded))
+            long_context=bundle_long_context(loaded), sdk=r.toolchain.sdk)
         # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
         return BackendPlan((port_step(loaded, env),), shard, tuple(compiles), package, {NEURON_CORES: ranks})
 

@@ -137,7 +137,7 @@ def serving_patch(out: Path, p: NeuronPackageParams) -> dict:
 
 def serve_record(p: NeuronPackageParams, record: dict) -> dict:
     """vllm/serve.json: the bundle's own facts the vLLM command is made of (qbuild.backends.neuron.deploy.vllm_args),
-    and the serving stack of the SDK release it was compiled with (releases.SERVING).
+    and the serving stack of the SDK release it was compiled with (releases.SERVING: the one the recipe names).
 
     - max_prompt_length: the compiled max_context_length (config.py _text_neuron_config): the largest
       context-encoding bucket, or with chunked prefill the KV length (long_context.max_context_length). vllm-neuron
@@ -149,7 +149,7 @@ def serve_record(p: NeuronPackageParams, record: dict) -> dict:
     - continuous_batching: False, as compiled (config.py); deploy refuses to serve a batch above 1 without it.
     - long_context: the chunk, the block KV layout and whether vLLM serves prefix caching (long_context.serve_fields),
       or None."""
-    releases_, stack = serving_stack(record["params"]["toolchain"])
+    releases_, stack = serving_stack(record["params"]["toolchain"], p.sdk)
     return {"max_model_len": max(p.tkg_buckets),
             "max_prompt_length": long_context.max_context_length(p.cte_buckets, p.tkg_buckets, p.block_kv),
             "tensor_parallel_size": p.tp, "max_num_seqs": p.batch_size, "continuous_batching": False,

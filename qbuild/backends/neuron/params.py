@@ -127,6 +127,8 @@ class NeuronPackageParams(PackageParams):
     # The compile's block KV layout (serve.json's blocks, the checkpoint banks in the shards); with chunked prefill
     # `long_context` holds the chunk, and its prefix_cache only where vLLM serves prefix caching (neuron_apc).
     block_kv: NeuronBlockKV | None = field(default=None, kw_only=True)
+    # The SDK release the recipe names (None: four versions), whose vLLM stack serves the bundle (releases.SERVING).
+    sdk: str | None = field(default=None, kw_only=True)
 
     def bundle_meta(self) -> dict:
         return {**super().bundle_meta(), "lineage": self.lineage, "ranks": self.ranks}
