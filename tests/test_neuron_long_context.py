@@ -11,6 +11,7 @@ refuses it as NxDI, the port, vLLM or vllm-neuron would.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -19,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import wait_until
-from tests.nxdi_double import MAIN_PORT, VLLM_SITE, read_log
-from tests.test_neuron_double import Build, load_bundles, sdk, write_recipe  # noqa: F401 (sdk: a fixture)
+from tests.nxdi_double import MAIN_PORT, VLLM_SITE, metadata_overlay, nxdi_tree, pr173_port, read_log
+from tests.test_neuron_double import Build, load_bundles, require_bundle, sdk, write_recipe  # noqa: F401 (a fixture)
 from tests.test_neuron_serve import Served, _bundle, _double_env, _post, _run_printed, _unchanged, dry_run, flag
 
 pytestmark = pytest.mark.xdist_group("neuron-long-context")
@@ -273,6 +274,68 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# --- the NxDI tree the port imports from -----------------------------------------------------------------------
+
+ASYNC = "neuronx_distributed_inference.modules.async_execution"
+
+
+@pytest.fixture(scope="module")
+def lc_tree(tmp_path_factory, small_checkpoints) -> tuple[Build, Path, Path]:
+    """The long-context bundle of a PR 173-like port (it imports NxDI's modules/async_execution.py, which the double's
+    NxDI lacks) from a recipe that installs NxDI from that tree, built on a host whose NxDI is the tree."""
+    root = tmp_path_factory.mktemp("neuron-nxdi-tree")
+    tree, port = nxdi_tree(root / "nxdi"), pr173_port(root / "port")
+    versions = metadata_overlay(root / "versions", {"neuronx-distributed-inference": "0.9.0+03db3ef2.dev"})
+    build = Build(root)
+    toolchain = {"sdk": "2.31.0", "neuronx_distributed_inference": "0.9.0",
+                 "from_source": ["neuronx_distributed_inference"]}
+    build.recipe = write_recipe(root / "recipes" / "serve.yaml", small_checkpoints["qwen3_5"], port, text=TEXT,
+                                toolchain=toolchain)
+    build.result, build.stderr = build.compile(build.recipe, overlay=(tree / "src", versions))
+    require_bundle(build.result, build.stderr)
+    pulled = build.cli("pull", "serve", "--to", str(root / "bundle"), "--allow-unverified")
+    assert pulled.returncode == 0, pulled.stderr
+    return build, root / "bundle", tree
+
+
+@pytest.mark.slow
+def test_the_bundle_records_the_nxdi_tree_and_serve_puts_it_on_the_path(lc_tree, tmp_path):
+    """vllm/serve.json names the tree and what the port imports from it; `qbuild serve` refuses, in one line and
+    before vLLM starts (exit 3), a host whose NxDI lacks it, takes --nxdi-tree only where it is that tree (exit 2
+    otherwise), and puts the tree's src/ after the port on PYTHONPATH as the port's launcher does, where vLLM's
+    engine then imports the port."""
+    build, bundle, tree = lc_tree
+    record = json.loads((bundle / "vllm" / "serve.json").read_text())["nxdi_tree"]
+    assert record["imports"][ASYNC] == ["cancel_hybrid_apc_request", "finish_hybrid_apc_request",
+                                        "prepare_hybrid_apc_model_inputs", "prepare_hybrid_apc_request_for_execution"]
+    assert (record["version"], record["src"], record["git"]) == ("0.9.0", "src", None)
+
+    proc = build.cli("serve", str(bundle), "--port", "0", overlay=(VLLM_SITE,), log=tmp_path / "none.jsonl")
+    line = proc.stderr.strip()
+    assert proc.returncode == 3 and "\n" not in line, proc.stderr
+    assert f"has no {ASYNC}, which the bundle's port imports" in line and "--nxdi-tree" in line
+    assert not read_log(tmp_path / "none.jsonl")
+
+    stock = nxdi_tree(tmp_path / "stock")
+    (stock / "src" / "neuronx_distributed_inference" / "modules" / "async_execution.py").unlink()
+    for wrong, words in ((stock, f"it lacks {ASYNC}"), (tmp_path / "empty", "it lacks")):
+        proc = build.cli("serve", str(bundle), "--dry-run", "--nxdi-tree", str(wrong))
+        assert proc.returncode == 2 and "not the NxDI tree this bundle's port imports from" in proc.stderr, proc.stderr
+        assert words in proc.stderr
+
+    doc = dry_run(build, str(bundle), "--nxdi-tree", str(tree))
+    assert doc["env"]["PYTHONPATH"].split(os.pathsep) == [str(bundle / "vllm"), str(bundle / "port"),
+                                                          str((tree / "src").resolve())]
+    served = Served(build, str(bundle), tmp_path, "--nxdi-tree", str(tree))
+    try:
+        assert served.url(), served.stop()[1]
+    finally:
+        code, err = served.stop()
+    assert code == 0, err
+    (engine,) = served.calls("vllm_engine_core")
+    assert engine["app_cls"].endswith("NeuronQwen35ForCausalLM")
 
 
 # --- what vLLM and vllm-neuron refuse: one value of the printed command changed ---------------------------------

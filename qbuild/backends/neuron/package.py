@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from qbuild.backends.base import StepContext
-from qbuild.backends.neuron import driver, long_context
+from qbuild.backends.neuron import driver, long_context, nxdi_tree
 from qbuild.backends.neuron.params import NeuronPackageParams
 from qbuild.backends.neuron.ports import LINEAGES
 from qbuild.backends.neuron.releases import serving_stack
@@ -121,7 +121,8 @@ def vllm_glue(out: Path, p: NeuronPackageParams, record: dict) -> None:
         f"Metadata-Version: 2.1\nName: {_PLUGIN_DIST.split('-')[0]}\nVersion: 1\n")
     (glue / _PLUGIN_DIST / "entry_points.txt").write_text(
         f"[vllm.general_plugins]\n{VLLM_PLUGIN} = {_PLUGIN_MODULE}:register\n")
-    (out / VLLM_SERVE).write_text(jsonio.dumps(serve_record(p, record), indent=1, sort_keys=True) + "\n")
+    serve = {**serve_record(p, record), "nxdi_tree": nxdi_tree_record(out, p)}
+    (out / VLLM_SERVE).write_text(jsonio.dumps(serve, indent=1, sort_keys=True) + "\n")
     tokenizer_for_every_stack(out)
 
 
@@ -156,6 +157,19 @@ def serve_record(p: NeuronPackageParams, record: dict) -> dict:
             "dtype": p.dtype, "lineage": p.lineage, "env": record["config"]["env"],
             "stack": {"releases": releases_, "vllm": stack.vllm, "vllm_neuron": stack.vllm_neuron},
             **long_context.serve_fields(p)}
+
+
+def nxdi_tree_record(out: Path, p: NeuronPackageParams) -> dict | None:
+    """vllm/serve.json's "nxdi_tree": where the recipe installs NxDI from source, that tree (the port's repository and
+    commit, the package under src/, its version) and what the bundle's port imports from NxDI, which `qbuild serve`
+    checks the host's NxDI (or --nxdi-tree) for (qbuild.backends.neuron.nxdi_tree); None otherwise."""
+    tree = p.nxdi_tree
+    if tree is None:
+        return None
+    lineage = LINEAGES[p.lineage]
+    module = lineage.module_dir(out / "port") / (lineage.text_module.replace(".", "/") + ".py")
+    return {"git": tree.git, "rev": tree.rev, "src": "src", "version": tree.version,
+            "imports": nxdi_tree.port_imports(module)}
 
 
 # tokenizer_config.json classes that transformers 5 writes and 4.x cannot resolve, and what 4.x reads the same

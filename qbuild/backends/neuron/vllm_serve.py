@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from qbuild.backends.base import ServeOptions
-from qbuild.backends.neuron import long_context
+from qbuild.backends.neuron import long_context, nxdi_tree
 from qbuild.backends.neuron.package import VLLM_DIR, VLLM_PLUGIN, VLLM_SERVE
 from qbuild.backends.neuron.releases import GLUE_STACK, stack_matches
 from qbuild.core.errors import InfraError, UserError
@@ -117,8 +117,9 @@ def check_servable(bundle: Path, serve: dict) -> None:
     stack = serve["stack"]
     if (stack["vllm"], stack["vllm_neuron"]) != (GLUE_STACK.vllm, GLUE_STACK.vllm_neuron):
         raise UserError(f"{bundle / VLLM_SERVE}: SDK {', '.join(stack['releases'])} serves with vllm-neuron "
-                        f"{stack['vllm_neuron']}.x on vLLM {stack['vllm']}; qbuild serves bundles of the releases "
-                        f"that use vllm-neuron {GLUE_STACK.vllm_neuron}.x on vLLM {GLUE_STACK.vllm} (SDK 2.29-2.31)")
+                        f"{stack['vllm_neuron']} on vLLM {stack['vllm']}; qbuild's serving glue was read against "
+                        f"vllm-neuron {GLUE_STACK.vllm_neuron} on vLLM {GLUE_STACK.vllm} (SDK 2.29.0-2.31.0) and "
+                        "serves those releases' bundles only")
     if serve["max_num_seqs"] > 1 and not serve["continuous_batching"]:
         raise UserError(f"{bundle / VLLM_SERVE}: batch size {serve['max_num_seqs']} compiled without continuous "
                         "batching; vllm-neuron prefills one request at a time into its own batch line "
@@ -127,7 +128,7 @@ def check_servable(bundle: Path, serve: dict) -> None:
 
 
 def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int, python: str,
-                  extra: tuple[str, ...] = (), api_key: str | None = None) -> dict:
+                  extra: tuple[str, ...] = (), api_key: str | None = None, tree: Path | None = None) -> dict:
     """The environment and command line that serve `bundle` with vLLM's Neuron plugin, made of the bundle's own
     record, never of the recipe, then the pass-through arguments `extra`.
 
@@ -138,12 +139,15 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
     - VLLM_API_KEY: the key clients must send, read where no --api-key is given (api_server.py L239-240), so that it
       never stands on a command line; the printed document shows it masked.
     - DISABLE_NEURON_CUSTOM_SCHEDULER, for a bundle with chunked prefill (long_context.serve_env).
+    - The NxDI tree's src/ after the port on PYTHONPATH, where the bundle records one and `tree` (--nxdi-tree) names
+      a checkout of it (nxdi_tree_src), as the Qwen3.6-27B port's launcher orders them (start_vllm_server.sh L123).
     VLLM_NEURON_FRAMEWORK is not set: nothing in vllm-neuron @ 3afb0a9 reads it (the platform checks that NxDI
     imports: platform.py L402-428)."""
     serve, plugin = read_serve(bundle)
     check_servable(bundle, serve)
     check_passthrough(extra, serve)
-    pythonpath = [bundle / VLLM_DIR, (bundle / VLLM_DIR / plugin["port_dir"]).resolve()]
+    src = nxdi_tree_src(serve, tree)
+    pythonpath = [bundle / VLLM_DIR, (bundle / VLLM_DIR / plugin["port_dir"]).resolve(), *([src] if src else [])]
     env = {**serve["env"], "NEURON_COMPILED_ARTIFACTS": str(bundle), "VLLM_PLUGINS": f"neuron,{VLLM_PLUGIN}",
            "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
     if serve.get("long_context"):
@@ -155,10 +159,55 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
     for flag, value in vllm_args(serve):
         command += [flag] if value is None else [flag, value]
     host_in_url = f"[{host}]" if ":" in host else host
-    return {"server": "vllm", "backend": manifest["backend"], "bundle": str(bundle), "model": name,
-            "url": f"http://{host_in_url}:{port}/v1", "max_model_len": serve["max_model_len"],
-            "max_prompt_length": serve["max_prompt_length"], "stack": serve["stack"], "env": env,
-            "command": command + list(extra)}
+    doc = {"server": "vllm", "backend": manifest["backend"], "bundle": str(bundle), "model": name,
+           "url": f"http://{host_in_url}:{port}/v1", "max_model_len": serve["max_model_len"],
+           "max_prompt_length": serve["max_prompt_length"], "stack": serve["stack"], "env": env,
+           "command": command + list(extra)}
+    if serve.get("nxdi_tree"):
+        doc["nxdi_tree"] = {"tree": tree_name(serve["nxdi_tree"]), "imports": serve["nxdi_tree"]["imports"],
+                            "on_path": str(src) if src else None}
+    return doc
+
+
+# --- the NxDI source tree a port imports from (qbuild.backends.neuron.nxdi_tree) ----------------------------------
+
+def tree_name(tree: dict) -> str:
+    where = f"{tree['git']} @ {tree['rev']}" if tree.get("git") else "the recipe's NxDI source tree"
+    return f"{where}, {tree['src']}/ (version {tree['version']})"
+
+
+def nxdi_tree_src(serve: dict, given: Path | None) -> Path | None:
+    """The src/ of the NxDI tree `given` (--nxdi-tree), checked against what vllm/serve.json says the port imports
+    from it and the tree's version; None where none is given. UserError where it is not that tree."""
+    tree = serve.get("nxdi_tree")
+    if given is None:
+        return None
+    if tree is None:
+        raise UserError(f"--nxdi-tree {given}: this bundle's port imports NxDI as its SDK release installs it "
+                        f"({VLLM_SERVE} records no NxDI tree); drop --nxdi-tree")
+    src = (given / tree["src"]).resolve()
+    package = src / nxdi_tree.PACKAGE
+    gaps = nxdi_tree.missing(package, tree["imports"]) if package.is_dir() else [str(package)]
+    have = nxdi_tree.version(package)
+    if gaps or have != tree["version"]:
+        raise UserError(f"--nxdi-tree {given}: not the NxDI tree this bundle's port imports from ({tree_name(tree)}): "
+                        + (f"it lacks {gaps[0]}" if gaps else f"its _version.py says {have}"))
+    return src
+
+
+def require_nxdi(serve: dict, src: Path | None) -> None:
+    """InfraError where the bundle's port imports from an NxDI tree and neither --nxdi-tree (`src`) nor this
+    interpreter's NxDI provides what it imports: vLLM would die with an ImportError while it loads the bundle's
+    plugin."""
+    tree = serve.get("nxdi_tree")
+    if tree is None or src is not None:
+        return
+    package = nxdi_tree.installed_package()
+    gaps = nxdi_tree.missing(package, tree["imports"]) if package else [nxdi_tree.PACKAGE]
+    if gaps:
+        raise InfraError(f"this host's NxDI ({package}) has no {gaps[0]}, which the bundle's port imports from the "
+                         f"NxDI tree it was built with ({tree_name(tree)}): pass --nxdi-tree with a checkout of that "
+                         "commit (its src/ goes on PYTHONPATH, as the port's launcher puts it) or install NxDI from it")
 
 
 def printable(doc: dict) -> dict:
@@ -267,11 +316,12 @@ def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
     check_servable(bundle, serve_doc)
     check_passthrough(options.server_args, serve_doc)
     require_vllm(serve_doc["stack"])
+    require_nxdi(serve_doc, nxdi_tree_src(serve_doc, options.nxdi_tree))
     check_files(bundle, manifest, digests=not options.digests_checked)
     check_load_preconditions(bundle, serve_doc)
     port = options.port or free_port(options.host)
     doc = serve_command(bundle, manifest, options.name, options.host, port, sys.executable,
-                        options.server_args, getattr(options, "api_key", None))
+                        options.server_args, getattr(options, "api_key", None), options.nxdi_tree)
     env = dict(os.environ, **doc["env"])
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join((doc["env"]["PYTHONPATH"], os.environ["PYTHONPATH"]))

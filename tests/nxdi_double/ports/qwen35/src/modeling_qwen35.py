@@ -34,6 +34,18 @@ from neuronx_distributed_inference.modules.attention.gqa import attention_weight
 
 from src.hybrid_apc import init_hybrid_apc_scheduler_bridge
 
+# The Qwen3.6-27B port (PR 173 @ 03db3ef) imports four functions of NxDI's modules/async_execution.py that only that
+# PR's own NxDI tree has (L47-52); tests.nxdi_double.pr173_port() writes that copy, tests.nxdi_double.nxdi_tree() the
+# tree.
+IMPORTS_PR173_NXDI = False
+if IMPORTS_PR173_NXDI:
+    from neuronx_distributed_inference.modules.async_execution import (  # noqa: F401
+        cancel_hybrid_apc_request,
+        finish_hybrid_apc_request,
+        prepare_hybrid_apc_model_inputs,
+        prepare_hybrid_apc_request_for_execution,
+    )
+
 # The Qwen3.5-27B port (PR 128 @ 550e2ab) is this module with NeuronGatedDeltaNet's nn.Conv1d / nn.Linear /
 # nn.Parameter whole on every rank (L258-281) and a dense MLP in every layer (L1427);
 # tests.nxdi_double.replicated_deltanet_port() writes that copy.
