@@ -137,9 +137,10 @@ def serving_stack(toolchain: dict[str, str], sdk: str | None = None) -> tuple[li
     candidates = releases_for(toolchain)
     stacks = {SERVING[name] for name in candidates}
     if len(stacks) != 1:
-        raise ValueError(f"toolchain {toolchain}: " + ("no Neuron SDK release ships it" if not stacks else
-                         f"releases {', '.join(candidates)} serve with different vLLM stacks; name the release "
-                         "(toolchain.sdk)"))
+        raise ValueError("no Neuron SDK release ships these versions" if not stacks else
+                         f"releases {', '.join(candidates)} ship these versions and serve with different vLLM stacks "
+                         f"({', '.join(f'vllm-neuron {SERVING[n].vllm_neuron}' for n in candidates)}): name the "
+                         "release")
     return candidates, stacks.pop()
 
 

@@ -240,7 +240,7 @@ def require_vllm(stack: dict) -> None:
     if not all(have[d] is not None and stack_matches(have[d], want[d]) for d in want):
         raise InfraError(f"this host has vLLM {have['vllm']} with vllm-neuron {have['vllm-neuron']}; the bundle "
                          f"(SDK {', '.join(stack['releases'])}) is served by vLLM {want['vllm']} with vllm-neuron "
-                         f"{want['vllm-neuron']}.x ({VLLM_SERVE}): use that release's vLLM environment")
+                         f"{want['vllm-neuron']} ({VLLM_SERVE}): use that release's vLLM environment")
 
 
 def _version(dist: str) -> str | None:
