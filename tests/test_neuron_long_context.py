@@ -122,6 +122,14 @@ def test_serve_json_and_the_command_follow_the_ports_launcher(lc):
     assert extra["override_neuron_config"]["chunked_prefill_config"]["max_num_seqs"] == 1
     assert extra["override_neuron_config"]["pa_num_blocks"] == 8
     assert doc["env"]["DISABLE_NEURON_CUSTOM_SCHEDULER"] == "1"
+    # The port's guarded chat front on the public address, vLLM behind it on loopback (vllm/README.md L182-214).
+    assert serve["chat_proxy"] == "port/vllm/qwen36_chat_proxy.py"
+    assert (flag(command, "--host"), flag(command, "--port")) == ("127.0.0.1", "8001")
+    proxy = doc["proxy"]["command"]
+    assert proxy[1] == str(bundle / "port" / "vllm" / "qwen36_chat_proxy.py")
+    assert (flag(proxy, "--host"), flag(proxy, "--port"), flag(proxy, "--backend-url")) == \
+        ("127.0.0.1", "8000", "http://127.0.0.1:8001")
+    assert doc["url"] == "http://127.0.0.1:8000/v1"
     for owned in (["--block-size", "16"], ["--no-enable-chunked-prefill"], ["--max-num-batched-tokens=32"]):
         proc = build.cli("serve", str(bundle), "--dry-run", "--", *owned)
         assert proc.returncode == 2 and "set by qbuild from the bundle" in proc.stderr, proc.stderr
@@ -129,17 +137,23 @@ def test_serve_json_and_the_command_follow_the_ports_launcher(lc):
 
 @pytest.mark.slow
 def test_serve_runs_chunked_prefill_and_prefix_caching_through_vllm_neuron(lc, tmp_path):
-    """`qbuild serve` against the doubles: both processes install the port's patch, the engine core runs vLLM's
-    scheduler with chunked prefill and prefix caching over the compiled 8 blocks of 32 (plus vLLM's null block), with
-    KV blocks for the attention layer only; a prompt past the CTE buckets is taken (the double answers 501 as it does
-    not generate), one past the KV length is a 400; the bundle is unchanged."""
+    """`qbuild serve` against the doubles: vLLM on loopback behind the port's chat proxy, both vLLM processes install
+    the port's patch, the engine core runs vLLM's scheduler with chunked prefill and prefix caching over the 8 blocks
+    vLLM addresses (plus its null block), with KV blocks for the attention layer only; the proxy refuses a raw
+    completion and sends chats with thinking off; a chat prompt past the CTE buckets is taken (the double answers 501
+    as it does not generate), one past the KV length is a 400; the bundle is unchanged."""
     build, bundle = lc
     served = Served(build, str(bundle), tmp_path)
     try:
         url = served.url()
         assert url, served.stop()[1]
-        assert _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 50})[0] == 501
-        status, long = _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 200})
+        status, raw = _post(url + "/completions", {"model": "bundle", "prompt": "hello world"})
+        assert status == 400 and raw["error"]["code"] == "qwen36_chat_required"
+        chat = {"model": "bundle", "messages": [{"role": "user", "content": "hello world " * 50}],
+                "chat_template_kwargs": {"enable_thinking": True}}
+        assert _post(url + "/chat/completions", chat)[0] == 501
+        chat["messages"][0]["content"] = "hello world " * 200
+        status, long = _post(url + "/chat/completions", chat)
         assert status == 400 and "maximum prompt length is 256 tokens" in long["error"]["message"]
     finally:
         code, err = served.stop()
@@ -154,6 +168,7 @@ def test_serve_runs_chunked_prefill_and_prefix_caching_through_vllm_neuron(lc, t
                                          if kind == "full_attention"]
     assert {c["pid"] for c in served.calls("serving_patch_installed")} >= {engine["pid"]}
     assert len(served.calls("serving_patch_installed")) == 2
+    assert [c["chat_template_kwargs"] for c in served.calls("vllm_chat_request")] == [{"enable_thinking": False}] * 2
     _unchanged(bundle)
 
 
@@ -193,8 +208,13 @@ def test_vllms_blocks_and_nxdis_padding_sink_never_share_a_block(lc, tmp_path):
     assert "block 8 of the compiled KV cache has two owners: vLLM's block 8 and NxDI's padding sink" in proc.stderr
 
 
+def _vllm_url(doc: dict) -> str:
+    """Where the printed vLLM command listens (behind the chat proxy: loopback, the port after the public one)."""
+    return f"http://{flag(doc['command'], '--host')}:{flag(doc['command'], '--port')}/v1"
+
+
 def _serve_printed(build: Build, doc: dict, log: Path) -> subprocess.Popen:
-    """The command `qbuild serve --dry-run` printed (with its --port), started as printed; answered once it listens."""
+    """The vLLM command `qbuild serve --dry-run` printed, started as printed; answered once it listens."""
     proc = subprocess.Popen(doc["command"], env=_double_env(build, doc, log), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=build.root)
 
@@ -202,7 +222,7 @@ def _serve_printed(build: Build, doc: dict, log: Path) -> subprocess.Popen:
         if proc.poll() is not None:
             return True
         try:
-            return _get(doc["url"] + "/models") == 200
+            return _get(_vllm_url(doc) + "/models") == 200
         except OSError:
             return False
 
@@ -240,7 +260,7 @@ def test_the_first_request_calls_the_graphs_with_the_inputs_they_were_traced_wit
     assert ("--enable-prefix-caching" in doc["command"]) is prefix_caching
     proc = _serve_printed(build, doc, tmp_path / "ok.jsonl")
     try:
-        status, _ = _post(doc["url"] + "/completions", {"model": "bundle", "prompt": "hello world " * 50})
+        status, _ = _post(_vllm_url(doc) + "/completions", {"model": "bundle", "prompt": "hello world " * 50})
     finally:
         err = _stop(proc)
     assert status == 501, err[-3000:]
@@ -248,7 +268,7 @@ def test_the_first_request_calls_the_graphs_with_the_inputs_they_were_traced_wit
     doc["command"] = _with(doc["command"], "--additional-config", json.dumps({**extra, "use_hybrid_apc_manager": False}))
     proc = _serve_printed(build, doc, tmp_path / "off.jsonl")
     try:
-        status, answer = _post(doc["url"] + "/completions", {"model": "bundle", "prompt": "hello world " * 50})
+        status, answer = _post(_vllm_url(doc) + "/completions", {"model": "bundle", "prompt": "hello world " * 50})
     finally:
         _stop(proc)
     assert status == 500, answer

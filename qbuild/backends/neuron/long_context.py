@@ -58,6 +58,12 @@ CHUNKED_PREFILL_TILES = {"tkg_model_enabled": True, "kernel_q_tile_size": 128, "
 # launcher installs it for chunked prefill and hybrid APC; relative to the port directory.
 SERVING_PATCH = "vllm/qwen36_hybrid_apc_scheduler_patch.py"
 SERVING_PATCH_HOOK = "install_import_hook"
+# The port's guarded OpenAI front (vllm/qwen36_chat_proxy.py), which its README puts before vLLM for production
+# (vllm/README.md L182-214, L251-253): it refuses raw /v1/completions with a 400, because "raw prompts bypass the Qwen
+# chat template and can pollute the hybrid model state" (L204-206, proxy L359-375), turns thinking off unless started
+# with --allow-thinking (proxy L241-266, L384-388), and hoists system messages (L139-164). Its arguments: --host,
+# --port, --backend-url (L397-431). Relative to the port directory.
+CHAT_PROXY = "vllm/qwen36_chat_proxy.py"
 # vLLM's null block: vllm-neuron adds one block to --num-gpu-blocks-override for it (platform L318-332) and vLLM's block
 # pool keeps it out of every block table, so vLLM's blocks are 1..N. NxDI's prefix-caching cache has pa_num_blocks
 # + 1 blocks and writes every padded slot (the runner pads slot mappings with -1: runner L119, L1527-1529) into its
@@ -137,11 +143,12 @@ def validate(loaded: LoadedRecipe, lineage: str) -> None:
 
 
 def require_serving_patch(port: Path) -> None:
-    """BuildError where the port lacks the vLLM patch a long-context bundle is served with (checked before an hour of
-    compile, and again where the bundle is packaged)."""
-    if not (port / SERVING_PATCH).is_file():
-        raise BuildError(f"port: {SERVING_PATCH} is missing; chunked prefill on neuron is served with the Qwen3.6-27B "
-                         "port's own vLLM patch (NxDI PR 173 @ 03db3ef): use that port")
+    """BuildError where the port lacks the vLLM patch or the chat proxy a long-context bundle is served with (checked
+    before an hour of compile, and again where the bundle is packaged)."""
+    for name, what in ((SERVING_PATCH, "vLLM patch"), (CHAT_PROXY, "chat proxy")):
+        if not (port / name).is_file():
+            raise BuildError(f"port: {name} is missing; chunked prefill on neuron is served with the Qwen3.6-27B "
+                             f"port's own {what} (NxDI PR 173 @ 03db3ef): use that port")
 
 
 # --- the compile ---------------------------------------------------------------------------------------------------
@@ -200,11 +207,13 @@ def token_buckets(tkg_buckets: tuple[int, ...], bk: NeuronBlockKV | None) -> lis
 # --- serving -------------------------------------------------------------------------------------------------------
 
 def serve_fields(p: NeuronPackageParams) -> dict:
-    """vllm/serve.json's "long_context": the bundle's own facts its vLLM flags are made of (None: not chunked)."""
+    """vllm/serve.json's "long_context": the bundle's own facts its vLLM flags are made of, and "chat_proxy": the
+    port's guarded front, relative to the bundle (both None: not chunked)."""
     bk, lc = p.block_kv, p.long_context
     if bk is None or lc is None:
-        return {"long_context": None}
-    return {"long_context": {"chunk_size": lc.chunk_size, "block_size": bk.block_size, "num_blocks": bk.num_blocks,
+        return {"chat_proxy": None, "long_context": None}
+    return {"chat_proxy": f"port/{CHAT_PROXY}",
+            "long_context": {"chunk_size": lc.chunk_size, "block_size": bk.block_size, "num_blocks": bk.num_blocks,
                              "checkpoint_interval": bk.checkpoint_interval, "checkpoint_slots": bk.checkpoint_slots,
                              "prefix_buckets": list(bk.prefix_buckets),
                              "prefix_caching": lc.prefix_cache is not None}}

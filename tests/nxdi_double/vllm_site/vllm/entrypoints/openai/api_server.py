@@ -223,6 +223,9 @@ def serve_http(args, config, engine: Engine) -> None:
                 return
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if self.path == "/v1/chat/completions":
+                from neuronx_distributed_inference._double import record
+
+                record("vllm_chat_request", chat_template_kwargs=body.get("chat_template_kwargs"))
                 text = chat_text(body)
                 architecture = (getattr(config.hf_config, "architectures", None) or [None])[0]
                 if text is None and not ModelRegistry.is_multimodal(architecture):
