@@ -1,6 +1,6 @@
 """Contract double of NxDI modules/kvcache/block_kv_cache_manager.py @ 03db3ef (the PR 173 tree): how many blocks the
 block KV cache has and which block a padded slot is written to. The Qwen3.6-27B port's QwenHybridBlockKVCacheManager
-subclasses it and keeps both (modeling_qwen35.py L3925-3960, L4024-4033: its raw block pair is pa_num_blocks +
+subclasses it and keeps both (modeling_qwen35.py L3925-3960, L4022-4033: its raw block pair is pa_num_blocks +
 _NUM_EXTRA_RESERVED_BLOCK blocks long)."""
 
 from __future__ import annotations
