@@ -138,10 +138,10 @@ def test_each_release_names_the_vllm_stack_that_serves_nxdi_on_it():
     # NxDI from PR 173's tree (0.9.0) names no release; the other three are 2.29.0's alone.
     assert serving_stack(_plan_toolchain(REPO / "recipes" / "36-27b-fp8-128k.yaml")) == (["2.29.0"],
                                                                                         SERVING["2.29.0"])
-    # 2.31.0 and 2.31.1 ship the same four versions and serve with different plugins: the recipe names the release.
+    # 2.31.0 and 2.31.1 ship the same four versions and serve with different plugins: the release the recipe names,
+    # else the oldest (as resolve spells the versions).
     assert serving_stack(RELEASES["2.31.0"], "2.31.1") == (["2.31.1"], SERVING["2.31.1"])
-    with pytest.raises(ValueError, match="releases 2.31.0, 2.31.1 ship these versions and serve with different"):
-        serving_stack(RELEASES["2.31.0"])
+    assert serving_stack(RELEASES["2.31.0"]) == (["2.31.0"], SERVING["2.31.0"])
     assert stack_matches("0.5.3", "0.5") and stack_matches("0.16.0+neuron", "0.16.0")
     assert not stack_matches("0.21.0.1.0.0", "0.5") and not stack_matches("0.16.1", "0.16.0")
     assert not stack_matches("0.50.0", "0.5")

@@ -130,18 +130,17 @@ def _spelled(release: str, dist: str, pin: str | None) -> str:
 def serving_stack(toolchain: dict[str, str], sdk: str | None = None) -> tuple[list[str], ServingStack]:
     """(the releases a bundle serves as, their vLLM stack): the release a recipe names (`sdk`), or else the releases
     that ship `toolchain`'s versions. A version no release ships (a distribution installed from a source tree, like
-    the 27B recipe's NxDI) says nothing of the release. ValueError where no release ships the rest, or where those
-    releases serve with different stacks (2.31.0 and 2.31.1 ship the same four versions)."""
+    the 27B recipe's NxDI) says nothing of the release. Where those releases serve with different stacks (2.31.0 and
+    2.31.1 ship the same four versions), the oldest is taken, as `resolve` spells the versions as the oldest release's.
+    ValueError where no release ships them."""
     if sdk is not None:
         return [sdk], SERVING[sdk]
     candidates = releases_for(toolchain)
-    stacks = {SERVING[name] for name in candidates}
-    if len(stacks) != 1:
-        raise ValueError("no Neuron SDK release ships these versions" if not stacks else
-                         f"releases {', '.join(candidates)} ship these versions and serve with different vLLM stacks "
-                         f"({', '.join(f'vllm-neuron {SERVING[n].vllm_neuron}' for n in candidates)}): name the "
-                         "release")
-    return candidates, stacks.pop()
+    if not candidates:
+        raise ValueError("no Neuron SDK release ships these versions")
+    if len({SERVING[name] for name in candidates}) > 1:
+        candidates = candidates[:1]
+    return candidates, SERVING[candidates[0]]
 
 
 def releases_for(toolchain: dict[str, str]) -> list[str]:
