@@ -26,7 +26,7 @@ from qbuild.hub.checkpoint import load_arch
 MAIN_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "
              "--auto-cast=none")
 MOE_ARGS = MAIN_ARGS + " --internal-enable-dge-levels vector_dynamic_offsets"
-PINS = """toolchain: {neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492,
+PINS = """toolchain: {sdk: "2.31.0", neuronx_cc: 2.26.6360.0, neuronx_distributed: 0.19.28492,
             neuronx_distributed_inference: 0.10.18399, torch_neuronx: 2.9.0.2}
 """
 
@@ -272,7 +272,8 @@ def test_the_128k_recipe_compiles_the_ports_long_context_configuration():
     params = text_compile_params(loaded, load_arch(loaded))
     cfg = neuron_config(params)
     nc = cfg["neuron_config"]
-    assert (nc["is_block_kv_layout"], nc["pa_block_size"], nc["pa_num_blocks"]) == (True, 256, 512)
+    # 512 blocks for vLLM (one 131072-token sequence), compiled as 513: vLLM's null block (docs/long-context.md 5.1).
+    assert (nc["is_block_kv_layout"], nc["pa_block_size"], nc["pa_num_blocks"]) == (True, 256, 513)
     assert (nc["is_prefix_caching"], nc["prefix_buckets"], nc["prefix_cte_attention_backend"]) == \
         (True, [131072], "attention_cte")
     assert nc["max_context_length"] == 131072 and "chunked_prefill_config" not in nc
@@ -352,3 +353,27 @@ def test_neff_reuse_counts_the_prefix_caching_pairs(tmp_path):
     assert neuron_config(now)["neffs"] == 5
     assert neff_reuse(to_json(now), replace(now, cte_buckets=(256, 512, 1024))) == \
         "2 new NEFFs (cte-1024x0, cte-1024x8192), 5 reused from the Neuron compile cache"
+
+
+@pytest.mark.parametrize("sdk,refused", [("2.28.1", False), ("2.29.0", True), ("2.31.0", True)])
+def test_shard_hidden_is_refused_from_the_release_that_removed_its_kernel(tmp_path, sdk, refused):
+    """"The BWMM shard-on-hidden kernel previously used during prefill in Mixture-of-Experts models has been removed"
+    (aws-neuron-sdk release-notes/components/nxd-inference.rst L62 @ a3247f5, the 2.29.0 notes)."""
+    from qbuild.backends.neuron.backend import NeuronBackend
+    from qbuild.core.errors import UserError
+
+    f = tmp_path / "hidden.yaml"
+    f.write_text(textwrap.dedent("""
+        model: {hf: Qwen/Qwen3.5-35B-A3B}
+        moe_backend: shard_hidden
+        parallel: {tp: 8}
+        text: {seq_len: 512, cte_buckets: [512]}
+        backend: neuron
+        port: {path: ./port}
+    """) + f"toolchain: {{sdk: '{sdk}'}}\n")
+    loaded = load_recipe(f)
+    if not refused:
+        NeuronBackend().validate(loaded, load_arch(loaded))
+        return
+    with pytest.raises(UserError, match=r"moe_backend: shard_hidden: SDK \S+ has no shard-on-hidden kernel"):
+        NeuronBackend().validate(loaded, load_arch(loaded))

@@ -11,14 +11,18 @@ refuses it as NxDI, the port, vLLM or vllm-neuron would.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.nxdi_double import MAIN_PORT, VLLM_SITE, read_log
-from tests.test_neuron_double import Build, load_bundles, sdk, write_recipe  # noqa: F401 (sdk: a fixture)
-from tests.test_neuron_serve import Served, _bundle, _post, _run_printed, _unchanged, dry_run, flag
+from tests.conftest import wait_until
+from tests.nxdi_double import MAIN_PORT, VLLM_SITE, metadata_overlay, nxdi_tree, pr173_port, read_log
+from tests.test_neuron_double import Build, load_bundles, require_bundle, sdk, write_recipe  # noqa: F401 (a fixture)
+from tests.test_neuron_serve import Served, _bundle, _double_env, _post, _run_printed, _unchanged, dry_run, flag
 
 pytestmark = pytest.mark.xdist_group("neuron-long-context")
 
@@ -50,8 +54,10 @@ def test_the_compile_is_the_ports_hybrid_apc_build(lc):
     build, _ = lc
     (call,) = build.calls("compile")
     nc = call["config"]["neuron_config"]
+    # 8 blocks for vLLM (one 256-token sequence of 32-token blocks), compiled as 9: vLLM's null block takes one of its
+    # num_gpu_blocks, and NxDI's cache adds its padding sink after the compiled count.
     assert (nc["is_block_kv_layout"], nc["is_prefix_caching"], nc["pa_block_size"], nc["pa_num_blocks"]) == \
-        (True, True, 32, 8)
+        (True, True, 32, 9)
     assert nc["prefix_buckets"] == [256] and nc["max_context_length"] == 256 and nc["chunked_prefill_config"] is None
     port = call["config"]
     assert (port["use_hybrid_apc_manager"], port["use_hybrid_cache_manager"]) == (True, False)
@@ -107,6 +113,7 @@ def test_serve_json_and_the_command_follow_the_ports_launcher(lc):
     command = doc["command"]
     assert (flag(command, "--block-size"), flag(command, "--num-gpu-blocks-override")) == ("32", "8")
     assert flag(command, "--max-num-batched-tokens") == "64" and flag(command, "--max-model-len") == "256"
+    assert flag(command, "--generation-config") == "vllm"
     assert {"--enable-chunked-prefill", "--enable-prefix-caching"} <= set(command)
     assert not {"--no-enable-chunked-prefill", "--no-enable-prefix-caching"} & set(command)
     assert (flag(command, "--mamba-cache-mode"), flag(command, "--mamba-ssm-cache-dtype")) == ("all", "float32")
@@ -115,6 +122,14 @@ def test_serve_json_and_the_command_follow_the_ports_launcher(lc):
     assert extra["override_neuron_config"]["chunked_prefill_config"]["max_num_seqs"] == 1
     assert extra["override_neuron_config"]["pa_num_blocks"] == 8
     assert doc["env"]["DISABLE_NEURON_CUSTOM_SCHEDULER"] == "1"
+    # The port's guarded chat front on the public address, vLLM behind it on loopback (vllm/README.md L182-214).
+    assert serve["chat_proxy"] == "port/vllm/qwen36_chat_proxy.py"
+    assert (flag(command, "--host"), flag(command, "--port")) == ("127.0.0.1", "8001")
+    proxy = doc["proxy"]["command"]
+    assert proxy[1] == str(bundle / "port" / "vllm" / "qwen36_chat_proxy.py")
+    assert (flag(proxy, "--host"), flag(proxy, "--port"), flag(proxy, "--backend-url")) == \
+        ("127.0.0.1", "8000", "http://127.0.0.1:8001")
+    assert doc["url"] == "http://127.0.0.1:8000/v1"
     for owned in (["--block-size", "16"], ["--no-enable-chunked-prefill"], ["--max-num-batched-tokens=32"]):
         proc = build.cli("serve", str(bundle), "--dry-run", "--", *owned)
         assert proc.returncode == 2 and "set by qbuild from the bundle" in proc.stderr, proc.stderr
@@ -122,17 +137,23 @@ def test_serve_json_and_the_command_follow_the_ports_launcher(lc):
 
 @pytest.mark.slow
 def test_serve_runs_chunked_prefill_and_prefix_caching_through_vllm_neuron(lc, tmp_path):
-    """`qbuild serve` against the doubles: both processes install the port's patch, the engine core runs vLLM's
-    scheduler with chunked prefill and prefix caching over the compiled 8 blocks of 32 (plus vLLM's null block), with
-    KV blocks for the attention layer only; a prompt past the CTE buckets is taken (the double answers 501 as it does
-    not generate), one past the KV length is a 400; the bundle is unchanged."""
+    """`qbuild serve` against the doubles: vLLM on loopback behind the port's chat proxy, both vLLM processes install
+    the port's patch, the engine core runs vLLM's scheduler with chunked prefill and prefix caching over the 8 blocks
+    vLLM addresses (plus its null block), with KV blocks for the attention layer only; the proxy refuses a raw
+    completion and sends chats with thinking off; a chat prompt past the CTE buckets is taken (the double answers 501
+    as it does not generate), one past the KV length is a 400; the bundle is unchanged."""
     build, bundle = lc
     served = Served(build, str(bundle), tmp_path)
     try:
         url = served.url()
         assert url, served.stop()[1]
-        assert _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 50})[0] == 501
-        status, long = _post(url + "/completions", {"model": "bundle", "prompt": "hello world " * 200})
+        status, raw = _post(url + "/completions", {"model": "bundle", "prompt": "hello world"})
+        assert status == 400 and raw["error"]["code"] == "qwen36_chat_required"
+        chat = {"model": "bundle", "messages": [{"role": "user", "content": "hello world " * 50}],
+                "chat_template_kwargs": {"enable_thinking": True}}
+        assert _post(url + "/chat/completions", chat)[0] == 501
+        chat["messages"][0]["content"] = "hello world " * 200
+        status, long = _post(url + "/chat/completions", chat)
         assert status == 400 and "maximum prompt length is 256 tokens" in long["error"]["message"]
     finally:
         code, err = served.stop()
@@ -140,12 +161,201 @@ def test_serve_runs_chunked_prefill_and_prefix_caching_through_vllm_neuron(lc, t
     (engine,) = served.calls("vllm_engine_core")
     assert (engine["chunked_prefill"], engine["prefix_caching"], engine["max_num_batched_tokens"]) == (True, True, 64)
     assert (engine["block_size"], engine["num_gpu_blocks"], engine["max_prompt_length"]) == (32, 9, 256)
+    assert engine["block_owners"] == {"0": "vLLM's null block", "9": "NxDI's padding sink"}
+    assert engine["cache_blocks"] == 10 and engine["generation_config"] == "vllm"
     layer_types = json.loads((bundle / "config.json").read_text())["layer_types"]
     assert engine["kv_cache_layers"] == [f"layers.{i}.self_attn" for i, kind in enumerate(layer_types)
                                          if kind == "full_attention"]
     assert {c["pid"] for c in served.calls("serving_patch_installed")} >= {engine["pid"]}
     assert len(served.calls("serving_patch_installed")) == 2
+    assert [c["chat_template_kwargs"] for c in served.calls("vllm_chat_request")] == [{"enable_thinking": False}] * 2
     _unchanged(bundle)
+
+
+# --- what the doubles learned from the bundle that served wrongly: the null block and the padding sink, the runtime
+# flag that counts a call's inputs -----------------------------------------------------------------------------------
+
+def _with_compiled(bundle: Path, dest: Path, **neuron_config) -> Path:
+    """A copy of `bundle` whose NxDI neuron_config.json says `neuron_config` (what another compile would have built)."""
+    copy = _copy(bundle, dest)
+    path = copy / "neuron_config.json"
+    saved = json.loads(path.read_text())
+    saved["neuron_config"].update(neuron_config)
+    path.write_text(json.dumps(saved))
+    return copy
+
+
+@pytest.mark.slow
+def test_vllms_blocks_and_nxdis_padding_sink_never_share_a_block(lc, tmp_path):
+    """vLLM hands out blocks 1..8 of its 9 (block 0 is its null block), and NxDI's prefix-caching cache writes every
+    padded slot into its last block: the bundle compiles 9 blocks, a cache of 10, so that sink is block 9. A model
+    compiled with the 8 vLLM is told (pa_num_blocks equal to --num-gpu-blocks-override, as the port's comments call
+    them "identical") has its sink on block 8, which a sequence owns too: the double's block table refuses it."""
+    build, bundle = lc
+    served = Served(build, str(bundle), tmp_path)
+    try:
+        assert served.url(), served.stop()[1]
+    finally:
+        code, err = served.stop()
+    assert code == 0, err
+    (engine,) = served.calls("vllm_engine_core")
+    assert engine["cache_blocks"] == 10 and engine["num_gpu_blocks"] == 9
+    assert engine["block_owners"] == {"0": "vLLM's null block", "9": "NxDI's padding sink"}
+
+    doc = dry_run(build, str(_with_compiled(bundle, tmp_path / "n-blocks", pa_num_blocks=8)))
+    proc = _run_printed(build, doc, tmp_path / "run.jsonl")
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    assert "block 8 of the compiled KV cache has two owners: vLLM's block 8 and NxDI's padding sink" in proc.stderr
+
+
+def _vllm_url(doc: dict) -> str:
+    """Where the printed vLLM command listens (behind the chat proxy: loopback, the port after the public one)."""
+    return f"http://{flag(doc['command'], '--host')}:{flag(doc['command'], '--port')}/v1"
+
+
+def _serve_printed(build: Build, doc: dict, log: Path) -> subprocess.Popen:
+    """The vLLM command `qbuild serve --dry-run` printed, started as printed; answered once it listens."""
+    proc = subprocess.Popen(doc["command"], env=_double_env(build, doc, log), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=build.root)
+
+    def up() -> bool:
+        if proc.poll() is not None:
+            return True
+        try:
+            return _get(_vllm_url(doc) + "/models") == 200
+        except OSError:
+            return False
+
+    wait_until(up, 240, "the printed vLLM command to answer or exit")
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    return proc
+
+
+def _get(url: str) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.status
+
+
+def _stop(proc: subprocess.Popen) -> str:
+    proc.send_signal(signal.SIGINT)
+    return proc.communicate(timeout=120)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_the_first_request_calls_the_graphs_with_the_inputs_they_were_traced_with(lc, tmp_path, prefix_caching):
+    """Every long-context compile traces the hybrid APC graphs (29 inputs); the port's patch sets vLLM's runtime
+    use_hybrid_apc_manager on the model around each step, and the model counts a call's inputs from it. qbuild sends
+    it true whether or not vLLM caches prefixes, so the first request runs (the double answers 501: it does not
+    generate); the same command with it false fails that request as the traced graph would."""
+    build, bundle = lc
+    copy = bundle if prefix_caching else _with_serve(bundle, tmp_path / "no-apc", prefix_caching=False)
+    port = _free_port()
+    doc = dry_run(build, str(copy), "--port", str(port))
+    extra = json.loads(flag(doc["command"], "--additional-config"))
+    assert extra["use_hybrid_apc_manager"] is True
+    assert extra["hybrid_apc_require_vllm_metadata"] is prefix_caching
+    assert ("--enable-prefix-caching" in doc["command"]) is prefix_caching
+    proc = _serve_printed(build, doc, tmp_path / "ok.jsonl")
+    try:
+        status, _ = _post(_vllm_url(doc) + "/completions", {"model": "bundle", "prompt": "hello world " * 50})
+    finally:
+        err = _stop(proc)
+    assert status == 501, err[-3000:]
+
+    doc["command"] = _with(doc["command"], "--additional-config", json.dumps({**extra, "use_hybrid_apc_manager": False}))
+    proc = _serve_printed(build, doc, tmp_path / "off.jsonl")
+    try:
+        status, answer = _post(_vllm_url(doc) + "/completions", {"model": "bundle", "prompt": "hello world " * 50})
+    finally:
+        _stop(proc)
+    assert status == 500, answer
+    assert "a call of 24 tensors (use_hybrid_apc_manager=False now) to a graph traced with 29 inputs" in \
+        answer["error"]["message"]
+
+
+def _with_serve(bundle: Path, dest: Path, **long_context) -> Path:
+    """A copy of `bundle` whose vllm/serve.json records `long_context` changes, its manifest rewritten to match."""
+    from qbuild.store.bundle import read_manifest, write_manifest
+
+    copy = _copy(bundle, dest)
+    path = copy / "vllm" / "serve.json"
+    serve = json.loads(path.read_text())
+    path.write_text(json.dumps({**serve, "long_context": {**serve["long_context"], **long_context}}))
+    write_manifest(copy, {k: v for k, v in read_manifest(bundle).items() if k not in ("files", "format")})
+    return copy
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- the NxDI tree the port imports from -----------------------------------------------------------------------
+
+ASYNC = "neuronx_distributed_inference.modules.async_execution"
+
+
+@pytest.fixture(scope="module")
+def lc_tree(tmp_path_factory, small_checkpoints) -> tuple[Build, Path, Path]:
+    """The long-context bundle of a PR 173-like port (it imports NxDI's modules/async_execution.py, which the double's
+    NxDI lacks) from a recipe that installs NxDI from that tree, built on a host whose NxDI is the tree."""
+    root = tmp_path_factory.mktemp("neuron-nxdi-tree")
+    tree, port = nxdi_tree(root / "nxdi"), pr173_port(root / "port")
+    versions = metadata_overlay(root / "versions", {"neuronx-distributed-inference": "0.9.0+03db3ef2.dev"})
+    build = Build(root)
+    toolchain = {"sdk": "2.31.0", "neuronx_distributed_inference": "0.9.0",
+                 "from_source": ["neuronx_distributed_inference"]}
+    build.recipe = write_recipe(root / "recipes" / "serve.yaml", small_checkpoints["qwen3_5"], port, text=TEXT,
+                                toolchain=toolchain)
+    build.result, build.stderr = build.compile(build.recipe, overlay=(tree / "src", versions))
+    require_bundle(build.result, build.stderr)
+    pulled = build.cli("pull", "serve", "--to", str(root / "bundle"), "--allow-unverified")
+    assert pulled.returncode == 0, pulled.stderr
+    return build, root / "bundle", tree
+
+
+@pytest.mark.slow
+def test_the_bundle_records_the_nxdi_tree_and_serve_puts_it_on_the_path(lc_tree, tmp_path):
+    """vllm/serve.json names the tree and what the port imports from it; `qbuild serve` refuses, in one line and
+    before vLLM starts (exit 3), a host whose NxDI lacks it, takes --nxdi-tree only where it is that tree (exit 2
+    otherwise), and puts the tree's src/ after the port on PYTHONPATH as the port's launcher does, where vLLM's
+    engine then imports the port."""
+    build, bundle, tree = lc_tree
+    record = json.loads((bundle / "vllm" / "serve.json").read_text())["nxdi_tree"]
+    assert record["imports"][ASYNC] == ["cancel_hybrid_apc_request", "finish_hybrid_apc_request",
+                                        "prepare_hybrid_apc_model_inputs", "prepare_hybrid_apc_request_for_execution"]
+    assert (record["version"], record["src"], record["git"]) == ("0.9.0", "src", None)
+
+    proc = build.cli("serve", str(bundle), "--port", "0", overlay=(VLLM_SITE,), log=tmp_path / "none.jsonl")
+    line = proc.stderr.strip()
+    assert proc.returncode == 3 and "\n" not in line, proc.stderr
+    assert f"has no {ASYNC}, which the bundle's port imports" in line and "--nxdi-tree" in line
+    assert not read_log(tmp_path / "none.jsonl")
+
+    stock = nxdi_tree(tmp_path / "stock")
+    (stock / "src" / "neuronx_distributed_inference" / "modules" / "async_execution.py").unlink()
+    for wrong, words in ((stock, f"it lacks {ASYNC}"), (tmp_path / "empty", "it lacks")):
+        proc = build.cli("serve", str(bundle), "--dry-run", "--nxdi-tree", str(wrong))
+        assert proc.returncode == 2 and "not the NxDI tree this bundle's port imports from" in proc.stderr, proc.stderr
+        assert words in proc.stderr
+
+    doc = dry_run(build, str(bundle), "--nxdi-tree", str(tree))
+    assert doc["env"]["PYTHONPATH"].split(os.pathsep) == [str(bundle / "vllm"), str(bundle / "port"),
+                                                          str((tree / "src").resolve())]
+    served = Served(build, str(bundle), tmp_path, "--nxdi-tree", str(tree))
+    try:
+        assert served.url(), served.stop()[1]
+    finally:
+        code, err = served.stop()
+    assert code == 0, err
+    (engine,) = served.calls("vllm_engine_core")
+    assert engine["app_cls"].endswith("NeuronQwen35ForCausalLM")
 
 
 # --- what vLLM and vllm-neuron refuse: one value of the printed command changed ---------------------------------
@@ -183,7 +393,7 @@ def test_a_consistent_command_for_another_layout_is_refused(lc, tmp_path):
     extra["override_neuron_config"].update(pa_block_size=16, pa_num_blocks=16)
     doc["command"] = _with(command, "--additional-config", json.dumps(extra))
     proc = _run_printed(build, doc, tmp_path / "run.jsonl")
-    assert proc.returncode != 0 and "the compiled KV cache is 8 blocks of 32" in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode != 0 and "the compiled KV cache has blocks of 32" in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -205,8 +415,9 @@ def test_a_bundle_whose_layout_disagrees_is_refused_before_vllm_starts(lc, tmp_p
     from qbuild.store.bundle import read_manifest, write_manifest
 
     build, bundle = lc
-    for change, words in (({"num_blocks": 16}, "neuron_config.pa_num_blocks is 8 where vllm/serve.json says 16"),
-                          ({"block_size": 16}, "neuron_config.pa_block_size is 32 where vllm/serve.json says 16")):
+    for change, words in (({"num_blocks": 16}, "neuron_config.pa_num_blocks is 9 where vllm/serve.json needs 17"),
+                          ({"num_blocks": 9}, "neuron_config.pa_num_blocks is 9 where vllm/serve.json needs 10"),
+                          ({"block_size": 16}, "neuron_config.pa_block_size is 32 where vllm/serve.json needs 16")):
         copy = _copy(bundle, tmp_path / str(len(list(tmp_path.iterdir()))))
         path = copy / "vllm" / "serve.json"
         serve = json.loads(path.read_text())

@@ -80,7 +80,7 @@ def test_dry_run_prints_the_vllm_command_made_of_the_bundle_record(dense):
     assert "--block-size" not in command and "--enable-prefix-caching" not in command
     assert "--trust-remote-code" not in command     # the plugin registers the config: no code from the bundle runs
     assert doc["url"] == "http://0.0.0.0:8123/v1"
-    assert doc["stack"] == {"releases": ["2.31.0", "2.31.1"], "vllm": "0.16.0", "vllm_neuron": "0.5"}
+    assert doc["stack"] == {"releases": ["2.31.0"], "vllm": "0.16.0", "vllm_neuron": "0.5.0"}
 
     assert env["NEURON_COMPILED_ARTIFACTS"] == str(bundle)
     assert env["VLLM_PLUGINS"].split(",") == ["neuron", "qbuild_bundle"]
@@ -117,7 +117,7 @@ def test_what_the_glue_cannot_serve_is_refused_naming_serve_json(dense, tmp_path
     build, bundle = dense
     for change, words in (({"max_num_seqs": 2}, "batch size 2 compiled without continuous batching"),
                           ({"stack": {"releases": ["2.28.0", "2.28.1"], "vllm": "0.13.0", "vllm_neuron": "0.4"}},
-                           "SDK 2.28.0, 2.28.1 serves with vllm-neuron 0.4.x on vLLM 0.13.0")):
+                           "SDK 2.28.0, 2.28.1 serves with vllm-neuron 0.4 on vLLM 0.13.0")):
         copy = Path(shutil.copytree(bundle, tmp_path / str(len(list(tmp_path.iterdir())))))
         serve_json = copy / "vllm" / "serve.json"
         serve_json.unlink()        # a hardlink into the store: replaced, never written through
@@ -286,8 +286,8 @@ def test_a_host_with_another_vllm_stack_is_refused_in_one_line(dense, tmp_path):
         proc = build.cli("serve", str(bundle), "--port", "0", overlay=(overlay, VLLM_SITE), log=tmp_path / "x.jsonl")
         assert proc.returncode == 3, proc.stderr
         assert proc.stderr.strip() == (
-            f"error: this host has {have}; the bundle (SDK 2.31.0, 2.31.1) is served by vLLM 0.16.0 with "
-            "vllm-neuron 0.5.x (vllm/serve.json): use that release's vLLM environment")
+            f"error: this host has {have}; the bundle (SDK 2.31.0) is served by vLLM 0.16.0 with "
+            "vllm-neuron 0.5.0 (vllm/serve.json): use that release's vLLM environment")
     assert not read_log(tmp_path / "x.jsonl")
 
 
@@ -412,7 +412,7 @@ def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, 
     proc = qbuild("serve", str(bundle), "--dry-run", "--json", "--", "--reasoning-parser", "qwen3")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["stack"]["vllm"] == "0.16.0" and doc["stack"]["vllm_neuron"] == "0.5"
+    assert doc["stack"]["vllm"] == "0.16.0" and doc["stack"]["vllm_neuron"] == "0.5.0"
     assert doc["env"]["NEURON_COMPILED_ARTIFACTS"] == str(bundle)
     assert doc["env"].items() >= text["neuron_config"]["env"].items()
     parsed = subprocess.run([sys.executable, "-c", _PARSE_SCRIPT, str(VLLM_SITE), str(SITE),
@@ -431,8 +431,10 @@ def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, 
         assert not config["enable_prefix_caching"] and not config["enable_chunked_prefill"]
         return
     # The compiled block KV layout, served by vLLM's chunked-prefill scheduler in chunks of the recipe's chunk, as
-    # PR 173's launcher serves it; prefix caching only where the recipe opts into the port's experiment.
-    assert (config["block_size"], config["pa_num_blocks"]) == (compiled["pa_block_size"], compiled["pa_num_blocks"] + 1)
+    # PR 173's launcher serves it; prefix caching where the recipe opts into the port's experiment. The loader lifts
+    # the override's pa_num_blocks by vLLM's null block to the count the bundle compiled (its padding sink past
+    # vLLM's blocks).
+    assert (config["block_size"], config["pa_num_blocks"]) == (compiled["pa_block_size"], compiled["pa_num_blocks"])
     assert config["enable_chunked_prefill"] and config["max_num_batched_tokens"] == params.long_context.chunk_size
     assert config["enable_prefix_caching"] == (params.long_context.prefix_cache is not None)
 

@@ -39,9 +39,9 @@ def test_every_shipped_recipe_pins_one_release_exactly(recipe):
 
 
 def test_a_component_from_a_source_tree_is_pinned_as_the_tree_reports_it():
+    # The 128K recipe: SDK 2.29.0, the release its port was validated on, with NxDI from PR 173's tree (0.9.0).
     toolchain = _plan_toolchain(REPO / "recipes" / "36-27b-fp8-128k.yaml")
-    release = RELEASES[yaml.safe_load((REPO / "recipes/bases/trn2.yaml").read_text())["toolchain"]["sdk"]]
-    assert toolchain == {**release, "neuronx-distributed-inference": "0.9.0"}
+    assert toolchain == {**RELEASES["2.29.0"], "neuronx-distributed-inference": "0.9.0"}
 
 
 def test_a_mixed_set_is_refused_naming_the_release_of_each_version():
@@ -127,17 +127,29 @@ def test_each_release_names_the_vllm_stack_that_serves_nxdi_on_it():
     from qbuild.backends.neuron.releases import GLUE_STACK, SERVING, serving_stack, stack_matches
 
     assert list(SERVING) == list(RELEASES)
-    # The SDK's docs: 2.27 plugin 0.2.2 / vLLM 0.11.0, 2.28 plugin 0.4.x / vLLM 0.13.0, 2.29-2.31 plugin 0.5.x /
-    # vLLM 0.16.0 (docs/vllm.md section 1).
+    # Each release's own docs: 2.27 plugin 0.2.2 / vLLM 0.11.0, 2.28 plugin 0.4.x / vLLM 0.13.0, 2.29.0-2.31.0 plugin
+    # 0.5.0 / vLLM 0.16.0, 2.31.1 plugin 0.5.3 (docs/vllm.md section 1).
     assert {sdk: (s.vllm, s.vllm_neuron) for sdk, s in SERVING.items()} == {
         "2.27.0": ("0.11.0", "0.2.2"), "2.27.1": ("0.11.0", "0.2.2"), "2.28.0": ("0.13.0", "0.4"),
-        "2.28.1": ("0.13.0", "0.4"), **{sdk: ("0.16.0", "0.5") for sdk in ("2.29.0", "2.29.1", "2.30.0", "2.31.0",
-                                                                            "2.31.1")}}
-    assert (GLUE_STACK.vllm, GLUE_STACK.vllm_neuron) == ("0.16.0", "0.5")
+        "2.28.1": ("0.13.0", "0.4"), **{sdk: ("0.16.0", "0.5.0") for sdk in ("2.29.0", "2.29.1", "2.30.0", "2.31.0")},
+        "2.31.1": ("0.16.0", "0.5.3")}
+    assert (GLUE_STACK.vllm, GLUE_STACK.vllm_neuron) == ("0.16.0", "0.5.0")
     assert serving_stack(_plan_toolchain(REPO / "recipes" / "coder-next-tp8.yaml")) == (["2.30.0"], SERVING["2.30.0"])
-    # NxDI from PR 173's tree (0.9.0) names no release; the other three name 2.31.0 and 2.31.1, which serve alike.
-    assert serving_stack(_plan_toolchain(REPO / "recipes" / "36-27b-fp8-128k.yaml")) == (["2.31.0", "2.31.1"],
-                                                                                        SERVING["2.31.0"])
+    # NxDI from PR 173's tree (0.9.0) names no release; the other three are 2.29.0's alone.
+    assert serving_stack(_plan_toolchain(REPO / "recipes" / "36-27b-fp8-128k.yaml")) == (["2.29.0"],
+                                                                                        SERVING["2.29.0"])
+    # 2.31.0 and 2.31.1 ship the same four versions and serve with different plugins: the release the recipe names,
+    # else the oldest (as resolve spells the versions).
+    assert serving_stack(RELEASES["2.31.0"], "2.31.1") == (["2.31.1"], SERVING["2.31.1"])
+    assert serving_stack(RELEASES["2.31.0"]) == (["2.31.0"], SERVING["2.31.0"])
     assert stack_matches("0.5.3", "0.5") and stack_matches("0.16.0+neuron", "0.16.0")
     assert not stack_matches("0.21.0.1.0.0", "0.5") and not stack_matches("0.16.1", "0.16.0")
     assert not stack_matches("0.50.0", "0.5")
+
+
+def test_a_release_without_nxdi_is_refused_naming_why():
+    """2.32.0's manifest lists neuronx-cc and the NxDI-free vllm-neuron 0.24.0.1.1.0 only (n2-manifest.json L107-133
+    @ a3247f5): there is no NxDI to build with."""
+    with pytest.raises(ToolchainError, match="2.32.0.*NxDI-free vllm-neuron 0.24.0.1.1.0 only") as e:
+        resolve("2.32.0", {})
+    assert e.value.field == "sdk"

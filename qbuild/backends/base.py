@@ -48,6 +48,9 @@ class ServeOptions:
     # The key every request must send as `Authorization: Bearer <key>` (None: none is asked for). A secret: never
     # printed, logged, or put on a command line another user can read (`ps`).
     api_key: str | None = field(default=None, repr=False)
+    # A checkout of the NxDI source tree a neuron bundle's port imports from (vllm/serve.json "nxdi_tree"), whose src/
+    # goes on the server's PYTHONPATH.
+    nxdi_tree: Path | None = None
 
     def __post_init__(self) -> None:
         # A key a client cannot send in an HTTP header (empty, spaces, control or non-ASCII characters) could never

@@ -37,6 +37,11 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                                                 help="fetch the http(s) image URLs chat requests name (a VL CPU "
                                                      "bundle); without it only data: URLs are taken, since a fetch "
                                                      "reaches whatever the server's network reaches"),
+          nxdi_tree: Optional[Path] = typer.Option(None, "--nxdi-tree", envvar="QBUILD_NXDI_TREE", show_default=False,
+                                                   help="a checkout of the NxDI source tree a neuron bundle's port "
+                                                        "imports from (its vllm/serve.json names it), where this "
+                                                        "host's NxDI is not that tree; its src/ goes on vLLM's "
+                                                        "PYTHONPATH"),
           json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
           remote: Optional[str] = RemoteOpt, strict: bool = StrictOpt) -> None:
     """Serve a bundle's OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions) until Ctrl-C:
@@ -69,7 +74,7 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         backend = backends.server(manifest["backend"])
         options = ServeOptions(name=opened.name, host=host, port=port, log=err, on_ready=on_ready,
                                digests_checked=opened.digests_checked, server_args=tuple(server_args or ()),
-                               api_key=api_key, allow_image_urls=allow_image_urls)
+                               api_key=api_key, allow_image_urls=allow_image_urls, nxdi_tree=nxdi_tree)
         if dry_run:
             doc = backend.serve_command(bundle, manifest, options)
             if json_:

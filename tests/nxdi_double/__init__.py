@@ -32,6 +32,8 @@ SETTINGS_FILE = "nxdi_double_settings.json"   # read by site/neuronx_distributed
 # Where the fake ports sit in the fake NxDI repository (port_repository), as in
 # aws-neuron/neuronx-distributed-inference.
 MAIN_SUBDIR = "contrib/models/Qwen3.5-35B-A3B"
+# What NxDI PR 173's own tree (@ 03db3ef) has beyond the double's NxDI: modules/async_execution.py (nxdi_tree).
+PR173_TREE = ROOT / "pr173_tree"
 MOE_SUBDIR = "contrib/models/Qwen3-Coder-Next"
 
 
@@ -92,6 +94,22 @@ def port_repository(dest: Path) -> PortRepository:
 def replicated_deltanet_port(dest: Path) -> Path:
     """A fake of the Qwen3.5-27B port (PR 128 @ 550e2ab) at `dest`: the main port with its DeltaNet replicated."""
     return _main_port_with(dest, "modeling_qwen35.py", "TENSOR_PARALLEL_DELTANET")
+
+
+def pr173_port(dest: Path) -> Path:
+    """A fake of the Qwen3.6-27B port (PR 173 @ 03db3ef) at `dest`: the main port importing the functions of NxDI's
+    modules/async_execution.py that only that PR's tree has (modeling_qwen35.py L47-52)."""
+    return _main_port_with(dest, "modeling_qwen35.py", "IMPORTS_PR173_NXDI", True)
+
+
+def nxdi_tree(dest: Path) -> Path:
+    """A checkout of NxDI PR 173's tree at `dest`, as far as the double goes: src/neuronx_distributed_inference is the
+    double's NxDI with that tree's modules/async_execution.py and _version.py ("0.9.0": _version.py @ 03db3ef)."""
+    package = dest / "src" / "neuronx_distributed_inference"
+    shutil.copytree(SITE / "neuronx_distributed_inference", package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(PR173_TREE, package, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    (package / "_version.py").write_text('__version__ = "0.9.0"\n')
+    return dest
 
 
 def vision_tp_port(dest: Path) -> Path:

@@ -16,7 +16,7 @@ from typing import Callable
 from qbuild.backends.base import PromptRun, StepContext
 from qbuild.backends.neuron import compile_cache, config, deploy, long_context, releases, worker_env
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
-                                           NeuronVisionCompile, PortFiles, PortGit, PortMissing)
+                                           NeuronVisionCompile, NxdiTree, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, VL_PORT_ENV, lineage_for, port_dir
 from qbuild.core.errors import UserError
 from qbuild.core.units import GIB
@@ -78,6 +78,15 @@ def vision_step(loaded: LoadedRecipe, arch: Arch, bucket: int, sizes: Sizes) -> 
     tp = f", tp{params.tp}" if params.tp > 1 else ""
     return PlannedStep(f"compile vision-{bucket}", "compile", f"compile vision-{bucket} (neuron{tp})", params,
                        {"port": "port", "converted": "convert"}, 64 << 20, params.tp * (4 * sizes.vision + 8 * GIB))
+
+
+def nxdi_tree(loaded: LoadedRecipe) -> NxdiTree | None:
+    """The NxDI tree the bundle's port imports from, where the recipe installs NxDI from source: the port's own
+    repository and commit (the Qwen3.6-27B recipe: NxDI PR 173's tree)."""
+    r = loaded.recipe
+    if "neuronx_distributed_inference" not in r.toolchain.from_source:
+        return None
+    return NxdiTree(r.port.git, r.port.rev, r.toolchain.neuronx_distributed_inference)
 
 
 def toolchain(loaded: LoadedRecipe) -> dict[str, str]:
@@ -155,9 +164,21 @@ class NeuronBackend:
                                                f"top_k / experts = {load:.3g} here), and its context encoding "
                                                "under EP needs a patch no public port has; use ep: 1")
         try:
-            toolchain(loaded)
+            resolved = toolchain(loaded)
         except releases.ToolchainError as e:
             checks.fail(loaded, f"toolchain.{e.field}", e.msg)
+        try:
+            served_as, _ = releases.serving_stack(resolved, r.toolchain.sdk)
+        except ValueError as e:
+            checks.fail(loaded, "toolchain.sdk", str(e))
+        if checks.moe_backend(loaded, arch) == "shard_hidden" and \
+                any(releases.at_least(name, "2.29") for name in served_as):
+            # "The BWMM shard-on-hidden kernel previously used during prefill in Mixture-of-Experts models has been
+            # removed" (aws-neuron-sdk release-notes/components/nxd-inference.rst L62 @ a3247f5b8c30, the 2.29.0 notes;
+            # L36 @ 539a73c5).
+            checks.fail(loaded, "moe_backend", f"shard_hidden: SDK {', '.join(served_as)} has no shard-on-hidden "
+                                               "kernel (removed in 2.29.0); use shard_on_intermediate, shard_on_block "
+                                               "or torch_blockwise, or an SDK before 2.29")
 
     @staticmethod
     def _validate_port_env(loaded: LoadedRecipe) -> None:
@@ -225,7 +246,7 @@ class NeuronBackend:
             batch_size=r.text.batch_size, seq_len=r.text.seq_len, cte_buckets=tuple(r.text.cte_buckets),
             tkg_buckets=tuple(r.text.token_buckets), vision_buckets=tuple(r.vision.buckets if r.vision else ()),
             dtype=r.dtype, lineage=text.lineage, fp8=r.fp8, block_kv=text.block_kv,
-            long_context=bundle_long_context(loaded))
+            long_context=bundle_long_context(loaded), sdk=r.toolchain.sdk, nxdi_tree=nxdi_tree(loaded))
         # Verifying a neuron bundle runs it: every rank on a NeuronCore of one host.
         return BackendPlan((port_step(loaded, env),), shard, tuple(compiles), package, {NEURON_CORES: ranks})
 

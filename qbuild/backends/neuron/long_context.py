@@ -20,13 +20,19 @@ What the port builds, and why qbuild builds the same for every recipe with chunk
   which keeps KV for the attention layers only). So the compile is the port's --enable-hybrid-apc one:
   is_prefix_caching with prefix_buckets (L956-973), use_hybrid_apc_manager, use_hybrid_cache_manager off (L982-986),
   and use_qwen_hybrid_chunked_prefill(_nki) for chunks after the first (L1009-1010, modeling L3371-3396).
+- The compiled blocks are one more than vLLM is told (compiled_blocks): vLLM's block 0 is its null block, so it hands
+  out blocks 1..N, and NxDI's prefix-caching cache sends every padded slot to its own last block; compiling N would
+  make block N both a sequence's and the padding's.
 - vLLM serves it with its own chunked-prefill scheduler feeding the compiled CTE bucket chunk by chunk (the port's
   vllm/README.md L100-109; launcher L135-137, L254-287, L688-692), with the port's patch installed (launcher
   L138-140, vllm/sitecustomize.py L14-23, vllm/serve_qwen36.py L8-16), which here the bundle's vLLM plugin loads from
-  the bundle's copy of the port (qbuild.backends.neuron.vllm_plugin).
-- vLLM's prefix caching on top is the port's experiment (vllm/README.md L35-54, L175): only where the recipe says
-  text.prefix_cache.neuron_apc: experimental. Without it the compiled manager runs with empty restore/commit masks,
-  "attention KV plus normal active-row GDN state with no GDN checkpoint reuse" (vllm/README.md L80-86).
+  the bundle's copy of the port (qbuild.backends.neuron.vllm_plugin). The runtime config always says
+  use_hybrid_apc_manager: the patch copies it onto the model's config around every step, and the model's argument
+  builders pick the traced graphs' inputs from it (runtime_config).
+- vLLM's prefix caching on top (the launcher's --enable-hybrid-apc settings) where the recipe says
+  text.prefix_cache.neuron_apc: experimental, as recipes/36-27b-fp8-128k.yaml does: the port validated native vLLM
+  prefix caching on its 128K artifact (README.md L144-152 @ 6756c65, the PR's first commit) and still calls the
+  hybrid APC an experiment (vllm/README.md L175).
 """
 
 from __future__ import annotations
@@ -52,6 +58,20 @@ CHUNKED_PREFILL_TILES = {"tkg_model_enabled": True, "kernel_q_tile_size": 128, "
 # launcher installs it for chunked prefill and hybrid APC; relative to the port directory.
 SERVING_PATCH = "vllm/qwen36_hybrid_apc_scheduler_patch.py"
 SERVING_PATCH_HOOK = "install_import_hook"
+# The port's guarded OpenAI front (vllm/qwen36_chat_proxy.py), which its README puts before vLLM for production
+# (vllm/README.md L182-214, L251-253): it refuses raw /v1/completions with a 400, because "raw prompts bypass the Qwen
+# chat template and can pollute the hybrid model state" (L204-206, proxy L359-375), turns thinking off unless started
+# with --allow-thinking (proxy L241-266, L384-388), and hoists system messages (L139-164). Its arguments: --host,
+# --port, --backend-url (L397-431). Relative to the port directory.
+CHAT_PROXY = "vllm/qwen36_chat_proxy.py"
+# vLLM's null block: vllm-neuron adds one block to --num-gpu-blocks-override for it (platform L318-332) and vLLM's block
+# pool keeps it out of every block table, so vLLM's blocks are 1..N. NxDI's prefix-caching cache has pa_num_blocks
+# + 1 blocks and writes every padded slot (the runner pads slot mappings with -1: runner L119, L1527-1529) into its
+# last one (block_kv_cache_manager.py _NUM_EXTRA_RESERVED_BLOCK L21, shape L62-76, pad_dest_index L345-355). With
+# pa_num_blocks = N + 1 that sink is block N + 1, which vLLM never hands out; the port's validated artifact is "pa1025"
+# served with --num-gpu-blocks-override 1024 (vllm/README.md L146-151), whatever its comments call "identical"
+# (compile script L430-434, launcher L172-176).
+VLLM_NULL_BLOCKS = 1
 # The GDN checkpoint cache dtypes the port accepts (modeling _normalize_hybrid_cache_dtype L543-564); the recurrent
 # state must be float32 with the hybrid APC manager (modeling L2277-2283).
 _CACHE_DTYPES = ("float32", "bfloat16")
@@ -123,11 +143,12 @@ def validate(loaded: LoadedRecipe, lineage: str) -> None:
 
 
 def require_serving_patch(port: Path) -> None:
-    """BuildError where the port lacks the vLLM patch a long-context bundle is served with (checked before an hour of
-    compile, and again where the bundle is packaged)."""
-    if not (port / SERVING_PATCH).is_file():
-        raise BuildError(f"port: {SERVING_PATCH} is missing; chunked prefill on neuron is served with the Qwen3.6-27B "
-                         "port's own vLLM patch (NxDI PR 173 @ 03db3ef): use that port")
+    """BuildError where the port lacks the vLLM patch or the chat proxy a long-context bundle is served with (checked
+    before an hour of compile, and again where the bundle is packaged)."""
+    for name, what in ((SERVING_PATCH, "vLLM patch"), (CHAT_PROXY, "chat proxy")):
+        if not (port / name).is_file():
+            raise BuildError(f"port: {name} is missing; chunked prefill on neuron is served with the Qwen3.6-27B "
+                             f"port's own {what} (NxDI PR 173 @ 03db3ef): use that port")
 
 
 # --- the compile ---------------------------------------------------------------------------------------------------
@@ -140,10 +161,17 @@ def max_context_length(cte_buckets: tuple[int, ...], tkg_buckets: tuple[int, ...
     return max(tkg_buckets) if bk is not None else max(cte_buckets)
 
 
+def compiled_blocks(num_blocks: int) -> int:
+    """NeuronConfig pa_num_blocks for `num_blocks` blocks vLLM addresses (--num-gpu-blocks-override): one more, so that
+    NxDI's padding sink lies past vLLM's blocks (VLLM_NULL_BLOCKS)."""
+    return num_blocks + VLLM_NULL_BLOCKS
+
+
 def neuron_config(bk: NeuronBlockKV) -> dict:
     """NeuronConfig kwargs of the block KV layout (compile script L952-973), prefix-CTE attention as its default
-    attention_cte (L1363-1372; NxDI models/config.py L198-207)."""
-    return {"is_block_kv_layout": True, "pa_block_size": bk.block_size, "pa_num_blocks": bk.num_blocks,
+    attention_cte (L1363-1372; NxDI models/config.py L198-207), and pa_num_blocks one more than vLLM's blocks
+    (compiled_blocks)."""
+    return {"is_block_kv_layout": True, "pa_block_size": bk.block_size, "pa_num_blocks": compiled_blocks(bk.num_blocks),
             "is_prefix_caching": True, "prefix_buckets": list(bk.prefix_buckets),
             "prefix_cte_attention_backend": "attention_cte"}
 
@@ -179,50 +207,72 @@ def token_buckets(tkg_buckets: tuple[int, ...], bk: NeuronBlockKV | None) -> lis
 # --- serving -------------------------------------------------------------------------------------------------------
 
 def serve_fields(p: NeuronPackageParams) -> dict:
-    """vllm/serve.json's "long_context": the bundle's own facts its vLLM flags are made of (None: not chunked)."""
+    """vllm/serve.json's "long_context": the bundle's own facts its vLLM flags are made of, and "chat_proxy": the
+    port's guarded front, relative to the bundle (both None: not chunked)."""
     bk, lc = p.block_kv, p.long_context
     if bk is None or lc is None:
-        return {"long_context": None}
-    return {"long_context": {"chunk_size": lc.chunk_size, "block_size": bk.block_size, "num_blocks": bk.num_blocks,
+        return {"chat_proxy": None, "long_context": None}
+    return {"chat_proxy": f"port/{CHAT_PROXY}",
+            "long_context": {"chunk_size": lc.chunk_size, "block_size": bk.block_size, "num_blocks": bk.num_blocks,
                              "checkpoint_interval": bk.checkpoint_interval, "checkpoint_slots": bk.checkpoint_slots,
                              "prefix_buckets": list(bk.prefix_buckets),
                              "prefix_caching": lc.prefix_cache is not None}}
 
 
 def vllm_flags(lc: dict) -> list[tuple[str, str | None]]:
-    """vLLM's flags for a long-context bundle, as the launcher passes them (L659-695): --block-size, the blocks (its
-    default, ceil(seq_len / block_size) * max_num_seqs, L172-176, equals the compile's pa_num_blocks: compile script
-    L430-434), chunked prefill with a chunk of the compiled CTE bucket (L254-287); with prefix caching the
-    mamba-cache settings the launcher adds for hybrid APC (L187-199)."""
+    """vLLM's flags for a long-context bundle, as the launcher passes them (L659-695): --block-size, the blocks vLLM
+    addresses (its default, ceil(seq_len / block_size) * max_num_seqs, L172-176; the compile has one more,
+    compiled_blocks), chunked prefill with a chunk of the compiled CTE bucket (L254-287), and `--generation-config
+    vllm` (L656), so that the checkpoint's generation_config.json does not replace vLLM's sampling defaults (the port's
+    vllm/README.md L106-109); with prefix caching the mamba-cache settings the launcher adds for hybrid APC
+    (L187-199)."""
     flags = [("--block-size", str(lc["block_size"])), ("--num-gpu-blocks-override", str(lc["num_blocks"])),
-             ("--enable-chunked-prefill", None), ("--max-num-batched-tokens", str(lc["chunk_size"]))]
+             ("--enable-chunked-prefill", None), ("--max-num-batched-tokens", str(lc["chunk_size"])),
+             ("--generation-config", "vllm")]
     if lc["prefix_caching"]:
         return flags + [("--enable-prefix-caching", None), ("--mamba-cache-mode", "all"),
                         ("--mamba-ssm-cache-dtype", "float32")]
     return flags + [("--no-enable-prefix-caching", None)]
 
 
-def additional_config(serve: dict) -> dict:
-    """What the launcher puts in --additional-config besides max_prompt_length (L580-607): the port's runtime switches,
-    which its patch copies onto the loaded model's config (patch L58-86, L1355-1432), and override_neuron_config
-    (L512-579), of which vllm-neuron's loader reads what its default NeuronConfig must agree on before it loads the
-    compiled directory (loader L1018-1045: chunked_prefill_config, pa_num_blocks equal to --num-gpu-blocks-override,
-    L1126-1171; max_context_length equal to max_prompt_length, L1248-1284)."""
-    lc = serve["long_context"]
+def runtime_config(lc: dict, dtype: str) -> dict:
+    """The port's runtime switches in --additional-config (launcher L580-605), which its patch copies onto every model
+    config and the app itself around each execute_model (patch _HYBRID_APC_RUNTIME_CONFIG_KEYS L58-86,
+    _runner_hybrid_apc_runtime_config and _apply_hybrid_apc_runtime_config L1355-1409, the execute_model wrapper
+    L2494-2565).
+
+    use_hybrid_apc_manager is always true: every long-context compile traces the hybrid APC graphs, 29 inputs each
+    (modeling input_generator L6811 with _use_expanded_hybrid_args_for_tag L4491-4503), and the argument builders
+    count the inputs of a call from this runtime flag (_qwen36_expected_arg_count L4546-4547, _build_qwen36_stage_args
+    L4636-4647, the padding L7115-7150), so false would build 24-tensor calls for 29-input graphs. The launcher sends it
+    only with --enable-hybrid-apc (L582), a flag qbuild's bundles need for every compile. What prefix caching turns on
+    are the launcher's strict-metadata companions (L596-602): vLLM's prefix hashes and attention block refs required,
+    no local hash fallback, and the chunk as hybrid_apc_prefill_chunk_tokens; without it they keep the values the
+    compile set (compile script L994-1000), where the restore masks stay empty (vllm/README.md L80-86)."""
     apc = lc["prefix_caching"]
-    dtype = serve["dtype"]
-    override = {"max_context_length": serve["max_prompt_length"], "is_block_kv_layout": True,
-                "is_prefix_caching": True, "pa_block_size": lc["block_size"], "pa_num_blocks": lc["num_blocks"],
-                "prefix_buckets": lc["prefix_buckets"],
-                "chunked_prefill_config": {"max_num_seqs": serve["max_num_seqs"], **CHUNKED_PREFILL_TILES}}
-    return {"use_hybrid_apc_manager": apc, "use_qwen_hybrid_chunked_prefill": True,
+    return {"use_hybrid_apc_manager": True, "use_qwen_hybrid_chunked_prefill": True,
             "use_qwen_hybrid_chunked_prefill_nki": True, "gdn_checkpoint_interval": lc["checkpoint_interval"],
             "max_gdn_checkpoint_slots": lc["checkpoint_slots"], "gdn_recurrent_cache_dtype": "float32",
             "gdn_conv_cache_dtype": dtype, "hybrid_recurrent_cache_dtype": "float32", "hybrid_conv_cache_dtype": dtype,
             "hybrid_cache_mode": "all", "hybrid_apc_require_vllm_metadata": apc,
             "hybrid_apc_allow_local_hash_fallback": not apc, "hybrid_apc_require_attention_block_refs": apc,
             "hybrid_apc_prefill_chunk_tokens": lc["chunk_size"] if apc else 0,
-            "qwen_prefill_group_size": lc["chunk_size"], "override_neuron_config": override}
+            "qwen_prefill_group_size": lc["chunk_size"]}
+
+
+def additional_config(serve: dict) -> dict:
+    """What the launcher puts in --additional-config besides max_prompt_length (L580-607): the port's runtime switches
+    (runtime_config) and override_neuron_config (L512-579), of which vllm-neuron's loader reads what its default
+    NeuronConfig must agree on before it loads the compiled directory (loader L1018-1045: chunked_prefill_config;
+    pa_num_blocks equal to --num-gpu-blocks-override, which it then lifts by one for the null block, L1126-1171;
+    max_context_length equal to max_prompt_length, L1248-1284). For a compiled directory the loader keeps the
+    directory's own config (L242-255), whose pa_num_blocks is that lifted count (compiled_blocks)."""
+    lc = serve["long_context"]
+    override = {"max_context_length": serve["max_prompt_length"], "is_block_kv_layout": True,
+                "is_prefix_caching": True, "pa_block_size": lc["block_size"], "pa_num_blocks": lc["num_blocks"],
+                "prefix_buckets": lc["prefix_buckets"],
+                "chunked_prefill_config": {"max_num_seqs": serve["max_num_seqs"], **CHUNKED_PREFILL_TILES}}
+    return {**runtime_config(lc, serve["dtype"]), "override_neuron_config": override}
 
 
 def serve_env(lc: dict) -> dict[str, str]:
@@ -233,16 +283,17 @@ def serve_env(lc: dict) -> dict[str, str]:
 
 def check_compiled(path: Path, nc: dict, serve: dict) -> None:
     """UserError where NxDI's compiled neuron_config.json (`nc`) does not hold the layout vLLM is told to use: vLLM
-    computes every slot as block * --block-size + offset over --num-gpu-blocks-override blocks (runner L1352-1363,
-    L1401-1413), so another block size or count would address another cache than the compiled one; and the blocks
-    must hold max_model_len for every sequence (loader L1188-1204)."""
+    computes every slot as block * --block-size + offset over blocks 1..--num-gpu-blocks-override (runner L1352-1363,
+    L1401-1413), so another block size would address another cache than the compiled one, and a compiled block count
+    other than compiled_blocks puts NxDI's padding sink on one of vLLM's blocks or leaves some of them outside the
+    cache; and the blocks must hold max_model_len for every sequence (loader L1188-1204)."""
     lc = serve.get("long_context")
     want = {"is_block_kv_layout": lc is not None}
     if lc is not None:
-        want.update(pa_block_size=lc["block_size"], pa_num_blocks=lc["num_blocks"])
+        want.update(pa_block_size=lc["block_size"], pa_num_blocks=compiled_blocks(lc["num_blocks"]))
     for key, value in want.items():
         if (nc.get(key) or False) != value:
-            raise UserError(f"{path}: neuron_config.{key} is {nc.get(key)!r} where vllm/serve.json says {value!r}; "
+            raise UserError(f"{path}: neuron_config.{key} is {nc.get(key)!r} where vllm/serve.json needs {value!r}; "
                             "the bundle's files do not belong together: pull or build it again")
     if lc is not None and lc["num_blocks"] * lc["block_size"] < serve["max_model_len"] * serve["max_num_seqs"]:
         raise UserError(f"{path.parent / 'vllm' / 'serve.json'}: max_model_len {serve['max_model_len']} needs "

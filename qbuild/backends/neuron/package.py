@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from qbuild.backends.base import StepContext
-from qbuild.backends.neuron import driver, long_context
+from qbuild.backends.neuron import driver, long_context, nxdi_tree
 from qbuild.backends.neuron.params import NeuronPackageParams
 from qbuild.backends.neuron.ports import LINEAGES
 from qbuild.backends.neuron.releases import serving_stack
@@ -121,7 +121,8 @@ def vllm_glue(out: Path, p: NeuronPackageParams, record: dict) -> None:
         f"Metadata-Version: 2.1\nName: {_PLUGIN_DIST.split('-')[0]}\nVersion: 1\n")
     (glue / _PLUGIN_DIST / "entry_points.txt").write_text(
         f"[vllm.general_plugins]\n{VLLM_PLUGIN} = {_PLUGIN_MODULE}:register\n")
-    (out / VLLM_SERVE).write_text(jsonio.dumps(serve_record(p, record), indent=1, sort_keys=True) + "\n")
+    serve = {**serve_record(p, record), "nxdi_tree": nxdi_tree_record(out, p)}
+    (out / VLLM_SERVE).write_text(jsonio.dumps(serve, indent=1, sort_keys=True) + "\n")
     tokenizer_for_every_stack(out)
 
 
@@ -137,7 +138,7 @@ def serving_patch(out: Path, p: NeuronPackageParams) -> dict:
 
 def serve_record(p: NeuronPackageParams, record: dict) -> dict:
     """vllm/serve.json: the bundle's own facts the vLLM command is made of (qbuild.backends.neuron.deploy.vllm_args),
-    and the serving stack of the SDK release it was compiled with (releases.SERVING).
+    and the serving stack of the SDK release it was compiled with (releases.SERVING: the one the recipe names).
 
     - max_prompt_length: the compiled max_context_length (config.py _text_neuron_config): the largest
       context-encoding bucket, or with chunked prefill the KV length (long_context.max_context_length). vllm-neuron
@@ -149,13 +150,26 @@ def serve_record(p: NeuronPackageParams, record: dict) -> dict:
     - continuous_batching: False, as compiled (config.py); deploy refuses to serve a batch above 1 without it.
     - long_context: the chunk, the block KV layout and whether vLLM serves prefix caching (long_context.serve_fields),
       or None."""
-    releases_, stack = serving_stack(record["params"]["toolchain"])
+    releases_, stack = serving_stack(record["params"]["toolchain"], p.sdk)
     return {"max_model_len": max(p.tkg_buckets),
             "max_prompt_length": long_context.max_context_length(p.cte_buckets, p.tkg_buckets, p.block_kv),
             "tensor_parallel_size": p.tp, "max_num_seqs": p.batch_size, "continuous_batching": False,
             "dtype": p.dtype, "lineage": p.lineage, "env": record["config"]["env"],
             "stack": {"releases": releases_, "vllm": stack.vllm, "vllm_neuron": stack.vllm_neuron},
             **long_context.serve_fields(p)}
+
+
+def nxdi_tree_record(out: Path, p: NeuronPackageParams) -> dict | None:
+    """vllm/serve.json's "nxdi_tree": where the recipe installs NxDI from source, that tree (the port's repository and
+    commit, the package under src/, its version) and what the bundle's port imports from NxDI, which `qbuild serve`
+    checks the host's NxDI (or --nxdi-tree) for (qbuild.backends.neuron.nxdi_tree); None otherwise."""
+    tree = p.nxdi_tree
+    if tree is None:
+        return None
+    lineage = LINEAGES[p.lineage]
+    module = lineage.module_dir(out / "port") / (lineage.text_module.replace(".", "/") + ".py")
+    return {"git": tree.git, "rev": tree.rev, "src": "src", "version": tree.version,
+            "imports": nxdi_tree.port_imports(module)}
 
 
 # tokenizer_config.json classes that transformers 5 writes and 4.x cannot resolve, and what 4.x reads the same

@@ -5,6 +5,7 @@
     NeuronBlockKV            the port's block KV layout and hybrid APC manager a long-context compile builds
     NeuronTextCompile        graph text: NxDI's one compile of every CTE and TKG bucket
     NeuronVisionCompile      graph vision: the port's traced vision encoder at one patch bucket
+    NxdiTree                 the NxDI source tree a port imports from, where the recipe installs NxDI from source
     NeuronPackageParams      a bundle that is NxDI's compiled directory, loaded by the lineage's port
 """
 
@@ -118,6 +119,17 @@ NeuronCompile = Union[NeuronTextCompile, NeuronVisionCompile]
 
 
 @dataclass(frozen=True)
+class NxdiTree:
+    """The NxDI a bundle's port needs where the recipe installs NxDI from a source tree (toolchain.from_source): the
+    port's own repository at the port's commit, whose src/ holds the package (the Qwen3.6-27B port's launcher puts
+    exactly that on PYTHONPATH: vllm/start_vllm_server.sh L120-123 @ 03db3ef)."""
+
+    git: str | None                  # the repository (None: a port given by path or module)
+    rev: str | None                  # its full commit
+    version: str                     # what the tree's _version.py says: the recipe's pin
+
+
+@dataclass(frozen=True)
 class NeuronPackageParams(PackageParams):
     """A neuron bundle: NxDI's compiled directory, loaded by the lineage's port."""
 
@@ -127,6 +139,9 @@ class NeuronPackageParams(PackageParams):
     # The compile's block KV layout (serve.json's blocks, the checkpoint banks in the shards); with chunked prefill
     # `long_context` holds the chunk, and its prefix_cache only where vLLM serves prefix caching (neuron_apc).
     block_kv: NeuronBlockKV | None = field(default=None, kw_only=True)
+    # The SDK release the recipe names (None: four versions), whose vLLM stack serves the bundle (releases.SERVING).
+    sdk: str | None = field(default=None, kw_only=True)
+    nxdi_tree: NxdiTree | None = field(default=None, kw_only=True)
 
     def bundle_meta(self) -> dict:
         return {**super().bundle_meta(), "lineage": self.lineage, "ranks": self.ranks}

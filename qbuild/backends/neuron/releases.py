@@ -1,9 +1,10 @@
 """The Neuron SDK releases a neuron recipe may pin, each with the exact versions of the four Python distributions a
 compile runs (docs/neuron-sdk.md, read from the SDK's own package manifest: aws-neuron/aws-neuron-sdk
-src/helperscripts/n2-manifest.json @ a3247f5b8c30). A recipe names a release (`toolchain: {sdk: "2.30.0"}`) or the
-four versions; a set mixed from several releases is refused naming the release each version belongs to, since no
-standard host has it. Each release also names the vLLM stack that serves NxDI models on it (SERVING, docs/vllm.md):
-a bundle records its release's stack, and `qbuild serve` refuses a host with another.
+src/helperscripts/n2-manifest.json @ a3247f5b8c30, the 2.32.0 release commit, which lists every release since 2.18;
+2.29.0's entry is the same in that release's own commit, 539a73c5). A recipe names a release (`toolchain: {sdk:
+"2.30.0"}`) or the four versions; a set mixed from several releases is refused naming the release each version belongs
+to, since no standard host has it. Each release also names the vLLM stack that serves NxDI models on it (SERVING,
+docs/vllm.md section 1): a bundle records its release's stack, and `qbuild serve` refuses a host with another.
 
 Pure data: nothing here imports the SDK.
 """
@@ -45,33 +46,54 @@ OTHER_BUILDS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+# Releases whose manifest has no NxDI: a recipe cannot build with them, and resolve says why.
+WITHOUT_NXDI: dict[str, str] = {
+    # n2-manifest.json L107-133 @ a3247f5b8c30 lists neuronx-cc 2.27.5334.0 and the NxDI-free vllm-neuron
+    # 0.24.0.1.1.0 (L131), no NxD, NxDI or torch-neuronx; NxDI is in maintenance mode from 2.32.0
+    # (release-notes/components/nxd-inference.rst L15-23) and its DLCs are gone (components/containers.rst L31).
+    "2.32.0": "its package manifest lists neuronx-cc and the NxDI-free vllm-neuron 0.24.0.1.1.0 only (NxDI is in "
+              "maintenance mode from 2.32.0); name 2.31.0 or earlier",
+}
+
+
 @dataclass(frozen=True)
 class ServingStack:
     """The vLLM and vllm-neuron (NxDI plugin) versions that serve NxDI models on a release. A version is matched as a
-    prefix of whole components: "0.5" is every 0.5.x, "0.16.0" that release (with any local suffix)."""
+    prefix of whole components: "0.4" is every 0.4.x, "0.5.0" and "0.16.0" those releases (with any local suffix)."""
 
     vllm: str
     vllm_neuron: str
 
 
-# Each release's NxDI serving stack, from the SDK's docs (aws-neuron-sdk @ a3247f5b8c30 unless named):
+# Each release's NxDI serving stack, from that release's own docs (aws-neuron-sdk at its release commit):
 # - 2.27: plugin 0.2.2+lts, vLLM 0.11.0 (libraries/nxd-inference/developer_guides/vllm-user-guide-v1.rst L23-29
 #   @ fd80ca78, the 2.27.1 docs).
-# - 2.28: vLLM 0.13.0 (release-notes/prev/content.rst L387, L464) with plugin 0.4.x: 0.4.0 at release, 0.4.1 after
-#   (release-notes/components/nxd-inference.rst L79, L113-127).
-# - 2.29-2.31: vLLM 0.16.0 (content.rst L65, L146, L227, L308: 2.31.1, 2.30.0, 2.29.1, 2.29.0) with plugin 0.5.x
-#   (vllm-user-guide-v1.rst L23-32; libraries/vllm-neuron/neuron-inference-overview.rst L43-55, which installs 0.5.3;
-#   nxd-inference.rst L41). The manifest's `vllm-neuron 0.21.0.1.0.0` for 2.31.1 (n2-manifest.json L163) is the
-#   NxDI-free "vLLM Neuron" beta (neuron-inference-overview.rst L82): it has no NxDI loader and cannot serve a bundle.
+# - 2.28: vLLM 0.13.0 (release-notes/prev/content.rst L387, L464 @ a3247f5b8c30) with plugin 0.4.x: 0.4.0 at release,
+#   0.4.1 after (release-notes/components/nxd-inference.rst L79, L113-127 @ a3247f5b8c30).
+# - 2.29.0: plugin 0.5.0 on vLLM 0.16.0 (vllm-user-guide-v1.rst L24, L28, L80, L84 `git clone --branch "0.5.0"`
+#   @ 539a73c5, the 2.29.0 release; "NxD Inference [0.9.17334] + vLLM Neuron Plugin [0.5.0] (Neuron 2.29.0 Release)":
+#   nxd-inference.rst L41 @ a3247f5b8c30).
+# - 2.29.1, 2.30.0, 2.31.0: the same guide, unchanged, still clones 0.5.0 (L24, L84 @ 6616e998, @ 3afa0fdf and
+#   @ ee7d6e00); none of their release notes names another plugin.
+# - 2.31.1: libraries/vllm-neuron/neuron-inference-overview.rst, new in that release, "Supports vLLM 0.16 via plugin
+#   version 0.5.x" and clones 0.5.3 (L46-47, L54 @ c19b2e69); the vLLM guide of the same commit still says 0.5.0
+#   (vllm-user-guide-v1.rst L26, L86), so the newer page is taken. The manifest's `vllm-neuron 0.21.0.1.0.0` for
+#   2.31.1 (n2-manifest.json L163 @ a3247f5b8c30) is the NxDI-free "vLLM Neuron" beta (overview L75-83): no NxDI
+#   loader, it cannot serve a bundle.
+# vLLM is 0.16.0 for 2.29.0-2.31.1 (release-notes/prev/content.rst L65, L146, L227, L308 @ a3247f5b8c30;
+# releasecontent.rst L57 @ 539a73c5).
 _VLLM_011 = ServingStack(vllm="0.11.0", vllm_neuron="0.2.2")
 _VLLM_013 = ServingStack(vllm="0.13.0", vllm_neuron="0.4")
-_VLLM_016 = ServingStack(vllm="0.16.0", vllm_neuron="0.5")
+_PLUGIN_050 = ServingStack(vllm="0.16.0", vllm_neuron="0.5.0")
 SERVING: dict[str, ServingStack] = {
     "2.27.0": _VLLM_011, "2.27.1": _VLLM_011, "2.28.0": _VLLM_013, "2.28.1": _VLLM_013,
-    "2.29.0": _VLLM_016, "2.29.1": _VLLM_016, "2.30.0": _VLLM_016, "2.31.0": _VLLM_016, "2.31.1": _VLLM_016,
+    "2.29.0": _PLUGIN_050, "2.29.1": _PLUGIN_050, "2.30.0": _PLUGIN_050, "2.31.0": _PLUGIN_050,
+    "2.31.1": ServingStack(vllm="0.16.0", vllm_neuron="0.5.3"),
 }
-# The stack whose source qbuild's serving glue was read against (docs/vllm.md): vllm-neuron 0.5.x on vLLM 0.16.
-GLUE_STACK = _VLLM_016
+# The stack whose source qbuild's serving glue was read against (docs/vllm.md): vllm-neuron 0.5.0 (@ 3afb0a9) on vLLM
+# 0.16.0. 0.5.1-0.5.3 are in no readable snapshot, and the Qwen3.6-27B port's vLLM patch is written against 0.5.0
+# (its vllm/README.md L14-20 @ 03db3ef), so a bundle of a release served by another plugin is refused.
+GLUE_STACK = _PLUGIN_050
 
 
 class ToolchainError(ValueError):
@@ -105,18 +127,34 @@ def _spelled(release: str, dist: str, pin: str | None) -> str:
     return next((b for b in builds(release, dist) if pin is not None and same_version(b, pin)), RELEASES[release][dist])
 
 
-def serving_stack(toolchain: dict[str, str]) -> tuple[list[str], ServingStack]:
-    """(the releases that ship `toolchain`'s versions, their vLLM stack) for a resolved toolchain. A version no
-    release ships (a distribution installed from a source tree, like the 27B recipe's NxDI) says nothing of the
-    release. ValueError where no release ships the rest, or where those releases serve with different stacks."""
+def serving_stack(toolchain: dict[str, str], sdk: str | None = None) -> tuple[list[str], ServingStack]:
+    """(the releases a bundle serves as, their vLLM stack): the release a recipe names (`sdk`), or else the releases
+    that ship `toolchain`'s versions. A version no release ships (a distribution installed from a source tree, like
+    the 27B recipe's NxDI) says nothing of the release. Where those releases serve with different stacks (2.31.0 and
+    2.31.1 ship the same four versions), the oldest is taken, as `resolve` spells the versions as the oldest release's.
+    ValueError where no release ships them."""
+    if sdk is not None:
+        return [sdk], SERVING[sdk]
+    candidates = releases_for(toolchain)
+    if not candidates:
+        raise ValueError("no Neuron SDK release ships these versions")
+    if len({SERVING[name] for name in candidates}) > 1:
+        candidates = candidates[:1]
+    return candidates, SERVING[candidates[0]]
+
+
+def releases_for(toolchain: dict[str, str]) -> list[str]:
+    """The releases that ship every version of `toolchain` that some release ships, oldest first."""
     known = [dist for dist in FIELDS if releases_of(dist, toolchain[dist])]
-    candidates = [name for name in RELEASES
-                  if all(any(same_version(toolchain[dist], b) for b in builds(name, dist)) for dist in known)]
-    stacks = {SERVING[name] for name in candidates}
-    if len(stacks) != 1:
-        raise ValueError(f"toolchain {toolchain}: " + ("no Neuron SDK release ships it" if not stacks else
-                         f"releases {', '.join(candidates)} serve with different vLLM stacks"))
-    return candidates, stacks.pop()
+    return [name for name in RELEASES
+            if all(any(same_version(toolchain[dist], b) for b in builds(name, dist)) for dist in known)]
+
+
+def at_least(release: str, version: str) -> bool:
+    """Whether `release` is `version` or later ("2.31.0" is at least "2.29")."""
+    def parts(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split("."))
+    return parts(release) >= parts(version)
 
 
 def stack_matches(installed: str, spec: str) -> bool:
@@ -132,6 +170,8 @@ def resolve(sdk: str | None, pins: dict[str, str | None], from_source: tuple[str
     several. `from_source` names distributions installed from a source tree rather than a
     release (their pin is taken as written, and belongs to no release)."""
     if sdk is not None:
+        if sdk in WITHOUT_NXDI:
+            raise ToolchainError("sdk", f"{sdk!r}: {WITHOUT_NXDI[sdk]}")
         if sdk not in RELEASES:
             raise ToolchainError("sdk", f"{sdk!r} is not a Neuron SDK release qbuild knows ({', '.join(RELEASES)})")
         release = RELEASES[sdk]

@@ -32,7 +32,7 @@ class NeuronServer:
         vllm_images.check_image_urls(manifest, options.allow_image_urls)
         return _with_images(vllm_serve.printable(vllm_serve.serve_command(
             bundle, manifest, options.name, options.host, options.port, sys.executable, options.server_args,
-            getattr(options, "api_key", None))), manifest)
+            getattr(options, "api_key", None), options.nxdi_tree)), manifest)
 
     def serve(self, bundle: Path, manifest: dict, options: ServeOptions) -> int:
         vllm_images.check_image_urls(manifest, options.allow_image_urls)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from qbuild.backends.base import ServeOptions
-from qbuild.backends.neuron import long_context
+from qbuild.backends.neuron import long_context, nxdi_tree
 from qbuild.backends.neuron.package import VLLM_DIR, VLLM_PLUGIN, VLLM_SERVE
 from qbuild.backends.neuron.releases import GLUE_STACK, stack_matches
 from qbuild.core.errors import InfraError, UserError
@@ -117,8 +117,9 @@ def check_servable(bundle: Path, serve: dict) -> None:
     stack = serve["stack"]
     if (stack["vllm"], stack["vllm_neuron"]) != (GLUE_STACK.vllm, GLUE_STACK.vllm_neuron):
         raise UserError(f"{bundle / VLLM_SERVE}: SDK {', '.join(stack['releases'])} serves with vllm-neuron "
-                        f"{stack['vllm_neuron']}.x on vLLM {stack['vllm']}; qbuild serves bundles of the releases "
-                        f"that use vllm-neuron {GLUE_STACK.vllm_neuron}.x on vLLM {GLUE_STACK.vllm} (SDK 2.29-2.31)")
+                        f"{stack['vllm_neuron']} on vLLM {stack['vllm']}; qbuild's serving glue was read against "
+                        f"vllm-neuron {GLUE_STACK.vllm_neuron} on vLLM {GLUE_STACK.vllm} (SDK 2.29.0-2.31.0) and "
+                        "serves those releases' bundles only")
     if serve["max_num_seqs"] > 1 and not serve["continuous_batching"]:
         raise UserError(f"{bundle / VLLM_SERVE}: batch size {serve['max_num_seqs']} compiled without continuous "
                         "batching; vllm-neuron prefills one request at a time into its own batch line "
@@ -127,7 +128,8 @@ def check_servable(bundle: Path, serve: dict) -> None:
 
 
 def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int, python: str,
-                  extra: tuple[str, ...] = (), api_key: str | None = None) -> dict:
+                  extra: tuple[str, ...] = (), api_key: str | None = None, tree: Path | None = None,
+                  backend_port: int | None = None) -> dict:
     """The environment and command line that serve `bundle` with vLLM's Neuron plugin, made of the bundle's own
     record, never of the recipe, then the pass-through arguments `extra`.
 
@@ -138,27 +140,86 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
     - VLLM_API_KEY: the key clients must send, read where no --api-key is given (api_server.py L239-240), so that it
       never stands on a command line; the printed document shows it masked.
     - DISABLE_NEURON_CUSTOM_SCHEDULER, for a bundle with chunked prefill (long_context.serve_env).
+    - A long-context bundle is served behind the port's chat proxy (serve.json "chat_proxy", long_context.CHAT_PROXY):
+      `proxy` holds its command, on the public host and port, and vLLM listens on 127.0.0.1 at `backend_port`.
+    - The NxDI tree's src/ after the port on PYTHONPATH, where the bundle records one and `tree` (--nxdi-tree) names
+      a checkout of it (nxdi_tree_src), as the Qwen3.6-27B port's launcher orders them (start_vllm_server.sh L123).
     VLLM_NEURON_FRAMEWORK is not set: nothing in vllm-neuron @ 3afb0a9 reads it (the platform checks that NxDI
     imports: platform.py L402-428)."""
     serve, plugin = read_serve(bundle)
     check_servable(bundle, serve)
     check_passthrough(extra, serve)
-    pythonpath = [bundle / VLLM_DIR, (bundle / VLLM_DIR / plugin["port_dir"]).resolve()]
+    src = nxdi_tree_src(serve, tree)
+    pythonpath = [bundle / VLLM_DIR, (bundle / VLLM_DIR / plugin["port_dir"]).resolve(), *([src] if src else [])]
     env = {**serve["env"], "NEURON_COMPILED_ARTIFACTS": str(bundle), "VLLM_PLUGINS": f"neuron,{VLLM_PLUGIN}",
            "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
     if serve.get("long_context"):
         env.update(long_context.serve_env(serve["long_context"]))
     if api_key:
         env["VLLM_API_KEY"] = api_key
+    proxy = serve.get("chat_proxy")
+    # Behind the port's chat proxy vLLM listens on loopback only ("Keep the backend private and expose the proxy on
+    # the public port": the port's vllm/README.md L251-253), on the port after the public one unless told another.
+    vllm_host, vllm_port = ("127.0.0.1", backend_port or port + 1) if proxy else (host, port)
     command = [python, "-m", VLLM_ENTRY, "--model", str(bundle), "--served-model-name", name,
-               "--host", host, "--port", str(port)]
+               "--host", vllm_host, "--port", str(vllm_port)]
     for flag, value in vllm_args(serve):
         command += [flag] if value is None else [flag, value]
     host_in_url = f"[{host}]" if ":" in host else host
-    return {"server": "vllm", "backend": manifest["backend"], "bundle": str(bundle), "model": name,
-            "url": f"http://{host_in_url}:{port}/v1", "max_model_len": serve["max_model_len"],
-            "max_prompt_length": serve["max_prompt_length"], "stack": serve["stack"], "env": env,
-            "command": command + list(extra)}
+    doc = {"server": "vllm", "backend": manifest["backend"], "bundle": str(bundle), "model": name,
+           "url": f"http://{host_in_url}:{port}/v1", "max_model_len": serve["max_model_len"],
+           "max_prompt_length": serve["max_prompt_length"], "stack": serve["stack"], "env": env,
+           "command": command + list(extra)}
+    if proxy:
+        doc["proxy"] = {"command": [python, str(bundle / proxy), "--host", host, "--port", str(port),
+                                    "--backend-url", f"http://127.0.0.1:{vllm_port}"],
+                        "refuses": "raw /v1/completions (a 400: use /v1/chat/completions, whose chat template the "
+                                   "port's hybrid state expects); chat requests are sent with thinking off"}
+    if serve.get("nxdi_tree"):
+        doc["nxdi_tree"] = {"tree": tree_name(serve["nxdi_tree"]), "imports": serve["nxdi_tree"]["imports"],
+                            "on_path": str(src) if src else None}
+    return doc
+
+
+# --- the NxDI source tree a port imports from (qbuild.backends.neuron.nxdi_tree) ----------------------------------
+
+def tree_name(tree: dict) -> str:
+    where = f"{tree['git']} @ {tree['rev']}" if tree.get("git") else "the recipe's NxDI source tree"
+    return f"{where}, {tree['src']}/ (version {tree['version']})"
+
+
+def nxdi_tree_src(serve: dict, given: Path | None) -> Path | None:
+    """The src/ of the NxDI tree `given` (--nxdi-tree), checked against what vllm/serve.json says the port imports
+    from it and the tree's version; None where none is given. UserError where it is not that tree."""
+    tree = serve.get("nxdi_tree")
+    if given is None:
+        return None
+    if tree is None:
+        raise UserError(f"--nxdi-tree {given}: this bundle's port imports NxDI as its SDK release installs it "
+                        f"({VLLM_SERVE} records no NxDI tree); drop --nxdi-tree")
+    src = (given / tree["src"]).resolve()
+    package = src / nxdi_tree.PACKAGE
+    gaps = nxdi_tree.missing(package, tree["imports"]) if package.is_dir() else [str(package)]
+    have = nxdi_tree.version(package)
+    if gaps or have != tree["version"]:
+        raise UserError(f"--nxdi-tree {given}: not the NxDI tree this bundle's port imports from ({tree_name(tree)}): "
+                        + (f"it lacks {gaps[0]}" if gaps else f"its _version.py says {have}"))
+    return src
+
+
+def require_nxdi(serve: dict, src: Path | None) -> None:
+    """InfraError where the bundle's port imports from an NxDI tree and neither --nxdi-tree (`src`) nor this
+    interpreter's NxDI provides what it imports: vLLM would die with an ImportError while it loads the bundle's
+    plugin."""
+    tree = serve.get("nxdi_tree")
+    if tree is None or src is not None:
+        return
+    package = nxdi_tree.installed_package()
+    gaps = nxdi_tree.missing(package, tree["imports"]) if package else [nxdi_tree.PACKAGE]
+    if gaps:
+        raise InfraError(f"this host's NxDI ({package}) has no {gaps[0]}, which the bundle's port imports from the "
+                         f"NxDI tree it was built with ({tree_name(tree)}): pass --nxdi-tree with a checkout of that "
+                         "commit (its src/ goes on PYTHONPATH, as the port's launcher puts it) or install NxDI from it")
 
 
 def printable(doc: dict) -> dict:
@@ -191,7 +252,7 @@ def require_vllm(stack: dict) -> None:
     if not all(have[d] is not None and stack_matches(have[d], want[d]) for d in want):
         raise InfraError(f"this host has vLLM {have['vllm']} with vllm-neuron {have['vllm-neuron']}; the bundle "
                          f"(SDK {', '.join(stack['releases'])}) is served by vLLM {want['vllm']} with vllm-neuron "
-                         f"{want['vllm-neuron']}.x ({VLLM_SERVE}): use that release's vLLM environment")
+                         f"{want['vllm-neuron']} ({VLLM_SERVE}): use that release's vLLM environment")
 
 
 def _version(dist: str) -> str | None:
@@ -267,57 +328,84 @@ def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
     check_servable(bundle, serve_doc)
     check_passthrough(options.server_args, serve_doc)
     require_vllm(serve_doc["stack"])
+    require_nxdi(serve_doc, nxdi_tree_src(serve_doc, options.nxdi_tree))
     check_files(bundle, manifest, digests=not options.digests_checked)
     check_load_preconditions(bundle, serve_doc)
     port = options.port or free_port(options.host)
+    backend = free_port("127.0.0.1") if serve_doc.get("chat_proxy") else None
     doc = serve_command(bundle, manifest, options.name, options.host, port, sys.executable,
-                        options.server_args, getattr(options, "api_key", None))
+                        options.server_args, getattr(options, "api_key", None), options.nxdi_tree, backend)
     env = dict(os.environ, **doc["env"])
     if os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join((doc["env"]["PYTHONPATH"], os.environ["PYTHONPATH"]))
     options.log(f"starting vLLM on {bundle} (prompts up to {doc['max_prompt_length']} tokens, "
-                f"{doc['max_model_len']} in all)")
-    child = subprocess.Popen(doc["command"], env=env, start_new_session=True)
+                f"{doc['max_model_len']} in all)" + (" behind the port's chat proxy" if backend else ""))
+    children = [subprocess.Popen(doc["command"], env=env, start_new_session=True)]
+    if backend:
+        children.append(subprocess.Popen(doc["proxy"]["command"], env=dict(os.environ), start_new_session=True))
     try:
-        stopped = _run(child, doc["url"], options)
+        # vLLM first: the proxy answers nothing useful before vLLM does.
+        urls = [f"http://127.0.0.1:{backend}/v1", doc["url"]] if backend else [doc["url"]]
+        stopped = _run(children, urls, options)
     finally:
+        for child in children:
+            if child.poll() is None:
+                child.terminate()
+                child.wait()
         check_unchanged(bundle, manifest)
     if stopped:
         return 0
-    raise InfraError(f"vLLM exited with code {child.returncode} before it was stopped; its output is above")
+    ended = next(c for c in children if c.returncode is not None)
+    what = "vLLM" if ended is children[0] else "the port's chat proxy"
+    raise InfraError(f"{what} exited with code {ended.returncode} before it was stopped; its output is above")
 
 
-def _run(child, url: str, options: ServeOptions) -> bool:
-    """Wait for `child`, forwarding SIGINT and SIGTERM and announcing `url` once it answers; whether it ended after
-    such a signal."""
+def _run(children: list, urls: list[str], options: ServeOptions) -> bool:
+    """Wait until one of `children` (vLLM, and the chat proxy in front of it) ends, forwarding SIGINT and SIGTERM to
+    each and announcing the last of `urls` once each has answered in turn; whether they ended after such a signal."""
     import signal
     import threading
     import urllib.error
     import urllib.request
 
-    stopping = threading.Event()
+    stopping, ended = threading.Event(), threading.Event()
 
     def forward(signum, frame) -> None:
         stopping.set()
-        child.send_signal(signum)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    def answers(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url + "/models", timeout=READY_POLL_S):
+                return True
+        except urllib.error.HTTPError:
+            return True     # it answers (401 where an API key is set): vLLM listens only once its engine is up
+        except OSError:
+            return False
 
     def announce() -> None:
-        while child.poll() is None and not stopping.is_set():
-            try:
-                with urllib.request.urlopen(url + "/models", timeout=READY_POLL_S):
-                    pass
-            except urllib.error.HTTPError:
-                pass        # it answers (401 where an API key is set): vLLM listens only once its engine is up
-            except OSError:
-                stopping.wait(READY_POLL_S)
-                continue
-            options.on_ready(url)
-            return
+        for url in urls:
+            while not answers(url):
+                if ended.is_set() or stopping.wait(READY_POLL_S):
+                    return
+        options.on_ready(urls[-1])
+
+    def wait(child) -> None:
+        child.wait()
+        ended.set()
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         threading.Thread(target=announce, daemon=True).start()
-        child.wait()
+        for child in children:
+            threading.Thread(target=wait, args=(child,), daemon=True).start()
+        while not ended.wait(READY_POLL_S):
+            pass
+        if stopping.is_set():
+            for child in children:
+                child.wait()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -27,6 +27,9 @@ class VllmConfig:
     max_prompt_length: int | None = None     # set by the platform (vllm_neuron/platform.py L314-316)
     mamba_cache_mode: str = "none"           # vllm/config/cache.py MambaCacheMode, default "none"
     mamba_ssm_cache_dtype: str = "auto"
+    # --generation-config: "auto" reads the model's generation_config.json for the sampling defaults, "vllm" keeps
+    # vLLM's own (the Qwen3.6-27B port's vllm/README.md L106-109 @ 03db3ef says why its launcher passes "vllm").
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         tokens = self.max_num_batched_tokens

@@ -34,6 +34,18 @@ from neuronx_distributed_inference.modules.attention.gqa import attention_weight
 
 from src.hybrid_apc import init_hybrid_apc_scheduler_bridge
 
+# The Qwen3.6-27B port (PR 173 @ 03db3ef) imports four functions of NxDI's modules/async_execution.py that only that
+# PR's own NxDI tree has (L47-52); tests.nxdi_double.pr173_port() writes that copy, tests.nxdi_double.nxdi_tree() the
+# tree.
+IMPORTS_PR173_NXDI = False
+if IMPORTS_PR173_NXDI:
+    from neuronx_distributed_inference.modules.async_execution import (  # noqa: F401
+        cancel_hybrid_apc_request,
+        finish_hybrid_apc_request,
+        prepare_hybrid_apc_model_inputs,
+        prepare_hybrid_apc_request_for_execution,
+    )
+
 # The Qwen3.5-27B port (PR 128 @ 550e2ab) is this module with NeuronGatedDeltaNet's nn.Conv1d / nn.Linear /
 # nn.Parameter whole on every rank (L258-281) and a dense MLP in every layer (L1427);
 # tests.nxdi_double.replicated_deltanet_port() writes that copy.
@@ -169,6 +181,18 @@ def _dtype(config) -> str:
     return str(config.neuron_config.torch_dtype).split(".")[1]
 
 
+def _stage_inputs(config) -> int:
+    """The tensors one context-encoding or token-generation call of the Qwen3.6-27B port takes: 24, or 29 with the
+    hybrid APC manager's five restore / commit vectors (PR 173 modeling_qwen35.py _qwen36_expected_arg_count
+    L4546-4547 with _use_expanded_hybrid_args_for_tag L4491-4503 @ 03db3ef). The traced graphs take what
+    input_generator built from the config at compile (L6811); a call builds its arguments from the config as it is
+    at that call (_build_qwen36_stage_args L4636-4647, the padding L7115-7150), which vLLM's runtime config may have
+    changed. QWEN36_TKG_LEGACY_ARGS=1 keeps 24 either way (L4479-4480); the double refuses that switch."""
+    if os.environ.get("QWEN36_TKG_LEGACY_ARGS") == "1":
+        raise NotImplementedError("QWEN36_TKG_LEGACY_ARGS=1: the legacy argument contract is not in the double")
+    return 29 if getattr(config, "use_hybrid_apc_manager", False) else 24
+
+
 class NeuronQwen35Model:
     """The traced model (NeuronQwen35Model in the port), reduced to what the double needs from it."""
 
@@ -213,6 +237,10 @@ class NeuronQwen35Model:
         return out
 
     @staticmethod
+    def stage_inputs(config) -> int:
+        return _stage_inputs(config)
+
+    @staticmethod
     def trace(config, tag: str, bucket: int, tokens: int, seq_len: int) -> dict:
         """What tracing one bucket reads besides the config: the DeltaNet prefill switch (l.1126) and NxD's expert
         dispatch. Returned into the bucket's "HLO", so a changed switch changes the compile-cache key."""
@@ -237,7 +265,7 @@ class NeuronQwen35Model:
         # l.7055: context encoding takes vision_embeddings / vision_mask of the bucket's length only when
         # use_text_only_cte_inputs is False; else empty ones, and get_model_output never scatters image features.
         traced = {"deltanet_cte_impl": cte_impl if cte else None, "deltanet_multihead_cte": multihead if cte else None,
-                  "vision_inputs": vision,
+                  "vision_inputs": vision, "inputs": _stage_inputs(config),
                   "env": {name: os.environ.get(name) for name in ("QWEN36_DELTANET_CTE_IMPL",
                                                                   "QWEN36_DELTANET_MULTIHEAD_CTE",
                                                                   "QWEN36_DELTANET_CHUNK_SIZE")}}

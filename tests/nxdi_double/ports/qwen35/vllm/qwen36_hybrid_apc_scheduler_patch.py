@@ -3,9 +3,13 @@
 What qbuild depends on: the module lives in the port's vllm/ directory, imports without vLLM, and its
 install_import_hook() patches vllm-neuron's model runner in the calling process, whether the runner module is imported
 already or later (L2737-2749: the modules found in sys.modules are patched at once, an import hook patches the others).
-Of the real patch's changes the fake makes the one the double can see: the runner's KV cache spec lists the hybrid
+Of the real patch's changes the fake makes the two the double can see: the runner's KV cache spec lists the hybrid
 model's attention layers only (L2352-2411; the port also ships it as
-vllm/patches/vllm_neuron_qwen36_kv_cache_spec.patch).
+vllm/patches/vllm_neuron_qwen36_kv_cache_spec.patch), and around every text step of the runner
+(_execute_model_for_text, wrapped at L2494-2565) the port's runtime keys of vLLM's additional_config are set on the
+model's config and restored after (_HYBRID_APC_RUNTIME_CONFIG_KEYS L58-86, _runner_hybrid_apc_runtime_config and
+_apply_hybrid_apc_runtime_config L1355-1409), which is how use_hybrid_apc_manager at serve time reaches the model's
+argument builders.
 Each installation is recorded in the double's log.
 """
 
@@ -17,6 +21,18 @@ import sys
 
 _RUNNER = "vllm_neuron.worker.neuronx_distributed_model_runner"
 _ATTENTION = ("attention", "full_attention", "self_attention", "sliding_attention")     # L97-102
+# The runtime keys the patch copies from additional_config (L58-86).
+_RUNTIME_KEYS = ("use_hybrid_apc_manager", "use_qwen_hybrid_chunked_prefill", "use_qwen_hybrid_chunked_prefill_nki",
+                 "gdn_checkpoint_interval", "max_gdn_checkpoint_slots", "gdn_recurrent_cache_dtype",
+                 "gdn_conv_cache_dtype", "hybrid_recurrent_cache_dtype", "hybrid_conv_cache_dtype",
+                 "hybrid_cache_mode", "hybrid_cache_prefix_boundary_only", "hybrid_cache_block_boundary_only",
+                 "hybrid_cache_validate_exact", "hybrid_apc_layout_version", "hybrid_apc_allow_residual_replay",
+                 "hybrid_apc_cache_salt", "hybrid_apc_model_revision", "hybrid_apc_require_vllm_metadata",
+                 "hybrid_apc_allow_local_hash_fallback", "hybrid_apc_require_attention_block_refs",
+                 "hybrid_apc_reject_unbacked_attention_hits", "hybrid_apc_disable_unbacked_prefix_reads",
+                 "hybrid_apc_enable_backed_prefix_reads", "hybrid_apc_max_backed_prefix_read_len",
+                 "hybrid_apc_allow_mixed_prefill_decode", "hybrid_apc_prefill_chunk_tokens", "qwen_prefill_group_size")
+_MISSING = object()
 
 
 def _patch_runner(module) -> None:
@@ -35,6 +51,25 @@ def _patch_runner(module) -> None:
 
     get_kv_cache_spec._qwen36_hybrid_kv_cache_spec_patched = True
     runner.get_kv_cache_spec = get_kv_cache_spec
+    original_execute = runner._execute_model_for_text
+
+    def execute_model_for_text_with_request_ids(self, *args, **kwargs):
+        extra = self.vllm_config.additional_config or {}
+        values = {key: extra[key] for key in _RUNTIME_KEYS if key in extra}
+        config = self.model.config
+        previous = [(key, getattr(config, key, _MISSING)) for key in values]
+        for key, value in values.items():
+            setattr(config, key, value)
+        try:
+            return original_execute(self, *args, **kwargs)
+        finally:
+            for key, value in reversed(previous):
+                if value is _MISSING:
+                    delattr(config, key)
+                else:
+                    setattr(config, key, value)
+
+    runner._execute_model_for_text = execute_model_for_text_with_request_ids
 
 
 class _Loader(importlib.abc.Loader):

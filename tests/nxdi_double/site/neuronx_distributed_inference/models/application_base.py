@@ -396,6 +396,8 @@ class NeuronApplicationBase:
             shards.append(load_file(shard))
             _check_shard(files[-1], rank, nc.tp_degree, weights, shards[-1])
         unstated = self._check_values(files, ranks, shards, weights)
+        # The inputs each submodel's graphs were traced with (what the port's trace returned), for a call to check.
+        self.traced_inputs = {neff["tag"]: neff["traced"].get("inputs") for neff in spec["neffs"]}
         self.is_loaded = True
         record("load", cls=type(self).__name__, path=path, ranks=ranks, skip_warmup=skip_warmup,
                weights=len(weights), values_checked=True, values_unstated=unstated)

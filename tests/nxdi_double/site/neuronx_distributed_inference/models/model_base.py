@@ -100,3 +100,21 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         buckets = _prefix_token_buckets(nc) if nc.is_prefix_caching else \
             _buckets(nc.enable_bucketing, nc.token_generation_buckets, nc.max_length)
         self._enable(TOKEN_GENERATION_MODEL_TAG, enable_wlt_optimization, buckets, nc.tkg_batch_size, False)
+
+    def execute(self, tag: str, tokens: int) -> None:
+        """One call of the loaded `tag` graph (the double does not compute). Where the port says how many tensors a
+        call takes (its model's stage_inputs, built from the config as it is at the call), they must be the inputs
+        the graph was traced with: NxD routes a call by its inputs' shapes, and a call of another count finds no
+        graph (PR 173's own check reads the traced count from input_shape_map: modeling_qwen35.py
+        _qwen36_compiled_arg_count L4517-4536 @ 03db3ef). The double raises there in its own words."""
+        if not self.is_loaded:
+            raise RuntimeError("execute: the model was not loaded")
+        stage_inputs = getattr(self._model_cls, "stage_inputs", None)
+        traced = self.traced_inputs.get(tag)
+        if stage_inputs is None or traced is None:
+            return
+        built = stage_inputs(self.config)
+        if built != traced:
+            raise RuntimeError(f"{tag}: a call of {built} tensors (use_hybrid_apc_manager="
+                               f"{bool(getattr(self.config, 'use_hybrid_apc_manager', False))} now) to a graph traced "
+                               f"with {traced} inputs")

@@ -171,21 +171,20 @@ def get_neuron_model(config):
 
 def check_cache_layout(model, config) -> None:
     """Stricter than vllm-neuron, which never compares them: the runner computes every KV slot as block * block_size
-    + offset over vLLM's blocks (runner L1352-1363, L1401-1413, L1597-1660), so a loaded model compiled with another
-    block size or block count, or without the block layout the scheduler's chunked prefill or prefix caching feeds
-    (is_block_kv_layout = chunked prefill or prefix caching: runner L167-169), would be addressed wrongly; and a
-    chunk must fit a compiled context-encoding bucket (models/model_wrapper.py L1232-1254 @ 03db3ef raise where none
-    does)."""
+    + offset (runner L1352-1363, L1401-1413, L1597-1660), so a loaded model compiled with another block size, or
+    without the block layout the scheduler's chunked prefill or prefix caching feeds (is_block_kv_layout = chunked
+    prefill or prefix caching: runner L167-169), would be addressed wrongly; and a chunk must fit a compiled
+    context-encoding bucket (models/model_wrapper.py L1232-1254 @ 03db3ef raise where none does). Which blocks vLLM
+    and the compiled cache each write is the runner's block table (runner double, BlockTable)."""
     nc = model.neuron_config
     if not (config.enable_chunked_prefill or config.enable_prefix_caching):
         return
     if not nc.is_block_kv_layout:
         raise RuntimeError("vLLM feeds a block KV layout (chunked prefill or prefix caching) to a model compiled "
                            "with a contiguous KV cache")
-    blocks = config.num_gpu_blocks_override - 1 if config.num_gpu_blocks_override is not None else None
-    if (nc.pa_block_size, nc.pa_num_blocks) != (config.block_size, blocks):
-        raise RuntimeError(f"vLLM addresses {blocks} blocks of {config.block_size} tokens; the compiled KV cache is "
-                         f"{nc.pa_num_blocks} blocks of {nc.pa_block_size}")
+    if nc.pa_block_size != config.block_size:
+        raise RuntimeError(f"vLLM addresses blocks of {config.block_size} tokens; the compiled KV cache has blocks of "
+                           f"{nc.pa_block_size}")
     if config.enable_prefix_caching and not nc.is_prefix_caching:
         raise RuntimeError("prefix caching is on in vLLM and off in the compiled model")
     buckets = [b[0] if isinstance(b, list) else b for b in (nc.context_encoding_buckets or [])]

@@ -1,9 +1,32 @@
 """vllm_neuron/worker/neuronx_distributed_model_runner.py @ 3afb0a9: what the engine core's runner does with the
-model before it serves: load it (load_model L525-548), hold vLLM's prompt limit to the compiled one (L604-694), and
-tell vLLM's KV cache manager which layers have KV blocks (get_kv_cache_spec L892-917: every layer of the HF config,
-as full attention)."""
+model before and while it serves: load it (load_model L525-548), hold vLLM's prompt limit to the compiled one
+(L604-694), tell vLLM's KV cache manager which layers have KV blocks (get_kv_cache_spec L892-917: every layer of the
+HF config, as full attention), and run a scheduled step through the model (execute_model)."""
 
 from __future__ import annotations
+
+
+class BlockTable:
+    """Who writes each block of the compiled KV cache. Stricter than vLLM and NxDI, which never compare them: a block
+    with two owners is refused here, where the real stack would let one overwrite the other.
+
+    - vLLM: num_gpu_blocks blocks (the override plus the platform's null block: platform.py L318-332); block 0 is
+      its null block, popped first from the free queue and never in a block table (vllm/v1/core/block_pool.py
+      BlockPool.__init__; the runner assumes "block 0 will never be used": L115-120), so requests get 1..N.
+    - The runner pads every slot mapping with -1 (_SLOT_MAPPING_PAD L119, L1527-1529), which NxDI's prefix-caching
+      cache writes into its last block (block_kv_cache_manager.padding_block).
+    - A block vLLM may hand out that the compiled cache does not have is refused as well."""
+
+    def __init__(self, blocks: int):
+        self.blocks = blocks
+        self.owner: dict[int, str] = {}
+
+    def claim(self, block: int, who: str) -> None:
+        if not 0 <= block < self.blocks:
+            raise RuntimeError(f"{who} addresses block {block}; the compiled KV cache has blocks 0..{self.blocks - 1}")
+        if block in self.owner:
+            raise RuntimeError(f"block {block} of the compiled KV cache has two owners: {self.owner[block]} and {who}")
+        self.owner[block] = who
 
 
 class NeuronxDistributedModelRunner:
@@ -13,6 +36,7 @@ class NeuronxDistributedModelRunner:
         self.model = None
         self.max_prompt_length = None
         self.neuron_config = None
+        self.block_table = None
 
     def load_model(self) -> None:
         from vllm_neuron.worker import neuronx_distributed_model_loader as loader
@@ -22,6 +46,23 @@ class NeuronxDistributedModelRunner:
         nc = self.model.neuron_config
         self.neuron_config = {k: getattr(nc, k) for k in ("max_context_length", "is_block_kv_layout",
                                                           "is_prefix_caching", "pa_block_size", "pa_num_blocks")}
+
+    def initialize_kv_cache(self) -> BlockTable | None:
+        """The block table of a block KV layout once vLLM's pool exists (num_gpu_blocks, null block included)."""
+        from neuronx_distributed_inference.modules.kvcache.block_kv_cache_manager import cache_blocks, padding_block
+
+        nc = self.model.neuron_config
+        if not nc.is_block_kv_layout or self.vllm_config.num_gpu_blocks_override is None:
+            return None
+        table = BlockTable(cache_blocks(nc))
+        table.claim(0, "vLLM's null block")
+        for block in range(1, self.vllm_config.num_gpu_blocks_override):
+            table.claim(block, f"vLLM's block {block}")
+        sink = padding_block(nc)
+        if sink is not None:
+            table.claim(sink, "NxDI's padding sink")
+        self.block_table = table
+        return table
 
     def get_kv_cache_spec(self) -> dict[str, dict]:
         """L892-917: `layers.<i>.self_attn` for every layer of the HF config (get_num_layers_from_hf_config)."""
@@ -42,3 +83,13 @@ class NeuronxDistributedModelRunner:
             raise RuntimeError(f"prefix caching with a KV cache spec that names the DeltaNet layers {deltanet} as "
                                "attention: vllm-neuron 0.5's spec, unpatched")
         return spec
+
+    def execute_model(self, prompt_tokens: int) -> None:
+        """One scheduled prefill step of a `prompt_tokens`-token request: a text model's step goes through
+        _execute_model_for_text (execute_model L697-761), which the Qwen3.6-27B port's patch wraps."""
+        self._execute_model_for_text(prompt_tokens)
+
+    def _execute_model_for_text(self, prompt_tokens: int) -> None:
+        """L1046-1068: the model's forward. The double does not compute: the port's model builds the call's
+        arguments and its traced graph takes them or raises (the port fake's `execute`)."""
+        self.model.execute("context_encoding_model", prompt_tokens)

@@ -6,14 +6,19 @@ L612-614), read the HF config with AutoConfig and no trust_remote_code unless as
 L155-188), let the platform update the configuration (vllm_neuron/platform.py L290-387), start the engine core in a
 process of the multiprocessing method VLLM_WORKER_MULTIPROC_METHOD names, the configuration its argument (v1/engine/
 utils.py L99-128), which loads the general plugins again (v1/engine/core.py L91-93) and the model (the loader
-double), then serve HTTP until SIGINT or SIGTERM (exit 0). A failed engine start exits 1.
+double) and, for a block KV layout, the runner's block table over vLLM's blocks (the runner double's BlockTable),
+then serve HTTP until SIGINT or SIGTERM (exit 0). A failed engine start exits 1. The engine core stays up and runs
+one model step per request the server takes.
 
 It answers GET /v1/models, and POST /v1/completions only with what vLLM refuses first: a prompt longer than
-max_prompt_length (platform_overrides.py L96-109 @ 3afb0a9, a 400) or not shorter than max_model_len (a 400); for
-any other prompt it answers 501, since it cannot generate. POST /v1/chat/completions with an image part answers as
-vLLM 0.16 does for an architecture whose registered class is not multimodal: a 400, "<model> is not a multimodal
-model" (multimodal/registry.py:232-233, from the chat parser's item tracker, entrypoints/chat_utils.py:501-541; the
-ValueError becomes a 400 in entrypoints/openai/engine/serving.py:640-662); any other chat request is a 501.
+max_prompt_length (platform_overrides.py L96-109 @ 3afb0a9, a 400) or not shorter than max_model_len (a 400); any
+other prompt is run through the engine core as one prefill step (the runner's execute_model), and answered 501 since
+the double cannot generate, or 500 with the step's error, as vLLM answers a request whose engine step raised.
+POST /v1/chat/completions with an image part answers as vLLM 0.16 does for an architecture whose registered class is
+not multimodal: a 400, "<model> is not a multimodal model" (multimodal/registry.py:232-233, from the chat parser's
+item tracker, entrypoints/chat_utils.py:501-541; the ValueError becomes a 400 in
+entrypoints/openai/engine/serving.py:640-662); any other chat request is checked and run as a completion of its
+messages' text (the double applies no chat template).
 /v1 needs the API key where one is set (api_server.py L239-240: --api-key, else VLLM_API_KEY).
 """
 
@@ -62,7 +67,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def engine_core(vllm_config, conn) -> None:
-    """The engine-core process: plugins, then the model; reports ("ready", facts) or ("failed", traceback)."""
+    """The engine-core process: plugins, then the model and its KV cache; reports ("ready", facts) or ("failed",
+    traceback), then runs one model step per prompt length it is sent (None ends it)."""
     try:
         from neuronx_distributed_inference._double import record
         from vllm.plugins import load_general_plugins
@@ -73,6 +79,7 @@ def engine_core(vllm_config, conn) -> None:
         runner = NeuronxDistributedModelRunner(vllm_config)
         runner.load_model()
         spec = runner.check_kv_cache_spec()
+        table = runner.initialize_kv_cache()
         model, limit = runner.model, runner.max_prompt_length
         hf = type(vllm_config.hf_config)
         record("vllm_engine_core", start_method=multiprocessing.get_start_method(),
@@ -81,27 +88,57 @@ def engine_core(vllm_config, conn) -> None:
                block_size=vllm_config.block_size, num_gpu_blocks=vllm_config.num_gpu_blocks_override,
                chunked_prefill=vllm_config.enable_chunked_prefill, prefix_caching=vllm_config.enable_prefix_caching,
                max_num_batched_tokens=vllm_config.max_num_batched_tokens, kv_cache_layers=sorted(spec),
-               mamba_cache_mode=vllm_config.mamba_cache_mode,
+               mamba_cache_mode=vllm_config.mamba_cache_mode, generation_config=vllm_config.generation_config,
+               block_owners=None if table is None else {str(b): who for b, who in sorted(table.owner.items())
+                                                        if not who.startswith("vLLM's block ")},
+               cache_blocks=None if table is None else table.blocks,
                neuron_config=runner.neuron_config, additional_config=vllm_config.additional_config)
         conn.send(("ready", limit))
     except BaseException:
         conn.send(("failed", traceback.format_exc()))
+        return
+    while (tokens := conn.recv()) is not None:
+        try:
+            runner.execute_model(tokens)
+            record("vllm_engine_step", prompt_tokens=tokens, ok=True)
+            conn.send(("ok", None))
+        except Exception as e:
+            record("vllm_engine_step", prompt_tokens=tokens, ok=False, error=str(e))
+            conn.send(("failed", f"{type(e).__name__}: {e}"))
 
 
-def start_engine(config) -> None:
-    context = multiprocessing.get_context(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"))
-    parent, child = context.Pipe()
-    proc = context.Process(target=engine_core, name="EngineCore_DP0", kwargs={"vllm_config": config, "conn": child})
-    proc.start()          # with spawn, the kwargs are pickled here
-    child.close()
-    try:
-        status, detail = parent.recv()
-    except EOFError:
-        status, detail = "failed", f"the engine core process died (exit code {proc.join() or proc.exitcode})"
-    proc.join()
-    if status != "ready":
-        sys.stderr.write(f"{detail}\nRuntimeError: Engine core initialization failed. See root cause above.\n")
-        sys.exit(1)
+class Engine:
+    """The front process's handle on the engine-core process: one step at a time."""
+
+    def __init__(self, config) -> None:
+        import threading
+
+        context = multiprocessing.get_context(os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork"))
+        self.conn, child = context.Pipe()
+        self.proc = context.Process(target=engine_core, name="EngineCore_DP0",
+                                    kwargs={"vllm_config": config, "conn": child})
+        self.proc.start()          # with spawn, the kwargs are pickled here
+        child.close()
+        self.lock = threading.Lock()
+        try:
+            status, detail = self.conn.recv()
+        except EOFError:
+            status, detail = "failed", f"the engine core process died (exit code {self.proc.join() or self.proc.exitcode})"
+        if status != "ready":
+            self.proc.join()
+            sys.stderr.write(f"{detail}\nRuntimeError: Engine core initialization failed. See root cause above.\n")
+            sys.exit(1)
+
+    def step(self, prompt_tokens: int) -> str | None:
+        """None where the model step ran, else its error."""
+        with self.lock:
+            self.conn.send(prompt_tokens)
+            status, detail = self.conn.recv()
+        return None if status == "ok" else detail
+
+    def stop(self) -> None:
+        self.conn.send(None)
+        self.proc.join()
 
 
 def load_tokenizer(model: str):
@@ -118,20 +155,38 @@ def load_tokenizer(model: str):
     return AutoTokenizer.from_pretrained(model)
 
 
-def chat_answer(body: dict, config, model: str) -> tuple[int, dict]:
-    """(status, body) of a chat request: an image part for a model vLLM has no multimodal class for is its 400."""
-    from vllm.model_executor.models import ModelRegistry
+def chat_text(body: dict) -> str | None:
+    """The text of a chat request's messages, or None where one carries an image part."""
+    texts = []
+    for message in body.get("messages", []):
+        content = message.get("content")
+        if isinstance(content, list):
+            if any(part.get("type") in ("image_url", "image", "image_pil") for part in content):
+                return None
+            texts += [part.get("text", "") for part in content]
+        else:
+            texts.append(str(content or ""))
+    return "\n".join(texts)
 
-    images = [part for message in body.get("messages", []) if isinstance(message.get("content"), list)
-              for part in message["content"] if part.get("type") in ("image_url", "image", "image_pil")]
-    architecture = (getattr(config.hf_config, "architectures", None) or [None])[0]
-    if images and not ModelRegistry.is_multimodal(architecture):
-        return 400, {"error": {"message": f"{model} is not a multimodal model", "type": "BadRequestError",
-                               "param": None, "code": 400}}
+
+def prompt_answer(n: int, config, engine: Engine) -> tuple[int, dict]:
+    """(status, body) of a prompt of n tokens: what vLLM refuses first, else one engine step."""
+    if config.max_prompt_length is not None and n > config.max_prompt_length:
+        message = (f"This model's maximum prompt length is {config.max_prompt_length} tokens. However, your "
+                   f"request has {n} prompt tokens. Please reduce the length of the prompt.")
+        return 400, {"error": {"message": message, "type": "BadRequestError", "code": 400}}
+    if n >= config.max_model_len:
+        return 400, {"error": {"message": f"This model's maximum context length is {config.max_model_len} tokens.",
+                               "code": 400}}
+    error = engine.step(n)
+    if error is not None:
+        return 500, {"error": {"message": error, "type": "InternalServerError", "code": 500}}
     return 501, {"error": "the vLLM contract double does not generate"}
 
 
-def serve_http(args, config) -> None:
+def serve_http(args, config, engine: Engine) -> None:
+    from vllm.model_executor.models import ModelRegistry
+
     tokenizer = load_tokenizer(args.model)
     names = args.served_model_name or [args.model]
     keys = [k for k in (args.api_key or [os.environ.get("VLLM_API_KEY")]) if k]
@@ -168,18 +223,20 @@ def serve_http(args, config) -> None:
                 return
             body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
             if self.path == "/v1/chat/completions":
-                return self.reply(*chat_answer(body, config, args.model))
+                from neuronx_distributed_inference._double import record
+
+                record("vllm_chat_request", chat_template_kwargs=body.get("chat_template_kwargs"))
+                text = chat_text(body)
+                architecture = (getattr(config.hf_config, "architectures", None) or [None])[0]
+                if text is None and not ModelRegistry.is_multimodal(architecture):
+                    return self.reply(400, {"error": {"message": f"{args.model} is not a multimodal model",
+                                                      "type": "BadRequestError", "param": None, "code": 400}})
+                if text is None:
+                    return self.reply(501, {"error": "the vLLM contract double does not generate"})
+                return self.reply(*prompt_answer(len(tokenizer(text)["input_ids"]), config, engine))
             if self.path != "/v1/completions":
                 return self.reply(404, {"error": "not found"})
-            n = len(tokenizer(body.get("prompt", ""))["input_ids"])
-            if config.max_prompt_length is not None and n > config.max_prompt_length:
-                message = (f"This model's maximum prompt length is {config.max_prompt_length} tokens. However, your "
-                           f"request has {n} prompt tokens. Please reduce the length of the prompt.")
-                return self.reply(400, {"error": {"message": message, "type": "BadRequestError", "code": 400}})
-            if n >= config.max_model_len:
-                return self.reply(400, {"error": {"message": f"This model's maximum context length is "
-                                                             f"{config.max_model_len} tokens.", "code": 400}})
-            self.reply(501, {"error": "the vLLM contract double does not generate"})
+            self.reply(*prompt_answer(len(tokenizer(body.get("prompt", ""))["input_ids"]), config, engine))
 
     server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), Handler)
 
@@ -192,6 +249,7 @@ def serve_http(args, config) -> None:
     except KeyboardInterrupt:
         pass
     server.server_close()
+    engine.stop()
 
 
 def main(argv: list[str]) -> None:
@@ -211,10 +269,10 @@ def main(argv: list[str]) -> None:
                         enable_chunked_prefill=bool(args.enable_chunked_prefill),
                         additional_config=args.additional_config, block_size=args.block_size,
                         max_num_batched_tokens=args.max_num_batched_tokens, mamba_cache_mode=args.mamba_cache_mode,
-                        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype)
+                        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                        generation_config=args.generation_config or "auto")
     platform.check_and_update_config(config)
-    start_engine(config)
-    serve_http(args, config)
+    serve_http(args, config, Engine(config))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Contract double of NxDI modules/kvcache/ (@ 03db3ef)."""
