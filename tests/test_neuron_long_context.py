@@ -163,6 +163,9 @@ def test_serve_runs_chunked_prefill_and_prefix_caching_through_vllm_neuron(lc, t
     assert (engine["block_size"], engine["num_gpu_blocks"], engine["max_prompt_length"]) == (32, 9, 256)
     assert engine["block_owners"] == {"0": "vLLM's null block", "9": "NxDI's padding sink"}
     assert engine["cache_blocks"] == 10 and engine["generation_config"] == "vllm"
+    # The port's scheduler patch lets vLLM read its prefix cache only for an artifact that supports backed reads:
+    # without them every request would be prefilled in full, cached prefix or not.
+    assert [c["possible"] for c in served.calls("hybrid_apc_prefix_reads")] == [True]
     layer_types = json.loads((bundle / "config.json").read_text())["layer_types"]
     assert engine["kv_cache_layers"] == [f"layers.{i}.self_attn" for i, kind in enumerate(layer_types)
                                          if kind == "full_attention"]
@@ -356,6 +359,52 @@ def test_the_bundle_records_the_nxdi_tree_and_serve_puts_it_on_the_path(lc_tree,
     assert code == 0, err
     (engine,) = served.calls("vllm_engine_core")
     assert engine["app_cls"].endswith("NeuronQwen35ForCausalLM")
+
+
+def test_an_nxdi_tree_checked_out_at_another_commit_is_refused(tmp_path):
+    """The names the port imports and the version are not enough: PR 173 changes NxDI files beyond them (its block
+    KV cache manager, its model wrapper), and another tree of version 0.9.0 can hold those names. A git checkout must
+    be at the recorded commit."""
+    from qbuild.core.errors import UserError
+    from qbuild.backends.neuron.vllm_serve import nxdi_tree_src
+
+    rev = "03db3ef214ebf8fa8e93e6cee8d5b6fe1618dae8"
+    tree = nxdi_tree(tmp_path / "tree")
+    imports = {ASYNC: ["cancel_hybrid_apc_request"]}
+    serve = {"nxdi_tree": {"git": "https://github.com/aws-neuron/neuronx-distributed-inference.git", "rev": rev,
+                           "src": "src", "version": "0.9.0", "imports": imports}}
+    assert nxdi_tree_src(serve, tree) == (tree / "src").resolve()    # not a git checkout: names and version only
+    (tree / ".git" / "refs" / "heads").mkdir(parents=True)
+    (tree / ".git" / "HEAD").write_text("ref: refs/heads/pr173\n")
+    (tree / ".git" / "refs" / "heads" / "pr173").write_text(rev + "\n")
+    assert nxdi_tree_src(serve, tree) == (tree / "src").resolve()
+    other = "ef2731ef8c5764953d23f95f0a8b736bcc5bc8d4"
+    (tree / ".git" / "refs" / "heads" / "pr173").unlink()
+    (tree / ".git" / "packed-refs").write_text(f"# pack-refs with: peeled\n{other} refs/heads/pr173\n")
+    with pytest.raises(UserError, match=f"not the NxDI tree this bundle's port imports from .*checked out at {other}"):
+        nxdi_tree_src(serve, tree)
+    (tree / ".git" / "HEAD").write_text(other + "\n")     # a detached HEAD
+    with pytest.raises(UserError, match=f"checked out at {other}"):
+        nxdi_tree_src(serve, tree)
+
+
+@pytest.mark.parametrize("host,port,words", [("::", 8000, "--host ::: this bundle is served behind the port's chat "
+                                                            "proxy, which listens on IPv4 only"),
+                                             ("::1", 8000, "listens on IPv4 only"),
+                                             ("0.0.0.0", 65535, "--port 65535: this bundle's vLLM listens on the "
+                                                                "port after the public one")])
+def test_an_address_the_chat_proxy_cannot_take_is_refused_before_anything_starts(lc, tmp_path, host, port, words):
+    build, bundle = lc
+    proc = build.cli("serve", str(bundle), "--host", host, "--port", str(port), "--dry-run")
+    assert proc.returncode == 2 and words in proc.stderr and "\n" not in proc.stderr.strip(), proc.stderr
+
+
+def test_the_ports_chosen_for_the_proxy_and_vllm_differ():
+    from qbuild.backends.neuron.vllm_serve import free_ports
+
+    for _ in range(20):
+        public, backend = free_ports("127.0.0.1", 2)
+        assert public != backend
 
 
 # --- what vLLM and vllm-neuron refuse: one value of the printed command changed ---------------------------------

@@ -190,19 +190,44 @@ def _complete(url: str, ids: list[int]) -> dict:
         return json.loads(r.read())
 
 
+def _two_free_ports() -> int:
+    """A port P such that P and P + 1 are free now (behind the chat proxy, vLLM takes the port after the public one)."""
+    import socket
+
+    for _ in range(100):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port < 65535:
+                with socket.socket() as b:
+                    try:
+                        b.bind(("127.0.0.1", port + 1))
+                        return port
+                    except OSError:
+                        continue
+    raise AssertionError("no two consecutive free ports")
+
+
 @contextmanager
 def _serving(bundle: Path, tmp_path: Path):
-    """`qbuild serve` of the bundle as a user starts it (the vLLM flag for cached-token counts after --); its URL."""
+    """`qbuild serve` of the bundle as a user starts it (the vLLM flag for cached-token counts after --): (the public
+    URL, vLLM's own URL behind the port's chat proxy). The tests send token ids as raw completions to vLLM itself: the
+    tiny checkpoint has no chat template, and the proxy refuses raw completions (checked here)."""
     import signal
+    import urllib.error
 
     from tests.conftest import wait_until
 
-    ready = tmp_path / "url"
-    server = subprocess.Popen([str(Path(sys.executable).with_name("qbuild")), "serve", str(bundle), "--port", "0",
-                               "--ready-file", str(ready), "--", "--enable-prompt-tokens-details"],
+    ready, port = tmp_path / "url", _two_free_ports()
+    server = subprocess.Popen([str(Path(sys.executable).with_name("qbuild")), "serve", str(bundle), "--port",
+                               str(port), "--ready-file", str(ready), "--", "--enable-prompt-tokens-details"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        yield wait_until(lambda: ready.exists() and ready.read_text().strip(), 1800, "vLLM to answer /v1/models")
+        public = wait_until(lambda: ready.exists() and ready.read_text().strip(), 1800, "vLLM to answer /v1/models")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _complete(public, [1, 2, 3])
+        assert refused.value.code == 400
+        yield f"http://127.0.0.1:{port + 1}/v1"
     finally:
         server.send_signal(signal.SIGINT)
         _, err = server.communicate(timeout=300)

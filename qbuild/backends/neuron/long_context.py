@@ -66,8 +66,8 @@ SERVING_PATCH_HOOK = "install_import_hook"
 CHAT_PROXY = "vllm/qwen36_chat_proxy.py"
 # vLLM's null block: vllm-neuron adds one block to --num-gpu-blocks-override for it (platform L318-332) and vLLM's block
 # pool keeps it out of every block table, so vLLM's blocks are 1..N. NxDI's prefix-caching cache has pa_num_blocks
-# + 1 blocks and writes every padded slot (the runner pads slot mappings with -1: runner L119, L1527-1529) into its
-# last one (block_kv_cache_manager.py _NUM_EXTRA_RESERVED_BLOCK L21, shape L62-76, pad_dest_index L345-355). With
+# + 1 blocks and writes every padded slot (NxDI's model wrapper pads a chunk's slot mapping to the CTE bucket with -1:
+# models/model_wrapper.py L1512-1513 @ 03db3ef) into its last one (block_kv_cache_manager.py _NUM_EXTRA_RESERVED_BLOCK L21, shape L62-76, pad_dest_index L345-355). With
 # pa_num_blocks = N + 1 that sink is block N + 1, which vLLM never hands out; the port's validated artifact is "pa1025"
 # served with --num-gpu-blocks-override 1024 (vllm/README.md L146-151), whatever its comments call "identical"
 # (compile script L430-434, launcher L172-176).
@@ -248,7 +248,17 @@ def runtime_config(lc: dict, dtype: str) -> dict:
     only with --enable-hybrid-apc (L582), a flag qbuild's bundles need for every compile. What prefix caching turns on
     are the launcher's strict-metadata companions (L596-602): vLLM's prefix hashes and attention block refs required,
     no local hash fallback, and the chunk as hybrid_apc_prefill_chunk_tokens; without it they keep the values the
-    compile set (compile script L994-1000), where the restore masks stay empty (vllm/README.md L80-86)."""
+    compile set (compile script L994-1000), where the restore masks stay empty (vllm/README.md L80-86).
+
+    With prefix caching, backed prefix reads too (the launcher's --hybrid-apc-enable-backed-prefix-reads, L92, L600):
+    with strict metadata the port's scheduler patch marks every request skip_reading_prefix_cache
+    (should_disable_unbacked_prefix_reads L993-1037, _unbacked_prefix_reads_disabled_requested L787-807) unless the
+    artifact supports backed reads, which takes this key and use_qwen_hybrid_chunked_prefill
+    (_supports_backed_prefix_reads L940-953), and a registered GDN checkpoint backs the hit (L817-853): without it a
+    repeated prefix would be prefilled again in full. The launcher leaves it off by default (L39); the port reports its
+    hybrid APC exactness (warm and partial-prefix runs reproducing the cold tokens) on its 128K hybrid-APC artifact
+    (README.md L121-126), and still calls the path an experiment (vllm/README.md L175), which is what
+    neuron_apc: experimental names."""
     apc = lc["prefix_caching"]
     return {"use_hybrid_apc_manager": True, "use_qwen_hybrid_chunked_prefill": True,
             "use_qwen_hybrid_chunked_prefill_nki": True, "gdn_checkpoint_interval": lc["checkpoint_interval"],
@@ -256,7 +266,7 @@ def runtime_config(lc: dict, dtype: str) -> dict:
             "gdn_conv_cache_dtype": dtype, "hybrid_recurrent_cache_dtype": "float32", "hybrid_conv_cache_dtype": dtype,
             "hybrid_cache_mode": "all", "hybrid_apc_require_vllm_metadata": apc,
             "hybrid_apc_allow_local_hash_fallback": not apc, "hybrid_apc_require_attention_block_refs": apc,
-            "hybrid_apc_prefill_chunk_tokens": lc["chunk_size"] if apc else 0,
+            "hybrid_apc_enable_backed_prefix_reads": apc, "hybrid_apc_prefill_chunk_tokens": lc["chunk_size"] if apc else 0,
             "qwen_prefill_group_size": lc["chunk_size"]}
 
 

@@ -57,6 +57,28 @@ def version(package_dir: Path) -> str | None:
     return None
 
 
+def checkout_commit(tree: Path) -> str | None:
+    """The commit a git checkout at `tree` has checked out, read from its .git files (HEAD, a loose ref or
+    packed-refs); None where `tree` is no git checkout or the commit cannot be read so."""
+    git = tree / ".git"
+    if not git.is_dir():
+        return None
+    try:
+        head = (git / "HEAD").read_text().strip()
+        if not head.startswith("ref: "):
+            return head
+        ref = head[len("ref: "):]
+        if (git / ref).is_file():
+            return (git / ref).read_text().strip()
+        for line in (git / "packed-refs").read_text().splitlines() if (git / "packed-refs").is_file() else ():
+            commit, _, name = line.partition(" ")
+            if name == ref:
+                return commit
+    except OSError:
+        return None
+    return None
+
+
 def installed_package() -> Path | None:
     """The directory of the NxDI package this interpreter imports (found, not imported), or None."""
     spec = importlib.util.find_spec(PACKAGE)

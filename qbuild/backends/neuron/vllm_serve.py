@@ -158,9 +158,11 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
     if api_key:
         env["VLLM_API_KEY"] = api_key
     proxy = serve.get("chat_proxy")
+    if proxy:
+        check_proxy_address(host, port)
     # Behind the port's chat proxy vLLM listens on loopback only ("Keep the backend private and expose the proxy on
     # the public port": the port's vllm/README.md L251-253), on the port after the public one unless told another.
-    vllm_host, vllm_port = ("127.0.0.1", backend_port or port + 1) if proxy else (host, port)
+    vllm_host, vllm_port = ("127.0.0.1", backend_port or (port + 1 if port else 0)) if proxy else (host, port)
     command = [python, "-m", VLLM_ENTRY, "--model", str(bundle), "--served-model-name", name,
                "--host", vllm_host, "--port", str(vllm_port)]
     for flag, value in vllm_args(serve):
@@ -179,6 +181,37 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
         doc["nxdi_tree"] = {"tree": tree_name(serve["nxdi_tree"]), "imports": serve["nxdi_tree"]["imports"],
                             "on_path": str(src) if src else None}
     return doc
+
+
+def check_proxy_address(host: str, port: int) -> None:
+    """UserError, before anything starts, for an address the port's chat proxy cannot take: it serves IPv4 only
+    (ThreadingHTTPServer((host, port)), qwen36_chat_proxy.py L432 @ 03db3ef), and vLLM behind it listens on the port
+    after the public one."""
+    if ":" in host:
+        raise UserError(f"--host {host}: this bundle is served behind the port's chat proxy, which listens on IPv4 "
+                        "only; give an IPv4 address (0.0.0.0 for every interface)")
+    if port == 65535:
+        raise UserError("--port 65535: this bundle's vLLM listens on the port after the public one, behind the "
+                        "port's chat proxy; give a lower port")
+
+
+def free_ports(host: str, count: int) -> list[int]:
+    """`count` distinct ports nothing listens on now, on `host` (the first) and loopback (the others): each socket is
+    held until all are chosen, so two choices cannot meet."""
+    import socket
+
+    sockets = []
+    try:
+        for i in range(count):
+            where = host if i == 0 else "127.0.0.1"
+            family = socket.getaddrinfo(where, 0, type=socket.SOCK_STREAM)[0][0]
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.bind((where, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 # --- the NxDI source tree a port imports from (qbuild.backends.neuron.nxdi_tree) ----------------------------------
@@ -201,9 +234,15 @@ def nxdi_tree_src(serve: dict, given: Path | None) -> Path | None:
     package = src / nxdi_tree.PACKAGE
     gaps = nxdi_tree.missing(package, tree["imports"]) if package.is_dir() else [str(package)]
     have = nxdi_tree.version(package)
-    if gaps or have != tree["version"]:
+    # Where the tree is a git checkout, its commit must be the recorded one: PR 173 changes NxDI files beyond the
+    # names its port imports (its block KV cache manager, its model wrapper), and another tree of the same version
+    # can hold those names.
+    head = nxdi_tree.checkout_commit(given)
+    wrong = f"it lacks {gaps[0]}" if gaps else f"its _version.py says {have}" if have != tree["version"] else \
+        f"it is checked out at {head}" if head is not None and tree.get("rev") and head != tree["rev"] else None
+    if wrong:
         raise UserError(f"--nxdi-tree {given}: not the NxDI tree this bundle's port imports from ({tree_name(tree)}): "
-                        + (f"it lacks {gaps[0]}" if gaps else f"its _version.py says {have}"))
+                        + wrong)
     return src
 
 
@@ -304,16 +343,6 @@ def check_unchanged(bundle: Path, manifest: dict) -> None:
 
 # --- the server ------------------------------------------------------------------------------------------------
 
-def free_port(host: str) -> int:
-    """A port nothing listens on now, for --port 0: vLLM is told a port, so one is chosen before it starts."""
-    import socket
-
-    family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
 def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
     """Check the host and the bundle, run vLLM's OpenAI server on it in a child process (a session of its own, so
     that Ctrl-C and SIGTERM reach qbuild, which hands each on), and check after it stopped that the bundle is as it
@@ -331,8 +360,14 @@ def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
     require_nxdi(serve_doc, nxdi_tree_src(serve_doc, options.nxdi_tree))
     check_files(bundle, manifest, digests=not options.digests_checked)
     check_load_preconditions(bundle, serve_doc)
-    port = options.port or free_port(options.host)
-    backend = free_port("127.0.0.1") if serve_doc.get("chat_proxy") else None
+    proxied = bool(serve_doc.get("chat_proxy"))
+    # vLLM is told its port, so one is chosen before it starts (--port 0); behind the proxy it takes the next port,
+    # as --dry-run says, unless --port 0 left both to choose.
+    if options.port:
+        port, backend = options.port, options.port + 1 if proxied else None
+    else:
+        chosen = free_ports(options.host, 2 if proxied else 1)
+        port, backend = chosen[0], chosen[1] if proxied else None
     doc = serve_command(bundle, manifest, options.name, options.host, port, sys.executable,
                         options.server_args, getattr(options, "api_key", None), options.nxdi_tree, backend)
     env = dict(os.environ, **doc["env"])

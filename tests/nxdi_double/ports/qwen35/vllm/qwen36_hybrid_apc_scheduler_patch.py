@@ -10,6 +10,12 @@ vllm/patches/vllm_neuron_qwen36_kv_cache_spec.patch), and around every text step
 model's config and restored after (_HYBRID_APC_RUNTIME_CONFIG_KEYS L58-86, _runner_hybrid_apc_runtime_config and
 _apply_hybrid_apc_runtime_config L1355-1409), which is how use_hybrid_apc_manager at serve time reaches the model's
 argument builders.
+And the gate on vLLM's prefix-cache reads the patch puts on the scheduler (should_disable_unbacked_prefix_reads
+L993-1037, installed on add_request L1040-1056): with the hybrid APC manager and strict metadata every request is marked
+skip_reading_prefix_cache unless the artifact supports backed reads (_unbacked_prefix_reads_disabled_requested
+L787-807, _supports_backed_prefix_reads L940-953) and a registered GDN checkpoint backs the hit. The double has no
+scheduler: its runner records, once its KV cache is made, whether the configuration lets any read through
+(prefix_reads_possible), as "hybrid_apc_prefix_reads".
 Each installation is recorded in the double's log.
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 
 _RUNNER = "vllm_neuron.worker.neuronx_distributed_model_runner"
@@ -33,6 +40,28 @@ _RUNTIME_KEYS = ("use_hybrid_apc_manager", "use_qwen_hybrid_chunked_prefill", "u
                  "hybrid_apc_enable_backed_prefix_reads", "hybrid_apc_max_backed_prefix_read_len",
                  "hybrid_apc_allow_mixed_prefill_decode", "hybrid_apc_prefill_chunk_tokens", "qwen_prefill_group_size")
 _MISSING = object()
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")     # L205-212
+
+
+def prefix_reads_possible(additional: dict) -> bool:
+    """Whether vLLM may read its prefix cache at all under this additional_config (with a registered checkpoint):
+    reads are not disabled (L787-807), or the artifact supports backed reads (L940-953)."""
+    if _env_flag("QWEN36_HYBRID_APC_ENABLE_PREFIX_READS"):
+        return True
+    disabled = _env_flag("QWEN36_HYBRID_APC_DISABLE_UNBACKED_PREFIX_READS") or (
+        bool(additional.get("use_hybrid_apc_manager")) and (
+            bool(additional.get("hybrid_apc_reject_unbacked_attention_hits"))
+            or bool(additional.get("hybrid_apc_require_vllm_metadata"))
+            or bool(additional.get("hybrid_apc_disable_unbacked_prefix_reads"))))
+    if not disabled:
+        return True
+    if _env_flag("QWEN36_HYBRID_APC_ENABLE_BACKED_PREFIX_READS"):
+        return True
+    return bool(additional.get("hybrid_apc_enable_backed_prefix_reads")) and \
+        bool(additional.get("use_qwen_hybrid_chunked_prefill"))
 
 
 def _patch_runner(module) -> None:
@@ -70,6 +99,18 @@ def _patch_runner(module) -> None:
                     setattr(config, key, value)
 
     runner._execute_model_for_text = execute_model_for_text_with_request_ids
+    original_initialize = runner.initialize_kv_cache
+
+    def initialize_kv_cache(self):
+        from neuronx_distributed_inference._double import record
+
+        table = original_initialize(self)
+        if self.vllm_config.enable_prefix_caching:
+            record("hybrid_apc_prefix_reads",
+                   possible=prefix_reads_possible(self.vllm_config.additional_config or {}))
+        return table
+
+    runner.initialize_kv_cache = initialize_kv_cache
 
 
 class _Loader(importlib.abc.Loader):
