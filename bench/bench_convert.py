@@ -8,7 +8,7 @@ vision encoder of the real width), sharded as recipes/35b-a3b-tp8.yaml shards it
 Two pipelines, each in a child process of its own (peak RSS is the child's VmHWM over its RSS before the work):
 - described (what a build does): convert writes the description of the text weights (and the vision weights), shard
   streams the checkpoint through it into the rank files;
-- materialised (the build before the description, and `--keep-intermediates` now): convert writes the converted text
+- materialized (the build before the description, and `--keep-intermediates` now): convert writes the converted text
   weights, shard reads them.
 Each one's outputs are then put into a store of its own as a build commits them, which gives the bytes the build
 wrote and the bytes a publish of those steps uploads (unique blobs); the rank files of both must be identical.
@@ -247,7 +247,7 @@ def bench(root: Path, layers: int, workers: int, repeats: int) -> dict:
         print(f"described: {json.dumps({k: v for k, v in run.items() if k != 'ranks'})}", file=sys.stderr)
         runs.append(run)
     cp_wall, cp_cpu = copy(root)
-    old = run_pipeline("materialised", root, digests, workers)
+    old = run_pipeline("materialized", root, digests, workers)
     old.update(cp_s=cp_wall, over_cp=old["steps_s"] / cp_wall)
     new = runs[0]
     return {
@@ -263,10 +263,10 @@ def bench(root: Path, layers: int, workers: int, repeats: int) -> dict:
         "peak_rss_growth_over_largest_tensor": round(max(r["peak_rss_growth"] for r in runs) / largest, 2),
         "identical_rank_files": all(r["ranks"] == old["ranks"] for r in runs),
         "described": {k: round(v, 2) if isinstance(v, float) else v for k, v in new.items() if k != "ranks"},
-        "materialised": {k: round(v, 2) if isinstance(v, float) else v for k, v in old.items() if k != "ranks"},
-        "materialised_convert_shard_over_cp": round(old["over_cp"], 3),
-        "materialised_written_over_model": round(old["written_bytes"] / total, 4),
-        "materialised_peak_rss_growth_over_largest_tensor": round(old["peak_rss_growth"] / largest, 2),
+        "materialized": {k: round(v, 2) if isinstance(v, float) else v for k, v in old.items() if k != "ranks"},
+        "materialized_convert_shard_over_cp": round(old["over_cp"], 3),
+        "materialized_written_over_model": round(old["written_bytes"] / total, 4),
+        "materialized_peak_rss_growth_over_largest_tensor": round(old["peak_rss_growth"] / largest, 2),
     }
 
 

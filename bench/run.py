@@ -344,20 +344,19 @@ def bench_restore(args) -> dict:
 def bench_scheduling(args) -> dict:
     from qbuild.execution.engine import BuildOptions, build
     from qbuild.execution.executors.local import LocalExecutor
-    from qbuild.planning.plan import Plan, _add
+    from qbuild.planning.dag import Plan
     from qbuild.store import LocalStore, StoreSpec
-    from tests.engine_actions import TEST_REGISTRY
+    from tests.engine_actions import Sleep, add
 
     n, j, d = 8, 2, 1.0
     work = Path(tempfile.mkdtemp(dir=args.work))
     nodes = {}
     for i in range(n):
-        _add(nodes, "bench", "test-sleep", f"n{i}", {"name": f"n{i}", "log": str(work / "log"), "seconds": d}, {},
-             1, 1)
+        add(nodes, Sleep, f"n{i}", {"name": f"n{i}", "log": str(work / "log"), "seconds": d}, recipe="bench")
     opts = BuildOptions(jobs=j)
     t = time.perf_counter()
     res = build(Plan(nodes, {}), LocalStore(work / "store"), StoreSpec(str(work / "store")),
-                lambda: LocalExecutor(j), opts, registry=TEST_REGISTRY)
+                lambda: LocalExecutor(j), opts)
     took = time.perf_counter() - t
     ideal = math.ceil(n / j) * d
     assert res.ok

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from qbuild.store.gc import GcReport
     from qbuild.store.manifest import Manifest
     from qbuild.store.remote import PushReport
-    from qbuild.planning.plan import NodeStatus, Plan
+    from qbuild.planning.dag import Plan
+    from qbuild.planning.plan import NodeStatus
 
 STATUS_TEXT = {"cached": "cached", "build": "to build", "waiting": "waiting", "unresolved": "not resolved"}
 STATUS_STYLE = {"cached": "green", "build": "yellow", "waiting": "dim", "unresolved": "red"}

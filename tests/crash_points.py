@@ -4,7 +4,7 @@ QBUILD_CRASH_AT is "<action kind>:<phase>". A step of that kind that reaches the
 file QBUILD_CRASH_MARKER and then waits to be killed, so every run of the test kills at the same point of the same
 step whatever the machine's speed. Phases, in the order a step passes them:
 
-    start      its inputs are materialised, the action has not run
+    start      its inputs are materialized, the action has not run
     written    the action wrote its outputs into its staging directory, nothing is in the store yet
     ingested   its output blobs are in the store, its manifest is not
     committed  its manifest is in the store, the driver has not heard of it (the lockfile lacks it)
@@ -34,13 +34,15 @@ def install(point: str, marker: str, after_import) -> None:
         time.sleep(HOLD_S)
 
     if phase in ("start", "written"):
-        after_import(f"qbuild.execution.actions.{kind}", lambda module: _wrap_action(module, phase, stop))
+        after_import(f"qbuild.steps.{kind}", lambda module: _wrap_step(module, kind, phase, stop))
     else:
         after_import("qbuild.store.local", lambda module: _wrap_commit(module.LocalStore, kind, phase, stop))
 
 
-def _wrap_action(module, phase: Phase, stop) -> None:
-    action = module.run
+def _wrap_step(module, kind: str, phase: Phase, stop) -> None:
+    """The step class of `kind` in its module (qbuild/steps/<kind>.py) stops at the phase around its run."""
+    step = next(v for v in vars(module).values() if isinstance(v, type) and getattr(v, "kind", None) == kind)
+    action = step.run
 
     def run(ctx) -> None:
         key = Path(ctx.out).parent.name.split(".")[0]   # the step's staging directory is <key>.<nonce>
@@ -50,7 +52,7 @@ def _wrap_action(module, phase: Phase, stop) -> None:
         if phase == "written":
             stop(key)
 
-    module.run = run
+    step.run = staticmethod(run)
 
 
 def _wrap_commit(store_class, kind: str, phase: Phase, stop) -> None:

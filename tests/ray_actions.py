@@ -1,4 +1,4 @@
-"""Test-defined actions for the Ray executor's tests (a module, not tests: pytest collects nothing here).
+"""Test-defined step kinds for the Ray executor's tests (a module, not tests: pytest collects nothing here).
 
 They run in Ray workers. Each records where it ran (pid, Ray node) in a JSON-lines log so a test can see which
 process to kill and where a retry landed; the log is instrumentation only, never an input of the build.
@@ -11,19 +11,12 @@ import os
 import time
 from pathlib import Path
 
-from qbuild.execution.actions import RunContext
-from qbuild.planning.keys import REGISTRY, ActionSpec
-
-TEXT = ActionSpec("ray-text", "tests.ray_actions:text")
-CRASH_ONCE = ActionSpec("ray-crash-once", "tests.ray_actions:crash_once")
-FAIL = ActionSpec("ray-fail", "tests.ray_actions:fail")
-# The standard actions and these: what the Ray tests' engine and executor plan and run with.
-RAY_REGISTRY = {**REGISTRY, **{spec.kind: spec for spec in (TEXT, CRASH_ONCE, FAIL)}}
+from qbuild.planning.step import Context, Step
 
 HANG_S = 120.0      # how long a first attempt of crash_once waits to be killed before giving up
 
 
-def _record(ctx: RunContext, event: str) -> None:
+def _record(ctx: Context, event: str) -> None:
     node = None
     try:
         import ray
@@ -37,7 +30,7 @@ def _record(ctx: RunContext, event: str) -> None:
         f.write(line + "\n")
 
 
-def _write_outputs(ctx: RunContext) -> None:
+def _write_outputs(ctx: Context) -> None:
     """value.txt names the node and its inputs; data.bin is a deterministic blob big enough to matter."""
     inputs = sorted((ctx.inputs[n] / "value.txt").read_text() for n in ctx.inputs)
     (ctx.out / "value.txt").write_text(ctx.params["name"] + "(" + ",".join(inputs) + ")")
@@ -52,14 +45,14 @@ def _write_outputs(ctx: RunContext) -> None:
                 meter.advance(len(data[start:start + 64 * 1024]))
 
 
-def text(ctx: RunContext) -> None:
+def text(ctx: Context) -> None:
     _record(ctx, "start")
     time.sleep(ctx.params.get("seconds", 0.0))
     _write_outputs(ctx)
     _record(ctx, "end")
 
 
-def crash_once(ctx: RunContext) -> None:
+def crash_once(ctx: Context) -> None:
     """The first attempt announces itself (attempt file with its pid), then waits to be killed; later ones build."""
     marker = Path(ctx.params["marker"])
     if not marker.exists():
@@ -76,6 +69,24 @@ def crash_once(ctx: RunContext) -> None:
     _record(ctx, "end")
 
 
-def fail(ctx: RunContext) -> None:
+def fail(ctx: Context) -> None:
     _record(ctx, "start")
     raise RuntimeError(f"{ctx.params['name']} failed on purpose")
+
+
+class Text(Step):
+    kind, params = "ray-text", dict
+    run = staticmethod(text)
+
+
+class CrashOnce(Step):
+    kind, params = "ray-crash-once", dict
+    run = staticmethod(crash_once)
+
+
+class Fail(Step):
+    kind, params = "ray-fail", dict
+    run = staticmethod(fail)
+
+
+KINDS = {step.kind: step for step in (Text, CrashOnce, Fail)}

@@ -77,20 +77,43 @@ def verify_action(ctx) -> None:
     (ctx.out / "report.json").write_text(json.dumps({"ok": True, "files": files}))
 
 
+def _fake(step):
+    """A step kind planned as `step` is, run by this module's action of its kind."""
+    action = globals()[f"{step.kind}_action"]
+    return type(f"Fake{step.__name__}", (step,), {"run": staticmethod(action), "__module__": MODULE,
+                                                   "__qualname__": f"Fake{step.__name__}", "reads_checkpoint": False, "data": ()})
+
+
+def fake_steps() -> list:
+    """The registry with every step kind after fetch run by this module's actions."""
+    from qbuild.steps.registry import STEPS
+
+    return [_fake(step) if step.kind in FAKE_KINDS else step for step in STEPS]
+
+
 def register_fake_actions() -> None:
     import qbuild.hub.checkpoint
-    from qbuild.planning.keys import REGISTRY, ActionSpec
+    from qbuild.steps import registry
 
-    for kind in FAKE_KINDS:
-        REGISTRY[kind] = ActionSpec(kind, f"{MODULE}:{kind}_action")
+    registry.STEPS[:] = FAKES
     # The projects here pair a real config with placeholder weights and no tokenizer, read only by the fake steps:
     # the check a real checkpoint gets before a build does not apply to them, and nothing public turns it off.
     qbuild.hub.checkpoint.check_checkpoint = lambda directory, files=None: None
 
 
 
+# Made once, at import, so that a worker unpickling a job finds each class under the name it was pickled by.
+FAKES = fake_steps()
+for _step in FAKES:
+    if _step.__module__ == MODULE:
+        globals()[_step.__qualname__] = _step
+
+
 if __name__ == "__main__":
-    register_fake_actions()
+    # The classes must be this module's under its import name (a worker imports them by it), not __main__'s.
+    from tests.remote_actions import register_fake_actions as register
+
+    register()
     from qbuild.cli import main
 
     main()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.steps.registry import STEPS
 from qbuild import backends
 
 ROOT = Path(__file__).resolve().parents[1] / "qbuild"
@@ -169,14 +170,14 @@ def _planned(tmp_path):
     env = FakeEnvironment(checkpoints={tmp_path / "ck": {"config.json": "blake3:1"}},
                           ports={tmp_path / "port": {"m.py": "blake3:9"}},
                           hub={("Qwen/Qwen3.5-2B", "main"): COMMIT})
-    plan = build_plan([_cpu(tmp_path, "cpu"), _recipe(tmp_path, "nrn", NEURON_RECIPE)], env, backends=backends)
+    plan = build_plan([_cpu(tmp_path, "cpu"), _recipe(tmp_path, "nrn", NEURON_RECIPE)], env, backends=backends, steps=STEPS)
     return {name: {role: plan.nodes[nid] for role, nid in pr.nodes.items()} for name, pr in plan.recipes.items()}
 
 
 def _closure(node) -> set[str]:
-    from qbuild.planning.keys import REGISTRY
+    from qbuild.planning.keys import closure
 
-    return {name for name, _ in REGISTRY[node.kind].closure(node.code).modules}
+    return {name for name, _ in closure(node.step, node.code).modules}
 
 
 def test_a_cpu_shard_is_keyed_on_no_neuron_code_and_a_neuron_shard_on_nxds_rules(tmp_path):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.execution.actions import RunContext
+from qbuild.planning.step import Context
+from qbuild.steps.compile import Compile
 from qbuild.model.arch import arch_from_config
 from qbuild.core.errors import BuildError
 from qbuild.backends.cpu.backend import compile_params
@@ -72,7 +73,6 @@ def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
 
 
 def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints):
-    from qbuild.execution.actions.compile import run
     from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.store import StoreSpec
 
@@ -83,12 +83,12 @@ def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints
     loaded = load_recipe(f)
     params = text_compile_params(loaded, load_arch(loaded))
     (tmp_path / "port").mkdir()
-    ctx = RunContext("compile", params, {"port": tmp_path / "port"}, tmp_path / "out", tmp_path / "scratch",
-                     log=lambda s: None, store=StoreSpec(local=str(tmp_path / "store")))
+    ctx = Context(params, {"port": tmp_path / "port"}, tmp_path / "out", tmp_path / "scratch", log=lambda s: None,
+                  store=StoreSpec(local=str(tmp_path / "store")))
     ctx.out.mkdir()
     ctx.scratch.mkdir()
     with pytest.raises(BuildError) as err:
-        run(ctx)
+        Compile.run(ctx)
     msg = str(err.value)
     assert "\n" not in msg and "neuronx-distributed-inference" in msg
     assert not any(ctx.out.iterdir())
@@ -153,15 +153,13 @@ def test_a_backend_registered_through_using_replaces_it_only_within_the_block():
 # Inductor's compile (minutes of C++) is proven by tests/test_e2e_inductor.py, whose bundle loads its aoti-package.
 @pytest.mark.parametrize("backend", ["export"])
 def test_a_cpu_compile_given_typed_params_writes_its_graph_and_signature(tmp_path, tiny_checkpoints, backend):
-    """The compile action receives the typed params the planner built and asks their backend to compile them."""
-    from qbuild.execution.actions.compile import run
-
+    """The compile step receives the typed params the planner built and asks their backend to compile them."""
     params = _params(tmp_path, tiny_checkpoints["qwen3_5"], "tkg", 64, backend=backend)
     assert isinstance(params, CpuTextCompile)
-    ctx = RunContext("compile", params, {}, tmp_path / "out", tmp_path / "scratch", log=lambda s: None)
+    ctx = Context(params, {}, tmp_path / "out", tmp_path / "scratch", log=lambda s: None)
     ctx.out.mkdir()
     ctx.scratch.mkdir()
-    run(ctx)
+    Compile.run(ctx)
     signature = json.loads((ctx.out / "tkg-64.json").read_text())
     assert (ctx.out / "tkg-64.pt2").is_file() and signature["backend"] == backend
     assert signature["format"] == {"export": "exported-program", "inductor": "aoti-package"}[backend]

@@ -1,6 +1,6 @@
 """The converted text weights as a description: what convert stores, and what shard streams the checkpoint through.
 
-The described path must give exactly what the materialised one gives (convert_checkpoint's files, then shard), byte
+The described path must give exactly what the materialized one gives (convert_checkpoint's files, then shard), byte
 for byte, for every layout; the description holds no weight bytes; it is refused against any other checkpoint, or
 where this qbuild's conversion program would make something else of it; and every step that runs a rule from it has
 the rule's code in its key.
@@ -17,7 +17,7 @@ import torch
 
 from qbuild import backends
 from qbuild.model.convert import CheckpointError
-from qbuild.model.convert.convert import convert_checkpoint, describe_checkpoint, materialise
+from qbuild.model.convert.convert import convert_checkpoint, describe_checkpoint, materialize
 from qbuild.model.convert.safetensors_header import read_header
 from qbuild.model.convert.shard import shard_checkpoint
 from qbuild.model.ranks import RankLayout
@@ -44,12 +44,12 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
     ("qwen3_5", "none", dict(ranks=RankLayout.split(2), fused_qkv=True, layout="nxd-main-replicated",
                              dtype="bfloat16")),
 ])
-def test_shards_through_the_description_are_the_shards_of_the_materialised_weights(tmp_path, variant, fp8, shard):
+def test_shards_through_the_description_are_the_shards_of_the_materialized_weights(tmp_path, variant, fp8, shard):
     shard = {**shard, "layout": backends.shard_layout(shard.get("layout", "cpu"))}
     src = tiny(variant)
-    convert_checkpoint(src, tmp_path / "materialised", fp8=fp8)
+    convert_checkpoint(src, tmp_path / "materialized", fp8=fp8)
     describe_checkpoint(src, tmp_path / "described", fp8=fp8)
-    a = shard_checkpoint(tmp_path / "materialised", tmp_path / "a", workers=2, **shard)
+    a = shard_checkpoint(tmp_path / "materialized", tmp_path / "a", workers=2, **shard)
     b = shard_checkpoint(tmp_path / "described", tmp_path / "b", workers=2, files=_files(src), **shard)
     assert a == b
     assert _tree_bytes(tmp_path / "a") == _tree_bytes(tmp_path / "b")
@@ -57,21 +57,21 @@ def test_shards_through_the_description_are_the_shards_of_the_materialised_weigh
 
 def test_the_description_holds_every_converted_tensor_and_no_weight_bytes(tmp_path):
     src = tiny("qwen3_5_moe")
-    full = convert_checkpoint(src, tmp_path / "materialised", fp8="mlp_only")
+    full = convert_checkpoint(src, tmp_path / "materialized", fp8="mlp_only")
     report = describe_checkpoint(src, tmp_path / "described", fp8="mlp_only")
     described = tmp_path / "described"
     assert sorted(p.name for p in (described / "text").iterdir()) == ["description.json"]
     doc = json.loads((described / "text" / "description.json").read_text())
     stored = {}
     for f in full["text_files"]:
-        stored.update(read_header(tmp_path / "materialised" / "text" / f))
+        stored.update(read_header(tmp_path / "materialized" / "text" / f))
     outputs = {n: (d, tuple(s)) for step in doc["steps"] for n, d, s in step["outputs"]}
     assert outputs == {n: (e.dtype, e.shape) for n, e in stored.items()}
     assert doc["bytes"] == full["text_bytes"] == report["text_bytes"] and doc["tensors"] == full["text_tensors"]
-    # The vision weights ship in the bundle as they are: written here once, as the materialised form writes them.
+    # The vision weights ship in the bundle as they are: written here once, as the materialized form writes them.
     assert (described / "vision" / "model.safetensors").read_bytes() == \
-        (tmp_path / "materialised" / "vision" / "model.safetensors").read_bytes()
-    weights = sum(p.stat().st_size for p in (tmp_path / "materialised" / "text").glob("*.safetensors"))
+        (tmp_path / "materialized" / "vision" / "model.safetensors").read_bytes()
+    weights = sum(p.stat().st_size for p in (tmp_path / "materialized" / "text").glob("*.safetensors"))
     assert (described / "text" / "description.json").stat().st_size < weights / 4
     assert report["text"] == "described" and report["text_files"] == []
 
@@ -129,10 +129,10 @@ def test_a_description_this_program_would_not_write_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_materialising_a_description_writes_the_converted_checkpoint(tmp_path):
+def test_materializing_a_description_writes_the_converted_checkpoint(tmp_path):
     src = tiny("qwen3_next")
     describe_checkpoint(src, tmp_path / "d", dtype="float32", fp8="full")
-    report = materialise(tmp_path / "d", tmp_path / "m", files=_files(src), workers=2)
+    report = materialize(tmp_path / "d", tmp_path / "m", files=_files(src), workers=2)
     full = convert_checkpoint(src, tmp_path / "full", dtype="float32", fp8="full")
     assert report == full
     assert same_tensors(load_dir(tmp_path / "m" / "text"), load_dir(tmp_path / "full" / "text"))
@@ -142,9 +142,11 @@ def test_materialising_a_description_writes_the_converted_checkpoint(tmp_path):
 @pytest.mark.parametrize("kind", ["convert", "shard", "materialize"])
 def test_every_step_that_runs_a_rule_has_its_code_in_its_key(kind):
     """The description names a rule; each step that runs it imports it, so an edit of a rule re-keys that step."""
-    from qbuild.planning.keys import REGISTRY
+    from qbuild.planning.keys import closure
+    from qbuild.steps.registry import STEPS
 
-    modules = {name for name, _ in REGISTRY[kind].closure().modules}
+    step = next(s for s in STEPS if s.kind == kind)
+    modules = {name for name, _ in closure(step).modules}
     rules = {f"qbuild.model.convert.{m}" for m in
              ("attention", "deltanet", "embeddings", "mlp", "moe", "norms", "vision", "fp8", "steps", "layout")}
     assert rules <= modules, sorted(rules - modules)

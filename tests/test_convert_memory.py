@@ -1,6 +1,6 @@
 """Peak memory of a build's streaming convert + shard stays a small multiple of the largest tensor, not the
 checkpoint's size: the shard step makes each converted tensor from the checkpoint through the convert step's
-description, one unit at a time. The materialised convert (--keep-intermediates) is held to the same kind of bound.
+description, one unit at a time. The materialized convert (--keep-intermediates) is held to the same kind of bound.
 
 The checkpoint is float32 and converted to bfloat16, so every byte passes through user space (a same-dtype rename
 would be copied by the kernel and never touch memory at all)."""
@@ -82,7 +82,7 @@ CHILD = textwrap.dedent("""
         out = fn()
         return out, status("VmHWM") - base
     src, out = Path(sys.argv[2]), Path(sys.argv[3])
-    if sys.argv[1] == "materialised":
+    if sys.argv[1] == "materialized":
         report, growth = step(lambda: convert_checkpoint(src, out, dtype="bfloat16", workers=1))
     else:  # as a build runs them: the snapshot's digests come from planning, not from the steps
         files = {p.name: p for p in src.iterdir()}
@@ -97,7 +97,7 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("subject", ["described", "materialised"])
+@pytest.mark.parametrize("subject", ["described", "materialized"])
 def test_peak_rss_growth_is_bounded_by_the_largest_tensor(tmp_path, subject):
     _write_checkpoint(tmp_path / "src")
     proc = subprocess.run([sys.executable, "-c", CHILD, subject, str(tmp_path / "src"), str(tmp_path / "out")],

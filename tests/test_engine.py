@@ -13,12 +13,11 @@ import pytest
 
 from qbuild.execution.engine import BuildOptions, build, raise_for
 from qbuild.execution.executors.local import LocalExecutor
-from qbuild.planning.keys import REGISTRY
-from qbuild.planning.plan import Plan, _add
+from qbuild.planning.dag import Plan
 from qbuild.core.errors import UserError
 from qbuild.store import LocalStore, StoreSpec
 from qbuild.planning.keys import LockedNode
-from tests.engine_actions import TEST_REGISTRY, read_log
+from tests.engine_actions import KINDS, add, read_log
 
 GIB = 1 << 30
 MEET_TIMEOUT_S = 60     # how long a rendezvous step waits for its partner: far above a worker's start-up
@@ -28,7 +27,7 @@ def _graph(log: Path, spec: list[tuple[str, str, list[str], int]], seconds: floa
     """spec: (name, kind, input names, peak GiB) in topological order."""
     nodes, ids = {}, {}
     for name, kind, deps, peak in spec:
-        ids[name] = _add(nodes, "toy", kind, name, {"name": name, "log": str(log), "seconds": seconds},
+        ids[name] = add(nodes, KINDS[kind], name, {"name": name, "log": str(log), "seconds": seconds},
                          {d: ids[d] for d in deps}, 1, peak * GIB)
     return Plan(nodes, {})
 
@@ -38,7 +37,7 @@ def _run(plan: Plan, root: Path, **opts):
     options = BuildOptions(**opts)
     events = []
     result = build(plan, store, StoreSpec(local=str(root)), lambda: LocalExecutor(options.jobs), options,
-                   events.append, TEST_REGISTRY)
+                   events.append)
     return result, events
 
 
@@ -76,7 +75,7 @@ def test_independent_nodes_run_in_parallel(tmp_path):
     # Each step waits for the other to have started: both succeed only if -j 2 runs them at the same time.
     nodes: dict = {}
     for name, partner in (("a", "b"), ("b", "a")):
-        _add(nodes, "toy", "test-rendezvous", name,
+        add(nodes, KINDS["test-rendezvous"], name,
              {"name": name, "partner": partner, "dir": str(tmp_path), "timeout": MEET_TIMEOUT_S}, {}, 1, GIB)
     result, _ = _run(Plan(nodes, {}), tmp_path / "store", jobs=2)
     assert result.ok, result.failed
@@ -94,8 +93,10 @@ def test_a_chain_of_steps_runs_in_one_worker_whatever_the_jobs(tmp_path):
     assert len({e["pid"] for e in read_log(log)}) == 1
 
 
-def test_test_actions_stay_out_of_the_production_registry():
-    assert not any(kind.startswith("test-") for kind in REGISTRY)
+def test_test_steps_stay_out_of_the_production_registry():
+    from qbuild.steps.registry import STEPS
+
+    assert not any(step.kind.startswith("test-") for step in STEPS)
 
 
 def test_memory_budget_is_never_exceeded(tmp_path):
@@ -135,7 +136,7 @@ def test_a_built_result_other_than_the_locked_one_under_its_key_is_refused_befor
     store.manifest_path(built.key).unlink()
     locked = {nid: LockedNode(built.key, built.preimage, "0" * 64)}
     again = build(plan, store, StoreSpec(local=str(root)), lambda: LocalExecutor(1), BuildOptions(), lambda e: None,
-                  TEST_REGISTRY, locked)
+                  locked)
     (error,) = again.failed.values()
     assert error.startswith(f"a: the built output {built.digest[:12]} differs from the locked 000000000000 under the "
                             f"same key {built.key[:16]}"), error
@@ -167,7 +168,7 @@ def test_an_input_removed_meanwhile_is_reported_missing_and_its_producer_is_rebu
     second = _graph(log, [("a", "test-sleep", [], 1), ("b", "test-sleep", ["a"], 1)], seconds=0.01)
     events = []
     result = build(second, _GcAfterLookup(root, a_key), StoreSpec(local=str(root)), lambda: LocalExecutor(1),
-                   BuildOptions(), events.append, TEST_REGISTRY)
+                   BuildOptions(), events.append)
     assert result.ok, result.failed
     assert [(e.kind, e.node.name) for e in events if e.kind in ("missing", "corrupt")] == [("missing", "b")]
     # b's first run stopped at laying out its input, before its action began.
@@ -230,7 +231,7 @@ def test_skip_device_leaves_unbuilt_the_device_steps_and_what_only_they_need(tmp
     nodes, ids = {}, {}
     for name, deps, cores in (("a", [], 0), ("b", ["a"], 0), ("r1", ["a"], 0), ("r2", ["r1"], 0), ("s", ["a"], 0),
                               ("v", ["b", "r2", "s"], 2), ("t", ["s"], 0)):
-        ids[name] = _add(nodes, "toy", "test-sleep", name, {"name": name, "log": str(log), "seconds": 0.01},
+        ids[name] = add(nodes, KINDS["test-sleep"], name, {"name": name, "log": str(log), "seconds": 0.01},
                          {d: ids[d] for d in deps}, 1, GIB, resources={"neuron_cores": cores} if cores else None)
     plan = Plan(nodes, {"toy": PlannedRecipe(None, None, dict(ids), bundle=ids["b"], verify=ids["v"])})
     events = []
@@ -238,7 +239,7 @@ def test_skip_device_leaves_unbuilt_the_device_steps_and_what_only_they_need(tmp
     def run(**opts):
         options = BuildOptions(jobs=2, **opts)
         return build(plan, LocalStore(tmp_path / "store"), StoreSpec(local=str(tmp_path / "store")),
-                     lambda: _NoDevice(2), options, events.append, TEST_REGISTRY)
+                     lambda: _NoDevice(2), options, events.append)
 
     def names(node_ids) -> set[str]:
         return {plan.nodes[n].name for n in node_ids}

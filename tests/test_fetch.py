@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.execution.actions import RunContext
+from qbuild.planning.step import Context, LockedFiles, Source
 from qbuild.recipe.params import FetchParams, parse
-from qbuild.execution.actions.fetch import run as fetch_run
+from qbuild.steps.fetch import Fetch
 from qbuild.core.errors import InfraError, UserError
 from qbuild.core.hashing import StatCache, digest_file
 from qbuild.hub.hf import hf_cached_snapshot
@@ -40,12 +40,19 @@ def populate_hf_cache(hub: Path, repo: str, checkpoint: Path, commit: str = COMM
     return snap
 
 
-def _ctx(tmp: Path, params: dict, context: dict) -> RunContext:
-    """The fetch step's context, its params typed from the JSON the planner's would have."""
+fetch_run = Fetch.run
+
+
+def _ctx(tmp: Path, params: dict, source: dict) -> Context:
+    """The fetch step's context, its params typed from the JSON the planner's would have, its source from `source`
+    (path, requested_revision, locked_files as {lock, files})."""
     out = tmp / "out"
     out.mkdir()
-    return RunContext(kind="fetch", params=parse(FetchParams, params), inputs={}, out=out, scratch=tmp,
-                      context=context, log=lambda m: None)
+    locked = source.get("locked_files")
+    source = Source(source.get("path"), source.get("requested_revision"),
+                    None if locked is None else LockedFiles(locked["lock"], locked["files"]))
+    return Context(params=parse(FetchParams, params), inputs={}, out=out, scratch=tmp, source=source,
+                   log=lambda m: None)
 
 
 def test_hf_cache_offline_uses_hub_digests(tmp_path, tiny_checkpoints, monkeypatch):

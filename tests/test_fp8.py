@@ -1,4 +1,4 @@
-"""FP8 per-channel quantisation: the scale formula, its floor, the error bound, and which tensors each policy picks."""
+"""FP8 per-channel quantization: the scale formula, its floor, the error bound, and which tensors each policy picks."""
 
 from __future__ import annotations
 
@@ -38,13 +38,13 @@ def test_scale_floor_keeps_zero_rows_finite():
     assert torch.isfinite(q.float()).all() and q.float()[0].abs().sum() == 0
 
 
-def test_dequantised_error_within_e4m3_bound():
+def test_dequantized_error_within_e4m3_bound():
     w = torch.randn(64, 256) * torch.logspace(-4, 1, 64).unsqueeze(1)  # rows over five decades
     q, s = quantize(w)
     err = (dequantize(q, s) - w).abs()
     bound = w.abs() * E4M3_REL + s * E4M3_SUBNORMAL_ABS
     assert (err <= bound * (1 + 1e-6)).all()
-    assert err.max() > 0  # it really is quantised
+    assert err.max() > 0  # it really is quantized
 
 
 def test_expert_tensors_get_one_scale_per_output_channel_of_each_expert():
@@ -55,7 +55,7 @@ def test_expert_tensors_get_one_scale_per_output_channel_of_each_expert():
     assert ((dequantize(q, s) - w).abs() <= w.abs() * E4M3_REL + s * E4M3_SUBNORMAL_ABS + 1e-12).all()
 
 
-def _quantised(text: dict) -> set[str]:
+def _quantized(text: dict) -> set[str]:
     assert all((n.removesuffix(".scale") + ".weight") in text for n in text if n.endswith(".scale"))
     return {n for n, t in text.items() if t.dtype == FP8_DTYPE}
 
@@ -68,19 +68,19 @@ MOE_MLP = {f"layers.{i}.mlp.{p}.weight" for i in (1, 2)
 
 @pytest.mark.parametrize("variant, expected", [("qwen3_5", DENSE_MLP), ("qwen3_5_moe", MOE_MLP),
                                                ("qwen3_next", MOE_MLP)])
-def test_mlp_only_quantises_the_mlp_of_the_middle_layers(variant, expected):
+def test_mlp_only_quantizes_the_mlp_of_the_middle_layers(variant, expected):
     config, hf = hf_state_dict(variant)
-    assert _quantised(convert_state_dict(config, hf, fp8="none")[0]) == set()
+    assert _quantized(convert_state_dict(config, hf, fp8="none")[0]) == set()
     text, vision = convert_state_dict(config, hf, fp8="mlp_only")
-    assert _quantised(text) == expected  # not layer 0, not layer 3 (the last), not the router
+    assert _quantized(text) == expected  # not layer 0, not layer 3 (the last), not the router
     assert all(text[n.removesuffix(".weight") + ".scale"].dtype == torch.float32 for n in expected)
-    assert not _quantised(vision)
+    assert not _quantized(vision)
 
 
 def test_full_adds_attention_and_deltanet_projections_in_every_layer():
     config, hf = hf_state_dict("qwen3_5")
     text, _ = convert_state_dict(config, hf, fp8="full")
-    got = _quantised(text)
+    got = _quantized(text)
     attn = {f"layers.3.self_attn.{p}.weight" for p in ("q_proj", "output_gate_proj", "k_proj", "v_proj", "o_proj")}
     dn = {f"layers.{i}.linear_attn.{p}.weight" for i in (0, 1, 2) for p in ("in_proj_qkv", "in_proj_z", "out_proj")}
     mlp = {f"layers.{i}.mlp.{p}_proj.weight" for i in range(4) for p in ("gate", "up", "down")}
@@ -117,19 +117,19 @@ def test_sharded_scales_follow_fused_qkv_reorder_and_row_splits():
 
 
 def test_each_policy_is_one_object_every_stage_asks():
-    """The recipe's fp8 names one policy: which layers' MLPs it quantises, whether attention too, and what a weight
+    """The recipe's fp8 names one policy: which layers' MLPs it quantizes, whether attention too, and what a weight
     costs in the estimates; the converter's rule for a tensor follows it."""
-    from qbuild.model.convert.fp8 import is_quantised
+    from qbuild.model.convert.fp8 import is_quantized
     from qbuild.model.fp8 import NAMES, policy
 
     assert NAMES == ("none", "mlp_only", "full")
     none, mlp_only, full = (policy(n) for n in NAMES)
-    assert not none.quantises and none.mlp_layers(4) == range(0) and none.mlp_bytes(2) == 2
-    assert mlp_only.mlp_layers(4) == range(1, 3) and not mlp_only.quantises_attention and mlp_only.mlp_bytes(2) == 1
-    assert full.mlp_layers(4) == range(4) and full.quantises_attention
+    assert not none.quantizes and none.mlp_layers(4) == range(0) and none.mlp_bytes(2) == 2
+    assert mlp_only.mlp_layers(4) == range(1, 3) and not mlp_only.quantizes_attention and mlp_only.mlp_bytes(2) == 1
+    assert full.mlp_layers(4) == range(4) and full.quantizes_attention
     for p in (none, mlp_only, full):
         for layer in range(4):
-            assert is_quantised(f"layers.{layer}.mlp.down_proj.weight", p.name, 4) == (layer in p.mlp_layers(4))
-            assert is_quantised(f"layers.{layer}.self_attn.o_proj.weight", p.name, 4) == p.quantises_attention
+            assert is_quantized(f"layers.{layer}.mlp.down_proj.weight", p.name, 4) == (layer in p.mlp_layers(4))
+            assert is_quantized(f"layers.{layer}.self_attn.o_proj.weight", p.name, 4) == p.quantizes_attention
     with pytest.raises(ValueError, match="fp8 must be one of none, mlp_only, full, got 'half'"):
         policy("half")

@@ -1,9 +1,9 @@
 """FP8 mlp_only keeps the model's predictions: top-1 agreement with the bf16 model on >= 99% of positions.
 
 A random tiny model has a nearly flat output distribution, so its top-1 is decided by noise far below any
-quantisation error. Trained models are confident; the test model is given that property by scaling its token
+quantization error. Trained models are confident; the test model is given that property by scaling its token
 embeddings and tying the LM head to them (the residual stream then carries a clear next-token signal), which
-leaves every quantised MLP in the path. The same check with mis-scaled FP8 weights must fail by a wide margin, so
+leaves every quantized MLP in the path. The same check with mis-scaled FP8 weights must fail by a wide margin, so
 the bar is known to separate a working converter from a broken one.
 
 Which positions disagree is decided by near-ties (a top-1/top-2 logit gap of 0 to 0.03), and a near-tie falls one way

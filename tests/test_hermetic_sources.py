@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from qbuild import backends
-from qbuild.planning.keys import REGISTRY
 from qbuild.planning.closures import Sources
+from qbuild.planning.keys import closure, code_hash
+from qbuild.steps.registry import STEPS
 from tests.conftest import REPO, qbuild
 
 PACKAGE = REPO / "qbuild"
@@ -25,8 +26,8 @@ PACKAGE = REPO / "qbuild"
 # (qbuild.backends.get), or a shard layout's rules (qbuild.backends.shard_layout).
 CODES = [(), *sorted({(backends.implementation_module(name),) for name in backends.NAMES}),
          *sorted({(backends.layout_module(name),) for name in backends.LAYOUTS})]
-# (kind, code): every action with every such code.
-PAIRS = [(kind, code) for kind in REGISTRY for code in CODES]
+# (step, code): every step kind with every such code.
+PAIRS = [(step, code) for step in STEPS for code in CODES]
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -47,7 +48,7 @@ def tree(tmp_path_factory) -> Path:
 
 
 def _hashes(sources: Sources) -> dict[tuple, str]:
-    return {(kind, code): REGISTRY[kind].source_hash(code, sources) for kind, code in PAIRS}
+    return {(step, code): code_hash(step, code, sources) for step, code in PAIRS}
 
 
 def _code_edit(text: str) -> str:
@@ -75,7 +76,7 @@ def test_every_module_edit_changes_exactly_the_keys_whose_closure_holds_it(tree)
     facts: dict = {}
     base = Sources({"qbuild": tree}, _facts=facts)
     before = _hashes(base)
-    closures = {pair: {name for name, _ in REGISTRY[pair[0]].closure(pair[1], base).modules} for pair in PAIRS}
+    closures = {pair: {name for name, _ in closure(pair[0], pair[1], base).modules} for pair in PAIRS}
     modules = _modules(tree)
     assert len(modules) > 80, "the walk found the package"
     for name, path in modules.items():
@@ -105,7 +106,8 @@ def test_a_data_file_edit_changes_the_keys_of_the_actions_that_declare_it(tree):
         after = _hashes(Sources({"qbuild": tree}, _facts=facts))
     finally:
         golden.write_text(original)
-    assert {pair for pair in PAIRS if after[pair] != before[pair]} == {pair for pair in PAIRS if pair[0] == "reference"}
+    assert {pair for pair in PAIRS if after[pair] != before[pair]} == {pair for pair in PAIRS
+                                                                      if pair[0].kind == "reference"}
 
 
 def _type_checking_imports(path: Path) -> set[str]:
@@ -122,26 +124,25 @@ def _type_checking_imports(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("kind,code", PAIRS)
-def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(kind, code):
+@pytest.mark.parametrize("step,code", PAIRS, ids=[f"{s.kind}-{'-'.join(c) or 'own'}" for s, c in PAIRS])
+def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(step, code):
     """modulefinder follows every import instruction of the compiled code (nested functions too). It also follows
     imports under `if TYPE_CHECKING:`, which never run, so those it is told to skip; then it finds exactly the
     closure."""
     sources = Sources({"qbuild": PACKAGE})
-    ours = {name for name, _ in REGISTRY[kind].closure(code, sources).modules}
+    ours = {name for name, _ in closure(step, code, sources).modules}
     typing_only = set()
     for name, path in _modules(PACKAGE).items():
         if name in ours:
             typing_only |= _type_checking_imports(path)
     finder = modulefinder.ModuleFinder(path=[str(REPO)], excludes=sorted(typing_only - ours))
-    for module in (REGISTRY[kind].module, *code):
+    for module in (step.module(), *code):
         finder.import_hook(module)
     theirs = {name for name in finder.modules if name == "qbuild" or name.startswith("qbuild.")}
     assert ours == theirs
 
 
 ALLOWED_DYNAMIC_IMPORTS = {
-    "qbuild.execution.job",                     # the action entry itself (its closure is the key)
     "qbuild.backends",                      # a backend's implementation or a shard layout (joins the key of the
                                             # nodes that run it), or a backend's server (no build step serves)
     "qbuild.backends.neuron.sdk_worker",    # a port's modules in the SDK worker (keyed as the port's files)

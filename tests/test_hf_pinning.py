@@ -151,7 +151,7 @@ def test_fetch_downloads_the_keys_commit_and_refuses_another(tmp_path, hub, monk
     import huggingface_hub  # noqa: F401  (imported offline, as the isolated test environment has it)
     from qbuild.core.errors import InfraError
     from tests.test_fetch import _ctx
-    from qbuild.execution.actions.fetch import run as fetch_run
+    from tests.test_fetch import fetch_run
 
     for key, value in hub.online.items():
         monkeypatch.setenv(key, value)

@@ -150,7 +150,7 @@ def s3():
 def test_verify_gate_fails_on_a_non_finite_logit(where, bad):
     import torch
 
-    from qbuild.execution.actions.verify import compare, failures
+    from qbuild.steps.verify import compare, failures
     from qbuild.recipe.params import VerifyParams
 
     ref = torch.zeros(4, 10)

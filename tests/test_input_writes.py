@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.execution.actions import RunContext
+from qbuild.planning.step import Context, Step
 from qbuild.execution.job import AUDIT_ENV, Job, build_job
 from qbuild.core.errors import BuildError
 from qbuild.core.hashing import digest_file, digest_json
@@ -20,7 +20,7 @@ from qbuild.store import LocalStore, Manifest, StoreSpec
 PAYLOAD = b"weights" * 1000
 
 
-def writer(ctx: RunContext) -> None:
+def writer(ctx: Context) -> None:
     """The test step: reads its input, and writes into it the way `ctx.params["how"]` says."""
     path = ctx.inputs["a"] / "w.bin"
     data = path.read_bytes()
@@ -41,6 +41,11 @@ def writer(ctx: RunContext) -> None:
     (ctx.out / "n.txt").write_text(str(len(data)))
 
 
+class Writer(Step):
+    kind, params = "test-write", dict
+    run = staticmethod(writer)
+
+
 def _setup(tmp_path: Path, how: str) -> tuple[LocalStore, Manifest, Job]:
     store = LocalStore(tmp_path / "store")
     src = tmp_path / "src"
@@ -50,9 +55,8 @@ def _setup(tmp_path: Path, how: str) -> tuple[LocalStore, Manifest, Job]:
     produced = Manifest(key=digest_json(pre), kind="convert", preimage=pre, outputs=store.ingest_tree(src))
     store.put_manifest(produced)
     pre = {"consumer": how}
-    job = Job(node_id="n1", kind="test-write", name=f"write {how}", key=digest_json(pre), preimage=pre,
-              params={"how": how}, inputs={"a": produced.outputs}, store_spec=StoreSpec(local=str(store.root)),
-              entry="tests.test_input_writes:writer")
+    job = Job(node_id="n1", step=Writer, name=f"write {how}", key=digest_json(pre), preimage=pre,
+              params={"how": how}, inputs={"a": produced.outputs}, store_spec=StoreSpec(local=str(store.root)))
     return store, produced, job
 
 

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.xdist_group("modeling")
 LOGITS_ATOL = 1e-4
 # FP8 e4m3 weights (3 mantissa bits) in every projection of a random tiny model move its logits (magnitude ~2)
 # against float32 by a maximum that depends on the draw: 0.35 to 0.88 over seeds 0-4 of the tiny Qwen3.5, while
-# scales 1.5x off move them by 2.1 or more. A loose sanity bound; the exact check is the dequantised weights.
+# scales 1.5x off move them by 2.1 or more. A loose sanity bound; the exact check is the dequantized weights.
 FP8_LOGITS_ATOL = 1.25
 PROMPT_LENS = (70, 13)  # one prompt past the 64-step DeltaNet chunk, one short
 BUCKET = 80  # static prefill length, longer than both prompts
@@ -179,15 +179,15 @@ def test_fused_qkv_shards_load_to_the_same_model(checkpoints):
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), fused.state_dict().values()))
 
 
-def test_fp8_shards_are_dequantised(checkpoints):
+def test_fp8_shards_are_dequantized(checkpoints):
     config, text, _ = checkpoints("qwen3_5")
     fp8_text, _ = convert_state_dict(config, checkpoints.hf_tensors("qwen3_5"), dtype="float32", fp8="full")
     shards = shard_state_dict(config, fp8_text, ranks=RankLayout.split(2))
     model = TextModel(arch_from_config(config), tp=2, max_seq_len=MAX_SEQ_LEN).eval()
     model.load_shards(shards)
-    quantised = [n for n, t in shards[0].items() if t.dtype == torch.float8_e4m3fn]
-    assert "layers.1.mlp.gate_proj.weight" in quantised and "layers.3.self_attn.q_proj.weight" in quantised
-    for name in quantised:
+    quantized = [n for n, t in shards[0].items() if t.dtype == torch.float8_e4m3fn]
+    assert "layers.1.mlp.gate_proj.weight" in quantized and "layers.3.self_attn.q_proj.weight" in quantized
+    for name in quantized:
         scale = name.removesuffix(".weight") + ".scale"
         for r, shard in enumerate(shards):
             assert torch.equal(model.get_parameter(name)[r], shard[name].float() * shard[scale]), name

@@ -13,6 +13,7 @@ import pytest
 
 from dataclasses import replace
 
+from qbuild.steps.registry import STEPS
 from qbuild import backends
 from qbuild.backends.neuron.backend import text_compile_params, vision_compile_params
 from qbuild.backends.neuron.config import modules_to_not_convert, neff_reuse, neuron_config, nxd_degrees, rank_layout
@@ -224,7 +225,8 @@ def _shard_params(tmp_path, name: str, body: str):
     # the NxD EP layout is planned and sharded exactly, ready for a port that does.
     loaded, arch = _recipe(tmp_path, name, body)
     nodes = {}
-    planned = plan_recipe(nodes, loaded, arch, HostEnvironment(StatCache(tmp_path / "stat.db")), backends=backends)
+    planned = plan_recipe(nodes, loaded, arch, HostEnvironment(StatCache(tmp_path / "stat.db")), backends=backends,
+                          steps=STEPS)
     return nodes[planned.nodes["shard"]].params
 
 
@@ -238,14 +240,14 @@ def test_moe_lineage_ep_shards_nxds_world_with_attention_over_tp_degree(tmp_path
     # moe_ep_degree 2 groups of moe_tp_degree 2.
     assert params.layout == "nxd-moe"
     assert params.ranks == RankLayout(world=4, dense_tp=2, moe_tp=2, moe_ep=2)
-    # The shard action runs those params as planned: 4 rank files, attention split over 2.
-    from qbuild.execution.actions import RunContext
-    from qbuild.execution.actions.shard import run
+    # The shard step runs those params as planned: 4 rank files, attention split over 2.
     from qbuild.model.convert.convert import convert_checkpoint
+    from qbuild.planning.step import Context
+    from qbuild.steps.shard import Shard
 
     convert_checkpoint(tiny_checkpoints["qwen3_next"], tmp_path / "conv", dtype="bfloat16")
     (tmp_path / "out").mkdir()
-    run(RunContext("shard", params, {"converted": tmp_path / "conv"}, tmp_path / "out", tmp_path))
+    Shard.run(Context(params, {"converted": tmp_path / "conv"}, tmp_path / "out", tmp_path))
     report = json.loads((tmp_path / "out" / "shard.json").read_text())
     assert report["files"] == [f"tp{r}_sharded_checkpoint.safetensors" for r in range(4)]
     assert report["ranks"]["dense_tp"] == 2

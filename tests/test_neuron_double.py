@@ -583,21 +583,26 @@ def test_pull_prints_the_vllm_command(dense, tmp_path):
 
 @pytest.mark.slow
 def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
-    """qbuild.execution.actions.verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
+    """qbuild.steps.verify.Verify.run on the packaged bundle, in this process, with the double: the bundle is loaded once
     with the port's class (config read back from neuron_config.json) and generate() runs once per text prompt the
     way NxDI's accuracy check calls it; thresholds of 0 pass whatever the double returns."""
-    from qbuild.execution.actions import RunContext
-    from qbuild.execution.actions import reference, verify
+    from qbuild.execution.source_files import locate_checkpoint
+    from qbuild.planning.step import Context, Source
     from qbuild.recipe.params import ReferenceParams, VerifyParams
+    from qbuild.steps.reference import Reference
+    from qbuild.steps.verify import Verify
 
     require_bundle(dense.result, dense.stderr)
     inputs = {role: dense.node_outputs("dense", role, tmp_path / role) for role in ("package", "fetch", "port")}
     # --skip-device left the reference unbuilt (only verify needs it): computed here as its step computes it.
     inputs["reference"] = tmp_path / "reference"
     inputs["reference"].mkdir()
-    reference.run(RunContext("reference", ReferenceParams(("Hello world", "The quick brown fox"), 4, False),
-                             {"snapshot": inputs["fetch"]}, inputs["reference"], tmp_path / "ref-scratch",
-                             context={"path": str(dense.checkpoint)}, log=lambda s: None))
+    (tmp_path / "ref-scratch").mkdir()
+    source = Source(path=str(dense.checkpoint))
+    Reference.run(Context(ReferenceParams(("Hello world", "The quick brown fox"), 4, False),
+                          {"snapshot": inputs["fetch"]}, inputs["reference"], tmp_path / "ref-scratch", source,
+                          locate_checkpoint(inputs["fetch"], source, tmp_path / "ref-scratch", print),
+                          log=lambda s: None))
     log = tmp_path / "verify.jsonl"
     for key, value in dense.env(log=log).items():
         monkeypatch.setenv(key, value)
@@ -605,8 +610,8 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     params = VerifyParams(top1_min=0.0, token_match_min=0.0, max_logit_err=1e9)
-    verify.run(RunContext("verify", params, {"bundle": inputs["package"], "reference": inputs["reference"],
-                                             "port": inputs["port"]}, out, tmp_path / "scratch", log=lambda s: None))
+    Verify.run(Context(params, {"bundle": inputs["package"], "reference": inputs["reference"], "port": inputs["port"]},
+                       out, tmp_path / "scratch", log=lambda s: None))
     assert json.loads((out / "report.json").read_text())["ok"] is True
     calls = read_log(log)
     (init,) = [c for c in calls if c["call"] == "app_init"]

@@ -171,7 +171,7 @@ def _reference(checkpoint: Path, text: str) -> tuple[list[int], list[int]]:
     (--skip-device leaves the reference step unbuilt: only verify needs it)."""
     from transformers import AutoTokenizer
 
-    from qbuild.execution.actions.reference import _greedy, _model
+    from qbuild.steps.reference import _greedy, _model
 
     config = json.loads((checkpoint / "config.json").read_text())
     ids = list(AutoTokenizer.from_pretrained(str(checkpoint))(text, add_special_tokens=False)["input_ids"])

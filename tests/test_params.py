@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.steps.registry import STEPS
 from qbuild import backends
 from qbuild.model.arch import Arch, VisionArch
 from qbuild.hub.checkpoint import load_arch
@@ -38,7 +39,8 @@ def _planned(tmp_path: Path, name: str, body: str, extra: str = "") -> dict:
     f.write_text(textwrap.dedent(body) + extra)
     loaded = load_recipe(f)
     nodes = {}
-    plan_recipe(nodes, loaded, load_arch(loaded), HostEnvironment(StatCache(tmp_path / "stat.db")), backends=backends)
+    plan_recipe(nodes, loaded, load_arch(loaded), HostEnvironment(StatCache(tmp_path / "stat.db")), backends=backends,
+                steps=STEPS)
     out: dict = {}
     for node in nodes.values():
         out.setdefault(node.kind, []).append(node.params)

@@ -1,4 +1,4 @@
-"""The plan of a build without the converted bytes: shard reads the description and the checkpoint, the materialised
+"""The plan of a build without the converted bytes: shard reads the description and the checkpoint, the materialized
 weights are a node of their own that changes no other key, and the plan says what a build writes."""
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from qbuild.planning.step import Source
+from qbuild.steps.registry import STEPS
 from qbuild import backends
 from qbuild.planning.keys import walk
 from qbuild.planning.plan import build_plan, written_bytes
@@ -18,7 +20,7 @@ from tests.test_planner import FakeEnvironment, _cpu
 def _plan(tmp_path, keep: bool = False):
     env = FakeEnvironment(checkpoints={tmp_path / "ck": {"config.json": "blake3:1", "model.safetensors": "blake3:2"}})
     return build_plan([_cpu(tmp_path, "one"), _cpu(tmp_path, "two", tp=2)], env, keep_intermediates=keep,
-                      backends=backends)
+                      backends=backends, steps=STEPS)
 
 
 def test_shard_reads_the_description_and_the_checkpoint_where_the_fetch_found_it(tmp_path):
@@ -26,7 +28,7 @@ def test_shard_reads_the_description_and_the_checkpoint_where_the_fetch_found_it
     roles = plan.recipes["one"].nodes
     shard, fetch = plan.nodes[roles["shard"]], plan.nodes[roles["fetch"]]
     assert shard.deps == {"converted": roles["convert"], "snapshot": roles["fetch"]}
-    assert shard.context == fetch.context == {"path": str(tmp_path / "ck")}
+    assert shard.source == fetch.source == Source(path=str(tmp_path / "ck"))
 
 
 def _keys(plan) -> dict[str, str | None]:
@@ -82,7 +84,7 @@ def test_the_plan_of_each_shipped_recipe_says_what_it_writes(tmp_path):
     assert float(m[2]) == round(b["ratio"], 2), (m[0], b)
 
 
-def test_keep_intermediates_builds_the_materialised_weights_and_leaves_the_lock_alone(tmp_path, dense_project):
+def test_keep_intermediates_builds_the_materialized_weights_and_leaves_the_lock_alone(tmp_path, dense_project):
     import shutil
 
     from qbuild.store.manifest import Manifest

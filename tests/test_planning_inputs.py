@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.steps.registry import STEPS
 from qbuild import backends
 from qbuild.core.hashing import StatCache
 from qbuild.planning.environment import HostEnvironment
@@ -53,7 +54,7 @@ def _keys(project: Path) -> dict[tuple[str, str], str]:
     """(recipe, role) -> key, with each node's output digest taken to be its key."""
     recipes = [load_recipe(project / "cpu.yaml"), load_recipe(project / "nrn.yaml")]
     plan = build_plan(recipes, HostEnvironment(StatCache(project.parent / f"{project.name}-stat.db")),
-                      backends=backends)
+                      backends=backends, steps=STEPS)
     keys = walk(plan, lambda nid, key: key)
     assert all(k.key for k in keys.values())
     return {(name, role): keys[nid].key for name, pr in plan.recipes.items() for role, nid in pr.nodes.items()}

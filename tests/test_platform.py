@@ -23,13 +23,15 @@ from qbuild import backends
 from qbuild.core.hashing import StatCache
 from qbuild.model.families import FAMILIES
 from qbuild.planning.environment import HostEnvironment
-from qbuild.planning.keys import ActionSpec, diff_preimages, portability, walk
-from qbuild.planning.plan import Plan, _add, build_plan
+from qbuild.planning.dag import Plan
+from qbuild.planning.keys import diff_preimages, portability, walk
+from qbuild.planning.plan import build_plan
 from qbuild.recipe.schema import load_recipe
 from qbuild.planning import lock as lockmod
 from qbuild.planning.plan import HubPin
 from tests.conftest import REPO, qbuild, wait_until
-from tests.engine_actions import SLEEP
+from qbuild.steps.registry import STEPS
+from tests.engine_actions import Sleep, add
 
 OTHER = {"ATEN_CPU_CAPABILITY": "default"}
 STARTUP = Path(__file__).resolve().parent / "startup"
@@ -81,7 +83,7 @@ def test_the_probe_runs_once_per_capability_setting(tmp_path):
 def _keyed(small_checkpoints, tmp_path, backend: str, host: str = "TAG") -> tuple[Plan, dict]:
     recipe = tmp_path / f"{backend}.yaml"
     recipe.write_text(RECIPE.format(model=small_checkpoints["qwen3_5"], backend=backend))
-    plan = build_plan([load_recipe(recipe)], HostEnvironment(StatCache(tmp_path / "stat-cache")), backends=backends)
+    plan = build_plan([load_recipe(recipe)], HostEnvironment(StatCache(tmp_path / "stat-cache")), backends=backends, steps=STEPS)
     # Every node's output digest known, as after a build: every node is keyed.
     return plan, walk(plan, lambda nid, key: f"blake3:{nid}", host=lambda: host)
 
@@ -101,18 +103,17 @@ def test_the_platform_is_in_the_keys_of_non_portable_nodes_only(small_checkpoint
 
 
 def test_a_node_that_takes_a_non_portable_input_is_not_portable():
-    native = ActionSpec("test-native", SLEEP.entry, portable=False)
-    registry = {"test-sleep": SLEEP, "test-native": native}
+    native = type("Native", (Sleep,), {"kind": "test-native", "portable": False})
     nodes: dict = {}
-    a = _add(nodes, "toy", "test-native", "a", {"name": "a"}, {}, 1, 1)
-    b = _add(nodes, "toy", "test-sleep", "b", {"name": "b"}, {"up": a}, 1, 1)
-    c = _add(nodes, "toy", "test-sleep", "c", {"name": "c"}, {"up": b}, 1, 1)
-    d = _add(nodes, "toy", "test-sleep", "d", {"name": "d"}, {}, 1, 1)
-    e = _add(nodes, "toy", "test-sleep", "e", {"name": "e"}, {"up": d}, 1, 1)
+    a = add(nodes, native, "a", {"name": "a"}, {}, 1, 1)
+    b = add(nodes, Sleep, "b", {"name": "b"}, {"up": a}, 1, 1)
+    c = add(nodes, Sleep, "c", {"name": "c"}, {"up": b}, 1, 1)
+    d = add(nodes, Sleep, "d", {"name": "d"}, {}, 1, 1)
+    e = add(nodes, Sleep, "e", {"name": "e"}, {"up": d}, 1, 1)
     plan = Plan(nodes, {})
-    assert portability(plan, registry) == {a: False, b: False, c: False, d: True, e: True}
-    here = walk(plan, lambda nid, key: f"d-{nid}", registry, host=lambda: "HERE")
-    there = walk(plan, lambda nid, key: f"d-{nid}", registry, host=lambda: "THERE")
+    assert portability(plan) == {a: False, b: False, c: False, d: True, e: True}
+    here = walk(plan, lambda nid, key: f"d-{nid}", host=lambda: "HERE")
+    there = walk(plan, lambda nid, key: f"d-{nid}", host=lambda: "THERE")
     assert [here[n].key == there[n].key for n in (a, b, c, d, e)] == [False, False, False, True, True]
     assert diff_preimages(here[c].preimage, there[c].preimage) == ["platform: HERE -> THERE"]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from qbuild.backends.neuron.params import PortGit
-from qbuild.execution.actions import RunContext
-from qbuild.execution.actions import port as port_action
+from qbuild.planning.step import Context
+from qbuild.steps.port import Port
 from qbuild.core.errors import InfraError, RecipeError, UserError
 from qbuild.core.hashing import digest_file
 from qbuild.recipe.schema import load_recipe
@@ -49,8 +49,7 @@ def _build_port(tmp_path: Path, params: PortGit, store: Path) -> Path:
     out = tmp_path / f"out-{params.rev[:8]}"
     out.mkdir(parents=True)
     (tmp_path / "scratch").mkdir(exist_ok=True)
-    port_action.run(RunContext("port", params, {}, out, tmp_path / "scratch", log=lambda s: None,
-                               store=StoreSpec(local=str(store))))
+    Port.run(Context(params, {}, out, tmp_path / "scratch", log=lambda s: None, store=StoreSpec(local=str(store))))
     return out
 
 

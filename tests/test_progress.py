@@ -133,11 +133,12 @@ def test_a_step_prints_no_progress_line_before_30_s_then_at_most_one_every_30_s(
 
 def test_plain_progress_prints_a_line_per_step_only_when_due(capsys):
     from qbuild.execution.engine import Event
-    from qbuild.planning.plan import Node
+    from qbuild.planning.dag import Node
     from qbuild.render import BuildProgress
+    from qbuild.steps.shard import Shard
 
     clock = FakeClock()
-    node = Node(id="n1", kind="shard", name="shard tp2", params={}, deps={}, backend=None, est_out_bytes=1,
+    node = Node(id="n1", step=Shard, name="shard tp2", params={}, deps={}, backend=None, est_out_bytes=1,
                 est_peak_bytes=1)
     view = BuildProgress(mode="plain", clock=clock)
     view.on_event(Event("start", node))
@@ -185,18 +186,16 @@ def test_a_compile_is_measured_against_the_last_one_of_its_params_else_of_its_ar
 # --- across the local pool's process boundary -------------------------------------------------------------------
 
 def test_a_step_in_a_worker_process_reports_to_the_driver_before_its_result(tmp_path):
-    """A timed test action, once built and then rebuilt after its output blob was lost: the second run is measured
+    """A timed test step, once built and then rebuilt after its output blob was lost: the second run is measured
     against the first's recorded duration; every report crosses the worker's pipe before the step's built event."""
     from qbuild.execution.engine import BuildOptions, build
     from qbuild.execution.executors.local import LocalExecutor
-    from qbuild.planning.keys import ActionSpec
-    from qbuild.planning.plan import Plan, _add
+    from qbuild.planning.dag import Plan
     from qbuild.store import LocalStore, StoreSpec
+    from tests.engine_actions import TimedMetered, add
 
-    registry = {"test-meter": ActionSpec("test-meter", "tests.engine_actions:metered", timed=True)}
     nodes: dict = {}
-    nid = _add(nodes, "toy", "test-meter", "metered", {"name": "metered", "log": str(tmp_path / "log"),
-                                                         "bytes": 3 << 20}, {}, 1, 1)
+    nid = add(nodes, TimedMetered, "metered", {"name": "metered", "log": str(tmp_path / "log"), "bytes": 3 << 20})
     plan = Plan(nodes, {})
     root = tmp_path / "store"
     heard: list = []
@@ -205,7 +204,7 @@ def test_a_step_in_a_worker_process_reports_to_the_driver_before_its_result(tmp_
         heard.clear()
         return build(plan, LocalStore(root), StoreSpec(local=str(root)), lambda: LocalExecutor(1), BuildOptions(),
                      lambda e: heard.append(("event", e.kind)),
-                     registry, on_progress=lambda node, r: heard.append(("progress", node.id, r)))
+                     on_progress=lambda node, r: heard.append(("progress", node.id, r)))
 
     first = run()
     assert first.ok, first.failed
@@ -227,9 +226,9 @@ def test_a_step_in_a_worker_process_reports_to_the_driver_before_its_result(tmp_
 def test_a_report_that_cannot_be_delivered_fails_neither_the_step_nor_the_build(tmp_path):
     from qbuild.execution.engine import BuildOptions, build
     from qbuild.execution.executors.local import LocalExecutor
-    from qbuild.planning.keys import ActionSpec
-    from qbuild.planning.plan import Plan, _add
+    from qbuild.planning.dag import Plan
     from qbuild.store import LocalStore, StoreSpec
+    from tests.engine_actions import Metered, add
 
     def broken(*args) -> None:
         raise BrokenPipeError("the display went away")
@@ -238,10 +237,9 @@ def test_a_report_that_cannot_be_delivered_fails_neither_the_step_nor_the_build(
     meter.advance(10)                      # the worker's side: the report is dropped
     meter.close()
 
-    registry = {"test-meter": ActionSpec("test-meter", "tests.engine_actions:metered")}
     nodes: dict = {}
-    _add(nodes, "toy", "test-meter", "metered", {"name": "metered", "bytes": 1 << 20}, {}, 1, 1)
+    add(nodes, Metered, "metered", {"name": "metered", "bytes": 1 << 20})
     root = tmp_path / "store"
     result = build(Plan(nodes, {}), LocalStore(root), StoreSpec(local=str(root)), lambda: LocalExecutor(1),
-                   BuildOptions(), registry=registry, on_progress=broken)   # the driver's side
+                   BuildOptions(), on_progress=broken)   # the driver's side
     assert result.ok and len(result.built) == 1, result.failed

@@ -24,15 +24,17 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.planning.keys import ActionSpec
+from qbuild.planning.keys import code_hash, toolchain_versions
+from qbuild.planning.step import Step
 from qbuild.core.errors import InfraError, UserError
 from qbuild.execution.executors import ray as rayexec
-from qbuild.planning.plan import Node, Plan, _add
+from qbuild.planning.dag import Node, Plan
 from qbuild.store import StoreSpec
 from tests.conftest import wait_until
 from tests.s3server import free_port, s3_env, shared_server
 from tests.engine_actions import read_log
-from tests.ray_actions import RAY_REGISTRY
+from tests.engine_actions import add
+from tests.ray_actions import KINDS, Text
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 1 << 30
@@ -45,7 +47,7 @@ ON_THE_CLUSTER = pytest.mark.xdist_group("ray-cluster")
 
 
 def _node(name: str, peak: int = GIB, needs_device: bool = False) -> Node:
-    return Node(id=name, kind="ray-text", name=name, params={}, deps={}, backend=None, est_out_bytes=1, est_peak_bytes=peak,
+    return Node(id=name, step=Text, name=name, params={}, deps={}, backend=None, est_out_bytes=1, est_peak_bytes=peak,
                 resources={"neuron_cores": 8} if needs_device else {})
 
 
@@ -103,51 +105,45 @@ def test_remote_is_required():
     assert spec == StoreSpec(local="/worker", remote="s3://b/p", push=True)
 
 
-def test_worker_with_other_action_source_refuses_to_build():
+def _job(step, pre: dict):
     from qbuild.execution.job import Job
 
-    action = ActionSpec("ray-text", "tests.ray_actions:text")
-    pre = {"action": "ray-text", "version": "0" * 32, "params": {}, "inputs": {}, "toolchain": {}}
-    job = Job("n", "ray-text", "text a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"),
-              action.entry)
-    with pytest.raises(InfraError, match="not set up like the driver.*action source"):
-        rayexec._check_same_action(job, action)
-    same = {**pre, "version": action.source_hash(), "toolchain": action.toolchain_versions()}
-    rayexec._check_same_action(Job(**{**job.__dict__, "preimage": same}), action)
+    return Job("n", step, f"{step.kind} a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"))
+
+
+def test_worker_with_other_step_code_refuses_to_build():
+    pre = {"action": "ray-text", "code_hash": "0" * 32, "params": {}, "inputs": {}, "toolchain": {}}
+    with pytest.raises(InfraError, match="not set up like the driver.*step code"):
+        rayexec._check_same_code(_job(Text, pre))
+    rayexec._check_same_code(_job(Text, {**pre, "code_hash": code_hash(Text), "toolchain": toolchain_versions(Text)}))
 
 
 def test_a_worker_reads_its_code_afresh_for_each_task(tmp_path, monkeypatch):
     """A Ray worker outlives many tasks; its checkout may change between them. The check reads the code as it is at
     each task, never as an earlier task found it."""
-    from qbuild.execution.job import Job
-
-    (tmp_path / "probeaction").mkdir()
-    (tmp_path / "probeaction" / "__init__.py").write_text("")
-    module = tmp_path / "probeaction" / "act.py"
+    (tmp_path / "probestep").mkdir()
+    (tmp_path / "probestep" / "__init__.py").write_text("")
+    module = tmp_path / "probestep" / "act.py"
     module.write_text("def run(ctx):\n    return None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    action = ActionSpec("probe", "probeaction.act:run")
-    pre = {"action": "probe", "version": action.source_hash(), "params": {}, "inputs": {},
-           "toolchain": action.toolchain_versions()}
-    job = Job("n", "probe", "probe a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"), action.entry)
-    rayexec._check_same_action(job, action)
+    probe = type("Probe", (Step,), {"kind": "probe", "params": dict, "__module__": "probestep.act"})
+    pre = {"action": "probe", "code_hash": code_hash(probe), "params": {}, "inputs": {},
+           "toolchain": toolchain_versions(probe)}
+    rayexec._check_same_code(_job(probe, pre))
     module.write_text("def run(ctx):\n    return 1\n")
-    with pytest.raises(InfraError, match="not set up like the driver.*probe action source"):
-        rayexec._check_same_action(job, action)
+    with pytest.raises(InfraError, match="not set up like the driver.*probe step code"):
+        rayexec._check_same_code(_job(probe, pre))
 
 
 def test_worker_on_another_platform_refuses_a_node_that_is_not_portable():
-    from qbuild.execution.job import Job
     from qbuild.core.platform import host_tag
 
-    action = ActionSpec("ray-text", "tests.ray_actions:text", portable=False)
-    pre = {"action": "ray-text", "version": action.source_hash(), "params": {}, "inputs": {},
-           "toolchain": action.toolchain_versions(), "platform": "aarch64-linux-glibc2.39-cp311-SVE256"}
-    job = Job("n", "ray-text", "text a", "k" * 64, pre, {}, {}, StoreSpec(local="/x", remote="s3://b/p"),
-              action.entry)
+    native = type("Native", (Text,), {"portable": False})
+    pre = {"action": "ray-text", "code_hash": code_hash(native), "params": {}, "inputs": {},
+           "toolchain": toolchain_versions(native), "platform": "aarch64-linux-glibc2.39-cp311-SVE256"}
     with pytest.raises(InfraError, match=f"not set up like the driver: platform {host_tag()} \\(driver: aarch64"):
-        rayexec._check_same_action(job, action)
-    rayexec._check_same_action(Job(**{**job.__dict__, "preimage": {**pre, "platform": host_tag()}}), action)
+        rayexec._check_same_code(_job(native, pre))
+    rayexec._check_same_code(_job(native, {**pre, "platform": host_tag()}))
 
 
 def _cli(*args: str, cwd: Path, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -325,8 +321,8 @@ def _graph(log: Path, spec: list[tuple[str, str, list[str], float]], **extra) ->
     """spec: (name, kind, input names, peak GiB) in topological order; `extra` goes into every node's params."""
     nodes, ids = {}, {}
     for name, kind, deps, peak in spec:
-        ids[name] = _add(nodes, "toy", kind, name, {"name": name, "log": str(log), **extra},
-                         {d: ids[d] for d in deps}, 1, int(peak * GIB))
+        ids[name] = add(nodes, KINDS[kind], name, {"name": name, "log": str(log), **extra},
+                        {d: ids[d] for d in deps}, 1, int(peak * GIB))
     return Plan(nodes, {})
 
 
@@ -351,8 +347,8 @@ def _build(plan: Plan, spec: StoreSpec, cluster: Cluster, timeline: list | None 
         try:
             store = open_store(spec)
             box["result"] = build(plan, store, spec,
-                                  lambda: rayexec.RayExecutor(store, cluster.address, RAY_REGISTRY),
-                                  BuildOptions(jobs=4, **opts), on_event, RAY_REGISTRY, on_progress=on_progress)
+                                  lambda: rayexec.RayExecutor(store, cluster.address),
+                                  BuildOptions(jobs=4, **opts), on_event, on_progress=on_progress)
         except BaseException as e:  # reported below, in the test's thread
             box["error"] = e
 

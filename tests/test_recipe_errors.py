@@ -281,7 +281,7 @@ def test_the_verify_image_is_cut_into_the_patches_transformers_makes(tiny_checkp
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from PIL import Image
 
-    from qbuild.execution.actions.reference import IMAGE_SIZE
+    from qbuild.steps.reference import IMAGE_SIZE
     from qbuild.model.arch import arch_from_config
     from qbuild.recipe.checks import VERIFY_IMAGE_SIZE, image_patches
 

@@ -60,10 +60,11 @@ def test_disk_full_fails_clearly_and_leaves_the_store_consistent(tmp_path):
         pytest.skip("mounting a small tmpfs is not permitted here")
     try:
         log = tmp_path / "log"
-        from qbuild.planning.plan import Plan, _add
+        from qbuild.planning.dag import Plan
+        from tests.engine_actions import Big, add
 
         nodes = {}
-        _add(nodes, "toy", "test-big", "big", {"name": "big", "log": str(log), "bytes": 4 << 20}, {}, 1, 1)
+        add(nodes, Big, "big", {"name": "big", "log": str(log), "bytes": 4 << 20})
         result, _ = _run(Plan(nodes, {}), mnt / "store")
         (error,) = result.failed.values()
         assert "no space left on device" in error.lower()
@@ -79,7 +80,7 @@ def test_paths_that_escape_are_refused(tmp_path, rel):
         safe_join(tmp_path, rel)
 
 
-def test_a_manifest_naming_an_escaping_path_is_never_materialised(tmp_path):
+def test_a_manifest_naming_an_escaping_path_is_never_materialized(tmp_path):
     store = LocalStore(tmp_path / "store")
     src = tmp_path / "x"
     src.write_text("payload")

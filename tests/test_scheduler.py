@@ -4,7 +4,9 @@ deferral closure, and a bad input's producer run again. Pure: no store, no execu
 from __future__ import annotations
 
 from qbuild.execution.scheduler import MAX_RERUNS, Scheduler
-from qbuild.planning.graph import graph_of, upstream, users
+from qbuild.planning.dag import Plan
+from qbuild.planning.graph import upstream, users
+from tests.engine_actions import Sleep, add
 
 GIB = 1 << 30
 
@@ -165,14 +167,13 @@ def test_a_step_whose_input_stays_bad_fails_after_max_reruns():
 
 
 def test_graph_walks():
-    class N:
-        def __init__(self, *deps):
-            self.deps = {f"in{i}": d for i, d in enumerate(deps)}
-
-    class P:
-        nodes = {"a": N(), "b": N("a", "a"), "c": N("b"), "d": N()}
-
-    graph = graph_of(P)
-    assert graph == {"a": (), "b": ("a",), "c": ("b",), "d": ()}
+    nodes: dict = {}
+    a = add(nodes, Sleep, "a", {"name": "a"})
+    b = add(nodes, Sleep, "b", {"name": "b"}, {"in0": a, "in1": a})
+    c = add(nodes, Sleep, "c", {"name": "c"}, {"in0": b})
+    d = add(nodes, Sleep, "d", {"name": "d"})
+    graph = Plan(nodes, {}).graph()
+    assert graph == {a: (), b: (a,), c: (b,), d: ()}
+    graph = {"a": (), "b": ("a",), "c": ("b",), "d": ()}
     assert upstream(graph, ["c"]) == {"a", "b", "c"} and upstream(graph, ["d"]) == {"d"}
     assert users(graph) == {"a": ["b"], "b": ["c"], "c": [], "d": []}

@@ -482,7 +482,7 @@ def test_moe_lineage_refuses_what_its_port_cannot_load():
 
 
 def _without_deltanet_fp8(text: dict) -> dict:
-    """`text` with its DeltaNet projections dequantised back to float32 and their scales dropped."""
+    """`text` with its DeltaNet projections dequantized back to float32 and their scales dropped."""
     out = {}
     for n, t in text.items():
         if ".linear_attn." in n and n.endswith(".scale"):

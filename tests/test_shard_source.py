@@ -12,15 +12,16 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from qbuild.execution.actions import RunContext
-from qbuild.execution.actions import convert as convert_action
-from qbuild.execution.actions import fetch as fetch_action
-from qbuild.execution.actions import shard as shard_action
 from qbuild.core.errors import UserError
+from qbuild.execution.source_files import locate_checkpoint
 from qbuild.model.convert.convert import convert_checkpoint
 from qbuild.model.convert.shard import shard_checkpoint
 from qbuild.model.ranks import RankLayout
+from qbuild.planning.step import Context, Source
 from qbuild.recipe.params import ConvertParams, FetchHub, FetchPath, ShardParams
+from qbuild.steps.convert import Convert
+from qbuild.steps.fetch import Fetch
+from qbuild.steps.shard import Shard
 from tests.hubdouble import HubDouble
 from tests.conftest_convert import same_tensors, tiny
 
@@ -28,12 +29,20 @@ REPO_ID = "tiny-org/moe"
 SHARD = ShardParams("cpu", RankLayout.split(2, 2), True, "float32")
 
 
-def _ctx(tmp: Path, name: str, params, inputs: dict, context: dict) -> RunContext:
+def _ctx(tmp: Path, name: str, params, inputs: dict, source: dict) -> Context:
     out, scratch = tmp / name / "out", tmp / name / "scratch"
     out.mkdir(parents=True)
     scratch.mkdir()
-    return RunContext(kind=name, params=params, inputs=inputs, out=out, scratch=scratch, context=context,
-                      log=lambda m: None)
+    return Context(params=params, inputs=inputs, out=out, scratch=scratch, source=Source(**source),
+                   log=lambda m: None)
+
+
+def _run(step, ctx: Context) -> None:
+    """Run a step as a worker does: the source checkpoint located first where the step reads it
+    (qbuild.execution.job)."""
+    if step.reads_checkpoint and "snapshot" in ctx.inputs:
+        ctx.checkpoint = locate_checkpoint(ctx.inputs["snapshot"], ctx.source, ctx.scratch, ctx.log)
+    step.run(ctx)
 
 
 def _online(monkeypatch, double: HubDouble) -> None:
@@ -49,19 +58,19 @@ def test_a_shard_on_a_machine_without_the_hub_model_fetches_it_again(tmp_path, m
         commit = double.add_commit(REPO_ID, src)
         _online(monkeypatch, double)
         fetch = _ctx(tmp_path, "fetch", FetchHub("hf", REPO_ID, commit), {}, {})
-        fetch_action.run(fetch)
+        _run(Fetch, fetch)
         convert = _ctx(tmp_path, "convert", ConvertParams("qwen3_5_moe", "float32", "none"),
                        {"snapshot": fetch.out}, {})
-        convert_action.run(convert)
+        _run(Convert, convert)
         # Another machine: the same snapshot and description, an empty HF cache.
         monkeypatch.setenv("HF_HOME", str(tmp_path / "other-hf-home"))
         shard = _ctx(tmp_path, "shard", SHARD, {"converted": convert.out, "snapshot": fetch.out}, {})
-        shard_action.run(shard)
+        _run(Shard, shard)
         downloads = [p for m, p in double.requests if m == "GET" and "/resolve/" in p]
     assert any(p.endswith(".safetensors") for p in downloads)
     assert (tmp_path / "other-hf-home" / "hub" / "models--tiny-org--moe" / "snapshots" / commit).is_dir()
-    convert_checkpoint(src, tmp_path / "materialised", dtype="float32")
-    want = shard_checkpoint(tmp_path / "materialised", tmp_path / "want", ranks=RankLayout.split(2, 2),
+    convert_checkpoint(src, tmp_path / "materialized", dtype="float32")
+    want = shard_checkpoint(tmp_path / "materialized", tmp_path / "want", ranks=RankLayout.split(2, 2),
                             fused_qkv=True, dtype="float32")
     assert json.loads((shard.out / "shard.json").read_text()) == want
     for r in range(2):
@@ -76,13 +85,13 @@ def test_a_local_checkpoint_gone_from_its_path_is_one_line(tmp_path):
 
     fetch = _ctx(tmp_path, "fetch", FetchPath("path", {n: "blake3:" + digest_file(p) for n, p in digests.items()}),
                  {}, {"path": str(src)})
-    fetch_action.run(fetch)
+    _run(Fetch, fetch)
     convert = _ctx(tmp_path, "convert", ConvertParams("qwen3_5", "float32", "none"), {"snapshot": fetch.out},
                    {"path": str(src)})
-    convert_action.run(convert)
+    _run(Convert, convert)
     shutil.rmtree(src)
     shard = _ctx(tmp_path, "shard", ShardParams("cpu", RankLayout.split(2), False, "float32"),
                  {"converted": convert.out, "snapshot": fetch.out}, {"path": str(src)})
     with pytest.raises(UserError, match=r"ck/.*: missing; the checkpoint changed since it was planned"):
-        shard_action.run(shard)
+        _run(Shard, shard)
     assert list(shard.out.iterdir()) == []

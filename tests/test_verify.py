@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import torch
 
-from qbuild.execution.actions.verify import _line, compare, failures
+from qbuild.steps.verify import _line, compare, failures
 from qbuild.recipe.params import VerifyParams
 
 THRESHOLDS = VerifyParams(top1_min=0.99, token_match_min=1.0, max_logit_err=1e-3)
@@ -44,7 +44,7 @@ def test_top1_is_weighted_by_prompt_length():
 
 
 def test_shipped_golden_prompts_are_pinned():
-    from qbuild.execution.actions.reference import golden
+    from qbuild.steps.reference import golden
 
     doc = golden()  # raises if prompts.json changed without its pinned digest
     assert doc["prompts"] and all(isinstance(p, str) and p for p in doc["prompts"]) and doc["image_prompt"]
@@ -68,13 +68,14 @@ def _reference(tmp_path, prompts) -> tuple:
 def _verify(tmp_path, ref, bundle, thresholds=None) -> list[dict]:
     import json
 
-    from qbuild.execution.actions import RunContext, verify
+    from qbuild.planning.step import Context
+    from qbuild.steps.verify import Verify
 
     out = tmp_path / "out"
     out.mkdir()
     params = thresholds or VerifyParams(top1_min=0.0, token_match_min=0.0, max_logit_err=1e9)
-    verify.run(RunContext("verify", params, {"bundle": bundle, "reference": ref, "port": tmp_path}, out,
-                          tmp_path / "scratch", log=lambda s: None))
+    Verify.run(Context(params, {"bundle": bundle, "reference": ref, "port": tmp_path}, out, tmp_path / "scratch",
+                       log=lambda s: None))
     return json.loads((out / "report.json").read_text())["prompts"]
 
 

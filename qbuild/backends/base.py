@@ -1,5 +1,6 @@
 """The Backend protocol: what the planner, the checks, the actions, the renderer and the CLI may ask of a backend
-(its planning part, and the types a backend's part of a plan is made of, are in qbuild.planning.steps).
+(its planning part, and the types a backend's part of a plan is made of, are in qbuild.planning.backend; what a build
+step hands a backend is a step's Context, qbuild.planning.step).
 
 A backend offers capabilities and decisions (which extra source nodes a recipe needs, how its weights are sharded,
 which graphs it compiles and how, what a bundle is and how it runs), never its own identity: nothing outside
@@ -16,7 +17,8 @@ from typing import Callable, Protocol
 
 from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch
-from qbuild.planning.steps import PlanningBackend
+from qbuild.planning.backend import PlanningBackend
+from qbuild.planning.step import Context
 from qbuild.recipe.schema import LoadedRecipe
 from qbuild.store.side_cache import SideCache
 
@@ -71,18 +73,6 @@ class ServeOptions:
             return self.host != "localhost"
 
 
-class StepContext(Protocol):
-    """What a backend reads of an action's context (qbuild.execution.actions.RunContext)."""
-
-    params: object
-    inputs: dict[str, Path]
-    out: Path
-    scratch: Path
-    store: object
-    log: Callable[[str], None]
-    progress: object              # qbuild.core.progress.StepProgress, or None where nobody listens
-
-
 class Backend(PlanningBackend, Protocol):
     """What planning asks (PlanningBackend: validate, plan, explain_reuse, portable), and what the renderer, the
     actions, the executors and the CLI ask."""
@@ -102,10 +92,10 @@ class Backend(PlanningBackend, Protocol):
         names), as the rest of a sentence after the step's name ("runs on 8 NeuronCores and this host has no Neuron
         device; ..."); None where it can."""
 
-    def compile(self, ctx: StepContext) -> None:
+    def compile(self, ctx: Context) -> None:
         """Build one compile node into ctx.out."""
 
-    def package(self, ctx: StepContext) -> dict[str, str]:
+    def package(self, ctx: Context) -> dict[str, str]:
         """Put the compiled graphs into the bundle at ctx.out; returns graph name -> file in the bundle."""
 
     def recognises(self, manifest: dict) -> bool:
@@ -115,7 +105,7 @@ class Backend(PlanningBackend, Protocol):
         """The bundle loaded to run prompts on this host (`qbuild run`, `qbuild bench`); UserError where this host
         cannot run it. Errors name the bundle `shown_as` (default: `bundle`)."""
 
-    def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
+    def run_prompts(self, ctx: Context, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """Run the bundle (ctx.inputs["bundle"]) on the reference's prompts."""
 
 

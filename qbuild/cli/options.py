@@ -80,7 +80,7 @@ def name_a_changed_recipe(ws, name: str, strict: bool, say: Callable[[str], None
     or a lockfile with none of its recipe files beside it, as a serving host holds it, which only --strict refuses)."""
     from qbuild.planning.drift import recipe_change
 
-    change = recipe_change(ws.lock, ws.lock_path, name, ws.stat_cache, ws.backends)
+    change = recipe_change(ws.lock, ws.lock_path, name, ws.stat_cache, ws.backends, ws.steps)
     if change is None:
         return None
     if strict:

@@ -9,7 +9,7 @@ platform tag), a hit in the store skips it, a miss runs on the executor. By defa
 step whose input turns out corrupt or missing runs again after that input's producer is built again.
 
 While a step runs, what it reports of its work (bytes, seconds: qbuild.core.progress) reaches `on_progress` with its
-node, from the executor's threads; a timed step (ActionSpec.timed: compile) is told how long the last build of the
+node, from the executor's threads; a timed step (Step.timed: compile) is told how long the last build of the
 same kind and architecture took (qbuild.store.durations).
 
 A node whose key is the one the lock holds for it must have the lock's output: a result under that key with another
@@ -31,9 +31,8 @@ from qbuild.execution.scheduler import UNSTARTED, Scheduler
 from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
 from qbuild.core.progress import Report
 from qbuild.core.units import human_bytes
-from qbuild.planning.graph import graph_of
-from qbuild.planning.keys import REGISTRY, LockedNode, PlanKeys, Registry, other_bytes
-from qbuild.planning.plan import Node, Plan
+from qbuild.planning.dag import Node, Plan
+from qbuild.planning.keys import LockedNode, PlanKeys, other_bytes
 from qbuild.store import StoreSpec
 from qbuild.store.durations import Durations
 from qbuild.store.local import CorruptBlobError
@@ -95,12 +94,12 @@ ProgressCallback = Callable[[Node, Report], None]
 
 
 def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor], options: BuildOptions,
-          on_event: Callable[[Event], None] = lambda e: None, registry: Registry = REGISTRY,
-          locked: Mapping[str, LockedNode] | None = None, on_progress: ProgressCallback | None = None) -> BuildResult:
+          on_event: Callable[[Event], None] = lambda e: None, locked: Mapping[str, LockedNode] | None = None,
+          on_progress: ProgressCallback | None = None) -> BuildResult:
     """Build every node of `plan`, keying each with its inputs' digests as they are cached or built. `locked` (node id
     -> the lock's entry for it): a result under a locked key must have the locked digest (see the module docstring).
     `on_progress` hears what running steps report (from the executor's threads)."""
-    run = _Run(plan, store, spec, executor_factory, options, on_event, registry, locked or {}, on_progress)
+    run = _Run(plan, store, spec, executor_factory, options, on_event, locked or {}, on_progress)
     try:
         run.loop()
     finally:
@@ -114,15 +113,15 @@ class _Run:
     """One build: the scheduler's answers turned into store lookups, jobs on the executor, and events."""
 
     def __init__(self, plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor],
-                 options: BuildOptions, on_event: Callable[[Event], None], registry: Registry,
-                 locked: Mapping[str, LockedNode], on_progress: ProgressCallback | None = None):
+                 options: BuildOptions, on_event: Callable[[Event], None], locked: Mapping[str, LockedNode],
+                 on_progress: ProgressCallback | None = None):
         self.plan, self.store, self.spec, self.options = plan, store, spec, options
-        self.on_event, self.registry, self.locked = on_event, registry, locked
+        self.on_event, self.locked = on_event, locked
         self.on_progress = on_progress
         self.executor_factory = executor_factory
         self.executor: Executor | None = None            # started at the first step to run
-        self.keys = PlanKeys(plan, registry)
-        self.sched = Scheduler(graph_of(plan), {nid: node.est_peak_bytes for nid, node in plan.nodes.items()},
+        self.keys = PlanKeys(plan)
+        self.sched = Scheduler(plan.graph(), {nid: node.est_peak_bytes for nid, node in plan.nodes.items()},
                                options.jobs, options.mem_budget, options.keep_going,
                                wanted={nid for pr in plan.recipes.values() for nid in (pr.bundle, pr.verify)})
         self.result = BuildResult()
@@ -165,13 +164,12 @@ class _Run:
                 if self.sched.state[dev] in UNSTARTED:
                     self.defer(dev, why)
             return self.defer(nid, "only " + ", ".join(self.plan.nodes[d].name for d in left) + " needs it")
-        timed = self.registry[node.kind].timed
-        self.jobs[nid] = Job(node_id=nid, kind=node.kind, name=node.name, key=nk.key, preimage=nk.preimage,
-                             params=node.params, store_spec=self.spec, entry=self.registry[node.kind].entry,
+        self.jobs[nid] = Job(node_id=nid, step=node.step, name=node.name, key=nk.key, preimage=nk.preimage,
+                             params=node.params, store_spec=self.spec,
                              inputs={name: self.result.manifests[d].outputs for name, d in node.deps.items()},
-                             context=node.context, code=node.code,
-                             locked_digest=self.locked_digest(nid, nk.key), timed=timed,
-                             expected_seconds=self.durations.expected(node.kind, nk.preimage) if timed else None)
+                             source=node.source, code=node.code, locked_digest=self.locked_digest(nid, nk.key),
+                             expected_seconds=self.durations.expected(node.kind, nk.preimage)
+                             if node.step.timed else None)
         self.sched.queue(nid)
 
     def reporter(self, node: Node) -> Callable[[Report], None] | None:

@@ -20,14 +20,15 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
-from qbuild.execution.actions import RunContext
 from qbuild.core.errors import BuildError, InfraError, QbuildError
 from qbuild.core.progress import Emit, StepProgress, elapsed, silent
+from qbuild.execution.source_files import locate_checkpoint
 from qbuild.planning.keys import other_bytes
+from qbuild.planning.step import Context, Source, Step
 from qbuild.store import Store, StoreSpec
 from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest
@@ -47,21 +48,26 @@ _audit_hook_installed = False
 
 @dataclass(frozen=True)
 class Job:
+    """One node's build as a worker gets it: plain data, and its step kind, which pickles as a reference to its class
+    (a worker imports the class's module to run it)."""
+
     node_id: str
-    kind: str
+    step: type[Step]                 # the node's step kind
     name: str
     key: str
     preimage: dict
     params: object                   # the node's typed params (frozen dataclasses, so a job pickles)
     inputs: dict[str, dict]          # input name -> that input's output tree {path: {digest, size}}
     store_spec: StoreSpec            # the store the worker opens (plain data, so a job pickles)
-    entry: str                       # "module:function" the worker imports and calls
-    context: dict = field(default_factory=dict)
-    code: tuple[str, ...] = ()       # modules the node runs beyond its action's entry (part of its action source)
+    source: Source | None = None     # where the node's source is on this machine
+    code: tuple[str, ...] = ()       # modules the node runs beyond its step's own (part of its code hash)
     locked_digest: str | None = None  # the lock's output under this key: a build of other bytes is refused before
                                       # it is committed or pushed (qbuild.planning.keys.other_bytes)
-    timed: bool = False              # report the step's elapsed seconds (qbuild.core.progress.elapsed) ...
-    expected_seconds: float | None = None   # ... against how long the last such step took (None: not known)
+    expected_seconds: float | None = None   # how long the last such step took, for a timed step (None: not known)
+
+    @property
+    def kind(self) -> str:
+        return self.step.kind
 
 
 def run_job(job: Job, emit: Emit | None = None) -> Manifest:
@@ -91,21 +97,23 @@ def build_job(job: Job, store: Store, progress: StepProgress | None = None) -> M
 
 
 def _build(job: Job, store: Store, stage: Path, progress: StepProgress) -> Manifest:
-    ctx = RunContext(kind=job.kind, params=job.params, inputs={}, out=stage / "out", scratch=stage / "tmp",
-                     context=job.context, store=job.store_spec, progress=progress)
+    log_lines: list[str] = []
+    ctx = Context(params=job.params, inputs={}, out=stage / "out", scratch=stage / "tmp",
+                  source=job.source or Source(), store=job.store_spec, log=log_lines.append, progress=progress)
     ctx.out.mkdir()
     ctx.scratch.mkdir()
     for name, outputs in job.inputs.items():
         ctx.inputs[name] = stage / "in" / name
         store.materialize(outputs, ctx.inputs[name], verify=True)
     inputs = _input_files(job, stage / "in")
-    log_lines: list[str] = []
-    ctx.log = log_lines.append
     start = time.monotonic()
     output_file = stage / "output.log"
     try:
+        if job.step.reads_checkpoint and "snapshot" in ctx.inputs:
+            ctx.checkpoint = locate_checkpoint(ctx.inputs["snapshot"], ctx.source, ctx.scratch, ctx.log,
+                                               job.store_spec)
         with _captured_output(output_file), _audited_inputs(inputs), _timed(job, progress):
-            _load(job.entry)(ctx)
+            job.step.run(ctx)
     except Exception as e:
         error = _input_written(job, store, inputs) or _step_error(job, store, stage, e)
         error.output = _tail(output_file)
@@ -128,7 +136,7 @@ def _build(job: Job, store: Store, stage: Path, progress: StepProgress) -> Manif
 @contextmanager
 def _timed(job: Job, progress: StepProgress) -> Iterator[None]:
     """A timed step reports its elapsed seconds while its action runs (docs/progress.md)."""
-    if not job.timed:
+    if not job.step.timed:
         yield
         return
     with elapsed(progress, job.kind, job.expected_seconds):
@@ -145,7 +153,7 @@ def _refuse_other_bytes(job: Job, manifest: Manifest, how: str) -> None:
 
 
 def _input_files(job: Job, root: Path) -> dict[Path, tuple[str, str, os.stat_result]]:
-    """Every materialised input file: its input's name, its relative path, its lstat before the step runs."""
+    """Every materialized input file: its input's name, its relative path, its lstat before the step runs."""
     return {path: (name, rel, os.lstat(path)) for name, outputs in job.inputs.items()
             for rel in outputs for path in [root / name / rel]}
 
@@ -273,9 +281,3 @@ def _tail(path: Path) -> list[str]:
     lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.split("\n")]
     return [line[:OUTPUT_LINE_CHARS] for line in lines if line][-OUTPUT_LINES:]
 
-
-def _load(entry: str):
-    import importlib
-
-    module, func = entry.split(":")
-    return getattr(importlib.import_module(module), func)

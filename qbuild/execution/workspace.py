@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from qbuild import backends as backend_registry
 from qbuild.execution.engine import BuildOptions, BuildResult, Event, ProgressCallback, build
@@ -16,15 +16,18 @@ from qbuild.planning import lock as lockmod
 from qbuild.planning.environment import HostEnvironment
 from qbuild.core.errors import BuildError, UserError
 from qbuild.core.hashing import StatCache, default_stat_cache
-from qbuild.planning.keys import REGISTRY, LockedNode, Registry, key_node
+from qbuild.planning.keys import LockedNode, key_node
 from qbuild.planning.lock import Lock, PlatformRebuild
-from qbuild.planning.plan import HubPin, NodeStatus, Plan, build_plan, evaluate, explain, require_resolved, resolve_hub
-from qbuild.planning.steps import Backends
+from qbuild.planning.dag import Plan
+from qbuild.planning.plan import HubPin, NodeStatus, build_plan, evaluate, explain, require_resolved, resolve_hub
+from qbuild.planning.step import Step
+from qbuild.planning.backend import Backends
 from qbuild.recipe.params import FetchHub
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
 from qbuild.store import Store, StoreSpec
 from qbuild.store.remote import open_store
 from qbuild.store.lease import open_lease
+from qbuild.steps.registry import STEPS
 
 if TYPE_CHECKING:
     from qbuild.store.manifest import Manifest
@@ -53,10 +56,10 @@ class Workspace:
     root: Path = field(default_factory=Path.cwd)
     stat_cache: StatCache = field(default_factory=default_stat_cache)
     backend: str | None = None      # --backend: build every recipe on this backend instead of its own
-    registry: Registry = field(default_factory=lambda: REGISTRY)
+    steps: Sequence[type[Step]] = field(default_factory=lambda: STEPS)    # the step kinds a recipe is planned with
     backends: Backends = field(default=backend_registry)    # what plans each recipe's backend part
     progress: Progress | None = None    # where a remote-backed store reports its transfers
-    keep_intermediates: bool = False    # also materialise each recipe's converted weights (never locked)
+    keep_intermediates: bool = False    # also materialize each recipe's converted weights (never locked)
 
     @cached_property
     def store(self) -> Store:
@@ -93,18 +96,21 @@ class Workspace:
         """One per command, so that the Hub is asked once per repo and revision whatever the command plans."""
         return HostEnvironment(self.stat_cache)
 
-    def _build_plan(self, recipes: list[LoadedRecipe]) -> Plan:
+    def _build_plan(self, recipes: list[LoadedRecipe], update: bool = False) -> Plan:
+        """The plan of `recipes`, keyed on the lock's hub pins; a fetch of a pinned commit must give the files the
+        lock holds for it, unless `update` accepts others."""
+        pinned = {} if update else lockmod.pinned_files(self.lock, self.lock_path)
         return build_plan(recipes, self.environment, self.lock.hub_pins(), self.keep_intermediates,
-                          backends=self.backends)
+                          backends=self.backends, steps=self.steps, locked_files=pinned)
 
     def plan(self, recipes: list[LoadedRecipe]) -> tuple[Plan, dict[str, NodeStatus]]:
         plan = self._build_plan(recipes)
-        status = evaluate(plan, self.store.get_manifest, lockmod.locked_entries(plan, self.lock), self.registry)
+        status = evaluate(plan, self.store.get_manifest, lockmod.locked_entries(plan, self.lock))
         return plan, status
 
     def explain(self, plan: Plan, status: dict[str, NodeStatus]) -> dict[str, str]:
         """Why each node would rebuild (see plan.explain), against this workspace's lockfile."""
-        return explain(plan, status, lockmod.locked_entries(plan, self.lock), self.registry)
+        return explain(plan, status, lockmod.locked_entries(plan, self.lock))
 
     # --- building --------------------------------------------------------------------------------------------
     def compile(self, recipes: list[LoadedRecipe], options: BuildOptions, executor_factory: Callable,
@@ -120,12 +126,9 @@ class Workspace:
         unless `update` accepts other bytes. `on_progress` hears what running steps report (engine.build)."""
         # Before anything is built: a recipe whose name the lock holds for another file would replace its entry.
         lockmod.check_unique_names(self.lock, self.lock_path, [(r.name, r.path) for r in recipes])
-        plan = self._build_plan(recipes)
+        plan = self._build_plan(recipes, update)
         require_resolved(plan)
-        rebuilt = lockmod.frozen_verdict(plan, self.lock, self.lock_path, self.registry) if frozen else None
-        if not update:
-            for nid, files in lockmod.locked_files(plan, self.lock, self.lock_path).items():
-                plan.nodes[nid].context["locked_files"] = files
+        rebuilt = lockmod.frozen_verdict(plan, self.lock, self.lock_path) if frozen else None
         self._check_sources(plan)
         # --frozen compares the whole lock once the build is done; --update accepts what the build gives.
         locked = {} if frozen or update else lockmod.locked_entries(plan, self.lock)
@@ -174,8 +177,7 @@ class Workspace:
             on_event(event)
 
         try:
-            result = build(plan, self.store, self.store_spec, executor_factory, options, track, self.registry,
-                           locked, on_progress)
+            result = build(plan, self.store, self.store_spec, executor_factory, options, track, locked, on_progress)
         finally:
             if lease is not None:
                 lease.close()
@@ -194,7 +196,7 @@ class Workspace:
             nid = planned.nodes["fetch"]
             if nid in checked:
                 continue
-            if self.store.get_manifest(key_node(plan.nodes[nid], {}, self.registry).key) is not None:
+            if self.store.get_manifest(key_node(plan.nodes[nid], {}).key) is not None:
                 continue
             checked.add(nid)
             params = plan.nodes[nid].params

@@ -80,10 +80,11 @@ def read_snapshot(directory: Path) -> dict:
     return json.loads((directory / "snapshot.json").read_text())
 
 
-def locate(snapshot: dict, context: dict) -> dict[str, Path]:
-    """Map each file of `snapshot` to a path on this machine whose content matches the recorded digest."""
+def locate(snapshot: dict, path: str | None) -> dict[str, Path]:
+    """Map each file of `snapshot` to a path on this machine whose content matches the recorded digest: under `path`,
+    the local checkpoint's directory, or in the HF cache for a hub model."""
     if snapshot["source"] == "path":
-        root = Path(context["path"])
+        root = Path(path)
         cache = default_stat_cache()
         files = {}
         for name, meta in snapshot["files"].items():

@@ -27,7 +27,7 @@ class Family:
     vl_model_type: str | None       # model_type of the VL wrapper (None: the family has no vision encoder)
     text_model_type: str            # model_type of the text model (a text-only export, or a wrapper's text_config)
     moe: bool                       # routed experts (+ shared expert) instead of a dense MLP
-    # fp8 "full" quantises attention and DeltaNet projections too; only the dense family has been validated so.
+    # fp8 "full" quantizes attention and DeltaNet projections too; only the dense family has been validated so.
     fp8_policies: tuple[FP8PolicyName, ...]
     default_moe_backend: MoEBackend | None
     # transformers' Qwen3.5 text rotary (both VL families) interleaves the (t, h, w) frequencies of an

@@ -1,6 +1,6 @@
-"""What an action is made of, read from the code itself: the static import closure of its entry module.
+"""What a step runs, read from the code itself: the static import closure of its module.
 
-An action's key holds a digest of every first-party module its entry can import (the entry's own package, and
+A node's key holds a digest of every first-party module its step's module can import (the module's own package, and
 qbuild), found by reading import statements at any depth (function bodies included, `if TYPE_CHECKING:` blocks
 excluded: they never run), and the installed versions of the third-party distributions those modules import. Nothing
 is listed by hand, so a module cannot be missing from a key.
@@ -10,11 +10,12 @@ a blank line or a re-wrapped line changes no key; a code edit changes the key of
 the module. The tree is written out by node type and non-empty fields, so the same source gives the same digest on
 every Python version whose parser gives the same tree.
 
-Dynamic imports (`importlib.import_module`) are invisible to this walk. qbuild has these, each accounted for: the
-action entry itself (qbuild.execution.job); in the backend registry (qbuild.backends), a backend's implementation
-and a shard layout's rules (a node records the ones it runs, and their closures join its key: plan.Node.code,
-keys.ActionSpec.closure) and a backend's server (which no build step runs); and a port's modules, in the Neuron SDK
-worker (keyed as the port's files) and in the vLLM plugin a served bundle carries (which no build step runs).
+Dynamic imports (`importlib.import_module`) are invisible to this walk. qbuild has these, each accounted for: in the
+backend registry (qbuild.backends), a backend's implementation and a shard layout's rules (a node records the ones it
+runs, and their closures join its key: dag.Node.code, keys.closure) and a backend's server (which no build step runs);
+and a port's modules, in the Neuron SDK worker (keyed as the port's files) and in the vLLM plugin a served bundle
+carries (which no build step runs). A worker finds a node's step by its class (a job pickles it by reference), never
+by a name. tests/test_hermetic_sources.py fails on any other.
 tests/test_hermetic_sources.py fails on any other.
 
 Per file, the digest and the imports are cached by the file's stat identity (qbuild.core.hashing.StatCache), so

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Sequence
 
 from qbuild.core.errors import InfraError, QbuildError
 from qbuild.core.hashing import StatCache
@@ -24,7 +24,8 @@ from qbuild.model.arch import Arch
 from qbuild.planning.environment import HostEnvironment
 from qbuild.planning.lock import Lock, first_change, locked_recipe, recipe_file
 from qbuild.planning.plan import build_plan
-from qbuild.planning.steps import Backends
+from qbuild.planning.backend import Backends
+from qbuild.planning.step import Step
 from qbuild.hub import checkpoint
 from qbuild.recipe.schema import LoadedRecipe
 
@@ -80,9 +81,10 @@ class OfflineEnvironment:
         return self.host.port_digests(port_dir)
 
 
-def recipe_change(lock: Lock, lock_path: Path, name: str, stat_cache: StatCache,
-                  backends: Backends) -> RecipeChange | None:
-    """How the recipe file of the locked recipe `name` changed since it was locked (planned again with `backends`);
+def recipe_change(lock: Lock, lock_path: Path, name: str, stat_cache: StatCache, backends: Backends,
+                  steps: Sequence[type[Step]]) -> RecipeChange | None:
+    """How the recipe file of the locked recipe `name` changed since it was locked (planned again with `backends`
+    and `steps`);
     None where it did not, or where the lock holds no bundle for it (only a pin: nothing built to compare). A file
     that is gone is "deleted" where other recipe files of the lock are still beside it, else "absent" (RecipeChange)."""
     entry = lock.recipes[name]
@@ -95,7 +97,7 @@ def recipe_change(lock: Lock, lock_path: Path, name: str, stat_cache: StatCache,
     try:
         loaded = locked_recipe(lock, lock_path, name)
         plan = build_plan([loaded], OfflineEnvironment(HostEnvironment(stat_cache)), lock.hub_pins(),
-                          backends=backends)
+                          backends=backends, steps=steps)
     except QbuildError as e:
         return RecipeChange(name, path, str(e), "unknown")
     what = first_change(plan, plan.recipes[loaded.name], lock, name)

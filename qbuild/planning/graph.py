@@ -1,27 +1,15 @@
 """Walks over a plan's DAG as plain data: what a node is built from, and what is built from it.
 
-A `Graph` maps each node id to the ids of its inputs, in a topological order (a plan's order). The engine's scheduler
-(qbuild.execution.scheduler) and the drift check (qbuild.planning.drift) walk it here; nothing here reads a node's params.
+A `Graph` maps each node id to the ids of its inputs, in a topological order (a plan's order: Plan.graph). The
+engine's scheduler (qbuild.execution.scheduler) and the lock's verdicts (qbuild.planning.lock) walk it here; nothing
+here reads a node's params.
 """
 
 from __future__ import annotations
 
-from typing import Collection, Iterable, Mapping, Protocol
+from typing import Collection, Iterable, Mapping
 
 Graph = Mapping[str, Collection[str]]     # node id -> the ids of its inputs; inputs come first
-
-
-class _Node(Protocol):
-    deps: dict[str, str]
-
-
-class _Plan(Protocol):
-    nodes: Mapping[str, _Node]
-
-
-def graph_of(plan: _Plan) -> dict[str, tuple[str, ...]]:
-    """The plan's DAG: each node's distinct inputs (a node may take one input under two names)."""
-    return {nid: tuple(dict.fromkeys(node.deps.values())) for nid, node in plan.nodes.items()}
 
 
 def upstream(graph: Graph, ids: Iterable[str]) -> set[str]:

@@ -1,134 +1,84 @@
-"""Content keys: the action specs, a node's key preimage, and the one walk that keys a plan.
+"""Content keys: a node's key preimage, and the one walk that keys a plan.
 
-A node's key is blake3 of its preimage {action, version, params, inputs, toolchain[, platform]}: the action's kind
-and source hash (the digest of its import closure and data files, qbuild.planning.closures), the node's typed params,
-its inputs' output digests, the toolchain it runs with (the installed versions of the third-party distributions its
-closure imports, or the versions a neuron compile pins), and for a node whose output is not portable, this host's
-platform tag (qbuild.core.platform). A node is portable when its action's output is the same on every platform
-(ActionSpec.portable, or for compile and package, the backend's answer) and so is every input's: a bundle of native
-graphs is native, and so is the verify report of it. An input's
-digest is known only once that input is built, so a walk over the plan takes the upstream digests from a source
-the caller chooses: the store (what is built), the lockfile (what was built when the lock was written), or both.
-A node whose inputs have no known digest has no key.
-
-The preimage's "version" field holds the source hash; its name is in every lockfile and key, so it stays.
+A node's key is blake3 of its preimage {action, code_hash, params, inputs, toolchain[, platform]}: its step kind,
+the hash of the code it runs (the import closure of its step's module and of the node's `code`, and the step's data
+files: qbuild.planning.closures), the node's typed params, its inputs' output digests, the toolchain it runs with (the
+installed versions of the third-party distributions that code imports, or the versions a neuron compile pins), and
+for a node whose output is not portable, this host's platform tag (qbuild.core.platform). A node is portable when its
+step's output is the same on every platform (Step.portable, or for compile and package, the backend's answer) and so
+is every input's: a bundle of native graphs is native, and so is the verify report of it. An input's digest is known
+only once that input is built, so a walk over the plan takes the upstream digests from a source the caller chooses:
+the store (what is built), the lockfile (what was built when the lock was written), or both. A node whose inputs have
+no known digest has no key.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping
 
 from qbuild.core.platform import host_tag
 from qbuild.core.hashing import canonical_json, digest_bytes, digest_json
 from qbuild.planning.closures import DEFAULT, Closure, Sources, distribution_versions
-from qbuild.planning.steps import Backends
+from qbuild.planning.dag import Node, Plan
+from qbuild.planning.step import Step
 from qbuild.recipe.params import to_json
 from qbuild.store.manifest import Manifest
 
 
-class Node(Protocol):
-    """What keying reads of a plan node (qbuild.planning.plan.Node, which imports this module)."""
+# --- the code a node runs ----------------------------------------------------------------------------------------
 
-    kind: str
-    params: object
-    deps: dict[str, str]
-    code: tuple[str, ...]           # modules the node runs beyond its action's entry (ActionSpec.closure)
-
-
-class Plan(Protocol):
-    nodes: dict[str, Node]
-    backends: Backends | None       # the registry the plan was made with, which answers for its backends' steps
+def closure(step: type[Step], code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> Closure:
+    """The import closure of a step's module, with that of each module in `code`: what a node of it runs beyond its
+    step's own imports (a backend's implementation, a shard layout's rules), which the step reaches through the
+    backend registry and the static walk cannot see."""
+    return sources.closure((step.module(), *code))
 
 
-@dataclass(frozen=True)
-class ActionSpec:
-    """An action: the function a worker calls, and the data files it reads besides code. What it is made of (its
-    source and its third-party distributions) is read from the code: qbuild.planning.closures."""
-
-    kind: str
-    entry: str                                 # "package.module:function", called as function(ctx)
-    data: tuple[str, ...] = ()                 # files it reads, relative to its top-level package's directory
-    # Whether the output is the same on every platform (machine, libc, Python, torch's CPU kernels); None: the
-    # backend the node's params name decides (PlanningBackend.portable).
-    portable: bool | None = True
-    # Whether a running step reports its elapsed seconds against how long the last one of its kind and architecture
-    # took (qbuild.core.progress.elapsed); a step without byte counts of its own. Not in any key.
-    timed: bool = False
-
-    @property
-    def module(self) -> str:
-        return self.entry.partition(":")[0]
-
-    def closure(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> Closure:
-        """The action's import closure, with that of each module in `code`: what a node of it runs beyond the action's
-        own imports (a backend's implementation, a shard layout's rules), which the action reaches through the
-        backend registry and the static walk cannot see."""
-        return sources.closure((self.module, *code))
-
-    def source_hash(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> str:
-        closure = self.closure(code, sources)
-        parts = [sources.digest(closure)]
-        root = sources.root(self.module.split(".")[0])
-        for rel in self.data:
-            parts.append(f"{rel}:{digest_bytes((root / rel).read_bytes())}")
-        return digest_bytes("\n".join(parts).encode())[:32]
-
-    def toolchain_versions(self, code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> dict[str, str]:
-        return distribution_versions(self.closure(code, sources).third_party)
+def code_hash(step: type[Step], code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> str:
+    """The hash of the code a node of `step` runs: its closure's modules (qbuild.planning.closures) and the step's data
+    files."""
+    parts = [sources.digest(closure(step, code, sources))]
+    root = sources.root(step.module().split(".")[0])
+    for rel in step.data:
+        parts.append(f"{rel}:{digest_bytes((root / rel).read_bytes())}")
+    return digest_bytes("\n".join(parts).encode())[:32]
 
 
-Registry = Mapping[str, ActionSpec]           # kind -> spec
-
-
-_SRC = "qbuild.execution.actions"
-# An action runs the function `entry` names (imported only in the worker, so planning stays light).
-REGISTRY: dict[str, ActionSpec] = {spec.kind: spec for spec in (
-    ActionSpec("fetch", f"{_SRC}.fetch:run"),
-    ActionSpec("port", f"{_SRC}.port:run"),
-    ActionSpec("convert", f"{_SRC}.convert:run"),
-    # The converted weights written out in full, built only on request (--keep-intermediates); no node reads them.
-    ActionSpec("materialize", f"{_SRC}.convert:materialize"),
-    ActionSpec("shard", f"{_SRC}.shard:run"),
-    ActionSpec("compile", f"{_SRC}.compile:run", portable=None, timed=True),
-    ActionSpec("package", f"{_SRC}.package:run", portable=None),
-    # Logits computed with torch's vectorised CPU kernels, whose last bits depend on the capability they run with.
-    ActionSpec("reference", f"{_SRC}.reference:run", data=("golden/prompts.json",), portable=False),
-    ActionSpec("verify", f"{_SRC}.verify:run", portable=False),
-)}
+def toolchain_versions(step: type[Step], code: tuple[str, ...] = (), sources: Sources = DEFAULT) -> dict[str, str]:
+    return distribution_versions(closure(step, code, sources).third_party)
 
 
 # --- portability -------------------------------------------------------------------------------------------------
 
-def action_portable(node: Node, registry: Registry = REGISTRY, backends: Backends | None = None) -> bool:
-    """Whether `node`'s action, whatever its inputs, writes the same output on every platform (asking `backends` for
-    the backend's answer where the action leaves it to the backend)."""
-    portable = registry[node.kind].portable
+def step_portable(node: Node, backends=None) -> bool:
+    """Whether `node`'s step, whatever its inputs, writes the same output on every platform (asking `backends` for
+    the backend's answer where the step leaves it to the backend)."""
+    portable = node.step.portable
     if portable is None:
         assert backends is not None, f"a {node.kind} node is planned with the backends that decide its portability"
         return backends.get(node.params.backend).portable(node.kind)
     return portable
 
 
-def portability(plan: Plan, registry: Registry = REGISTRY) -> dict[str, bool]:
-    """Node id -> whether the node's output is the same on every platform: its action's is, and every input's."""
+def portability(plan: Plan) -> dict[str, bool]:
+    """Node id -> whether the node's output is the same on every platform: its step's is, and every input's."""
     out: dict[str, bool] = {}
     for nid, node in plan.nodes.items():    # topological order: every input is decided first
-        out[nid] = action_portable(node, registry, plan.backends) and all(out[dep] for dep in node.deps.values())
+        out[nid] = step_portable(node, plan.backends) and all(out[dep] for dep in node.deps.values())
     return out
 
 
 # --- the preimage ----------------------------------------------------------------------------------------------
 
-def preimage(node: Node, inputs: dict[str, str], registry: Registry = REGISTRY, platform: str | None = None) -> dict:
+def preimage(node: Node, inputs: dict[str, str], platform: str | None = None) -> dict:
     """The key preimage of `node` given its inputs' output digests (input name -> digest), and for a node that is
     not portable, the platform tag it is built for (None: a portable node, whose preimage has no platform)."""
-    spec = registry[node.kind]
     params = to_json(node.params)
     # A node that pins its toolchain is keyed on the pin, never on what this host has installed.
-    toolchain = params["toolchain"] if "toolchain" in params else spec.toolchain_versions(node.code)
-    pre = {"action": node.kind, "version": spec.source_hash(node.code), "params": params, "inputs": inputs,
+    toolchain = params["toolchain"] if "toolchain" in params else toolchain_versions(node.step, node.code)
+    pre = {"action": node.kind, "code_hash": code_hash(node.step, node.code), "params": params, "inputs": inputs,
            "toolchain": toolchain}
     if platform is not None:
         pre["platform"] = platform
@@ -153,8 +103,9 @@ def diff_preimages(old: dict, new: dict, prefix: str = "") -> list[str]:
             continue
         if isinstance(a, dict) and isinstance(b, dict):
             out += diff_preimages(a, b, path + ".")
+        # A digest or a code hash is named, not shown; a platform tag is read.
         elif isinstance(a, (dict, list)) or isinstance(b, (dict, list)) or \
-                (isinstance(a, str) and len(a) > 24 and k != "platform"):   # digests; a platform tag is read
+                (any(isinstance(v, str) and len(v) > 24 for v in (a, b)) and k != "platform"):
             out.append(f"{path} changed")
         else:
             out.append(f"{path}: {a} -> {b}")
@@ -205,14 +156,13 @@ class NodeKey:
     unknown: tuple[str, ...]    # input names whose digests the source did not know
 
 
-def key_node(node: Node, digests: Mapping[str, str], registry: Registry = REGISTRY,
-             platform: str | None = None) -> NodeKey:
+def key_node(node: Node, digests: Mapping[str, str], platform: str | None = None) -> NodeKey:
     """`node`'s preimage and key, given the output digests known so far (node id -> digest) and, for a node that is
     not portable (see portability), the platform tag it is built for."""
     unknown = tuple(sorted(name for name, dep in node.deps.items() if dep not in digests))
     if unknown:
         return NodeKey(None, None, None, unknown)
-    pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()}, registry, platform)
+    pre = preimage(node, {name: digests[dep] for name, dep in node.deps.items()}, platform)
     return NodeKey(pre, key_of(pre), None, ())
 
 
@@ -225,24 +175,22 @@ class PlanKeys:
     in one pass, and the engine step by step as steps are cached or built. A node that is not portable is keyed for
     the platform `host()` names, asked only once such a node is keyed."""
 
-    def __init__(self, plan: Plan, registry: Registry = REGISTRY, host: Callable[[], str] = host_tag):
+    def __init__(self, plan: Plan, host: Callable[[], str] = host_tag):
         self.plan = plan
-        self.registry = registry
         self.host = host
-        self.portable = portability(plan, registry)
+        self.portable = portability(plan)
 
     def key(self, nid: str, digests: Mapping[str, str]) -> NodeKey:
         """Node `nid`'s key given the output digests known so far (node id -> digest)."""
         node = self.plan.nodes[nid]
         tag = None if self.portable[nid] or any(d not in digests for d in node.deps.values()) else self.host()
-        return key_node(node, digests, self.registry, tag)
+        return key_node(node, digests, tag)
 
 
-def walk(plan: Plan, source: DigestSource, registry: Registry = REGISTRY,
-         host: Callable[[], str] = host_tag) -> dict[str, NodeKey]:
+def walk(plan: Plan, source: DigestSource, host: Callable[[], str] = host_tag) -> dict[str, NodeKey]:
     """Key every node of `plan` in topological order (PlanKeys), taking each keyed node's output digest from
     `source`."""
-    keys = PlanKeys(plan, registry, host)
+    keys = PlanKeys(plan, host)
     digests: dict[str, str] = {}
     out: dict[str, NodeKey] = {}
     for nid in plan.nodes:

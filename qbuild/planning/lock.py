@@ -56,9 +56,11 @@ from qbuild.core.hashing import digest_json
 from qbuild.core.platform import host_tag
 from qbuild.core.urls import carries_credentials
 from qbuild.core.userfile import read_small_file
-from qbuild.planning.graph import graph_of, upstream
-from qbuild.planning.keys import REGISTRY, LockedNode, Registry, as_locked, diff_preimages, key_of, walk
-from qbuild.planning.plan import HubPin, Node, Plan, PlannedRecipe
+from qbuild.planning.dag import Node, Plan, PlannedRecipe
+from qbuild.planning.graph import upstream
+from qbuild.planning.keys import LockedNode, as_locked, diff_preimages, key_of, walk
+from qbuild.planning.plan import HubPin
+from qbuild.planning.step import LockedFiles
 from qbuild.recipe.params import FetchHub, to_json
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
 from qbuild.store.files import atomic_write
@@ -693,22 +695,15 @@ def locked_entries(plan: Plan, lock: Lock, first_only: bool = False) -> dict[str
     return out
 
 
-def locked_files(plan: Plan, lock: Lock, lock_path: Path) -> dict[str, dict]:
-    """hub fetch node id -> the files the lock holds for its commit, as its step reads them from its context
-    ("locked_files", which no key reads): the step refuses a snapshot of that commit with other files
-    (see actions/fetch.py)."""
+def pinned_files(lock: Lock, lock_path: Path) -> dict[tuple[str, str], LockedFiles]:
+    """(repo, commit) -> the files the lock holds for that pinned commit, which the planner puts in the source of its
+    fetch node (never in a key): the fetch step refuses a snapshot of that commit with other files
+    (qbuild/steps/fetch.py)."""
     out = {}
-    for nid, pairs in roles_by_node(plan).items():
-        params = plan.nodes[nid].params
-        if not isinstance(params, FetchHub):
-            continue
-        for recipe, _ in pairs:
-            entry = lock.recipes.get(recipe)
-            model = entry.model if entry is not None else None
-            if model is not None and model.source == "hf" and (model.repo, model.revision) == \
-                    (params.repo, params.revision) and model.files:
-                out[nid] = {"lock": str(lock_path), "files": dict(model.files)}
-                break
+    for _, entry in sorted(lock.recipes.items()):
+        model = entry.model
+        if model.source == "hf" and model.repo is not None and _is_commit(model.revision) and model.files:
+            out.setdefault((model.repo, model.revision), LockedFiles(str(lock_path), dict(model.files)))
     return out
 
 
@@ -729,7 +724,7 @@ class PlatformRebuild:
         return {"host": self.host, "locked": list(self.locked), "counts": self.counts}
 
 
-def frozen_verdict(plan: Plan, lock: Lock, lock_path: Path, registry: Registry = REGISTRY,
+def frozen_verdict(plan: Plan, lock: Lock, lock_path: Path,
                    host: Callable[[], str] = host_tag) -> PlatformRebuild | None:
     """Raise BuildError, before anything is built, if a node's key differs from the lock's (upstream taken as locked),
     unless the node is not portable and differs only in the platform the lock holds it for: such nodes are returned,
@@ -737,7 +732,7 @@ def frozen_verdict(plan: Plan, lock: Lock, lock_path: Path, registry: Registry =
     roles = roles_by_node(plan)
     # A node must be locked under the role that names it in the error: its first one.
     locked = locked_entries(plan, lock, first_only=True)
-    keys = walk(plan, lambda nid, key: locked[nid].digest if nid in locked else None, registry, host)
+    keys = walk(plan, lambda nid, key: locked[nid].digest if nid in locked else None, host)
     elsewhere: dict[str, str] = {}
     for nid, nk in keys.items():
         if nid not in roles:
@@ -856,7 +851,7 @@ def first_change(plan: Plan, planned: PlannedRecipe, lock: Lock, name: str) -> s
     toolchain is compared (an upgrade re-keys every node while the recipe asks for the same bundle)."""
     locked = lock.resolved(name)
     role_of = {nid: role for role, nid in planned.nodes.items()}
-    bundle_steps = upstream(graph_of(plan), [planned.bundle])
+    bundle_steps = upstream(plan.graph(), [planned.bundle])
     for nid, node in plan.nodes.items():
         role = role_of.get(nid)
         if role is None:

@@ -1,36 +1,35 @@
-"""The planner: recipes -> a DAG of action nodes with keys, statuses and reasons. Pure over its inputs.
+"""The planner: recipes -> a Plan (qbuild.planning.dag) of step nodes, with statuses and reasons. Pure over its inputs.
 
-A node's id is structural (its kind, params and the ids of its inputs), so equal work in two recipes is one
-node: the tp4 and tp8 recipes of a model share fetch, convert and reference. A node's key is the content key of
-docs/architecture.md (qbuild.planning.keys); it is known once every input's output digest is known, that is once the
-upstream nodes are cached or built. The backend a recipe names plans its own part (qbuild.planning.steps.PlanningBackend
-.plan): extra source nodes, the shard layout, the compile nodes and the package. Planning names and imports no
-backend: the caller passes the registry of backends in (qbuild.planning.steps.Backends), and the plan keeps it for its
-keys and explanations.
+Each recipe's nodes are planned by the step kinds it is handed (qbuild.steps.registry.STEPS), in their order: each kind's
+`plan` adds its nodes through a RecipePlanning, which names their inputs by role, merges equal work of several recipes
+into one node, and records the recipe's roles. The backend a recipe names plans its own part first
+(qbuild.planning.backend.PlanningBackend.plan): extra source nodes, the shard layout, the compile nodes and the
+package; the step kinds of those nodes take them. Planning names and imports no backend: the caller passes the
+registry of backends in, and the plan keeps it for its keys and explanations.
 
 What planning needs of this machine (checkpoint files' digests, the commit a Hub branch resolves to, config.json)
-comes through an `Environment` the caller passes in; the store and the lock come in as a lookup, the locked nodes and
-the lock's Hub pins. A hub model's fetch is keyed on a commit: the recipe's own where it names one, else the lock's
-pin, else what the Hub resolves now (docs/architecture.md section 4); where none is known the fetch node is
-unresolved, has no key, and a build refuses to start.
+comes through an `Environment` the caller passes in; the store and the lock come in as a lookup, the locked nodes, the
+lock's Hub pins and the files it holds for pinned commits. A hub model's fetch is keyed on a commit: the recipe's own
+where it names one, else the lock's pin, else what the Hub resolves now (docs/architecture.md section 4); where none
+is known the fetch node is unresolved, has no key, and a build refuses to start.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Literal, Mapping, Protocol, Sequence
 
 from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import InfraError, QbuildError, RecipeError, UserError
 from qbuild.core.hashing import digest_json
-from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
-from qbuild.planning.keys import REGISTRY, LockedNode, Registry, as_locked, diff_preimages, walk
-from qbuild.planning.steps import Backends, PlanningBackend, PlannedStep, Sizes
+from qbuild.planning.backend import BackendPlan, Backends, PlanningBackend, Sizes
+from qbuild.planning.dag import Node, Plan, PlannedRecipe
+from qbuild.planning.keys import LockedNode, as_locked, diff_preimages, walk
+from qbuild.planning.step import LockedFiles, PlannedNode, Source, Step
 from qbuild.recipe import checks
-from qbuild.recipe.params import (ConvertParams, FetchHub, FetchParams, FetchPath, ReferenceParams, VerifyParams,
-                                  to_json)
+from qbuild.recipe.params import FetchHub, to_json
 from qbuild.recipe.schema import HFSource, LoadedRecipe, PathSource, recipe_field_location
 from qbuild.hub.hf import is_commit
 from qbuild.store.manifest import Manifest
@@ -54,72 +53,6 @@ class Environment(Protocol):
     def port_digests(self, port_dir: Path) -> dict[str, str] | None:
         """Relative path -> "blake3:<hex>" of a port's source files (every .py, tests excluded); None where the
         directory does not exist."""
-
-
-@dataclass
-class Node:
-    """One step of the plan. `resources` are the devices the step runs on, by the name its backend gives them and an
-    executor schedules them by (verifying a neuron bundle: {"neuron_cores": 8}); empty where any host runs it."""
-
-    id: str
-    kind: str
-    name: str                       # what a person reads: "compile cte-128", "fetch Qwen/Qwen3.5-2B"
-    params: object                  # the step's typed params (qbuild.recipe.params); their JSON enters the key
-    deps: dict[str, str]            # input name -> node id
-    backend: str | None             # the backend whose implementation the node runs (Backends.get), if any
-    est_out_bytes: int
-    est_peak_bytes: int
-    context: dict = field(default_factory=dict)   # where things are on this machine; never in a key
-    recipes: list[str] = field(default_factory=list)
-    resources: dict[str, int] = field(default_factory=dict)     # devices it runs on; empty: any host
-    unresolved: QbuildError | None = None   # why a hub fetch has no commit (so no key); None when it has one
-    est_new_bytes: int | None = None    # what of its output no input holds (a package links them); None: all of it
-    code: tuple[str, ...] = ()      # modules it runs beyond its action's entry (a backend's implementation, a shard
-                                    # layout's rules): their import closures join its key (keys.ActionSpec.closure)
-
-    @property
-    def needs_device(self) -> bool:
-        return any(self.resources.values())
-
-
-@dataclass
-class PlannedRecipe:
-    loaded: LoadedRecipe
-    arch: Arch
-    nodes: dict[str, str]           # role ("fetch", "compile cte-128", "package", ...) -> node id
-    bundle: str                     # id of the package node
-    verify: str                     # id of the verify node
-    kept: str | None = None         # id of the node materialising the converted weights (--keep-intermediates):
-                                    # built on request, never locked, so no role names it
-
-
-@dataclass
-class Plan:
-    nodes: dict[str, Node]          # in a topological order
-    recipes: dict[str, PlannedRecipe]
-    backends: Backends | None = None    # the registry it was planned with (None: a plan of no backend's nodes)
-
-    def roles(self, node_id: str) -> list[tuple[str, str]]:
-        return [(r, role) for r, pr in self.recipes.items() for role, nid in pr.nodes.items() if nid == node_id]
-
-
-# --- building the graph ---------------------------------------------------------------------------------------
-
-def _add(nodes: dict[str, Node], recipe: str, kind: str, name: str, params, deps: dict[str, str],
-         out: int, peak: int, context: dict | None = None, resources: dict[str, int] | None = None,
-         backend: str | None = None, unresolved: QbuildError | None = None, new: int | None = None,
-         code: tuple[str, ...] = ()) -> str:
-    """The id of the node of this kind, params, inputs and backend, added to `nodes` unless it is there (then the
-    recipe is one more that needs it). `code`: the modules it runs beyond its action's entry (Node.code)."""
-    node_id = digest_json({"kind": kind, "params": to_json(params), "deps": deps, "backend": backend})[:16]
-    node = nodes.get(node_id)
-    if node is None:
-        node = nodes[node_id] = Node(node_id, kind, name, params, deps, backend, out, peak, dict(context or {}),
-                                     resources=dict(resources or {}), unresolved=unresolved, est_new_bytes=new,
-                                     code=code)
-    if recipe not in node.recipes:
-        node.recipes.append(recipe)
-    return node_id
 
 
 @dataclass(frozen=True)
@@ -167,18 +100,6 @@ def resolve_hub(loaded: LoadedRecipe, env: Environment, pins: Mapping[str, HubPi
         return HubRevision(src.hf, src.revision, None, UserError(line))
 
 
-def _fetch_params(loaded: LoadedRecipe, env: Environment,
-                  hub: HubRevision | None) -> tuple[FetchParams, dict, QbuildError | None]:
-    """(params, context, why it has no key) of the fetch node. A local dir is identified by its files' digests, never
-    its path; a hub model by its commit (the requested revision stands in, unkeyed, where none is known)."""
-    src = loaded.recipe.model
-    if isinstance(src, PathSource):
-        return FetchPath("path", env.checkpoint_digests(loaded.source_dir)), {"path": str(loaded.source_dir)}, None
-    assert hub is not None
-    return (FetchHub("hf", hub.repo, hub.commit or hub.requested), {"requested_revision": hub.requested},
-            hub.unresolved)
-
-
 def require_resolved(plan: Plan) -> None:
     """Refuse a plan that has a node without a commit to key it on, with that node's one line (exit 3 where the Hub
     could not be asked, 2 where the recipe names what the Hub does not have)."""
@@ -187,89 +108,100 @@ def require_resolved(plan: Plan) -> None:
             raise type(node.unresolved)(str(node.unresolved))
 
 
-# A description names each source tensor and each converted one (file, names, dtype, shape, byte range): about this
-# many bytes of JSON per source tensor, counting the per-expert storage form's E tensors per projection.
-_DESCRIBED_BYTES_PER_TENSOR = 256
+# --- one recipe's part of the plan ---------------------------------------------------------------------------------
 
+@dataclass
+class RecipePlanning:
+    """One recipe as its step kinds plan it: what they read (the recipe, its architecture, this machine, its hub
+    revision, its backend's part of the plan, the sizes of its weights) and what they add (`add`). Every node of the
+    plan is in `nodes`, shared with the recipes planned before."""
 
-def _description_bytes(arch: Arch) -> int:
-    """About the size of a convert step's text/description.json (qbuild.model.convert.description)."""
-    return (arch.num_layers * (24 + 3 * (arch.num_experts or 0)) + 8) * _DESCRIBED_BYTES_PER_TENSOR
+    loaded: LoadedRecipe
+    arch: Arch
+    env: Environment
+    hub: HubRevision | None
+    source: Source                  # where the recipe's model is on this machine
+    backend: PlanningBackend
+    backend_plan: BackendPlan
+    sizes: Sizes
+    runs: tuple[str, ...]           # the backend's implementation module: the code of a node that runs the backend
+    layout_module: Callable[[str], str]     # a shard layout -> the module holding its rules
+    steps: Mapping[str, type[Step]]
+    nodes: dict[str, Node]
+    keep_intermediates: bool = False
+    roles: dict[str, str] = field(default_factory=dict)
+    kept: str | None = None
 
+    @property
+    def name(self) -> str:
+        return self.loaded.name
 
-def _largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
-    emb = arch.vocab_size * arch.hidden_size
-    experts = (arch.num_experts or 0) * 2 * (arch.moe_intermediate_size or 0) * arch.hidden_size
-    return max(emb, experts) * dtype_bytes
+    def add(self, planned: PlannedNode) -> str:
+        """The id of the node `planned` describes (its inputs' roles made ids), added to the plan unless an equal node
+        is there (then this recipe is one more that needs it), and recorded under its role."""
+        step = self.steps.get(planned.kind)
+        if step is None:
+            raise ValueError(f"{planned.name}: no step kind {planned.kind!r} is registered")
+        if not isinstance(planned.params, step.params):
+            raise TypeError(f"{planned.name}: params of type {type(planned.params).__name__}, where step kind "
+                            f"{step.kind} takes {step.params}")
+        deps = {name: self.roles[role] for name, role in planned.deps.items()}
+        missing = [name for name in step.inputs if name not in deps]
+        if missing:
+            raise ValueError(f"{planned.name}: step kind {step.kind} takes the input {missing[0]!r}")
+        node_id = digest_json({"kind": step.kind, "params": to_json(planned.params), "deps": deps,
+                               "backend": planned.backend})[:16]
+        node = self.nodes.get(node_id)
+        if node is None:
+            node = self.nodes[node_id] = Node(
+                node_id, step, planned.name, planned.params, deps, planned.backend, planned.est_out_bytes,
+                planned.est_peak_bytes, planned.source, resources=dict(planned.resources),
+                unresolved=planned.unresolved, est_new_bytes=planned.est_new_bytes, code=planned.code)
+        if self.name not in node.recipes:
+            node.recipes.append(self.name)
+        if planned.role is not None:
+            self.roles[planned.role] = node_id
+        return node_id
+
+    def add_backend_nodes(self, step: type[Step]) -> None:
+        """The nodes of kind `step` the recipe's backend planned (its sources, its compiles), which run the backend."""
+        for planned in self.backend_plan.nodes():
+            if planned.kind == step.kind:
+                self.add(replace(planned, backend=self.loaded.recipe.backend, code=self.runs))
+
+    def source_roles(self) -> dict[str, str]:
+        """input name -> role of every source node the backend planned (a port): an input of the shard, package and
+        verify nodes."""
+        return {planned.role: planned.role for planned in self.backend_plan.sources}
 
 
 def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: Environment,
-                hub: HubRevision | None = None, keep_intermediates: bool = False, *,
-                backends: Backends) -> PlannedRecipe:
-    """Add one recipe's nodes to `nodes`, with the backend `backends` gives for its name. `hub`: its model's resolved
-    revision (resolve_hub; resolved here, without the lock's pins, when not given). `keep_intermediates` adds a node
-    that materialises the converted weights, which nothing else reads: every other node's id and key are the same
-    without it."""
-    r, name = loaded.recipe, loaded.name
+                hub: HubRevision | None = None, keep_intermediates: bool = False, *, backends: Backends,
+                steps: Sequence[type[Step]], locked_files: Mapping[tuple[str, str], LockedFiles] | None = None,
+                ) -> PlannedRecipe:
+    """Add one recipe's nodes to `nodes`: its backend's part (from `backends`), then each step kind's, in the order of
+    `steps`. `hub`: its model's resolved revision (resolve_hub; resolved here, without the lock's pins, when not
+    given). `keep_intermediates` adds a node that materializes the converted weights, which nothing else reads: every
+    other node's id and key are the same without it. `locked_files`: (repo, commit) -> the files the lock holds for
+    that commit, which a fetch of it must give."""
+    r = loaded.recipe
     backend = resolve_backend(loaded, backends)
-    runs = (backends.implementation_module(r.backend),)      # what a node running the backend runs: its code
-    dbytes = DTYPE_BYTES[r.dtype]
     weights = checks.weight_bytes(arch, r.dtype, r.fp8)
-    vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * dbytes
-    big = _largest_tensor_bytes(arch, 4)
-    roles: dict[str, str] = {}
-
-    fparams, fctx, unresolved = _fetch_params(loaded, env, hub or resolve_hub(loaded, env))
-    label = r.model.hf if isinstance(r.model, HFSource) else Path(r.model.path).name
-    roles["fetch"] = fetch = _add(nodes, name, "fetch", f"fetch {label}", fparams, {},
-                                  checks.weight_bytes(arch, "bfloat16", "none") + vision_bytes, GIB // 4, fctx,
-                                  unresolved=unresolved)
-    # The text weights are described, not written (the shard step streams the checkpoint through the description);
-    # the vision weights are written: the bundle ships them as they are.
-    convert_params = ConvertParams(arch.family, r.dtype, r.fp8)
-    roles["convert"] = convert = _add(
-        nodes, name, "convert", f"convert {arch.family} {r.dtype} fp8={r.fp8}", convert_params, {"snapshot": fetch},
-        _description_bytes(arch) + vision_bytes, 3 * _largest_vision_bytes(arch) + GIB // 2, fctx)
-    kept = None if not keep_intermediates else _add(
-        nodes, name, "materialize", f"materialize converted {arch.family} {r.dtype} fp8={r.fp8}", convert_params,
-        {"converted": convert, "snapshot": fetch}, weights + vision_bytes, 3 * big + GIB // 2, fctx)
-    bp = backend.plan(loaded, arch, env, Sizes(weights, vision_bytes))
-    for step in bp.sources:
-        roles[step.role] = _add_step(nodes, name, step, roles, r.backend, runs)
-    # Every source node a backend adds (a port) is an input of the shard, package and verify steps.
-    sources = {step.role: roles[step.role] for step in bp.sources}
-    roles["shard"] = shard = _add(
-        nodes, name, "shard", f"shard {bp.shard.layout} {bp.shard.ranks.describe()}", bp.shard,
-        {"converted": convert, "snapshot": fetch, **sources}, weights, 3 * big + GIB // 2, fctx,
-        code=(backends.layout_module(bp.shard.layout),))
-    compile_ids = {step.role: _add_step(nodes, name, step, roles, r.backend, runs) for step in bp.compiles}
-    roles.update(compile_ids)
-    deps = {"converted": convert, "shard": shard, **sources,
-            **{role.replace(" ", ":"): nid for role, nid in compile_ids.items()}}
-    # A bundle links its weights and graphs from its inputs: what it writes itself is a manifest and configs.
-    roles["package"] = package = _add(
-        nodes, name, "package", f"package {name}", bp.package, deps,
-        weights + vision_bytes + len(compile_ids) * (64 << 20), GIB // 2, backend=r.backend, new=1 << 20, code=runs)
-    v = r.verify
-    prompts = None if v.prompts is None else tuple(v.prompts)
-    roles["reference"] = reference = _add(
-        nodes, name, "reference", f"reference {label}",
-        ReferenceParams(prompts, v.new_tokens, bool(r.vision and v.image_prompt)),
-        {"snapshot": fetch}, 4 << 20, checks.weight_bytes(arch, "float32", "none") + vision_bytes * 2 + GIB, fctx)
-    roles["verify"] = verify = _add(
-        nodes, name, "verify", f"verify {name}", VerifyParams(v.top1_min, v.token_match_min, v.max_logit_err),
-        {"bundle": package, "reference": reference, **sources}, 1 << 20,
-        2 * weights + GIB + _run_bytes(loaded, arch), resources=bp.verify_resources, backend=r.backend, code=runs)
-    return PlannedRecipe(loaded, arch, roles, package, verify, kept)
-
-
-def _largest_vision_bytes(arch: Arch) -> int:
-    """The largest vision tensor in float32 (the merger's fc1, or the position embedding)."""
-    v = arch.vision
-    if v is None:
-        return 0
-    return max(v.merged_hidden_size ** 2, v.num_position_embeddings * v.hidden_size,
-               v.intermediate_size * v.hidden_size) * 4
+    vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * \
+        DTYPE_BYTES[r.dtype]
+    hub = hub or resolve_hub(loaded, env)
+    if isinstance(r.model, PathSource):
+        source = Source(path=str(loaded.source_dir))
+    else:
+        pinned = (locked_files or {}).get((hub.repo, hub.commit)) if hub.commit else None
+        source = Source(requested_revision=hub.requested, locked_files=pinned)
+    sizes = Sizes(weights, vision_bytes)
+    rp = RecipePlanning(loaded, arch, env, hub, source, backend, backend.plan(loaded, arch, env, sizes), sizes,
+                        (backends.implementation_module(r.backend),), backends.layout_module,
+                        {step.kind: step for step in steps}, nodes, keep_intermediates)
+    for step in steps:
+        step.plan(rp)
+    return PlannedRecipe(loaded, arch, dict(rp.roles), rp.roles["package"], rp.roles["verify"], rp.kept)
 
 
 @dataclass(frozen=True)
@@ -286,7 +218,7 @@ class WrittenBytes:
 
 def written_bytes(plan: Plan, recipe: str) -> WrittenBytes:
     """The estimated bytes a build of `recipe` writes, every node it needs counted once (nodes it shares with other
-    recipes included, as a build of it alone writes them; the materialised weights where kept), a bundle's links not
+    recipes included, as a build of it alone writes them; the materialized weights where kept), a bundle's links not
     at all."""
     pr = plan.recipes[recipe]
     fetch = pr.nodes["fetch"]
@@ -294,31 +226,6 @@ def written_bytes(plan: Plan, recipe: str) -> WrittenBytes:
     written = sum(plan.nodes[n].est_out_bytes if plan.nodes[n].est_new_bytes is None else plan.nodes[n].est_new_bytes
                   for n in ids)
     return WrittenBytes(plan.nodes[fetch].est_out_bytes, written)
-
-
-def _run_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
-    """What running the bundle on the verify prompts holds beyond its weights, growing with the buckets: the host's
-    KV cache of the largest token-generation bucket and the slice each decode graph gets of it, the prefill logits of
-    the largest context bucket, and the verify image's pass through its vision bucket (the (1, 1, S, S) mask and
-    each head's attention scores, with softmax's copy) (qbuild.model.runtime)."""
-    r = loaded.recipe
-    d, batch, tp = DTYPE_BYTES[r.dtype], r.text.batch_size, r.parallel.tp
-    kv = 2 * arch.num_attn_layers * tp * batch * r.text.token_buckets[-1] * arch.per_rank(tp).kv_dim * d
-    logits = batch * r.text.cte_buckets[-1] * arch.vocab_size * 4
-    vision = 0
-    if r.vision is not None and r.verify.image_prompt and arch.vision is not None:
-        patches = checks.image_patches(arch.vision, *checks.VERIFY_IMAGE_SIZE)
-        bucket = next((b for b in r.vision.buckets if b >= patches), r.vision.buckets[-1])
-        vision = bucket * bucket * (d + 3 * 4 * arch.vision.num_heads)
-    return 2 * kv + 2 * logits + vision
-
-
-def _add_step(nodes: dict[str, Node], recipe: str, step: PlannedStep, roles: dict[str, str], backend: str,
-              code: tuple[str, ...]) -> str:
-    """A backend's node, its inputs named by the roles of nodes already planned."""
-    deps = {name: roles[role] for name, role in step.deps.items()}
-    return _add(nodes, recipe, step.kind, step.name, step.params, deps, step.est_out_bytes, step.est_peak_bytes,
-                step.context, backend=backend, code=code)
 
 
 def validate_recipe(loaded: LoadedRecipe, arch: Arch, backends: Backends) -> None:
@@ -337,10 +244,12 @@ def resolve_backend(loaded: LoadedRecipe, backends: Backends) -> PlanningBackend
 
 
 def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str, HubPin] | None = None,
-               keep_intermediates: bool = False, *, backends: Backends) -> Plan:
+               keep_intermediates: bool = False, *, backends: Backends, steps: Sequence[type[Step]],
+               locked_files: Mapping[tuple[str, str], LockedFiles] | None = None) -> Plan:
     """Validate each recipe against its architecture and expand all of them into one deduplicated DAG, each recipe's
-    own part planned by the backend it names in `backends`. `pins`: the lock's hub pins by recipe name
-    (qbuild.planning.lock.Lock.hub_pins). `keep_intermediates`: see plan_recipe."""
+    nodes planned by the step kinds `steps` (qbuild.steps.registry.STEPS) and its own part by the backend it names in
+    `backends`. `pins`: the lock's hub pins by recipe name, `locked_files`: the files the lock holds for each pinned
+    commit (qbuild.planning.lock). `keep_intermediates`: see plan_recipe."""
     nodes: dict[str, Node] = {}
     planned: dict[str, PlannedRecipe] = {}
     for loaded in recipes:
@@ -356,7 +265,8 @@ def build_plan(recipes: list[LoadedRecipe], env: Environment, pins: Mapping[str,
             # Without a commit there is no config.json to read but a shipped one: the reason is the missing commit.
             raise type(hub.unresolved)(str(hub.unresolved)) from None
         validate_recipe(loaded, arch, backends)
-        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env, hub, keep_intermediates, backends=backends)
+        planned[loaded.name] = plan_recipe(nodes, loaded, arch, env, hub, keep_intermediates, backends=backends,
+                                           steps=steps, locked_files=locked_files)
     return Plan(nodes, planned, backends)
 
 
@@ -371,8 +281,8 @@ class NodeStatus:
     why: str
 
 
-def evaluate(plan: Plan, lookup: Callable[[str], Manifest | None], locked: Mapping[str, LockedNode],
-             registry: Registry = REGISTRY) -> dict[str, NodeStatus]:
+def evaluate(plan: Plan, lookup: Callable[[str], Manifest | None],
+             locked: Mapping[str, LockedNode]) -> dict[str, NodeStatus]:
     """Status of every node, keyed with the store's digests: `lookup(key)` reads the store, and `locked` (node id ->
     the lock's entry for it) says what changed since the lock was written."""
     manifests: dict[str, Manifest] = {}
@@ -388,7 +298,7 @@ def evaluate(plan: Plan, lookup: Callable[[str], Manifest | None], locked: Mappi
         return manifest.digest
 
     result: dict[str, NodeStatus] = {}
-    for nid, nk in walk(plan, from_store, registry).items():
+    for nid, nk in walk(plan, from_store).items():
         pins = moved.get(nid, [])
         if plan.nodes[nid].unresolved is not None:
             result[nid] = NodeStatus("unresolved", None, None, None, str(plan.nodes[nid].unresolved))
@@ -405,8 +315,7 @@ def evaluate(plan: Plan, lookup: Callable[[str], Manifest | None], locked: Mappi
     return result
 
 
-def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, LockedNode],
-            registry: Registry = REGISTRY) -> dict[str, str]:
+def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, LockedNode]) -> dict[str, str]:
     """Why each node would rebuild, naming the changed fields at any depth. Below a miss an input's digest is
     unknown until it is built, so there the node is keyed with the lock's digests for it: what the node itself
     changed since the lock, whatever its inputs turn out to be."""
@@ -419,7 +328,7 @@ def explain(plan: Plan, status: Mapping[str, NodeStatus], locked: Mapping[str, L
         entry = locked.get(nid)
         return entry.digest if entry is not None else None
 
-    keys = walk(plan, store_then_lock, registry)
+    keys = walk(plan, store_then_lock)
     out: dict[str, str] = {}
     for nid, st in status.items():
         entry, pre = locked.get(nid), keys[nid].preimage
@@ -458,7 +367,7 @@ def _moved_pins(plan: Plan, locked: Mapping[str, LockedNode]) -> dict[str, list[
             old = locked[nid].preimage.get("params", {})
             new = node.params.revision
             if old.get("source") == "hf" and old.get("repo") == node.params.repo and old.get("revision") != new:
-                requested = node.context.get("requested_revision", new)
+                requested = (node.source.requested_revision if node.source else None) or new
                 requested = requested[:12] if is_commit(requested) else requested
                 lines.append(f"model {node.params.repo}@{requested}: {str(old.get('revision'))[:8]} -> {new[:8]}")
         if lines:

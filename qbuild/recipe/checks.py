@@ -205,7 +205,7 @@ def rank_memory_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
 # --- what the verify step will feed the bundle -------------------------------------------------------------------
 
 GOLDEN_PROMPTS = Path(__file__).resolve().parents[1] / "golden" / "prompts.json"
-# The reference's synthetic image, (height, width) in pixels (qbuild/execution/actions/reference.py IMAGE_SIZE; a test
+# The reference's synthetic image, (height, width) in pixels (qbuild/steps/reference.py IMAGE_SIZE; a test
 # holds the two equal).
 VERIFY_IMAGE_SIZE = (64, 96)
 # The pixel bounds of transformers' Qwen2-VL image processor when none are configured, which the reference and the

@@ -21,7 +21,8 @@ from qbuild.report.data import BenchDoc, ReportData, ServeDoc, gather, read_benc
 
 if TYPE_CHECKING:
     from qbuild.planning.lock import Lock
-    from qbuild.planning.plan import NodeStatus, Plan
+    from qbuild.planning.dag import Plan
+    from qbuild.planning.plan import NodeStatus
     from qbuild.store import Store
 
 __all__ = ["BenchDoc", "ReportData", "ServeDoc", "make", "read_bench", "read_serve"]

@@ -20,7 +20,8 @@ from qbuild.render import STATUS_TEXT
 
 if TYPE_CHECKING:
     from qbuild.planning.lock import Lock
-    from qbuild.planning.plan import NodeStatus, Plan
+    from qbuild.planning.dag import Plan
+    from qbuild.planning.plan import NodeStatus
     from qbuild.store import Store
 
 MAX_BENCH_BYTES = 16 << 20     # a bench document holds a few points: kilobytes
@@ -234,7 +235,7 @@ def _read_blob(store: Store, entry: dict, remote: bool) -> dict | None:
 
 def summarize(report: dict) -> dict:
     """metric -> (value over every prompt, its threshold, whether it passes), as the verify step's gate computes them
-    (qbuild/execution/actions/verify.py `failures`): top-1 weighted by prompt positions, token match averaged over
+    (qbuild/steps/verify.py `failures`): top-1 weighted by prompt positions, token match averaged over
     prompts, the largest logit error."""
     prompts, thresholds = report["prompts"], report.get("thresholds") or {}
     if not prompts:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.backends.base import PromptRun, StepContext
+from qbuild.backends.base import PromptRun
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile, graph_file
 from qbuild.core import jsonio
 from qbuild.core.dtypes import DTYPE_BYTES
@@ -19,7 +19,8 @@ from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import EXTEND, LongContext, PrefixCacheSpec, extend_buckets
 from qbuild.model.ranks import RankLayout
-from qbuild.planning.steps import BackendPlan, PlannedStep, Sizes
+from qbuild.planning.backend import BackendPlan, Sizes
+from qbuild.planning.step import Context, PlannedNode
 from qbuild.recipe import checks
 from qbuild.recipe.params import PackageParams, ShardParams
 from qbuild.recipe.schema import LoadedRecipe
@@ -118,7 +119,7 @@ class CpuBackend:
         shard = ShardParams("cpu", RankLayout.split(r.parallel.tp, r.parallel.ep), r.fused_qkv, r.dtype)
         graphs = text_graphs(loaded) + [("vision", b) for b in (r.vision.buckets if r.vision else [])]
         compiles = tuple(
-            PlannedStep(f"compile {graph}-{bucket}", "compile", f"compile {graph}-{bucket} ({self.name})",
+            PlannedNode(f"compile {graph}-{bucket}", "compile", f"compile {graph}-{bucket} ({self.name})",
                         compile_params(loaded, arch, graph, bucket), {}, 64 << 20,
                         compile_peak_bytes(loaded, arch, graph, bucket, sizes))
             for graph, bucket in graphs)
@@ -151,7 +152,7 @@ class CpuBackend:
 
     # --- building ------------------------------------------------------------------------------------------------
 
-    def compile(self, ctx: StepContext) -> None:
+    def compile(self, ctx: Context) -> None:
         from qbuild.backends.cpu.export import export_graph
         from qbuild.model.runtime import exported
 
@@ -169,7 +170,7 @@ class CpuBackend:
         (ctx.out / f"{name}.json").write_text(jsonio.dumps(signature, indent=1, sort_keys=True))
         ctx.log(f"{name}: exported in {traced.seconds:.1f}s")
 
-    def package(self, ctx: StepContext) -> dict[str, str]:
+    def package(self, ctx: Context) -> dict[str, str]:
         """One graph per bucket under graphs/, with its signature."""
         from qbuild.store.files import link_tree
 
@@ -199,7 +200,7 @@ class CpuBackend:
 
         return Runtime.load(bundle, verify_digests=verify_digests, shown_as=shown_as)
 
-    def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
+    def run_prompts(self, ctx: Context, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """Every prompt, image prompts included, through qbuild's runtime."""
         from qbuild.model.runtime import Runtime
 

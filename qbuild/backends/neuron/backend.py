@@ -13,7 +13,7 @@ import json
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from qbuild.backends.base import PromptRun, StepContext
+from qbuild.backends.base import PromptRun
 from qbuild.backends.neuron import compile_cache, config, deploy, long_context, releases, worker_env
 from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
                                            NeuronVisionCompile, NxdiTree, PortFiles, PortGit, PortMissing)
@@ -23,7 +23,8 @@ from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
 from qbuild.model.chunking import LongContext, PrefixCacheSpec
 from qbuild.model.fp8 import policy as fp8_policy
-from qbuild.planning.steps import BackendPlan, PlannedStep, SourceEnvironment, Sizes
+from qbuild.planning.backend import BackendPlan, SourceEnvironment, Sizes
+from qbuild.planning.step import Context, PlannedNode, Source
 from qbuild.recipe import checks
 from qbuild.recipe.params import ShardParams
 from qbuild.recipe.schema import LoadedRecipe
@@ -71,12 +72,12 @@ def vision_compile_params(loaded: LoadedRecipe, arch: Arch, bucket: int) -> Neur
                                port_env=dict(sorted(r.port.env.items())), tp=r.vision.tp)
 
 
-def vision_step(loaded: LoadedRecipe, arch: Arch, bucket: int, sizes: Sizes) -> PlannedStep:
+def vision_step(loaded: LoadedRecipe, arch: Arch, bucket: int, sizes: Sizes) -> PlannedNode:
     """The compile node of one vision bucket: one traced encoder, or with vision.tp one per rank, traced in parallel
     processes that each load the whole vision weights before NxD slices them (sdk_worker.tp_vision_model)."""
     params = vision_compile_params(loaded, arch, bucket)
     tp = f", tp{params.tp}" if params.tp > 1 else ""
-    return PlannedStep(f"compile vision-{bucket}", "compile", f"compile vision-{bucket} (neuron{tp})", params,
+    return PlannedNode(f"compile vision-{bucket}", "compile", f"compile vision-{bucket} (neuron{tp})", params,
                        {"port": "port", "converted": "convert"}, 64 << 20, params.tp * (4 * sizes.vision + 8 * GIB))
 
 
@@ -99,21 +100,21 @@ def _compiler(r) -> CompilerSettings:
     return CompilerSettings(target=r.compiler.target, lnc=r.compiler.effective_lnc, flags=tuple(r.compiler.flags))
 
 
-def port_step(loaded: LoadedRecipe, env: SourceEnvironment) -> PlannedStep:
+def port_step(loaded: LoadedRecipe, env: SourceEnvironment) -> PlannedNode:
     """The port node. A git port is identified by (url, rev, subdir) alone: planning reads nothing of it, so it needs
     no checkout and no network. A local port (path or module) is identified by its source files' digests."""
     port = loaded.recipe.port
     if port.git is not None:
-        return PlannedStep("port", "port", f"port {PurePosixPath(port.subdir).name} @ {port.rev[:12]}",
+        return PlannedNode("port", "port", f"port {PurePosixPath(port.subdir).name} @ {port.rev[:12]}",
                            PortGit(port.git, port.rev, port.subdir.strip("/")), {}, 1 << 20, GIB // 4)
     where = port_dir(loaded)
     written = port.path or port.module
     files = None if where is None else env.port_digests(where)
     if files is None:
         # Planned anyway, so `plan` shows the whole graph; building it fails with one line saying where to put it.
-        return PlannedStep("port", "port", f"port {written} (not found)", PortMissing(written), {}, 1 << 20, GIB // 4)
-    return PlannedStep("port", "port", f"port {where.name}", PortFiles(files), {}, 1 << 20, GIB // 4,
-                       context={"path": str(where)})
+        return PlannedNode("port", "port", f"port {written} (not found)", PortMissing(written), {}, 1 << 20, GIB // 4)
+    return PlannedNode("port", "port", f"port {where.name}", PortFiles(files), {}, 1 << 20, GIB // 4,
+                       source=Source(path=str(where)))
 
 
 class NeuronBackend:
@@ -219,10 +220,10 @@ class NeuronBackend:
     @staticmethod
     def _validate_fp8(loaded: LoadedRecipe, arch: Arch) -> None:
         policy = fp8_policy(loaded.recipe.fp8)
-        if policy.quantises_attention:
+        if policy.quantizes_attention:
             checks.fail(loaded, "fp8", f"a neuron build makes the FP8 port's mlp_only configuration (PR 173); "
                                        f"{policy.name} is for the CPU backends")
-        if policy.quantises and arch.is_moe:
+        if policy.quantizes and arch.is_moe:
             # The FP8 port is dense; NxD reads per-expert scales only as expert_wise_per_channel_symmetric, which no
             # public port configures.
             checks.fail(loaded, "fp8", f"no public NxDI port builds FP8 experts; {arch.family} builds with fp8: none "
@@ -237,7 +238,7 @@ class NeuronBackend:
         neffs = config.neuron_config(text)["neffs"]
         layout = f", block KV {text.block_kv.block_size} x {text.block_kv.num_blocks}" if text.block_kv else ""
         # neuronx-cc runs on any host with the SDK: CPUs and memory, no device.
-        compiles = [PlannedStep("compile text", "compile", f"compile text ({neffs} NEFFs, neuron{layout})", text,
+        compiles = [PlannedNode("compile text", "compile", f"compile text ({neffs} NEFFs, neuron{layout})", text,
                                 {"port": "port"}, 64 << 20, 4 * sizes.weights // ranks + 8 * GIB)]
         for b in (r.vision.buckets if r.vision else []):
             compiles.append(vision_step(loaded, arch, b, sizes))
@@ -286,7 +287,7 @@ class NeuronBackend:
 
     # --- building ------------------------------------------------------------------------------------------------
 
-    def compile(self, ctx: StepContext) -> None:
+    def compile(self, ctx: Context) -> None:
         """The text node is NxDI's compiled directory of the whole text model (model.pt with every CTE and TKG bucket,
         NxDI's neuron_config.json, metaneff/); a vision node is one traced encoder, vision_encoder_<bucket>.pt, with
         the vision weights inlined (its input `converted`)."""
@@ -300,7 +301,7 @@ class NeuronBackend:
         else:
             driver.compile_text(p, ctx.inputs["port"], ctx.out, ctx.scratch, ctx.store, ctx.log, transfers)
 
-    def package(self, ctx: StepContext) -> dict[str, str]:
+    def package(self, ctx: Context) -> dict[str, str]:
         from qbuild.backends.neuron.package import package
 
         return package(ctx)
@@ -318,7 +319,7 @@ class NeuronBackend:
         raise UserError(f"{shown_as or bundle}: a neuron bundle runs on a Neuron host through NxDI, not on this "
                         "runtime")
 
-    def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
+    def run_prompts(self, ctx: Context, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns
         the last position's logits only, so the comparison takes the first generated token's logits against the
         reference's last prompt position; greedy tokens compare over every step up to the first generated pad token

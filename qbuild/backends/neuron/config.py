@@ -66,16 +66,16 @@ def nxd_degrees(ranks: RankLayout, is_moe: bool) -> dict[str, int]:
 
 
 def modules_to_not_convert(policy: FP8Policy, num_layers: int) -> list[str]:
-    """Every module but the MLPs that `policy` quantises stays in the model dtype (PR 173 builds mlp_only so)."""
+    """Every module but the MLPs that `policy` quantizes stays in the model dtype (PR 173 builds mlp_only so)."""
     keep = []
     for name in _FP8_KEEP_TOP:
         keep += [name, f"model.{name}"]
     for i in range(num_layers):
         for prefix in ("layers", "model.layers"):
             keep += [f"{prefix}.{i}.{m}" for m in _FP8_KEEP_LAYER]
-    quantised = policy.mlp_layers(num_layers)
+    quantized = policy.mlp_layers(num_layers)
     for i in range(num_layers):
-        if i not in quantised:
+        if i not in quantized:
             keep += [f"layers.{i}.mlp", f"model.layers.{i}.mlp"]
     return keep
 
@@ -124,7 +124,7 @@ def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
         cfg.update(long_context.neuron_config(p.block_kv))
     attributes: dict = {}
     fp8 = fp8_policy(p.fp8)
-    if fp8.quantises:
+    if fp8.quantizes:
         # NeuronConfig asserts a path when quantized (config.py @ c63afe0); with skip_sharding nothing reads it at
         # compile, and load() reads weights/ (save_sharded_checkpoint): it names the bundle's own FP8 shards.
         cfg.update(quantized=True, quantized_checkpoints_path="weights", quantization_type="per_channel_symmetric",
@@ -147,7 +147,7 @@ def neuron_config(params: NeuronCompile) -> dict:
     if isinstance(params, NeuronVisionCompile):
         return vision_config(params)
     cls, cfg, attributes = _text_neuron_config(params)
-    env = dict(FP8_ENV) if fp8_policy(params.fp8).quantises else {}
+    env = dict(FP8_ENV) if fp8_policy(params.fp8).quantizes else {}
     env.update(params.port_env)
     env.update(NEURON_PLATFORM_TARGET_OVERRIDE=params.compiler.target,
                NEURON_LOGICAL_NC_CONFIG=str(params.compiler.lnc))

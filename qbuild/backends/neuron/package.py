@@ -6,8 +6,8 @@ import json
 import re
 from pathlib import Path
 
-from qbuild.backends.base import StepContext
 from qbuild.backends.neuron import driver, long_context, nxdi_tree
+from qbuild.planning.step import Context
 from qbuild.backends.neuron.params import NeuronPackageParams
 from qbuild.backends.neuron.ports import LINEAGES
 from qbuild.backends.neuron.releases import serving_stack
@@ -18,7 +18,7 @@ from qbuild.model.tiling import TILES, largest_patches
 from qbuild.store.files import atomic_write, link_or_copy, link_tree, staged
 
 
-def package(ctx: StepContext) -> dict[str, str]:
+def package(ctx: Context) -> dict[str, str]:
     """NxDI's compiled directory: model.pt and NxDI's neuron_config.json from the text compile, weights/ from the
     shard step, vision_encoder_<bucket>.pt per vision bucket (the names NxDI's load() and the port's
     NeuronQwen35VisionModelWrapper.load_compiled() read: application_base.py @ ef2731e, modeling_qwen35_vision.py
@@ -38,7 +38,7 @@ def package(ctx: StepContext) -> dict[str, str]:
     expected = driver.expected_weights(text)
     if p.block_kv is not None:
         _add_checkpoint_banks(ctx, p, shards)
-    if fp8_policy(p.fp8).quantises:
+    if fp8_policy(p.fp8).quantizes:
         _reloadable_kv_quant_config(ctx.out / "neuron_config.json")
     if expected is not None:
         for shard in shards:
@@ -51,7 +51,7 @@ def package(ctx: StepContext) -> dict[str, str]:
 VISION_RECORD = "qbuild-vision.json"
 
 
-def package_vision(ctx: StepContext, p: NeuronPackageParams) -> dict[str, str]:
+def package_vision(ctx: Context, p: NeuronPackageParams) -> dict[str, str]:
     """Each vision bucket's traced encoder where the port's load_compiled(<bundle>) finds it (a vision_encoder_<b>.pt,
     or a bucket_<b>/ of one tp_<r>.pt per rank: config.vision_config), and qbuild-vision.json: what the port will do
     with them. Returns {graph: path in the bundle}."""
@@ -233,7 +233,7 @@ def nxdi_registry_key(architecture: str | None) -> tuple[str, str]:
     return model.lower(), re.sub("([a-z0-9])([A-Z])", r"\1-\2", re.sub("(.)([A-Z][a-z]+)", r"\1-\2", task)).lower()
 
 
-def _add_checkpoint_banks(ctx: StepContext, p: NeuronPackageParams, shards: list[Path]) -> None:
+def _add_checkpoint_banks(ctx: Context, p: NeuronPackageParams, shards: list[Path]) -> None:
     """The zero `hybrid_gdn_checkpoint_cache.*` banks a long-context compile takes as weights, which NxD's sharding
     never writes: the port's compile script adds them to every shard after compile (_ensure_hybrid_checkpoint_weights,
     contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py L135-212 @ 03db3ef). The model has them only

@@ -27,7 +27,7 @@ from qbuild.recipe.schema import LineageName, Target
 @dataclass(frozen=True)
 class PortGit:
     """A port pinned by its repository, commit and directory: the key a build of it has everywhere, known without
-    reading the port (planning needs no network). The port action fetches it (qbuild.execution.actions.port)."""
+    reading the port (planning needs no network). The port step fetches it (qbuild.steps.port)."""
 
     url: str
     rev: str                         # the full 40-hex commit

@@ -44,7 +44,7 @@ def choose(name: str, jobs: int | None, address: str | None, address_given: bool
         require_remote(ws.store_spec)
         address = address or "auto"
         # No default budget: each Ray task reserves its own memory estimate on the worker that runs it.
-        return ExecutorChoice(lambda: RayExecutor(ws.store, address, ws.registry), jobs or RAY_JOBS, None)
+        return ExecutorChoice(lambda: RayExecutor(ws.store, address), jobs or RAY_JOBS, None)
     raise AssertionError(f"executor {name!r}: not one of {NAMES}")
 
 

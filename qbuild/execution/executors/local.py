@@ -32,7 +32,7 @@ from qbuild import backends
 from qbuild.execution.job import Job, run_job
 from qbuild.core.errors import BuildError
 from qbuild.core.progress import Report, guarded
-from qbuild.planning.plan import Node
+from qbuild.planning.dag import Node
 
 _HEADER = struct.Struct(">Q")     # the length of the pickle that follows
 _SERVE = "import sys; from qbuild.execution.executors.local import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"

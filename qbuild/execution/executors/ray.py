@@ -33,11 +33,11 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from qbuild.core.platform import host_tag
-from qbuild.planning.keys import REGISTRY, ActionSpec, Registry
+from qbuild.planning.keys import code_hash, toolchain_versions
 from qbuild.core.errors import InfraError, QbuildError, UserError
 from qbuild.core.progress import Report, StepProgress, guarded, silent
 from qbuild.execution.job import Job, build_job
-from qbuild.planning.plan import Node
+from qbuild.planning.dag import Node
 from qbuild.planning.closures import Sources
 from qbuild.store import StoreSpec, default_store_path
 from qbuild.store.remote import open_store
@@ -144,18 +144,18 @@ def worker_spec(driver: StoreSpec, local: str) -> StoreSpec:
     return StoreSpec(local=local, remote=driver.remote, push=True)
 
 
-def run_task(job: Job, action: ActionSpec, inbox=None) -> dict:
+def run_task(job: Job, inbox=None) -> dict:
     """The body of every Ray task: check this worker computes the same key, build (the store downloads and checks
     the inputs as it lays them out), publish.
 
-    `action` is the driver's registration of the job's kind (plain data); `inbox` the driver's ProgressInbox (None:
-    nobody listens). Returns the manifest as JSON; by then the remote holds its blobs and, last, the manifest itself.
+    `inbox` is the driver's ProgressInbox (None: nobody listens). Returns the manifest as JSON; by then the remote
+    holds its blobs and, last, the manifest itself.
     """
     # Who ran it is a fact of this run (meta, never in a key), on a failure too: `qbuild report` draws each step on
     # its worker's lane.
     worker = f"{socket.gethostname()} (pid {os.getpid()})"
     try:
-        _check_same_action(job, action)
+        _check_same_code(job)
         spec = worker_spec(job.store_spec, str(default_store_path()))
         progress = silent() if inbox is None else StepProgress(lambda r: inbox.put.remote([(job.node_id, r)]))
         store = open_store(spec, progress.transfers())
@@ -195,10 +195,9 @@ class ProgressInbox:
         return reports
 
 
-def _check_same_action(job: Job, action: ActionSpec) -> None:
-    """A worker whose action source, toolchain or (for a node that is not portable) platform differs from the
-    driver's would file its output under a key that does not describe it; refuse rather than publish a wrong
-    artifact."""
+def _check_same_code(job: Job) -> None:
+    """A worker whose step code, toolchain or (for a node that is not portable) platform differs from the driver's
+    would file its output under a key that does not describe it; refuse rather than publish a wrong artifact."""
     differs = []
     wanted = job.preimage.get("platform")
     if wanted is not None and wanted != host_tag():
@@ -206,13 +205,12 @@ def _check_same_action(job: Job, action: ActionSpec) -> None:
     # The code as it is now: a worker outlives many tasks and its checkout may change between them, and one Sources
     # sees one state of the tree.
     sources = Sources()
-    source_hash = action.source_hash(job.code, sources)
-    if source_hash != job.preimage.get("version"):
-        differs.append(f"{job.kind} action source {source_hash[:12]} (driver: "
-                       f"{str(job.preimage.get('version'))[:12]})")
-    theirs, ours = job.preimage.get("toolchain", {}), action.toolchain_versions(job.code, sources)
-    differs += [f"{d} {ours.get(d, 'absent')} (driver: {theirs.get(d, 'absent')})"
-                for d in sorted(set(theirs) | set(ours)) if ours.get(d) != theirs.get(d)]
+    ours = code_hash(job.step, job.code, sources)
+    if ours != job.preimage.get("code_hash"):
+        differs.append(f"{job.kind} step code {ours[:12]} (driver: {str(job.preimage.get('code_hash'))[:12]})")
+    theirs, mine = job.preimage.get("toolchain", {}), toolchain_versions(job.step, job.code, sources)
+    differs += [f"{d} {mine.get(d, 'absent')} (driver: {theirs.get(d, 'absent')})"
+                for d in sorted(set(theirs) | set(mine)) if mine.get(d) != theirs.get(d)]
     if differs:
         raise InfraError(f"{job.name}: Ray worker {socket.gethostname()} is not set up like the driver: "
                          f"{'; '.join(differs)}; install the same qbuild and toolchain on every worker")
@@ -236,7 +234,7 @@ class RayExecutor:
     once it finishes, reading its manifest through the driver's store (which checks it on the remote).
     """
 
-    def __init__(self, store: RemoteStore, address: str = "auto", registry: Registry | None = None):
+    def __init__(self, store: RemoteStore, address: str = "auto"):
         address = address or "auto"          # never None: ray.init(None) would start a private local cluster
         ray = self._ray = _import_ray()
         self._owns_connection = not ray.is_initialized()
@@ -250,7 +248,6 @@ class RayExecutor:
                 raise InfraError(f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0]}; start "
                                  "one with `ray start --head` or pass --address") from None
         self._store = store
-        self._registry = REGISTRY if registry is None else registry    # the one the engine plans with
         self._task = ray.remote(max_retries=MAX_RETRIES, retry_exceptions=[InfraError])(run_task)
         self._pool = ThreadPoolExecutor(DRIVER_THREADS, thread_name_prefix="qbuild-ray")
         self._lock = threading.Lock()
@@ -303,7 +300,7 @@ class RayExecutor:
         try:
             self._seed_inputs(job)
             ref = self._task.options(name=f"qbuild {node.name}", **task_resources(node).ray_options()) \
-                .remote(job, self._registry[job.kind], inbox)
+                .remote(job, inbox)
         except Exception as e:
             out.set_exception(_translate(e, node.name))
             return

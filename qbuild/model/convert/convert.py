@@ -3,13 +3,13 @@
 Two outputs, from the same Steps (layout.py) run by the same `run_step` (description.py):
 - `describe_checkpoint`, what a build stores: the text weights as a description (no weight bytes), which the shard
   step streams the checkpoint through; the vision weights, which ship in the bundle as they are, stored once here.
-- `convert_checkpoint`, the converted checkpoint materialised (for debugging: `qbuild compile --keep-intermediates`,
+- `convert_checkpoint`, the converted checkpoint materialized (for debugging: `qbuild compile --keep-intermediates`,
   and for tests): the text weights as safetensors files.
 
 Output directory:
   text/description.json                 described: every converted text tensor (description.py)
-  text/model-00001.safetensors ...      materialised: canonical NxDI names, unsharded (shard.py splits them per rank)
-  text/model.safetensors.index.json     materialised: tensor -> file
+  text/model-00001.safetensors ...      materialized: canonical NxDI names, unsharded (shard.py splits them per rank)
+  text/model.safetensors.index.json     materialized: tensor -> file
   vision/model.safetensors              VL families only: the traced encoder's names + host-side patch/pos embeds
   config.json, tokenizer*.json, ...     the checkpoint's non-weight files, copied
   convert.json                          what was done: family, dtype, fp8 policy, tensor count, bytes
@@ -70,7 +70,7 @@ def convert_state_dict(config: dict, tensors: Mapping[str, torch.Tensor], *, dty
 def convert_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | None = None, dtype: str = "bfloat16",
                        fp8: FP8PolicyName = "none", workers: int = 1,
                        max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
-    """HF checkpoint directory `src` -> the materialised converted directory `dst` (layout in the module docstring).
+    """HF checkpoint directory `src` -> the materialized converted directory `dst` (layout in the module docstring).
 
     `files` maps checkpoint file names to their real paths (e.g. HF cache blobs). The whole checkpoint is validated
     before anything is written; output is staged beside `dst` and renamed into place, so on any error `dst` is not
@@ -130,9 +130,9 @@ def describe_checkpoint(src: Path, dst: Path, *, files: Mapping[str, Path] | Non
     return report
 
 
-def materialise(described: Path, dst: Path, *, files: Mapping[str, Path], digests: Mapping[str, str] | None = None,
+def materialize(described: Path, dst: Path, *, files: Mapping[str, Path], digests: Mapping[str, str] | None = None,
                 workers: int = 1) -> dict:
-    """The described converted directory `described` -> the materialised one at `dst`, as convert_checkpoint writes
+    """The described converted directory `described` -> the materialized one at `dst`, as convert_checkpoint writes
     it (for debugging). The description must be the one this checkpoint and this qbuild make (open_described)."""
     source = open_described(Path(described), files, digests)
     source.close()

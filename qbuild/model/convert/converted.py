@@ -1,6 +1,6 @@
 """The converted text weights a reader (the shard step) takes, in either form a convert output holds them:
 described (text/description.json: each tensor made on demand from the checkpoint's bytes, description.py) or
-materialised (text/*.safetensors and their index, as convert_checkpoint writes them).
+materialized (text/*.safetensors and their index, as convert_checkpoint writes them).
 
 Both give the same two things: `specs` (every converted tensor's dtype and shape, by name, sorted) and `producers()`,
 the units that make them (a conversion step; or one stored tensor, mapped), so a reader streams either form alike.
@@ -23,8 +23,8 @@ from qbuild.model.convert.writer import SourceFiles
 INDEX_LABEL = "text/model.safetensors.index.json"
 
 
-class Materialised:
-    """A materialised converted directory's text weights; holds the files open until `close`."""
+class Materialized:
+    """A materialized converted directory's text weights; holds the files open until `close`."""
 
     label = INDEX_LABEL
 
@@ -46,20 +46,20 @@ class Materialised:
         self.files.close()
 
 
-Converted = Union[Described, Materialised]
+Converted = Union[Described, Materialized]
 
 
 def open_converted(directory: Path, files: Mapping[str, Path] | None = None,
                    digests: Mapping[str, str] | None = None) -> Converted:
     """The text weights of the convert output `directory`: described ones are read from the checkpoint `files`
-    locates (with the snapshot's `digests`, open_described); materialised ones from the directory itself."""
+    locates (with the snapshot's `digests`, open_described); materialized ones from the directory itself."""
     if (Path(directory) / "text" / FILE).is_file():
         return open_described(directory, files, digests)
-    return Materialised(Path(directory) / "text")
+    return Materialized(Path(directory) / "text")
 
 
 def _converted_tensors(text_dir: Path) -> dict[str, tuple[Path, Entry]]:
-    """name -> (file, entry) of a materialised converted text directory."""
+    """name -> (file, entry) of a materialized converted text directory."""
     index = text_dir / "model.safetensors.index.json"
     try:
         weight_map = json.loads(index.read_text())["weight_map"]

@@ -1,7 +1,7 @@
 """The converted text weights as data: a small, exact description of every converted tensor, which readers run.
 
 The convert step writes this description (text/description.json) instead of the NxDI-layout text weights; whoever
-needs a converted tensor (the shard step, a materialised checkpoint for debugging) runs the step that makes it, from
+needs a converted tensor (the shard step, a materialized checkpoint for debugging) runs the step that makes it, from
 the source checkpoint's bytes, one step at a time. The document is the conversion program made data:
 
     {"format": 1, "family", "model_type", "dtype", "fp8",
@@ -43,11 +43,11 @@ LABEL = f"text/{FILE}"
 
 def run_step(step: Step, inputs: list[torch.Tensor], dtype: torch.dtype, fp8: FP8PolicyName,
              num_layers: int) -> dict[str, torch.Tensor]:
-    """One step's NxDI outputs: the rule, then the cast to `dtype` (except float32-kept norms), or FP8 quantisation
+    """One step's NxDI outputs: the rule, then the cast to `dtype` (except float32-kept norms), or FP8 quantization
     of the tensors the policy selects (from the uncast values, to lose precision only once)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in step(*inputs).items():
-        if fp8_rules.is_quantised(name, fp8, num_layers):
+        if fp8_rules.is_quantized(name, fp8, num_layers):
             out.update(fp8_rules.apply_policy(name, t, fp8, num_layers))
         else:
             out[name] = t if step.keep_fp32 else t.to(dtype)

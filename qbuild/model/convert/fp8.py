@@ -1,4 +1,4 @@
-"""Offline FP8 weight quantisation (docs/nxd-layout.md section 5): per-channel symmetric float8 e4m3.
+"""Offline FP8 weight quantization (docs/nxd-layout.md section 5): per-channel symmetric float8 e4m3.
 
 scale = max |w| over a channel's inputs / 240, floored at 1e-5, float32, stored as `<name>.scale` next to the fp8
 `<name>.weight`. 240, not e4m3fn's 448: Neuron's FP8 saturates at the IEEE-style e4m3 range.
@@ -9,11 +9,11 @@ Policies (qbuild.model.fp8: which layers; here: which tensors, by layer-relative
 - "mlp_only", the validated 128K serving path: the MLP of every layer but the first and the last. For the MoE
   families "the MLP" is the routed experts (gate_up, down) and the shared expert (shared_{gate,up,down}_proj): they
   hold nearly all of an MoE layer's bytes and are the same SwiGLU matmuls as a dense MLP. The router and
-  shared_expert_gate stay unquantised: they are tiny, and top-k selection is sensitive to router precision (NxDI runs
+  shared_expert_gate stay unquantized: they are tiny, and top-k selection is sensitive to router precision (NxDI runs
   the router in float32).
 - "full": that set plus the attention and DeltaNet projections (q, output gate, k, v, o, in_proj_qkv, in_proj_z,
   out_proj), in EVERY layer: the first/last-layer exemption belongs to the mlp_only recipe. in_proj_a/b, lm_head,
-  embeddings, conv1d, A_log, dt_bias, norms and the vision encoder are never quantised.
+  embeddings, conv1d, A_log, dt_bias, norms and the vision encoder are never quantized.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ ATTENTION_WEIGHTS = frozenset({
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
-def is_quantised(name: str, policy: FP8PolicyName, num_layers: int) -> bool:
+def is_quantized(name: str, policy: FP8PolicyName, num_layers: int) -> bool:
     """Whether the NxDI tensor `name` is stored as FP8 under `policy`."""
     m = _LAYER.fullmatch(name)
     if m is None:
@@ -50,7 +50,7 @@ def is_quantised(name: str, policy: FP8PolicyName, num_layers: int) -> bool:
     layer, rest, rules = int(m[1]), m[2], fp8_policy(policy)
     if rest in MLP_WEIGHTS:
         return layer in rules.mlp_layers(num_layers)
-    return rest in ATTENTION_WEIGHTS and rules.quantises_attention
+    return rest in ATTENTION_WEIGHTS and rules.quantizes_attention
 
 
 def scale_name(weight_name: str) -> str:
@@ -82,8 +82,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def apply_policy(name: str, tensor: torch.Tensor, policy: FP8PolicyName, num_layers: int) -> dict[str, torch.Tensor]:
-    """{name: tensor}, or {name: fp8 weight, <name>.scale: scale} when the policy quantises it."""
-    if not is_quantised(name, policy, num_layers):
+    """{name: tensor}, or {name: fp8 weight, <name>.scale: scale} when the policy quantizes it."""
+    if not is_quantized(name, policy, num_layers):
         return {name: tensor}
     q, s = quantize(tensor)
     return {name: q, scale_name(name): s}

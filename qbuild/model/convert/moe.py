@@ -46,7 +46,7 @@ def gate_up_from_fused(w: torch.Tensor) -> tuple[torch.Tensor]:
     """Fused HF gate_up_proj (E, 2I, H), rows [gate | up] -> (E, H, 2I) with columns [gate^T | up^T].
 
     A transposed view, not a copy: the writer lays it out a few experts at a time (safetensors_io.write_at), so
-    the output is never materialised whole."""
+    the output is never materialized whole."""
     return (w.transpose(-1, -2),)
 
 

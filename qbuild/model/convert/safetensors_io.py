@@ -87,12 +87,12 @@ class Deferred:
     """A tensor made piece by piece as it is written, for a layout no strided view of its source expresses (a rank's
     expert gate_up, each row its slice of gate^T then of up^T: moe.gate_up_shard). `fill(out, start)` writes rows
     [start, start + len(out)) of dim 0 into the contiguous `out`. The writer fills one small buffer at a time, so the
-    tensor is never allocated whole; `materialise` makes it whole, for the in-memory shard."""
+    tensor is never allocated whole; `materialize` makes it whole, for the in-memory shard."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, fill):
         self.shape, self.dtype, self.fill = torch.Size(shape), dtype, fill
 
-    def materialise(self) -> torch.Tensor:
+    def materialize(self) -> torch.Tensor:
         out = torch.empty(self.shape, dtype=self.dtype)
         if out.numel():
             self.fill(out, 0)

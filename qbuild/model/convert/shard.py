@@ -4,7 +4,7 @@ Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(world), 
 RankLayout (qbuild.model.ranks); which tensor goes where is a layout's rules (qbuild.model.convert.parallel.ShardLayout):
 `CPU` below, the layout qbuild's reference model reads, or a backend's own (the files its runtime loads), which the
 shard step reaches through the backend registry. `unpack_rank` reads a "cpu" rank back as qbuild's reference model
-holds it (FP8 dequantised, a fused Wqkv split).
+holds it (FP8 dequantized, a fused Wqkv split).
 
 Rank convention of the "cpu" layout (tp = world = dense_tp, ep = moe_ep):
 - Attention: q heads (q_proj, output_gate_proj) split contiguously; k/v heads split contiguously when tp <= nKV,
@@ -112,7 +112,7 @@ def experts_only(t, d, p):
     return [moe.expert_group(t, p.moe_ep, p.group(r)) for r in range(p.world)]
 
 
-# Layer-relative module name -> (placement of `.weight`, placement of its FP8 `.scale`; None: never quantised).
+# Layer-relative module name -> (placement of `.weight`, placement of its FP8 `.scale`; None: never quantized).
 PLACEMENTS: dict[str, tuple[Placement, Placement | None]] = {
     "embed_tokens": (replicate, None),
     "lm_head": (replicate, None),
@@ -216,7 +216,7 @@ def shard_state_dict(config: dict, text: Mapping[str, torch.Tensor], *, ranks: R
     out: list[dict[str, torch.Tensor]] = [{} for _ in range(ranks.world)]
     for step in _program(d, list(text), layout, ranks, fused_qkv, dtype, "<state dict>"):
         for r, outs in enumerate(step.fn(*(text[n] for n in step.sources))):
-            out[r].update({n: t.materialise() if isinstance(t, Deferred) else t.clone() for n, t in outs.items()})
+            out[r].update({n: t.materialize() if isinstance(t, Deferred) else t.clone() for n, t in outs.items()})
     return out
 
 
@@ -226,7 +226,7 @@ def shard_checkpoint(converted: Path, dst: Path, *, ranks: RankLayout, layout: S
                      meter: Meter | None = None) -> dict:
     """A convert output directory -> dst/weights/tp{r}_sharded_checkpoint.safetensors (r < ranks.world) and
     dst/shard.json (returned). Described text weights are made from the checkpoint `files` locates (with the
-    snapshot's `digests`; converted.open_converted), materialised ones read from the directory. Streams unit by
+    snapshot's `digests`; converted.open_converted), materialized ones read from the directory. Streams unit by
     unit (a canonical tensor, or the few a conversion step or a fused q/k/v makes together; _write_units), every rank
     tensor straight to its offset; dst appears only when done. `layout` picks the rules (module docstring); `dtype`
     is the model dtype, which a layout that casts to it requires. `meter` counts the tensor bytes written into the
@@ -350,7 +350,7 @@ def _is_fp8(t: torch.Tensor) -> bool:
 
 
 def unpack_rank(rank: int, shard: Mapping[str, torch.Tensor], arch: Arch, tp: int) -> dict[str, torch.Tensor]:
-    """One rank's "cpu"-layout tensors as qbuild's reference model holds them: each FP8 weight dequantised with the
+    """One rank's "cpu"-layout tensors as qbuild's reference model holds them: each FP8 weight dequantized with the
     `.scale` beside it, a fused `self_attn.Wqkv.weight` split back into q/k/v_proj. ValueError naming the tensor for
     a scale without its FP8 weight, an FP8 weight without its scale, or a Wqkv of the wrong size."""
     rank_arch = arch.per_rank(tp)

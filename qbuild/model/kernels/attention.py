@@ -19,7 +19,7 @@ import torch.nn.functional as F
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v through torch's scaled_dot_product_attention, which on the CPU is a fused
-    kernel that never materialises the (Sq, Sk) scores: a chunked prefill attends from each chunk to a KV bucket of
+    kernel that never materializes the (Sq, Sk) scores: a chunked prefill attends from each chunk to a KV bucket of
     thousands of slots, where the plain form spends most of a prefill."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])

@@ -271,7 +271,7 @@ MAIN_RULES: dict[str, Rule] = {
 }
 
 # NeuronGatedDeltaNet of plain nn.Linear / nn.Conv1d / nn.Parameter, whole on every rank, under the HF names (the
-# Coder-Next port @ 753c7f5 and the Qwen3.5-27B port @ 550e2ab L258-281). NxD quantises only its parallel layers
+# Coder-Next port @ 753c7f5 and the Qwen3.5-27B port @ 550e2ab L258-281). NxD quantizes only its parallel layers
 # (quantization_mappings.py), so these are never FP8.
 _REPLICATED_DELTANET: dict[str, Rule] = {
     "linear_attn.in_proj_qkv": Rule("linear_attn.in_proj_qkv.weight", replicate),
@@ -291,7 +291,7 @@ _REPLICATED_DELTANET: dict[str, Rule] = {
 MAIN_REPLICATED_RULES: dict[str, Rule] = {**_COMMON, **_REPLICATED_DELTANET, **_DENSE_MLP}
 
 # Qwen3-Coder-Next port (753c7f5): NeuronGatedDeltaNet is nn.Linear / nn.Conv1d / nn.Parameter (replicated, and
-# never quantised: NxD quantization_mappings.py converts only its parallel layers); the decoder's `mlp` is the MoE
+# never quantized: NxD quantization_mappings.py converts only its parallel layers); the decoder's `mlp` is the MoE
 # module itself (router, expert_mlps) with `shared_experts` = SigmoidGatedSharedExperts(SharedExperts(...),
 # sigmoid_gate); SharedExperts' Column/RowParallelLinear use the full tp group (NxD modules/moe/shared_experts.py).
 MOE_RULES: dict[str, Rule] = {
@@ -321,7 +321,7 @@ class Lineage:
 LINEAGES: dict[str, Lineage] = {
     NXD_MAIN: Lineage(NXD_MAIN, MAIN_RULES, "mlp.moe.expert_mlps", tensor_parallel_deltanet=True,
                       fuses_qkv_scales=True),
-    # The 27B's and Coder-Next's converters fuse only the weights; a quantised Wqkv's preshard hook would then find
+    # The 27B's and Coder-Next's converters fuse only the weights; a quantized Wqkv's preshard hook would then find
     # no scale (550e2ab L1976-1993, 753c7f5).
     NXD_MAIN_REPLICATED: Lineage(NXD_MAIN_REPLICATED, MAIN_REPLICATED_RULES, "mlp.moe.expert_mlps",
                                  tensor_parallel_deltanet=False, fuses_qkv_scales=False),
@@ -431,7 +431,7 @@ def _rule(name: str, lineage: Lineage, label: str) -> tuple[str, Placement]:
     if rule is not None and kind == "scale" and rule.scale is not None:
         return prefix + rule.scale_target, rule.scale if rule.experts else over_dense_tp(rule.scale)
     raise CheckpointError(label, f"has no {lineage.name} shard rule (the port has no such parameter, or keeps it "
-                                 "in a module NxD does not quantise)", name)
+                                 "in a module NxD does not quantize)", name)
 
 
 def _single(name: str, target: str, place: Placement, d: Arch, p: RankLayout,

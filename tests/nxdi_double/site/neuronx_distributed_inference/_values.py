@@ -27,7 +27,7 @@ FP8_SCALE_FLOOR = 1e-5
 @dataclass(frozen=True)
 class Expected:
     """The value one rank must hold under one name: `tensor` exactly (after the cast to the shard's dtype), or, for
-    FP8 weights, within `fp8_scale`'s quantisation step (the rounding order of the quantiser is not in the facts)."""
+    FP8 weights, within `fp8_scale`'s quantization step (the rounding order of the quantizer is not in the facts)."""
 
     tensor: torch.Tensor
     source: str                      # the HF tensor(s) it comes from, for the error line
@@ -302,7 +302,7 @@ def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _dense_mlp(hf: HFCheckpoint, lay: Layout, layer: str, r: int) -> dict:
-    """Column-parallel gate / up (dim 0), row-parallel down (dim 1). FP8 (NxD's quantised twin, unless a
+    """Column-parallel gate / up (dim 0), row-parallel down (dim 1). FP8 (NxD's quantized twin, unless a
     modules_to_not_convert entry is a substring of the module path: docs/nxdi.md section 16): the per-channel scale
     of a column-parallel layer splits with its rows, of a row-parallel layer stays whole (section 4)."""
     m = f"{layer}.mlp"
@@ -391,7 +391,7 @@ def mismatch(got: torch.Tensor, want: Expected) -> str | None:
     """None where `got` holds `want`, else what differs (one line)."""
     if want.fp8_scale is not None:
         # e4m3 keeps 3 mantissa bits: a value off by more than its rounding step (relative 2^-4, plus the subnormal
-        # step of the scaled range) is not this weight quantised.
+        # step of the scaled range) is not this weight quantized.
         deq = got.float() * want.fp8_scale
         bad = (deq - want.tensor).abs() > want.tensor.abs() * 0.0625 + want.fp8_scale * 2.0 ** -6 + 1e-12
     else:

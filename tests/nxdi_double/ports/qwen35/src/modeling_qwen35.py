@@ -217,15 +217,15 @@ class NeuronQwen35Model:
         mixed = getattr(config, "mlp_only_layers", None) or getattr(config, "decoder_sparse_step", 1) != 1
         if config._is_moe and mixed:
             raise NotImplementedError("dense layers inside an MoE model are not in the facts the double is built from")
-        _never_quantised(config, out)
+        _never_quantized(config, out)
         for i, kind in enumerate(config.layer_types):
             p = f"layers.{i}"
             out[f"{p}.input_layernorm.weight"] = replicated((h,), dt)
             out[f"{p}.post_attention_layernorm.weight"] = replicated((h,), dt)
             if kind == "full_attention":
-                out.update(_never_quantised(config, _attention(f"{p}.self_attn", config, tp, dt)))
+                out.update(_never_quantized(config, _attention(f"{p}.self_attn", config, tp, dt)))
             elif kind == "linear_attention" and TENSOR_PARALLEL_DELTANET:
-                out.update(_never_quantised(config, _deltanet(f"{p}.linear_attn", config, tp, dt)))
+                out.update(_never_quantized(config, _deltanet(f"{p}.linear_attn", config, tp, dt)))
             elif kind == "linear_attention":
                 out.update(replicated_deltanet(f"{p}.linear_attn", config, dt))
             else:
@@ -306,19 +306,19 @@ def _deltanet(prefix: str, config, tp: int, dt: str) -> dict:
             f"{prefix}.norm.weight": replicated((dv,), dt)}
 
 
-def _quantised(config, module: str) -> bool:
+def _quantized(config, module: str) -> bool:
     """NxD converts a parallel layer to its quantized twin unless one of modules_to_not_convert is a substring of its
     path (NxD quantization/quantize.py:122-123 @ fbac349)."""
     nc = config.neuron_config
     return nc.quantized and not any(skip in module for skip in (nc.modules_to_not_convert or []))
 
 
-def _never_quantised(config, weights: dict) -> dict:
-    """`weights`, which hold no MLP: every parallel layer among them must stay unquantised (the double models FP8 in
+def _never_quantized(config, weights: dict) -> dict:
+    """`weights`, which hold no MLP: every parallel layer among them must stay unquantized (the double models FP8 in
     the dense MLPs only). Norms and rank tensors are no parallel layers, so NxD never converts them."""
     for key in weights:
         module, _, kind = key.rpartition(".")
-        if kind == "weight" and "norm" not in module.rpartition(".")[2] and _quantised(config, module):
+        if kind == "weight" and "norm" not in module.rpartition(".")[2] and _quantized(config, module):
             raise NotImplementedError(f"{module}: the contract double models FP8 in the dense MLPs only")
     return weights
 
@@ -332,7 +332,7 @@ def _mlp(prefix: str, config, tp: int, dt: str) -> dict:
     out = {}
     for name, weight in layers.items():
         module = f"{prefix}.{name}"
-        if not _quantised(config, module):
+        if not _quantized(config, module):
             out[f"{module}.weight"] = weight
             continue
         out[f"{module}.weight"] = Weight(weight.shape, "float8_e4m3fn")

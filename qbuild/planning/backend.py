@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Protocol
 
 from qbuild.model.arch import Arch
+from qbuild.planning.step import PlannedNode
 from qbuild.recipe.params import PackageParams, ShardParams
 from qbuild.recipe.schema import LoadedRecipe
 
@@ -25,31 +26,21 @@ class Sizes:
 
 
 @dataclass(frozen=True)
-class PlannedStep:
-    """One node a backend adds to a recipe's plan: a source node (a port) or a compile node."""
-
-    role: str                        # the recipe's name for it: "port", "compile text", "compile cte-128"
-    kind: str                        # the action kind
-    name: str                        # what a person reads
-    params: object                   # the step's typed params
-    deps: dict[str, str]             # input name -> the role of the recipe node it takes ("convert", "port")
-    est_out_bytes: int
-    est_peak_bytes: int
-    context: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
 class BackendPlan:
-    """A backend's part of a recipe's plan. Every source node is an input of the shard, package and verify nodes
-    under its role; each compile node names its own inputs. `verify_resources` are the devices verifying the bundle
-    runs on, by the name an executor schedules them by (a neuron bundle's {"neuron_cores": 8}); empty where any host
-    runs it."""
+    """A backend's part of a recipe's plan: the nodes of the kinds it plans (its source nodes, such as a port, and its
+    compile nodes: step kinds whose `plan` takes them, qbuild.planning.step.Step.plan), the shard and package params,
+    and `verify_resources`, the devices verifying the bundle runs on, by the name an executor schedules them by (a
+    neuron bundle's {"neuron_cores": 8}); empty where any host runs it. Every source node is an input of the shard,
+    package and verify nodes under its role; each compile node names its own inputs."""
 
-    sources: tuple[PlannedStep, ...]
+    sources: tuple[PlannedNode, ...]
     shard: ShardParams
-    compiles: tuple[PlannedStep, ...]
+    compiles: tuple[PlannedNode, ...]
     package: PackageParams
     verify_resources: dict[str, int] = field(default_factory=dict)
+
+    def nodes(self) -> tuple[PlannedNode, ...]:
+        return self.sources + self.compiles
 
 
 class SourceEnvironment(Protocol):

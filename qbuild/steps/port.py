@@ -24,25 +24,32 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-from qbuild.execution.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
 from qbuild.core.urls import carries_credentials, without_credentials as _shown
+from qbuild.planning.step import Context, Step
 
 GIT_DIR = "git"                 # under the store root: one bare clone per URL
 
 
-def run(ctx: RunContext) -> None:
-    if hasattr(ctx.params, "rev"):      # PortGit (qbuild.backends.neuron.params), the only form pinned by a commit
-        _from_git(ctx)
-    else:
-        _from_directory(ctx)
+class Port(Step):
+    """Planned by the backend that compiles with a port (PlanningBackend.plan's sources), its params of that backend."""
+
+    kind = "port"
+    params = object
+
+    @classmethod
+    def run(cls, ctx: Context) -> None:
+        if hasattr(ctx.params, "rev"):      # a git port: pinned by a commit (url, rev, subdir)
+            _from_git(ctx)
+        else:
+            _from_directory(ctx)
 
 
-def _from_directory(ctx: RunContext) -> None:
+def _from_directory(ctx: Context) -> None:
     files = ctx.params.planned_files()
     from qbuild.core.hashing import default_stat_cache
 
-    root = Path(ctx.context["path"])
+    root = Path(ctx.source.path)
     cache = default_stat_cache()
     for rel, digest in sorted(files.items()):
         src = root / rel
@@ -56,7 +63,7 @@ def _from_directory(ctx: RunContext) -> None:
 
 # --- the git form ----------------------------------------------------------------------------------------------------
 
-def _from_git(ctx: RunContext) -> None:
+def _from_git(ctx: Context) -> None:
     from qbuild.planning.environment import source_files
 
     url, rev, subdir = ctx.params.url, ctx.params.rev, ctx.params.subdir.strip("/")
@@ -79,7 +86,7 @@ def _from_git(ctx: RunContext) -> None:
     ctx.log(f"port {subdir} @ {rev[:12]} from {_shown(url)}: {len(files)} files")
 
 
-def _clone_dir(ctx: RunContext, url: str) -> Path:
+def _clone_dir(ctx: Context, url: str) -> Path:
     """The bare clone of `url`: under the store the build writes to, else the user's cache directory."""
     from qbuild.core.hashing import digest_bytes
 

@@ -5,8 +5,8 @@ exactly the commit its key holds (the planner never keys one on a branch), from 
 there, and a snapshot of any other commit is refused. Hub files are named by the Hub's own digests (sha256 of LFS
 files, git blob sha1 of small ones), as the HF cache names their blobs, and their bytes are hashed to check that
 name (through the stat cache, so once per file). Where the lock already holds the files of the pinned commit (the
-workspace passes them in the step's context, as "locked_files"), a snapshot whose files differ is refused: a mirror
-that serves other bytes for a pinned commit must not move the lock. Local files carry the BLAKE3 digests the planner
+plan puts them in the node's Source, as locked_files), a snapshot whose files differ is refused: a mirror that serves
+other bytes for a pinned commit must not move the lock. Local files carry the BLAKE3 digests the planner
 computed. A download reports its bytes to the step's progress, and huggingface_hub draws no bars of its own
 (qbuild.hub.bars).
 """
@@ -16,21 +16,44 @@ from __future__ import annotations
 from pathlib import Path
 
 from qbuild.core import jsonio
-from qbuild.execution.actions import RunContext
 from qbuild.core.errors import InfraError, UserError
-from qbuild.recipe.params import FetchParams, FetchPath
-from qbuild.hub.hf import CHECKPOINT_PATTERNS, hf_cache_dir, hf_repo_dir, hf_served_commit, hub_endpoint, hub_offline, hub_snapshot_files, is_commit
+from qbuild.core.units import GIB
 from qbuild.hub.bars import HubBars
 from qbuild.hub.checkpoint import check_checkpoint, checkpoint_files
+from qbuild.hub.hf import (CHECKPOINT_PATTERNS, hf_cache_dir, hf_repo_dir, hf_served_commit, hub_endpoint,
+                           hub_offline, hub_snapshot_files, is_commit)
+from qbuild.planning.step import Context, LockedFiles, PlannedNode, Step
+from qbuild.recipe import checks
+from qbuild.recipe.params import FetchHub, FetchParams, FetchPath
+from qbuild.recipe.schema import HFSource
 
 
-def run(ctx: RunContext) -> None:
-    p: FetchParams = ctx.params
-    if isinstance(p, FetchPath):
-        snapshot = _local(Path(ctx.context["path"]), p.files)
-    else:
-        snapshot = _hub(p.repo, p.revision, ctx)
-    (ctx.out / "snapshot.json").write_text(jsonio.dumps(snapshot, indent=1, sort_keys=True))
+class Fetch(Step):
+    kind = "fetch"
+    params = (FetchPath, FetchHub)
+
+    @classmethod
+    def plan(cls, recipe) -> None:
+        """A local checkpoint is identified by its files' digests, never its path; a hub model by its commit (the
+        requested revision stands in, unkeyed, where none is known: the node is unresolved)."""
+        loaded, hub = recipe.loaded, recipe.hub
+        src = loaded.recipe.model
+        if isinstance(src, HFSource):
+            label, params = src.hf, FetchHub("hf", hub.repo, hub.commit or hub.requested)
+        else:
+            label, params = Path(src.path).name, FetchPath("path", recipe.env.checkpoint_digests(loaded.source_dir))
+        recipe.add(PlannedNode("fetch", cls.kind, f"fetch {label}", params, {},
+                               checks.weight_bytes(recipe.arch, "bfloat16", "none") + recipe.sizes.vision, GIB // 4,
+                               recipe.source, unresolved=hub.unresolved if hub else None))
+
+    @classmethod
+    def run(cls, ctx: Context) -> None:
+        p: FetchParams = ctx.params
+        if isinstance(p, FetchPath):
+            snapshot = _local(Path(ctx.source.path), p.files)
+        else:
+            snapshot = _hub(p.repo, p.revision, ctx)
+        (ctx.out / "snapshot.json").write_text(jsonio.dumps(snapshot, indent=1, sort_keys=True))
 
 
 def _local(root: Path, planned: dict[str, str]) -> dict:
@@ -50,7 +73,7 @@ def _local(root: Path, planned: dict[str, str]) -> dict:
     return {"source": "path", "repo": None, "revision": None, "files": files}
 
 
-def _hub(repo: str, commit: str, ctx: RunContext) -> dict:
+def _hub(repo: str, commit: str, ctx: Context) -> dict:
     if not is_commit(commit):
         raise UserError(f"model.hf: {repo}@{commit} is not a commit; a fetch is keyed on the commit its revision "
                         "resolves to (see `qbuild plan`)")
@@ -80,7 +103,7 @@ def _hub(repo: str, commit: str, ctx: RunContext) -> dict:
             from None
     _check_commit(repo, commit, local)
     files = hub_snapshot_files(local)
-    _check_locked(repo, commit, files, ctx.context.get("locked_files"))
+    _check_locked(repo, commit, files, ctx.source.locked_files)
     if not any(n.endswith(".safetensors") for n in files):
         raise UserError(f"model.hf: {repo}@{commit[:12]} has no safetensors weights (pickled weights are never "
                         "loaded)")
@@ -106,18 +129,18 @@ def _check_commit(repo: str, commit: str, local: Path) -> None:
                          "refusing a snapshot of another commit than the key's")
 
 
-def _check_locked(repo: str, commit: str, files: dict[str, dict], locked: dict | None) -> None:
-    """Refuse a snapshot of the pinned commit whose files differ from those the lock holds for that commit
-    (`locked`: {"lock": the lockfile, "files": {name: digest}}; None where it holds none). A commit names one tree, so
-    other bytes for it come from a server that is not the Hub's honest copy (a mirror, a proxy): infrastructure, as
-    a remote serving other bytes is. Moving them into the lock is `qbuild compile --update`'s to do."""
+def _check_locked(repo: str, commit: str, files: dict[str, dict], locked: LockedFiles | None) -> None:
+    """Refuse a snapshot of the pinned commit whose files differ from those the lock holds for that commit (None
+    where it holds none). A commit names one tree, so other bytes for it come from a server that is not the Hub's
+    honest copy (a mirror, a proxy): infrastructure, as a remote serving other bytes is. Moving them into the lock is
+    `qbuild compile --update`'s to do."""
     if not locked:
         return
-    want, got = locked["files"], {name: meta["digest"] for name, meta in files.items()}
+    want, got = locked.files, {name: meta["digest"] for name, meta in files.items()}
     for name in sorted(set(want) | set(got)):
         if want.get(name) != got.get(name):
             raise InfraError(f"model.hf: {repo}@{commit[:12]}: {name}: the Hub served "
-                             f"{_short(got.get(name))}, {locked['lock']} holds {_short(want.get(name))} for this "
+                             f"{_short(got.get(name))}, {locked.lock} holds {_short(want.get(name))} for this "
                              "commit; refusing other files for a pinned commit (a mirror or proxy serving other "
                              "bytes?); run `qbuild compile --update` to accept them")
 

@@ -13,14 +13,16 @@ import json
 from pathlib import Path
 
 from qbuild.core import jsonio
-from qbuild.execution.actions import RunContext
-from qbuild.core.numerics import fix_threads
 from qbuild.core.errors import BuildError
+from qbuild.core.numerics import fix_threads
+from qbuild.core.units import GIB
 from qbuild.model.families import MODEL_TYPES
+from qbuild.planning.step import Context, PlannedNode, Step
+from qbuild.recipe import checks
 from qbuild.recipe.params import ReferenceParams
-from qbuild.hub.checkpoint import locate, read_snapshot
+from qbuild.recipe.schema import HFSource
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "prompts.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "prompts.json"
 # The shipped prompts are data, not source: pinning their digest here puts them in this action's source hash, so
 # editing prompts.json (and this line with it) rebuilds every reference that uses them.
 GOLDEN_BLAKE3 = "057d2ea072aa66d0d7b28d02d03d97c6cf1065b6c9ab12ee3cff40ad35d98783"
@@ -32,7 +34,7 @@ def golden() -> dict:
 
     data = GOLDEN.read_bytes()
     if digest_bytes(data) != GOLDEN_BLAKE3:
-        raise BuildError(f"{GOLDEN}: changed without updating GOLDEN_BLAKE3 in qbuild/execution/actions/reference.py to "
+        raise BuildError(f"{GOLDEN}: changed without updating GOLDEN_BLAKE3 in qbuild/steps/reference.py to "
                          f"{digest_bytes(data)} (the references built from it would not rebuild otherwise)")
     return json.loads(data)
 
@@ -76,14 +78,40 @@ def _greedy(model, ids: list[int], new_tokens: int, extra: dict, image_token_id:
     return prefill, tokens
 
 
-def run(ctx: RunContext) -> None:
+class Reference(Step):
+    kind = "reference"
+    params = ReferenceParams
+    inputs = ("snapshot",)
+    reads_checkpoint = True
+    # Logits computed with torch's vectorised CPU kernels, whose last bits depend on the capability they run with.
+    portable = False
+    data = ("golden/prompts.json",)
+
+    @classmethod
+    def plan(cls, recipe) -> None:
+        r, arch = recipe.loaded.recipe, recipe.arch
+        v = r.verify
+        prompts = None if v.prompts is None else tuple(v.prompts)
+        label = r.model.hf if isinstance(r.model, HFSource) else Path(r.model.path).name
+        recipe.add(PlannedNode("reference", cls.kind, f"reference {label}",
+                               ReferenceParams(prompts, v.new_tokens, bool(r.vision and v.image_prompt)),
+                               {"snapshot": "fetch"}, 4 << 20,
+                               checks.weight_bytes(arch, "float32", "none") + recipe.sizes.vision * 2 + GIB,
+                               recipe.source))
+
+    @classmethod
+    def run(cls, ctx: Context) -> None:
+        _run(ctx)
+
+
+def _run(ctx: Context) -> None:
     import transformers
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
     fix_threads()
     p: ReferenceParams = ctx.params
-    files = locate(read_snapshot(ctx.inputs["snapshot"]), ctx.context)
+    files = ctx.checkpoint.files
     src = next(iter(files.values())).parent
     config = json.loads(files["config.json"].read_text())
     model, tokenizer = _model(src, config), AutoTokenizer.from_pretrained(str(src))

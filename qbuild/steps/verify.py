@@ -18,11 +18,16 @@ from dataclasses import asdict, dataclass, replace
 
 from qbuild import backends
 from qbuild.backends.base import PromptRun
-from qbuild.execution.actions import RunContext
 from qbuild.core import jsonio
+from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import BuildError
 from qbuild.core.numerics import fix_threads
+from qbuild.core.units import GIB
+from qbuild.model.arch import Arch
+from qbuild.planning.step import Context, PlannedNode, Step
+from qbuild.recipe import checks
 from qbuild.recipe.params import VerifyParams
+from qbuild.recipe.schema import LoadedRecipe
 
 
 @dataclass
@@ -81,7 +86,45 @@ def _line(r: PromptReport) -> str:
             f"{round(r.token_match * len(r.reference))}/{len(r.reference)}{where}, max err {r.max_logit_err:.3g}")
 
 
-def run(ctx: RunContext) -> None:
+class Verify(Step):
+    kind = "verify"
+    params = VerifyParams
+    inputs = ("bundle", "reference")
+    # Its report holds CPU-dependent floats, and it runs the bundle (a device's, for a neuron bundle).
+    portable = False
+
+    @classmethod
+    def plan(cls, recipe) -> None:
+        r, v = recipe.loaded.recipe, recipe.loaded.recipe.verify
+        recipe.add(PlannedNode("verify", cls.kind, f"verify {recipe.name}",
+                               VerifyParams(v.top1_min, v.token_match_min, v.max_logit_err),
+                               {"bundle": "package", "reference": "reference", **recipe.source_roles()}, 1 << 20,
+                               2 * recipe.sizes.weights + GIB + run_bytes(recipe.loaded, recipe.arch),
+                               resources=recipe.backend_plan.verify_resources, backend=r.backend, code=recipe.runs))
+
+    @classmethod
+    def run(cls, ctx: Context) -> None:
+        _run(ctx)
+
+
+def run_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
+    """What running the bundle on the verify prompts holds beyond its weights, growing with the buckets: the host's
+    KV cache of the largest token-generation bucket and the slice each decode graph gets of it, the prefill logits of
+    the largest context bucket, and the verify image's pass through its vision bucket (the (1, 1, S, S) mask and
+    each head's attention scores, with softmax's copy) (qbuild.model.runtime)."""
+    r = loaded.recipe
+    d, batch, tp = DTYPE_BYTES[r.dtype], r.text.batch_size, r.parallel.tp
+    kv = 2 * arch.num_attn_layers * tp * batch * r.text.token_buckets[-1] * arch.per_rank(tp).kv_dim * d
+    logits = batch * r.text.cte_buckets[-1] * arch.vocab_size * 4
+    vision = 0
+    if r.vision is not None and r.verify.image_prompt and arch.vision is not None:
+        patches = checks.image_patches(arch.vision, *checks.VERIFY_IMAGE_SIZE)
+        bucket = next((b for b in r.vision.buckets if b >= patches), r.vision.buckets[-1])
+        vision = bucket * bucket * (d + 3 * 4 * arch.vision.num_heads)
+    return 2 * kv + 2 * logits + vision
+
+
+def _run(ctx: Context) -> None:
     from safetensors.torch import load_file
 
     fix_threads()
