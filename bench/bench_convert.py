@@ -178,7 +178,7 @@ def copy(root: Path) -> tuple[float, float]:
 def run_pipeline(mode: str, root: Path, digests: dict, workers: int) -> dict:
     """One pipeline in a child process, then its outputs committed to a store of its own, as a build commits them."""
     from qbuild.core.hashing import digest_file
-    from qbuild.store import LocalStore
+    from qbuild.store.local import LocalStore
 
     conv, shard = root / f"{mode}-convert", root / f"{mode}-shard"
     cmd = [sys.executable, "-c", CHILD, mode, str(root / "src"), str(conv), str(shard), str(workers),

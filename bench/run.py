@@ -318,7 +318,7 @@ def bench_hashing(args) -> dict:
 
 
 def bench_restore(args) -> dict:
-    from qbuild.store import LocalStore
+    from qbuild.store.local import LocalStore
 
     size = int(args.size_gb * (1 << 30))
     work = Path(args.work) / "restore"
@@ -345,7 +345,8 @@ def bench_scheduling(args) -> dict:
     from qbuild.execution.engine import BuildOptions, build
     from qbuild.execution.executors.local import LocalExecutor
     from qbuild.planning.dag import Plan
-    from qbuild.store import LocalStore, StoreSpec
+    from qbuild.store.local import LocalStore
+    from qbuild.store.spec import StoreSpec
     from tests.engine_actions import Sleep, add
 
     n, j, d = 8, 2, 1.0

@@ -92,13 +92,13 @@ def fake_steps() -> list:
 
 
 def register_fake_actions() -> None:
-    import qbuild.hub.checkpoint
+    import qbuild.execution.workspace
     from qbuild.steps import registry
 
     registry.STEPS[:] = FAKES
     # The projects here pair a real config with placeholder weights and no tokenizer, read only by the fake steps:
     # the check a real checkpoint gets before a build does not apply to them, and nothing public turns it off.
-    qbuild.hub.checkpoint.check_checkpoint = lambda directory, files=None: None
+    qbuild.execution.workspace.check_source = lambda directory: None
 
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from qbuild.model.arch import Arch, ConfigError, arch_from_config
 from qbuild.core.errors import UserError
-from qbuild.hub.checkpoint import shipped_config_path
+from qbuild.hub.source import shipped_config_path
 from tests.conftest import REPO
 
 _TEXT = dict(vocab_size=512, hidden_size=64, num_hidden_layers=8, rms_norm_eps=1e-6, num_attention_heads=4,

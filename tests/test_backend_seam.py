@@ -200,7 +200,7 @@ def test_a_cpu_compile_package_or_verify_is_keyed_on_no_serving_code(tmp_path):
 # --- whose bundle it is --------------------------------------------------------------------------------------------
 
 def _bundle(root: Path, backend: str, graphs: dict[str, str]) -> Path:
-    from qbuild.store.bundle import write_manifest
+    from qbuild.model.bundle import write_manifest
 
     root.mkdir()
     for rel in graphs.values():
@@ -212,7 +212,7 @@ def _bundle(root: Path, backend: str, graphs: dict[str, str]) -> Path:
 
 def test_each_backend_recognises_its_own_bundles(tmp_path):
     from qbuild.core.errors import UserError
-    from qbuild.store.bundle import read_manifest
+    from qbuild.model.bundle import read_manifest
 
     cpu = _bundle(tmp_path / "cpu", "export", {"cte-32": "graphs/cte-32.pt2"})
     neuron = _bundle(tmp_path / "neuron", "neuron", {"text": "model.pt"})

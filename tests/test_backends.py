@@ -17,7 +17,7 @@ from qbuild.backends.cpu.backend import compile_params
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile
 from qbuild.recipe.params import parse, to_json
 from qbuild.recipe.schema import load_recipe
-from qbuild.hub.checkpoint import load_arch
+from qbuild.hub.source import load_arch
 
 
 def _params(tmp_path: Path, checkpoint: Path, graph: str, bucket: int, backend: str = "export", tp: int = 1,
@@ -74,7 +74,7 @@ def test_exported_graph_takes_weights_as_inputs(tmp_path, tiny_checkpoints):
 
 def test_neuron_backend_without_sdk_fails_in_one_line(tmp_path, tiny_checkpoints):
     from qbuild.backends.neuron.backend import text_compile_params
-    from qbuild.store import StoreSpec
+    from qbuild.store.spec import StoreSpec
 
     f = tmp_path / "next.yaml"
     f.write_text(f"model: {{path: {tiny_checkpoints['qwen3_next']}}}\nbackend: neuron\nport: {{path: ./port}}\n"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qbuild.store.bundle import MANIFEST, check_files, read_manifest, write_manifest
+from qbuild.model.bundle import MANIFEST, check_files, read_manifest, write_manifest
 from qbuild.core.errors import InfraError, UserError
 
 

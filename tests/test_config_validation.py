@@ -14,7 +14,7 @@ import pytest
 
 from qbuild.core.errors import UserError
 from qbuild.model.arch import ConfigError, arch_from_config
-from qbuild.hub.checkpoint import shipped_config_path
+from qbuild.hub.source import shipped_config_path
 from tests.conftest import qbuild
 
 SHIPPED = sorted(shipped_config_path("Qwen/x").parent.glob("*.json"))

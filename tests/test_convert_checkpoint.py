@@ -132,7 +132,7 @@ CHECK = """\
 import sys
 from pathlib import Path
 from qbuild.core.errors import UserError
-from qbuild.hub.checkpoint import check_checkpoint
+from qbuild.hub.snapshot import check_checkpoint
 try:
     check_checkpoint(Path(sys.argv[1]))
     print("ok")

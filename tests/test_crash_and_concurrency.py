@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.store import LocalStore
+from qbuild.store.local import LocalStore
 from tests.conftest import REPO, qbuild, wait_until
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,8 @@ from qbuild.execution.engine import BuildOptions, build, raise_for
 from qbuild.execution.executors.local import LocalExecutor
 from qbuild.planning.dag import Plan
 from qbuild.core.errors import UserError
-from qbuild.store import LocalStore, StoreSpec
+from qbuild.store.local import LocalStore
+from qbuild.store.spec import StoreSpec
 from qbuild.planning.keys import LockedNode
 from tests.engine_actions import KINDS, add, read_log
 

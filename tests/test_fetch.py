@@ -16,7 +16,7 @@ from qbuild.steps.fetch import Fetch
 from qbuild.core.errors import InfraError, UserError
 from qbuild.core.hashing import StatCache, digest_file
 from qbuild.hub.hf import hf_cached_snapshot
-from qbuild.hub.checkpoint import checkpoint_files
+from qbuild.hub.snapshot import checkpoint_files
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -182,7 +182,7 @@ def test_a_flipped_byte_in_an_hf_cache_blob_is_refused_naming_the_file(tmp_path,
 
 def test_locate_checks_the_bytes_a_step_reads_against_the_snapshot(tmp_path, tiny_checkpoints):
     """A fetch recorded long ago (or on another machine) does not vouch for the HF cache's bytes now."""
-    from qbuild.hub.checkpoint import locate, read_snapshot
+    from qbuild.hub.snapshot import locate, read_snapshot
 
     snap = populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
     ctx = _ctx(tmp_path, {"source": "hf", "repo": "tiny-org/tiny-next", "revision": COMMIT}, {})
@@ -201,7 +201,7 @@ def test_hub_files_are_hashed_once_while_unchanged(tmp_path, tiny_checkpoints, m
     """The fetch step and every step reading the snapshot check the same bytes; the stat cache answers after the first
     hash of each file (files older than the racy window, as an HF cache's blobs are once downloaded)."""
     import qbuild.core.hashing as hashing
-    from qbuild.hub.checkpoint import locate, read_snapshot
+    from qbuild.hub.snapshot import locate, read_snapshot
 
     snap = populate_hf_cache(tmp_path / "hf-home" / "hub", "tiny-org/tiny-next", tiny_checkpoints["qwen3_next"])
     hour_ago = time.time_ns() - 3600 * 10**9

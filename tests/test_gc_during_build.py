@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from qbuild.execution.job import AUDIT_ENV
-from qbuild.store import LocalStore
+from qbuild.store.local import LocalStore
 from qbuild.store.gc import gc_local
 from qbuild.store.lease import LEASES_DIR, Lease, live_leases
 from tests.conftest import wait_until
@@ -147,7 +147,7 @@ def test_a_build_killed_under_a_gc_loop_is_finished_by_the_next(tmp_path, point)
 
 def _entry(store: LocalStore, name: str, age_s: float) -> str:
     from qbuild.core.hashing import digest_json
-    from qbuild.store import Manifest
+    from qbuild.store.manifest import Manifest
 
     src = store.root.parent / f"{name}.bin"
     src.write_bytes(name.encode() * 100)

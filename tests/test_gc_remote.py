@@ -13,7 +13,8 @@ import pytest
 from qbuild.core.hashing import digest_json
 from qbuild.planning.lock import referenced_keys
 from qbuild.store.gc import gc_local
-from qbuild.store import LocalStore, Manifest
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest
 from tests.s3server import shared_server
 from tests.test_remote_pipeline import (assert_no_dangling_manifest, local_blobs, local_keys, lock_keys, make_project,
                                         ok, remote_state, run_qbuild, write_recipe)

@@ -193,6 +193,26 @@ def test_compile_refuses_a_snapshot_of_another_commit(tmp_path, hub):
                          f"{hub.b[:12]}"), line
 
 
+def test_a_download_the_conversion_program_refuses_is_one_line_exit_2_from_its_convert_step(tmp_path, hub,
+                                                                                           small_checkpoints):
+    """The fetch step checks a download's files (config, tokenizer, index, headers) and holds no conversion rule in
+    its key; whether the tensors are the ones the program reads is the convert step's check: one line naming the
+    file and the tensor, exit 2, nothing locked."""
+    from tests.test_hostile_inputs import _edit_header, _shard_of
+
+    bad = tmp_path / "bad"
+    shutil.copytree(small_checkpoints["qwen3_5"], bad)
+    norm = "model.language_model.norm.weight"
+    _edit_header(_shard_of(bad, norm), lambda h: h[norm].update(shape=[8, 8]))
+    commit = hub.double.add_commit(REPO_ID, bad)
+    recipe = _recipe(tmp_path, revision=commit)
+    proc = qbuild("compile", str(recipe), cwd=tmp_path, env=hub.online)
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr
+    assert line.startswith("error: convert ") and f"tensor {norm!r} has shape (8, 8), expected" in line, line
+    assert not (tmp_path / "artifacts.lock").exists()
+
+
 # --- offline, unreachable, unknown: one line, nothing written ----------------------------------------------------
 
 def test_offline_without_a_pin_is_one_line_and_writes_nothing(tmp_path, hub):

@@ -408,7 +408,8 @@ def test_a_bad_remote_url_is_refused_before_anything_is_written(project, remote)
 
 
 def test_gc_with_an_empty_remote_is_refused_before_the_local_store_is_touched(project):
-    from qbuild.store import LocalStore, Manifest
+    from qbuild.store.local import LocalStore
+    from qbuild.store.manifest import Manifest
 
     # An entry no lockfile names: what `gc --keep-size 0` would remove, were it allowed to start.
     store = LocalStore(project / "store")
@@ -482,7 +483,7 @@ def test_opening_a_locked_bundle_lays_it_out_for_the_block_only(project):
     from qbuild.core.errors import UserError
     from qbuild.execution.transfer import open_locked_bundle
     from qbuild.planning import lock as lockmod
-    from qbuild.store import LocalStore
+    from qbuild.store.local import LocalStore
 
     lock = project / "artifacts.lock"
     doc = lockmod.read(lock)
@@ -521,7 +522,7 @@ def test_editing_a_pulled_bundle_leaves_the_store_intact(project):
 
 
 def test_materialize_without_sharing_never_hands_out_a_store_inode(tmp_path):
-    from qbuild.store import LocalStore
+    from qbuild.store.local import LocalStore
 
     store = LocalStore(tmp_path / "store")
     src = tmp_path / "src"
@@ -536,7 +537,7 @@ def test_materialize_without_sharing_never_hands_out_a_store_inode(tmp_path):
 
 
 def test_run_names_a_grown_bundle_file_as_grown_not_truncated(tmp_path):
-    from qbuild.store.bundle import write_manifest
+    from qbuild.model.bundle import write_manifest
 
     root = tmp_path / "bundle"
     (root / "weights").mkdir(parents=True)
@@ -876,7 +877,8 @@ def test_bench_out_naming_a_directory_is_refused_before_the_bench(project):
 
 
 def test_lock_check_names_a_store_entry_of_another_digest_as_such(project):
-    from qbuild.store import LocalStore, Manifest
+    from qbuild.store.local import LocalStore
+    from qbuild.store.manifest import Manifest
 
     node = locked(project, "alpha", "package")
     store = LocalStore(project / "store")

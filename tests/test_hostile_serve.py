@@ -182,7 +182,7 @@ def test_the_parser_refuses_200000_deep_json_and_lone_surrogates(body):
 def templated(project, tmp_path_factory):
     """A pulled bundle whose tokenizer has a chat template that refuses a message "refuse me" (as templates check that
     roles alternate, with raise_exception), served on every interface without an API key."""
-    from qbuild.store.bundle import read_manifest, write_manifest
+    from qbuild.model.bundle import read_manifest, write_manifest
 
     root = tmp_path_factory.mktemp("templated")
     bundle = root / "templated"
@@ -375,7 +375,7 @@ def test_a_request_without_the_key_is_refused_before_its_body_is_read(server):
 
 @pytest.mark.parametrize("key", ["", "two words", "caf\u00e9", "tab\there"])
 def test_an_api_key_no_client_could_send_is_refused(tmp_path, key):
-    from qbuild.store.bundle import write_manifest
+    from qbuild.model.bundle import write_manifest
 
     write_manifest(tmp_path, {"family": "qwen3_5", "backend": "export", "tp": 1, "ep": 1, "batch_size": 1,
                               "seq_len": 48, "dtype": "float32", "buckets": {"cte": [32], "tkg": [48], "vision": []},

@@ -15,7 +15,9 @@ from qbuild.planning.step import Context, Step
 from qbuild.execution.job import AUDIT_ENV, Job, build_job
 from qbuild.core.errors import BuildError
 from qbuild.core.hashing import digest_file, digest_json
-from qbuild.store import LocalStore, Manifest, StoreSpec
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest
+from qbuild.store.spec import StoreSpec
 
 PAYLOAD = b"weights" * 1000
 

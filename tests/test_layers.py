@@ -103,3 +103,15 @@ def test_the_readme_layout_names_every_module_in_its_package_entry():
         stem = path.stem
         assert re.search(rf"(?<![\w/]){re.escape(stem)}(\.py)?(?!\w)", entry), \
             f"README layout: qbuild/{'/'.join(parts)} is not named in qbuild/{parts[0]}/'s entry"
+
+
+def test_the_developer_guide_orders_the_layers_as_the_contracts_do():
+    import re
+    import tomllib
+
+    contracts = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c["layers"] for c in contracts if c["type"] == "layers")
+    guide = " ".join((REPO / "docs" / "developer-guide.md").read_text().split())
+    stated = re.search(r"The layers, bottom to top: ([a-z, ]+)\.", guide)
+    assert stated, "docs/developer-guide.md states no layer order"
+    assert [name.strip() for name in stated[1].split(",")] == [m.removeprefix("qbuild.") for m in reversed(layers)]

@@ -78,7 +78,7 @@ REFUSED = {
 def _validate(tmp_path: Path, name: str, extra: str, seq_len: int = 4096):
     from qbuild.planning.plan import validate_recipe
     from qbuild.recipe.schema import load_recipe
-    from qbuild.hub.checkpoint import load_arch
+    from qbuild.hub.source import load_arch
 
     f = tmp_path / f"{name}.yaml"
     f.write_text(RECIPE.format(seq_len=seq_len, extra=extra))
@@ -132,7 +132,7 @@ def test_verify_prompts_may_exceed_the_largest_bucket_with_chunked_prefill(tmp_p
     (tmp_path / "a.yaml").write_text(base.format(seq_len=64, extra=""))
     from qbuild.planning.plan import validate_recipe
     from qbuild.recipe.schema import load_recipe
-    from qbuild.hub.checkpoint import load_arch
+    from qbuild.hub.source import load_arch
 
     loaded = load_recipe(tmp_path / "a.yaml")
     with pytest.raises(UserError, match="verify prompt"):

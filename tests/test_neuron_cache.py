@@ -17,7 +17,7 @@ from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_file
 from qbuild import backends
 from qbuild.backends.neuron import compile_cache
-from qbuild.store import LocalStore
+from qbuild.store.local import LocalStore
 from qbuild.store.gc import gc_local as _gc_local, gc_remote as _gc_remote
 from tests.conftest import qbuild
 from tests.nxdi_double import MAIN_PORT, read_log

@@ -21,7 +21,7 @@ from qbuild.model.ranks import RankLayout
 from qbuild.model.fp8 import policy
 from qbuild.recipe.params import to_json
 from qbuild.recipe.schema import load_recipe
-from qbuild.hub.checkpoint import load_arch
+from qbuild.hub.source import load_arch
 
 # What each lineage's get_compiler_args() returns (docs/nxdi.md section 1).
 MAIN_ARGS = ("--enable-saturate-infinity --enable-mixed-precision-accumulation --model-type transformer -O1 "

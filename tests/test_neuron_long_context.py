@@ -281,7 +281,7 @@ def test_the_first_request_calls_the_graphs_with_the_inputs_they_were_traced_wit
 
 def _with_serve(bundle: Path, dest: Path, **long_context) -> Path:
     """A copy of `bundle` whose vllm/serve.json records `long_context` changes, its manifest rewritten to match."""
-    from qbuild.store.bundle import read_manifest, write_manifest
+    from qbuild.model.bundle import read_manifest, write_manifest
 
     copy = _copy(bundle, dest)
     path = copy / "vllm" / "serve.json"
@@ -461,7 +461,7 @@ def test_prefix_caching_without_the_ports_patch_is_refused(lc, tmp_path):
 @pytest.mark.slow
 def test_a_bundle_whose_layout_disagrees_is_refused_before_vllm_starts(lc, tmp_path):
     """serve.json's blocks against NxDI's compiled neuron_config.json, and max_model_len against the blocks."""
-    from qbuild.store.bundle import read_manifest, write_manifest
+    from qbuild.model.bundle import read_manifest, write_manifest
 
     build, bundle = lc
     for change, words in (({"num_blocks": 16}, "neuron_config.pa_num_blocks is 9 where vllm/serve.json needs 17"),
@@ -518,7 +518,7 @@ def test_the_double_refuses_the_compile_configuration_with_one_value_changed(mai
     from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.backends.neuron.config import inference_kwargs, neuron_config
     from qbuild.recipe.schema import load_recipe
-    from qbuild.hub.checkpoint import load_arch
+    from qbuild.hub.source import load_arch
 
     recipe = write_recipe(tmp_path / "lc.yaml", small_checkpoints["qwen3_5"], MAIN_PORT, text=TEXT)
     loaded = load_recipe(recipe)
@@ -547,7 +547,7 @@ def test_the_128k_recipe_is_a_configuration_the_double_builds(main_port, tmp_pat
     from qbuild.backends.neuron.backend import text_compile_params
     from qbuild.backends.neuron.config import inference_kwargs, neuron_config
     from qbuild.recipe.schema import load_recipe
-    from qbuild.hub.checkpoint import load_arch
+    from qbuild.hub.source import load_arch
     from tests.conftest import REPO
 
     loaded = load_recipe(REPO / "recipes" / "36-27b-fp8-128k.yaml")

@@ -97,7 +97,7 @@ def test_tiny_family_on_neuron(port_name, tiny_checkpoints, tmp_path):
     qbuild("pull", family, "--to", str(bundle), "--lock", str(lock), env=env, check=True)
 
     from qbuild.backends.neuron.ports import LINEAGES
-    from qbuild.store import default_store_path
+    from qbuild.store.spec import default_store_path
     from qbuild.store.local import LocalStore
 
     doc = json.loads(lock.read_text())

@@ -222,7 +222,7 @@ def _post(url: str, doc: dict, key: str | None = None) -> tuple[int, dict]:
 
 def _unchanged(bundle: Path) -> None:
     """Every file bundle.json lists has its digest, and the bundle holds no other file."""
-    from qbuild.store.bundle import MANIFEST, check_files, read_manifest
+    from qbuild.model.bundle import MANIFEST, check_files, read_manifest
 
     manifest = read_manifest(bundle)
     check_files(bundle, manifest)
@@ -297,7 +297,7 @@ def test_a_bundle_whose_files_disagree_is_refused_before_vllm_starts(dense, tmp_
     tells vLLM (the runner refuses a max_prompt_length other than the compiled max_context_length), even where
     bundle.json was rewritten to match the files; a bundle whose files differ from bundle.json is refused too. Nothing
     starts: the double's log stays empty."""
-    from qbuild.store.bundle import read_manifest, write_manifest
+    from qbuild.model.bundle import read_manifest, write_manifest
 
     build, bundle = dense
     copy = Path(shutil.copytree(bundle, tmp_path / "bundle"))
@@ -397,7 +397,7 @@ def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, 
     from qbuild.backends.neuron.package import serve_record
     from qbuild.backends.neuron.params import NeuronPackageParams
     from qbuild.recipe.params import parse
-    from qbuild.store.bundle import write_manifest
+    from qbuild.model.bundle import write_manifest
 
     nodes = json.loads(qbuild("plan", str(recipe), "--json", check=True).stdout)["nodes"]
     (package,) = [n for n in nodes if n["kind"] == "package"]
@@ -460,7 +460,7 @@ def test_flat_config_copies_the_text_fields_up_and_leaves_flat_configs(small_che
 
 
 def test_a_neuron_bundle_without_the_vllm_glue_is_refused_naming_the_file(tmp_path):
-    from qbuild.store.bundle import write_manifest
+    from qbuild.model.bundle import write_manifest
 
     write_manifest(tmp_path, {"backend": "neuron", "batch_size": 1})
     proc = qbuild("serve", str(tmp_path), "--dry-run")
@@ -613,7 +613,7 @@ def test_the_bundle_tokenizer_reads_with_transformers_4_and_5(tmp_path):
 def test_a_bundle_changed_while_it_served_is_named(tmp_path):
     from qbuild.backends.neuron.vllm_serve import check_unchanged
     from qbuild.core.errors import InfraError
-    from qbuild.store.bundle import write_manifest
+    from qbuild.model.bundle import write_manifest
 
     (tmp_path / "model.pt").write_bytes(b"compiled")
     manifest = write_manifest(tmp_path, {"backend": "neuron"})

@@ -177,7 +177,7 @@ def test_padded_q_heads_from_the_converter_load_and_mis_padding_fails(bundles, l
     from qbuild.model.ranks import RankLayout
     from qbuild.model.tinymodel import TP4_TEXT, write_tiny_checkpoint
     from qbuild.recipe.params import parse
-    from qbuild.store import StoreSpec
+    from qbuild.store.spec import StoreSpec
 
     build, bundle = bundles[lineage]
     record = json.loads((bundle / "qbuild-neuron.json").read_text())

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from qbuild.core.hashing import digest_file, digest_json
-from qbuild.store import LocalStore, Manifest
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest
 from tests.remote_actions import blob_bytes
 from tests.s3server import free_port, shared_server, start_cutting_relay, start_relay, stop_process
 from tests.test_gc_during_build import GcLoop, env, make_project, ok, qb, write_recipe

@@ -12,7 +12,7 @@ import pytest
 from qbuild.steps.registry import STEPS
 from qbuild import backends
 from qbuild.model.arch import Arch, VisionArch
-from qbuild.hub.checkpoint import load_arch
+from qbuild.hub.source import load_arch
 from qbuild.planning.environment import HostEnvironment
 from qbuild.core.hashing import StatCache, canonical_json
 from qbuild.backends.cpu.params import CpuCompile, CpuTextCompile, CpuVisionCompile

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 from qbuild import backends
 from qbuild.backends.cpu.backend import compile_params
 from qbuild.recipe.schema import load_recipe
-from qbuild.hub.checkpoint import load_arch
+from qbuild.hub.source import load_arch
 
 loaded = load_recipe(sys.argv[1])
 out = Path(sys.argv[2])

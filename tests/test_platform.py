@@ -166,7 +166,7 @@ def test_frozen_on_another_platform_reproduces_the_tiny_lock_and_rebuilds_what_i
                                                                                                    tmp_path):
     """`make lock-check` on a machine whose CPU differs from the one that wrote the committed lock: checkpoints written
     there, an empty store, the shipped tiny recipes and artifacts.lock."""
-    from qbuild.store import LocalStore
+    from qbuild.store.local import LocalStore
 
     there = tmp_path / "there"
     shutil.copytree(REPO / "recipes", there / "recipes")

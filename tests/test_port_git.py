@@ -20,7 +20,7 @@ from qbuild.steps.port import Port
 from qbuild.core.errors import InfraError, RecipeError, UserError
 from qbuild.core.hashing import digest_file
 from qbuild.recipe.schema import load_recipe
-from qbuild.store import StoreSpec
+from qbuild.store.spec import StoreSpec
 from qbuild.store.manifest import tree_digest
 from tests.conftest import qbuild
 from tests.githttp import GitHttpServer

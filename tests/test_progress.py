@@ -154,8 +154,9 @@ def test_plain_progress_prints_a_line_per_step_only_when_due(capsys):
 # --- what a compile is measured against -------------------------------------------------------------------------
 
 def _stored(store_root: Path, key: str, kind: str, params: dict, seconds: float, mtime: float) -> None:
-    from qbuild.store import LocalStore, Manifest
-    from qbuild.store.files import atomic_write
+    from qbuild.store.local import LocalStore
+    from qbuild.store.manifest import Manifest
+    from qbuild.core.files import atomic_write
 
     path = LocalStore(store_root).manifest_path(key)
     atomic_write(path, Manifest(key=key, kind=kind, preimage={"action": kind, "params": params}, outputs={},
@@ -164,7 +165,7 @@ def _stored(store_root: Path, key: str, kind: str, params: dict, seconds: float,
 
 
 def test_a_compile_is_measured_against_the_last_one_of_its_params_else_of_its_architecture(tmp_path):
-    from qbuild.store import LocalStore
+    from qbuild.store.local import LocalStore
 
     arch = {"hidden_size": 64, "num_layers": 2}
     cte32 = {"graph": "cte", "bucket": 32, "backend": "export", "text": arch}
@@ -191,7 +192,8 @@ def test_a_step_in_a_worker_process_reports_to_the_driver_before_its_result(tmp_
     from qbuild.execution.engine import BuildOptions, build
     from qbuild.execution.executors.local import LocalExecutor
     from qbuild.planning.dag import Plan
-    from qbuild.store import LocalStore, StoreSpec
+    from qbuild.store.local import LocalStore
+    from qbuild.store.spec import StoreSpec
     from tests.engine_actions import TimedMetered, add
 
     nodes: dict = {}
@@ -227,7 +229,8 @@ def test_a_report_that_cannot_be_delivered_fails_neither_the_step_nor_the_build(
     from qbuild.execution.engine import BuildOptions, build
     from qbuild.execution.executors.local import LocalExecutor
     from qbuild.planning.dag import Plan
-    from qbuild.store import LocalStore, StoreSpec
+    from qbuild.store.local import LocalStore
+    from qbuild.store.spec import StoreSpec
     from tests.engine_actions import Metered, add
 
     def broken(*args) -> None:

@@ -29,7 +29,7 @@ from qbuild.planning.step import Step
 from qbuild.core.errors import InfraError, UserError
 from qbuild.execution.executors import ray as rayexec
 from qbuild.planning.dag import Node, Plan
-from qbuild.store import StoreSpec
+from qbuild.store.spec import StoreSpec
 from tests.conftest import wait_until
 from tests.s3server import free_port, s3_env, shared_server
 from tests.engine_actions import read_log

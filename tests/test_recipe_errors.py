@@ -10,7 +10,7 @@ import pytest
 from qbuild import backends
 from qbuild.core.errors import RecipeError, UserError
 from qbuild.recipe.schema import HFSource, PathSource, load_recipe
-from qbuild.hub.checkpoint import shipped_config_path
+from qbuild.hub.source import shipped_config_path
 from tests.conftest import qbuild
 
 BASE = """\
@@ -153,7 +153,7 @@ def test_broken_recipe_is_one_error_naming_file_and_field(tmp_path, case):
     """What `qbuild recipe validate` and every command that plans run: the schema, then the checks against the
     model's architecture."""
     from qbuild.planning.plan import validate_recipe
-    from qbuild.hub.checkpoint import load_arch
+    from qbuild.hub.source import load_arch
 
     text, needle = CASES[case]
     recipe = _write(tmp_path, case, text)
@@ -253,7 +253,7 @@ def test_schema_is_json_schema():
 
 def _validate(tmp: Path, text: str):
     from qbuild.planning.plan import validate_recipe
-    from qbuild.hub.checkpoint import load_arch
+    from qbuild.hub.source import load_arch
 
     loaded = load_recipe(_write(tmp, "r", text))
     validate_recipe(loaded, load_arch(loaded), backends)
@@ -281,11 +281,9 @@ def test_the_verify_image_is_cut_into_the_patches_transformers_makes(tiny_checkp
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from PIL import Image
 
-    from qbuild.steps.reference import IMAGE_SIZE
     from qbuild.model.arch import arch_from_config
-    from qbuild.recipe.checks import VERIFY_IMAGE_SIZE, image_patches
+    from qbuild.model.sizes import VERIFY_IMAGE_SIZE as IMAGE_SIZE, image_patches
 
-    assert VERIFY_IMAGE_SIZE == IMAGE_SIZE
     for config in (shipped_config_path("Qwen/Qwen3.5-2B"), tiny_checkpoints["qwen3_5"] / "config.json"):
         vision = arch_from_config(json.loads(config.read_text())).vision
         processor = Qwen2VLImageProcessorPil(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from qbuild.core.errors import InfraError
-from qbuild.store import LocalStore, Manifest, safe_join
+from qbuild.core.files import safe_join
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest
 from tests.engine_actions import read_log
 from tests.test_engine import _graph, _run
 

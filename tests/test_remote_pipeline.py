@@ -54,7 +54,8 @@ def make_locked_project(root: Path) -> Path:
     not the steps that made it."""
     from qbuild.core.hashing import digest_json
     from qbuild.planning import lock as lockmod
-    from qbuild.store import LocalStore, Manifest
+    from qbuild.store.local import LocalStore
+    from qbuild.store.manifest import Manifest
 
     make_project(root)
     store = LocalStore(root / "store")

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from qbuild.core.hashing import digest_json
-from qbuild.store import LocalStore, Manifest
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest
 from tests.s3server import (FAKE_CREDENTIALS, free_port, s3_env, shared_server, start_relay, start_server,
                             stop_process)
 from tests.conftest import wait_until
@@ -183,7 +184,7 @@ def test_credentials_in_the_endpoint_are_not_echoed(server, tmp_path):
 
 def test_no_remote_means_no_boto3_on_the_planning_path():
     code = ("import sys; import qbuild.cli, qbuild.execution.workspace, qbuild.execution.transfer, qbuild.store.gc, qbuild.store.remote; "
-            "from qbuild.store import StoreSpec; from qbuild.store.remote import open_store; open_store(StoreSpec(local='/tmp/x')); "
+            "from qbuild.store.spec import StoreSpec; from qbuild.store.remote import open_store; open_store(StoreSpec(local='/tmp/x')); "
             "print('boto3' in sys.modules or 'botocore' in sys.modules)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("QBUILD_REMOTE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
@@ -254,7 +255,7 @@ def test_lookups_download_no_blobs_and_get_each_manifest_once(server, tmp_path, 
 
 def test_a_workspace_opens_one_store_and_hands_it_its_progress_display(tmp_path):
     from qbuild.render import TransferDisplay
-    from qbuild.store import StoreSpec
+    from qbuild.store.spec import StoreSpec
     from qbuild.store.remote import RemoteStore
     from qbuild.execution.workspace import Workspace
 

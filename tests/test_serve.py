@@ -322,7 +322,7 @@ def test_a_recipe_without_a_lockfile_is_one_line_exit_2(tmp_path):
 
 
 def test_a_bundle_of_no_known_backend_and_a_bad_ready_file_are_refused(tmp_path):
-    from qbuild.store.bundle import write_manifest
+    from qbuild.model.bundle import write_manifest
 
     write_manifest(tmp_path, {"backend": "tpu"})
     proc = qbuild("serve", str(tmp_path), "--dry-run")
@@ -336,7 +336,7 @@ def test_a_bundle_of_no_known_backend_and_a_bad_ready_file_are_refused(tmp_path)
 
 def test_dry_run_of_a_cpu_bundle_names_the_server_and_its_limits(tmp_path):
     """Read from bundle.json alone: the largest CTE bucket bounds a prompt, the largest TKG bucket prompt and answer."""
-    from qbuild.store.bundle import write_manifest
+    from qbuild.model.bundle import write_manifest
 
     bundle = tmp_path / "tiny"
     bundle.mkdir()

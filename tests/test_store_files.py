@@ -8,7 +8,7 @@ import os
 import pytest
 
 from qbuild.core.errors import InfraError
-from qbuild.store.files import atomic_write, link_or_copy, staged
+from qbuild.core.files import atomic_write, link_or_copy, staged
 
 
 def test_a_failed_staged_directory_leaves_nothing_and_a_good_one_replaces_an_empty_dir(tmp_path):

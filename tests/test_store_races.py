@@ -23,8 +23,9 @@ from qbuild.core.errors import UserError
 from qbuild.core.hashing import digest_json
 from qbuild import backends
 from qbuild.backends.neuron import compile_cache
-from qbuild.store import LocalStore, Manifest
-from qbuild.store.files import atomic_write
+from qbuild.store.local import LocalStore
+from qbuild.store.manifest import Manifest
+from qbuild.core.files import atomic_write
 from qbuild.planning.lock import referenced_keys
 from qbuild.store.gc import gc_local
 from qbuild.store.lease import Lease

@@ -110,7 +110,7 @@ def load_runtime(bundle: Path, *, verify_digests: bool = True, shown_as: str | N
     """`bundle` loaded to run prompts on this host, by the backend whose bundle it is (Backend.runtime); UserError
     where it is no backend's, or where this host cannot run it. Errors name the bundle `shown_as` (default: its
     path; a locked recipe's bundle laid out in a temporary directory is named by the recipe)."""
-    from qbuild.store.bundle import read_manifest
+    from qbuild.model.bundle import read_manifest
 
     manifest = read_manifest(bundle, shown_as)
     return bundle_backend(shown_as or bundle, manifest).runtime(bundle, manifest, verify_digests, shown_as)

@@ -44,7 +44,7 @@ KeepOpt = typer.Option(False, "--keep-intermediates",
 def workspace(store: Optional[Path], lock: Path, remote: Optional[str] = None, push: bool = False,
               backend: Optional[BackendName] = None, transfers=None):
     """The command's Workspace; `transfers` (a render.TransferDisplay) shows what its remote-backed store moves."""
-    from qbuild.store import StoreSpec, default_store_path, resolve_remote
+    from qbuild.store.spec import StoreSpec, default_store_path, resolve_remote
     from qbuild.execution.workspace import Workspace
 
     root = store or default_store_path()

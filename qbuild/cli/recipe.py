@@ -17,7 +17,7 @@ def recipe_validate(files: list[Path] = typer.Argument(..., help="recipe files")
     """Validate recipes against the schema and against their model's architecture."""
     from qbuild import backends
     from qbuild.planning.plan import validate_recipe
-    from qbuild.hub.checkpoint import load_arch
+    from qbuild.hub.source import load_arch
     from qbuild.recipe.schema import load_recipe
 
     results, failed = [], []

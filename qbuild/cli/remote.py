@@ -67,7 +67,7 @@ def pull(recipe: str = typer.Argument(..., help="recipe name (or file) as in the
 def _serve_instructions(bundle: Path) -> dict | None:
     """How to serve a pulled bundle (a neuron bundle with vLLM), as its backend says; None where it names none."""
     from qbuild import backends
-    from qbuild.store.bundle import MANIFEST, read_manifest
+    from qbuild.model.bundle import MANIFEST, read_manifest
 
     if not (bundle / MANIFEST).is_file():   # a bundle of test-defined steps records no backend
         return None

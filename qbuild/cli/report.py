@@ -25,7 +25,7 @@ def report(recipes: list[str] = typer.Argument(None, help="recipe files [default
     from qbuild import report as reportmod
     from qbuild.planning.lock import every_locked_recipe
     from qbuild.render import report_written
-    from qbuild.store import atomic_write
+    from qbuild.core.files import atomic_write
 
     benches = [reportmod.read_bench(f) for f in bench or []]   # a bad document is refused before any work
     serves = [reportmod.read_serve(f) for f in serve or []]

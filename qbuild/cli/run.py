@@ -94,7 +94,7 @@ def bench(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         doc = to_json(run_bench(runtime, repeats=repeats, warmup=warmup, new_tokens=new_tokens), runtime.manifest)
     text = jsonio.dumps(doc, indent=1, sort_keys=True)
     if out is not None:
-        from qbuild.store import atomic_write
+        from qbuild.core.files import atomic_write
 
         atomic_write(out, (text + "\n").encode())
     if json_:

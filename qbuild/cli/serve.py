@@ -49,8 +49,8 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
     from qbuild import backends
     from qbuild.backends.base import ServeOptions
     from qbuild.render import serve_text
-    from qbuild.store import atomic_write
-    from qbuild.store.bundle import MANIFEST, read_manifest, shown_path
+    from qbuild.core.files import atomic_write
+    from qbuild.model.bundle import MANIFEST, read_manifest, shown_path
 
     if ready_file is not None:
         check_new_dir(ready_file.parent, "the --ready-file's directory", None)

@@ -31,7 +31,7 @@ def gc_cmd(dry_run: bool = typer.Option(False, "--dry-run", help="print what wou
     from qbuild.core.units import parse_duration, parse_size
     from qbuild.planning.lock import referenced_keys
     from qbuild.render import print_gc
-    from qbuild.store import default_store_path
+    from qbuild.store.spec import default_store_path
     from qbuild.store.gc import collect
 
     budget, grace_s = parse_size(keep_size, "--keep-size"), parse_duration(grace, "--grace")

@@ -33,7 +33,7 @@ from qbuild.core.progress import Report
 from qbuild.core.units import human_bytes
 from qbuild.planning.dag import Node, Plan
 from qbuild.planning.keys import LockedNode, PlanKeys, other_bytes
-from qbuild.store import StoreSpec
+from qbuild.store.spec import StoreSpec
 from qbuild.store.durations import Durations
 from qbuild.store.local import CorruptBlobError
 from qbuild.store.manifest import Manifest

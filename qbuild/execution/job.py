@@ -29,8 +29,8 @@ from qbuild.core.progress import Emit, StepProgress, elapsed, silent
 from qbuild.execution.source_files import locate_checkpoint
 from qbuild.planning.keys import other_bytes
 from qbuild.planning.step import Context, Source, Step
-from qbuild.store import Store, StoreSpec
-from qbuild.store.remote import open_store
+from qbuild.store.remote import Store, open_store
+from qbuild.store.spec import StoreSpec
 from qbuild.store.manifest import Manifest
 
 # What a step's libraries print (warnings, progress bars, compiler chatter) is kept, this much of its end, in the

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from qbuild.core import jsonio
 from qbuild.core.errors import UserError
 from qbuild.core.userfile import read_small_file
-from qbuild.store.files import atomic_write
+from qbuild.core.files import atomic_write
 
 if TYPE_CHECKING:
     from qbuild.execution.engine import Event

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from qbuild.core.errors import InfraError, UserError
-from qbuild.hub.checkpoint import locate, read_snapshot
+from qbuild.hub.snapshot import locate, read_snapshot
 from qbuild.planning.step import Checkpoint, Context, Source
 from qbuild.recipe.params import FetchHub
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 from qbuild.core.errors import InfraError, UserError
 from qbuild.planning.lock import Lock, NodeEntry, recipe_names
-from qbuild.store import Store
-from qbuild.store.files import staged
+from qbuild.store.remote import Store
+from qbuild.core.files import staged
 from qbuild.store.manifest import Manifest
 from qbuild.store.remote import NoProgress, PushReport, RemoteStore, remote_blobs_matching, push_manifests
 

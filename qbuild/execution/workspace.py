@@ -5,6 +5,7 @@ The CLI parses flags into a Workspace and renders what its methods return; nothi
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -24,7 +25,8 @@ from qbuild.planning.step import Step
 from qbuild.planning.backend import Backends
 from qbuild.recipe.params import FetchHub
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
-from qbuild.store import Store, StoreSpec
+from qbuild.store.remote import Store
+from qbuild.store.spec import StoreSpec
 from qbuild.store.remote import open_store
 from qbuild.store.lease import open_lease
 from qbuild.steps.registry import STEPS
@@ -187,9 +189,11 @@ class Workspace:
         """Check each checkpoint whose fetch step will run before any step starts, so that a bad checkpoint is
         one line, exit 2, with nothing in the store or the lock. A cached fetch was checked when it ran; a hub model
         not downloaded yet (or only in part) is checked by its fetch step, and one in the HF cache has its bytes
-        checked against the digests its blobs are named by first (a corrupt cache is exit 3, not a bad checkpoint)."""
+        checked against the digests its blobs are named by first (a corrupt cache is exit 3, not a bad checkpoint). A
+        download is checked by its fetch step for well-formed files, and by its convert step against the conversion
+        program."""
         from qbuild.hub.hf import hub_snapshot_files, hub_snapshot_partial
-        from qbuild.hub.checkpoint import check_checkpoint, source_directory
+        from qbuild.hub.source import source_directory
 
         checked: set[str] = set()
         for planned in plan.recipes.values():
@@ -206,7 +210,7 @@ class Workspace:
                     continue
                 hub_snapshot_files(directory)
             if directory is not None:
-                check_checkpoint(directory)
+                check_source(directory)
 
     def _entry(self, plan: Plan, name: str, manifests: dict[str, Manifest], why: dict[str, str]) -> Lock | None:
         """The lock entry of recipe `name`, whose build is over (lock.written_entry), with its fetch's snapshot read
@@ -258,3 +262,17 @@ class Workspace:
 
         store = self.store
         return push_manifests(store.local, store.remote, list(result.manifests.values()), store.progress)
+
+
+def check_source(directory: Path) -> None:
+    """UserError, one line naming the file (and tensor), unless the checkpoint at `directory` can be built: its files
+    well formed (the fetch step's check) and its tensors the ones the conversion program reads (the convert step's)."""
+    from qbuild.hub.snapshot import check_checkpoint
+    from qbuild.model.convert.errors import CheckpointError
+    from qbuild.model.convert.layout import open_checkpoint
+
+    check_checkpoint(directory)
+    try:
+        open_checkpoint(directory)
+    except CheckpointError as e:
+        raise UserError(f"{directory}{os.sep}{e}") from None

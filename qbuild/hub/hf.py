@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qbuild.core.errors import InfraError, QbuildError, UserError
 from qbuild.core.hashing import default_stat_cache, git_blob_sha1
-from qbuild.store.files import atomic_write
+from qbuild.core.files import atomic_write
 from qbuild.core.userfile import read_small_file
 
 

@@ -10,7 +10,7 @@ compile keys), the converter, the reference model and the backends all take the 
 
 Planning must work offline and without torch, so this module reads JSON only; the family facts it applies come
 from qbuild.model.families, and the schema every field is checked against (types, ranges, relations) from
-qbuild.model.config. Finding a recipe's config.json is qbuild.hub.checkpoint's job, checking a recipe against the
+qbuild.model.config. Finding a recipe's config.json is qbuild.hub.source's job, checking a recipe against the
 architecture qbuild.recipe.checks'.
 """
 

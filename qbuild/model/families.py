@@ -39,19 +39,27 @@ class Family:
     moe_layout_fields: bool = False
     grouped_deltanet: bool = False   # Qwen3-Next's per-key-head grouped in_proj_qkvz / in_proj_ba
     zero_pad_embedding: bool = False  # zero embed_tokens[pad_token_id] (Coder-Next lineage)
+    # The conversion rule modules its checkpoints run (under qbuild.model.convert): what its convert and shard steps'
+    # keys hold of the converters, so that editing one family's rules rebuilds that family's models alone.
+    rules: tuple[str, ...] = ("embeddings", "norms", "attention", "deltanet", "mlp")
+
+    def rule_modules(self) -> tuple[str, ...]:
+        return tuple(f"qbuild.model.convert.{name}" for name in self.rules)
 
 
 FAMILIES: dict[FamilyName, Family] = {
     "qwen3_5": Family("qwen3_5", "qwen3_5", "qwen3_5_text", moe=False, fp8_policies=("none", "mlp_only", "full"),
                       default_moe_backend=None, mrope=True,
-                      transformers_config="Qwen3_5Config"),
+                      transformers_config="Qwen3_5Config",
+                      rules=("embeddings", "norms", "attention", "deltanet", "mlp", "vision")),
     "qwen3_5_moe": Family("qwen3_5_moe", "qwen3_5_moe", "qwen3_5_moe_text", moe=True,
                           fp8_policies=("none", "mlp_only"), default_moe_backend="shard_on_intermediate", mrope=True,
-                          transformers_config="Qwen3_5MoeConfig"),
+                          transformers_config="Qwen3_5MoeConfig",
+                          rules=("embeddings", "norms", "attention", "deltanet", "moe", "vision")),
     "qwen3_next": Family("qwen3_next", None, "qwen3_next", moe=True, fp8_policies=("none", "mlp_only"),
                          default_moe_backend="shard_on_block", mrope=False,
                          transformers_config="Qwen3NextConfig", moe_layout_fields=True, grouped_deltanet=True,
-                         zero_pad_embedding=True),
+                         zero_pad_embedding=True, rules=("embeddings", "norms", "attention", "deltanet", "mlp", "moe")),
 }
 
 

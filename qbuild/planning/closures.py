@@ -3,7 +3,9 @@
 A node's key holds a digest of every first-party module its step's module can import (the module's own package, and
 qbuild), found by reading import statements at any depth (function bodies included, `if TYPE_CHECKING:` blocks
 excluded: they never run), and the installed versions of the third-party distributions those modules import. Nothing
-is listed by hand, so a module cannot be missing from a key.
+is listed by hand, so a module cannot be missing from a key. The walk stops at the machinery around the steps (store,
+execution, cli, render, report, a step's progress: MACHINERY), which decides nothing of what a step writes: an edit of
+it re-keys nothing.
 
 A module's digest is of its syntax tree with docstrings removed, written out field by field: a comment, a docstring,
 a blank line or a re-wrapped line changes no key; a code edit changes the key of every action whose closure holds
@@ -11,8 +13,9 @@ the module. The tree is written out by node type and non-empty fields, so the sa
 every Python version whose parser gives the same tree.
 
 Dynamic imports (`importlib.import_module`) are invisible to this walk. qbuild has these, each accounted for: in the
-backend registry (qbuild.backends), a backend's implementation and a shard layout's rules (a node records the ones it
-runs, and their closures join its key: dag.Node.code, keys.closure) and a backend's server (which no build step runs);
+backend registry (qbuild.backends), a backend's implementation and a shard layout's rules, and in the conversion
+program (qbuild.model.convert.layout), a family's conversion rules (a node records the ones it runs, and their closures
+join its key: dag.Node.code, keys.closure); a backend's server (which no build step runs);
 and a port's modules, in the Neuron SDK worker (keyed as the port's files) and in the vLLM plugin a served bundle
 carries (which no build step runs). A worker finds a node's step by its class (a job pickles it by reference), never
 by a name. tests/test_hermetic_sources.py fails on any other.
@@ -38,6 +41,12 @@ from qbuild.core.hashing import StatCache, digest_bytes
 
 # Bumped whenever what a file's facts hold, or how the digest is computed, changes: old rows never answer.
 _FACTS_VERSION = 1
+# The machinery around the steps: where outputs are kept (store), how steps are scheduled, run and recorded
+# (execution), what a person sees (cli, render, report, the progress of a running step). None of it decides the bytes a
+# step writes, so the walk stops at its modules: an edit of them re-keys nothing. Code that does decide them (a
+# bundle's layout, how a file is written) lives in the layers below (model, core).
+MACHINERY = ("qbuild.store", "qbuild.execution", "qbuild.cli", "qbuild.render", "qbuild.report",
+             "qbuild.core.progress")
 
 
 @dataclass(frozen=True)
@@ -198,7 +207,7 @@ class Sources:
 
     def closure(self, entries: tuple[str, ...], first_party: tuple[str, ...] = ("qbuild",)) -> Closure:
         """Every first-party module `entries` can import, with their packages' __init__ modules (an import runs
-        them), and the top-level names of the other modules they import."""
+        them), but none of the MACHINERY, and the top-level names of the other modules they import."""
         key = (*entries, "|", *first_party)
         if key in self._closures:
             return self._closures[key]
@@ -214,6 +223,8 @@ class Sources:
             if top not in ours:
                 if top and top not in sys.stdlib_module_names and top != "__future__":
                     third.add(top)
+                continue
+            if any(name == m or name.startswith(m + ".") for m in MACHINERY):
                 continue
             path = self.path(name)
             if path is None:

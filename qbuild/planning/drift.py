@@ -26,7 +26,7 @@ from qbuild.planning.lock import Lock, first_change, locked_recipe, recipe_file
 from qbuild.planning.plan import build_plan
 from qbuild.planning.backend import Backends
 from qbuild.planning.step import Step
-from qbuild.hub import checkpoint
+from qbuild.hub import source
 from qbuild.recipe.schema import LoadedRecipe
 
 
@@ -69,7 +69,7 @@ class OfflineEnvironment:
     host: HostEnvironment
 
     def arch(self, loaded: LoadedRecipe, commit: str | None = None) -> Arch:
-        return checkpoint.load_arch(loaded, commit)
+        return source.load_arch(loaded, commit)
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:
         return self.host.checkpoint_digests(directory)

@@ -8,25 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qbuild.core.errors import InfraError, QbuildError
+from qbuild.core.files import python_sources
 from qbuild.core.hashing import StatCache
 from qbuild.model.arch import Arch
-from qbuild.hub import checkpoint, hf
+from qbuild.hub import hf, snapshot, source
 from qbuild.recipe.schema import HFSource, LoadedRecipe, recipe_field_location
 
 # A port's source: its Python files, minus tests (editing a port's tests must not rebuild anything).
-_SKIP_DIRS = {"test", "tests", "__pycache__", ".git"}
-
-
-def source_files(port_dir: Path) -> list[Path]:
-    """The files whose digests identify a port: every .py under it, tests excluded, sorted."""
-    out = []
-    for path in port_dir.rglob("*.py"):
-        rel = path.relative_to(port_dir)
-        if not _SKIP_DIRS.intersection(rel.parts[:-1]) and path.is_file():
-            out.append(path)
-    return sorted(out)
-
-
 @dataclass(frozen=True)
 class HostEnvironment:
     """This machine. One instance serves one command: it asks the Hub once per repo and revision, failures included."""
@@ -45,12 +33,12 @@ class HostEnvironment:
                                      "Hub cannot be asked (offline)")
                 hf.download_hub_config(src.hf, commit)
             except QbuildError as e:
-                if not checkpoint.shipped_config_path(src.hf).is_file():
+                if not source.shipped_config_path(src.hf).is_file():
                     raise type(e)(f"{recipe_field_location(loaded, 'model.hf')}: {e}") from None
-        return checkpoint.load_arch(loaded, commit)
+        return source.load_arch(loaded, commit)
 
     def checkpoint_digests(self, directory: Path) -> dict[str, str]:
-        return {p.name: "blake3:" + self.stat_cache.digest(p) for p in checkpoint.checkpoint_files(directory)}
+        return {p.name: "blake3:" + self.stat_cache.digest(p) for p in snapshot.checkpoint_files(directory)}
 
     def hf_commit(self, repo: str, revision: str) -> str:
         if (repo, revision) not in self._resolved:
@@ -67,4 +55,4 @@ class HostEnvironment:
         if not port_dir.is_dir():
             return None
         return {p.relative_to(port_dir).as_posix(): "blake3:" + self.stat_cache.digest(p)
-                for p in source_files(port_dir)}
+                for p in python_sources(port_dir)}

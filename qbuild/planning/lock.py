@@ -63,7 +63,7 @@ from qbuild.planning.plan import HubPin
 from qbuild.planning.step import LockedFiles
 from qbuild.recipe.params import FetchHub, to_json
 from qbuild.recipe.schema import LoadedRecipe, load_recipe
-from qbuild.store.files import atomic_write
+from qbuild.core.files import atomic_write
 from qbuild.store.manifest import Manifest, tree_digest
 
 LOCK_VERSION = 2

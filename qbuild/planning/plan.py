@@ -24,10 +24,12 @@ from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import InfraError, QbuildError, RecipeError, UserError
 from qbuild.core.hashing import digest_json
 from qbuild.model.arch import Arch
+from qbuild.model.families import FAMILIES
 from qbuild.planning.backend import BackendPlan, Backends, PlanningBackend, Sizes
 from qbuild.planning.dag import Node, Plan, PlannedRecipe
 from qbuild.planning.keys import LockedNode, as_locked, diff_preimages, walk
 from qbuild.planning.step import LockedFiles, PlannedNode, Source, Step
+from qbuild.model.sizes import weight_bytes
 from qbuild.recipe import checks
 from qbuild.recipe.params import FetchHub, to_json
 from qbuild.recipe.schema import HFSource, LoadedRecipe, PathSource, recipe_field_location
@@ -136,6 +138,17 @@ class RecipePlanning:
     def name(self) -> str:
         return self.loaded.name
 
+    @property
+    def rule_modules(self) -> tuple[str, ...]:
+        """The conversion rule modules the recipe's family runs (Family.rules): code of its convert and shard nodes."""
+        return FAMILIES[self.arch.family].rule_modules()
+
+    @property
+    def model_label(self) -> str:
+        """The recipe's model as a node's name shows it: the hub repo, or the local checkpoint directory's name."""
+        model = self.loaded.recipe.model
+        return model.hf if isinstance(model, HFSource) else Path(model.path).name
+
     def add(self, planned: PlannedNode) -> str:
         """The id of the node `planned` describes (its inputs' roles made ids), added to the plan unless an equal node
         is there (then this recipe is one more that needs it), and recorded under its role."""
@@ -163,11 +176,13 @@ class RecipePlanning:
             self.roles[planned.role] = node_id
         return node_id
 
-    def add_backend_nodes(self, step: type[Step]) -> None:
-        """The nodes of kind `step` the recipe's backend planned (its sources, its compiles), which run the backend."""
+    def add_backend_nodes(self, step: type[Step], runs_backend: bool = True) -> None:
+        """The nodes of kind `step` the recipe's backend planned (its sources, its compiles). Their keys hold the
+        backend's implementation where they run it, else the module of their params (what a port's copy reads)."""
         for planned in self.backend_plan.nodes():
             if planned.kind == step.kind:
-                self.add(replace(planned, backend=self.loaded.recipe.backend, code=self.runs))
+                code = self.runs if runs_backend else (type(planned.params).__module__,)
+                self.add(replace(planned, backend=self.loaded.recipe.backend, code=code))
 
     def source_roles(self) -> dict[str, str]:
         """input name -> role of every source node the backend planned (a port): an input of the shard, package and
@@ -186,7 +201,7 @@ def plan_recipe(nodes: dict[str, Node], loaded: LoadedRecipe, arch: Arch, env: E
     that commit, which a fetch of it must give."""
     r = loaded.recipe
     backend = resolve_backend(loaded, backends)
-    weights = checks.weight_bytes(arch, r.dtype, r.fp8)
+    weights = weight_bytes(arch, r.dtype, r.fp8)
     vision_bytes = 0 if arch.vision is None else 12 * arch.vision.depth * arch.vision.hidden_size ** 2 * \
         DTYPE_BYTES[r.dtype]
     hub = hub or resolve_hub(loaded, env)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
 if TYPE_CHECKING:
     from qbuild.core.progress import StepProgress
-    from qbuild.store import StoreSpec
+    from qbuild.store.spec import StoreSpec
 
 
 @dataclass(frozen=True)

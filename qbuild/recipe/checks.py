@@ -8,15 +8,14 @@ memory. What only one backend needs is that backend's own check (qbuild.backends
 from __future__ import annotations
 
 import json
-import math
 from functools import cache
 from pathlib import Path
 
-from qbuild.model.arch import Arch, VisionArch
+from qbuild.model.arch import Arch
 from qbuild.core.dtypes import DTYPE_BYTES
 from qbuild.core.errors import RecipeError
 from qbuild.model.families import FAMILIES
-from qbuild.model.fp8 import policy as fp8_policy
+from qbuild.model.sizes import VERIFY_IMAGE_SIZE, image_patches, weight_bytes
 from qbuild.recipe.schema import LoadedRecipe, recipe_field_location
 
 # Device memory one rank (one logical NeuronCore) can use, by target and LNC.
@@ -155,17 +154,6 @@ def moe_backend(loaded: LoadedRecipe, arch: Arch) -> str | None:
     return loaded.recipe.moe_backend or FAMILIES[arch.family].default_moe_backend
 
 
-def weight_bytes(arch: Arch, dtype: str, fp8: str) -> int:
-    dense, experts = arch.param_counts()
-    b = DTYPE_BYTES[dtype]
-    # Experts are the MLP weights of the MoE families.
-    mlp_bytes = fp8_policy(fp8).mlp_bytes(b)
-    if arch.is_moe:
-        return dense * b + experts * mlp_bytes
-    mlp = 3 * arch.hidden_size * arch.intermediate_size * arch.num_layers
-    return (dense - mlp) * b + mlp * mlp_bytes
-
-
 def _kv_bytes_per_token(loaded: LoadedRecipe, arch: Arch) -> int:
     """One token's attention K and V on one rank, over every attention layer."""
     r = loaded.recipe
@@ -205,12 +193,6 @@ def rank_memory_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
 # --- what the verify step will feed the bundle -------------------------------------------------------------------
 
 GOLDEN_PROMPTS = Path(__file__).resolve().parents[1] / "golden" / "prompts.json"
-# The reference's synthetic image, (height, width) in pixels (qbuild/steps/reference.py IMAGE_SIZE; a test
-# holds the two equal).
-VERIFY_IMAGE_SIZE = (64, 96)
-# The pixel bounds of transformers' Qwen2-VL image processor when none are configured, which the reference and the
-# runtime use (transformers/models/qwen2_vl/image_processing_pil_qwen2_vl.py, `size` @ 5.24.0).
-_MIN_PIXELS, _MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 
 
 @cache
@@ -225,23 +207,6 @@ def min_prompt_tokens(text: str) -> int:
     non-space characters, so no token spans two words. Exact counts need the checkpoint's tokenizer, which planning
     does not load."""
     return max(1, len(text.split()))
-
-
-def image_patches(vision: VisionArch, height: int, width: int) -> int:
-    """Patch tokens the Qwen2-VL image processor makes of one image of height x width pixels: it resizes to
-    multiples of patch_size * spatial_merge_size within its pixel bounds (smart_resize in
-    transformers/models/qwen2_vl/image_processing_qwen2_vl.py @ 5.24.0), then cuts patch_size squares; a still image
-    is one temporal patch."""
-    factor = vision.patch_size * vision.spatial_merge_size
-    h, w = round(height / factor) * factor, round(width / factor) * factor
-    if h * w > _MAX_PIXELS:
-        beta = math.sqrt(height * width / _MAX_PIXELS)
-        h, w = max(factor, math.floor(height / beta / factor) * factor), \
-            max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < _MIN_PIXELS:
-        beta = math.sqrt(_MIN_PIXELS / (height * width))
-        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
-    return (h // vision.patch_size) * (w // vision.patch_size)
 
 
 def _check_verify_fits(loaded: LoadedRecipe, arch: Arch) -> None:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from qbuild.planning.lock import Lock
     from qbuild.planning.dag import Plan
     from qbuild.planning.plan import NodeStatus
-    from qbuild.store import Store
+    from qbuild.store.remote import Store
 
 __all__ = ["BenchDoc", "ReportData", "ServeDoc", "make", "read_bench", "read_serve"]
 

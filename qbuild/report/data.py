@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from qbuild.planning.lock import Lock
     from qbuild.planning.dag import Plan
     from qbuild.planning.plan import NodeStatus
-    from qbuild.store import Store
+    from qbuild.store.remote import Store
 
 MAX_BENCH_BYTES = 16 << 20     # a bench document holds a few points: kilobytes
 MISSING_EXTRA = "qbuild report draws with jinja2 and pygal, which are not installed: pip install 'qbuild[report]'"

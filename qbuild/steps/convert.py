@@ -7,35 +7,11 @@ from __future__ import annotations
 
 import os
 
+from qbuild.core.errors import UserError
 from qbuild.core.units import GIB
-from qbuild.model.arch import Arch
+from qbuild.model.sizes import description_bytes, largest_tensor_bytes, largest_vision_bytes
 from qbuild.planning.step import Context, PlannedNode, Step
 from qbuild.recipe.params import ConvertParams
-
-# A description names each source tensor and each converted one (file, names, dtype, shape, byte range): about this
-# many bytes of JSON per source tensor, counting the per-expert storage form's E tensors per projection.
-_DESCRIBED_BYTES_PER_TENSOR = 256
-
-
-def description_bytes(arch: Arch) -> int:
-    """About the size of a convert step's text/description.json (qbuild.model.convert.description)."""
-    return (arch.num_layers * (24 + 3 * (arch.num_experts or 0)) + 8) * _DESCRIBED_BYTES_PER_TENSOR
-
-
-def largest_vision_bytes(arch: Arch) -> int:
-    """The largest vision tensor in float32 (the merger's fc1, or the position embedding)."""
-    v = arch.vision
-    if v is None:
-        return 0
-    return max(v.merged_hidden_size ** 2, v.num_position_embeddings * v.hidden_size,
-               v.intermediate_size * v.hidden_size) * 4
-
-
-def largest_tensor_bytes(arch: Arch, dtype_bytes: int) -> int:
-    emb = arch.vocab_size * arch.hidden_size
-    experts = (arch.num_experts or 0) * 2 * (arch.moe_intermediate_size or 0) * arch.hidden_size
-    return max(emb, experts) * dtype_bytes
-
 
 def _params(recipe) -> ConvertParams:
     r = recipe.loaded.recipe
@@ -55,16 +31,21 @@ class Convert(Step):
         p, arch = _params(recipe), recipe.arch
         recipe.add(PlannedNode("convert", cls.kind, f"convert {p.family} {p.dtype} fp8={p.fp8}", p, {"snapshot": "fetch"},
                                description_bytes(arch) + recipe.sizes.vision,
-                               3 * largest_vision_bytes(arch) + GIB // 2, recipe.source))
+                               3 * largest_vision_bytes(arch) + GIB // 2, recipe.source, code=recipe.rule_modules))
 
     @classmethod
     def run(cls, ctx: Context) -> None:
         from qbuild.model.convert.convert import describe_checkpoint
+        from qbuild.model.convert.errors import CheckpointError
 
         p: ConvertParams = ctx.params
         files, digests = ctx.checkpoint.files, ctx.checkpoint.digests
-        info = describe_checkpoint(next(iter(files.values())).parent, ctx.out, files=files, digests=digests,
-                                   dtype=p.dtype, fp8=p.fp8)
+        directory = next(iter(files.values())).parent
+        try:
+            info = describe_checkpoint(directory, ctx.out, files=files, digests=digests, dtype=p.dtype, fp8=p.fp8)
+        except CheckpointError as e:
+            # a download whose tensors are not the ones the conversion program reads: the checkpoint is at fault
+            raise UserError(f"{directory}{os.sep}{e}") from None
         if info.get("family") != p.family:
             raise ValueError(f"checkpoint family {info.get('family')} differs from the planned {p.family}")
         ctx.log(f"described {info['text_tensors']} text tensors; wrote {info['vision_tensors']} vision tensors")
@@ -87,7 +68,7 @@ class Materialize(Step):
         recipe.kept = recipe.add(PlannedNode(
             None, cls.kind, f"materialize converted {p.family} {p.dtype} fp8={p.fp8}", p,
             {"converted": "convert", "snapshot": "fetch"}, recipe.sizes.weights + recipe.sizes.vision,
-            3 * largest_tensor_bytes(arch, 4) + GIB // 2, recipe.source))
+            3 * largest_tensor_bytes(arch, 4) + GIB // 2, recipe.source, code=recipe.rule_modules))
 
     @classmethod
     def run(cls, ctx: Context) -> None:

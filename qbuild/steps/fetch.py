@@ -18,14 +18,13 @@ from pathlib import Path
 from qbuild.core import jsonio
 from qbuild.core.errors import InfraError, UserError
 from qbuild.core.units import GIB
+from qbuild.model.sizes import weight_bytes
 from qbuild.hub.bars import HubBars
-from qbuild.hub.checkpoint import check_checkpoint, checkpoint_files
+from qbuild.hub.snapshot import check_checkpoint, checkpoint_files
 from qbuild.hub.hf import (CHECKPOINT_PATTERNS, hf_cache_dir, hf_repo_dir, hf_served_commit, hub_endpoint,
                            hub_offline, hub_snapshot_files, is_commit)
 from qbuild.planning.step import Context, LockedFiles, PlannedNode, Step
-from qbuild.recipe import checks
 from qbuild.recipe.params import FetchHub, FetchParams, FetchPath
-from qbuild.recipe.schema import HFSource
 
 
 class Fetch(Step):
@@ -36,14 +35,11 @@ class Fetch(Step):
     def plan(cls, recipe) -> None:
         """A local checkpoint is identified by its files' digests, never its path; a hub model by its commit (the
         requested revision stands in, unkeyed, where none is known: the node is unresolved)."""
-        loaded, hub = recipe.loaded, recipe.hub
-        src = loaded.recipe.model
-        if isinstance(src, HFSource):
-            label, params = src.hf, FetchHub("hf", hub.repo, hub.commit or hub.requested)
-        else:
-            label, params = Path(src.path).name, FetchPath("path", recipe.env.checkpoint_digests(loaded.source_dir))
-        recipe.add(PlannedNode("fetch", cls.kind, f"fetch {label}", params, {},
-                               checks.weight_bytes(recipe.arch, "bfloat16", "none") + recipe.sizes.vision, GIB // 4,
+        hub = recipe.hub
+        params = FetchHub("hf", hub.repo, hub.commit or hub.requested) if hub is not None else \
+            FetchPath("path", recipe.env.checkpoint_digests(recipe.loaded.source_dir))
+        recipe.add(PlannedNode("fetch", cls.kind, f"fetch {recipe.model_label}", params, {},
+                               weight_bytes(recipe.arch, "bfloat16", "none") + recipe.sizes.vision, GIB // 4,
                                recipe.source, unresolved=hub.unresolved if hub else None))
 
     @classmethod

@@ -1,7 +1,7 @@
 """package: converted configs + tokenizer, per-rank shards and every compiled graph -> one deployable bundle.
 
 Files are hardlinked from the (immutable) inputs, so packaging copies nothing; the bundle's layout and manifest
-are described in qbuild/store/bundle.py. Where the compiled graphs go is the backend's (Backend.package), and so is
+are described in qbuild/model/bundle.py. Where the compiled graphs go is the backend's (Backend.package), and so is
 whether the bundle runs on every platform (portable None: a bundle of native graphs does not).
 """
 
@@ -11,8 +11,8 @@ from qbuild import backends
 from qbuild.core.units import GIB
 from qbuild.planning.step import Context, PlannedNode, Step
 from qbuild.recipe.params import PackageParams
-from qbuild.store.bundle import write_manifest
-from qbuild.store.files import link_tree
+from qbuild.model.bundle import write_manifest
+from qbuild.core.files import link_tree
 
 
 class Package(Step):

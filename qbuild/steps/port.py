@@ -1,6 +1,6 @@
 """port: the NxDI contrib port's source, copied into the store so that every machine compiles the same code.
 
-Output: the port's Python files (tests excluded, as qbuild.planning.environment.source_files selects them) under their
+Output: the port's Python files (tests excluded, as qbuild.core.files.python_sources selects them) under their
 paths relative to the port directory. A neuron compile puts this tree on sys.path
 (qbuild.backends.neuron.ports.Lineage.module_dir), so a Ray worker or a CI runner compiles exactly what was planned, and
 a changed port changes the keys of what it affects: shard, compile, package.
@@ -38,6 +38,11 @@ class Port(Step):
     params = object
 
     @classmethod
+    def plan(cls, recipe) -> None:
+        # A port's files are copied, never run here: its key holds the code of its params' forms, not the backend's.
+        recipe.add_backend_nodes(cls, runs_backend=False)
+
+    @classmethod
     def run(cls, ctx: Context) -> None:
         if hasattr(ctx.params, "rev"):      # a git port: pinned by a commit (url, rev, subdir)
             _from_git(ctx)
@@ -64,7 +69,7 @@ def _from_directory(ctx: Context) -> None:
 # --- the git form ----------------------------------------------------------------------------------------------------
 
 def _from_git(ctx: Context) -> None:
-    from qbuild.planning.environment import source_files
+    from qbuild.core.files import python_sources
 
     url, rev, subdir = ctx.params.url, ctx.params.rev, ctx.params.subdir.strip("/")
     if carries_credentials(url):   # the recipe schema refuses these; nothing may write one into the git config
@@ -76,7 +81,7 @@ def _from_git(ctx: Context) -> None:
         tree = _archive(repo, url, rev, subdir)
     with tempfile.TemporaryDirectory(dir=ctx.scratch) as tmp:
         _extract(tree, Path(tmp))
-        files = source_files(Path(tmp))
+        files = python_sources(Path(tmp))
         if not files:
             raise UserError(f"port: {subdir} at {rev} of {_shown(url)} holds no Python files; check port.subdir")
         for src in files:
@@ -165,7 +170,7 @@ def _archive(repo: Path, url: str, rev: str, subdir: str) -> bytes:
 def _extract(tree: bytes, dest: Path) -> None:
     """The regular files of a git archive under `dest` (links and other members are skipped: a port is Python
     source, and the store refuses links)."""
-    from qbuild.store.files import safe_join
+    from qbuild.core.files import safe_join
 
     with tarfile.open(fileobj=io.BytesIO(tree)) as tar:
         for member in tar.getmembers():

@@ -17,16 +17,14 @@ from qbuild.core.errors import BuildError
 from qbuild.core.numerics import fix_threads
 from qbuild.core.units import GIB
 from qbuild.model.families import MODEL_TYPES
+from qbuild.model.sizes import VERIFY_IMAGE_SIZE, weight_bytes
 from qbuild.planning.step import Context, PlannedNode, Step
-from qbuild.recipe import checks
 from qbuild.recipe.params import ReferenceParams
-from qbuild.recipe.schema import HFSource
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "prompts.json"
 # The shipped prompts are data, not source: pinning their digest here puts them in this action's source hash, so
 # editing prompts.json (and this line with it) rebuilds every reference that uses them.
 GOLDEN_BLAKE3 = "057d2ea072aa66d0d7b28d02d03d97c6cf1065b6c9ab12ee3cff40ad35d98783"
-IMAGE_SIZE = (64, 96)  # (height, width): a 4 x 6 patch grid at patch 16, non-square so rows and columns differ
 
 
 def golden() -> dict:
@@ -44,7 +42,7 @@ def synthetic_image(path: Path) -> None:
     import numpy as np
     from PIL import Image
 
-    h, w = IMAGE_SIZE
+    h, w = VERIFY_IMAGE_SIZE
     y, x = np.mgrid[0:h, 0:w]
     rgb = np.stack([(x * 255 // (w - 1)), (y * 255 // (h - 1)), ((x // 8 + y // 8) % 2) * 200 + 28], axis=-1)
     Image.fromarray(rgb.astype("uint8"), "RGB").save(path, format="PNG")
@@ -92,11 +90,10 @@ class Reference(Step):
         r, arch = recipe.loaded.recipe, recipe.arch
         v = r.verify
         prompts = None if v.prompts is None else tuple(v.prompts)
-        label = r.model.hf if isinstance(r.model, HFSource) else Path(r.model.path).name
-        recipe.add(PlannedNode("reference", cls.kind, f"reference {label}",
+        recipe.add(PlannedNode("reference", cls.kind, f"reference {recipe.model_label}",
                                ReferenceParams(prompts, v.new_tokens, bool(r.vision and v.image_prompt)),
                                {"snapshot": "fetch"}, 4 << 20,
-                               checks.weight_bytes(arch, "float32", "none") + recipe.sizes.vision * 2 + GIB,
+                               weight_bytes(arch, "float32", "none") + recipe.sizes.vision * 2 + GIB,
                                recipe.source))
 
     @classmethod

@@ -1,7 +1,7 @@
 """shard: converted text weights -> weights/tp{r}_sharded_checkpoint.safetensors per rank, made by streaming the
 source checkpoint through the convert step's description (qbuild.model.convert.shard.shard_checkpoint), by the rules of
 the layout its params name (qbuild.backends.shard_layout: the reference model's, or a backend's own, whose module the
-node's key holds)."""
+node's key holds, with the conversion rules of the recipe's family, which the description's steps run)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import os
 
 from qbuild import backends
 from qbuild.core.units import GIB
+from qbuild.model.sizes import largest_tensor_bytes
 from qbuild.planning.step import Context, PlannedNode, Step
 from qbuild.recipe.params import ShardParams
-from qbuild.steps.convert import largest_tensor_bytes
 
 
 class Shard(Step):
@@ -27,7 +27,7 @@ class Shard(Step):
         recipe.add(PlannedNode("shard", cls.kind, f"shard {p.layout} {p.ranks.describe()}", p,
                                {"converted": "convert", "snapshot": "fetch", **recipe.source_roles()},
                                recipe.sizes.weights, 3 * largest_tensor_bytes(recipe.arch, 4) + GIB // 2,
-                               recipe.source, code=(recipe.layout_module(p.layout),)))
+                               recipe.source, code=(recipe.layout_module(p.layout), *recipe.rule_modules)))
 
     @classmethod
     def run(cls, ctx: Context) -> None:

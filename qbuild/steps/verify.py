@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 from qbuild import backends
 from qbuild.backends.base import PromptRun
@@ -24,10 +25,12 @@ from qbuild.core.errors import BuildError
 from qbuild.core.numerics import fix_threads
 from qbuild.core.units import GIB
 from qbuild.model.arch import Arch
+from qbuild.model.sizes import VERIFY_IMAGE_SIZE, image_patches
 from qbuild.planning.step import Context, PlannedNode, Step
-from qbuild.recipe import checks
 from qbuild.recipe.params import VerifyParams
-from qbuild.recipe.schema import LoadedRecipe
+
+if TYPE_CHECKING:
+    from qbuild.recipe.schema import LoadedRecipe
 
 
 @dataclass
@@ -118,7 +121,7 @@ def run_bytes(loaded: LoadedRecipe, arch: Arch) -> int:
     logits = batch * r.text.cte_buckets[-1] * arch.vocab_size * 4
     vision = 0
     if r.vision is not None and r.verify.image_prompt and arch.vision is not None:
-        patches = checks.image_patches(arch.vision, *checks.VERIFY_IMAGE_SIZE)
+        patches = image_patches(arch.vision, *VERIFY_IMAGE_SIZE)
         bucket = next((b for b in r.vision.buckets if b >= patches), r.vision.buckets[-1])
         vision = bucket * bucket * (d + 3 * 4 * arch.vision.num_heads)
     return 2 * kv + 2 * logits + vision

@@ -1,66 +1,9 @@
-"""Stores: where action outputs live. A local store, optionally backed by a remote one (S3); garbage collection of
-what no lockfile names (gc), build leases (lease) and the deployable bundle (bundle).
+"""Stores: where step outputs live. A local store of content-addressed blobs and one manifest per key (local,
+manifest), optionally backed by a remote one (remote, s3); which store a command uses (spec); garbage collection of
+what no lockfile names (gc), build leases (lease), a backend's side cache (side_cache) and the durations of past steps
+(durations). All of it is machinery around the steps: no step's key holds a module of this package.
+
+This module imports nothing: import what you use from its modules.
 
 May import: qbuild.core.
 """
-
-from __future__ import annotations
-
-import os
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Union
-
-from qbuild.store.files import atomic_write, safe_join
-from qbuild.store.local import LocalStore
-from qbuild.store.manifest import Manifest, tree_digest
-
-if TYPE_CHECKING:
-    from qbuild.store.remote import Progress, RemoteStore
-
-Store = Union[LocalStore, "RemoteStore"]    # `store.local` is the local part of either (a LocalStore is its own)
-
-__all__ = ["LocalStore", "Manifest", "Store", "StoreSpec", "atomic_write", "default_store_path", "resolve_remote",
-           "safe_join", "tree_digest"]
-
-CONFIG_FILE = "qbuild.yaml"
-
-
-@dataclass(frozen=True)
-class StoreSpec:
-    """Plain data naming a store, so a worker process can open the same one."""
-
-    local: str
-    remote: str | None = None           # s3://bucket/prefix: read through to it (see store/remote.py)
-    push: bool = False                  # upload every commit to the remote
-
-
-def default_store_path() -> Path:
-    """--store, else QBUILD_STORE, else the per-user cache directory."""
-    if os.environ.get("QBUILD_STORE"):
-        return Path(os.environ["QBUILD_STORE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qbuild" / "store"
-
-
-def resolve_remote(flag: str | None, cwd: Path | None = None) -> str | None:
-    """--remote, else $QBUILD_REMOTE, else `remote:` in ./qbuild.yaml, else None (no remote)."""
-    if flag is not None:
-        return flag   # even when empty: `--remote ''` is an error (parse_remote), never "no remote"
-    if os.environ.get("QBUILD_REMOTE"):
-        return os.environ["QBUILD_REMOTE"]
-    config = (cwd or Path.cwd()) / CONFIG_FILE
-    if not config.is_file():
-        return None
-    import yaml
-
-    from qbuild.core.errors import UserError
-
-    try:
-        doc = yaml.safe_load(config.read_text()) or {}
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"{config}: unreadable project config: {e}") from None
-    remote = doc.get("remote") if isinstance(doc, dict) else None
-    if remote is not None and not isinstance(remote, str):
-        raise UserError(f"{config}: remote: expected an s3://bucket/prefix string, got {type(remote).__name__}")
-    return remote or None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qbuild.core.errors import InfraError
-from qbuild.store.files import infra_error
+from qbuild.core.files import infra_error
 
 LEASES_DIR = "leases"
 # mtimes and time.time() come from one clock, but a filesystem may round an mtime down (to 1 or 2 s on some).

@@ -30,7 +30,7 @@ from typing import Iterator
 
 from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_file
-from qbuild.store.files import (PARTIAL, atomic_write, clone_or_copy, discard_path, infra_error, link_or_copy,
+from qbuild.core.files import (PARTIAL, atomic_write, clone_or_copy, discard_path, infra_error, link_or_copy,
                                 read_regular, safe_join, same_file, staged_for)
 from qbuild.store.manifest import Manifest, tree_digest
 

@@ -41,16 +41,18 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, Union
 
 from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_file, digest_json
 from qbuild.core.threads import map_all
-from qbuild.store.files import safe_join
-from qbuild.store import Store, StoreSpec
+from qbuild.core.files import safe_join
+from qbuild.store.spec import StoreSpec
 from qbuild.store.local import CorruptBlobError, LocalStore
 from qbuild.store.manifest import Manifest, tree_digest
 from qbuild.store.s3 import TRANSFER_THREADS, S3Remote
+
+Store = Union[LocalStore, "RemoteStore"]    # `store.local` is the local part of either (a LocalStore is its own)
 
 
 UPLOAD_THREADS = 4      # files going up at once (each large one in TRANSFER_THREADS parts)

@@ -172,7 +172,7 @@ class CpuBackend:
 
     def package(self, ctx: Context) -> dict[str, str]:
         """One graph per bucket under graphs/, with its signature."""
-        from qbuild.store.files import link_tree
+        from qbuild.core.files import link_tree
 
         p: PackageParams = ctx.params
         graphs = {}

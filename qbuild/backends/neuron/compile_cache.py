@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 
 from qbuild.core.errors import InfraError
 from qbuild.core.hashing import digest_bytes, digest_file
-from qbuild.store.files import discard_path, safe_join
+from qbuild.core.files import discard_path, safe_join
 from qbuild.store.side_cache import CacheGroup
 
 CACHE_DIR = "neuron-compile-cache"

@@ -117,11 +117,15 @@ def run_sdk(op: str, request: dict, env: dict, cwd: Path, log) -> dict:
     alone: `env` over the few host variables worker_env allows, nothing else of the host."""
     import subprocess
 
+    # Imported (it imports nothing of the SDK at module level) rather than named by a string, so that the worker's
+    # code is in the key of every node that runs it (qbuild.planning.closures follows imports, never strings).
+    from qbuild.backends.neuron import sdk_worker
+
     cwd.mkdir(parents=True, exist_ok=True)
     req = cwd / f"{op}-request.json"
     res = cwd / f"{op}-result.json"
     req.write_text(jsonio.dumps(request, indent=1, sort_keys=True))
-    proc = subprocess.run([sys.executable, "-m", "qbuild.backends.neuron.sdk_worker", op, str(req), str(res)],
+    proc = subprocess.run([sys.executable, "-m", sdk_worker.__name__, op, str(req), str(res)],
                           cwd=cwd, env=worker_env(env, cwd, runtime=op == "verify"), capture_output=True, text=True)
     for line in (proc.stdout + proc.stderr).splitlines()[-200:]:
         log(line)

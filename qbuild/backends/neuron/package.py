@@ -15,7 +15,7 @@ from qbuild.core import jsonio
 from qbuild.core.errors import BuildError
 from qbuild.model.fp8 import policy as fp8_policy
 from qbuild.model.tiling import TILES, largest_patches
-from qbuild.store.files import atomic_write, link_or_copy, link_tree, staged
+from qbuild.core.files import atomic_write, link_or_copy, link_tree, staged
 
 
 def package(ctx: Context) -> dict[str, str]:

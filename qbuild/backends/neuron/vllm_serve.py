@@ -327,7 +327,7 @@ def check_load_preconditions(bundle: Path, serve: dict) -> None:
 
 def check_unchanged(bundle: Path, manifest: dict) -> None:
     """InfraError naming the first file the server changed, added or removed in the bundle."""
-    from qbuild.store.bundle import MANIFEST, check_files
+    from qbuild.model.bundle import MANIFEST, check_files
 
     try:
         check_files(bundle, manifest)
@@ -351,7 +351,7 @@ def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
     import subprocess
     import sys
 
-    from qbuild.store.bundle import check_files
+    from qbuild.model.bundle import check_files
 
     serve_doc, _ = read_serve(bundle)
     check_servable(bundle, serve_doc)

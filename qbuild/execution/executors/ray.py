@@ -39,7 +39,7 @@ from qbuild.core.progress import Report, StepProgress, guarded, silent
 from qbuild.execution.job import Job, build_job
 from qbuild.planning.dag import Node
 from qbuild.planning.closures import Sources
-from qbuild.store import StoreSpec, default_store_path
+from qbuild.store.spec import StoreSpec, default_store_path
 from qbuild.store.remote import open_store
 from qbuild.store.manifest import Manifest
 from qbuild.store.remote import RemoteStore, push_manifests, upload_blobs

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
     import torch
 
-from qbuild.model.convert.steps import Row, same
+from qbuild.model.convert.rule import Row, same
 
 
 def split_query_gate(arch, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

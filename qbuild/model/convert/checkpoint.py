@@ -1,4 +1,4 @@
-"""Reading an HF checkpoint directory and validating it against its config, before anything is written.
+"""Reading an HF checkpoint directory and checking its files against its config, before anything is written.
 
 A checkpoint is: config.json, safetensors weights (one file, or shards named by model.safetensors.index.json), and
 tokenizer / generation / processor files. Its files may live elsewhere (an HF cache's blobs): `files` maps each file
@@ -9,9 +9,11 @@ Validation (every failure is a CheckpointError naming the file, and the tensor w
 - every safetensors header sane: parsable, entries well-formed, data inside the file (so a truncated file or a lying
   header is caught here and no read can ever go out of bounds), no overlaps;
 - the index and the files agree (every named file exists, every listed tensor is in its file, nothing unlisted);
-- config.json's vocab_size equals the rows of the embedding and of lm_head;
-- every tensor the conversion program needs is present, with its shape and a floating-point dtype;
-- nothing unexpected, except known-dropped tensors (mtp.*).
+- config.json's vocab_size equals the rows of the embedding and of lm_head.
+
+Whether the tensors are the ones the conversion program needs (each present, with its shape and a floating-point
+dtype, nothing unexpected but known-dropped tensors such as mtp.*) is `validate`, which layout.open_checkpoint runs:
+this module holds no conversion rule, so the fetch step that checks a download with it is keyed by none.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from typing import Mapping
 
 from qbuild.model.arch import Arch, ConfigError, arch_from_config
 from qbuild.model.convert.errors import CheckpointError
-from qbuild.model.convert.layout import Program, program
 from qbuild.model.convert.safetensors_header import FLOAT_DTYPES, Entry, read_header
 from qbuild.model.families import MODEL_TYPES, ModelType
 
@@ -51,13 +52,17 @@ class Located:
 
 
 @dataclass(frozen=True)
-class Checkpoint:
+class CheckpointFiles:
+    """A checkpoint's files, read and checked (headers only)."""
     config: dict
     model_type: ModelType
     arch: Arch
-    program: Program
     tensors: dict[str, Located]
     carried: dict[str, Path]  # non-weight files to copy, by name
+    missing_label: str        # what a missing tensor is blamed on: the index, or the one weight file
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {n: TensorInfo(t.file, t.entry.dtype, t.entry.shape) for n, t in self.tensors.items()}
 
 
 class _Locator:
@@ -143,9 +148,10 @@ def check_vocab(tensors: Mapping[str, Located], model_type: ModelType, arch: Arc
                                                  f"{found.entry.shape[0]} rows of tensor {name!r} in {found.file}")
 
 
-def validate(found: Mapping[str, TensorInfo], prog: Program, model_type: ModelType, missing_label: str) -> None:
-    """Raise CheckpointError for the first missing, misshapen, non-float or unexpected tensor."""
-    expected = prog.sources()
+def validate(found: Mapping[str, TensorInfo], expected: Mapping[str, tuple[int, ...]], model_type: ModelType,
+             missing_label: str) -> None:
+    """Raise CheckpointError for the first missing, misshapen, non-float or unexpected tensor, against `expected`
+    (name -> shape: what the conversion program reads, layout.Program.sources)."""
     for name, shape in expected.items():
         info = found.get(name)
         if info is None:
@@ -172,17 +178,14 @@ def arch_of(config: dict, label: str = "config.json") -> tuple[ModelType, Arch]:
     return model_type, arch
 
 
-def open_checkpoint(src: Path, files: Mapping[str, Path] | None = None) -> Checkpoint:
-    """Read and validate the checkpoint at `src` (headers only: no tensor data is read)."""
+def read_checkpoint(src: Path, files: Mapping[str, Path] | None = None) -> CheckpointFiles:
+    """Read and check the files of the checkpoint at `src` (headers only: no tensor data is read)."""
     locate = _Locator(src, files)
     config = load_config(locate("config.json"))
     model_type, arch = arch_of(config)
     names, weight_map = _weight_files(locate)
     tensors = _read_tensors(locate, names, weight_map)
     check_vocab(tensors, model_type, arch)
-    prog = program(model_type, arch, tensors)
-    infos = {n: TensorInfo(t.file, t.entry.dtype, t.entry.shape) for n, t in tensors.items()}
-    validate(infos, prog, model_type, INDEX if weight_map is not None else names[0])
     carried = {n: locate(n) for n in locate.names()
                if n.endswith(_CARRIED_SUFFIXES) and n != INDEX and locate(n).is_file()}
-    return Checkpoint(config, model_type, arch, prog, tensors, carried)
+    return CheckpointFiles(config, model_type, arch, tensors, carried, INDEX if weight_map is not None else names[0])

@@ -28,16 +28,16 @@ import torch
 
 from qbuild.core.dtypes import torch_dtype as dtype_of
 from qbuild.core.threads import run_all
-from qbuild.model.convert.checkpoint import Checkpoint, TensorInfo, arch_of, open_checkpoint, validate
+from qbuild.model.convert.checkpoint import TensorInfo, arch_of, validate
 from qbuild.model.convert.description import (FILE as DESCRIPTION, describe, file_digests, open_described,
                                               plan_outputs, run_step)
-from qbuild.model.convert.layout import program
+from qbuild.model.convert.layout import Checkpoint, open_checkpoint, program
 from qbuild.model.convert.safetensors_io import DTYPE_NAMES, MappedSources, PlannedFile, contiguous
-from qbuild.model.convert.steps import Step
+from qbuild.model.convert.rule import Step
 from qbuild.model.convert.writer import (DEFAULT_SHARD_BYTES, ShardedOutput, SourceFiles,
                                          torch_ops_in_caller_threads, write_json)
 from qbuild.model.fp8 import FP8PolicyName, policy as fp8_policy
-from qbuild.store.files import staged
+from qbuild.core.files import staged
 
 FORMAT_VERSION = 1
 
@@ -56,7 +56,7 @@ def convert_state_dict(config: dict, tensors: Mapping[str, torch.Tensor], *, dty
     prog = program(model_type, arch, tensors.keys())
     infos = {n: TensorInfo("<state dict>", DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape))
              for n, t in tensors.items()}
-    validate(infos, prog, model_type, "<state dict>")
+    validate(infos, prog.sources(), model_type, "<state dict>")
     text: dict[str, torch.Tensor] = {}
     for step in prog.text:
         text.update(run_step(step, [tensors[n] for n in step.sources], torch_dtype, fp8, arch.num_layers))

@@ -29,10 +29,10 @@ import torch
 
 from qbuild.core.dtypes import torch_dtype as dtype_of
 from qbuild.model.convert import fp8 as fp8_rules
-from qbuild.model.convert.checkpoint import Checkpoint, open_checkpoint
+from qbuild.model.convert.layout import Checkpoint, open_checkpoint
 from qbuild.model.convert.errors import CheckpointError
 from qbuild.model.convert.safetensors_io import DTYPE_NAMES, DTYPES, MappedSources
-from qbuild.model.convert.steps import Step
+from qbuild.model.convert.rule import Step
 from qbuild.model.convert.writer import SourceFiles, Spec, meta_specs, spec_bytes
 from qbuild.model.fp8 import FP8PolicyName, policy as fp8_policy
 

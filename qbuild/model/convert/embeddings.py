@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
     import torch
 
-from qbuild.model.convert.steps import Step, rule_name, same
+from qbuild.model.convert.rule import Step, rule_name, same
 
 
 def zero_row(w: torch.Tensor, row: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import re
 
 import torch
 
-from qbuild.model.convert.moe import DOWN, GATE_UP
+from qbuild.model.convert.experts import DOWN, GATE_UP
 from qbuild.model.fp8 import FP8PolicyName, policy as fp8_policy
 
 FP8_DTYPE = torch.float8_e4m3fn

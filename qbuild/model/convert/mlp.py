@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qbuild.model.convert.steps import Row, same
+from qbuild.model.convert.rule import Row, same
 
 DENSE_MLP = (
     Row("mlp.gate_proj.weight", lambda d: (d.intermediate_size, d.hidden_size), ("mlp.gate_proj.weight",), same),

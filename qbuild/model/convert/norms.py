@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:   # the rules import torch where they run it: a header check builds their tables without it
     import torch
 
-from qbuild.model.convert.steps import Row
+from qbuild.model.convert.rule import Row
 
 
 def plus_one(arch, w: torch.Tensor) -> tuple[torch.Tensor]:

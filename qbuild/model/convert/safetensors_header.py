@@ -6,7 +6,7 @@ offsets relative to the first data byte.
 
 Every header is validated against the file size before any data is touched, so a truncated file or a lying header
 is a CheckpointError naming the file and tensor, never an out-of-bounds read. The CLI checks every header of a
-checkpoint before the first step of a build starts (qbuild.hub.checkpoint.check_checkpoint), in a process that has no other
+checkpoint before the first step of a build starts (qbuild.hub.snapshot.check_checkpoint), in a process that has no other
 use for torch, so nothing here imports it; safetensors_io maps the same entries to tensors.
 """
 

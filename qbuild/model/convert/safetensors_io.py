@@ -85,7 +85,7 @@ def write_at(fd: int, offset: int, tensor: torch.Tensor) -> None:
 
 class Deferred:
     """A tensor made piece by piece as it is written, for a layout no strided view of its source expresses (a rank's
-    expert gate_up, each row its slice of gate^T then of up^T: moe.gate_up_shard). `fill(out, start)` writes rows
+    expert gate_up, each row its slice of gate^T then of up^T: experts.gate_up_shard). `fill(out, start)` writes rows
     [start, start + len(out)) of dim 0 into the contiguous `out`. The writer fills one small buffer at a time, so the
     tensor is never allocated whole; `materialize` makes it whole, for the in-memory shard."""
 

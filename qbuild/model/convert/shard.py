@@ -3,8 +3,8 @@
 Output: dst/weights/tp{r}_sharded_checkpoint.safetensors for r in range(world), and dst/shard.json. The ranks are a
 RankLayout (qbuild.model.ranks); which tensor goes where is a layout's rules (qbuild.model.convert.parallel.ShardLayout):
 `CPU` below, the layout qbuild's reference model reads, or a backend's own (the files its runtime loads), which the
-shard step reaches through the backend registry. `unpack_rank` reads a "cpu" rank back as qbuild's reference model
-holds it (FP8 dequantized, a fused Wqkv split).
+shard step reaches through the backend registry. qbuild.model.convert.unpack reads a "cpu" rank back as qbuild's
+reference model holds it (FP8 dequantized, a fused Wqkv split).
 
 Rank convention of the "cpu" layout (tp = world = dense_tp, ep = moe_ep):
 - Attention: q heads (q_proj, output_gate_proj) split contiguously; k/v heads split contiguously when tp <= nKV,
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 
 from qbuild.model.arch import Arch
-from qbuild.model.convert import attention, deltanet, fp8, moe
+from qbuild.model.convert import attention, deltanet, experts
 from qbuild.model.convert.checkpoint import arch_of, load_config
 from qbuild.core.dtypes import DTYPES
 from qbuild.model.convert.errors import CheckpointError, ShardError
@@ -49,7 +49,7 @@ from qbuild.model.convert.converted import open_converted
 from qbuild.model.convert.description import Producer
 from qbuild.model.convert.safetensors_io import Deferred, MappedSources, PlannedFile
 from qbuild.model.convert.writer import torch_ops_in_caller_threads, write_json
-from qbuild.store.files import staged
+from qbuild.core.files import staged
 from qbuild.core.threads import run_grouped
 
 if TYPE_CHECKING:
@@ -101,15 +101,15 @@ def moe_row(t, d, p):
 
 
 def experts_gate_up(t, d, p):
-    return (moe.gate_up_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
+    return (experts.gate_up_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
 
 
 def experts_down(t, d, p):
-    return (moe.down_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
+    return (experts.down_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
 
 
 def experts_only(t, d, p):
-    return [moe.expert_group(t, p.moe_ep, p.group(r)) for r in range(p.world)]
+    return [experts.expert_group(t, p.moe_ep, p.group(r)) for r in range(p.world)]
 
 
 # Layer-relative module name -> (placement of `.weight`, placement of its FP8 `.scale`; None: never quantized).
@@ -143,8 +143,8 @@ PLACEMENTS: dict[str, tuple[Placement, Placement | None]] = {
     "mlp.shared_down_proj": (moe_row, replicate),
     "mlp.shared_expert_gate": (replicate, None),
     "mlp.moe.router.linear_router": (replicate, None),
-    moe.GATE_UP: (experts_gate_up, experts_gate_up),
-    moe.DOWN: (experts_down, experts_only),
+    experts.GATE_UP: (experts_gate_up, experts_gate_up),
+    experts.DOWN: (experts_down, experts_only),
 }
 _LAYER = re.compile(r"layers\.\d+\.(.+)")
 
@@ -343,36 +343,3 @@ def _write_one(f: PlannedFile, name: str, t, mapped: MappedSources, meter: Meter
     f.write(name, t, mapped)
     if meter is not None:
         meter.advance(f.slots[name].nbytes)
-
-
-def _is_fp8(t: torch.Tensor) -> bool:
-    return t.is_floating_point() and t.element_size() == 1
-
-
-def unpack_rank(rank: int, shard: Mapping[str, torch.Tensor], arch: Arch, tp: int) -> dict[str, torch.Tensor]:
-    """One rank's "cpu"-layout tensors as qbuild's reference model holds them: each FP8 weight dequantized with the
-    `.scale` beside it, a fused `self_attn.Wqkv.weight` split back into q/k/v_proj. ValueError naming the tensor for
-    a scale without its FP8 weight, an FP8 weight without its scale, or a Wqkv of the wrong size."""
-    rank_arch = arch.per_rank(tp)
-    q_rows, kv_rows = rank_arch.num_heads * arch.head_dim, rank_arch.kv_dim
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in shard.items():
-        if name.endswith(".scale"):
-            weight = name.removesuffix(".scale") + ".weight"
-            if weight not in shard or not _is_fp8(shard[weight]):
-                raise ValueError(f"rank {rank}: {name} has no FP8 weight {weight} beside it")
-            continue
-        if _is_fp8(tensor):
-            scale = fp8.scale_name(name)
-            if scale not in shard:
-                raise ValueError(f"rank {rank}: FP8 tensor {name} has no {scale} beside it")
-            tensor = fp8.dequantize(tensor, shard[scale])
-        if name.endswith("self_attn.Wqkv.weight"):
-            if tensor.shape[0] != q_rows + 2 * kv_rows:
-                raise ValueError(f"rank {rank}: {name} has {tensor.shape[0]} rows, expected {q_rows + 2 * kv_rows}")
-            prefix = name.removesuffix("Wqkv.weight")
-            for part, rows in zip(("q_proj", "k_proj", "v_proj"), attention.split_qkv(tensor, q_rows, kv_rows)):
-                out[f"{prefix}{part}.weight"] = rows
-            continue
-        out[name] = tensor
-    return out

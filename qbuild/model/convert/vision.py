@@ -7,7 +7,7 @@ No +1 anywhere: these are LayerNorms with a real weight and bias.
 
 from __future__ import annotations
 
-from qbuild.model.convert.steps import Row, same
+from qbuild.model.convert.rule import Row, same
 
 
 def _rows(pairs):

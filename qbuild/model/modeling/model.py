@@ -40,7 +40,7 @@ from qbuild.model.kernels import (
     recurrent_gated_delta_rule,
 )
 from qbuild.model.arch import Arch
-from qbuild.model.convert.shard import unpack_rank
+from qbuild.model.convert.unpack import unpack_rank
 
 L2NORM_EPS = 1e-6  # DeltaNet's q/k L2 normalisation, as FLA and HF use
 
@@ -583,7 +583,7 @@ class TextModel(nn.Module):
     def load_shards(self, shards: Sequence[Mapping[str, torch.Tensor]]) -> None:
         """Load one state dict per rank (NxDI names, as the shard step writes them), strictly.
 
-        FP8 weights and a fused Wqkv are unpacked first, by the layout's own rule (qbuild.model.convert.shard.unpack_rank).
+        FP8 weights and a fused Wqkv are unpacked first, by the layout's own rule (qbuild.model.convert.unpack.unpack_rank).
         Raises ValueError naming the tensor on a missing or unexpected tensor, a wrong shape, a replicated tensor
         that differs between ranks, or a rank tensor that does not hold its rank.
         """

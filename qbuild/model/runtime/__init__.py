@@ -22,7 +22,7 @@ from typing import Callable
 
 from qbuild.model.chunking import EXTEND, LongContext, kv_bucket, pieces
 from qbuild.model.runtime.images import EncodedImage, ImageSource, PreparedImage
-from qbuild.store.bundle import check_files, read_manifest, shown_path
+from qbuild.model.bundle import check_files, read_manifest, shown_path
 from qbuild.core.errors import UserError
 
 

@@ -54,7 +54,7 @@ import torch
 
 from qbuild.core.dtypes import torch_dtype
 from qbuild.model.arch import Arch
-from qbuild.model.convert import attention, deltanet, embeddings, moe
+from qbuild.model.convert import attention, deltanet, embeddings, experts
 from qbuild.model.convert.errors import CheckpointError, ShardError
 from qbuild.model.convert.parallel import Placement, ShardStep, column, qkv_trios, replicate, row
 from qbuild.model.ranks import RankLayout
@@ -162,18 +162,18 @@ def experts_gate_up(t, d, p):
     """ExpertFusedColumnParallelLinear, stride 2: each of gate and up sliced on dim 2 (trace.py create_local_weight),
     then this rank's experts (create_local_weight_with_expert_parallel). An expert-wise FP8 scale (E, 1, 2I) follows
     the weight (quantization_layers.py _setup_for_scale partitions it when per_channel_axis == partition dim)."""
-    return (moe.gate_up_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
+    return (experts.gate_up_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world))
 
 
 def experts_down(t, d, p):
     """ExpertFusedRowParallelLinear: dim 1 sliced over moe_tp, then this rank's experts."""
-    return [moe.down_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world)]
+    return [experts.down_shard(t, p.moe_ep, p.moe_tp, p.group(r), p.moe_rank(r)) for r in range(p.world)]
 
 
 def experts_only(t, d, p):
     """The row-parallel expert scale (E, 1, H): not tensor-partitioned, but expert-parallel like every parameter of
     an expert layer (moe_parallel_layers.py _mark_expert_parallel_weights)."""
-    return [moe.expert_group(t, p.moe_ep, p.group(r)) for r in range(p.world)]
+    return [experts.expert_group(t, p.moe_ep, p.group(r)) for r in range(p.world)]
 
 
 def conv1d_replicated(t, d, p):
@@ -262,8 +262,8 @@ MAIN_RULES: dict[str, Rule] = {
     **_TENSOR_PARALLEL_DELTANET,
     **_DENSE_MLP,
     "mlp.moe.router.linear_router": Rule("mlp.moe.router.linear_router.weight", replicate),
-    moe.GATE_UP: Rule(f"{moe.GATE_UP}.weight", experts_gate_up, experts_gate_up, experts=True),
-    moe.DOWN: Rule(f"{moe.DOWN}.weight", experts_down, experts_only, experts=True),
+    experts.GATE_UP: Rule(f"{experts.GATE_UP}.weight", experts_gate_up, experts_gate_up, experts=True),
+    experts.DOWN: Rule(f"{experts.DOWN}.weight", experts_down, experts_only, experts=True),
     "mlp.shared_gate_proj": Rule("mlp.shared_gate_proj.weight", column, column),
     "mlp.shared_up_proj": Rule("mlp.shared_up_proj.weight", column, column),
     "mlp.shared_down_proj": Rule("mlp.shared_down_proj.weight", row, replicate),
@@ -299,9 +299,9 @@ MOE_RULES: dict[str, Rule] = {
     "embed_tokens": Rule("embed_tokens.weight", hidden_columns_pad_row_zeroed),
     **_REPLICATED_DELTANET,
     "mlp.moe.router.linear_router": Rule("mlp.router.linear_router.weight", replicate),
-    moe.GATE_UP: Rule("mlp.expert_mlps.mlp_op.gate_up_proj.weight", experts_gate_up, experts_gate_up,
+    experts.GATE_UP: Rule("mlp.expert_mlps.mlp_op.gate_up_proj.weight", experts_gate_up, experts_gate_up,
                          experts=True),
-    moe.DOWN: Rule("mlp.expert_mlps.mlp_op.down_proj.weight", experts_down, experts_only, experts=True),
+    experts.DOWN: Rule("mlp.expert_mlps.mlp_op.down_proj.weight", experts_down, experts_only, experts=True),
     "mlp.shared_gate_proj": Rule("mlp.shared_experts.shared_experts.gate_proj.weight", column, column),
     "mlp.shared_up_proj": Rule("mlp.shared_experts.shared_experts.up_proj.weight", column, column),
     "mlp.shared_down_proj": Rule("mlp.shared_experts.shared_experts.down_proj.weight", row, replicate),

@@ -32,7 +32,7 @@ from pathlib import Path
 from qbuild.core import jsonio
 from qbuild.core.errors import UserError
 from qbuild.core.hashing import digest_file
-from qbuild.store import safe_join
+from qbuild.core.files import safe_join
 
 FORMAT = 1
 MANIFEST = "bundle.json"

@@ -1,11 +1,6 @@
-"""A recipe's checkpoint: its config.json (a local directory, the HF cache at a commit, or the shipped copy of a
-published model whose weights are not downloaded), where a fetched snapshot's bytes are on this machine, checked
-against the snapshot's digests, and the check of a checkpoint before anything is built from it.
-
-A snapshot (the fetch action's output) names files by content digest only, so keys are the same on every
-machine. The bytes stay where they are: in the local checkpoint directory, or in the Hugging Face cache.
-The published configs of the shipped models are kept in qbuild/configs (named org--name.json).
-"""
+"""A checkpoint's files on this machine: the snapshot the fetch step records (files named by content digest only, so
+keys are the same on every machine), where its bytes are (the local checkpoint directory, or the Hugging Face cache),
+checked against its digests, and the checks of a checkpoint's files before anything is built from them."""
 
 from __future__ import annotations
 
@@ -15,62 +10,15 @@ import stat
 from pathlib import Path
 from typing import Mapping
 
-from qbuild.model.arch import MAX_CONFIG_BYTES, Arch, arch_from_config
-from qbuild.core.errors import InfraError, RecipeError, UserError
+from qbuild.core.errors import InfraError, UserError
 from qbuild.core.hashing import default_stat_cache
-from qbuild.recipe.schema import LoadedRecipe, PathSource, recipe_field_location
 from qbuild.core.userfile import read_small_file
-from qbuild.hub.hf import (CHECKPOINT_PATTERNS, MAX_INDEX_BYTES, WEIGHT_INDEX, check_hub_config, check_hub_file,
-                           hf_blob, hf_cached_snapshot, hub_config_path, is_commit)
+from qbuild.hub.hf import (CHECKPOINT_PATTERNS, MAX_INDEX_BYTES, WEIGHT_INDEX, check_hub_file, hf_blob,
+                           hf_cached_snapshot)
+from qbuild.model.arch import MAX_CONFIG_BYTES, arch_from_config
 
 # A published Qwen tokenizer.json is ~11 MiB; the cap only stops a device or a runaway file.
 MAX_TOKENIZER_BYTES = 256 << 20
-_SHIPPED = Path(__file__).resolve().parents[1] / "configs"
-
-
-def shipped_config_path(repo: str) -> Path:
-    return _SHIPPED / (repo.replace("/", "--") + ".json")
-
-
-# --- a recipe's config.json ---------------------------------------------------------------------------------------
-
-def config_for(loaded: LoadedRecipe, commit: str | None = None) -> tuple[dict, str]:
-    """The config.json a recipe's model has, and where it was read: the local dir; for a hub model, the one of
-    `commit` (or of the recipe's revision where that is a commit) in the HF cache or qbuild's config cache, else the
-    shipped copy. A branch is never looked up in the HF cache: what it pointed to when this machine last downloaded
-    must not decide an architecture, and so a key."""
-    src = loaded.recipe.model
-    if isinstance(src, PathSource):
-        try:
-            source_dir = loaded.source_dir
-        except (RuntimeError, OSError):   # resolve() meets a link cycle as RuntimeError (OSError in newer Pythons)
-            raise RecipeError(f"{recipe_field_location(loaded, 'model.path')}: model.path: {src.path} is a symbolic "
-                              "link loop") from None
-        cfg = source_dir / "config.json"
-        where = f"{loaded.path}: model.path"
-        if not source_dir.is_dir():
-            raise RecipeError(f"{recipe_field_location(loaded, 'model.path')}: model.path: "
-                              f"{source_dir} is not a directory")
-    else:
-        commit = commit or (src.revision if is_commit(src.revision) else None)
-        cfg = (hub_config_path(src.hf, commit) if commit else None) or shipped_config_path(src.hf)
-        where = f"{loaded.path}: model.hf"
-        if not cfg.exists():
-            at = f"@{commit[:12]}" if commit else f"@{src.revision} (not resolved)"
-            raise RecipeError(f"{recipe_field_location(loaded, 'model.hf')}: model.hf: {src.hf}{at} has no "
-                              "config.json on this machine and no shipped config; plan it online or use `path:`")
-    raw = read_small_file(cfg, MAX_CONFIG_BYTES, "config.json")
-    if not isinstance(src, PathSource):
-        check_hub_config(cfg, raw)
-    try:
-        return json.loads(raw), str(cfg)
-    except ValueError as e:   # invalid JSON or not UTF-8
-        raise UserError(f"{cfg}: cannot read config.json ({where}): {e}") from None
-
-
-def load_arch(loaded: LoadedRecipe, commit: str | None = None) -> Arch:
-    config, origin = config_for(loaded, commit)
-    return arch_from_config(config, origin)
 
 
 # --- where a snapshot's files are ---------------------------------------------------------------------------------
@@ -112,23 +60,14 @@ def locate(snapshot: dict, path: str | None) -> dict[str, Path]:
     return files
 
 
-# --- checking a checkpoint before a build --------------------------------------------------------------------
-
-def source_directory(loaded: LoadedRecipe, commit: str | None = None) -> Path | None:
-    """Where a recipe's checkpoint is on this machine: its local directory, or the HF cache snapshot of the commit
-    its fetch step is keyed on (None when that commit is not downloaded yet; the fetch step checks it after
-    downloading)."""
-    src = loaded.recipe.model
-    if isinstance(src, PathSource):
-        return loaded.source_dir
-    return hf_cached_snapshot(src.hf, commit) if commit else None
-
+# --- checking a checkpoint's files ---------------------------------------------------------------------
 
 def check_checkpoint(directory: Path, files: Mapping[str, Path] | None = None) -> None:
-    """Raise UserError, one line naming the file (and tensor), unless the checkpoint at `directory` can be built:
-    config.json, the tokenizer, and every safetensors header against the conversion program (truncation, lying
-    headers, missing, extra or misshapen tensors, an index naming a missing shard). Reads headers only, and imports
-    no torch: the CLI runs it before the first step of a build, in a process that has no other use for torch."""
+    """Raise UserError, one line naming the file (and tensor), unless the files of the checkpoint at `directory` are
+    well formed: config.json, the tokenizer, the index and every safetensors header (truncation, lying headers, an
+    index naming a missing shard, a config whose vocabulary the embedding does not have). Reads headers only, and
+    imports no torch and no conversion rule: whether the tensors are the ones the conversion program reads is the
+    convert step's check (and the CLI's, before the first step of a build: qbuild.execution.workspace)."""
     config_path = Path((files or {}).get("config.json", directory / "config.json"))
     try:
         config = json.loads(read_small_file(config_path, MAX_CONFIG_BYTES, "config.json"))
@@ -136,15 +75,13 @@ def check_checkpoint(directory: Path, files: Mapping[str, Path] | None = None) -
         raise UserError(f"{config_path}: config.json is not valid JSON ({e})") from None
     check_tokenizer(directory, arch_from_config(config, str(config_path)).vocab_size, files)
     check_weight_index(directory, files)
-    from qbuild.model.convert.checkpoint import open_checkpoint
+    from qbuild.model.convert.checkpoint import read_checkpoint
     from qbuild.model.convert.errors import CheckpointError
 
     try:
-        open_checkpoint(directory, files)
+        read_checkpoint(directory, files)
     except CheckpointError as e:
         raise UserError(f"{directory}{os.sep}{e}") from None
-
-
 
 
 def check_weight_index(directory: Path, files: Mapping[str, Path] | None = None) -> None:

@@ -168,3 +168,16 @@ def safe_join(root: Path, rel: str) -> Path:
     if p.is_absolute() or ".." in p.parts or rel in ("", "."):
         raise InfraError(f"refusing path {rel!r}: it would escape {root}")
     return root / p
+
+
+_NOT_SOURCE_DIRS = {"test", "tests", "__pycache__", ".git"}
+
+
+def python_sources(root: Path) -> list[Path]:
+    """The files whose digests identify a port's source: every .py under `root`, tests excluded, sorted."""
+    out = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if not _NOT_SOURCE_DIRS.intersection(rel.parts[:-1]) and path.is_file():
+            out.append(path)
+    return sorted(out)
