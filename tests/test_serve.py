@@ -368,7 +368,7 @@ def test_each_connection_sends_its_answer_at_once(tmp_path):
     import asyncio
     import socket
 
-    from qbuild.backends.cpu.serve import listen
+    from qbuild.backends.openai_server.serve import listen
 
     async def accept_one() -> int:
         sock = listen("127.0.0.1", 0)

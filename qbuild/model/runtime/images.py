@@ -28,7 +28,7 @@ DEFAULT_MEAN_STD = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 MAX_IMAGE_PIXELS = 8192 * 8192
 # The most bytes an encoded image may have: a 2048x2048 photograph, the largest image the validated configurations
 # run (tiled), is 1-3 MB as JPEG and 5-12 MB as PNG. A server's request limit grows by this much, base64-encoded
-# (qbuild.backends.cpu.serve).
+# (qbuild.backends.openai_server.serve).
 MAX_IMAGE_BYTES = 16 << 20
 # The longest side over the shortest the Qwen2-VL image processor takes: transformers' `smart_resize`
 # (models/qwen2_vl/image_processing_qwen2_vl.py, the processor the runtime and the reference step build) raises a
