@@ -15,7 +15,7 @@ from typing import Callable
 
 from qbuild.backends.base import PromptRun, StepContext
 from qbuild.backends.neuron import compile_cache, config, deploy, long_context, releases, worker_env
-from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
+from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronSampling, NeuronTextCompile,
                                            NeuronVisionCompile, NxdiTree, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, VL_PORT_ENV, lineage_for, port_dir
 from qbuild.core.errors import UserError
@@ -46,7 +46,8 @@ def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
         # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
         pad_token_id=arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id,
         # A bundle with vision encoders needs a context-encoding graph that takes the image features.
-        vision_inputs=bool(r.vision and r.vision.buckets), block_kv=long_context.block_kv(loaded))
+        vision_inputs=bool(r.vision and r.vision.buckets), block_kv=long_context.block_kv(loaded),
+        sampling=NeuronSampling(r.text.sampling.top_k) if r.text.sampling.on_device else None)
 
 
 def bundle_long_context(loaded: LoadedRecipe) -> LongContext | None:
@@ -151,6 +152,12 @@ class NeuronBackend:
                                          f"builds in bfloat16, not {r.dtype}")
         if r.vision is not None:
             self._validate_vl_switches(loaded, lineage.name)
+        if r.text.sampling.on_device and r.text.chunked_prefill is not None:
+            # The one port that compiles chunked prefill adds vocab_parallel=True to its on-device sampling
+            # (contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py L931-947 @ 03db3ef), and how its
+            # vLLM patch reads sampled tokens was not traced: docs/nxdi.md section 21.
+            checks.fail(loaded, "text.sampling.on_device", "on-device sampling with chunked_prefill is a combination "
+                                                           "qbuild has not read in the port that builds it; drop one")
         if r.parallel.ep > 1:
             # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is
             # under DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0), and refuses that path under an expert-parallel group
@@ -321,9 +328,9 @@ class NeuronBackend:
     def run_prompts(self, ctx: StepContext, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns
         the last position's logits only, so the comparison takes the first generated token's logits against the
-        reference's last prompt position; greedy tokens compare over every step up to the first generated pad token
-        (deploy.until_pad). Image prompts need the port's VL application, which qbuild does not drive: they are left
-        to the CPU proof of the same recipe."""
+        reference's last prompt position; a bundle that samples on the device returns no logits at all, and is
+        compared by its tokens (docs/nxdi.md section 21). Greedy tokens compare over every step up to the first
+        generated pad token (deploy.until_pad). Image prompts run in the CPU proof of the same recipe."""
         bundle = ctx.inputs["bundle"]
         text = [(i, r) for i, r in enumerate(reference["prompts"]) if not r["image"]]
         n = max(len(r["greedy"]) for _, r in text)
@@ -333,5 +340,6 @@ class NeuronBackend:
         runs = []
         for k, (i, record) in enumerate(text):
             record = deploy.until_pad(record, pad)
-            runs.append(PromptRun(i, record, logits[f"prompt{k}"], greedy[k][:len(record["greedy"])], last_only=True))
+            runs.append(PromptRun(i, record, logits[f"prompt{k}"] if logits is not None else None,
+                                  greedy[k][:len(record["greedy"])], last_only=True))
         return runs

@@ -148,6 +148,8 @@ def serve_record(p: NeuronPackageParams, record: dict) -> dict:
       L604-694).
     - max_model_len: the largest token-generation bucket, the longest sequence a decode step has a graph for.
     - continuous_batching: False, as compiled (config.py); deploy refuses to serve a batch above 1 without it.
+    - sampling: on the device with the compiled top_k (the compile's on_device_sampling_config), or on the host;
+      vllm-neuron takes the compiled model's tokens in the first case (docs/vllm.md section 12).
     - long_context: the chunk, the block KV layout and whether vLLM serves prefix caching (long_context.serve_fields),
       or None."""
     releases_, stack = serving_stack(record["params"]["toolchain"], p.sdk)
@@ -155,8 +157,16 @@ def serve_record(p: NeuronPackageParams, record: dict) -> dict:
             "max_prompt_length": long_context.max_context_length(p.cte_buckets, p.tkg_buckets, p.block_kv),
             "tensor_parallel_size": p.tp, "max_num_seqs": p.batch_size, "continuous_batching": False,
             "dtype": p.dtype, "lineage": p.lineage, "env": record["config"]["env"],
+            "sampling": sampling_record(record["config"]["neuron_config"]),
             "stack": {"releases": releases_, "vllm": stack.vllm, "vllm_neuron": stack.vllm_neuron},
             **long_context.serve_fields(p)}
+
+
+def sampling_record(neuron_config: dict) -> dict:
+    """How the compiled model picks each token: {"on_device": true, "top_k": k} where the compile's NeuronConfig has
+    an on_device_sampling_config (config.py), else {"on_device": false}."""
+    sampling = neuron_config.get("on_device_sampling_config")
+    return {"on_device": False} if sampling is None else {"on_device": True, "top_k": sampling["top_k"]}
 
 
 def nxdi_tree_record(out: Path, p: NeuronPackageParams) -> dict | None:

@@ -171,9 +171,11 @@ def tp_vision_model():
 def verify(req: dict) -> dict:
     """Load a bundle as NxDI's compiled directory and generate greedily on every prompt.
 
-    `App(dir).load(dir)` then `HuggingFaceGenerationAdapter(app).generate(...)` as the ports' run_text_smoke.py does;
-    scores come from generate's output_scores, the way NxDI's own accuracy check reads them (utils/accuracy.py
-    @ 4bcdc54). Returns the greedy tokens; the first step's logits are written beside the result.
+    `App(dir).load(dir)` then `HuggingFaceGenerationAdapter(app).generate(...)` as the ports' run_text_smoke.py does.
+    Without on-device sampling the first step's logits come from generate's output_scores, the way NxDI's own accuracy
+    check reads them (utils/accuracy.py @ 4bcdc54), and are written beside the result. With it the compiled graphs
+    return the chosen token and no logits, so generate's scores stay empty (utils/hf_adapter.py L202-230 @ ef2731e:
+    outputs.logits is None, the token is outputs.tokens) and only the tokens come back (docs/nxdi.md section 21).
     """
     import torch
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
@@ -183,19 +185,25 @@ def verify(req: dict) -> dict:
     module = _port_module(req["port"], req["module"])
     app = getattr(module, req["app_class"])(req["bundle"])
     app.load(req["bundle"])
+    on_device = app.neuron_config.on_device_sampling_config is not None
     adapter = HuggingFaceGenerationAdapter(app)
     n = req["new_tokens"]
-    gc = GenerationConfig(do_sample=False, pad_token_id=req["pad_token_id"], eos_token_id=None)
+    # top_k 1 is what the ports' scripts generate with; it reaches the compiled sampler as its sampling params
+    # (hf_adapter.py L161-166), whose argmax ignores them (modules/generation/sampling.py L459-464).
+    gc = GenerationConfig(do_sample=False, pad_token_id=req["pad_token_id"], eos_token_id=None,
+                          **({"top_k": 1} if on_device else {}))
     greedy, logits = [], {}
     for i, ids in enumerate(req["prompts"]):
         input_ids = torch.tensor([ids], dtype=torch.long)
         out = adapter.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
-                               min_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_scores=True,
-                               generation_config=gc)
+                               min_new_tokens=n, do_sample=False, return_dict_in_generate=True,
+                               output_scores=not on_device, generation_config=gc)
         greedy.append(out.sequences[0, len(ids):].tolist())
-        logits[f"prompt{i}"] = out.scores[0][0].float().unsqueeze(0).contiguous()
-    save_file(logits, req["logits"])
-    return {"greedy": greedy}
+        if not on_device:
+            logits[f"prompt{i}"] = out.scores[0][0].float().unsqueeze(0).contiguous()
+    if logits:
+        save_file(logits, req["logits"])
+    return {"greedy": greedy, "logits": not on_device}
 
 
 OPS = {"text": compile_text, "vision": compile_vision, "vision_tp": compile_vision_tp, "verify": verify}

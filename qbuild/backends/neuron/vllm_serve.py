@@ -35,6 +35,11 @@ _ALIASES = {"--tensor-parallel-size": ("-tp",), "--no-enable-prefix-caching": ("
             "--enable-prefix-caching": ("--no-enable-prefix-caching",),
             "--enable-chunked-prefill": ("--no-enable-chunked-prefill",)}
 _SECRET_FLAGS = ("--api-key",)
+# A bundle compiled with on-device sampling (do_sample off): vllm-neuron hands each request's sampling parameters to the
+# compiled sampler (model runner L1715-1750 @ 3afb0a9), whose argmax ignores them (NxDI modules/generation/sampling.py
+# L459-464 @ ef2731e), and its sampler output holds no logprobs (loader L542-552); docs/vllm.md section 12.
+ON_DEVICE_NOTE = ("the compiled graphs pick every token by argmax (do_sample off): a request's temperature, top_p and "
+                  "top_k do not change the tokens, and vllm-neuron's sampler output holds no logprobs")
 
 
 def vllm_args(serve: dict) -> list[tuple[str, str | None]]:
@@ -178,6 +183,8 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
     if serve.get("nxdi_tree"):
         doc["nxdi_tree"] = {"tree": tree_name(serve["nxdi_tree"]), "imports": serve["nxdi_tree"]["imports"],
                             "on_path": str(src) if src else None}
+    if (serve.get("sampling") or {}).get("on_device"):
+        doc["sampling"] = {**serve["sampling"], "note": ON_DEVICE_NOTE}
     return doc
 
 
