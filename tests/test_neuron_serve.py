@@ -428,7 +428,8 @@ def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, 
     (package,) = [n for n in nodes if n["kind"] == "package"]
     (text,) = [n for n in nodes if n["kind"] == "compile" and n["params"].get("graph") == "text"]
     params = parse(NeuronPackageParams, package["params"])
-    record = {"params": text["params"], "config": {"env": text["neuron_config"]["env"]}}
+    record = {"params": text["params"], "config": {"env": text["neuron_config"]["env"],
+                                                   "neuron_config": text["neuron_config"]["neuron_config"]}}
     bundle = tmp_path / "bundle"
     (bundle / "vllm").mkdir(parents=True)
     (bundle / "vllm" / "serve.json").write_text(json.dumps(serve_record(params, record)))
@@ -448,6 +449,10 @@ def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, 
     assert config["max_num_seqs"] == params.batch_size and config["max_model_len"] == max(params.tkg_buckets)
     compiled = text["neuron_config"]["neuron_config"]
     assert config["max_prompt_length"] == config["max_context_length"] == compiled["max_context_length"]
+    # The recipes whose ports compile OnDeviceSamplingConfig(top_k=1) do; the dry run says what that does to requests.
+    sampled = recipe.name in ("2b-tp8.yaml", "2b-vl-tp8.yaml", "35b-a3b-tp8.yaml", "35b-a3b-vl-tp8.yaml", "27b-tp4.yaml")
+    assert compiled.get("on_device_sampling_config") == ({"top_k": 1} if sampled else None)
+    assert ("sampling" in doc) == sampled
     if params.block_kv is None:
         # One contiguous block per sequence, chunked prefill off.
         cte, tkg = max(params.cte_buckets), max(params.tkg_buckets)
@@ -636,7 +641,7 @@ def test_the_bundle_tokenizer_reads_with_transformers_4_and_5(tmp_path):
 
 
 def test_a_bundle_changed_while_it_served_is_named(tmp_path):
-    from qbuild.backends.neuron.vllm_serve import check_unchanged
+    from qbuild.backends.neuron.server_process import check_unchanged
     from qbuild.core.errors import InfraError
     from qbuild.store.bundle import write_manifest
 

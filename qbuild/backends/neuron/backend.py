@@ -159,17 +159,24 @@ class NeuronBackend:
             checks.fail(loaded, "text.sampling.on_device", "on-device sampling with chunked_prefill is a combination "
                                                            "qbuild has not read in the port that builds it; drop one")
         if r.parallel.ep > 1:
-            # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is
-            # under DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0), and refuses that path under an expert-parallel group
-            # ("Selective Loading with Expert parallelism is not supported in token generation": expert_mlps_v2.py
-            # L1471-1481, model_utils.py L93 @ fbac349); no public port patches it. Above the threshold decode would
-            # run, but context encoding's non-blockwise paths index all experts while a rank holds experts/ep: PR
-            # 170's README (L155 @ 753c7f5) patches that with code that is not in the port. docs/nxdi.md section 14.
+            # Token generation at batch 1 runs below one routed expert per expert. NxD's ExpertMLPsV2 then takes its
+            # selective-loading path, which refuses an expert-parallel group ("Selective Loading with Expert
+            # parallelism is not supported in token generation": expert_mlps_v2.py L1471-1481, model_utils.py L93
+            # @ fbac349). The Coder-Next port's fused TKG path, the other way to decode, is built only where
+            # moe_intermediate_size / moe_tp is a multiple of 128 (its enable_moe_fused_nki_kernel, modeling_qwen35_moe.py
+            # L1105-1116 @ 753c7f5; NxDI models/config.py L43 @ ef2731e: 512 / 8 = 64 for Coder-Next), and NxD hands
+            # its selective kernel no rank_id, which only the all-experts call gets (moe_fused_tkg.py L336-363
+            # @ fbac349), so a rank could not tell its own experts. NxDI's hybrid_sharding_config (separate CTE and TKG
+            # MoE degrees: models/config.py L827-831, modules/moe_v2.py L34, L135-145 @ ef2731e) is a route no port
+            # has taken and qbuild has not read further. docs/nxdi.md section 14.
+            moe_tp = config.rank_layout(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep).moe_tp
+            mlp = (arch.moe_intermediate_size or 0) // moe_tp
             load = r.text.batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
-            checks.fail(loaded, "parallel.ep", f"NxD refuses to decode with expert parallelism below one routed "
-                                               f"expert per expert (batch_size x "
-                                               f"top_k / experts = {load:.3g} here), and its context encoding "
-                                               "under EP needs a patch no public port has; use ep: 1")
+            checks.fail(loaded, "parallel.ep", f"no public code decodes with expert parallelism here: NxD's "
+                                               f"selective loading (batch_size x top_k / experts = {load:.3g} < 1) "
+                                               "refuses it, and the fused TKG path needs moe_intermediate_size / "
+                                               f"moe_tp a multiple of 128 ({mlp} here) and passes its selective "
+                                               "kernel no rank_id (docs/nxdi.md section 14); use ep: 1")
         try:
             resolved = toolchain(loaded)
         except releases.ToolchainError as e:

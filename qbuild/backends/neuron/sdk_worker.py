@@ -37,16 +37,10 @@ def compile_text(req: dict) -> dict:
     and then appends to: always `--internal-hlo2tensorizer-options='... --verify-hlo=true'`, and the output
     completion notifications where the config enables them (model_wrapper.py L145-165 @ ef2731e).
     """
-    from neuronx_distributed_inference.models.config import MoENeuronConfig, NeuronConfig
-
     cfg = req["config"]
     module = _port_module(req["port"], cfg["module"])
-    app_cls, config_cls = getattr(module, cfg["app_class"]), getattr(module, cfg["config_class"])
-    nc = (MoENeuronConfig if cfg["neuron_config_class"] == "MoENeuronConfig" else NeuronConfig)(**cfg["neuron_config"])
-    for dotted, value in cfg["attributes"].items():
-        owner, attr = dotted.rsplit(".", 1)
-        setattr(getattr(nc, owner), attr, torch_dtype(value) if attr == "dtype" else value)
-    config = config_cls(neuron_config=nc, **req["kwargs"])
+    app_cls = getattr(module, cfg["app_class"])
+    config = text_config(module, cfg, req["kwargs"])
     args = cfg["compiler_args"]
 
     class App(app_cls):
@@ -58,6 +52,20 @@ def compile_text(req: dict) -> dict:
     app.compile(req["out"])
     _keep_metaneff(Path(req["work_dir"]), Path(req["out"]) / "metaneff")
     return {"neffs": cfg["neffs"]}
+
+
+def text_config(module, cfg: dict, kwargs: dict):
+    """The port's InferenceConfig of a text compile (`cfg`: config.neuron_config's document, `kwargs`:
+    config.inference_kwargs), as the ports' scripts build it before they compile, and before their VL benchmark loads
+    the compiled model (run_vl_benchmark.py L51-84 @ 4bcdc54): the NeuronConfig (MoENeuronConfig for MoE), the router
+    attributes set after construction, then the port's config class over the flattened text fields."""
+    from neuronx_distributed_inference.models.config import MoENeuronConfig, NeuronConfig
+
+    nc = (MoENeuronConfig if cfg["neuron_config_class"] == "MoENeuronConfig" else NeuronConfig)(**cfg["neuron_config"])
+    for dotted, value in cfg["attributes"].items():
+        owner, attr = dotted.rsplit(".", 1)
+        setattr(getattr(nc, owner), attr, torch_dtype(value) if attr == "dtype" else value)
+    return getattr(module, cfg["config_class"])(neuron_config=nc, **kwargs)
 
 
 def _keep_metaneff(work_dir: Path, dst: Path) -> None:
