@@ -252,6 +252,48 @@ def test_a_text_bundle_is_vllms_and_qbuilds_server_is_refused_for_it(small_check
         "(docs/vllm.md)")
 
 
+@pytest.mark.parametrize("name,tp", [("2b-vl-tp8", 4), ("35b-a3b-vl-tp8", 1)])
+def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_classes(name, tp, tmp_path):
+    """`qbuild serve --dry-run` of each shipped VL recipe's bundle layout (its vllm/serve.json, qbuild-vision.json and
+    bundle.json as the package step writes them from the planned params and compile record): qbuild's server in a
+    child process with the compile's environment, over the port's NeuronQwen35VLForCausalLM with the bundle's
+    encoders (the 2B's over 4 ranks), prompts up to 8192 tokens, images tiled past 4096 patches, decode sampled on
+    the device."""
+    from qbuild.backends.neuron.package import serve_record, vision_record
+    from qbuild.backends.neuron.params import NeuronPackageParams
+    from qbuild.recipe.params import parse
+    from qbuild.store.bundle import write_manifest
+
+    nodes = json.loads(qbuild("plan", str(REPO / "recipes" / f"{name}.yaml"), "--json", check=True).stdout)["nodes"]
+    (package,) = [n for n in nodes if n["kind"] == "package"]
+    (text,) = [n for n in nodes if n["kind"] == "compile" and n["params"].get("graph") == "text"]
+    vision = {n["params"]["bucket"]: n["neuron_config"] for n in nodes
+              if n["kind"] == "compile" and n["params"].get("graph") == "vision"}
+    params = parse(NeuronPackageParams, package["params"])
+    record = {"params": text["params"], "config": {"env": text["neuron_config"]["env"],
+                                                   "neuron_config": text["neuron_config"]["neuron_config"]}}
+    bundle = tmp_path / name
+    (bundle / "vllm").mkdir(parents=True)
+    (bundle / "vllm" / "serve.json").write_text(json.dumps(serve_record(params, record)))
+    (bundle / "vllm" / "qbuild_vllm_plugin.json").write_text(json.dumps({
+        "port_dir": "../port", "module": "src.modeling_qwen35", "app_class": "NeuronQwen35ForCausalLM"}))
+    (bundle / "qbuild-vision.json").write_text(json.dumps(vision_record(vision)))
+    write_manifest(bundle, {"backend": "neuron", **params.bundle_meta()})
+    proc = qbuild("serve", str(bundle), "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["server"] == "qbuild" and doc["command"][1:3] == ["-m", "qbuild.backends.neuron.vl_serve"]
+    assert doc["env"].items() >= text["neuron_config"]["env"].items() and doc["env"]["PYTHONPATH"] == str(
+        bundle / "port")
+    assert (doc["max_prompt_tokens"], doc["max_model_len"]) == (8192, 8192)
+    assert doc["images"]["buckets"] == [1024, 4096] and doc["images"]["max_patches"] == 16384
+    folder = "bucket_{}" if tp > 1 else "vision_encoder_{}.pt"
+    assert doc["runtime"]["vision_encoders"] == {str(b): folder.format(b) for b in (1024, 4096)}
+    assert doc["runtime"]["sampling"] == {"on_device": True, "top_k": 1}
+    text_doc = qbuild("serve", str(bundle), "--dry-run").stdout
+    assert text_doc.splitlines()[0] == "# server: qbuild" and "-m qbuild.backends.neuron.vl_serve" in text_doc
+
+
 # --- the double's contract, without a server -------------------------------------------------------------------
 
 _DIRECT = """
