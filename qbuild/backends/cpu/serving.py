@@ -49,5 +49,5 @@ class CpuServer:
     def _check_options(self, bundle: Path, options: ServeOptions) -> None:
         no_server_args(bundle, f"the {self.name} bundle", options.server_args)
         if options.server == "vllm":
-            raise UserError(f"--server vllm: {bundle} is a {self.name} bundle, which vLLM cannot run; qbuild's own "
-                            "server serves it (drop --server)")
+            raise UserError(f"--server vllm: {bundle} is a bundle of the {self.name} backend, which vLLM cannot run; "
+                            "qbuild's own server serves it (drop --server)")
