@@ -278,6 +278,8 @@ def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_c
     (bundle / "vllm" / "qbuild_vllm_plugin.json").write_text(json.dumps({
         "port_dir": "../port", "module": "src.modeling_qwen35", "app_class": "NeuronQwen35ForCausalLM"}))
     (bundle / "qbuild-vision.json").write_text(json.dumps(vision_record(vision)))
+    (bundle / "vision" / "host").mkdir(parents=True)
+    (bundle / "vision" / "host" / "model.safetensors").write_bytes(b"")
     write_manifest(bundle, {"backend": "neuron", **params.bundle_meta()})
     proc = qbuild("serve", str(bundle), "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -47,6 +47,10 @@ def check_servable(bundle: Path, manifest: dict, serve: dict) -> None:
     if serve.get("long_context"):
         raise UserError(f"{bundle / vllm_serve.VLLM_SERVE}: a bundle with chunked prefill is served by vLLM with the "
                         "port's patch; the port's VL generate runs a contiguous KV cache: pass --server vllm")
+    host = bundle / VISION_HOST / "model.safetensors"
+    if not host.is_file():
+        raise UserError(f"{host}: missing; this VL bundle was packaged without the host-side vision weights the "
+                        "port's wrapper reads (by an older qbuild): build it again, or pass --server vllm")
 
 
 def serve_command(bundle: Path, manifest: dict, options: ServeOptions, python: str, port: int | None = None) -> dict:
