@@ -96,9 +96,11 @@ lock-check: install
 	QBUILD_STORE=$$(mktemp -d) $(QBUILD) compile recipes/tiny/*.yaml --frozen -j 2
 
 # On a Trainium host with the Neuron SDK in the interpreter that runs it (e.g. make neuron-check PY=/opt/<sdk venv>/bin/
-# python) and QBUILD_TEST_PORTS naming the port checkouts: the tiny families compiled, run and checked on the device.
+# python) and QBUILD_TEST_PORTS naming the port checkouts: the tiny families compiled, run and checked on the device,
+# served through vLLM, and a tiny VL bundle's image chat through qbuild's server.
 neuron-check:
-	$(PY) -m pytest -n 0 -q -rs tests/test_neuron_sdk.py tests/test_neuron_serve.py::test_serve_a_tiny_neuron_bundle_with_vllm
+	$(PY) -m pytest -n 0 -q -rs tests/test_neuron_sdk.py tests/test_neuron_serve.py::test_serve_a_tiny_neuron_bundle_with_vllm \
+		tests/test_neuron_vl_serve.py::test_serve_an_image_chat_from_a_tiny_vl_bundle_on_neuron
 
 bench: install
 	$(PY) bench/run.py

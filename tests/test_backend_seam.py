@@ -89,7 +89,7 @@ def test_the_check_sees_what_it_forbids():
     assert [line for line, _ in _backend_tests(tree)] == [1, 2, 3, 6]
     assert [m for _, m in _imports(tree) if _implementation(m)] == ["qbuild.backends.neuron.config",
                                                                     "qbuild.backends.neuron"]
-    assert IMPLEMENTATIONS == {"cpu", "neuron"}
+    assert IMPLEMENTATIONS == {"cpu", "neuron", "openai_server"}
 
 
 def test_every_import_points_down_the_layers():

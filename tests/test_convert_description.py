@@ -139,17 +139,21 @@ def test_materializing_a_description_writes_the_converted_checkpoint(tmp_path):
     assert _tree_bytes(tmp_path / "m") == _tree_bytes(tmp_path / "full")
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 @pytest.mark.parametrize("kind", ["convert", "shard", "materialize"])
-def test_every_step_that_runs_a_rule_has_its_code_in_its_key(kind):
-    """The description names a rule; each step that runs it imports it, so an edit of a rule re-keys that step."""
+def test_every_step_that_runs_a_rule_has_its_code_in_its_key(kind, family):
+    """The description names a rule; each step that runs it holds its family's rule modules (Family.rules, the code a
+    node of that family carries), so an edit of a rule re-keys that step, and of another family's rule does not."""
+    from qbuild.model.families import FAMILIES
     from qbuild.planning.keys import closure
     from qbuild.steps.registry import STEPS
 
     step = next(s for s in STEPS if s.kind == kind)
-    modules = {name for name, _ in closure(step).modules}
-    rules = {f"qbuild.model.convert.{m}" for m in
-             ("attention", "deltanet", "embeddings", "mlp", "moe", "norms", "vision", "fp8", "steps", "layout")}
+    modules = {name for name, _ in closure(step, FAMILIES[family].rule_modules()).modules}
+    rules = {f"qbuild.model.convert.{m}" for m in (*FAMILIES[family].rules, "fp8", "rule", "layout")}
     assert rules <= modules, sorted(rules - modules)
+    others = {f"qbuild.model.convert.{m}" for f in FAMILIES.values() for m in f.rules} - rules
+    assert not others & modules, sorted(others & modules)
 
 
 def _edited(rule, body):

@@ -148,6 +148,7 @@ ALLOWED_DYNAMIC_IMPORTS = {
                                             # nodes that run it), or a backend's server (no build step serves)
     "qbuild.backends.neuron.sdk_worker",    # a port's modules in the SDK worker (keyed as the port's files)
     "qbuild.backends.neuron.vllm_plugin",   # a port's modules inside vLLM, when a bundle is served (no key)
+    "qbuild.backends.neuron.vl_runtime",    # a port's VL modules in qbuild's server of a VL bundle (no key)
     "qbuild.model.convert.layout",          # a family's conversion rules (Family.rules: joins the key of the
                                             # convert and shard nodes of that family)
 }

@@ -169,7 +169,7 @@ def test_a_malformed_request_is_a_400_error_object(server, case):
 def test_the_parser_refuses_200000_deep_json_and_lone_surrogates(body):
     """200,000 levels exceed this bundle's body limit (a 413 first); a bundle with a longer sequence takes the body,
     and the parser refuses it without recursing (pydantic-core's JSON parser has its own depth limit)."""
-    from qbuild.backends.cpu.serve_requests import CompletionRequest, RequestError, parse
+    from qbuild.backends.openai_server.serve_requests import CompletionRequest, RequestError, parse
 
     with pytest.raises(RequestError) as err:
         parse(CompletionRequest, body)

@@ -45,9 +45,10 @@ def family(label: str) -> str | None:
 # The CPU bundle's readers of converted weights: the reference model (and its exported graphs) and what verifies it.
 CPU_READERS = {"compile export", "package export", "verify export", "reference"}
 # Modules no build step runs: serving a bundle, and the runtime's benchmark.
-SERVING = ("qbuild.backends.cpu.serve", "qbuild.backends.cpu.serving", "qbuild.backends.neuron.serving",
-           "qbuild.backends.neuron.vllm_serve", "qbuild.backends.neuron.vllm_images", "qbuild.model.runtime.bench",
-           "qbuild.model.tinymodel")
+SERVING = ("qbuild.backends.openai_server", "qbuild.backends.cpu.serving", "qbuild.backends.neuron.serving",
+           "qbuild.backends.neuron.server_process", "qbuild.backends.neuron.vl_serve",
+           "qbuild.backends.neuron.vl_runtime", "qbuild.backends.neuron.vllm_serve",
+           "qbuild.backends.neuron.vllm_images", "qbuild.model.runtime.bench", "qbuild.model.tinymodel")
 
 
 def _under(module: str, prefixes) -> bool:

@@ -363,7 +363,7 @@ def test_an_image_is_part_of_the_cached_prefix(runtimes, tmp_path):
 
 @built
 def test_a_request_that_does_not_fit_is_refused_before_any_work(runtimes):
-    from qbuild.backends.cpu.serve import Generator, RequestError
+    from qbuild.backends.openai_server.serve import Generator, RequestError
 
     runtime = runtimes["qwen3_5_moe"]
     calls = []

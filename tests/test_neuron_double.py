@@ -625,6 +625,93 @@ def test_neuron_verify_path_loads_and_generates(dense, tmp_path, monkeypatch):
                                "output_scores": True, "return_dict_in_generate": True}
 
 
+# --- on-device sampling (docs/nxdi.md section 21) -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sampled(dense, tmp_path_factory) -> Build:
+    """The tiny Qwen3.5, text only, compiled with on-device sampling as the ports compile it, in its own store."""
+    build = Build(tmp_path_factory.mktemp("neuron-sampled"))
+    build.recipe = write_recipe(build.root / "recipes" / "sampled.yaml", dense.checkpoint, MAIN_PORT,
+                                text={"sampling": {"on_device": True, "top_k": 1}})
+    build.result, build.stderr = build.compile(build.recipe)
+    require_bundle(build.result, build.stderr)
+    return build
+
+
+def _verify(build: Build, recipe: str, tmp_path: Path, monkeypatch, thresholds) -> dict:
+    """The verify step (qbuild.steps.verify) on the build's bundle in this process, with the double and a reference
+    computed as its step computes it (--skip-device left it unbuilt); the report, or the BuildError."""
+    from qbuild.execution.source_files import locate_checkpoint
+    from qbuild.planning.step import Context, Source
+    from qbuild.recipe.params import ReferenceParams
+    from qbuild.steps.reference import Reference
+    from qbuild.steps.verify import Verify
+
+    inputs = {role: build.node_outputs(recipe, role, tmp_path / role) for role in ("package", "fetch", "port")}
+    inputs["reference"] = tmp_path / "reference"
+    inputs["reference"].mkdir()
+    (tmp_path / "ref-scratch").mkdir()
+    source = Source(path=str(build.checkpoint))
+    Reference.run(Context(ReferenceParams(("Hello world", "The quick brown fox"), 4, False),
+                          {"snapshot": inputs["fetch"]}, inputs["reference"], tmp_path / "ref-scratch", source,
+                          locate_checkpoint(inputs["fetch"], source, tmp_path / "ref-scratch", print),
+                          log=lambda s: None))
+    for key, value in build.env(log=tmp_path / "verify.jsonl").items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.syspath_prepend(str(SITE))
+    out = tmp_path / "out"
+    out.mkdir()
+    Verify.run(Context(thresholds, {"bundle": inputs["package"], "reference": inputs["reference"],
+                                    "port": inputs["port"]}, out, tmp_path / "scratch", log=lambda s: None))
+    return {"report": json.loads((out / "report.json").read_text()),
+            "reference": json.loads((inputs["reference"] / "reference.json").read_text())}
+
+
+@pytest.mark.slow
+def test_on_device_sampling_is_compiled_as_the_ports_and_verified_by_its_tokens(sampled, tmp_path, monkeypatch):
+    """`text.sampling: {on_device: true, top_k: 1}` reaches NxDI as the ports pass it: on_device_sampling_config with
+    top_k 1 (a dict NeuronConfig turns into OnDeviceSamplingConfig(top_k=1)), saved so in the bundle's
+    neuron_config.json. NxDI then returns tokens and no logits, so generate's scores are empty; verify asks for none,
+    compares the tokens, takes the first token as the last position's top-1 and claims no logit error. A gate of
+    max_logit_err 0, which any logits would fail, is not applied to a bundle that has none."""
+    from qbuild.recipe.params import VerifyParams
+
+    (kwargs,) = [c["kwargs"] for c in sampled.calls("NeuronConfig") if not c["load_path"]]
+    assert kwargs["on_device_sampling_config"] == {"top_k": 1} and "output_logits" not in kwargs
+    bundle = tmp_path / "bundle"
+    assert sampled.cli("pull", "sampled", "--to", str(bundle), "--allow-unverified").returncode == 0
+    saved = json.loads((bundle / "neuron_config.json").read_text())["neuron_config"]
+    assert {k: saved["on_device_sampling_config"][k] for k in ("top_k", "do_sample", "dynamic")} == \
+        {"top_k": 1, "do_sample": False, "dynamic": False}
+    assert json.loads((bundle / "vllm" / "serve.json").read_text())["sampling"] == {"on_device": True, "top_k": 1}
+    done = _verify(sampled, "sampled", tmp_path, monkeypatch,
+                   VerifyParams(top1_min=0.0, token_match_min=0.0, max_logit_err=0.0))
+    report, reference = done["report"], done["reference"]
+    assert report["ok"] is True
+    for prompt in report["prompts"]:
+        assert prompt["max_logit_err"] is None and prompt["tokens"] == 1 and len(prompt["greedy"]) == 4
+        assert prompt["top1"] == float(prompt["greedy"][0] == reference["prompts"][prompt["index"]]["greedy"][0])
+    generates = [c for c in read_log(tmp_path / "verify.jsonl") if c["call"] == "generate"]
+    assert len(generates) == 2 and all(g["on_device_sampling"] for g in generates)
+    assert all(g["kwargs"]["output_scores"] is False and g["generation_config"]["top_k"] == 1 for g in generates)
+
+
+@pytest.mark.slow
+def test_the_double_refuses_a_config_that_reads_sampled_graphs_as_logits(sampled, tmp_path):
+    """model.pt compiled with on-device sampling, loaded with a config without it: NxDI would read the graphs' tokens
+    as logits; the double refuses the load naming the setting."""
+    bundle = tmp_path / "bundle"
+    assert sampled.cli("pull", "sampled", "--to", str(bundle), "--allow-unverified").returncode == 0
+    config = bundle / "neuron_config.json"
+    doc = json.loads(config.read_text())
+    doc["neuron_config"]["on_device_sampling_config"] = None
+    config.unlink()                        # a hardlink into the store: replaced, never written through
+    config.write_text(json.dumps(doc))
+    (result,) = load_bundles(sampled, bundle, log=tmp_path / "load.jsonl")
+    assert result.startswith("RuntimeError: model.pt was compiled with on_device_sampling_config={") and \
+        result.endswith("and is loaded with a config that says None"), result
+
+
 # --- the double itself ---------------------------------------------------------------------------------------------
 
 @pytest.fixture

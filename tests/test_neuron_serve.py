@@ -255,8 +255,33 @@ def test_serve_runs_the_bundle_through_vllm_neuron_05(dense, tmp_path):
     assert (engine["max_prompt_length"], engine["block_size"], engine["num_gpu_blocks"]) == (128, 256, 2)
     (load,) = served.calls("load")
     assert load["path"].rstrip("/") == str(bundle) and load["ranks"] == [0, 1]
+    assert [c["path"] for c in served.calls("vllm_sampling")] == ["cpu"]    # compiled without on-device sampling
     assert not served.calls("compile")
     _unchanged(bundle)
+
+
+@pytest.mark.slow
+def test_a_bundle_sampled_on_the_device_is_served_on_vllm_neurons_on_device_path(small_checkpoints, tmp_path):
+    """A bundle compiled with on-device sampling (the ports' OnDeviceSamplingConfig(top_k=1)) is served by vllm-neuron
+    0.5 on its on-device path, with the compiled sampler (top_k 1, do_sample off), not the loader's default
+    (dynamic=True), which only a model vLLM compiles itself gets; the dry run says the request's sampling parameters
+    change nothing. The vLLM flags are the same as for a bundle that returns logits."""
+    build, bundle = _bundle(tmp_path / "build", small_checkpoints["qwen3_5"], MAIN_PORT,
+                            text={**TEXT, "sampling": {"on_device": True, "top_k": 1}})
+    doc = dry_run(build, str(bundle))
+    assert doc["sampling"]["on_device"] is True and doc["sampling"]["top_k"] == 1
+    assert "a request's temperature, top_p and top_k do not change the tokens" in doc["sampling"]["note"]
+    assert json.loads(flag(doc["command"], "--additional-config")) == {"max_prompt_length": 128}
+    served = Served(build, str(bundle), tmp_path)
+    try:
+        assert served.url(), served.stop()[1]
+    finally:
+        code, err = served.stop()
+    assert code == 0, err
+    (sampling,) = served.calls("vllm_sampling")
+    assert sampling["path"] == "on_device"
+    assert {k: sampling["config"][k] for k in ("top_k", "do_sample", "dynamic")} == \
+        {"top_k": 1, "do_sample": False, "dynamic": False}
 
 
 @pytest.mark.slow
@@ -403,7 +428,8 @@ def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, 
     (package,) = [n for n in nodes if n["kind"] == "package"]
     (text,) = [n for n in nodes if n["kind"] == "compile" and n["params"].get("graph") == "text"]
     params = parse(NeuronPackageParams, package["params"])
-    record = {"params": text["params"], "config": {"env": text["neuron_config"]["env"]}}
+    record = {"params": text["params"], "config": {"env": text["neuron_config"]["env"],
+                                                   "neuron_config": text["neuron_config"]["neuron_config"]}}
     bundle = tmp_path / "bundle"
     (bundle / "vllm").mkdir(parents=True)
     (bundle / "vllm" / "serve.json").write_text(json.dumps(serve_record(params, record)))
@@ -423,6 +449,10 @@ def test_each_shipped_recipe_serves_with_a_command_vllm_neuron_05_takes(recipe, 
     assert config["max_num_seqs"] == params.batch_size and config["max_model_len"] == max(params.tkg_buckets)
     compiled = text["neuron_config"]["neuron_config"]
     assert config["max_prompt_length"] == config["max_context_length"] == compiled["max_context_length"]
+    # The recipes whose ports compile OnDeviceSamplingConfig(top_k=1) do; the dry run says what that does to requests.
+    sampled = recipe.name in ("2b-tp8.yaml", "2b-vl-tp8.yaml", "35b-a3b-tp8.yaml", "35b-a3b-vl-tp8.yaml", "27b-tp4.yaml")
+    assert compiled.get("on_device_sampling_config") == ({"top_k": 1} if sampled else None)
+    assert ("sampling" in doc) == sampled
     if params.block_kv is None:
         # One contiguous block per sequence, chunked prefill off.
         cte, tkg = max(params.cte_buckets), max(params.tkg_buckets)
@@ -611,7 +641,7 @@ def test_the_bundle_tokenizer_reads_with_transformers_4_and_5(tmp_path):
 
 
 def test_a_bundle_changed_while_it_served_is_named(tmp_path):
-    from qbuild.backends.neuron.vllm_serve import check_unchanged
+    from qbuild.backends.neuron.server_process import check_unchanged
     from qbuild.core.errors import InfraError
     from qbuild.model.bundle import write_manifest
 

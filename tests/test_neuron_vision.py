@@ -227,22 +227,23 @@ def test_a_port_without_tp_encoders_fails_the_vision_compile_in_one_line(vl_tp, 
 
 @pytest.mark.slow
 def test_vllm_serves_a_vl_bundle_as_text_and_says_so(vl_tp, tmp_path):
-    """`qbuild serve --dry-run` of the VL bundle says images are not served and why (vllm-neuron 0.5's multimodal
-    path, cited); --allow-image-urls is refused in one line; served through the vLLM double, an image part gets vLLM's
-    own 400, since the bundle's plugin registers the text model."""
+    """`qbuild serve --server vllm --dry-run` of the VL bundle says images are not served and why (vllm-neuron 0.5's
+    multimodal path, cited) and where they are; --allow-image-urls is refused in one line; served through the vLLM
+    double, an image part gets vLLM's own 400, since the bundle's plugin registers the text model."""
     from tests.test_neuron_serve import Served, _post
 
     build, bundle = vl_tp
-    proc = build.cli("serve", str(bundle), "--dry-run", "--json")
+    proc = build.cli("serve", str(bundle), "--server", "vllm", "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
     images = json.loads(proc.stdout)["images"]
     assert images["served"] is False and images["vision_buckets"] == [16, 64]
     assert "NEURON_MULTI_MODAL_MODELS (vllm_neuron/worker/constants.py:4-10 @ 3afb0a9)" in images["why"]
-    refused = build.cli("serve", str(bundle), "--dry-run", "--allow-image-urls")
+    assert images["images_elsewhere"].startswith("`qbuild serve` of this bundle without --server vllm")
+    refused = build.cli("serve", str(bundle), "--server", "vllm", "--dry-run", "--allow-image-urls")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        "error: --allow-image-urls: vLLM's Neuron plugin cannot serve this VL bundle's images; drop the flag "
-        "(docs/vllm.md section 11)"]
-    served = Served(build, str(bundle), tmp_path)
+        "error: --allow-image-urls: vLLM's Neuron plugin cannot serve this VL bundle's images; drop the flag (or drop "
+        "--server vllm: qbuild's server takes them) (docs/vllm.md section 11)"]
+    served = Served(build, str(bundle), tmp_path, "--server", "vllm")
     try:
         url = served.url()
         assert url, served.stop()[1]

@@ -358,6 +358,11 @@ def test_dry_run_of_a_cpu_bundle_names_the_server_and_its_limits(tmp_path):
         assert proc.stderr.strip().splitlines() == [
             f"error: {bundle}: the inductor bundle is served by qbuild's own server, which takes no arguments after "
             "`--` (given: --chat-template t.jinja)"], proc.stderr
+    # vLLM runs neuron bundles only.
+    proc = qbuild("serve", str(bundle), "--dry-run", "--server", "vllm")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: --server vllm: {bundle} is a bundle of the inductor backend, which vLLM cannot run; qbuild's own "
+        "server serves it (drop --server)"], proc.stderr
 
 
 def test_each_connection_sends_its_answer_at_once(tmp_path):
@@ -368,7 +373,7 @@ def test_each_connection_sends_its_answer_at_once(tmp_path):
     import asyncio
     import socket
 
-    from qbuild.backends.cpu.serve import listen
+    from qbuild.backends.openai_server.serve import listen
 
     async def accept_one() -> int:
         sock = listen("127.0.0.1", 0)

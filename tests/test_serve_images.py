@@ -1,4 +1,4 @@
-"""How `qbuild serve` has an image's bytes (qbuild/backends/cpu/serve_images.py): a data: URL decoded, an http(s) URL
+"""How `qbuild serve` has an image's bytes (qbuild/backends/openai_server/serve_images.py): a data: URL decoded, an http(s) URL
 fetched on the event loop within a deadline in all and a limit of fetches at once, against an HTTP server on
 127.0.0.1 that answers as a hostile or broken one would (one byte every 0.2 s, a redirect, an error, too many bytes).
 The server's answers to a whole request (a slow URL beside other requests) are in tests/test_vision_images.py."""
@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from qbuild.backends.cpu.serve_images import (MAX_IMAGE_FETCHES, Fetcher, FetchesBusy, ImageSourceError,
+from qbuild.backends.openai_server.serve_images import (MAX_IMAGE_FETCHES, Fetcher, FetchesBusy, ImageSourceError,
                                               data_url_bytes, is_remote)
 from qbuild.model.runtime.images import MAX_IMAGE_BYTES
 from tests.conftest import wait_until

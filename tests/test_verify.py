@@ -43,6 +43,22 @@ def test_top1_is_weighted_by_prompt_length():
     assert failures([a, b], replace(THRESHOLDS, top1_min=0.8, max_logit_err=10)) == []
 
 
+def test_a_bundle_of_tokens_only_is_held_to_its_tokens_and_its_first_token():
+    """A bundle that samples on the device returns no logits: its top-1 is its first token against the reference's
+    argmax at the last prompt position (what its last-position logits would have been compared with), its token match
+    is the same gate, and no logit error is claimed or checked."""
+    ref = torch.zeros(1, 10)
+    ref[0, 7] = 1.0                                   # the reference's last prompt position: argmax 7
+    right = compare(0, _record(greedy=(7, 2, 3)), None, ref, [7, 2, 3])
+    assert (right.top1, right.token_match, right.max_logit_err, right.nonfinite) == (1.0, 1.0, None, 0)
+    assert failures([right], THRESHOLDS) == []
+    assert _line(right).endswith("tokens 3/3, no logits (tokens only)")
+    wrong = compare(0, _record(greedy=(7, 2, 3)), None, ref, [6, 2, 3])
+    assert wrong.top1 == 0.0 and wrong.first_mismatch == 0
+    assert [m.split(" <")[0] for m in failures([wrong], THRESHOLDS)] == ["top-1 agreement 0.0000",
+                                                                          "greedy token match 0.6667"]
+
+
 def test_shipped_golden_prompts_are_pinned():
     from qbuild.steps.reference import golden
 

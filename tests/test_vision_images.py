@@ -34,7 +34,7 @@ from typing import Callable
 import pytest
 import torch
 
-from qbuild.backends.cpu.serve_images import IMAGE_URL_TIMEOUT_S, MAX_IMAGE_FETCHES
+from qbuild.backends.openai_server.serve_images import IMAGE_URL_TIMEOUT_S, MAX_IMAGE_FETCHES
 from qbuild.model.arch import VisionArch
 from qbuild.model.modeling.vision import VisionEncoder, split_tiles, stitch_tiles
 from qbuild.model.tiling import ImagePlan, ImageTooLarge, largest_patches, plan_image
@@ -701,7 +701,7 @@ def test_the_body_limit_holds_one_image_and_the_text_limit_stays(project, server
     text limit (a 413 naming it), so an image's allowance cannot carry a longer prompt."""
     import urllib.request
 
-    from qbuild.backends.cpu.serve import max_body_bytes
+    from qbuild.backends.openai_server.serve import max_body_bytes
 
     with urllib.request.urlopen(server.url + "/models") as r:
         card = json.loads(r.read())["data"][0]

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from qbuild.backends.base import Backend, Server
 
 NAMES: tuple[str, ...] = ("neuron", "inductor", "export")   # what a recipe's `backend:` and `--backend` may name
+# What `qbuild serve --server` may ask for: qbuild's own OpenAI-compatible server, or vLLM with the Neuron plugin.
+SERVERS: tuple[str, ...] = ("qbuild", "vllm")
 # name -> "module:factory" called with the name
 _IMPLEMENTATIONS = {"neuron": "qbuild.backends.neuron.backend:NeuronBackend",
                     "inductor": "qbuild.backends.cpu.backend:CpuBackend",

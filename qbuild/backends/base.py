@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from qbuild.backends import SERVERS
 from qbuild.core.errors import UserError
 from qbuild.model.arch import Arch
 from qbuild.planning.backend import PlanningBackend
@@ -29,7 +30,8 @@ class PromptRun:
 
     index: int                       # the prompt's index in the reference
     record: dict                     # the reference's record it is compared with (greedy tokens possibly cut)
-    logits: object                   # the bundle's prefill logits: (n, V), or (1, V) where last_only
+    logits: object | None            # the bundle's prefill logits: (n, V), or (1, V) where last_only; None where the
+                                     # bundle returns tokens only (a neuron bundle sampling on the device)
     greedy: list[int]
     last_only: bool                  # the bundle returns the last prompt position's logits only
 
@@ -53,6 +55,9 @@ class ServeOptions:
     # A checkout of the NxDI source tree a neuron bundle's port imports from (vllm/serve.json "nxdi_tree"), whose src/
     # goes on the server's PYTHONPATH.
     nxdi_tree: Path | None = None
+    # The server the user asked for (one of SERVERS); None: the bundle's own (qbuild's for a CPU bundle and a neuron VL
+    # bundle, vLLM for a neuron text bundle).
+    server: str | None = None
 
     def __post_init__(self) -> None:
         # A key a client cannot send in an HTTP header (empty, spaces, control or non-ASCII characters) could never
@@ -60,6 +65,8 @@ class ServeOptions:
         if self.api_key is not None and not (self.api_key and all("!" <= c <= "~" for c in self.api_key)):
             raise UserError("--api-key (or QBUILD_API_KEY): a key is one or more printable ASCII characters without "
                             "spaces")
+        if self.server is not None and self.server not in SERVERS:
+            raise UserError(f"--server {self.server}: not one of {', '.join(SERVERS)}")
 
     @property
     def open_to_others(self) -> bool:

@@ -1,15 +1,22 @@
 """`qbuild serve`: a bundle's OpenAI-compatible endpoint, served by its backend until Ctrl-C."""
 
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from qbuild.backends import SERVERS
 from qbuild.cli.exits import err
 from qbuild.cli.options import JsonOpt, LockOpt, RemoteOpt, StoreOpt, StrictOpt, check_new_dir, open_bundle
 from qbuild.core import jsonio
 from qbuild.core.errors import UserError
+
+ServerName = Enum("ServerName", {name: name for name in SERVERS}, type=str)
+SERVER_HELP = ("qbuild (its own server: a CPU bundle's and a neuron VL bundle's, which then takes images through the "
+               "port's VL classes) or vllm (vLLM's Neuron plugin: a neuron text bundle's; a neuron VL bundle's text "
+               "only); default the bundle's")
 
 
 def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbuild pull`), or a locked recipe"),
@@ -20,8 +27,9 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                    "parallelism and cache flags come from the bundle and are refused here"),
           host: str = typer.Option("127.0.0.1", "--host", help="address to listen on"),
           port: int = typer.Option(8000, "--port", min=0, max=65535, help="port to listen on (0: any free one)"),
+          server: Optional[ServerName] = typer.Option(None, "--server", help=SERVER_HELP),
           dry_run: bool = typer.Option(False, "--dry-run",
-                                       help="print how the bundle would be served (for a neuron bundle the exact vLLM "
+                                       help="print how the bundle would be served (for a neuron bundle the exact "
                                             "command and environment) and exit; a recipe's bundle is then laid out "
                                             "in a temporary directory that is gone afterwards"),
           ready_file: Optional[Path] = typer.Option(None, "--ready-file",
@@ -34,18 +42,19 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
                                                      "the environment variable: a command line is visible to other "
                                                      "users)"),
           allow_image_urls: bool = typer.Option(False, "--allow-image-urls",
-                                                help="fetch the http(s) image URLs chat requests name (a VL CPU "
-                                                     "bundle); without it only data: URLs are taken, since a fetch "
+                                                help="fetch the http(s) image URLs chat requests name (a VL "
+                                                     "bundle served by qbuild's server); without it only data: URLs are taken, since a fetch "
                                                      "reaches whatever the server's network reaches"),
           nxdi_tree: Optional[Path] = typer.Option(None, "--nxdi-tree", envvar="QBUILD_NXDI_TREE", show_default=False,
                                                    help="a checkout of the NxDI source tree a neuron bundle's port "
                                                         "imports from (its vllm/serve.json names it), where this "
-                                                        "host's NxDI is not that tree; its src/ goes on vLLM's "
-                                                        "PYTHONPATH"),
+                                                        "host's NxDI is not that tree; its src/ goes on the "
+                                                        "server's PYTHONPATH"),
           json_: bool = JsonOpt, store: Optional[Path] = StoreOpt, lock: Path = LockOpt,
           remote: Optional[str] = RemoteOpt, strict: bool = StrictOpt) -> None:
     """Serve a bundle's OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions) until Ctrl-C:
-    qbuild's runtime for a CPU bundle, vLLM with the Neuron plugin for a neuron bundle."""
+    qbuild's runtime for a CPU bundle, qbuild's server over the port's VL classes for a neuron VL bundle, vLLM with the
+    Neuron plugin for a neuron text bundle."""
     from qbuild import backends
     from qbuild.backends.base import ServeOptions
     from qbuild.render import serve_text
@@ -74,7 +83,8 @@ def serve(target: str = typer.Argument(..., help="a bundle directory (from `qbui
         backend = backends.server(manifest["backend"])
         options = ServeOptions(name=opened.name, host=host, port=port, log=err, on_ready=on_ready,
                                digests_checked=opened.digests_checked, server_args=tuple(server_args or ()),
-                               api_key=api_key, allow_image_urls=allow_image_urls, nxdi_tree=nxdi_tree)
+                               api_key=api_key, allow_image_urls=allow_image_urls, nxdi_tree=nxdi_tree,
+                               server=server.value if server is not None else None)
         if dry_run:
             doc = backend.serve_command(bundle, manifest, options)
             if json_:

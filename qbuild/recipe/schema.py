@@ -148,6 +148,17 @@ class PrefixCache(_Strict):
                            "DeltaNet APC, which its authors call an experiment: off (default) or experimental")
 
 
+class Sampling(_Strict):
+    """How a neuron build picks each generated token. on_device: inside the compiled graphs, as the Qwen3.5 ports compile
+    it (NxDI's OnDeviceSamplingConfig(top_k=1): an argmax over the vocabulary, so each step returns its token and no
+    logits; docs/models.md section 3); off: the graphs return the logits and the host picks. The CPU backends compute
+    logits either way and pick the same greedy tokens."""
+
+    on_device: StrictBool = Field(False, description="sample inside the compiled graphs (neuron)")
+    top_k: Literal[1] = Field(1, description="NxDI's OnDeviceSamplingConfig.top_k; 1 only: greedy decoding, which "
+                                             "qbuild verifies and serves")
+
+
 class Text(_Strict):
     batch_size: StrictInt = Field(1, ge=1, le=256)
     seq_len: StrictInt = Field(..., ge=1, description="maximum context (prompt + generated tokens)")
@@ -180,6 +191,8 @@ class Text(_Strict):
                                                                       "a prompt must fit the largest cte bucket")
     prefix_cache: PrefixCache | None = Field(None, description="reuse the KV and DeltaNet state of cached prompt "
                                                                "prefixes; needs chunked_prefill")
+    sampling: Sampling = Field(Sampling(), description="how a neuron build picks each token: on the device "
+                                                       "(the ports' OnDeviceSamplingConfig(top_k=1)) or on the host")
 
     @property
     def token_buckets(self) -> list[int]:

@@ -236,19 +236,20 @@ def _read_blob(store: Store, entry: dict, remote: bool) -> dict | None:
 def summarize(report: dict) -> dict:
     """metric -> (value over every prompt, its threshold, whether it passes), as the verify step's gate computes them
     (qbuild/steps/verify.py `failures`): top-1 weighted by prompt positions, token match averaged over
-    prompts, the largest logit error."""
+    prompts, the largest logit error (None where the bundle returned tokens only: no logits, nothing checked)."""
     prompts, thresholds = report["prompts"], report.get("thresholds") or {}
     if not prompts:
         return {}
     positions = sum(p["tokens"] for p in prompts)
     top1 = sum(p["top1"] * p["tokens"] for p in prompts) / positions
     match = sum(p["token_match"] for p in prompts) / len(prompts)
-    err = max(p["max_logit_err"] for p in prompts)
+    errs = [p["max_logit_err"] for p in prompts if p.get("max_logit_err") is not None]
+    err = max(errs) if errs else None
     return {"top1": (top1, thresholds.get("top1_min"), _at_least(top1, thresholds.get("top1_min"))),
             "token_match": (match, thresholds.get("token_match_min"),
                             _at_least(match, thresholds.get("token_match_min"))),
             "max_logit_err": (err, thresholds.get("max_logit_err"),
-                              None if thresholds.get("max_logit_err") is None
+                              None if thresholds.get("max_logit_err") is None or err is None
                               else math.isfinite(err) and err <= thresholds["max_logit_err"])}
 
 

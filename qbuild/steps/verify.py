@@ -3,7 +3,9 @@ agreement.
 
 Metrics, over every prompt: top-1 agreement of the prefill logits at every prompt position, greedy token match
 over the reference's N tokens (position by position, EOS not stopping), and max |logit - reference| over the
-prefill positions. Thresholds come from the recipe's `verify:`; a failure raises BuildError whose message holds
+prefill positions. A bundle that returns tokens only (a neuron build sampling on the device: docs/nxdi.md section 21)
+is held to the same token match; its top-1 is its first token against the reference's argmax at the last prompt
+position, and it has no logit error, which the report says (`max_logit_err: null`). Thresholds come from the recipe's `verify:`; a failure raises BuildError whose message holds
 the per-prompt report, so nothing is cached and the build fails. On success report.json is the output.
 
 A NaN or infinite logit (in the bundle's output or in the reference's) fails the gate: NaN compares false with every
@@ -40,7 +42,7 @@ class PromptReport:
     image: bool
     tokens: int                 # prompt length
     top1: float                 # fraction of prompt positions whose argmax agrees
-    max_logit_err: float
+    max_logit_err: float | None  # None: the bundle returned no logits (tokens only)
     token_match: float          # fraction of the N greedy tokens equal to the reference
     first_mismatch: int | None  # index of the first differing greedy token
     greedy: list[int]
@@ -50,12 +52,18 @@ class PromptReport:
 
 
 def compare(index: int, record: dict, logits, ref_logits, greedy: list[int]) -> PromptReport:
+    """`logits` None: the bundle returned tokens only, and `ref_logits` is the reference's last prompt position,
+    whose argmax its first token is compared with."""
     ref = record["greedy"]
-    top1 = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
-    err = float((logits.float() - ref_logits.float()).abs().max())
+    if logits is None:
+        top1 = float(bool(greedy) and greedy[0] == int(ref_logits[-1].argmax()))
+        err, nonfinite = None, 0
+    else:
+        top1 = float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean())
+        err = float((logits.float() - ref_logits.float()).abs().max())
+        nonfinite = int((~logits.isfinite()).sum())
     same = [a == b for a, b in zip(greedy, ref)] + [False] * (len(ref) - len(greedy))
     first = next((i for i, s in enumerate(same) if not s), None)
-    nonfinite = int((~logits.isfinite()).sum())
     ref_nonfinite = int((~ref_logits.isfinite()).sum())
     return PromptReport(index, record["text"], record["image"], len(record["ids"]), top1, err,
                         sum(same) / len(ref), first, greedy, ref, nonfinite, ref_nonfinite)
@@ -65,7 +73,7 @@ def failures(reports: list[PromptReport], thresholds: VerifyParams) -> list[str]
     positions = sum(r.tokens for r in reports)
     top1 = sum(r.top1 * r.tokens for r in reports) / positions
     match = sum(r.token_match for r in reports) / len(reports)
-    err = max(r.max_logit_err for r in reports)
+    errs = [r.max_logit_err for r in reports if r.max_logit_err is not None]
     out = []
     ref_bad = sum(r.ref_nonfinite for r in reports)
     if ref_bad:
@@ -78,7 +86,8 @@ def failures(reports: list[PromptReport], thresholds: VerifyParams) -> list[str]
         out.append(f"top-1 agreement {top1:.4f} < top1_min {thresholds.top1_min}")
     if not match >= thresholds.token_match_min:
         out.append(f"greedy token match {match:.4f} < token_match_min {thresholds.token_match_min}")
-    if not (math.isfinite(err) and err <= thresholds.max_logit_err):
+    err = max(errs) if errs else None
+    if err is not None and not (math.isfinite(err) and err <= thresholds.max_logit_err):
         out.append(f"max |logit error| {err:.3g} > max_logit_err {thresholds.max_logit_err}")
     return out
 
@@ -86,7 +95,8 @@ def failures(reports: list[PromptReport], thresholds: VerifyParams) -> list[str]
 def _line(r: PromptReport) -> str:
     where = "" if r.first_mismatch is None else f", first mismatch at token {r.first_mismatch}"
     return (f"[{r.index}] {r.text[:32]!r}{' +image' if r.image else ''}: top1 {r.top1:.3f}, tokens "
-            f"{round(r.token_match * len(r.reference))}/{len(r.reference)}{where}, max err {r.max_logit_err:.3g}")
+            f"{round(r.token_match * len(r.reference))}/{len(r.reference)}{where}, "
+            + ("no logits (tokens only)" if r.max_logit_err is None else f"max err {r.max_logit_err:.3g}"))
 
 
 class Verify(Step):

@@ -15,7 +15,7 @@ from typing import Callable
 
 from qbuild.backends.base import PromptRun
 from qbuild.backends.neuron import compile_cache, config, deploy, long_context, releases, worker_env
-from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronTextCompile,
+from qbuild.backends.neuron.params import (CompilerSettings, NeuronPackageParams, NeuronSampling, NeuronTextCompile,
                                            NeuronVisionCompile, NxdiTree, PortFiles, PortGit, PortMissing)
 from qbuild.backends.neuron.ports import FAMILY_LINEAGES, LINEAGES, VL_PORT_ENV, lineage_for, port_dir
 from qbuild.core.errors import UserError
@@ -47,7 +47,8 @@ def text_compile_params(loaded: LoadedRecipe, arch: Arch) -> NeuronTextCompile:
         # The ports' scripts pad with eos where the config names no pad token (run_text_smoke.py @ 4bcdc54).
         pad_token_id=arch.pad_token_id if arch.pad_token_id is not None else arch.eos_token_id,
         # A bundle with vision encoders needs a context-encoding graph that takes the image features.
-        vision_inputs=bool(r.vision and r.vision.buckets), block_kv=long_context.block_kv(loaded))
+        vision_inputs=bool(r.vision and r.vision.buckets), block_kv=long_context.block_kv(loaded),
+        sampling=NeuronSampling(r.text.sampling.top_k) if r.text.sampling.on_device else None)
 
 
 def bundle_long_context(loaded: LoadedRecipe) -> LongContext | None:
@@ -152,18 +153,31 @@ class NeuronBackend:
                                          f"builds in bfloat16, not {r.dtype}")
         if r.vision is not None:
             self._validate_vl_switches(loaded, lineage.name)
+        if r.text.sampling.on_device and r.text.chunked_prefill is not None:
+            # The one port that compiles chunked prefill adds vocab_parallel=True to its on-device sampling
+            # (contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py L931-947 @ 03db3ef), and how its
+            # vLLM patch reads sampled tokens was not traced: docs/nxdi.md section 21.
+            checks.fail(loaded, "text.sampling.on_device", "on-device sampling with chunked_prefill is a combination "
+                                                           "qbuild has not read in the port that builds it; drop one")
         if r.parallel.ep > 1:
-            # Token generation: NxD's ExpertMLPsV2 loads only the routed experts when tokens * top_k / experts is
-            # under DEFAULT_SELECTIVE_LOADING_THRESHOLD (1.0), and refuses that path under an expert-parallel group
-            # ("Selective Loading with Expert parallelism is not supported in token generation": expert_mlps_v2.py
-            # L1471-1481, model_utils.py L93 @ fbac349); no public port patches it. Above the threshold decode would
-            # run, but context encoding's non-blockwise paths index all experts while a rank holds experts/ep: PR
-            # 170's README (L155 @ 753c7f5) patches that with code that is not in the port. docs/nxdi.md section 14.
+            # Token generation at batch 1 runs below one routed expert per expert. NxD's ExpertMLPsV2 then takes its
+            # selective-loading path, which refuses an expert-parallel group ("Selective Loading with Expert
+            # parallelism is not supported in token generation": expert_mlps_v2.py L1471-1481, model_utils.py L93
+            # @ fbac349). The Coder-Next port's fused TKG path, the other way to decode, is built only where
+            # moe_intermediate_size / moe_tp is a multiple of 128 (its enable_moe_fused_nki_kernel, modeling_qwen35_moe.py
+            # L1105-1116 @ 753c7f5; NxDI models/config.py L43 @ ef2731e: 512 / 8 = 64 for Coder-Next), and NxD hands
+            # its selective kernel no rank_id, which only the all-experts call gets (moe_fused_tkg.py L336-363
+            # @ fbac349), so a rank could not tell its own experts. NxDI's hybrid_sharding_config (separate CTE and TKG
+            # MoE degrees: models/config.py L827-831, modules/moe_v2.py L34, L135-145 @ ef2731e) is a route no port
+            # has taken and qbuild has not read further. docs/nxdi.md section 14.
+            moe_tp = config.rank_layout(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep).moe_tp
+            mlp = (arch.moe_intermediate_size or 0) // moe_tp
             load = r.text.batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
-            checks.fail(loaded, "parallel.ep", f"NxD refuses to decode with expert parallelism below one routed "
-                                               f"expert per expert (batch_size x "
-                                               f"top_k / experts = {load:.3g} here), and its context encoding "
-                                               "under EP needs a patch no public port has; use ep: 1")
+            checks.fail(loaded, "parallel.ep", f"no public code decodes with expert parallelism here: NxD's "
+                                               f"selective loading (batch_size x top_k / experts = {load:.3g} < 1) "
+                                               "refuses it, and the fused TKG path needs moe_intermediate_size / "
+                                               f"moe_tp a multiple of 128 ({mlp} here) and passes its selective "
+                                               "kernel no rank_id (docs/nxdi.md section 14); use ep: 1")
         try:
             resolved = toolchain(loaded)
         except releases.ToolchainError as e:
@@ -322,9 +336,9 @@ class NeuronBackend:
     def run_prompts(self, ctx: Context, reference: dict, ref_dir: Path) -> list[PromptRun]:
         """A neuron bundle runs on this host's NeuronCores through the port's class. NxDI's context encoding returns
         the last position's logits only, so the comparison takes the first generated token's logits against the
-        reference's last prompt position; greedy tokens compare over every step up to the first generated pad token
-        (deploy.until_pad). Image prompts need the port's VL application, which qbuild does not drive: they are left
-        to the CPU proof of the same recipe."""
+        reference's last prompt position; a bundle that samples on the device returns no logits at all, and is
+        compared by its tokens (docs/nxdi.md section 21). Greedy tokens compare over every step up to the first
+        generated pad token (deploy.until_pad). Image prompts run in the CPU proof of the same recipe."""
         bundle = ctx.inputs["bundle"]
         text = [(i, r) for i, r in enumerate(reference["prompts"]) if not r["image"]]
         n = max(len(r["greedy"]) for _, r in text)
@@ -334,5 +348,6 @@ class NeuronBackend:
         runs = []
         for k, (i, record) in enumerate(text):
             record = deploy.until_pad(record, pad)
-            runs.append(PromptRun(i, record, logits[f"prompt{k}"], greedy[k][:len(record["greedy"])], last_only=True))
+            runs.append(PromptRun(i, record, logits[f"prompt{k}"] if logits is not None else None,
+                                  greedy[k][:len(record["greedy"])], last_only=True))
         return runs

@@ -122,6 +122,11 @@ def _text_neuron_config(p: NeuronTextCompile) -> tuple[str, dict, dict]:
     }
     if p.block_kv is not None:
         cfg.update(long_context.neuron_config(p.block_kv))
+    if p.sampling is not None:
+        # The ports pass OnDeviceSamplingConfig(top_k=1) (run_text_smoke.py L47 (2B) / L52 (35B-A3B),
+        # run_vl_benchmark.py L58 / L62 @ 4bcdc54); NeuronConfig builds that object from a dict of its arguments
+        # (models/config.py L172-177 @ ef2731e), which is what JSON carries to the SDK worker (docs/nxdi.md section 21).
+        cfg["on_device_sampling_config"] = {"top_k": p.sampling.top_k}
     attributes: dict = {}
     fp8 = fp8_policy(p.fp8)
     if fp8.quantizes:

@@ -18,7 +18,8 @@ from qbuild.recipe.params import ParamsError, parse
 
 def run_bundle(bundle: Path, port: Path, prompts: list[list[int]], new_tokens: int, scratch: Path, log):
     """Load a neuron bundle with its port's class on this host's NeuronCores and generate greedily on each prompt.
-    Returns (greedy tokens per prompt, {"prompt<i>": first-step logits (1, V)})."""
+    Returns (greedy tokens per prompt, {"prompt<i>": first-step logits (1, V)}, or None for a bundle that samples on
+    the device and returns no logits)."""
     from safetensors.torch import load_file
 
     require_sdk()
@@ -32,7 +33,7 @@ def run_bundle(bundle: Path, port: Path, prompts: list[list[int]], new_tokens: i
     with neuron_cores(log):
         res = run_sdk("verify", verify_request(params, bundle, port, prompts, new_tokens, logits),
                        record["config"]["env"], scratch, log)
-    return res["greedy"], load_file(logits)
+    return res["greedy"], load_file(logits) if res["logits"] else None
 
 
 def neuron_devices() -> list[str]:

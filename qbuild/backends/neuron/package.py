@@ -68,7 +68,33 @@ def package_vision(ctx: Context, p: NeuronPackageParams) -> dict[str, str]:
             link_or_copy(source, ctx.out / cfg["file"])
         graphs[f"vision-{b}"], configs[b] = cfg["file"], cfg
     (ctx.out / VISION_RECORD).write_text(jsonio.dumps(vision_record(configs), indent=1, sort_keys=True) + "\n")
+    host_weights(ctx.out)
     return graphs
+
+
+VISION_HOST = "vision/host"     # the port's load_vision_weights_from_hf(<bundle>/vision/host) reads it
+# The vision encoder's host-side tensors as the HF checkpoint names them, which is how the port's wrapper finds them
+# (load_vision_weights_from_hf, contrib/models/Qwen3.5-2B/src/modeling_qwen35_vision.py:531-555 @ 4bcdc54), from
+# their converted names (qbuild/model/convert/vision.py).
+HOST_TENSORS = {"patch_embed.proj.weight": "model.visual.patch_embed.proj.weight",
+                "patch_embed.proj.bias": "model.visual.patch_embed.proj.bias",
+                "pos_embed.weight": "model.visual.pos_embed.weight"}
+
+
+def host_weights(out: Path) -> None:
+    """vision/host/model.safetensors: the patch and position embeddings the port's wrapper runs on the host, under the
+    HF names it reads. It globs every *.safetensors of the directory it is given and copies only those three keys,
+    loading nothing and saying nothing where they are absent (L531-555), so the bundle carries them in a directory of
+    their own rather than send the serving host to the HF checkpoint (docs/vision.md section 8)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(out / "vision" / "model.safetensors")
+    missing = sorted(set(HOST_TENSORS) - set(tensors))
+    if missing:
+        raise BuildError(f"vision/model.safetensors: no {missing[0]}, which the port's vision wrapper runs on the host")
+    (out / VISION_HOST).mkdir(parents=True)
+    save_file({hf: tensors[name].contiguous() for name, hf in HOST_TENSORS.items()},
+              out / VISION_HOST / "model.safetensors")
 
 
 def vision_record(configs: dict[int, dict]) -> dict:
@@ -148,6 +174,8 @@ def serve_record(p: NeuronPackageParams, record: dict) -> dict:
       L604-694).
     - max_model_len: the largest token-generation bucket, the longest sequence a decode step has a graph for.
     - continuous_batching: False, as compiled (config.py); deploy refuses to serve a batch above 1 without it.
+    - sampling: on the device with the compiled top_k (the compile's on_device_sampling_config), or on the host;
+      vllm-neuron takes the compiled model's tokens in the first case (docs/vllm.md section 12).
     - long_context: the chunk, the block KV layout and whether vLLM serves prefix caching (long_context.serve_fields),
       or None."""
     releases_, stack = serving_stack(record["params"]["toolchain"], p.sdk)
@@ -155,8 +183,16 @@ def serve_record(p: NeuronPackageParams, record: dict) -> dict:
             "max_prompt_length": long_context.max_context_length(p.cte_buckets, p.tkg_buckets, p.block_kv),
             "tensor_parallel_size": p.tp, "max_num_seqs": p.batch_size, "continuous_batching": False,
             "dtype": p.dtype, "lineage": p.lineage, "env": record["config"]["env"],
+            "sampling": sampling_record(record["config"]["neuron_config"]),
             "stack": {"releases": releases_, "vllm": stack.vllm, "vllm_neuron": stack.vllm_neuron},
             **long_context.serve_fields(p)}
+
+
+def sampling_record(neuron_config: dict) -> dict:
+    """How the compiled model picks each token: {"on_device": true, "top_k": k} where the compile's NeuronConfig has
+    an on_device_sampling_config (config.py), else {"on_device": false}."""
+    sampling = neuron_config.get("on_device_sampling_config")
+    return {"on_device": False} if sampling is None else {"on_device": True, "top_k": sampling["top_k"]}
 
 
 def nxdi_tree_record(out: Path, p: NeuronPackageParams) -> dict | None:

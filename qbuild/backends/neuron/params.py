@@ -3,6 +3,7 @@
     PortGit                  the NxDI contrib port as a pinned git source: url, full commit, directory in it
     PortFiles / PortMissing  a local port directory's source files by digest (or where it was looked for)
     NeuronBlockKV            the port's block KV layout and hybrid APC manager a long-context compile builds
+    NeuronSampling           NxDI's on-device sampling, as the Qwen3.5 ports compile it
     NeuronTextCompile        graph text: NxDI's one compile of every CTE and TKG bucket
     NeuronVisionCompile      graph vision: the port's traced vision encoder at one patch bucket
     NxdiTree                 the NxDI source tree a port imports from, where the recipe installs NxDI from source
@@ -79,6 +80,14 @@ class NeuronBlockKV:
 
 
 @dataclass(frozen=True)
+class NeuronSampling:
+    """NxDI's on-device sampling: NeuronConfig's on_device_sampling_config, which makes every compiled graph end in
+    NxDI's sampler and return the chosen token instead of the logits (docs/nxdi.md section 21)."""
+
+    top_k: int                       # OnDeviceSamplingConfig.top_k (do_sample stays off: an argmax)
+
+
+@dataclass(frozen=True)
 class NeuronTextCompile:
     graph: Literal["text"]
     backend: Literal["neuron"]
@@ -99,6 +108,7 @@ class NeuronTextCompile:
     pad_token_id: int | None
     vision_inputs: bool              # the context-encoding graph takes vision embeddings (the recipe has vision)
     block_kv: NeuronBlockKV | None   # chunked prefill's block KV layout (None: NxDI's contiguous KV cache)
+    sampling: NeuronSampling | None  # on-device sampling (None: the graphs return logits)
 
 
 @dataclass(frozen=True)

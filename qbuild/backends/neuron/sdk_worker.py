@@ -37,16 +37,10 @@ def compile_text(req: dict) -> dict:
     and then appends to: always `--internal-hlo2tensorizer-options='... --verify-hlo=true'`, and the output
     completion notifications where the config enables them (model_wrapper.py L145-165 @ ef2731e).
     """
-    from neuronx_distributed_inference.models.config import MoENeuronConfig, NeuronConfig
-
     cfg = req["config"]
     module = _port_module(req["port"], cfg["module"])
-    app_cls, config_cls = getattr(module, cfg["app_class"]), getattr(module, cfg["config_class"])
-    nc = (MoENeuronConfig if cfg["neuron_config_class"] == "MoENeuronConfig" else NeuronConfig)(**cfg["neuron_config"])
-    for dotted, value in cfg["attributes"].items():
-        owner, attr = dotted.rsplit(".", 1)
-        setattr(getattr(nc, owner), attr, torch_dtype(value) if attr == "dtype" else value)
-    config = config_cls(neuron_config=nc, **req["kwargs"])
+    app_cls = getattr(module, cfg["app_class"])
+    config = text_config(module, cfg, req["kwargs"])
     args = cfg["compiler_args"]
 
     class App(app_cls):
@@ -58,6 +52,20 @@ def compile_text(req: dict) -> dict:
     app.compile(req["out"])
     _keep_metaneff(Path(req["work_dir"]), Path(req["out"]) / "metaneff")
     return {"neffs": cfg["neffs"]}
+
+
+def text_config(module, cfg: dict, kwargs: dict):
+    """The port's InferenceConfig of a text compile (`cfg`: config.neuron_config's document, `kwargs`:
+    config.inference_kwargs), as the ports' scripts build it before they compile, and before their VL benchmark loads
+    the compiled model (run_vl_benchmark.py L51-84 @ 4bcdc54): the NeuronConfig (MoENeuronConfig for MoE), the router
+    attributes set after construction, then the port's config class over the flattened text fields."""
+    from neuronx_distributed_inference.models.config import MoENeuronConfig, NeuronConfig
+
+    nc = (MoENeuronConfig if cfg["neuron_config_class"] == "MoENeuronConfig" else NeuronConfig)(**cfg["neuron_config"])
+    for dotted, value in cfg["attributes"].items():
+        owner, attr = dotted.rsplit(".", 1)
+        setattr(getattr(nc, owner), attr, torch_dtype(value) if attr == "dtype" else value)
+    return getattr(module, cfg["config_class"])(neuron_config=nc, **kwargs)
 
 
 def _keep_metaneff(work_dir: Path, dst: Path) -> None:
@@ -171,9 +179,11 @@ def tp_vision_model():
 def verify(req: dict) -> dict:
     """Load a bundle as NxDI's compiled directory and generate greedily on every prompt.
 
-    `App(dir).load(dir)` then `HuggingFaceGenerationAdapter(app).generate(...)` as the ports' run_text_smoke.py does;
-    scores come from generate's output_scores, the way NxDI's own accuracy check reads them (utils/accuracy.py
-    @ 4bcdc54). Returns the greedy tokens; the first step's logits are written beside the result.
+    `App(dir).load(dir)` then `HuggingFaceGenerationAdapter(app).generate(...)` as the ports' run_text_smoke.py does.
+    Without on-device sampling the first step's logits come from generate's output_scores, the way NxDI's own accuracy
+    check reads them (utils/accuracy.py @ 4bcdc54), and are written beside the result. With it the compiled graphs
+    return the chosen token and no logits, so generate's scores stay empty (utils/hf_adapter.py L202-230 @ ef2731e:
+    outputs.logits is None, the token is outputs.tokens) and only the tokens come back (docs/nxdi.md section 21).
     """
     import torch
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
@@ -183,19 +193,25 @@ def verify(req: dict) -> dict:
     module = _port_module(req["port"], req["module"])
     app = getattr(module, req["app_class"])(req["bundle"])
     app.load(req["bundle"])
+    on_device = app.neuron_config.on_device_sampling_config is not None
     adapter = HuggingFaceGenerationAdapter(app)
     n = req["new_tokens"]
-    gc = GenerationConfig(do_sample=False, pad_token_id=req["pad_token_id"], eos_token_id=None)
+    # top_k 1 is what the ports' scripts generate with; it reaches the compiled sampler as its sampling params
+    # (hf_adapter.py L161-166), whose argmax ignores them (modules/generation/sampling.py L459-464).
+    gc = GenerationConfig(do_sample=False, pad_token_id=req["pad_token_id"], eos_token_id=None,
+                          **({"top_k": 1} if on_device else {}))
     greedy, logits = [], {}
     for i, ids in enumerate(req["prompts"]):
         input_ids = torch.tensor([ids], dtype=torch.long)
         out = adapter.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
-                               min_new_tokens=n, do_sample=False, return_dict_in_generate=True, output_scores=True,
-                               generation_config=gc)
+                               min_new_tokens=n, do_sample=False, return_dict_in_generate=True,
+                               output_scores=not on_device, generation_config=gc)
         greedy.append(out.sequences[0, len(ids):].tolist())
-        logits[f"prompt{i}"] = out.scores[0][0].float().unsqueeze(0).contiguous()
-    save_file(logits, req["logits"])
-    return {"greedy": greedy}
+        if not on_device:
+            logits[f"prompt{i}"] = out.scores[0][0].float().unsqueeze(0).contiguous()
+    if logits:
+        save_file(logits, req["logits"])
+    return {"greedy": greedy, "logits": not on_device}
 
 
 OPS = {"text": compile_text, "vision": compile_vision, "vision_tp": compile_vision_tp, "verify": verify}

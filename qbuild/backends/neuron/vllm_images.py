@@ -1,5 +1,6 @@
 """What vLLM's Neuron plugin does with the images of a neuron VL bundle: it cannot serve them (docs/vllm.md section 11),
-so `qbuild serve` says so beside the command (`--dry-run` included) and refuses --allow-image-urls for such a bundle.
+so `qbuild serve --server vllm` says so beside the command (`--dry-run` included) and refuses --allow-image-urls for
+such a bundle; without --server vllm a VL bundle is served by qbuild's own server, which takes images (vl_serve).
 
 vllm-neuron 0.5.0 @ 3afb0a9 gets images to NxDI only for the architectures in NEURON_MULTI_MODAL_MODELS
 (vllm_neuron/worker/constants.py:4-10: Mllama, Llava, Llama4, Qwen2-VL, Qwen3-VL): only they are loaded by its
@@ -24,8 +25,8 @@ WHY = ("vllm-neuron 0.5 runs images only for the architectures in NEURON_MULTI_M
        "llama4 (neuronx_distributed_model_runner.py:1084-1118); the Qwen3.5 ports' VL model is no NxDI application "
        "it could load (modeling_qwen35_vl.py:251-265 @ 4bcdc54). vLLM answers an image part with a 400 (\"not a "
        "multimodal model\"); text prompts are served")
-ELSEWHERE = ("the port's NeuronQwen35VLForCausalLM on the bundle's files (docs/vision.md section 5), or `qbuild serve` "
-             "of the recipe's CPU proof (--backend export), which takes images")
+ELSEWHERE = ("`qbuild serve` of this bundle without --server vllm: qbuild's own server over the port's "
+             "NeuronQwen35VLForCausalLM, which takes images (docs/vision.md section 8)")
 
 
 def images_note(manifest: dict) -> dict | None:
@@ -37,8 +38,10 @@ def images_note(manifest: dict) -> dict | None:
 
 
 def check_image_urls(manifest: dict, allow_image_urls: bool) -> None:
-    """--allow-image-urls is for a server that takes images: refused for a neuron bundle, in one line."""
+    """--allow-image-urls is for a server that takes images: refused for a neuron bundle vLLM serves, in one line."""
     if allow_image_urls:
-        what = "this VL bundle's images" if manifest.get("buckets", {}).get("vision") else "images of this text bundle"
-        raise UserError(f"--allow-image-urls: vLLM's Neuron plugin cannot serve {what}; drop the flag "
+        vl = manifest.get("buckets", {}).get("vision")
+        what = "this VL bundle's images" if vl else "images of this text bundle"
+        instead = " (or drop --server vllm: qbuild's server takes them)" if vl else ""
+        raise UserError(f"--allow-image-urls: vLLM's Neuron plugin cannot serve {what}; drop the flag{instead} "
                         "(docs/vllm.md section 11)")

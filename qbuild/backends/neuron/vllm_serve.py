@@ -18,6 +18,7 @@ from qbuild.backends.base import ServeOptions
 from qbuild.backends.neuron import long_context, nxdi_tree
 from qbuild.backends.neuron.package import VLLM_DIR, VLLM_PLUGIN, VLLM_SERVE
 from qbuild.backends.neuron.releases import GLUE_STACK, stack_matches
+from qbuild.backends.neuron.server_process import child_env, free_ports, run_children
 from qbuild.core.errors import InfraError, UserError
 
 # vLLM's OpenAI server: vllm/entrypoints/openai/api_server.py L519-531 (its __main__) @ vLLM 0.16.0.
@@ -25,7 +26,6 @@ VLLM_ENTRY = "vllm.entrypoints.openai.api_server"
 # (import name, distribution) of the server's packages: vLLM, the Neuron plugin, and NxDI under it.
 VLLM_PACKAGES = (("vllm", "vllm"), ("vllm_neuron", "vllm-neuron"),
                  ("neuronx_distributed_inference", "neuronx-distributed-inference"))
-READY_POLL_S = 1.0
 # The flags qbuild sets that are not made of the bundle (vllm_args): the server's address and the model's name.
 _ADDRESS_FLAGS = ("--model", "--served-model-name", "--host", "--port")
 # vLLM's spellings of the flags qbuild sets, where one has several (vllm/engine/arg_utils.py L799 `-tp`; a boolean
@@ -35,6 +35,11 @@ _ALIASES = {"--tensor-parallel-size": ("-tp",), "--no-enable-prefix-caching": ("
             "--enable-prefix-caching": ("--no-enable-prefix-caching",),
             "--enable-chunked-prefill": ("--no-enable-chunked-prefill",)}
 _SECRET_FLAGS = ("--api-key",)
+# A bundle compiled with on-device sampling (do_sample off): vllm-neuron hands each request's sampling parameters to the
+# compiled sampler (model runner L1715-1750 @ 3afb0a9), whose argmax ignores them (NxDI modules/generation/sampling.py
+# L459-464 @ ef2731e), and its sampler output holds no logprobs (loader L542-552); docs/vllm.md section 12.
+ON_DEVICE_NOTE = ("the compiled graphs pick every token by argmax (do_sample off): a request's temperature, top_p and "
+                  "top_k do not change the tokens, and vllm-neuron's sampler output holds no logprobs")
 
 
 def vllm_args(serve: dict) -> list[tuple[str, str | None]]:
@@ -180,6 +185,8 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
     if serve.get("nxdi_tree"):
         doc["nxdi_tree"] = {"tree": tree_name(serve["nxdi_tree"]), "imports": serve["nxdi_tree"]["imports"],
                             "on_path": str(src) if src else None}
+    if (serve.get("sampling") or {}).get("on_device"):
+        doc["sampling"] = {**serve["sampling"], "note": ON_DEVICE_NOTE}
     return doc
 
 
@@ -193,25 +200,6 @@ def check_proxy_address(host: str, port: int) -> None:
     if port == 65535:
         raise UserError("--port 65535: this bundle's vLLM listens on the port after the public one, behind the "
                         "port's chat proxy; give a lower port")
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """`count` distinct ports nothing listens on now, on `host` (the first) and loopback (the others): each socket is
-    held until all are chosen, so two choices cannot meet."""
-    import socket
-
-    sockets = []
-    try:
-        for i in range(count):
-            where = host if i == 0 else "127.0.0.1"
-            family = socket.getaddrinfo(where, 0, type=socket.SOCK_STREAM)[0][0]
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sockets.append(sock)
-            sock.bind((where, 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 # --- the NxDI source tree a port imports from (qbuild.backends.neuron.nxdi_tree) ----------------------------------
@@ -325,30 +313,13 @@ def check_load_preconditions(bundle: Path, serve: dict) -> None:
             raise UserError(f"{shard}: missing; NxDI's load reads one shard per rank")
 
 
-def check_unchanged(bundle: Path, manifest: dict) -> None:
-    """InfraError naming the first file the server changed, added or removed in the bundle."""
-    from qbuild.model.bundle import MANIFEST, check_files
-
-    try:
-        check_files(bundle, manifest)
-    except UserError as e:
-        raise InfraError(f"vLLM changed the bundle while it served it: {e}") from None
-    added = sorted(p.relative_to(bundle).as_posix() for p in bundle.rglob("*")
-                   if p.is_file() and p.relative_to(bundle).as_posix() not in manifest["files"]
-                   and p.name != MANIFEST and "__pycache__" not in p.parts)
-    if added:
-        raise InfraError(f"vLLM changed the bundle while it served it: {bundle / added[0]} was written "
-                         f"({len(added)} new file{'s' if len(added) > 1 else ''}); pull it again")
-
-
 # --- the server ------------------------------------------------------------------------------------------------
 
 def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
-    """Check the host and the bundle, run vLLM's OpenAI server on it in a child process (a session of its own, so
-    that Ctrl-C and SIGTERM reach qbuild, which hands each on), and check after it stopped that the bundle is as it
-    was. The URL is announced once /v1/models answers. Returns 0 when vLLM ended after such a signal; InfraError when
-    it ended by itself, or changed the bundle."""
-    import subprocess
+    """Check the host and the bundle, run vLLM's OpenAI server on it in a child process (server_process: a session of
+    its own, Ctrl-C and SIGTERM handed on, the URL announced once /v1/models answers), and check after it stopped that
+    the bundle is as it was. Returns 0 when vLLM ended after such a signal; InfraError when it ended by itself, or
+    changed the bundle."""
     import sys
 
     from qbuild.model.bundle import check_files
@@ -370,78 +341,11 @@ def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
         port, backend = chosen[0], chosen[1] if proxied else None
     doc = serve_command(bundle, manifest, options.name, options.host, port, sys.executable,
                         options.server_args, getattr(options, "api_key", None), options.nxdi_tree, backend)
-    env = dict(os.environ, **doc["env"])
-    if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.pathsep.join((doc["env"]["PYTHONPATH"], os.environ["PYTHONPATH"]))
     options.log(f"starting vLLM on {bundle} (prompts up to {doc['max_prompt_length']} tokens, "
                 f"{doc['max_model_len']} in all)" + (" behind the port's chat proxy" if backend else ""))
-    children = [subprocess.Popen(doc["command"], env=env, start_new_session=True)]
+    commands = [(doc["command"], child_env(doc["env"]))]
     if backend:
-        children.append(subprocess.Popen(doc["proxy"]["command"], env=dict(os.environ), start_new_session=True))
-    try:
-        # vLLM first: the proxy answers nothing useful before vLLM does.
-        urls = [f"http://127.0.0.1:{backend}/v1", doc["url"]] if backend else [doc["url"]]
-        stopped = _run(children, urls, options)
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.terminate()
-                child.wait()
-        check_unchanged(bundle, manifest)
-    if stopped:
-        return 0
-    ended = next(c for c in children if c.returncode is not None)
-    what = "vLLM" if ended is children[0] else "the port's chat proxy"
-    raise InfraError(f"{what} exited with code {ended.returncode} before it was stopped; its output is above")
-
-
-def _run(children: list, urls: list[str], options: ServeOptions) -> bool:
-    """Wait until one of `children` (vLLM, and the chat proxy in front of it) ends, forwarding SIGINT and SIGTERM to
-    each and announcing the last of `urls` once each has answered in turn; whether they ended after such a signal."""
-    import signal
-    import threading
-    import urllib.error
-    import urllib.request
-
-    stopping, ended = threading.Event(), threading.Event()
-
-    def forward(signum, frame) -> None:
-        stopping.set()
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    def answers(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url + "/models", timeout=READY_POLL_S):
-                return True
-        except urllib.error.HTTPError:
-            return True     # it answers (401 where an API key is set): vLLM listens only once its engine is up
-        except OSError:
-            return False
-
-    def announce() -> None:
-        for url in urls:
-            while not answers(url):
-                if ended.is_set() or stopping.wait(READY_POLL_S):
-                    return
-        options.on_ready(urls[-1])
-
-    def wait(child) -> None:
-        child.wait()
-        ended.set()
-
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        threading.Thread(target=announce, daemon=True).start()
-        for child in children:
-            threading.Thread(target=wait, args=(child,), daemon=True).start()
-        while not ended.wait(READY_POLL_S):
-            pass
-        if stopping.is_set():
-            for child in children:
-                child.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return stopping.is_set()
+        commands.append((doc["proxy"]["command"], dict(os.environ)))
+    # vLLM first: the proxy answers nothing useful before vLLM does.
+    urls = [f"http://127.0.0.1:{backend}/v1", doc["url"]] if backend else [doc["url"]]
+    return run_children(commands, urls, options, bundle, manifest, ["vLLM", "the port's chat proxy"])

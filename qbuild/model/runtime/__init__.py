@@ -23,6 +23,7 @@ from typing import Callable
 from qbuild.model.chunking import EXTEND, LongContext, kv_bucket, pieces
 from qbuild.model.runtime.images import EncodedImage, ImageSource, PreparedImage
 from qbuild.model.bundle import check_files, read_manifest, shown_path
+from qbuild.model.runtime.prompts import PromptRules
 from qbuild.core.errors import UserError
 
 
@@ -38,8 +39,9 @@ class Generation:
     cached_tokens: int = 0           # prompt tokens taken from the prefix cache (their logits are not computed)
 
 
-class Runtime:
-    """A loaded bundle. Build with `Runtime.load(dir)`; call `generate(...)`."""
+class Runtime(PromptRules):
+    """A loaded bundle. Build with `Runtime.load(dir)`; call `generate(...)`. Its prompt rules are PromptRules', its
+    prompt limit the KV length where it prefills in chunks."""
 
     def __init__(self, root: Path, manifest: dict, config: dict, tokenizer, weights: dict, arch, vision,
                  shown_as: str | None = None):
@@ -102,27 +104,13 @@ class Runtime:
         return self._graphs[name]
 
     # --- text --------------------------------------------------------------------------------------------------
-    def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-
-    def cte_bucket(self, n: int) -> int:
-        fits = [b for b in self.cte if b >= n]
-        if not fits:
-            raise UserError(f"the prompt has {n} tokens, more than the largest context-encoding bucket "
-                            f"{self.cte[-1]} of this bundle; shorten it or build a recipe with a larger bucket")
-        return fits[0]
-
     def _tkg_bucket(self, position: int) -> int:
         return next(b for b in self.tkg if b > position)
 
     @property
     def max_prompt_tokens(self) -> int:
-        """The longest prompt: the KV length with chunked prefill, else the largest CTE bucket."""
+        """The longest prompt: the KV length with chunked prefill, else the largest CTE bucket (PromptRules')."""
         return self.tkg[-1] if self.long_context else self.cte[-1]
-
-    def max_new_tokens_after(self, n: int) -> int:
-        """The most tokens a prompt of `n` tokens can be followed by: the last one is never written to the cache."""
-        return self.tkg[-1] - n + 1
 
     def check_prompt(self, n: int) -> int:
         """The CTE bucket of the first prefill piece of a prompt of `n` tokens; UserError naming the limit it
@@ -136,19 +124,6 @@ class Runtime:
                             "(its largest token-generation bucket); shorten it or build a recipe with a longer "
                             "seq_len")
         return self.cte_bucket(self._pieces(n)[0][1])
-
-    def check_lengths(self, n: int, max_new_tokens: int) -> int:
-        """The CTE bucket a prompt of `n` tokens followed by `max_new_tokens` tokens runs in (its first piece, with
-        chunked prefill); UserError naming the limit it exceeds. A server checks a request with it before answering,
-        so a refusal is an error status, never a stream cut short."""
-        if max_new_tokens < 1:
-            raise UserError("--max-new-tokens must be at least 1")
-        bucket = self.check_prompt(n)
-        kv_len = self.tkg[-1]
-        if n + max_new_tokens - 1 > kv_len:
-            raise UserError(f"a prompt of {n} tokens plus {max_new_tokens} new tokens needs {n + max_new_tokens - 1} "
-                            f"KV slots; this bundle's largest token-generation bucket is {kv_len}")
-        return bucket
 
     def _pieces(self, n: int) -> list[tuple[int, int]]:
         """[start, end) of each prefill piece of a prompt of n tokens (qbuild.model.chunking). Without a prefix
@@ -212,16 +187,6 @@ class Runtime:
             self.graph(f"{EXTEND}-{kv_bucket(start + self.long_context.step, self.tkg)}")
         for b in {self._tkg_bucket(p) for p in range(n, n + max_new_tokens - 1)}:
             self.graph(f"tkg-{b}")
-
-    def eos_ids(self) -> set[int]:
-        ids = set()
-        gen = self.root / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return ids
 
     # --- prefill ---------------------------------------------------------------------------------------------
     def _prefill(self, prompt_ids: list[int], images: EncodedImage | None, use_cache: bool):
@@ -412,37 +377,6 @@ class Runtime:
             raise UserError(f"{self.shown}: this bundle has no vision graph; an image needs a VL recipe with "
                             "`vision: {buckets: [...]}`")
         return self.vision.prepare(image, self.vision_buckets, label)
-
-    def image_tokens(self, image: PreparedImage) -> list[int]:
-        """<|vision_start|> <|image_pad|> x the image's merged tokens <|vision_end|>."""
-        return self.place_image(self.image_marker(), image)
-
-    def image_marker(self) -> list[int]:
-        """<|vision_start|> <|image_pad|> <|vision_end|>: where an image goes in a prompt, as a chat template marks it
-        before the processor expands it."""
-        end = self.config.get("vision_end_token_id") or self.tokenizer.convert_tokens_to_ids("<|vision_end|>")
-        return [self.arch.vision_start_token_id, self.arch.image_token_id, end]
-
-    def place_image(self, prompt_ids: list[int], image: PreparedImage) -> list[int]:
-        """A prompt that marks where the image goes with one <|image_pad|> (as a chat template renders an image part)
-        with that token repeated once per merged token of the image, as transformers' Qwen3-VL processor expands
-        it. UserError unless the prompt holds exactly one."""
-        pad = self.arch.image_token_id
-        if prompt_ids.count(pad) != 1:
-            raise UserError(f"the prompt marks {prompt_ids.count(pad)} places for an image; the image goes where one "
-                            "<|image_pad|> token stands")
-        at = prompt_ids.index(pad)
-        return prompt_ids[:at] + [pad] * image.tokens + prompt_ids[at + 1:]
-
-    def check_image_tokens(self, prompt_ids: list[int], image: PreparedImage | None) -> None:
-        """UserError unless the prompt's image tokens are exactly the image's (none without an image): an image token
-        typed into a text prompt has no features to stand for."""
-        pad = self.arch.image_token_id
-        held = prompt_ids.count(pad) if pad is not None else 0
-        wanted = image.tokens if image is not None else 0
-        if held != wanted:
-            what = f"an image of {wanted} tokens" if image is not None else "no image"
-            raise UserError(f"the prompt holds {held} image tokens (<|image_pad|>) and there is {what}")
 
 
 def _tokenizer(root: Path, shown_as: str | None):

@@ -28,7 +28,7 @@ DEFAULT_MEAN_STD = ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
 MAX_IMAGE_PIXELS = 8192 * 8192
 # The most bytes an encoded image may have: a 2048x2048 photograph, the largest image the validated configurations
 # run (tiled), is 1-3 MB as JPEG and 5-12 MB as PNG. A server's request limit grows by this much, base64-encoded
-# (qbuild.backends.cpu.serve).
+# (qbuild.backends.openai_server.serve).
 MAX_IMAGE_BYTES = 16 << 20
 # The longest side over the shortest the Qwen2-VL image processor takes: transformers' `smart_resize`
 # (models/qwen2_vl/image_processing_qwen2_vl.py, the processor the runtime and the reference step build) raises a
@@ -172,6 +172,18 @@ def pixels(processor, image: ImageSource, label: str | None = None):
     return out["pixel_values"], out["image_grid_thw"]
 
 
+def prepare(processor, image: ImageSource, buckets: list[int], merge: int, label: str | None = None) -> PreparedImage:
+    """An image's patches and the bucket it runs through: the smallest that holds it, or the one that holds a tile of
+    it cut 2x2 (qbuild.model.tiling); UserError naming the image where neither does."""
+    label = label or _name(image)
+    pixel_values, grid = pixels(processor, image, label)
+    try:
+        plan = plan_image(tuple(int(x) for x in grid[0]), buckets, merge)
+    except ImageTooLarge as e:
+        raise UserError(f"{label}: {e}; use a smaller image or build a recipe with a larger vision bucket") from None
+    return PreparedImage(pixel_values, grid, plan, merge)
+
+
 class VisionRuntime:
     def __init__(self, host, weights: dict, root: Path, vision_config: dict):
         self.host, self.weights = host, weights
@@ -209,17 +221,7 @@ class VisionRuntime:
         return cls(host, weights, root, config["vision_config"])
 
     def prepare(self, image: ImageSource, buckets: list[int], label: str | None = None) -> PreparedImage:
-        """An image's patches and the bucket it runs through: the smallest that holds it, or the one that holds a tile
-        of it cut 2x2 (qbuild.model.tiling); UserError naming the image where neither does."""
-        label = label or _name(image)
-        pixel_values, grid = pixels(self.processor, image, label)
-        merge = self.host.vision.spatial_merge_size
-        try:
-            plan = plan_image(tuple(int(x) for x in grid[0]), buckets, merge)
-        except ImageTooLarge as e:
-            raise UserError(f"{label}: {e}; use a smaller image or build a recipe with a larger vision "
-                            "bucket") from None
-        return PreparedImage(pixel_values, grid, plan, merge)
+        return prepare(self.processor, image, buckets, self.host.vision.spatial_merge_size, label)
 
     def run(self, image: PreparedImage, graph) -> EncodedImage:
         """The image through the vision graph of its bucket, whole or tile by tile (the tiles' features stitched back

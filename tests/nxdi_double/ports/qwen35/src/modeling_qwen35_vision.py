@@ -1,7 +1,8 @@
 """Fake of the main-lineage port's src/modeling_qwen35_vision.py (Qwen3.5-35B-A3B @ 4bcdc54): CPUVisionModel, the module
 compile_vision_encoder.py traces with the real weights (docs/nxdi.md section 5); NeuronQwen35VisionModel, the TP-sharded
-encoder compile_vision_encoder_tp.py traces (docs/vision.md section 3); and NeuronQwen35VisionModelWrapper's loading
-of the compiled buckets and its choice of bucket and 2x2 tiles for an image (docs/vision.md section 2).
+encoder compile_vision_encoder_tp.py traces (docs/vision.md section 3); and NeuronQwen35VisionModelWrapper: its loading
+of the compiled buckets and of the host-side embeddings, its choice of bucket and 2x2 tiles for an image, and its
+forward, which runs the loaded buckets with the inputs of each bucket's shape (docs/vision.md sections 2 and 8).
 
 The 35B-A3B copy loads single-core buckets only; the 2B copy also loads TP-sharded ones (`bucket_<N>/tp_*.pt`, through
 its module-level _TPVisionAdapter): tests.nxdi_double.vision_tp_port() writes that copy (TP_VISION_BUCKETS = True).
@@ -21,6 +22,8 @@ import os
 
 import torch
 from torch import nn
+
+from neuronx_distributed_inference._double import record
 
 # The 2B port's wrapper loads TP-sharded buckets (modeling_qwen35_vision.py:75-92, 455-485 @ 4bcdc54); the 35B-A3B
 # port's does not (L409-473).
@@ -136,20 +139,58 @@ if TP_VISION_BUCKETS:
             return out[0] if isinstance(out, (list, tuple)) else out
 
 
-# --- the wrapper: which compiled buckets it loads, and which an image takes -------------------------------------------
+# --- the wrapper: which compiled buckets it loads, which an image takes, and how it runs them --------------------------
 
-class NeuronQwen35VisionModelWrapper:
-    """The standalone wrapper (model_cls=None) the VL scripts build. `load_compiled(dir)` (L429-529 in the 2B copy):
-    with TP_VISION_BUCKETS, every `bucket_<N>/` holding `tp_*.pt` is loaded with NxD's parallel_model_load as bucket N,
-    then every `vision_encoder_<N>.pt` with torch.jit.load, a TP bucket taking priority over a single-core one of the
-    same size; the loaded sizes become vision_seq_len_buckets. `route(grid_thw)` is the double's own: what forward
-    (L771-900) does with an image of that patch grid, without running it."""
+# The finite "minus infinity" the port pads its vision attention mask with (modeling_qwen35_vision.py:26 @ 4bcdc54).
+MASK_NEG_INF = -65504.0
+# The HF tensors load_vision_weights_from_hf copies, and where (L531-555).
+HOST_KEYS = ("model.visual.patch_embed.proj.weight", "model.visual.patch_embed.proj.bias",
+             "model.visual.pos_embed.weight")
+
+
+class _PatchEmbed(nn.Module):
+    """The host-side patch embedding (the port builds transformers' Qwen3.5 vision patch embed, L414-418): a Conv3d of
+    kernel = stride = (temporal_patch_size, patch_size, patch_size) over each patch row of pixel_values."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.shape = (getattr(config, "in_channels", 3), config.temporal_patch_size, config.patch_size,
+                      config.patch_size)
+        self.proj = nn.Conv3d(self.shape[0], config.hidden_size, self.shape[1:], stride=self.shape[1:], bias=True)
+
+    def forward(self, pixel_values):
+        return self.proj(pixel_values.view(-1, *self.shape).to(self.proj.weight.dtype)).view(pixel_values.shape[0], -1)
+
+
+class NeuronQwen35VisionModelWrapper(nn.Module):
+    """The standalone wrapper (model_cls=None) the VL scripts build, an nn.Module (L386, L402-427).
+
+    - `load_compiled(dir)` (L429-529 in the 2B copy): with TP_VISION_BUCKETS, every `bucket_<N>/` holding `tp_*.pt` is
+      loaded with NxD's parallel_model_load as bucket N, then every `vision_encoder_<N>.pt` with torch.jit.load, a TP
+      bucket taking priority over a single-core one of the same size; the loaded sizes become vision_seq_len_buckets.
+    - `load_vision_weights_from_hf(dir)` (L531-555): every *.safetensors of `dir`, the three HOST_KEYS copied into the
+      patch and position embeddings, any other key ignored, nothing said where none is found.
+    - `forward(pixel_values, image_grid_thw)` (L771-900): an image whose patches exceed the largest bucket and that the
+      port can tile runs as 2x2 tiles (_tiled_forward, L902-961); otherwise the host embeddings run, the inputs are
+      padded to the smallest bucket that holds them (L826-839) and that bucket's compiled encoder is called with
+      (hidden (B, hidden), mask (1, 1, B, B), cos (B, head_dim), sin (B, head_dim)) in bfloat16 (L841-854); the output
+      is cut to the image's merged tokens (L890-898). The double is stricter: it runs no CPU encoder (none is loaded
+      by qbuild), refuses an image the compiled buckets cannot take, and refuses to run embeddings that were never
+      loaded (the port would run them as initialised). Its position embedding takes rows by patch index and its
+      rotary angles are a plain function of the patch index, not the port's interpolation: the shapes are the port's,
+      the values only the double's.
+    - `route(grid_thw)` is the double's own: what forward does with an image of that patch grid, without running it.
+    """
 
     def __init__(self, config, model_cls=None, **kwargs):
+        super().__init__()
         self.vision_config = config
         self._compiled_buckets = None
         self.tp_buckets: dict[int, int] = {}   # the double's record: bucket -> ranks loaded
+        self.host_loaded: list[str] = []        # the double's record: the HF keys load_vision_weights_from_hf found
         self.vision_seq_len_buckets = kwargs.get("vision_seq_len_buckets", [1024, 4096, 16384])
+        self.patch_embed = _PatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
 
     def load_compiled(self, compiled_model_path):
         if not os.path.isdir(compiled_model_path):
@@ -178,6 +219,83 @@ class NeuronQwen35VisionModelWrapper:
             self._compiled_buckets[size] = torch.jit.load(path)
         self._compiled_buckets.update(tp)
         self.vision_seq_len_buckets = sorted(self._compiled_buckets)
+        record("vision_load_compiled", path=str(compiled_model_path), buckets=self.vision_seq_len_buckets,
+               tp=self.tp_buckets)
+
+    def load_vision_weights_from_hf(self, model_path):
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        targets = {HOST_KEYS[0]: self.patch_embed.proj.weight, HOST_KEYS[1]: self.patch_embed.proj.bias,
+                   HOST_KEYS[2]: self.pos_embed.weight}
+        for path in sorted(Path(model_path).glob("*.safetensors")):
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    if key in targets:
+                        targets[key].data.copy_(f.get_tensor(key))
+                        self.host_loaded.append(key)
+        record("vision_load_host_weights", path=str(model_path), loaded=sorted(self.host_loaded))
+
+    def forward(self, pixel_values, image_grid_thw):
+        if self._compiled_buckets is None:
+            raise RuntimeError("the vision wrapper runs before load_compiled(): no compiled bucket is loaded")
+        missing = sorted(set(HOST_KEYS) - set(self.host_loaded))
+        if missing:
+            raise RuntimeError(f"the patch and position embeddings were never loaded ({missing[0]}: "
+                               "load_vision_weights_from_hf found no such key); the port would run them as "
+                               "initialised")
+        grid = [list(map(int, row)) for row in image_grid_thw.tolist()]
+        c = self.patch_embed.shape
+        patches = sum(t * h * w for t, h, w in grid)
+        if tuple(pixel_values.shape) != (patches, c[0] * c[1] * c[2] * c[3]):
+            raise ValueError(f"pixel_values {list(pixel_values.shape)} for a grid of {grid}: expected "
+                             f"[{patches}, {c[0] * c[1] * c[2] * c[3]}]")
+        route = self.route(grid)
+        if route[0] == "tiled":
+            return self._tiled_forward(pixel_values, image_grid_thw)
+        if route[0] != "bucket":
+            raise RuntimeError(f"an image of grid {grid} fits no compiled bucket {self.vision_seq_len_buckets} "
+                               f"({route}); the port would {'assert' if route[0] == 'assert' else 'need a CPU encoder'}")
+        return self._encode(pixel_values, grid, route[1])
+
+    def _encode(self, pixel_values, grid, bucket):
+        n = pixel_values.shape[0]
+        hidden = self.patch_embed(pixel_values) + self.pos_embed.weight[torch.arange(n) % self.pos_embed.num_embeddings]
+        head_dim = self.vision_config.hidden_size // self.vision_config.num_heads
+        angles = torch.arange(n, dtype=torch.float32)[:, None] / 10000 ** (
+            torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        emb = torch.cat([angles, angles], dim=-1)
+        mask = torch.full((1, 1, bucket, bucket), MASK_NEG_INF)
+        mask[:, :, :n, :n] = 0.0
+        pad = (0, 0, 0, bucket - n)
+        args = [nn.functional.pad(hidden, pad), mask, nn.functional.pad(emb.cos(), pad),
+                nn.functional.pad(emb.sin(), pad)]
+        args = [a.to(torch.bfloat16) for a in args]
+        record("vision_encode", bucket=bucket, grid=grid, patches=n, tp=self.tp_buckets.get(bucket, 1),
+               inputs=[{"shape": list(a.shape), "dtype": str(a.dtype).split(".")[1]} for a in args])
+        with torch.no_grad():
+            out = self._compiled_buckets[bucket](*args)
+        merge = self.vision_config.spatial_merge_size
+        return out[:sum(t * (h // merge) * (w // merge) for t, h, w in grid)]
+
+    def _tiled_forward(self, pixel_values, image_grid_thw):
+        """L902-961: the (H*W, patch_dim) rows read as an (H, W) raster, its quadrants (0, 0), (0, W/2), (H/2, 0),
+        (H/2, W/2) encoded each with the grid (1, H/2, W/2) through forward, their merged outputs put back into the
+        quadrants of the (H/m, W/m) merged grid, read row by row."""
+        t, h, w = (int(x) for x in image_grid_thw[0])
+        merge = self.vision_config.spatial_merge_size
+        assert t == 1 and h % (2 * merge) == 0 and w % (2 * merge) == 0, f"H={h}, W={w}"
+        ht, wt = h // 2, w // 2
+        raster = pixel_values.reshape(h, w, pixel_values.shape[1])
+        tile_grid = torch.tensor([[1, ht, wt]], dtype=image_grid_thw.dtype)
+        tiles = [self.forward(raster[r:r + ht, c:c + wt].reshape(ht * wt, -1), tile_grid)
+                 for r in (0, ht) for c in (0, wt)]
+        mh, mw, mht, mwt = h // merge, w // merge, ht // merge, wt // merge
+        full = torch.zeros((mh, mw, tiles[0].shape[-1]), dtype=tiles[0].dtype)
+        for tile, (r, c) in zip(tiles, [(0, 0), (0, mwt), (mht, 0), (mht, mwt)]):
+            full[r:r + mht, c:c + mwt] = tile.reshape(mht, mwt, -1)
+        return full.reshape(mh * mw, -1)
 
     def route(self, grid_thw) -> tuple:
         """("bucket", b): the image runs whole through bucket b; ("tiled", b): as 2x2 tiles, each through bucket b;

@@ -178,7 +178,7 @@ class NeuronApplicationBase:
         if dry_run:
             return
         spec = {"world_size": self.neuron_config.world_size, "tp_degree": self.neuron_config.tp_degree,
-                "app": type(self).__name__, "neffs": neffs,
+                "app": type(self).__name__, "neffs": neffs, "graph_config": graph_config(self.config),
                 "weights": {name: w.to_json() for name, w in sorted(weights.items())}}
         with warnings.catch_warnings():     # torch marks torch.jit deprecated; NxDI's model.pt is a TorchScript file
             warnings.simplefilter("ignore", DeprecationWarning)
@@ -378,6 +378,13 @@ class NeuronApplicationBase:
         if (nc.world_size, nc.tp_degree) != (spec["world_size"], spec["tp_degree"]):
             raise RuntimeError(f"neuron_config.json says world_size {nc.world_size} / tp {nc.tp_degree}, model.pt was "
                                f"compiled for {spec['world_size']} / {spec['tp_degree']}")
+        compiled, given = spec["graph_config"], graph_config(self.config)
+        for key in compiled:
+            if compiled[key] != given[key]:
+                # Stricter than NxDI, which runs the graphs with whatever config loads them and reads their outputs by
+                # that config: tokens read as logits, or a call of the wrong inputs.
+                raise RuntimeError(f"model.pt was compiled with {key}={compiled[key]!r} and is loaded with a config "
+                                   f"that says {given[key]!r}")
         start = 0 if start_rank_id is None else start_rank_id
         count = nc.local_ranks_size if local_ranks_size is None else local_ranks_size
         weights = {name: Weight.from_json(doc) for name, doc in spec["weights"].items()}
@@ -424,6 +431,17 @@ class NeuronApplicationBase:
 
     def reset(self) -> None:
         """Called by HuggingFaceGenerationAdapter.generate before every generation (hf_adapter.py)."""
+
+
+def graph_config(config) -> dict:
+    """What the traced graphs were built for beyond their buckets and weights, which the config that loads them must
+    say alike: on-device sampling ends every graph in the sampler, whose token is its first output instead of the
+    logits (models/model_base.py L1001-1008 @ ef2731e), output_logits adds the logits as a second output (L1018-1024),
+    and the main ports' context encoding takes image features only where use_text_only_cte_inputs is False (their
+    Qwen35ModelWrapper.input_generator, 2B modeling_qwen35.py L6804-6840 @ 4bcdc54)."""
+    nc = config.neuron_config
+    return {"on_device_sampling_config": to_dict(nc.on_device_sampling_config), "output_logits": nc.output_logits,
+            "use_text_only_cte_inputs": getattr(config, "use_text_only_cte_inputs", None)}
 
 
 def _refuse_repeated_options(args: str) -> None:

@@ -8,6 +8,16 @@ left None -> powers of two from 128 to the max (autobucketing.py), which the dou
 prefix caching a bucket is an (active tokens, prefix) pair (autobucketing.py @ 03db3ef, docs/long-context.md
 section 5).
 
+forward() is a generation step as NxDI's NeuronBaseForCausalLM.forward takes it (mbase.py L3314-3400): context encoding
+where position_ids start at 0 (_is_prefill, L3546-3547), else token generation after it; reset() (L3926-3930) makes the
+next call context encoding again. Its output is built as _construct_output builds it (L3832-3862): with on-device
+sampling `tokens` holds each row's token (B,) int32 and `logits` is None, else `logits` and `tokens` both hold the
+logits (B, 1, V); `hidden_states` holds the same as `tokens`. The double cannot compute: a step's token is a fixed
+function of what it was given (the sum of the sequence so far, with the image features it scattered, modulo the
+vocabulary), and it refuses what the compiled graphs could not take: a step before load(), token generation before
+context encoding, a decode fed another token or position than the one that follows, a prompt over the largest
+context-encoding bucket, image features the port's context encoding does not take (the port's model says which).
+
 The KV cache manager the model builds (init_inference_optimization, mbase.py @ 03db3ef L168-186) is chosen at
 construction too, where the real one is built with the model: a block layout gets NxDI's BlockKVCacheManager, whose
 cache shape exists only for prefix caching or NxDI's chunked prefill (block_kv_cache_manager.py L40-88; without one,
@@ -15,6 +25,10 @@ KVCacheManager.__init__ reads a k_shape never set: kv_cache_manager.py L136, L15
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
 
 from neuronx_distributed_inference._double import record
 from neuronx_distributed_inference.models.application_base import NeuronApplicationBase, Submodel
@@ -64,6 +78,7 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         if self.neuron_config.is_chunked_prefill:
             raise NotImplementedError("Chunked Prefill is not available in NxDI for now")   # mbase.py L3073-3074
         self.kv_manager = self.init_kv_manager()
+        self.kv_cache_populated, self._decode = False, None
         self.enable_context_encoding()
         self.enable_token_generation()
 
@@ -100,6 +115,87 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         buckets = _prefix_token_buckets(nc) if nc.is_prefix_caching else \
             _buckets(nc.enable_bucketing, nc.token_generation_buckets, nc.max_length)
         self._enable(TOKEN_GENERATION_MODEL_TAG, enable_wlt_optimization, buckets, nc.tkg_batch_size, False)
+
+    # --- a generation step (forward) ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        self.kv_cache_populated = False
+        self._decode = None
+
+    def forward(self, input_ids=None, seq_ids=None, attention_mask=None, position_ids=None, sampling_params=None,
+                output_attentions=None, output_hidden_states=None, return_dict=None, llava_args=None, **kwargs):
+        if kwargs:
+            raise TypeError(f"forward: the double does not model {sorted(kwargs)}")
+        if not getattr(self, "is_loaded", False):
+            raise RuntimeError("forward: the model was not loaded (call load(compiled_model_path) first)")
+        if input_ids is None or input_ids.dim() != 2 or position_ids is None:
+            raise ValueError("forward: input_ids [batch, tokens] and position_ids are required")
+        if input_ids.shape[0] != self.neuron_config.batch_size:
+            raise ValueError(f"forward: a batch of {input_ids.shape[0]} rows, compiled for "
+                             f"{self.neuron_config.batch_size}")
+        if int(position_ids.min()) == 0:
+            token = self._context_step(input_ids, attention_mask, position_ids, list(llava_args or []))
+        else:
+            token = self._generation_step(input_ids, position_ids, llava_args)
+        return self._construct_output(token)
+
+    def _context_step(self, input_ids, attention_mask, position_ids, llava_args) -> int:
+        n = input_ids.shape[1]
+        buckets = next(s.buckets for s in self.submodels if s.tag == CONTEXT_ENCODING_MODEL_TAG)
+        if n > max(buckets):
+            raise ValueError(f"forward: a {n}-token prompt exceeds the largest context-encoding bucket {max(buckets)}")
+        bucket = min(b for b in buckets if b >= n)
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError("forward: attention_mask must have input_ids' shape")
+        features, next_position = self.context_inputs(input_ids, position_ids, llava_args, bucket)
+        total = int(input_ids[0].sum()) + features
+        token = total % self.config.vocab_size
+        self.kv_cache_populated = True
+        self._decode = {"sum": total + token, "last": token, "position": next_position}
+        record("forward", stage="context_encoding", bucket=bucket, tokens=n, llava_args=len(llava_args),
+               token=token)
+        return token
+
+    def context_inputs(self, input_ids, position_ids, llava_args, bucket) -> tuple[int, int]:
+        """(what the image features add to the step's sum, the position the first decode takes). NxDI's own models
+        pass llava_args to their ImageToText wrappers, which the double does not model; a port that takes image
+        features overrides this."""
+        if llava_args:
+            raise NotImplementedError("llava_args: the double models the Qwen3.5 ports' image features only")
+        return 0, int(position_ids.max()) + 1
+
+    def _generation_step(self, input_ids, position_ids, llava_args) -> int:
+        state = getattr(self, "_decode", None)
+        if not self.kv_cache_populated or state is None:
+            raise RuntimeError("forward: token generation before context encoding (reset() makes the next call "
+                               "context encoding)")
+        if llava_args:
+            raise ValueError("forward: token generation takes no image features")
+        if input_ids.tolist() != [[state["last"]]]:
+            raise RuntimeError(f"forward: a decode fed {input_ids.tolist()}; the step before chose {state['last']}")
+        if position_ids.tolist() != [[state["position"]]]:
+            raise RuntimeError(f"forward: a decode at position {position_ids.tolist()}; the token that follows is at "
+                               f"{state['position']}")
+        buckets = next(s.buckets for s in self.submodels if s.tag == TOKEN_GENERATION_MODEL_TAG)
+        if state["position"] >= max(buckets):
+            raise ValueError(f"forward: position {state['position']} is past the largest token-generation bucket "
+                             f"{max(buckets)}")
+        token = state["sum"] % self.config.vocab_size
+        state.update(sum=state["sum"] + token, last=token, position=state["position"] + 1)
+        record("forward", stage="token_generation", position=state["position"] - 1, token=token)
+        return token
+
+    def _construct_output(self, token: int):
+        """mbase.py L3832-3862 (see the module's docstring)."""
+        nc = self.neuron_config
+        if nc.on_device_sampling_config is not None:
+            tokens = torch.tensor([token], dtype=torch.int32)
+            return SimpleNamespace(logits=None, tokens=tokens, hidden_states=tokens)
+        logits = torch.zeros((1, 1, self.config.vocab_size), dtype=torch.float32)
+        logits[0, 0, token] = 1.0
+        return SimpleNamespace(logits=logits, tokens=logits, hidden_states=logits)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
 
     def execute(self, tag: str, tokens: int) -> None:
         """One call of the loaded `tag` graph (the double does not compute). Where the port says how many tensors a

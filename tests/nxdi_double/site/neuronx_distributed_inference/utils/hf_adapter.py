@@ -6,7 +6,10 @@ Called as NxDI's own accuracy check calls it (docs/nxdi.md section 13, utils/acc
 return_dict_in_generate=True, output_scores=True, generation_config=gc)` -> `.sequences` [B, prompt + n] and
 `.scores`, a tuple of n [B, V] tensors. The double cannot run the model, so its tokens are a fixed function of the
 prompt (next = (sum of the sequence so far) % V) and its scores a one-hot of that token: tests can check plumbing and
-thresholds, never accuracy. It refuses what the compiled model could not do: generating before load(), a prompt longer
+thresholds, never accuracy. A model compiled with on-device sampling returns each step's token and no logits
+(models/model_base.py _construct_output L3832-3862 @ ef2731e: `logits=None if self.on_device_sampling`, L3845), so
+_sample appends no scores (L202-212: only `if outputs.logits is not None`) and takes `outputs.tokens` (L214-230):
+`.scores` is then an empty tuple, unless output_logits also returns the logits (model_base.py L3799-3802). It refuses what the compiled model could not do: generating before load(), a prompt longer
 than the largest context-encoding bucket, or a total length beyond the largest token-generation bucket.
 """
 
@@ -92,14 +95,17 @@ class HuggingFaceGenerationAdapter:
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError("generate: attention_mask must have input_ids' shape")
         vocab = model.config.vocab_size
+        sampled = nc.on_device_sampling_config is not None
+        logits_returned = not sampled or nc.output_logits
         sequences, scores = input_ids.clone(), []
         for _ in range(n):
             nxt = sequences.sum(dim=1) % vocab
             step = torch.zeros(sequences.shape[0], vocab, dtype=torch.float32)
             step[torch.arange(sequences.shape[0]), nxt] = 1.0
-            scores.append(step)
+            if logits_returned:
+                scores.append(step)
             sequences = torch.cat([sequences, nxt.unsqueeze(1)], dim=1)
-        record("generate", prompt_tokens=list(input_ids.shape), new_tokens=n,
+        record("generate", prompt_tokens=list(input_ids.shape), new_tokens=n, on_device_sampling=sampled,
                kwargs={k: v for k, v in sorted(kwargs.items())},
                generation_config={k: getattr(generation_config, k, None)
                                   for k in ("do_sample", "pad_token_id", "eos_token_id", "top_k")})

@@ -1,7 +1,8 @@
 """vllm_neuron/worker/neuronx_distributed_model_runner.py @ 3afb0a9: what the engine core's runner does with the
-model before and while it serves: load it (load_model L525-548), hold vLLM's prompt limit to the compiled one
-(L604-694), tell vLLM's KV cache manager which layers have KV blocks (get_kv_cache_spec L892-917: every layer of the
-HF config, as full attention), and run a scheduled step through the model (execute_model)."""
+model before and while it serves: load it (load_model L525-548), pick its sampling path from the loaded model's own
+config (sampling_path), hold vLLM's prompt limit to the compiled one (L604-694), tell vLLM's KV cache manager which
+layers have KV blocks (get_kv_cache_spec L892-917: every layer of the HF config, as full attention), and run a
+scheduled step through the model (execute_model)."""
 
 from __future__ import annotations
 
@@ -42,10 +43,28 @@ class NeuronxDistributedModelRunner:
         from vllm_neuron.worker import neuronx_distributed_model_loader as loader
 
         self.model = loader.get_neuron_model(self.vllm_config)
+        self.sampling = self.sampling_path()
         self.max_prompt_length = loader.validate_max_prompt_length(self.model, self.vllm_config)
         nc = self.model.neuron_config
         self.neuron_config = {k: getattr(nc, k) for k in ("max_context_length", "is_block_kv_layout",
                                                           "is_prefix_caching", "pa_block_size", "pa_num_blocks")}
+
+    def sampling_path(self) -> dict:
+        """How tokens are picked, decided by the loaded model's config: the loader sets model.neuron_config to the
+        loaded app's (loader L1054), which for a precompiled directory is the compiled neuron_config.json, not the
+        loader's default OnDeviceSamplingConfig(dynamic=True, deterministic=False) (L1070-1073). With an
+        on_device_sampling_config the runner takes the model's token (sample_tokens L230-246, _sample_on_device
+        L285-338): the forward's output is NxDI's `hidden_states`, which holds the sampled tokens (loader L508-509;
+        NxDI model_base.py L3846 @ ef2731e), wrapped as sampled_token_ids (loader L542-552), and each request's
+        top_k, top_p and temperature reach the compiled sampler as its sampling params (runner L1715-1750). Without
+        one, vLLM's own sampler on the host takes the logits (L247-270)."""
+        from neuronx_distributed_inference._double import record
+        from neuronx_distributed_inference.models.config import to_dict
+
+        config = getattr(self.model.neuron_config, "on_device_sampling_config", None)
+        path = {"path": "on_device" if config is not None else "cpu", "config": to_dict(config)}
+        record("vllm_sampling", **path)
+        return path
 
     def initialize_kv_cache(self) -> BlockTable | None:
         """The block table of a block KV layout once vLLM's pool exists (num_gpu_blocks, null block included)."""

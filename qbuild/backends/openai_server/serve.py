@@ -1,7 +1,7 @@
 """qbuild's own OpenAI-compatible server for a CPU bundle (export, inductor): `/v1/models`, `/v1/completions` and
 `/v1/chat/completions`, answered by qbuild's runtime (qbuild.model.runtime), on Starlette and uvicorn.
 
-What the runtime can do decides what the server accepts (qbuild.backends.cpu.serve_requests holds the request schema):
+What the runtime can do decides what the server accepts (qbuild.backends.openai_server.serve_requests holds the request schema):
 - Decoding is greedy. `temperature` may be 0 or left out, `top_p` 1, `n` and `best_of` 1, the penalties 0; `seed` is
   accepted and changes nothing. Any other value, `stop` sequences, `logprobs`, `echo`, `suffix`, `logit_bias` and
   fields this server does not know are a 400 naming the field, never silently ignored.
@@ -26,7 +26,7 @@ What the runtime can do decides what the server accepts (qbuild.backends.cpu.ser
   "assistant:".
 - With an API key, every request needs `Authorization: Bearer <key>`; without one it is a 401, before its body is read.
 - A VL bundle takes one image per chat request, as an OpenAI `image_url` content part of a user message: a
-  `data:image/...;base64,` URL, or an http(s) URL only with --allow-image-urls (qbuild.backends.cpu.serve_images:
+  `data:image/...;base64,` URL, or an http(s) URL only with --allow-image-urls (qbuild.backends.openai_server.serve_images:
   fetched on the event loop within a deadline in all, a few at once, so a slow URL holds up no other request). The
   image goes where its part stands in the message (the chat template's image marker, expanded to the image's tokens
   as transformers' processor expands it), passes `qbuild run --image`'s limits, and runs through the vision graphs
@@ -61,9 +61,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from qbuild.backends.base import ServeOptions
-from qbuild.backends.cpu.serve_images import (Fetcher, FetchesBusy, ImageSourceError, base64_size, data_url_bytes,
+from qbuild.backends.openai_server.serve_images import (Fetcher, FetchesBusy, ImageSourceError, base64_size, data_url_bytes,
                                               is_remote)
-from qbuild.backends.cpu.serve_requests import (ChatMessage, ChatRequest, CompletionRequest, ImagePart, RequestError,
+from qbuild.backends.openai_server.serve_requests import (ChatMessage, ChatRequest, CompletionRequest, ImagePart, RequestError,
                                                 StreamOptions, parse, shutting_down)
 from qbuild.core.errors import UserError
 from qbuild.model.runtime.images import MAX_IMAGE_BYTES

@@ -1,5 +1,5 @@
-"""What a request to qbuild's OpenAI-compatible server may hold (qbuild.backends.cpu.serve), and OpenAI's error object
-for what it may not.
+"""What a request to qbuild's OpenAI-compatible server may hold (qbuild.backends.openai_server.serve), and OpenAI's
+error object for what it may not.
 
 A body is parsed and validated in one step by pydantic in strict mode (`model_validate_json(..., strict=True)`), so
 the JSON text itself is the input and nothing is coerced:
