@@ -16,7 +16,7 @@ from qbuild.core import jsonio
 from qbuild.core.units import human_bytes
 
 if TYPE_CHECKING:
-    from qbuild.core.progress import Report
+    from qbuild.core.progress import Tick
     from qbuild.execution.engine import BuildResult, Event
     from qbuild.execution.workspace import PinMove
     from qbuild.store.gc import GcReport
@@ -365,7 +365,7 @@ class BuildProgress:
         if task is not None:
             self._bars.remove_task(task)
 
-    def on_progress(self, node, report: Report) -> None:
+    def on_progress(self, node, report: Tick) -> None:
         """What a running step reported (engine.build's on_progress)."""
         with self._lock:
             if self.json:
@@ -412,13 +412,13 @@ def event_json(e: Event, verbose: bool = False) -> dict:
     return doc
 
 
-def progress_json(report: Report, node: str | None, nid: str | None, step: str) -> dict:
+def progress_json(report: Tick, node: str | None, nid: str | None, step: str) -> dict:
     """A progress report as `--progress json` writes it: {"event": "progress", "node", "id", "step", "what", "done",
     "total" (null: not known), "unit" ("B" or "s"), "rate" (units per second, or null)}."""
     return {"event": "progress", "node": node, "id": nid, "step": step, **report.to_json()}
 
 
-def progress_text(report: Report) -> tuple[str, str, str]:
+def progress_text(report: Tick) -> tuple[str, str, str]:
     """(amount, rate, ETA) of a report as a person reads them: "1.5 MiB/4.0 MiB", "12.0 MiB/s", "ETA 0:03"; for
     seconds, "0:42/~3:10" (elapsed, and how long the last such step took) or "0:42 elapsed", no rate, the time left by
     that measure. Empty strings where a part is not known."""

@@ -25,6 +25,7 @@ import torch
 from qbuild.model.chunking import LongContext, PrefixCacheSpec
 from qbuild.model.runtime import Runtime
 from qbuild.model.runtime.prefix_cache import PrefixCache, block_hashes
+from qbuild.model.runtime.state import HostState
 
 # --- the cache on its own -------------------------------------------------------------------------------------------
 
@@ -104,13 +105,15 @@ class StandIn(Runtime):
     def __init__(self, spec: PrefixCacheSpec, seq_len: int, chunk: int):
         self.long_context, self.cte, self.tkg, self.batch = LongContext(chunk, spec), [chunk], [seq_len], 1
         self.arch, self.embeds = SimpleNamespace(mrope_section=None), False
-        self.prefix_cache = PrefixCache(spec, [0], [1], self._state_shapes())
-
-    def _state_shapes(self):
-        return [((1, 1, 1, self.tkg[-1], 1), torch.int64), ((1,), torch.int64)]
+        # one attention cache of a token per slot, and one "DeltaNet" state: the hash of every token so far
+        signature = {"state_names": ["layers.0.k_cache", "layers.1.deltanet"],
+                     "state": [[[1, 1, 1, chunk, 1], "int64"], [[1], "int64"]]}
+        self.state = HostState(signature, seq_len)
+        self.prefix_cache = self.state.prefix_cache(self.long_context)
+        assert isinstance(self.prefix_cache, PrefixCache)
 
     def _first_piece(self, tokens, positions, end: int):
-        state = [torch.zeros(*shape, dtype=dtype) for shape, dtype in self._state_shapes()]
+        state = [torch.zeros(*shape, dtype=dtype) for shape, dtype in self.state.shapes()]
         return self._extend(tokens, positions, 0, end, state)
 
     def _extend(self, tokens, positions, start: int, end: int, state: list):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.core.progress import LineThrottle, Meter, Report, StepProgress, Throttle, elapsed
+from qbuild.core.progress import LineThrottle, Meter, Tick, StepProgress, Throttle, elapsed
 from qbuild.store.durations import Durations
 
 
@@ -21,8 +21,8 @@ class FakeClock:
         return self.t
 
 
-def _meter(clock: FakeClock, total: float | None, unit: str = "B") -> tuple[Meter, list[Report]]:
-    reports: list[Report] = []
+def _meter(clock: FakeClock, total: float | None, unit: str = "B") -> tuple[Meter, list[Tick]]:
+    reports: list[Tick] = []
     return Meter("download", unit, total, reports.append, clock), reports
 
 
@@ -88,7 +88,7 @@ def test_an_unknown_total_is_reported_every_half_second():
 def test_store_transfers_become_one_meter_per_batch():
     """qbuild.store.remote.Progress, as a store reports its transfers, onto the step's meters."""
     clock = FakeClock()
-    reports: list[Report] = []
+    reports: list[Tick] = []
     transfers = StepProgress(reports.append, clock).transfers("cache ")
     transfers.begin("download", 2, 300)
     transfers.advance(100)
@@ -103,7 +103,7 @@ def test_store_transfers_become_one_meter_per_batch():
 
 def test_the_timer_reports_elapsed_seconds_against_the_expected_ones():
     clock = FakeClock()
-    reports: list[Report] = []
+    reports: list[Tick] = []
     progress = StepProgress(reports.append, clock)
     with elapsed(progress, "compile", 100.0, tick=60.0):
         clock.t += 50.0
@@ -142,11 +142,11 @@ def test_plain_progress_prints_a_line_per_step_only_when_due(capsys):
                 est_peak_bytes=1)
     view = BuildProgress(mode="plain", clock=clock)
     view.on_event(Event("start", node))
-    view.on_progress(node, Report("write", 1 << 20, 4 << 20, "B", float(1 << 20)))
+    view.on_progress(node, Tick("write", 1 << 20, 4 << 20, "B", float(1 << 20)))
     clock.t += 31.0
-    view.on_progress(node, Report("write", 2 << 20, 4 << 20, "B", float(1 << 20)))
+    view.on_progress(node, Tick("write", 2 << 20, 4 << 20, "B", float(1 << 20)))
     clock.t += 1.0
-    view.on_progress(node, Report("write", 3 << 20, 4 << 20, "B", float(1 << 20)))
+    view.on_progress(node, Tick("write", 3 << 20, 4 << 20, "B", float(1 << 20)))
     assert capsys.readouterr().err.splitlines() == [
         "start  shard tp2", "  shard tp2: write 2.0 MiB/4.0 MiB, 1.0 MiB/s, ETA 0:02"]
 

@@ -182,6 +182,44 @@ def test_streamed_chunks_concatenate_to_the_same_text(runtime, client, server):
 
 
 @pytest.mark.slow
+def test_every_answer_is_valid_under_openais_own_types(server):
+    """Each body and each streamed chunk, as the wire carries it, validates against the openai package's pydantic
+    models (the client itself builds them without validation): the server's shapes are OpenAI's."""
+    from openai.types import Completion, Model
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.completion_usage import CompletionUsage
+    from pydantic import ValidationError
+
+    def stream(route: str, body: dict) -> list[dict]:
+        status, text = post(server.url + route, {**body, "stream": True, "stream_options": {"include_usage": True}})
+        assert status == 200, text
+        return [json.loads(e.removeprefix("data: ")) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+
+    completion = {"model": NAME, "prompt": "The quick brown fox", "max_tokens": 4}
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
+    status, text = post(server.url + "/completions", completion)
+    assert status == 200 and Completion.model_validate_json(text, strict=True).usage.completion_tokens == 4
+    status, text = post(server.url + "/chat/completions", chat)
+    assert status == 200
+    assert ChatCompletion.model_validate_json(text, strict=True).choices[0].message.role == "assistant"
+    chunks = stream("/completions", completion)
+    for chunk in chunks:
+        try:
+            Completion.model_validate(chunk, strict=True)
+        except ValidationError as e:
+            # The type serves streamed completions too, where OpenAI's API sends finish_reason null until the last
+            # chunk; it admits none: that one field, null, on a chunk that is not the last with choices, is all.
+            assert [(err["loc"], err["input"]) for err in e.errors()] == [(("choices", 0, "finish_reason"), None)]
+            assert chunk is not [c for c in chunks if c["choices"]][-1]
+    assert CompletionUsage.model_validate(chunks[-1]["usage"], strict=True).completion_tokens == 4
+    for chunk in stream("/chat/completions", chat):
+        ChatCompletionChunk.model_validate(chunk, strict=True)
+    with urllib.request.urlopen(server.url + "/models", timeout=60) as resp:
+        models = json.loads(resp.read())
+    assert [Model.model_validate(m, strict=True).id for m in models["data"]] == [NAME]
+
+
+@pytest.mark.slow
 def test_chat_without_a_template_is_the_documented_concatenation(runtime, client, small_checkpoints):
     """The tiny tokenizer has no chat template: the messages become "<role>: <content>" lines and "assistant:"."""
     checkpoint = small_checkpoints["qwen3_5"]

@@ -47,6 +47,12 @@ def sha256_file(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def is_commit(value: object) -> bool:
+    """Whether `value` is a full git commit id, 40 lowercase hex (what a key or a pin may hold), not a branch, a tag
+    or a short sha: the one check of it, for the Hub's revisions, a port's rev and the lockfile's pins alike."""
+    return isinstance(value, str) and len(value) == 40 and all(c in "0123456789abcdef" for c in value)
+
+
 def git_blob_sha1(data: bytes) -> str:
     """git's blob id of `data` (see git_blob_sha1_file)."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
@@ -122,5 +128,6 @@ class StatCache:
 
 def default_stat_cache(algo: str = "blake3") -> StatCache:
     """This user's stat cache of `algo` digests (one SQLite file holds every algorithm's table)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return StatCache(Path(base) / "qbuild" / "statcache.sqlite", algo=algo)
+    from qbuild.core.userdir import cache_dir
+
+    return StatCache(cache_dir("statcache.sqlite"), algo=algo)

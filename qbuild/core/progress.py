@@ -4,10 +4,10 @@ driver as plain data (docs/progress.md).
 A step measures with a Meter: bytes (unit "B") of a download, an upload or the shards written, or seconds (unit "s")
 of a compile against how long the last one took. A meter reports through a Throttle, so feeding it stays cheap however
 often it is fed (every network chunk, every tensor): at most every MIN_INTERVAL_S and every MIN_FRACTION of the total,
-whichever is less often, besides its first report and the one where the work is done. A report is a Report, plain
+whichever is less often, besides its first report and the one where the work is done. A report is a Tick, plain
 data that pickles, so it crosses the local pool's pipe and Ray alike; the driver renders it (qbuild.render).
 
-An action never imports this module (it gets its StepProgress as `ctx.progress`), so nothing here is in a key: how
+A step never imports this module (it gets its StepProgress as `ctx.progress`), so nothing here is in a key: how
 progress is measured or shown never rebuilds anything.
 """
 
@@ -30,7 +30,7 @@ LINE_EVERY_S = 30.0       # without a terminal: at most one progress line per st
 
 
 @dataclass(frozen=True)
-class Report:
+class Tick:
     """One measurement of one thing a step does."""
 
     what: str                 # "download", "upload", "check", "write", "compile", "compile cache download", ...
@@ -51,13 +51,13 @@ def _rounded(x: float | None) -> float | None:
     return round(x, 3)
 
 
-Emit = Callable[[Report], None]
+Emit = Callable[[Tick], None]
 
 
 def guarded(emit: Emit) -> Emit:
     """`emit`, dropping a report it fails to deliver (a pipe or an actor gone, a display that broke): progress never
     fails a step or a build."""
-    def deliver(report: Report) -> None:
+    def deliver(report: Tick) -> None:
         try:
             emit(report)
         except Exception:
@@ -133,10 +133,10 @@ class Meter:
         if not self._closed and self._throttle.take(self.done, self.total):
             self._emit(self._report())
 
-    def _report(self) -> Report:
+    def _report(self) -> Tick:
         took = self._clock() - self._started
         rate = self.done / took if self.unit == "B" and took > 0 else None
-        return Report(self.what, self.done, self.total, self.unit, rate)
+        return Tick(self.what, self.done, self.total, self.unit, rate)
 
 
 class Transfers:

@@ -26,9 +26,11 @@ def runtime_dir() -> str | None:
 
 
 def cache_dir(name: str) -> Path:
-    """$XDG_CACHE_HOME/qbuild/<name> (~/.cache/qbuild/<name> by default); not made here."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qbuild" / name
+    """qbuild's cache directory's <name>, as platformdirs finds the user's cache directory now (on Linux
+    $XDG_CACHE_HOME/qbuild/<name>, ~/.cache/qbuild/<name> by default); not made here."""
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("qbuild")) / name
 
 
 def private_dir(path: Path) -> Path:

@@ -29,7 +29,7 @@ from typing import Callable, Literal, Mapping, Protocol
 from qbuild.execution.job import Job
 from qbuild.execution.scheduler import UNSTARTED, Scheduler
 from qbuild.core.errors import BuildError, InfraError, QbuildError, UserError
-from qbuild.core.progress import Report
+from qbuild.core.progress import Tick
 from qbuild.core.units import human_bytes
 from qbuild.planning.dag import Node, Plan
 from qbuild.planning.keys import LockedNode, PlanKeys, other_bytes
@@ -40,7 +40,7 @@ from qbuild.store.manifest import Manifest
 
 
 class Executor(Protocol):
-    def submit(self, job: Job, node: Node, on_progress: Callable[[Report], None] | None = None) -> Future: ...
+    def submit(self, job: Job, node: Node, on_progress: Callable[[Tick], None] | None = None) -> Future: ...
     def capacity_check(self, node: Node) -> str | None: ...
     def shutdown(self) -> None: ...
 
@@ -90,7 +90,7 @@ class BuildOptions:
                                         # so is any step built only for such steps
 
 
-ProgressCallback = Callable[[Node, Report], None]
+ProgressCallback = Callable[[Node, Tick], None]
 
 
 def build(plan: Plan, store, spec: StoreSpec, executor_factory: Callable[[], Executor], options: BuildOptions,
@@ -172,7 +172,7 @@ class _Run:
                              if node.step.timed else None)
         self.sched.queue(nid)
 
-    def reporter(self, node: Node) -> Callable[[Report], None] | None:
+    def reporter(self, node: Node) -> Callable[[Tick], None] | None:
         on_progress = self.on_progress
         return None if on_progress is None else (lambda report: on_progress(node, report))
 

@@ -11,8 +11,9 @@ import re
 from pathlib import Path
 
 from qbuild.core.errors import InfraError, QbuildError, UserError
-from qbuild.core.hashing import default_stat_cache, git_blob_sha1
+from qbuild.core.hashing import default_stat_cache, git_blob_sha1, is_commit
 from qbuild.core.files import atomic_write
+from qbuild.core.userdir import cache_dir
 from qbuild.core.userfile import read_small_file
 
 
@@ -25,12 +26,6 @@ MAX_INDEX_BYTES = 64 << 20
 
 # --- the Hugging Face cache, read without importing huggingface_hub ---------------------------------------------
 
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
-
-
-def is_commit(revision: str) -> bool:
-    """Whether a revision is a full commit id (what a key may hold), not a branch, a tag or a short sha."""
-    return bool(_COMMIT.fullmatch(revision))
 
 
 def hf_cache_dir() -> Path:
@@ -135,8 +130,7 @@ def resolve_hub_revision(repo: str, revision: str) -> str:
 def config_cache_dir() -> Path:
     """qbuild's own HF-layout cache of config.json files by commit. Planning downloads a config.json here, never into
     the HF cache: a snapshot there holding only config.json would pass for the whole checkpoint offline."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qbuild" / "hf-configs"
+    return cache_dir("hf-configs")
 
 
 def hub_config_path(repo: str, commit: str) -> Path | None:
@@ -173,7 +167,7 @@ def download_hub_config(repo: str, commit: str) -> Path:
     # The ETag of a file kept in git is its blob sha1 (huggingface_hub names the cached blob by it): the bytes must be
     # those it names. A weak or absent ETag (a proxy's) says nothing either way.
     etag = (response.headers.get("X-Linked-Etag") or response.headers.get("ETag") or "").strip('"')
-    if re.fullmatch(r"[0-9a-f]{40}", etag) and git_blob_sha1(response.content) != etag:
+    if is_commit(etag) and git_blob_sha1(response.content) != etag:   # a git blob id: 40 hex, as a commit's
         raise InfraError(f"model.hf: {repo}@{commit[:12]}: the Hub served a config.json whose bytes hash to git-sha1 "
                          f"{git_blob_sha1(response.content)[:12]}, not its ETag {etag[:12]}; refusing it")
     path = hf_repo_dir(repo, config_cache_dir()) / "snapshots" / commit / "config.json"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from qbuild.core.errors import RecipeError, UserError
 from qbuild.core.userfile import read_small_file
-from qbuild.hub.hf import check_hub_config, hf_cached_snapshot, hub_config_path, is_commit
+from qbuild.core.hashing import is_commit
+from qbuild.hub.hf import check_hub_config, hf_cached_snapshot, hub_config_path
 from qbuild.model.arch import MAX_CONFIG_BYTES, Arch, arch_from_config
 from qbuild.recipe.schema import LoadedRecipe, PathSource, recipe_field_location
 

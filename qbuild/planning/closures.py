@@ -38,6 +38,7 @@ from functools import cache
 from pathlib import Path
 
 from qbuild.core.hashing import StatCache, digest_bytes
+from qbuild.core.userdir import cache_dir
 
 # Bumped whenever what a file's facts hold, or how the digest is computed, changes: old rows never answer.
 _FACTS_VERSION = 1
@@ -140,8 +141,7 @@ def file_facts(path: Path) -> FileFacts:
 # --- the closure -----------------------------------------------------------------------------------------------
 
 def _cache_path() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qbuild" / f"source-facts-v{_FACTS_VERSION}.sqlite"
+    return cache_dir(f"source-facts-v{_FACTS_VERSION}.sqlite")
 
 
 @dataclass

@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from qbuild.core import jsonio
 from qbuild.core.errors import BuildError, InfraError, UserError
-from qbuild.core.hashing import digest_json
+from qbuild.core.hashing import digest_json, is_commit
 from qbuild.core.platform import host_tag
 from qbuild.core.urls import carries_credentials
 from qbuild.core.userfile import read_small_file
@@ -132,7 +132,7 @@ class ModelEntry(_Entry):
     @property
     def pin(self) -> HubPin | None:
         """The hub pin this model holds: a repo, the revision asked for and the commit it is pinned to."""
-        if self.source != "hf" or self.repo is None or self.requested is None or not _is_commit(self.revision):
+        if self.source != "hf" or self.repo is None or self.requested is None or not is_commit(self.revision):
             return None
         return HubPin(self.repo, self.requested, self.revision)
 
@@ -198,10 +198,6 @@ class Lock(_Entry):
         if problem is not None:
             raise AssertionError(f"refusing to write a lockfile that disagrees with itself: {problem}")
         return jsonio.dumps(self.to_json(), indent=2, sort_keys=True) + "\n"
-
-
-def _is_commit(value) -> bool:
-    return isinstance(value, str) and len(value) == 40 and all(c in "0123456789abcdef" for c in value)
 
 
 # --- reading a file ----------------------------------------------------------------------------------------------
@@ -702,7 +698,7 @@ def pinned_files(lock: Lock, lock_path: Path) -> dict[tuple[str, str], LockedFil
     out = {}
     for _, entry in sorted(lock.recipes.items()):
         model = entry.model
-        if model.source == "hf" and model.repo is not None and _is_commit(model.revision) and model.files:
+        if model.source == "hf" and model.repo is not None and is_commit(model.revision) and model.files:
             out.setdefault((model.repo, model.revision), LockedFiles(str(lock_path), dict(model.files)))
     return out
 

@@ -33,7 +33,7 @@ from qbuild.model.sizes import weight_bytes
 from qbuild.recipe import checks
 from qbuild.recipe.params import FetchHub, to_json
 from qbuild.recipe.schema import HFSource, LoadedRecipe, PathSource, recipe_field_location
-from qbuild.hub.hf import is_commit
+from qbuild.core.hashing import is_commit
 from qbuild.store.manifest import Manifest
 
 

@@ -13,6 +13,7 @@ from pydantic_core import PydanticCustomError
 
 from qbuild.core.dtypes import DType
 from qbuild.core.errors import RecipeError
+from qbuild.core.hashing import is_commit
 from qbuild.core.urls import carries_credentials, without_credentials
 from qbuild.model.families import MoEBackend
 from qbuild.model.fp8 import FP8PolicyName
@@ -243,7 +244,6 @@ class Compiler(_Strict):
 # A git URL a port is fetched from: https, ssh, git or file URLs, or scp-like `user@host:path`. Never a leading "-",
 # which git would read as an option, nor a transport such as `ext::`, which runs a command.
 _GIT_URL = re.compile(r"^(?:(?:https?|ssh|git|file)://[^\s]+|[\w.-]+@[\w.-]+:[^\s]+)$")
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 
 class Port(_Strict):
@@ -281,7 +281,7 @@ class Port(_Strict):
     @field_validator("rev")
     @classmethod
     def _full_commit(cls, v: str | None) -> str | None:
-        if v is not None and not _COMMIT.match(v):
+        if v is not None and not is_commit(v):
             raise ValueError(f"{v!r} is not a full commit: give the 40-hex sha (a branch, tag or short sha can name "
                              "another commit tomorrow)")
         return v

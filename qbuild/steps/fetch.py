@@ -17,12 +17,13 @@ from pathlib import Path
 
 from qbuild.core import jsonio
 from qbuild.core.errors import InfraError, UserError
+from qbuild.core.hashing import is_commit
 from qbuild.core.units import GIB
 from qbuild.model.sizes import weight_bytes
 from qbuild.hub.bars import HubBars
 from qbuild.hub.snapshot import check_checkpoint, checkpoint_files
 from qbuild.hub.hf import (CHECKPOINT_PATTERNS, hf_cache_dir, hf_repo_dir, hf_served_commit, hub_endpoint,
-                           hub_offline, hub_snapshot_files, is_commit)
+                           hub_offline, hub_snapshot_files)
 from qbuild.planning.step import Context, LockedFiles, PlannedNode, Step
 from qbuild.recipe.params import FetchHub, FetchParams, FetchPath
 

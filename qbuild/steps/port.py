@@ -26,6 +26,7 @@ from pathlib import Path
 
 from qbuild.core.errors import InfraError, UserError
 from qbuild.core.urls import carries_credentials, without_credentials as _shown
+from qbuild.core.userdir import cache_dir
 from qbuild.planning.step import Context, Step
 
 GIT_DIR = "git"                 # under the store root: one bare clone per URL
@@ -98,7 +99,7 @@ def _clone_dir(ctx: Context, url: str) -> Path:
     if ctx.store is not None:
         base = Path(ctx.store.local) / GIT_DIR
     else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "qbuild" / GIT_DIR
+        base = cache_dir(GIT_DIR)
     return base / f"{digest_bytes(url.encode())[:24]}.git"
 
 

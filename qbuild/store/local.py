@@ -117,9 +117,6 @@ class LocalStore:
             if m is not None:
                 yield m
 
-    def delete_manifest(self, key: str) -> None:
-        self.manifest_path(key).unlink(missing_ok=True)
-
     # --- blobs ---------------------------------------------------------------------------------------------
     def has_blob(self, digest: str) -> bool:
         return self.blob_path(digest).is_file()
@@ -151,17 +148,6 @@ class LocalStore:
         except OSError as e:
             raise infra_error(e, dst) from None
         return digest
-
-    def put_blob_from(self, src: Path, digest: str) -> None:
-        """Copy a file whose digest is already known (e.g. downloaded and checked) into the CAS."""
-        name = f"blob-{digest[:16]}"
-        with self.lock(name):   # held while it stages, so `store verify --repair` sees the staging dir as live
-            tmp = self.staging_dir(name) / "blob"
-            try:
-                shutil.copyfile(src, tmp)
-                self.put_file(tmp, digest)
-            finally:
-                shutil.rmtree(tmp.parent, ignore_errors=True)
 
     @contextmanager
     def cas_lock(self, *, exclusive: bool = False) -> Iterator[None]:

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from qbuild.core.userdir import cache_dir
+
 CONFIG_FILE = "qbuild.yaml"
 
 
@@ -23,8 +25,7 @@ def default_store_path() -> Path:
     """--store, else QBUILD_STORE, else the per-user cache directory."""
     if os.environ.get("QBUILD_STORE"):
         return Path(os.environ["QBUILD_STORE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "qbuild" / "store"
+    return cache_dir("store")
 
 
 def resolve_remote(flag: str | None, cwd: Path | None = None) -> str | None:

@@ -114,7 +114,7 @@ class Prepared:
     image: object = None   # the image the prompt's image tokens stand for (runtime.prepare_image), if any
 
 
-class Job:
+class QueuedGeneration:
     """One generation. It runs on the generation thread in its turn, and ends early, at its next token or before it
     starts, once stopped: its client went away ("client") or the server stops ("shutdown")."""
 
@@ -122,14 +122,14 @@ class Job:
         self.ids, self.max_new, self.on_token, self.image = ids, max_new, on_token, image
         self.started = False
         self.stopped: str | None = None
-        self._lock = threading.Lock()   # orders `started` against a stop of a job that has not started
+        self._lock = threading.Lock()   # orders `started` against a stop of a generation that has not started
 
     def stop(self, why: str) -> None:
         with self._lock:
             self.stopped = self.stopped or why
 
     def stop_waiting(self, why: str) -> bool:
-        """Stop the job if it has not started (it never will then); whether it had not."""
+        """Stop the generation if it has not started (it never will then); whether it had not."""
         with self._lock:
             if not self.started:
                 self.stopped = self.stopped or why
@@ -151,25 +151,25 @@ class Job:
 
 class Client:
     """Whether the client of a request is still there, watched from when its body has been read until `close()`:
-    once its connection closes, `gone` is set and the job it waits for is stopped, in that same step of the event
+    once its connection closes, `gone` is set and the generation it waits for is stopped, in that same step of the event
     loop, before anything else the loop has to do."""
 
     def __init__(self, request: Request):
         self.gone = asyncio.Event()
-        self._job: Job | None = None
+        self._queued: QueuedGeneration | None = None
         self._watch = asyncio.ensure_future(self._wait(request.receive))
 
     async def _wait(self, receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
         self.gone.set()
-        if self._job is not None:
-            self._job.stop("client")
+        if self._queued is not None:
+            self._queued.stop("client")
 
-    def watch(self, job: Job) -> None:
-        self._job = job
+    def watch(self, queued: QueuedGeneration) -> None:
+        self._queued = queued
         if self.gone.is_set():
-            job.stop("client")
+            queued.stop("client")
 
     def close(self) -> None:
         self._watch.cancel()
@@ -191,7 +191,7 @@ class Generator:
         self.eos = runtime.eos_ids()
         self._preparing = ThreadPoolExecutor(1, thread_name_prefix="qbuild-prepare")
         self._generating = ThreadPoolExecutor(1, thread_name_prefix="qbuild-generate")
-        self._jobs: set[Job] = set()
+        self._queued: set[QueuedGeneration] = set()
         self.stopping = asyncio.Event()
 
     # --- preparing (on the prepare thread) ---------------------------------------------------------------------
@@ -261,7 +261,7 @@ class Generator:
         parts = [(i, j, part, m.role) for i, m in enumerate(messages) for j, part in m.images()]
         if not parts:
             return None
-        (i, j, part, role), label = parts[0], f"messages.{parts[0][0]}.content.{parts[0][1]}"
+        (_, _, part, role), label = parts[0], f"messages.{parts[0][0]}.content.{parts[0][1]}"
         if len(parts) > 1:
             raise RequestError(f"messages.{parts[1][0]}.content.{parts[1][1]}: one image per request ({label} is the "
                                "first)", "messages")
@@ -361,31 +361,31 @@ class Generator:
         return wanted
 
     # --- generating (on the generate thread) -------------------------------------------------------------------
-    async def generate(self, job: Job, client: Client):
-        """`job`'s generation, in its turn. ClientGone where its client went away first (the client stopped the job:
+    async def generate(self, queued: QueuedGeneration, client: Client):
+        """`queued`'s generation, in its turn. ClientGone where its client went away first (the client stopped it:
         it ends at its next token, or never starts); a 503 where the server stopped before its turn came or before it
         finished."""
-        future = asyncio.wrap_future(self._generating.submit(job.run, self.runtime))
-        client.watch(job)
-        self._jobs.add(job)
+        future = asyncio.wrap_future(self._generating.submit(queued.run, self.runtime))
+        client.watch(queued)
+        self._queued.add(queued)
         watches = {asyncio.ensure_future(client.gone.wait()): "client",
                    asyncio.ensure_future(self.stopping.wait()): "stop"}
         try:
             pending: set = {future, *watches}
             while future in pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                if any(watches.get(w) == "client" for w in done) and not job.started:
+                if any(watches.get(w) == "client" for w in done) and not queued.started:
                     raise ClientGone()
-                if any(watches.get(w) == "stop" for w in done) and job.stop_waiting("shutdown"):
+                if any(watches.get(w) == "stop" for w in done) and queued.stop_waiting("shutdown"):
                     raise shutting_down()
             generation = future.result()
         finally:
-            self._jobs.discard(job)
+            self._queued.discard(queued)
             for watch in watches:
                 watch.cancel()
-        if job.stopped == "client":
+        if queued.stopped == "client":
             raise ClientGone()
-        if job.stopped == "shutdown":
+        if queued.stopped == "shutdown":
             raise RequestError("the server stopped before the answer was complete", status=503, kind="server_error")
         return generation
 
@@ -396,8 +396,8 @@ class Generator:
         asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, self._cut)
 
     def _cut(self) -> None:
-        for job in list(self._jobs):
-            job.stop("shutdown")
+        for queued in list(self._queued):
+            queued.stop("shutdown")
 
     def close(self) -> None:
         self._preparing.shutdown(wait=False, cancel_futures=True)
@@ -539,7 +539,7 @@ class Api:
     async def _generate(self, p: Prepared, client: Client):
         """The generation of a non-streamed answer, or the response that ends the request without one."""
         try:
-            return await self.gen.generate(Job(p.ids, p.max_new, image=p.image), client)
+            return await self.gen.generate(QueuedGeneration(p.ids, p.max_new, image=p.image), client)
         except RequestError as e:
             return e.response()
         except ClientGone:
@@ -568,10 +568,10 @@ class Api:
                     try:
                         loop.call_soon_threadsafe(pieces.put_nowait, text)
                     except RuntimeError:   # the loop is closed: the server stopped while this answer was generated
-                        job.stop("shutdown")
+                        queued.stop("shutdown")
 
-            job = Job(p.ids, p.max_new, on_token, p.image)
-            task = asyncio.ensure_future(self.gen.generate(job, client))
+            queued = QueuedGeneration(p.ids, p.max_new, on_token, p.image)
+            task = asyncio.ensure_future(self.gen.generate(queued, client))
             task.add_done_callback(lambda _: pieces.put_nowait(None))
             sent = ""
             try:
@@ -598,7 +598,7 @@ class Api:
                                 "choices": [], "usage": self.gen.usage(len(p.ids), generation)})
                 yield "data: [DONE]\n\n"
             finally:   # also where the stream was cancelled (its client went away): its generation stops
-                job.stop("client")
+                queued.stop("client")
                 task.cancel()
                 client.close()
 

@@ -31,12 +31,12 @@ from typing import BinaryIO, Callable
 from qbuild import backends
 from qbuild.execution.job import Job, run_job
 from qbuild.core.errors import BuildError
-from qbuild.core.progress import Report, guarded
+from qbuild.core.progress import Tick, guarded
 from qbuild.planning.dag import Node
 
 _HEADER = struct.Struct(">Q")     # the length of the pickle that follows
 _SERVE = "import sys; from qbuild.execution.executors.local import serve; serve(int(sys.argv[1]), int(sys.argv[2]))"
-_PROGRESS = "progress"            # a worker's message carrying a Report, before the job's answer
+_PROGRESS = "progress"            # a worker's message carrying a Tick, before the job's answer
 
 
 class WorkerLost(RuntimeError):
@@ -53,7 +53,7 @@ class LocalExecutor:
         self._waiting = 0    # jobs in the queue that no feeder has taken yet
         self._idle = 0       # feeders (and so workers) waiting for a job
 
-    def submit(self, job: Job, node: Node, on_progress: Callable[[Report], None] | None = None) -> Future:
+    def submit(self, job: Job, node: Node, on_progress: Callable[[Tick], None] | None = None) -> Future:
         future: Future = Future()
         with self._lock:
             if self._closed:
@@ -92,7 +92,7 @@ class LocalExecutor:
         for feeder in feeders:
             feeder.join()
 
-    def _take(self) -> tuple[Job, Future, Callable[[Report], None]] | None:
+    def _take(self) -> tuple[Job, Future, Callable[[Tick], None]] | None:
         """The next job for an idle feeder, waiting for one (None: shut down); the feeder is busy from here on."""
         item = self._queue.get()
         with self._lock:
@@ -170,7 +170,7 @@ class _Worker:
     def alive(self) -> bool:
         return self._proc.poll() is None
 
-    def run(self, job: Job, on_progress: Callable[[Report], None]) -> tuple[bool, object]:
+    def run(self, job: Job, on_progress: Callable[[Tick], None]) -> tuple[bool, object]:
         """(True, the manifest) or (False, the exception the job raised); WorkerLost if the worker ended first. The
         progress the step reports meanwhile goes to `on_progress`."""
         try:
@@ -196,7 +196,7 @@ class _Worker:
         self._proc.wait()
 
 
-def _ignore(report: Report) -> None:
+def _ignore(report: Tick) -> None:
     pass
 
 

@@ -35,7 +35,7 @@ from typing import Callable
 from qbuild.core.platform import host_tag
 from qbuild.planning.keys import code_hash, toolchain_versions
 from qbuild.core.errors import InfraError, QbuildError, UserError
-from qbuild.core.progress import Report, StepProgress, guarded, silent
+from qbuild.core.progress import Tick, StepProgress, guarded, silent
 from qbuild.execution.job import Job, build_job
 from qbuild.planning.dag import Node
 from qbuild.planning.closures import Sources
@@ -182,15 +182,15 @@ def _flush(inbox) -> None:
 
 
 class ProgressInbox:
-    """A Ray actor holding what running tasks reported, (node id, Report) pairs, until the driver takes them."""
+    """A Ray actor holding what running tasks reported, (node id, Tick) pairs, until the driver takes them."""
 
     def __init__(self) -> None:
-        self._reports: list[tuple[str, Report]] = []
+        self._reports: list[tuple[str, Tick]] = []
 
-    def put(self, reports: list[tuple[str, Report]]) -> None:
+    def put(self, reports: list[tuple[str, Tick]]) -> None:
         self._reports.extend(reports)
 
-    def take(self) -> list[tuple[str, Report]]:
+    def take(self) -> list[tuple[str, Tick]]:
         reports, self._reports = self._reports, []
         return reports
 
@@ -254,13 +254,13 @@ class RayExecutor:
         self._refs: dict = {}
         self._on_remote: set[str] = set()     # blob digests known to be on the remote
         self._nodes: tuple[float, list[WorkerNode]] = (float("-inf"), [])
-        self._listeners: dict[str, Callable[[Report], None]] = {}    # node id -> who hears its progress
+        self._listeners: dict[str, Callable[[Tick], None]] = {}    # node id -> who hears its progress
         self._inbox = None                   # the ProgressInbox, made for the first step with a listener
         self._polling = threading.Event()    # set: stop polling
         self._poller: threading.Thread | None = None
         self._delivering = threading.Lock()
 
-    def submit(self, job: Job, node: Node, on_progress: Callable[[Report], None] | None = None) -> Future:
+    def submit(self, job: Job, node: Node, on_progress: Callable[[Tick], None] | None = None) -> Future:
         out: Future = Future()
         inbox = None
         if on_progress is not None:

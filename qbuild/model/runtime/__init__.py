@@ -1,9 +1,9 @@
 """Load a bundle and generate with its compiled graphs: prefill through a CTE graph, greedy decode through the
 token-generation graphs, images through the vision graph (VL bundles). CPU backends (export, inductor).
 
-The host owns the full KV cache (seq_len slots, as NxDI's); each graph was compiled with its bucket as KV length,
-so a call gets the cache sliced to that bucket and the result is written back. DeltaNet states do not depend on
-the bucket. Weights are loaded once, into the reference model's rank-stacked layout the graphs take as inputs.
+The host owns the full KV cache (qbuild.model.runtime.state); the graphs are loaded on first use
+(qbuild.model.runtime.graphs). Weights are loaded once, into the reference model's rank-stacked layout the graphs take
+as inputs.
 
 A bundle with chunked prefill (bundle.json "long_context") prefills a prompt up to its KV length in pieces: the first
 through a CTE graph, each later one through an extend graph that continues the state (qbuild.model.chunking says
@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Callable
 
 from qbuild.model.chunking import EXTEND, LongContext, kv_bucket, pieces
+from qbuild.model.runtime.graphs import Graphs
 from qbuild.model.runtime.images import EncodedImage, ImageSource, PreparedImage
+from qbuild.model.runtime.state import HostState
 from qbuild.model.bundle import check_files, read_manifest, shown_path
 from qbuild.model.runtime.prompts import PromptRules
 from qbuild.core.errors import UserError
@@ -52,11 +54,11 @@ class Runtime(PromptRules):
         self.cte = sorted(manifest["buckets"]["cte"])
         self.tkg = sorted(manifest["buckets"]["tkg"])
         self.vision_buckets = sorted(manifest["buckets"].get("vision", []))
-        self._graphs: dict[str, object] = {}
-        self._signatures: dict[str, dict] = {}
-        self.embeds = self.signature(f"cte-{self.cte[0]}")["embeds"]
+        self.graphs = Graphs(root, manifest)
+        self.embeds = self.graphs.signature(f"cte-{self.cte[0]}")["embeds"]
         self.long_context = LongContext.from_json(manifest.get("long_context"))
-        self.prefix_cache = self._new_prefix_cache()
+        self.state = HostState(self.graphs.signature(f"cte-{self.cte[0]}"), self.tkg[-1])
+        self.prefix_cache = self.state.prefix_cache(self.long_context)
 
     # --- loading ---------------------------------------------------------------------------------------------
     @classmethod
@@ -90,18 +92,9 @@ class Runtime(PromptRules):
         vision = _load_vision(root, arch, config, dtype) if manifest["buckets"].get("vision") else None
         return cls(root, manifest, config, _tokenizer(root, shown_as), weights, arch, vision, shown_as)
 
-    def signature(self, name: str) -> dict:
-        """A graph's call signature, written beside it by its compile (qbuild.backends.cpu)."""
-        if name not in self._signatures:
-            self._signatures[name] = json.loads((self.root / "graphs" / f"{name}.json").read_text())
-        return self._signatures[name]
-
     def graph(self, name: str):
         """The callable of one compiled graph, loaded on first use."""
-        if name not in self._graphs:
-            path = self.root / self.manifest["graphs"][name]
-            self._graphs[name] = _load_graph(path, self.signature(name)["format"])
-        return self._graphs[name]
+        return self.graphs.get(name)
 
     # --- text --------------------------------------------------------------------------------------------------
     def _tkg_bucket(self, position: int) -> int:
@@ -201,7 +194,7 @@ class Runtime(PromptRules):
         cache = self.prefix_cache if use_cache else None
         use = cache.lookup(self._block_hashes(prompt_ids, images), n) if cache else None
         cached = use.tokens if use else 0
-        state = self._resumed_state(use) if cached else None
+        state = self.state.resumed(self.prefix_cache, use) if cached else None
         outs = []
         for start, end in plan:
             if start < cached:
@@ -266,7 +259,7 @@ class Runtime(PromptRules):
         seq_lens = torch.full((self.batch,), end, dtype=torch.long)
         logits, new = self.graph(f"cte-{bucket}")(self.weights, tokens[:, :bucket].contiguous(),
                                                   positions[..., :bucket].contiguous(), seq_lens)
-        return logits, self._full_cache(list(new), end)
+        return logits, self.state.full(list(new), end)
 
     def _extend(self, tokens, positions, start: int, end: int, state: list):
         """The piece [start, end) through the extend graph of the KV bucket its step of slots needs."""
@@ -276,8 +269,9 @@ class Runtime(PromptRules):
         bucket = kv_bucket(start + step, self.tkg)
         starts = torch.full((self.batch,), start, dtype=torch.long)
         seq_lens = torch.full((self.batch,), end - start, dtype=torch.long)
-        return self._call_with_cache(f"{EXTEND}-{bucket}", bucket, state, tokens[:, start:start + step].contiguous(),
-                                     positions[..., start:start + step].contiguous(), starts, seq_lens)
+        return self.state.call(self.graph(f"{EXTEND}-{bucket}"), self.weights, bucket, state,
+                               tokens[:, start:start + step].contiguous(), positions[..., start:start + step].contiguous(),
+                               starts, seq_lens)
 
     def _embed(self, ids, images: EncodedImage | None):
         import torch.nn.functional as F
@@ -289,70 +283,6 @@ class Runtime(PromptRules):
 
         per_row = images.features.repeat(ids.shape[0], 1)
         return embed_with_images(table, ids, per_row, self.arch.image_token_id)
-
-    # --- the host's state --------------------------------------------------------------------------------------
-    def _attention_slots(self) -> list[int]:
-        sig = self.signature(f"cte-{self.cte[0]}")
-        return [i for i, name in enumerate(sig["state_names"]) if name.endswith(("k_cache", "v_cache"))]
-
-    def _state_shapes(self) -> list[tuple[tuple[int, ...], object]]:
-        """(shape, dtype) of each state tensor, attention caches at the full KV length."""
-        import torch
-
-        attention = set(self._attention_slots())
-        shapes = []
-        for i, (shape, dtype) in enumerate(self.signature(f"cte-{self.cte[0]}")["state"]):
-            if i in attention:
-                shape = [*shape[:3], self.tkg[-1], shape[4]]
-            shapes.append((tuple(shape), getattr(torch, dtype)))
-        return shapes
-
-    def _new_prefix_cache(self):
-        plan = self.long_context
-        if plan is None or plan.prefix_cache is None:
-            return None
-        from qbuild.model.runtime.prefix_cache import PrefixCache
-
-        attention = self._attention_slots()
-        shapes = self._state_shapes()
-        deltanet = [i for i in range(len(shapes)) if i not in attention]
-        return PrefixCache(plan.prefix_cache, attention, deltanet, shapes)
-
-    def _resumed_state(self, use) -> list:
-        """The host's state at a cached checkpoint: its blocks' KV in the full caches (zeros past them, as a cold
-        prefill leaves them) and its DeltaNet state."""
-        import torch
-
-        state = [torch.zeros(shape, dtype=dtype) for shape, dtype in self._state_shapes()]
-        self.prefix_cache.restore(use, state)
-        return state
-
-    def _full_cache(self, state: list, real: int) -> list:
-        """Prefill's caches (KV length = its bucket) -> the host's full caches, holding the slots of the `real`
-        tokens only: a resumed prefill finds zeros past its cached blocks, and a cold one must find the same."""
-        import torch
-
-        kv_len = self.tkg[-1]
-        for i in self._attention_slots():
-            cache = state[i]
-            full = torch.zeros(*cache.shape[:3], kv_len, cache.shape[4], dtype=cache.dtype)
-            full[:, :, :, :real] = cache[:, :, :, :real]
-            state[i] = full
-        return state
-
-    def _call_with_cache(self, graph: str, bucket: int, state: list, *args):
-        """Call a graph that takes (weights, *args, state with the caches cut to its KV bucket) and returns (logits,
-        state); its caches are written back into the host's full ones."""
-        slots = self._attention_slots()
-        cut = [s[:, :, :, :bucket].contiguous() if i in slots else s for i, s in enumerate(state)]
-        logits, new = self.graph(graph)(self.weights, *args, tuple(cut))
-        new = list(new)
-        for i in range(len(state)):
-            if i in slots:
-                state[i][:, :, :, :bucket] = new[i]
-            else:
-                state[i] = new[i]
-        return logits, state
 
     def _decode(self, token: int, position: int, state: list, deltas):
         import torch
@@ -366,7 +296,7 @@ class Runtime(PromptRules):
             position_ids = decode_position_ids(positions, deltas)
         else:
             position_ids = positions[:, None]
-        return self._call_with_cache(f"tkg-{bucket}", bucket, state, ids, position_ids, positions)
+        return self.state.call(self.graph(f"tkg-{bucket}"), self.weights, bucket, state, ids, position_ids, positions)
 
     # --- images ------------------------------------------------------------------------------------------------
     def prepare_image(self, image: ImageSource, label: str | None = None) -> PreparedImage:
@@ -392,17 +322,3 @@ def _load_vision(root: Path, arch, config: dict, dtype):
     from qbuild.model.runtime.images import VisionRuntime
 
     return VisionRuntime.load(root, arch, config, dtype)
-
-
-def _load_graph(path: Path, file_format: str):
-    """A callable (weights, *args) -> outputs of a compiled graph file: an AOTInductor package or an exported
-    program."""
-    import torch
-
-    if file_format == "aoti-package":
-        return torch._inductor.aoti_load_package(str(path))
-    if file_format == "exported-program":
-        from qbuild.model.runtime import exported
-
-        return exported.load(str(path)).module()
-    raise UserError(f"{path}: unknown graph format {file_format!r}")
