@@ -1,4 +1,7 @@
-"""Rendering for the CLI: plan trees, build progress, JSON documents. The only module that prints.
+"""Rendering for the CLI: plan trees, build progress, tables and the JSON documents of the plan, the build and the
+store: every line a person reads. The commands print only what needs no rendering (a JSON document of their own, a
+URL, a generation's text: qbuild/cli/*.py), and the error line is qbuild/cli/exits.py's; no other module prints
+(tests/test_layers.py).
 
 It imports neither the planner nor the engine (their types are only annotations here), and rich only when it draws:
 a command that prints JSON, or nothing, does not pay for loading it.

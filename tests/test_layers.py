@@ -115,3 +115,21 @@ def test_the_developer_guide_orders_the_layers_as_the_contracts_do():
     stated = re.search(r"The layers, bottom to top: ([a-z, ]+)\.", guide)
     assert stated, "docs/developer-guide.md states no layer order"
     assert [name.strip() for name in stated[1].split(",")] == [m.removeprefix("qbuild.") for m in reversed(layers)]
+
+
+def test_only_render_and_the_cli_print():
+    """What the docs say of output (qbuild/render.py, docs/architecture.md): no module outside render and cli/ calls
+    print or writes to sys.stdout / sys.stderr, but a child process qbuild runs (the SDK worker, the server of a neuron
+    VL bundle), whose error line goes to the qbuild that runs it."""
+    printers = set()
+    for path in sorted((REPO / "qbuild").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = ast.unparse(node.func)
+            if name in ("print", "sys.stdout.write", "sys.stderr.write") or name.endswith("console().print") or \
+                    name.endswith("console_err().print"):
+                printers.add(path.relative_to(REPO / "qbuild").as_posix())
+    outside = {p for p in printers if p != "render.py" and not p.startswith("cli/")}
+    assert outside == {"backends/neuron/sdk_worker.py", "backends/neuron/vl_serve.py"}, sorted(outside)
+    assert "render.py" in printers and "cli/exits.py" in printers

@@ -58,7 +58,7 @@ def server(name: str) -> "Server":
 
 
 def implementation_module(name: str) -> str:
-    """The module that implements backend `name`: what a node running it imports beyond its action's own code."""
+    """The module that implements backend `name`: what a node running it imports beyond its step's own code."""
     if name not in _IMPLEMENTATIONS:
         raise ValueError(f"{name!r} is not one of {', '.join(NAMES)}")
     return _IMPLEMENTATIONS[name].partition(":")[0]
@@ -77,7 +77,7 @@ def get(name: str) -> "Backend":
 
 
 def layout_module(layout: str) -> str:
-    """The module holding the rules of shard layout `layout`: what a shard step writing it imports beyond its action's
+    """The module holding the rules of shard layout `layout`: what a shard step writing it imports beyond its step's
     own code."""
     if layout not in _LAYOUTS:
         raise ValueError(f"shard layout {layout!r} is not one of {', '.join(_LAYOUTS)}")

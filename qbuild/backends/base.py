@@ -1,4 +1,4 @@
-"""The Backend protocol: what the planner, the checks, the actions, the renderer and the CLI may ask of a backend
+"""The Backend protocol: what the planner, the checks, the steps, the renderer and the CLI may ask of a backend
 (its planning part, and the types a backend's part of a plan is made of, are in qbuild.planning.backend; what a build
 step hands a backend is a step's Context, qbuild.planning.step).
 
@@ -82,7 +82,7 @@ class ServeOptions:
 
 class Backend(PlanningBackend, Protocol):
     """What planning asks (PlanningBackend: validate, plan, explain_reuse, portable), and what the renderer, the
-    actions, the executors and the CLI ask."""
+    steps, the executors and the CLI ask."""
 
     def describe_compile(self, params: object) -> dict:
         """Extra fields of a compile node in `plan --json`."""

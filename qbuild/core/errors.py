@@ -20,7 +20,7 @@ class RecipeError(UserError):
 
 
 class BuildError(QbuildError):
-    """A build step failed (an action raised, a verify gate did not pass, --frozen would change the lock)."""
+    """A build step failed (a step raised, a verify gate did not pass, --frozen would change the lock)."""
 
     exit_code = 1
 

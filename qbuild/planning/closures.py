@@ -8,7 +8,7 @@ execution, cli, render, report, a step's progress: MACHINERY), which decides not
 it re-keys nothing.
 
 A module's digest is of its syntax tree with docstrings removed, written out field by field: a comment, a docstring,
-a blank line or a re-wrapped line changes no key; a code edit changes the key of every action whose closure holds
+a blank line or a re-wrapped line changes no key; a code edit changes the key of every step whose closure holds
 the module. The tree is written out by node type and non-empty fields, so the same source gives the same digest on
 every Python version whose parser gives the same tree.
 
@@ -235,7 +235,7 @@ class Sources:
             todo += [resolve(i, name, path.name == "__init__.py") for i in self.facts(path).imports]
         missing = [e for e in entries if e not in found]
         if missing:
-            raise ValueError(f"action module {missing[0]!r} is not importable")
+            raise ValueError(f"step module {missing[0]!r} is not importable")
         out = self._closures[key] = Closure(tuple(sorted(found.items())), tuple(sorted(third)))
         return out
 

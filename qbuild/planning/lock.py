@@ -19,7 +19,7 @@ while the recipe asks for the same repo and revision; `qbuild lock update` moves
 
 A recipe's `recipe` path is relative to the lockfile's directory (absolute when the file lies outside it), and
 recipe names are unique per lockfile. A node entry holds nothing but what its key and output are: its kind, key,
-the key's preimage (params, input digests, action source hash, toolchain, and for an output that is not portable the
+the key's preimage (params, input digests, code hash, toolchain, and for an output that is not portable the
 platform it was built for, so `qbuild explain` can name the field that changed), its output digest and files. No
 recipe's name is in it, so a step two recipes share is one entry whoever built it (version 1 held the plan's display
 name, which named whichever recipe planned it first: the lock changed with the order recipes were built).

@@ -1,7 +1,7 @@
 """The typed params of every build step: one frozen dataclass per step, the only definition of what a step takes.
 
 The planner builds these objects; a plan node holds one, its canonical JSON (`to_json`) is the "params" of the node's
-key preimage, and the action that builds the node receives the same object. `parse` reads the JSON back (a locked
+key preimage, and the step that builds the node receives the same object. `parse` reads the JSON back (a locked
 preimage, a record in a bundle) with the same definitions: it refuses a missing or unknown field and a value outside
 its Literal.
 

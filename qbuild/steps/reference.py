@@ -22,7 +22,7 @@ from qbuild.planning.step import Context, PlannedNode, Step
 from qbuild.recipe.params import ReferenceParams
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "prompts.json"
-# The shipped prompts are data, not source: pinning their digest here puts them in this action's source hash, so
+# The shipped prompts are data, not source: pinning their digest here puts them in this step's code hash, so
 # editing prompts.json (and this line with it) rebuilds every reference that uses them.
 GOLDEN_BLAKE3 = "057d2ea072aa66d0d7b28d02d03d97c6cf1065b6c9ab12ee3cff40ad35d98783"
 

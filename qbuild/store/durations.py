@@ -1,5 +1,5 @@
 """How long a step about to be built will take, going by the store: the duration of the last build of the same kind
-and architecture, from the manifests' meta "seconds" (the time the action ran, as qbuild.execution.job records it;
+and architecture, from the manifests' meta "seconds" (the time the step ran, as qbuild.execution.job records it;
 meta is in no key and no output digest).
 
 For a compile, "the same" is, first, a manifest whose preimage has the very same params (the same architecture,

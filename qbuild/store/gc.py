@@ -37,7 +37,7 @@ class Removal:
     what: Literal["manifest", "blob", "cache", "partial"]
     name: str                               # key, digest, a side cache's group (relative to the cache), or a file
     size: int
-    kind: str = ""                          # the manifest's action kind, or the side cache's name
+    kind: str = ""                          # the manifest's step kind, or the side cache's name
 
 
 @dataclass

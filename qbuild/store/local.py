@@ -3,7 +3,7 @@
 Layout under the store root:
     cas/ab/<blake3>          immutable blobs (read-only files), shared by every manifest that names them
     ac/ab/<key>.json         one manifest per action key: the key's preimage and the output tree
-    staging/<key>.<nonce>/   an action's scratch space while it runs
+    staging/<key>.<nonce>/   a step's scratch space while it runs
     locks/<key>.lock         held while a key is being built, so concurrent processes build it once
 
 Every write is stage + fsync + rename; a manifest is written only after all its blobs are in place, so a
@@ -196,7 +196,7 @@ class LocalStore:
         outputs: dict[str, dict] = {}
         for path in sorted(directory.rglob("*")):
             if path.is_symlink():
-                raise InfraError(f"{path}: actions may not write symlinks into their outputs")
+                raise InfraError(f"{path}: a step may not write symlinks into its outputs")
             if not path.is_file():
                 continue
             rel = path.relative_to(directory).as_posix()
@@ -384,7 +384,7 @@ class LocalStore:
 
 
 def _backdate(path: Path) -> None:
-    """Set a new blob's mtime BLOB_BACKDATE_NS back; a file linked elsewhere too (an output an action linked from its
+    """Set a new blob's mtime BLOB_BACKDATE_NS back; a file linked elsewhere too (an output a step linked from its
     input, which was a blob before) keeps its own, which another step may be checking as an input."""
     st = os.stat(path)
     if st.st_nlink == 1:

@@ -510,7 +510,7 @@ def open_store(spec: StoreSpec, progress: Progress | None = None, *, probe: bool
     """The local store, read through to spec.remote when one is set, its downloads reported to `progress`. Open it
     once per command: a remote-backed store keeps what it has checked. With `probe` (a command's own store, not a
     worker's), the remote's bucket is checked on its first use. It lives here, not in the package, so that code
-    which only writes files (an action) does not have the remote's code, and boto3, in its keys."""
+    which only writes files (a step) does not have the remote's code, and boto3, in its keys."""
     local = LocalStore(Path(spec.local))
     if spec.remote is None:
         return local

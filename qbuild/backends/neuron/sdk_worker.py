@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
     op, request, result = argv
     try:
         out = OPS[op](json.loads(Path(request).read_text()))
-    except Exception as e:  # the parent reports the last stderr line as one line; the full log goes to the action log
+    except Exception as e:  # the parent reports the last stderr line as one line; the full log goes to the step log
         import traceback
 
         traceback.print_exc()

@@ -1,7 +1,7 @@
 """The Ray executor: each node that must be built runs as one Ray task, on whichever cluster node fits it.
 
 What runs where. The driver (the `qbuild compile` process) plans, schedules and writes the lockfile exactly
-as with the local executor; the engine does not know which executor it drives. A Ray worker runs one action
+as with the local executor; the engine does not know which executor it drives. A Ray worker runs one step
 (`build_job`) against a local cache of its own, reading inputs through the remote store and pushing the
 result there (blobs first, manifest last) before the task returns. Driver and workers share no disk: the
 remote store is the only shared state, so it is required.
@@ -49,7 +49,7 @@ NODES_TTL_S = 5.0           # how long a snapshot of the cluster's nodes serves 
 CONNECT_TIMEOUT_S = 10.0   # to reach the cluster's head before handing over to ray.init
 DRIVER_THREADS = 4         # driver threads that seed inputs and read results back through the remote
 GIB = 1 << 30
-TASK_CPUS = 1              # every action runs on one core (its threads overlap I/O, not compute)
+TASK_CPUS = 1              # every step runs on one core (its threads overlap I/O, not compute)
 POLL_S = 0.5               # how often the driver takes the progress its tasks reported
 INBOX_TIMEOUT_S = 10.0     # the longest the driver waits for the progress inbox to answer
 
@@ -242,7 +242,7 @@ class RayExecutor:
             _check_reachable(address)
             _cluster_messages_to_stderr()
             try:
-                # log_to_driver=False: stdout carries data only; an action's lines travel in its manifest.
+                # log_to_driver=False: stdout carries data only; a step's lines travel in its manifest.
                 ray.init(address=address, log_to_driver=False, logging_level="WARNING", configure_logging=False)
             except (ConnectionError, RuntimeError, ValueError) as e:
                 raise InfraError(f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0]}; start "
