@@ -358,6 +358,77 @@ def test_the_double_refuses_what_the_compiled_graphs_could_not_take(vl, tmp_path
     assert proc.stdout.strip().splitlines()[-1].startswith(refusal), proc.stdout
 
 
+_TEXT = """
+import json, sys
+import torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from qbuild.backends.neuron.vl_runtime import NeuronVLRuntime
+runtime = NeuronVLRuntime.load(Path(sys.argv[1]))
+vocab = runtime.vl.text_model.config.vocab_size
+short = runtime.encode("Hello there")
+prompts = {"short": short, "fills 32": (short * 32)[:32]}
+out = {"vocab": vocab}
+for name, ids in prompts.items():
+    port = runtime.vl.generate(input_ids=torch.tensor([ids]), max_new_tokens=1, temperature=0.0)
+    served = runtime.generate(ids, 1)
+    out[name] = {"ids": ids, "port": int(port[0, -1]), "served": served.token_ids[0]}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_text_chat_keeps_its_last_prompt_token_on_a_graph_traced_with_vision_inputs(vl, tmp_path):
+    """The port's generate passes a text-only prompt no image inputs, and its text model then builds a mask whose
+    every slot is the unpadded prompt's last position (modeling_qwen35.py L7650, L7666-7675 @ 4bcdc54), so the
+    graph's scatter zeroes that token's embedding (L5688): the double records it and the token adds nothing. qbuild's
+    runtime gives the context encoding the image path's padding inputs instead, which land on the bucket's last,
+    padding, slot: nothing is overwritten and the first token is the whole prompt's. A prompt that fills its bucket
+    (32 tokens, the 32 bucket) has its last token in that slot: overwritten either way (docs/vision.md section 8)."""
+    build, bundle, _ = vl
+    record = json.loads((bundle / "qbuild-neuron.json").read_text())
+    log = tmp_path / "text.jsonl"
+    env = dict(os.environ, **build.env(log=log), **record["config"]["env"])
+    env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO)))
+    proc = subprocess.run([sys.executable, "-c", _TEXT, str(bundle), str(bundle / "port")], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    vocab, short, full = out["vocab"], out["short"], out["fills 32"]
+    contexts = [c for c in read_log(log) if c["call"] == "context_inputs"]
+    n = len(short["ids"])
+    assert n < 32 and len(full["ids"]) == 32
+    # The port's own text path, the runtime's, then both again for the prompt that fills its bucket.
+    assert [(c["bucket"], c["image_tokens"], c["overwritten"]) for c in contexts] == [
+        (32, 0, [n - 1]), (32, 0, []), (32, 0, [31]), (32, 0, [31])]
+    assert short["port"] == (sum(short["ids"]) - short["ids"][-1]) % vocab
+    assert short["served"] == sum(short["ids"]) % vocab != short["port"]
+    assert full["port"] == full["served"] == (sum(full["ids"]) - full["ids"][-1]) % vocab
+    assert contexts[1]["inputs"] == {"vision_embeddings": {"shape": [1, 32, 64], "dtype": "bfloat16"},
+                                     "vision_mask": {"shape": [1, 32, 1], "dtype": "int32"},
+                                     "mrope_position_ids": {"shape": [3, 1, 32], "dtype": "int32"}}
+
+
+@pytest.mark.slow
+def test_verify_of_a_vl_bundle_keeps_its_text_prompts_last_token(vl, tmp_path, monkeypatch):
+    """qbuild's verify runs a VL bundle's text prompts through NxDI's generation adapter, which passes no image
+    inputs either: its context encodings get the padding inputs too, so no prompt token is overwritten, and its
+    tokens are the whole prompt's."""
+    from qbuild.recipe.params import VerifyParams
+    from tests.test_neuron_double import _verify
+
+    build, _, _ = vl
+    done = _verify(build, "vl", tmp_path, monkeypatch, VerifyParams(top1_min=0.0, token_match_min=0.0,
+                                                                     max_logit_err=1e9))
+    assert done["report"]["ok"] is True
+    contexts = [c for c in read_log(tmp_path / "verify.jsonl") if c["call"] == "context_inputs"]
+    assert len(contexts) == 2 and all(c["overwritten"] == [] and c["image_tokens"] == 0 for c in contexts)
+    vocab = json.loads((build.checkpoint / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    for prompt, ref in zip(done["report"]["prompts"], done["reference"]["prompts"]):
+        assert prompt["greedy"][0] == sum(ref["ids"]) % vocab
+
+
 # --- on a Trainium host ----------------------------------------------------------------------------------------
 
 def _real_sdk_skip() -> str | None:

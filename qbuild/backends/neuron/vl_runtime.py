@@ -15,7 +15,9 @@ integration/run_vl_benchmark.py @ 4bcdc54; the 35B-A3B copy is the same code; do
   eos_token_ids)` (L148-167), which computes the mRoPE positions, runs the wrapper (tiling as the port tiles: its
   forward, modeling_qwen35_vision.py:771-806), pads the image features to the text model's inputs and runs context
   encoding then token generation (modeling_qwen35_vl.py:363-603). The image's patches come from the checkpoint's own
-  processor settings, as the benchmark's AutoProcessor (L207-210) reads them (qbuild.model.runtime.images).
+  processor settings, as the benchmark's AutoProcessor (L207-210) reads them (qbuild.model.runtime.images). A prompt
+  without an image is given the image path's padding inputs at its context encoding, where the port would give it
+  none and its text model would then zero the prompt's last token (sdk_worker.padding_slot_vision_inputs).
 
 The port's generate returns only when it is done. Each token it chooses is fed back as the next decode call's input
 (L582-595), so the text model is watched while generate runs (TokenWatch): a token reaches the server as soon as the
@@ -62,10 +64,12 @@ class Stopped(Exception):
 class TokenWatch:
     """Stands in for the port's text model while its generate runs: calls go through unchanged, and each decode call's
     input token, the token generate chose before it, is reported first. `on_token` returning true raises Stopped
-    before that decode runs."""
+    before that decode runs. `prefill_inputs`, where given, are the llava_args the context encoding takes when
+    generate passes none (a text-only prompt: sdk_worker.padding_slot_vision_inputs)."""
 
-    def __init__(self, model, on_token: Callable[[int], bool | None] | None):
+    def __init__(self, model, on_token: Callable[[int], bool | None] | None, prefill_inputs: list | None = None):
         self.model, self.on_token, self.tokens = model, on_token, []
+        self.prefill_inputs = prefill_inputs
         self._decoding = False
 
     def reset(self) -> None:
@@ -75,6 +79,8 @@ class TokenWatch:
     def __call__(self, *args, **kwargs):
         if self._decoding:
             self.report(int(kwargs["input_ids"][0, -1]))
+        elif self.prefill_inputs is not None and not kwargs.get("llava_args"):
+            kwargs["llava_args"] = self.prefill_inputs
         self._decoding = True
         return self.model(*args, **kwargs)
 
@@ -150,10 +156,16 @@ class NeuronVLRuntime(PromptRules):
         sampler's token: modeling_qwen35_vl.py:530-561, 605-619), ending at the bundle's end-of-sequence tokens."""
         import torch
 
+        from qbuild.backends.neuron.sdk_worker import padding_slot_vision_inputs
+
         self.check_image_tokens(prompt_ids, prepared)
         self.check_lengths(len(prompt_ids), max_new_tokens)
         ids = torch.tensor([prompt_ids], dtype=torch.long)
-        watch = TokenWatch(self.vl.text_model, on_token)
+        # The port's generate passes a text-only prompt no llava_args, and its text model then zeroes the prompt's
+        # last token on a graph traced with vision inputs; the image path's padding convention sends that scatter
+        # to a padding slot (sdk_worker.padding_slot_vision_inputs, docs/vision.md section 8).
+        watch = TokenWatch(self.vl.text_model, on_token,
+                           padding_slot_vision_inputs(self.vl.text_model.config, 1) if prepared is None else None)
         self.vl.text_model = watch
         try:
             out = self.vl.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
