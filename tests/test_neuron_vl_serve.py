@@ -296,6 +296,33 @@ def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_c
     assert text_doc.splitlines()[0] == "# server: qbuild" and "-m qbuild.backends.neuron.vl_serve" in text_doc
 
 
+def test_the_servers_child_drops_the_api_key_from_its_environment_once_read(monkeypatch, tmp_path):
+    """The key reaches the child in QBUILD_API_KEY; the child takes it into the server's options and removes it from
+    its environment before it loads the bundle, so neither the SDK nor anything the child starts inherits it."""
+    from qbuild.backends.neuron import vl_runtime, vl_serve
+    from qbuild.backends.openai_server import serve as openai_serve
+
+    seen = {}
+
+    def load(cls, bundle):
+        seen["at_load"] = os.environ.get(vl_serve.API_KEY_ENV)
+        return "runtime"
+
+    def serve(runtime, options):
+        seen["api_key"] = options.api_key
+        seen["spawned"] = subprocess.run(
+            [sys.executable, "-c", f"import os; print(os.environ.get({vl_serve.API_KEY_ENV!r}, '<unset>'))"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        return 0
+
+    monkeypatch.setattr(vl_runtime.NeuronVLRuntime, "load", classmethod(load))
+    monkeypatch.setattr(openai_serve, "serve", serve)
+    monkeypatch.setenv(vl_serve.API_KEY_ENV, "sekrit")
+    assert vl_serve.main([str(tmp_path), "--name", "b", "--host", "127.0.0.1", "--port", "1"]) == 0
+    assert seen == {"at_load": None, "api_key": "sekrit", "spawned": "<unset>"}
+    assert vl_serve.API_KEY_ENV not in os.environ
+
+
 # --- the double's contract, without a server -------------------------------------------------------------------
 
 _DIRECT = """

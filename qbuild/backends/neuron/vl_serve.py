@@ -6,7 +6,8 @@ NxDI is imported, the port on PYTHONPATH; `--dry-run` prints that command and en
 
     python -m qbuild.backends.neuron.vl_serve BUNDLE --name NAME --host HOST --port PORT [--allow-image-urls]
 
-is the child: the API key, where one is set, reaches it as QBUILD_API_KEY, never on its command line.
+is the child: the API key, where one is set, reaches it as QBUILD_API_KEY, never on its command line, and the child
+removes it from its environment once read.
 """
 
 from __future__ import annotations
@@ -134,9 +135,11 @@ def main(argv: list[str]) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    # Removed as it is read, before the SDK loads: whatever this process starts would otherwise inherit the key.
+    api_key = os.environ.pop(API_KEY_ENV, None) or None
     try:
         options = ServeOptions(name=args.name, host=args.host, port=args.port, log=log, on_ready=lambda url: None,
-                               allow_image_urls=args.allow_image_urls, api_key=os.environ.get(API_KEY_ENV) or None)
+                               allow_image_urls=args.allow_image_urls, api_key=api_key)
         runtime = NeuronVLRuntime.load(args.bundle)
         return serve_openai(runtime, options)
     except UserError as e:
