@@ -252,13 +252,9 @@ def test_a_text_bundle_is_vllms_and_qbuilds_server_is_refused_for_it(small_check
         "(docs/vllm.md)")
 
 
-@pytest.mark.parametrize("name,tp", [("2b-vl-tp8", 4), ("35b-a3b-vl-tp8", 1)])
-def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_classes(name, tp, tmp_path):
-    """`qbuild serve --dry-run` of each shipped VL recipe's bundle layout (its vllm/serve.json, qbuild-vision.json and
-    bundle.json as the package step writes them from the planned params and compile record): qbuild's server in a
-    child process with the compile's environment, over the port's NeuronQwen35VLForCausalLM with the bundle's
-    encoders (the 2B's over 4 ranks), prompts up to 8192 tokens, images tiled past 4096 patches, decode sampled on
-    the device."""
+def _shipped_vl_bundle(name: str, tmp_path: Path) -> tuple[Path, dict]:
+    """The layout of a shipped VL recipe's bundle (its vllm/serve.json, qbuild-vision.json and bundle.json as the
+    package step writes them from the planned params and compile record), and the recipe's planned text compile."""
     from qbuild.backends.neuron.package import serve_record, vision_record
     from qbuild.backends.neuron.params import NeuronPackageParams
     from qbuild.recipe.params import parse
@@ -281,6 +277,15 @@ def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_c
     (bundle / "vision" / "host").mkdir(parents=True)
     (bundle / "vision" / "host" / "model.safetensors").write_bytes(b"")
     write_manifest(bundle, {"backend": "neuron", **params.bundle_meta()})
+    return bundle, text
+
+
+@pytest.mark.parametrize("name,tp", [("2b-vl-tp8", 4), ("35b-a3b-vl-tp8", 1)])
+def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_classes(name, tp, tmp_path):
+    """`qbuild serve --dry-run` of each shipped VL recipe's bundle layout: qbuild's server in a child process with the
+    compile's environment, over the port's NeuronQwen35VLForCausalLM with the bundle's encoders (the 2B's over 4
+    ranks), prompts up to 8192 tokens, images tiled past 4096 patches, decode sampled on the device."""
+    bundle, text = _shipped_vl_bundle(name, tmp_path)
     proc = qbuild("serve", str(bundle), "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -321,6 +326,22 @@ def test_the_servers_child_drops_the_api_key_from_its_environment_once_read(monk
     assert vl_serve.main([str(tmp_path), "--name", "b", "--host", "127.0.0.1", "--port", "1"]) == 0
     assert seen == {"at_load": None, "api_key": "sekrit", "spawned": "<unset>"}
     assert vl_serve.API_KEY_ENV not in os.environ
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_vllm_arguments_to_a_vl_bundle_are_refused_naming_server_vllm(tmp_path, dry_run):
+    """A neuron VL bundle took vLLM's arguments after `--` before qbuild's server became its default; now they are
+    refused in one line, exit 2, which says that --server vllm serves it with them. With --server vllm they reach
+    vLLM's command."""
+    bundle, _ = _shipped_vl_bundle("2b-vl-tp8", tmp_path)
+    proc = qbuild("serve", str(bundle), *(["--dry-run"] if dry_run else []), "--", "--chat-template", "t.jinja")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.strip() == (
+        f"error: {bundle}: a neuron VL bundle is served by qbuild's own server, which takes no arguments after `--` "
+        "(given: --chat-template t.jinja); pass --server vllm to serve it with vLLM (text only), which takes them")
+    vllm = qbuild("serve", str(bundle), "--dry-run", "--json", "--server", "vllm", "--", "--chat-template", "t.jinja")
+    assert vllm.returncode == 0, vllm.stderr
+    assert json.loads(vllm.stdout)["command"][-2:] == ["--chat-template", "t.jinja"]
 
 
 # --- the double's contract, without a server -------------------------------------------------------------------

@@ -29,6 +29,8 @@ from qbuild.core.errors import InfraError, UserError
 
 ENTRY = "qbuild.backends.neuron.vl_serve"
 API_KEY_ENV = "QBUILD_API_KEY"
+# Such a bundle was vLLM's before qbuild's server took its images, so arguments after `--` are vLLM's.
+VLLM_ARGS_WAY_OUT = "pass --server vllm to serve it with vLLM (text only), which takes them"
 # What the child imports: the Neuron SDK the port runs on, and the server's own packages (the `serve` extra).
 PACKAGES = (("neuronx_distributed_inference", "neuronx-distributed-inference"),
             ("neuronx_distributed", "neuronx-distributed"), ("torch_neuronx", "torch-neuronx"),
@@ -59,7 +61,7 @@ def serve_command(bundle: Path, manifest: dict, options: ServeOptions, python: s
     takes as an image, as for a CPU bundle; the classes and files it loads; the child's environment and command)."""
     serve, plugin = vllm_serve.read_serve(bundle)
     check_servable(bundle, manifest, serve)
-    no_server_args(bundle, "a neuron VL bundle", options.server_args)
+    no_server_args(bundle, "a neuron VL bundle", options.server_args, VLLM_ARGS_WAY_OUT)
     src = vllm_serve.nxdi_tree_src(serve, options.nxdi_tree)
     pythonpath = [(bundle / VLLM_DIR / plugin["port_dir"]).resolve(), *([src] if src else [])]
     env = {**serve["env"], "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
@@ -104,7 +106,7 @@ def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
 
     serve_doc, _ = vllm_serve.read_serve(bundle)
     check_servable(bundle, manifest, serve_doc)
-    no_server_args(bundle, "a neuron VL bundle", options.server_args)
+    no_server_args(bundle, "a neuron VL bundle", options.server_args, VLLM_ARGS_WAY_OUT)
     require_packages()
     vllm_serve.require_nxdi(serve_doc, vllm_serve.nxdi_tree_src(serve_doc, options.nxdi_tree))
     check_files(bundle, manifest, digests=not options.digests_checked)
