@@ -477,6 +477,60 @@ def test_verify_of_a_vl_bundle_keeps_its_text_prompts_last_token(vl, tmp_path, m
         assert prompt["greedy"][0] == sum(ref["ids"]) % vocab
 
 
+_LOAD = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from qbuild.backends.neuron.vl_runtime import NeuronVLRuntime
+from qbuild.core.errors import UserError
+try:
+    NeuronVLRuntime.load(Path(sys.argv[1]))
+    print("loaded")
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change,field,compiled,rebuilt", [
+    ("params.vision_inputs", "use_text_only_cte_inputs", "false", "true"),
+    ("config.neuron_config.on_device_sampling_config", "neuron_config.on_device_sampling_config", None, "null"),
+    ("config.neuron_config.context_encoding_buckets", "neuron_config.context_encoding_buckets", "[32, 128]", "[128]"),
+])
+def test_a_config_rebuilt_otherwise_than_compiled_is_refused_before_load(vl, tmp_path, change, field, compiled,
+                                                                          rebuilt):
+    """The runtime rebuilds the text config from the bundle's record with this qbuild's code; where that differs from
+    NxDI's saved neuron_config.json in a field that says how the graphs are called or what they return (a bundle of
+    another qbuild: here its record edited), it refuses in one line naming the field and both values, before the
+    text model is loaded (NxDI itself would load it and misread the graphs)."""
+    build, bundle, _ = vl
+    copy = Path(shutil.copytree(bundle, tmp_path / "copy"))
+    path = copy / "qbuild-neuron.json"
+    record = json.loads(path.read_text())
+    owner, *middle, key = change.split(".")
+    doc = record[owner]
+    for part in middle:
+        doc = doc[part]
+    doc[key] = {"params.vision_inputs": False, "config.neuron_config.on_device_sampling_config": None,
+                "config.neuron_config.context_encoding_buckets": [128]}[change]
+    path.unlink()
+    path.write_text(json.dumps(record))
+    log = tmp_path / "load.jsonl"
+    env = dict(os.environ, **build.env(log=log), **record["config"]["env"])
+    env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO)))
+    proc = subprocess.run([sys.executable, "-c", _LOAD, str(copy), str(copy / "port")], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    saved = json.loads((copy / "neuron_config.json").read_text())
+    was = saved["neuron_config"].get(field.split(".")[-1]) if field.startswith("neuron_config.") else saved[field]
+    assert line == (f"UserError: {copy / 'neuron_config.json'}: {field} is {json.dumps(was)} there, and "
+                    f"{rebuilt} in the config this qbuild builds from qbuild-neuron.json: the bundle was compiled by "
+                    "a qbuild that builds it otherwise; serve it with that qbuild, or build it again"), line
+    assert compiled is None or json.dumps(was) == compiled
+    assert not [c for c in read_log(log) if c["call"] == "load"]
+
+
 # --- on a Trainium host ----------------------------------------------------------------------------------------
 
 def _real_sdk_skip() -> str | None:
