@@ -179,9 +179,10 @@ class NeuronBackend:
         if r.vision is not None:
             self._validate_vl_switches(loaded, lineage.name)
         if r.text.sampling.on_device and r.text.chunked_prefill is not None:
-            # The one port that compiles chunked prefill adds vocab_parallel=True to its on-device sampling
-            # (contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py L931-947 @ 03db3ef), and how its
-            # vLLM patch reads sampled tokens was not traced: docs/nxdi.md section 21.
+            # A precaution: the one port that compiles chunked prefill adds vocab_parallel=True to its on-device
+            # sampling (contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py L931-947 @ 03db3ef), and
+            # no sampled token was traced through its chunked context encoding. vllm-neuron's side suggests it works
+            # (loader L508-509, runner L302-306 @ 3afb0a9): docs/nxdi.md section 21.
             checks.fail(loaded, "text.sampling.on_device", "on-device sampling with chunked_prefill is a combination "
                                                            "qbuild has not read in the port that builds it; drop one")
         if r.parallel.ep > 1:
