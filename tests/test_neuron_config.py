@@ -386,8 +386,9 @@ def test_shard_hidden_is_refused_from_the_release_that_removed_its_kernel(tmp_pa
 @pytest.mark.parametrize("batch", [1, 64])
 def test_ep_is_refused_with_the_reason_that_holds_for_the_batch(tmp_path, batch):
     """Coder-Next decodes 10 of 512 experts per token. At batch 1 (load 0.0195) NxD's token generation takes selective
-    loading, which it refuses under EP, and the port's fused TKG path is off; at batch 64 (load 1.25) decode would take
-    NxD's all-experts EP path, so the refusal names context encoding under EP, and states no inequality that is false."""
+    loading, which it refuses under EP, and the port's fused TKG path is off; at batch 64 (load 1.25) decode would
+    take NxD's all-experts EP path, so the refusal names context encoding under EP, and states no inequality that is
+    false."""
     from qbuild.core.errors import UserError
     from qbuild.planning.plan import validate_recipe
 
