@@ -379,3 +379,32 @@ def test_shard_hidden_is_refused_from_the_release_that_removed_its_kernel(tmp_pa
         return
     with pytest.raises(UserError, match=r"moe_backend: shard_hidden: SDK \S+ has no shard-on-hidden kernel"):
         NeuronBackend().validate(loaded, load_arch(loaded))
+
+
+# --- expert parallelism: why a neuron recipe refuses it (docs/nxdi.md section 14) --------------------------------
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_ep_is_refused_with_the_reason_that_holds_for_the_batch(tmp_path, batch):
+    """Coder-Next decodes 10 of 512 experts per token. At batch 1 (load 0.0195) NxD's token generation takes selective
+    loading, which it refuses under EP, and the port's fused TKG path is off; at batch 64 (load 1.25) decode would
+    take NxD's all-experts EP path, so the refusal names context encoding under EP, and states no inequality that is
+    false."""
+    from qbuild.core.errors import UserError
+    from qbuild.planning.plan import validate_recipe
+
+    loaded, arch = _recipe(tmp_path, f"ep-{batch}", f"""
+        model: {{hf: Qwen/Qwen3-Coder-Next}}
+        parallel: {{tp: 8, ep: 2}}
+        text: {{batch_size: {batch}, seq_len: 1024, cte_buckets: [128, 512]}}
+    """)
+    with pytest.raises(UserError) as err:
+        validate_recipe(loaded, arch, backends)
+    message = str(err.value)
+    assert "parallel.ep" in message and "\n" not in message and message.endswith("use ep: 1")
+    if batch == 1:
+        assert "at batch_size x top_k / experts = 0.0195 < 1 NxD's token generation takes selective loading" in message
+        assert "moe_fused_nki_kernel_enabled, which neither qbuild nor the port's scripts set" in message
+        assert "multiple of 128" not in message
+    else:
+        assert "at batch_size x top_k / experts = 1.25 >= 1 NxD decodes with its all-experts EP path" in message
+        assert "context encoding under EP" in message and "< 1" not in message

@@ -687,7 +687,7 @@ def test_on_device_sampling_is_compiled_as_the_ports_and_verified_by_its_tokens(
     done = _verify(sampled, "sampled", tmp_path, monkeypatch,
                    VerifyParams(top1_min=0.0, token_match_min=0.0, max_logit_err=0.0))
     report, reference = done["report"], done["reference"]
-    assert report["ok"] is True
+    assert report["ok"] is True and report["logit_gate"] == "not applied (tokens only)"
     for prompt in report["prompts"]:
         assert prompt["max_logit_err"] is None and prompt["tokens"] == 1 and len(prompt["greedy"]) == 4
         assert prompt["top1"] == float(prompt["greedy"][0] == reference["prompts"][prompt["index"]]["greedy"][0])

@@ -252,13 +252,9 @@ def test_a_text_bundle_is_vllms_and_qbuilds_server_is_refused_for_it(small_check
         "(docs/vllm.md)")
 
 
-@pytest.mark.parametrize("name,tp", [("2b-vl-tp8", 4), ("35b-a3b-vl-tp8", 1)])
-def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_classes(name, tp, tmp_path):
-    """`qbuild serve --dry-run` of each shipped VL recipe's bundle layout (its vllm/serve.json, qbuild-vision.json and
-    bundle.json as the package step writes them from the planned params and compile record): qbuild's server in a
-    child process with the compile's environment, over the port's NeuronQwen35VLForCausalLM with the bundle's
-    encoders (the 2B's over 4 ranks), prompts up to 8192 tokens, images tiled past 4096 patches, decode sampled on
-    the device."""
+def _shipped_vl_bundle(name: str, tmp_path: Path) -> tuple[Path, dict]:
+    """The layout of a shipped VL recipe's bundle (its vllm/serve.json, qbuild-vision.json and bundle.json as the
+    package step writes them from the planned params and compile record), and the recipe's planned text compile."""
     from qbuild.backends.neuron.package import serve_record, vision_record
     from qbuild.backends.neuron.params import NeuronPackageParams
     from qbuild.recipe.params import parse
@@ -281,6 +277,15 @@ def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_c
     (bundle / "vision" / "host").mkdir(parents=True)
     (bundle / "vision" / "host" / "model.safetensors").write_bytes(b"")
     write_manifest(bundle, {"backend": "neuron", **params.bundle_meta()})
+    return bundle, text
+
+
+@pytest.mark.parametrize("name,tp", [("2b-vl-tp8", 4), ("35b-a3b-vl-tp8", 1)])
+def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_classes(name, tp, tmp_path):
+    """`qbuild serve --dry-run` of each shipped VL recipe's bundle layout: qbuild's server in a child process with the
+    compile's environment, over the port's NeuronQwen35VLForCausalLM with the bundle's encoders (the 2B's over 4
+    ranks), prompts up to 8192 tokens, images tiled past 4096 patches, decode sampled on the device."""
+    bundle, text = _shipped_vl_bundle(name, tmp_path)
     proc = qbuild("serve", str(bundle), "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
@@ -294,6 +299,49 @@ def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_c
     assert doc["runtime"]["sampling"] == {"on_device": True, "top_k": 1}
     text_doc = qbuild("serve", str(bundle), "--dry-run").stdout
     assert text_doc.splitlines()[0] == "# server: qbuild" and "-m qbuild.backends.neuron.vl_serve" in text_doc
+
+
+def test_the_servers_child_drops_the_api_key_from_its_environment_once_read(monkeypatch, tmp_path):
+    """The key reaches the child in QBUILD_API_KEY; the child takes it into the server's options and removes it from
+    its environment before it loads the bundle, so neither the SDK nor anything the child starts inherits it."""
+    from qbuild.backends.neuron import vl_runtime, vl_serve
+    from qbuild.backends.openai_server import serve as openai_serve
+
+    seen = {}
+
+    def load(cls, bundle):
+        seen["at_load"] = os.environ.get(vl_serve.API_KEY_ENV)
+        return "runtime"
+
+    def serve(runtime, options):
+        seen["api_key"] = options.api_key
+        seen["spawned"] = subprocess.run(
+            [sys.executable, "-c", f"import os; print(os.environ.get({vl_serve.API_KEY_ENV!r}, '<unset>'))"],
+            capture_output=True, text=True, check=True).stdout.strip()
+        return 0
+
+    monkeypatch.setattr(vl_runtime.NeuronVLRuntime, "load", classmethod(load))
+    monkeypatch.setattr(openai_serve, "serve", serve)
+    monkeypatch.setenv(vl_serve.API_KEY_ENV, "sekrit")
+    assert vl_serve.main([str(tmp_path), "--name", "b", "--host", "127.0.0.1", "--port", "1"]) == 0
+    assert seen == {"at_load": None, "api_key": "sekrit", "spawned": "<unset>"}
+    assert vl_serve.API_KEY_ENV not in os.environ
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_vllm_arguments_to_a_vl_bundle_are_refused_naming_server_vllm(tmp_path, dry_run):
+    """A neuron VL bundle took vLLM's arguments after `--` before qbuild's server became its default; now they are
+    refused in one line, exit 2, which says that --server vllm serves it with them. With --server vllm they reach
+    vLLM's command."""
+    bundle, _ = _shipped_vl_bundle("2b-vl-tp8", tmp_path)
+    proc = qbuild("serve", str(bundle), *(["--dry-run"] if dry_run else []), "--", "--chat-template", "t.jinja")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.strip() == (
+        f"error: {bundle}: a neuron VL bundle is served by qbuild's own server, which takes no arguments after `--` "
+        "(given: --chat-template t.jinja); pass --server vllm to serve it with vLLM (text only), which takes them")
+    vllm = qbuild("serve", str(bundle), "--dry-run", "--json", "--server", "vllm", "--", "--chat-template", "t.jinja")
+    assert vllm.returncode == 0, vllm.stderr
+    assert json.loads(vllm.stdout)["command"][-2:] == ["--chat-template", "t.jinja"]
 
 
 # --- the double's contract, without a server -------------------------------------------------------------------
@@ -356,6 +404,131 @@ def test_the_double_refuses_what_the_compiled_graphs_could_not_take(vl, tmp_path
                            str(pictures["128px"])], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1].startswith(refusal), proc.stdout
+
+
+_TEXT = """
+import json, sys
+import torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from qbuild.backends.neuron.vl_runtime import NeuronVLRuntime
+runtime = NeuronVLRuntime.load(Path(sys.argv[1]))
+vocab = runtime.vl.text_model.config.vocab_size
+short = runtime.encode("Hello there")
+prompts = {"short": short, "fills 32": (short * 32)[:32]}
+out = {"vocab": vocab}
+for name, ids in prompts.items():
+    port = runtime.vl.generate(input_ids=torch.tensor([ids]), max_new_tokens=1, temperature=0.0)
+    served = runtime.generate(ids, 1)
+    out[name] = {"ids": ids, "port": int(port[0, -1]), "served": served.token_ids[0]}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_text_chat_keeps_its_last_prompt_token_on_a_graph_traced_with_vision_inputs(vl, tmp_path):
+    """The port's generate passes a text-only prompt no image inputs, and its text model then builds a mask whose
+    every slot is the unpadded prompt's last position (modeling_qwen35.py L7650, L7666-7675 @ 4bcdc54), so the
+    graph's scatter zeroes that token's embedding (L5688): the double records it and the token adds nothing. qbuild's
+    runtime gives the context encoding the image path's padding inputs instead, which land on the bucket's last,
+    padding, slot: nothing is overwritten and the first token is the whole prompt's. A prompt that fills its bucket
+    (32 tokens, the 32 bucket) has its last token in that slot: overwritten either way (docs/vision.md section 8)."""
+    build, bundle, _ = vl
+    record = json.loads((bundle / "qbuild-neuron.json").read_text())
+    log = tmp_path / "text.jsonl"
+    env = dict(os.environ, **build.env(log=log), **record["config"]["env"])
+    env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO)))
+    proc = subprocess.run([sys.executable, "-c", _TEXT, str(bundle), str(bundle / "port")], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    vocab, short, full = out["vocab"], out["short"], out["fills 32"]
+    contexts = [c for c in read_log(log) if c["call"] == "context_inputs"]
+    n = len(short["ids"])
+    assert n < 32 and len(full["ids"]) == 32
+    # The port's own text path, the runtime's, then both again for the prompt that fills its bucket.
+    assert [(c["bucket"], c["image_tokens"], c["overwritten"]) for c in contexts] == [
+        (32, 0, [n - 1]), (32, 0, []), (32, 0, [31]), (32, 0, [31])]
+    assert short["port"] == (sum(short["ids"]) - short["ids"][-1]) % vocab
+    assert short["served"] == sum(short["ids"]) % vocab != short["port"]
+    assert full["port"] == full["served"] == (sum(full["ids"]) - full["ids"][-1]) % vocab
+    assert contexts[1]["inputs"] == {"vision_embeddings": {"shape": [1, 32, 64], "dtype": "bfloat16"},
+                                     "vision_mask": {"shape": [1, 32, 1], "dtype": "int32"},
+                                     "mrope_position_ids": {"shape": [3, 1, 32], "dtype": "int32"}}
+
+
+@pytest.mark.slow
+def test_verify_of_a_vl_bundle_keeps_its_text_prompts_last_token(vl, tmp_path, monkeypatch):
+    """qbuild's verify runs a VL bundle's text prompts through NxDI's generation adapter, which passes no image
+    inputs either: its context encodings get the padding inputs too, so no prompt token is overwritten, and its
+    tokens are the whole prompt's."""
+    from qbuild.recipe.params import VerifyParams
+    from tests.test_neuron_double import _verify
+
+    build, _, _ = vl
+    done = _verify(build, "vl", tmp_path, monkeypatch, VerifyParams(top1_min=0.0, token_match_min=0.0,
+                                                                     max_logit_err=1e9))
+    assert done["report"]["ok"] is True
+    contexts = [c for c in read_log(tmp_path / "verify.jsonl") if c["call"] == "context_inputs"]
+    assert len(contexts) == 2 and all(c["overwritten"] == [] and c["image_tokens"] == 0 for c in contexts)
+    vocab = json.loads((build.checkpoint / "config.json").read_text())
+    vocab = vocab.get("text_config", vocab)["vocab_size"]
+    for prompt, ref in zip(done["report"]["prompts"], done["reference"]["prompts"]):
+        assert prompt["greedy"][0] == sum(ref["ids"]) % vocab
+
+
+_LOAD = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from qbuild.backends.neuron.vl_runtime import NeuronVLRuntime
+from qbuild.core.errors import UserError
+try:
+    NeuronVLRuntime.load(Path(sys.argv[1]))
+    print("loaded")
+except Exception as e:
+    print(f"{type(e).__name__}: {e}")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("change,field,compiled,rebuilt", [
+    ("params.vision_inputs", "use_text_only_cte_inputs", "false", "true"),
+    ("config.neuron_config.on_device_sampling_config", "neuron_config.on_device_sampling_config", None, "null"),
+    ("config.neuron_config.context_encoding_buckets", "neuron_config.context_encoding_buckets", "[32, 128]", "[128]"),
+])
+def test_a_config_rebuilt_otherwise_than_compiled_is_refused_before_load(vl, tmp_path, change, field, compiled,
+                                                                          rebuilt):
+    """The runtime rebuilds the text config from the bundle's record with this qbuild's code; where that differs from
+    NxDI's saved neuron_config.json in a field that says how the graphs are called or what they return (a bundle of
+    another qbuild: here its record edited), it refuses in one line naming the field and both values, before the
+    text model is loaded (NxDI itself would load it and misread the graphs)."""
+    build, bundle, _ = vl
+    copy = Path(shutil.copytree(bundle, tmp_path / "copy"))
+    path = copy / "qbuild-neuron.json"
+    record = json.loads(path.read_text())
+    owner, *middle, key = change.split(".")
+    doc = record[owner]
+    for part in middle:
+        doc = doc[part]
+    doc[key] = {"params.vision_inputs": False, "config.neuron_config.on_device_sampling_config": None,
+                "config.neuron_config.context_encoding_buckets": [128]}[change]
+    path.unlink()
+    path.write_text(json.dumps(record))
+    log = tmp_path / "load.jsonl"
+    env = dict(os.environ, **build.env(log=log), **record["config"]["env"])
+    env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO)))
+    proc = subprocess.run([sys.executable, "-c", _LOAD, str(copy), str(copy / "port")], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.strip().splitlines()[-1]
+    saved = json.loads((copy / "neuron_config.json").read_text())
+    was = saved["neuron_config"].get(field.split(".")[-1]) if field.startswith("neuron_config.") else saved[field]
+    assert line == (f"UserError: {copy / 'neuron_config.json'}: {field} is {json.dumps(was)} there, and "
+                    f"{rebuilt} in the config this qbuild builds from qbuild-neuron.json: the bundle was compiled by "
+                    "a qbuild that builds it otherwise; serve it with that qbuild, or build it again"), line
+    assert compiled is None or json.dumps(was) == compiled
+    assert not [c for c in read_log(log) if c["call"] == "load"]
 
 
 # --- on a Trainium host ----------------------------------------------------------------------------------------

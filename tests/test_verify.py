@@ -52,7 +52,7 @@ def test_a_bundle_of_tokens_only_is_held_to_its_tokens_and_its_first_token():
     right = compare(0, _record(greedy=(7, 2, 3)), None, ref, [7, 2, 3])
     assert (right.top1, right.token_match, right.max_logit_err, right.nonfinite) == (1.0, 1.0, None, 0)
     assert failures([right], THRESHOLDS) == []
-    assert _line(right).endswith("tokens 3/3, no logits (tokens only)")
+    assert _line(right).endswith("tokens 3/3, logit gate not applied (tokens only)")
     wrong = compare(0, _record(greedy=(7, 2, 3)), None, ref, [6, 2, 3])
     assert wrong.top1 == 0.0 and wrong.first_mismatch == 0
     assert [m.split(" <")[0] for m in failures([wrong], THRESHOLDS)] == ["top-1 agreement 0.0000",
@@ -148,3 +148,45 @@ def test_a_neuron_bundle_is_compared_up_to_its_first_generated_pad_token(tmp_pat
         first, second = _verify(tmp_path, ref, bundle)
     assert first["reference"] == [5, pad] and first["greedy"] == [5, pad] and first["token_match"] == 1.0
     assert second["token_match"] == 0.75 and second["first_mismatch"] == 3
+
+
+def test_the_report_says_the_logit_gate_was_not_applied_to_a_bundle_of_tokens_only(tmp_path):
+    """A bundle that returns tokens only passes or fails on its tokens; the report, the log and a failure's message
+    say that max_logit_err gated nothing, rather than leaving only a null."""
+    import json
+
+    import pytest
+
+    from qbuild import backends
+    from qbuild.backends.base import PromptRun
+    from qbuild.core.errors import BuildError
+    from qbuild.planning.step import Context
+    from qbuild.steps.verify import Verify
+
+    prompts = [{"text": "a", "ids": [0, 1], "greedy": [1, 6], "image": False}]
+    ref, bundle, _ = _reference(tmp_path, prompts)
+    (bundle / "bundle.json").write_text(json.dumps({"backend": "export"}))
+    greedy = [[1, 6]]
+
+    class Double:
+        name = "export"
+
+        def run_prompts(self, ctx, reference, ref_dir):
+            return [PromptRun(0, reference["prompts"][0], None, greedy[0], last_only=True)]
+
+    logged = []
+    out = tmp_path / "out"
+    out.mkdir()
+    with backends.using(Double()):
+        Verify.run(Context(VerifyParams(top1_min=0.0, token_match_min=1.0, max_logit_err=0.0),
+                           {"bundle": bundle, "reference": ref, "port": tmp_path}, out, tmp_path / "scratch",
+                           log=logged.append))
+        report = json.loads((out / "report.json").read_text())
+        assert report["ok"] is True and report["logit_gate"] == "not applied (tokens only)"
+        assert logged[-1] == "1 prompt passed; logit gate not applied (tokens only)"
+        greedy[0] = [1, 5]
+        with pytest.raises(BuildError, match=r"^verify failed: greedy token match 0.5000 < token_match_min 1.0; "
+                                             r"logit gate not applied \(tokens only\) \| per prompt: "):
+            Verify.run(Context(VerifyParams(top1_min=0.0, token_match_min=1.0, max_logit_err=0.0),
+                               {"bundle": bundle, "reference": ref, "port": tmp_path}, tmp_path / "out2",
+                               tmp_path / "scratch", log=logged.append))

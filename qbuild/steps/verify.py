@@ -5,8 +5,10 @@ Metrics, over every prompt: top-1 agreement of the prefill logits at every promp
 over the reference's N tokens (position by position, EOS not stopping), and max |logit - reference| over the
 prefill positions. A bundle that returns tokens only (a neuron build sampling on the device: docs/nxdi.md section 21)
 is held to the same token match; its top-1 is its first token against the reference's argmax at the last prompt
-position, and it has no logit error, which the report says (`max_logit_err: null`). Thresholds come from the recipe's `verify:`; a failure raises BuildError whose message holds
-the per-prompt report, so nothing is cached and the build fails. On success report.json is the output.
+position, and it has no logit error: max_logit_err gates nothing, which the report (`logit_gate`, each prompt's
+`max_logit_err: null`), the log and a failure's message say. Thresholds come from the recipe's `verify:`; a failure
+raises BuildError whose message holds the per-prompt report, so nothing is cached and the build fails. On success
+report.json is the output.
 
 A NaN or infinite logit (in the bundle's output or in the reference's) fails the gate: NaN compares false with every
 threshold, so without an explicit check a model of NaN weights would pass with `max_logit_err: NaN`.
@@ -92,11 +94,19 @@ def failures(reports: list[PromptReport], thresholds: VerifyParams) -> list[str]
     return out
 
 
+NO_LOGITS = "not applied (tokens only)"
+
+
+def logit_gate(reports: list[PromptReport]) -> str:
+    """Whether max_logit_err gated the build: not where the bundle returned no logits (docs/nxdi.md section 21)."""
+    return "applied" if any(r.max_logit_err is not None for r in reports) else NO_LOGITS
+
+
 def _line(r: PromptReport) -> str:
     where = "" if r.first_mismatch is None else f", first mismatch at token {r.first_mismatch}"
     return (f"[{r.index}] {r.text[:32]!r}{' +image' if r.image else ''}: top1 {r.top1:.3f}, tokens "
             f"{round(r.token_match * len(r.reference))}/{len(r.reference)}{where}, "
-            + ("no logits (tokens only)" if r.max_logit_err is None else f"max err {r.max_logit_err:.3g}"))
+            + (f"logit gate {NO_LOGITS}" if r.max_logit_err is None else f"max err {r.max_logit_err:.3g}"))
 
 
 class Verify(Step):
@@ -148,12 +158,16 @@ def _run(ctx: Context) -> None:
     backend = backends.get(json.loads((ctx.inputs["bundle"] / "bundle.json").read_text())["backend"])
     reports = [_report(ran, ref_logits) for ran in backend.run_prompts(ctx, reference, ref_dir)]
     failed = failures(reports, thresholds)
-    doc = {"ok": not failed, "thresholds": asdict(thresholds), "failures": failed, "prompts": [asdict(r) for r in reports]}
+    gate = logit_gate(reports)
+    doc = {"ok": not failed, "thresholds": asdict(thresholds), "failures": failed, "logit_gate": gate,
+           "prompts": [asdict(r) for r in reports]}
     if failed:
-        raise BuildError("verify failed: " + "; ".join(failed) + " | per prompt: " + " | ".join(map(_line, reports)))
+        raise BuildError("verify failed: " + "; ".join(failed + ([f"logit gate {gate}"] if gate == NO_LOGITS else []))
+                         + " | per prompt: " + " | ".join(map(_line, reports)))
     (ctx.out / "report.json").write_text(jsonio.dumps(doc, indent=1, sort_keys=True))
     for r in reports:
         ctx.log(_line(r))
+    ctx.log(f"{len(reports)} prompt{'s' if len(reports) != 1 else ''} passed; logit gate {gate}")
 
 
 def _report(run: PromptRun, ref_logits: dict) -> PromptReport:

@@ -118,6 +118,31 @@ def port_step(loaded: LoadedRecipe, env: SourceEnvironment) -> PlannedNode:
                        source=Source(path=str(where)))
 
 
+def ep_refusal(lineage: str, batch_size: int, arch: Arch) -> str:
+    """Why no neuron recipe runs expert parallelism, for this batch (docs/nxdi.md section 14).
+
+    NxD's ExpertMLPsV2 decodes by the routed-expert load batch_size x top_k / experts (expert_mlps_v2.py L1470-1483,
+    threshold model_utils.py L93 @ fbac349): below 1 it takes selective loading, which raises under an expert-parallel
+    group; at 1 or more it takes forward_all_experts_EP. There, context encoding is what stays: the Coder-Next README
+    says NxD's ExpertMLPsV2.forward must be patched to take its blockwise path for it under EP (L155 @ 753c7f5, for SDK
+    2.30), a patch no public port holds. The Coder-Next port's other decode path, NxD's fused TKG module, is built only
+    where `moe_fused_nki_kernel_enabled` is set (its enable_moe_fused_nki_kernel, modeling_qwen35_moe.py L1105-1116
+    @ 753c7f5), which neither qbuild nor the port's scripts set; NxD refuses that path's selective kernel under EP
+    where it picks the kernel itself (moe_fused_tkg.py L228-231 @ 73ab227), and where the flag forces it, calls it
+    without the rank's expert-parallel index (L477-483, L503-504 @ 73ab227; L336-363 @ fbac349)."""
+    load = batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
+    if load >= 1:
+        return (f"no public code runs expert parallelism here: at batch_size x top_k / experts = {load:.3g} >= 1 "
+                "NxD decodes with its all-experts EP path, but context encoding under EP needs NxD's "
+                "ExpertMLPsV2.forward patched to its blockwise path (the Coder-Next README, L155), which no public "
+                "port holds (docs/nxdi.md section 14); use ep: 1")
+    fused = (", and the port's fused TKG path is off (moe_fused_nki_kernel_enabled, which neither qbuild nor the "
+             "port's scripts set) and has no EP selective kernel either") if lineage == "moe" else ""
+    return (f"no public code decodes with expert parallelism here: at batch_size x top_k / experts = {load:.3g} < 1 "
+            f"NxD's token generation takes selective loading, which it refuses under EP{fused} (docs/nxdi.md section "
+            "14); use ep: 1")
+
+
 class NeuronBackend:
     """`run_bundle` runs a bundle on this host's NeuronCores (deploy.run_bundle); a test passes a double of it."""
 
@@ -154,30 +179,14 @@ class NeuronBackend:
         if r.vision is not None:
             self._validate_vl_switches(loaded, lineage.name)
         if r.text.sampling.on_device and r.text.chunked_prefill is not None:
-            # The one port that compiles chunked prefill adds vocab_parallel=True to its on-device sampling
-            # (contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py L931-947 @ 03db3ef), and how its
-            # vLLM patch reads sampled tokens was not traced: docs/nxdi.md section 21.
+            # A precaution: the one port that compiles chunked prefill adds vocab_parallel=True to its on-device
+            # sampling (contrib/models/Qwen3.6-27B/test/integration/qwen36_27b_compile_fp8.py L931-947 @ 03db3ef), and
+            # no sampled token was traced through its chunked context encoding. vllm-neuron's side suggests it works
+            # (loader L508-509, runner L302-306 @ 3afb0a9): docs/nxdi.md section 21.
             checks.fail(loaded, "text.sampling.on_device", "on-device sampling with chunked_prefill is a combination "
                                                            "qbuild has not read in the port that builds it; drop one")
         if r.parallel.ep > 1:
-            # Token generation at batch 1 runs below one routed expert per expert. NxD's ExpertMLPsV2 then takes its
-            # selective-loading path, which refuses an expert-parallel group ("Selective Loading with Expert
-            # parallelism is not supported in token generation": expert_mlps_v2.py L1471-1481, model_utils.py L93
-            # @ fbac349). The Coder-Next port's fused TKG path, the other way to decode, is built only where
-            # moe_intermediate_size / moe_tp is a multiple of 128 (its enable_moe_fused_nki_kernel, modeling_qwen35_moe.py
-            # L1105-1116 @ 753c7f5; NxDI models/config.py L43 @ ef2731e: 512 / 8 = 64 for Coder-Next), and NxD hands
-            # its selective kernel no rank_id, which only the all-experts call gets (moe_fused_tkg.py L336-363
-            # @ fbac349), so a rank could not tell its own experts. NxDI's hybrid_sharding_config (separate CTE and TKG
-            # MoE degrees: models/config.py L827-831, modules/moe_v2.py L34, L135-145 @ ef2731e) is a route no port
-            # has taken and qbuild has not read further. docs/nxdi.md section 14.
-            moe_tp = config.rank_layout(lineage.name, arch.is_moe, r.parallel.tp, r.parallel.ep).moe_tp
-            mlp = (arch.moe_intermediate_size or 0) // moe_tp
-            load = r.text.batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
-            checks.fail(loaded, "parallel.ep", f"no public code decodes with expert parallelism here: NxD's "
-                                               f"selective loading (batch_size x top_k / experts = {load:.3g} < 1) "
-                                               "refuses it, and the fused TKG path needs moe_intermediate_size / "
-                                               f"moe_tp a multiple of 128 ({mlp} here) and passes its selective "
-                                               "kernel no rank_id (docs/nxdi.md section 14); use ep: 1")
+            checks.fail(loaded, "parallel.ep", ep_refusal(lineage.name, r.text.batch_size, arch))
         try:
             resolved = toolchain(loaded)
         except releases.ToolchainError as e:

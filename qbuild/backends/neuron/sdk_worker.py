@@ -68,6 +68,54 @@ def text_config(module, cfg: dict, kwargs: dict):
     return getattr(module, cfg["config_class"])(neuron_config=nc, **kwargs)
 
 
+def padding_slot_vision_inputs(config, batch: int) -> list | None:
+    """The llava_args of a text-only prompt's context encoding where the graph was traced with vision inputs
+    (`use_text_only_cte_inputs` False: the VL compiles), else None (the graph takes empty ones).
+
+    Passed no llava_args, the port's `_get_model_outputs` builds zero embeddings and a mask whose every slot is
+    `seq_len - 1` of the unpadded prompt (2B modeling_qwen35.py L7650, L7666-7675 @ 4bcdc54: NxDI pads later, in the
+    wrapper); `Qwen35ModelWrapper.pad_inputs` keeps those slots and appends the padding ones after them (L7173-7186),
+    and the graph's scatter (`encode_vision_to_input`, index_put_ at L5688) writes a zero row at the prompt's last
+    token, so its embedding is lost. These are the inputs the port's VL generate builds for an image prompt without
+    its image: rows of zeros and every slot at `neuron_config.seq_len - 1`, two tensors as it passes them for
+    sequential positions (modeling_qwen35_vl.py L462-490; the mRoPE positions are appended only for 3-D ones, L495,
+    so the text model builds the prefill's own, L7656-7659, L7682-7690). pad_inputs cuts them to the bucket and
+    clamps the slots to `bucket - 1` (L7063-7101, L7187-7188, L7210-7213): a padding slot, unless the prompt fills its
+    bucket, whose last token is then overwritten whatever the mask (docs/vision.md section 8)."""
+    import torch
+
+    if getattr(config, "use_text_only_cte_inputs", True):
+        return None
+    nc = config.neuron_config
+    return [torch.zeros((batch, nc.seq_len, config.hidden_size), dtype=nc.torch_dtype),
+            torch.full((batch, nc.seq_len, 1), nc.seq_len - 1, dtype=torch.int32)]
+
+
+def is_prefill(input_ids, position_ids) -> bool:
+    """A context-encoding call as the port tells one without prefix caching: more than one token, or a position 0
+    (`_qwen36_is_prefill_request`, 2B modeling_qwen35.py L4902-4927 @ 4bcdc54)."""
+    return input_ids.shape[-1] > 1 or int(position_ids.min()) == 0
+
+
+def prefill_text_at_padding_slot(app) -> None:
+    """Make `app`'s forward give a text-only context encoding the vision inputs of padding_slot_vision_inputs, where
+    its graph takes vision inputs. NxDI's generation adapter calls the model's forward with `llava_args` None
+    (get_required_kwargs, hf_adapter.py L329-332 @ ef2731e), and passing them to generate would hand them to every
+    decode as well, whose graph takes empty ones; the adapter binds `forward` when it is built (L131), so this runs
+    before it is."""
+    if padding_slot_vision_inputs(app.config, 1) is None:
+        return
+    forward = app.forward
+
+    def forward_with_vision_inputs(*args, **kwargs):
+        ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+        if not kwargs.get("llava_args") and ids is not None and positions is not None and is_prefill(ids, positions):
+            kwargs["llava_args"] = padding_slot_vision_inputs(app.config, ids.shape[0])
+        return forward(*args, **kwargs)
+
+    app.forward = forward_with_vision_inputs
+
+
 def _keep_metaneff(work_dir: Path, dst: Path) -> None:
     """Copy each bucket's metaneff.pb (<work dir>/<tag>/_tp0_bk<i>/metaneff.pb: NxD model_builder.py @ fbac349)
     before the next compile wipes the work dir: they name the weights the compiled model takes."""
@@ -184,6 +232,8 @@ def verify(req: dict) -> dict:
     check reads them (utils/accuracy.py @ 4bcdc54), and are written beside the result. With it the compiled graphs
     return the chosen token and no logits, so generate's scores stay empty (utils/hf_adapter.py L202-230 @ ef2731e:
     outputs.logits is None, the token is outputs.tokens) and only the tokens come back (docs/nxdi.md section 21).
+    A VL bundle's text model takes vision inputs at context encoding; the prompts, which have no image, are given the
+    padding ones (prefill_text_at_padding_slot), so that the port does not zero their last token.
     """
     import torch
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
@@ -194,6 +244,7 @@ def verify(req: dict) -> dict:
     app = getattr(module, req["app_class"])(req["bundle"])
     app.load(req["bundle"])
     on_device = app.neuron_config.on_device_sampling_config is not None
+    prefill_text_at_padding_slot(app)
     adapter = HuggingFaceGenerationAdapter(app)
     n = req["new_tokens"]
     # top_k 1 is what the ports' scripts generate with; it reaches the compiled sampler as its sampling params

@@ -5,7 +5,8 @@ integration/run_vl_benchmark.py @ 4bcdc54; the 35B-A3B copy is the same code; do
 - the text model: `NeuronQwen35VLForCausalLM(model_path, text_config, vision_config=vl_config)` (L119-123), its
   `text_model.load(<compiled dir>)` (L124) on the bundle root, NxDI's compiled directory. text_config is built as the
   compile built it (sdk_worker.text_config over the bundle's qbuild-neuron.json), as the benchmark builds the one it
-  compiled with (L43-84); vl_config is `Qwen35VLInferenceConfig` over the checkpoint's vision_config and token ids
+  compiled with (L43-84), and compared with the one the compile saved before the text model loads
+  (check_compiled_config); vl_config is `Qwen35VLInferenceConfig` over the checkpoint's vision_config and token ids
   (L86-98);
 - the vision encoders: `vision_model_wrapper.load_compiled(<dir>)` (L130) on the bundle root, which holds
   `vision_encoder_<b>.pt` or `bucket_<b>/tp_*.pt` per bucket, and `load_vision_weights_from_hf(<dir>)` (L131) on the
@@ -15,7 +16,9 @@ integration/run_vl_benchmark.py @ 4bcdc54; the 35B-A3B copy is the same code; do
   eos_token_ids)` (L148-167), which computes the mRoPE positions, runs the wrapper (tiling as the port tiles: its
   forward, modeling_qwen35_vision.py:771-806), pads the image features to the text model's inputs and runs context
   encoding then token generation (modeling_qwen35_vl.py:363-603). The image's patches come from the checkpoint's own
-  processor settings, as the benchmark's AutoProcessor (L207-210) reads them (qbuild.model.runtime.images).
+  processor settings, as the benchmark's AutoProcessor (L207-210) reads them (qbuild.model.runtime.images). A prompt
+  without an image is given the image path's padding inputs at its context encoding, where the port would give it
+  none and its text model would then zero the prompt's last token (sdk_worker.padding_slot_vision_inputs).
 
 The port's generate returns only when it is done. Each token it chooses is fed back as the next decode call's input
 (L582-595), so the text model is watched while generate runs (TokenWatch): a token reaches the server as soon as the
@@ -62,10 +65,12 @@ class Stopped(Exception):
 class TokenWatch:
     """Stands in for the port's text model while its generate runs: calls go through unchanged, and each decode call's
     input token, the token generate chose before it, is reported first. `on_token` returning true raises Stopped
-    before that decode runs."""
+    before that decode runs. `prefill_inputs`, where given, are the llava_args the context encoding takes when
+    generate passes none (a text-only prompt: sdk_worker.padding_slot_vision_inputs)."""
 
-    def __init__(self, model, on_token: Callable[[int], bool | None] | None):
+    def __init__(self, model, on_token: Callable[[int], bool | None] | None, prefill_inputs: list | None = None):
         self.model, self.on_token, self.tokens = model, on_token, []
+        self.prefill_inputs = prefill_inputs
         self._decoding = False
 
     def reset(self) -> None:
@@ -75,6 +80,8 @@ class TokenWatch:
     def __call__(self, *args, **kwargs):
         if self._decoding:
             self.report(int(kwargs["input_ids"][0, -1]))
+        elif self.prefill_inputs is not None and not kwargs.get("llava_args"):
+            kwargs["llava_args"] = self.prefill_inputs
         self._decoding = True
         return self.model(*args, **kwargs)
 
@@ -133,6 +140,7 @@ class NeuronVLRuntime(PromptRules):
         text = text_config(text_module, cfg, inference_kwargs(params))
         vl = getattr(vl_module, VL_CLASS)(model_path=str(bundle), text_config=text,
                                           vision_config=vl_config(vl_module, text, config))
+        check_compiled_config(bundle, text)
         vl.text_model.load(str(bundle))
         vl.vision_model_wrapper.load_compiled(str(bundle))
         vl.vision_model_wrapper.load_vision_weights_from_hf(str(bundle / VISION_HOST))
@@ -150,10 +158,16 @@ class NeuronVLRuntime(PromptRules):
         sampler's token: modeling_qwen35_vl.py:530-561, 605-619), ending at the bundle's end-of-sequence tokens."""
         import torch
 
+        from qbuild.backends.neuron.sdk_worker import padding_slot_vision_inputs
+
         self.check_image_tokens(prompt_ids, prepared)
         self.check_lengths(len(prompt_ids), max_new_tokens)
         ids = torch.tensor([prompt_ids], dtype=torch.long)
-        watch = TokenWatch(self.vl.text_model, on_token)
+        # The port's generate passes a text-only prompt no llava_args, and its text model then zeroes the prompt's
+        # last token on a graph traced with vision inputs; the image path's padding convention sends that scatter
+        # to a padding slot (sdk_worker.padding_slot_vision_inputs, docs/vision.md section 8).
+        watch = TokenWatch(self.vl.text_model, on_token,
+                           padding_slot_vision_inputs(self.vl.text_model.config, 1) if prepared is None else None)
         self.vl.text_model = watch
         try:
             out = self.vl.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -169,6 +183,37 @@ class NeuronVLRuntime(PromptRules):
             self.vl.text_model = watch.model
         tokens = watch.tokens
         return VLGeneration(tokens, self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+
+# The fields of the text config that say how the compiled graphs are called and what they return.
+COMPILED_FIELDS = (("neuron_config", "tp_degree"), ("neuron_config", "batch_size"), ("neuron_config", "seq_len"),
+                   ("neuron_config", "max_context_length"), ("neuron_config", "context_encoding_buckets"),
+                   ("neuron_config", "token_generation_buckets"), ("neuron_config", "on_device_sampling_config"),
+                   ("use_text_only_cte_inputs",))
+
+
+def check_compiled_config(bundle: Path, text) -> None:
+    """UserError naming the first of COMPILED_FIELDS where `text`, the config this qbuild rebuilt from the bundle's
+    record, differs from the one the compile saved (NxDI's neuron_config.json, `to_dict` of the config: models/config.py
+    L62-77, L927-944 @ ef2731e). NxDI runs the graphs with whatever config it is given and checks it against nothing
+    (NeuronApplicationBase.__init__, application_base.py L73-90): tokens would be read as logits, or a context
+    encoding traced with vision inputs called without them. The saved config is not loaded instead, because the
+    ports' get_neuron_config_cls returns NeuronConfig even for MoE (2B modeling_qwen35.py L2352-2353, 35B-A3B
+    L2446-2453 @ 4bcdc54), so InferenceConfig.load would drop the MoE fields (config.py L987-991)."""
+    from neuronx_distributed_inference.models.config import to_dict
+
+    path = bundle / "neuron_config.json"
+    saved = json.loads(path.read_text())
+    built = json.loads(json.dumps(to_dict(text)))
+    for keys in COMPILED_FIELDS:
+        was, now = saved, built
+        for key in keys:
+            was = was.get(key) if isinstance(was, dict) else None
+            now = now.get(key) if isinstance(now, dict) else None
+        if was != now:
+            raise UserError(f"{path}: {'.'.join(keys)} is {json.dumps(was)} there, and {json.dumps(now)} in the config "
+                            f"this qbuild builds from {QBUILD_RECORD}: the bundle was compiled by a qbuild that builds "
+                            "it otherwise; serve it with that qbuild, or build it again")
 
 
 def vl_config(vl_module, text, config: dict):

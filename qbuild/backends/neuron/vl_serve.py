@@ -6,7 +6,8 @@ NxDI is imported, the port on PYTHONPATH; `--dry-run` prints that command and en
 
     python -m qbuild.backends.neuron.vl_serve BUNDLE --name NAME --host HOST --port PORT [--allow-image-urls]
 
-is the child: the API key, where one is set, reaches it as QBUILD_API_KEY, never on its command line.
+is the child: the API key, where one is set, reaches it as QBUILD_API_KEY, never on its command line, and the child
+removes it from its environment once read.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from qbuild.core.errors import InfraError, UserError
 
 ENTRY = "qbuild.backends.neuron.vl_serve"
 API_KEY_ENV = "QBUILD_API_KEY"
+# Such a bundle was vLLM's before qbuild's server took its images, so arguments after `--` are vLLM's.
+VLLM_ARGS_WAY_OUT = "pass --server vllm to serve it with vLLM (text only), which takes them"
 # What the child imports: the Neuron SDK the port runs on, and the server's own packages (the `serve` extra).
 PACKAGES = (("neuronx_distributed_inference", "neuronx-distributed-inference"),
             ("neuronx_distributed", "neuronx-distributed"), ("torch_neuronx", "torch-neuronx"),
@@ -58,7 +61,7 @@ def serve_command(bundle: Path, manifest: dict, options: ServeOptions, python: s
     takes as an image, as for a CPU bundle; the classes and files it loads; the child's environment and command)."""
     serve, plugin = vllm_serve.read_serve(bundle)
     check_servable(bundle, manifest, serve)
-    no_server_args(bundle, "a neuron VL bundle", options.server_args)
+    no_server_args(bundle, "a neuron VL bundle", options.server_args, VLLM_ARGS_WAY_OUT)
     src = vllm_serve.nxdi_tree_src(serve, options.nxdi_tree)
     pythonpath = [(bundle / VLLM_DIR / plugin["port_dir"]).resolve(), *([src] if src else [])]
     env = {**serve["env"], "PYTHONPATH": os.pathsep.join(str(p) for p in pythonpath)}
@@ -103,7 +106,7 @@ def serve(bundle: Path, manifest: dict, options: ServeOptions) -> int:
 
     serve_doc, _ = vllm_serve.read_serve(bundle)
     check_servable(bundle, manifest, serve_doc)
-    no_server_args(bundle, "a neuron VL bundle", options.server_args)
+    no_server_args(bundle, "a neuron VL bundle", options.server_args, VLLM_ARGS_WAY_OUT)
     require_packages()
     vllm_serve.require_nxdi(serve_doc, vllm_serve.nxdi_tree_src(serve_doc, options.nxdi_tree))
     check_files(bundle, manifest, digests=not options.digests_checked)
@@ -134,9 +137,11 @@ def main(argv: list[str]) -> int:
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    # Removed as it is read, before the SDK loads: whatever this process starts would otherwise inherit the key.
+    api_key = os.environ.pop(API_KEY_ENV, None) or None
     try:
         options = ServeOptions(name=args.name, host=args.host, port=args.port, log=log, on_ready=lambda url: None,
-                               allow_image_urls=args.allow_image_urls, api_key=os.environ.get(API_KEY_ENV) or None)
+                               allow_image_urls=args.allow_image_urls, api_key=api_key)
         runtime = NeuronVLRuntime.load(args.bundle)
         return serve_openai(runtime, options)
     except UserError as e:

@@ -34,9 +34,10 @@ def images_served(buckets: list[int], allow_urls: bool) -> dict:
             "buckets": sorted(buckets), "tiled_above": max(buckets), "max_patches": largest_patches(buckets)}
 
 
-def no_server_args(bundle: Path, what: str, server_args: tuple[str, ...]) -> None:
+def no_server_args(bundle: Path, what: str, server_args: tuple[str, ...], way_out: str = "") -> None:
     """Arguments after `--` are for a server another program runs; qbuild's own server takes none, and ignoring them
-    would serve something other than what the user asked for. `what` names the bundle ("the export bundle")."""
+    would serve something other than what the user asked for. `what` names the bundle ("the export bundle");
+    `way_out`, where the bundle has another server that takes them, says how to ask for it."""
     if server_args:
         raise UserError(f"{bundle}: {what} is served by qbuild's own server, which takes no arguments after `--` "
-                        f"(given: {' '.join(server_args)})")
+                        f"(given: {' '.join(server_args)}){'; ' + way_out if way_out else ''}")

@@ -383,60 +383,81 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):   # l.7491
 
     def context_inputs(self, input_ids, position_ids, llava_args, bucket) -> tuple[int, int]:
         """The image features of a context-encoding step, as the port hands them to its graph (2B modeling_qwen35.py
-        @ 4bcdc54): _get_model_outputs takes llava_args as [vision_embeddings, vision_mask, mrope_position_ids]
-        (L7653-7659), else, where the graph was traced for image features, zeros and a mask at the last slot
-        (L7660-7676); Qwen35ModelWrapper.pad_inputs fits the embeddings and the mask to the bucket the prompt takes
-        (L7059-7101: cut or padded, the mask's padding at bucket - 1), the mRoPE positions likewise (L7105-7150), and
-        clamps the mask to the bucket (L7210-7213); the graph scatters each embedding row at the position its mask
-        slot names (encode_vision_to_input, L5667-5690). The double is stricter: the three must be the shapes and
-        dtypes the port builds, the mask's first slots positions of one token and the rest the padding slot, and a
-        context encoding traced without image features takes none (use_text_only_cte_inputs: its graph's inputs are
-        empty tensors there).
-        Returns (what the scattered features add to the step's sum, the first decode's position: the largest mRoPE
+        @ 4bcdc54): _get_model_outputs takes llava_args of two or more tensors as [vision_embeddings, vision_mask,
+        mrope_position_ids], building the sequential mRoPE positions of a prefill where the third is missing
+        (L7653-7659, L7682-7690); without llava_args, where the graph was traced for image features, it builds zero
+        embeddings and a mask whose every slot is seq_len - 1 of the UNPADDED prompt, its last real token (L7650,
+        L7666-7675). Qwen35ModelWrapper.pad_inputs fits the embeddings and the mask to the bucket the prompt takes:
+        the given slots kept, the padding slots after them at bucket - 1 (L7059-7101, L7173-7186), the mRoPE
+        positions likewise (L7105-7150), and clamps the mask to the bucket (L7210-7213); the graph scatters each
+        embedding row at the position its mask slot names (encode_vision_to_input, L5667-5690, index_put_ at L5688).
+        A zero row written at a real prompt token replaces that token's embedding: recorded as `overwritten`, and
+        that token then adds nothing to the step's sum. The port's own comment on its text-only dummy (L7192-7196,
+        "always a padded/eos slot") describes the branch of pad_inputs that builds one, which does not run where
+        _get_model_outputs already built a 3-D mask.
+        The double is stricter: the tensors must be the shapes and dtypes the port builds, the mask's first slots
+        positions of one token (rows that are not zeros) and the rest the padding slot, and a context encoding traced
+        without image features takes none (use_text_only_cte_inputs: its graph's inputs are empty tensors there).
+        Returns (what the scattered rows add to the step's sum, the first decode's position: the largest mRoPE
         position + 1)."""
         import torch
 
         from neuronx_distributed_inference._double import record
 
-        n = input_ids.shape[1]
-        if not llava_args:
-            record("context_inputs", bucket=bucket, image_tokens=0)
+        n, ids = input_ids.shape[1], input_ids[0].tolist()
+        if not llava_args and self.config.use_text_only_cte_inputs:
+            record("context_inputs", bucket=bucket, image_tokens=0, overwritten=[])
             return 0, int(position_ids.max()) + 1
+        if not llava_args:
+            # L7666-7675, then pad_inputs (L7173-7186, L7210-7213): n slots at n - 1, the rest at bucket - 1.
+            overwritten = sorted({n - 1} | ({bucket - 1} if bucket - 1 < n else set()))
+            record("context_inputs", bucket=bucket, image_tokens=0, overwritten=overwritten, dummy=True)
+            return -sum(ids[p] for p in overwritten), int(position_ids.max()) + 1
         if self.config.use_text_only_cte_inputs:
             raise RuntimeError("image features for a context encoding traced without them "
                                "(use_text_only_cte_inputs=True): its graph takes empty vision inputs")
-        if len(llava_args) != 3:
-            raise ValueError(f"llava_args: {len(llava_args)} tensors; the port's VL generate passes "
-                             "[vision_embeddings, vision_mask, mrope_position_ids]")
-        emb, mask, mrope = llava_args
+        if len(llava_args) not in (2, 3):
+            raise ValueError(f"llava_args: {len(llava_args)} tensors; the port takes [vision_embeddings, vision_mask] "
+                             "or [vision_embeddings, vision_mask, mrope_position_ids]")
+        emb, mask = llava_args[:2]
         length, hidden, dtype = emb.shape[1], self.config.hidden_size, self.neuron_config.torch_dtype
+        if len(llava_args) == 3:
+            mrope = llava_args[2]
+        else:
+            mrope = torch.arange(n, dtype=torch.int32).expand(3, 1, n)
         expected = {"vision_embeddings": (emb, (1, length, hidden), dtype),
-                    "vision_mask": (mask, (1, length, 1), torch.int32),
-                    "mrope_position_ids": (mrope, (3, 1, length), torch.int32)}
+                    "vision_mask": (mask, (1, length, 1), torch.int32)}
+        if len(llava_args) == 3:
+            expected["mrope_position_ids"] = (mrope, (3, 1, length), torch.int32)
         for name, (tensor, shape, want) in expected.items():
             if tuple(tensor.shape) != shape or tensor.dtype != want or length < n:
                 raise ValueError(f"llava_args {name}: {list(tensor.shape)} {tensor.dtype}; the port passes {list(shape)} "
                                  f"{want} padded past the prompt's {n} tokens")
         fitted = {"vision_embeddings": _fit(emb, bucket, 0, 1),
                   "vision_mask": _fit(mask, bucket, bucket - 1, 1).clamp(max=bucket - 1),
-                  "mrope_position_ids": _fit(mrope, bucket, 0, 2)}
-        slots, ids = fitted["vision_mask"][0, :, 0].tolist(), input_ids[0].tolist()
+                  # The VL generate pads its positions with zeros (modeling_qwen35_vl.py L495-505); the ones the
+                  # port builds itself are padded with their last position (L7115-7124).
+                  "mrope_position_ids": _fit(mrope, bucket, 0 if len(llava_args) == 3 else n - 1, 2)}
+        slots = fitted["vision_mask"][0, :, 0].tolist()
+        rows = fitted["vision_embeddings"][0]
         # The text model knows no image token id: the image's slots are the leading run of increasing prompt
-        # positions that hold one token; every slot after them is padding, at bucket - 1.
+        # positions that hold one token, written with rows that are not the padding's zeros; every slot after them
+        # is padding, at bucket - 1.
         images = 0
         while images < len(slots) and slots[images] < n and ids[slots[images]] == ids[slots[0]] and \
-                (images == 0 or slots[images] > slots[images - 1]):
+                (images == 0 or slots[images] > slots[images - 1]) and bool(rows[images].any()):
             images += 1
         if any(p != bucket - 1 for p in slots[images:]):
             raise ValueError(f"vision_mask: after {images} image positions its slots are not all the padding slot "
                              f"{bucket - 1}")
-        features = fitted["vision_embeddings"][0, :images].float()
+        features = rows[:images].float()
         # The padding slots point at bucket - 1; a prompt that fills its bucket has its last token there, whose
-        # embedding the padding rows' zeros then overwrite: recorded, not refused (the port does it).
+        # embedding the padding rows' zeros then overwrite (the port does it).
         overwritten = sorted({p for p in slots[images:] if p < n})
         record("context_inputs", bucket=bucket, image_tokens=images, overwritten=overwritten,
                inputs={k: {"shape": list(v.shape), "dtype": str(v.dtype).split(".")[1]} for k, v in fitted.items()})
-        return int(round(float(features.abs().sum()) * 1000)), int(mrope[:, 0, :n].max()) + 1
+        return (int(round(float(features.abs().sum()) * 1000)) - sum(ids[p] for p in overwritten),
+                int(mrope[:, 0, :n].max()) + 1)
 
     def enable_token_generation(self):   # l.7644
         disable_wlo = bool(getattr(self.config, "disable_token_generation_wlo", False)) or \

@@ -4,8 +4,12 @@
 Called as NxDI's own accuracy check calls it (docs/nxdi.md section 13, utils/accuracy.py L631-655):
 `generate(input_ids=..., attention_mask=..., max_new_tokens=n, min_new_tokens=n, do_sample=False,
 return_dict_in_generate=True, output_scores=True, generation_config=gc)` -> `.sequences` [B, prompt + n] and
-`.scores`, a tuple of n [B, V] tensors. The double cannot run the model, so its tokens are a fixed function of the
-prompt (next = (sum of the sequence so far) % V) and its scores a one-hot of that token: tests can check plumbing and
+`.scores`, a tuple of n [B, V] tensors. Each step is a call of the model's `forward`, which the adapter binds when it
+is built (L131: "Neuron Forward is needed by any models with additional input args"), with the whole prompt first,
+then the last token at position (prompt length + steps) - 1 (prepare_inputs_for_generation L259-334: position_ids
+from the attention mask's cumulative sum, `llava_args` None from get_required_kwargs, L329-332). The double cannot run
+the model, so its tokens are the double forward's fixed function of the prompt (next = (sum of the sequence so far) %
+V, less what the port's image inputs overwrite) and its scores a one-hot of that token: tests can check plumbing and
 thresholds, never accuracy. A model compiled with on-device sampling returns each step's token and no logits
 (models/model_base.py _construct_output L3832-3862 @ ef2731e: `logits=None if self.on_device_sampling`, L3845), so
 _sample appends no scores (L202-212: only `if outputs.logits is not None`) and takes `outputs.tokens` (L214-230):
@@ -68,6 +72,7 @@ class HuggingFaceGenerationAdapter:
     def __init__(self, model, input_start_offsets=None, capture_draft_logits=False):
         self.neuron_model = model
         self.input_start_offsets = input_start_offsets
+        self.forward = model.forward
         record("HuggingFaceGenerationAdapter", model=type(model).__name__)
 
     def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
@@ -94,17 +99,22 @@ class HuggingFaceGenerationAdapter:
                              f"{largest['token_generation_model']} (max_length {nc.max_length})")
         if attention_mask is not None and attention_mask.shape != input_ids.shape:
             raise ValueError("generate: attention_mask must have input_ids' shape")
-        vocab = model.config.vocab_size
         sampled = nc.on_device_sampling_config is not None
-        logits_returned = not sampled or nc.output_logits
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
         sequences, scores = input_ids.clone(), []
-        for _ in range(n):
-            nxt = sequences.sum(dim=1) % vocab
-            step = torch.zeros(sequences.shape[0], vocab, dtype=torch.float32)
-            step[torch.arange(sequences.shape[0]), nxt] = 1.0
-            if logits_returned:
-                scores.append(step)
-            sequences = torch.cat([sequences, nxt.unsqueeze(1)], dim=1)
+        for step in range(n):
+            positions = mask.long().cumsum(-1) - 1
+            if step == 0:
+                out = self.forward(input_ids=sequences, attention_mask=mask, position_ids=positions, llava_args=None)
+            else:
+                out = self.forward(input_ids=sequences[:, -1:], attention_mask=mask,
+                                   position_ids=positions.amax(1, keepdim=True) + 1, llava_args=None)
+                mask = torch.cat([mask.new_ones((mask.shape[0], 1)), mask], dim=-1)   # L389-404
+            if out.logits is not None:                      # L202-212
+                scores.append(out.logits[:, -1, :].clone())
+            # L214-230: the token the device chose, else the greedy pick of the logits (do_sample False).
+            nxt = out.tokens.reshape(-1) if sampled else out.logits[:, -1, :].argmax(-1)
+            sequences = torch.cat([sequences, nxt.to(sequences.dtype).unsqueeze(1)], dim=1)
         record("generate", prompt_tokens=list(input_ids.shape), new_tokens=n, on_device_sampling=sampled,
                kwargs={k: v for k, v in sorted(kwargs.items())},
                generation_config={k: getattr(generation_config, k, None)
