@@ -423,7 +423,7 @@ def test_a_stop_signal_with_queued_requests_ends_each_cleanly(project, tmp_path)
             waiting = [pool.submit(ask, i) for i in range(1, 7)]
             wait_until(lambda: all(any(f"waiting{i}" in r["text"] for r in records(points, "encoded.jsonl"))
                                    for i in range(1, 7)), WAIT_S, "the six requests to be tokenized")
-            s.proc.send_signal(signal.SIGINT)
+            s.interrupt(signal.SIGINT)
             answers = [f.result() for f in waiting]
             cut = running.result()
     finally:
@@ -455,7 +455,7 @@ def test_a_generation_that_outlives_the_stop_ends_its_stream_quietly(project, tm
             stream = pool.submit(lambda: list(c.chat.completions.create(
                 model=NAME, messages=[{"role": "user", "content": "HOLD-DEAF:deaf1"}], max_tokens=8, stream=True)))
             wait_until(lambda: (points / "held-deaf1").exists(), WAIT_S, "the first token")
-            s.proc.send_signal(signal.SIGINT)
+            s.interrupt(signal.SIGINT)
             chunks = stream.result()
         (points / "release-deaf1").write_text("")
     finally:

@@ -34,10 +34,17 @@ class Server:
     url: str
     out: Path
     err: Path
+    signalled: bool = False
+
+    def interrupt(self, sig: int = signal.SIGINT) -> None:
+        """Ctrl-C (or `sig`) once: a second Ctrl-C while the server stops is a forced stop (uvicorn's), or after it
+        returned an interrupt of qbuild (exit 130), so stop() sends none after this."""
+        self.signalled = True
+        self.proc.send_signal(sig)
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 60) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
+        if not self.signalled and self.proc.poll() is None:
+            self.interrupt(sig)
         code = self.proc.wait(timeout=timeout)
         return code, self.err.read_text()
 
