@@ -212,13 +212,19 @@ def print_explain(plan: Plan, status: dict[str, NodeStatus], why: dict[str, str]
         print(f"{row['name']} [{row['id'][:8]}]: {row['why']}")
 
 
-def print_pin_moves(moves: list[PinMove], as_json: bool) -> None:
-    """What `qbuild lock update` (or `compile --update`) did to each recipe's Hub pin: JSON on stdout, or one line per
-    recipe on stderr."""
+def print_pin_moves(moves: list[PinMove], as_json: bool, progress: str = "auto") -> None:
+    """What `qbuild lock update` (or `compile --update`) did to each recipe's Hub pin: JSON on stdout, a `pin` event per
+    recipe on stderr with `--progress json` (compile's), or one line per recipe on stderr."""
+    docs = [{"recipe": m.recipe, "repo": m.pin.repo, "requested": m.pin.requested, "revision": m.pin.revision,
+             "before": m.before.revision if m.before else None, "moved": m.moved} for m in moves]
     if as_json:
-        print(jsonio.dumps([{"recipe": m.recipe, "repo": m.pin.repo, "requested": m.pin.requested,
-                             "revision": m.pin.revision, "before": m.before.revision if m.before else None,
-                             "moved": m.moved} for m in moves], indent=1, sort_keys=True))
+        print(jsonio.dumps(docs, indent=1, sort_keys=True))
+        return
+    if progress == "json":
+        for doc in docs:
+            _json_line({"event": "pin", "step": "compile", **doc})
+        if not moves:
+            note_json("compile")("no Hub models to pin")
         return
     if not moves:
         _err_line("no Hub models to pin")

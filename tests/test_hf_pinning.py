@@ -268,6 +268,14 @@ def test_compile_update_moves_the_pin_before_building(tmp_path, hub):
     assert proc.returncode != 0 and f"hubby: model {REPO_ID}@main: {hub.a[:8]} -> {hub.b[:8]}" in proc.stderr
     assert lockmod.read(tmp_path / "artifacts.lock").hub_pins()["hubby"].revision == hub.b
     assert _manifests(tmp_path / "store") == []
+    # With --progress json the move is a `pin` event: stderr holds JSON lines only, but for the one-line error.
+    hub.double.move(REPO_ID, "main", hub.a)
+    proc = qbuild("compile", str(recipe), "--update", "--strict", "--progress", "json", cwd=tmp_path, env=hub.online)
+    *events, error = proc.stderr.splitlines()
+    assert proc.returncode != 0 and not error.startswith("{")
+    pins = [e for e in map(json.loads, events) if e["event"] == "pin"]
+    assert pins == [{"event": "pin", "step": "compile", "recipe": "hubby", "repo": REPO_ID, "requested": "main",
+                     "revision": hub.a, "before": hub.b, "moved": True}]
 
 
 # --- a pinned build, a moved branch, a moved pin ------------------------------------------------------------------

@@ -66,7 +66,7 @@ def compile(ctx: typer.Context, recipes: list[str] = typer.Argument(None, help="
     if update:
         from qbuild.render import print_pin_moves
 
-        print_pin_moves(ws.update_pins(loaded), False)
+        print_pin_moves(ws.update_pins(loaded), False, progress_mode.value)
     with BuildProgress(verbose=verbose, lock=lock, mode=progress_mode.value) as progress:
         the_plan, result, rebuilt = ws.compile(loaded, options, chosen.factory, progress.on_event, frozen=frozen,
                                                update=update, on_progress=progress.on_progress)
