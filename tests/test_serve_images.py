@@ -22,9 +22,10 @@ IMAGE = b"\x89PNG\r\n\x1a\n" + b"\0" * 100
 
 
 class Origin(ThreadingHTTPServer):
-    """An HTTP server on 127.0.0.1: /image answers IMAGE, /slow trickles, /moved redirects, /missing is a 404,
-    /huge declares more than MAX_IMAGE_BYTES, /endless sends more than that without declaring a length. `trickling`
-    counts the /slow connections open, `trickles_ended` records when each ended; `stop` ends every trickle at once."""
+    """An HTTP server on 127.0.0.1: /image answers IMAGE, /slow (with any query) trickles, /moved redirects, /missing
+    is a 404, /huge declares more than MAX_IMAGE_BYTES, /endless sends more than that without declaring a length.
+    `trickling` counts the /slow connections open, `trickles_ended` records when each ended and `ended` its path, in
+    order; `stop` ends every trickle at once."""
 
     daemon_threads = True
 
@@ -32,6 +33,7 @@ class Origin(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
         self.trickling, self.stop = 0, threading.Event()
         self.trickles_ended: list[float] = []   # time.monotonic() of each trickle's end, in order
+        self.ended: list[str] = []
         self.lock = threading.Lock()
 
     @property
@@ -64,7 +66,7 @@ class Handler(BaseHTTPRequestHandler):
             for _ in range(MAX_IMAGE_BYTES // len(chunk) + 2):   # one MiB more than the limit, then it ends
                 if not self._send(chunk):
                     return
-        elif self.path == "/slow":
+        elif self.path.partition("?")[0] == "/slow":
             self._head(200)
             self._trickle()
         else:
@@ -97,6 +99,7 @@ class Handler(BaseHTTPRequestHandler):
             with self.server.lock:
                 self.server.trickling -= 1
                 self.server.trickles_ended.append(time.monotonic())
+                self.server.ended.append(self.path)
 
     def log_message(self, *args):
         pass

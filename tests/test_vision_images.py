@@ -14,6 +14,7 @@ transformers' AutoImageProcessor reads as qbuild's runtime does. The encoder is 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import re
@@ -30,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -663,6 +665,27 @@ def test_slow_image_urls_hold_up_no_other_request(url_server):
                  "as it fetches at once; send the request again shortly, or the image as a data: URL")
         assert [f.result(timeout=60) for f in slow] == [DEADLINE_REFUSAL] * MAX_IMAGE_FETCHES
         assert time.monotonic() - started < 3 * IMAGE_URL_TIMEOUT_S   # the deadline with room for a loaded machine
+    assert "Traceback" not in url_server.err.read_text()
+
+
+@pytest.mark.slow
+def test_a_client_that_goes_away_ends_its_image_fetch(url_server):
+    """A chat whose image URL trickles (kept), then one whose client closes its connection while its URL trickles
+    (gone): the server drops the second fetch as its client goes, so that trickle ends first, while the first is cut at
+    its deadline with a 400. Before, a fetch nobody waited for ran to its deadline, holding its place among the
+    MAX_IMAGE_FETCHES the server makes at once."""
+    with Origin() as origin, ThreadPoolExecutor(1) as pool:
+        kept = pool.submit(_answer, url_server, _image_chat(f"{origin.url}/slow?kept"))
+        wait_until(lambda: origin.trickling == 1, 60, "the server to fetch the first slow URL")
+        where = urlsplit(url_server.url)
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=60)
+        body = json.dumps({"model": NAME, "messages": image_chat(f"{origin.url}/slow?gone"), "max_tokens": 4})
+        conn.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        wait_until(lambda: origin.trickling == 2, 60, "the server to fetch the second slow URL")
+        conn.close()
+        wait_until(lambda: origin.ended, 60, "a trickle to end")
+        assert origin.ended[0] == "/slow?gone"
+        assert kept.result(timeout=60) == DEADLINE_REFUSAL
     assert "Traceback" not in url_server.err.read_text()
 
 

@@ -27,11 +27,12 @@ What the runtime can do decides what the server accepts (qbuild.backends.openai_
 - With an API key, every request needs `Authorization: Bearer <key>`; without one it is a 401, before its body is read.
 - A VL bundle takes one image per chat request, as an OpenAI `image_url` content part of a user message: a
   `data:image/...;base64,` URL, or an http(s) URL only with --allow-image-urls (qbuild.backends.openai_server.serve_images:
-  fetched on the event loop within a deadline in all, a few at once, so a slow URL holds up no other request). The
-  image goes where its part stands in the message (the chat template's image marker, expanded to the image's tokens
-  as transformers' processor expands it), passes `qbuild run --image`'s limits, and runs through the vision graphs
-  as `run` runs it, tiled where it is larger than the largest bucket. Anything else in its place is a 400 naming the
-  part. The body limit grows by one image's base64 size; the text of the messages keeps the text limit.
+  fetched on the event loop within a deadline in all, a few at once, so a slow URL holds up no other request, and
+  dropped when its client goes). The image goes where its part stands in the message (the chat template's image
+  marker, expanded to the image's tokens as transformers' processor expands it), passes `qbuild run --image`'s
+  limits, and runs through the vision graphs as `run` runs it, tiled where it is larger than the largest bucket.
+  Anything else in its place is a 400 naming the part. The body limit grows by one image's base64 size; the text of
+  the messages keeps the text limit.
 
 `stream: true` answers in server-sent events in OpenAI's chunk format, closed by `data: [DONE]`; the text of the
 chunks, concatenated, is the non-streamed answer. Ctrl-C (SIGINT) and SIGTERM stop the server: requests still waiting
@@ -195,13 +196,33 @@ class Generator:
         self.stopping = asyncio.Event()
 
     # --- preparing (on the prepare thread) ---------------------------------------------------------------------
-    async def prepare(self, route: type[CompletionRequest] | type[ChatRequest], body: bytes) -> Prepared:
+    async def prepare(self, route: type[CompletionRequest] | type[ChatRequest], body: bytes,
+                      client: Client) -> Prepared:
         loop = asyncio.get_running_loop()
         if route is CompletionRequest:
             return await loop.run_in_executor(self._preparing, self._prepare_completion, body)
         req, image = await loop.run_in_executor(self._preparing, self._parse_chat, body)
-        fetched = await self._fetch(image) if image is not None and image.remote else None
+        fetched = await self._fetch_for(client, image) if image is not None and image.remote else None
         return await loop.run_in_executor(self._preparing, self._prepare_chat, req, image, fetched)
+
+    async def _fetch_for(self, client: Client, image: ImageRef) -> bytes:
+        """The fetch of `image`'s URL for `client`, ended where the client goes away (ClientGone) or the server stops
+        (a 503) first: a fetch nobody waits for would hold its place among the few the server makes at once until
+        its deadline."""
+        fetch = asyncio.ensure_future(self._fetch(image))
+        watches = {asyncio.ensure_future(client.gone.wait()): "client",
+                   asyncio.ensure_future(self.stopping.wait()): "stop"}
+        try:
+            done, _ = await asyncio.wait({fetch, *watches}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (fetch, *watches):
+                task.cancel()
+        if fetch in done:
+            return fetch.result()
+        await asyncio.gather(fetch, return_exceptions=True)   # its connection closed, its place free
+        if any(watches.get(w) == "client" for w in done):
+            raise ClientGone()
+        raise shutting_down()
 
     async def _fetch(self, image: ImageRef) -> bytes:
         """An image URL's bytes, on the event loop; a 400 naming the part where they cannot be had, a 503 where the
@@ -490,10 +511,13 @@ class Api:
             return e.response()
         client = Client(request)
         try:
-            return await self.gen.prepare(route, body), client
+            return await self.gen.prepare(route, body, client), client
         except RequestError as e:
             client.close()
             return e.response()
+        except ClientGone:
+            client.close()
+            return Response(status_code=499)   # nobody reads it: the connection is closed
 
     async def completions(self, request: Request) -> Response:
         prepared = await self._prepare(request, CompletionRequest)
