@@ -433,11 +433,17 @@ def test_shipped_coder_next_recipe_resolves_the_moe_lineage_and_compiles_with_th
 # --- the Qwen3.5-27B port ----------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_qwen35_27b_port_takes_replicated_deltanet_shards(small_checkpoints, tmp_path):
+def test_qwen35_27b_port_takes_replicated_deltanet_shards(small_checkpoints, tmp_path, monkeypatch):
     """The Qwen3.5-27B port (PR 128) has the main port's module and classes, but its DeltaNet is whole on every rank.
     The main-replicated lineage packages shards its compiled model takes as they are; the main lineage's
-    tensor-parallel DeltaNet shards would not load, and packaging refuses them naming the first such tensor."""
+    tensor-parallel DeltaNet shards would not load, and packaging refuses them naming the first such tensor.
+    It has no use_text_only_cte_inputs either: its context encoding always takes vision inputs, and a prompt handed
+    none loses its last token's embedding (modeling_qwen35.py L2317-2328 @ 550e2ab). verify gives each prompt the
+    padding inputs, so none is overwritten; `serve --dry-run` says that vLLM's path keeps the loss."""
     from safetensors import safe_open
+
+    from qbuild.backends.neuron.vllm_serve import TEXT_PROMPT_NOTE
+    from qbuild.recipe.params import VerifyParams
 
     port = replicated_deltanet_port(tmp_path / "Qwen3.5-27B")
     build = Build(tmp_path / "build")
@@ -460,6 +466,20 @@ def test_qwen35_27b_port_takes_replicated_deltanet_shards(small_checkpoints, tmp
             assert f.get_slice(la + "A_log").get_shape() == [config["linear_num_value_heads"]]
             assert f.get_slice(la + "in_proj_qkv.weight").get_shape() == [conv_dim, config["hidden_size"]]
     assert load_bundles(build, bundle, log=tmp_path / "load.jsonl") == ["ok"]
+    cte = [n["traced"]["vision_inputs"] for n in _compile_call(build)["neffs"] if n["tag"] == "context_encoding_model"]
+    assert cte and all(cte)
+
+    (tmp_path / "verify").mkdir()
+    done = _verify(build, "r27", tmp_path / "verify", monkeypatch, VerifyParams(top1_min=0.0, token_match_min=0.0,
+                                                                                 max_logit_err=1e9))
+    contexts = [c for c in read_log(tmp_path / "verify" / "verify.jsonl") if c["call"] == "context_inputs"]
+    assert len(contexts) == 2 and all(c["overwritten"] == [] and c.get("dummy") is None for c in contexts)
+    for prompt, ref in zip(done["report"]["prompts"], done["reference"]["prompts"]):
+        assert prompt["greedy"][0] == sum(ref["ids"]) % config["vocab_size"]
+    pulled = build.cli("pull", "r27", "--to", str(tmp_path / "pulled"), "--allow-unverified")
+    assert pulled.returncode == 0, pulled.stderr
+    served = build.cli("serve", str(tmp_path / "pulled"), "--dry-run", "--json")
+    assert served.returncode == 0 and json.loads(served.stdout)["text_prompts"] == TEXT_PROMPT_NOTE, served.stderr
 
     result, stderr = build.compile(write_recipe(build.root / "recipes" / "r27-main.yaml", checkpoint, port))
     (message,) = [v["error"] for v in result["failed"].values() if v["name"].startswith("package")]

@@ -334,11 +334,12 @@ def test_vllm_arguments_to_a_vl_bundle_are_refused_naming_server_vllm(tmp_path, 
     refused in one line, exit 2, which says that --server vllm serves it with them. With --server vllm they reach
     vLLM's command."""
     bundle, _ = _shipped_vl_bundle("2b-vl-tp8", tmp_path)
-    proc = qbuild("serve", str(bundle), *(["--dry-run"] if dry_run else []), "--", "--chat-template", "t.jinja")
+    proc = qbuild("serve", str(bundle), *(["--dry-run"] if dry_run else []), "--", "--chat-template", "t.jinja",
+                  "--api-key", "sekrit-2")
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert proc.stderr.strip() == (
         f"error: {bundle}: a neuron VL bundle is served by qbuild's own server, which takes no arguments after `--` "
-        "(given: --chat-template t.jinja); pass --server vllm to serve it with vLLM (text only), which takes them")
+        "(given: --chat-template, --api-key); pass --server vllm to serve it with vLLM (text only), which takes them")
     vllm = qbuild("serve", str(bundle), "--dry-run", "--json", "--server", "vllm", "--", "--chat-template", "t.jinja")
     assert vllm.returncode == 0, vllm.stderr
     assert json.loads(vllm.stdout)["command"][-2:] == ["--chat-template", "t.jinja"]
@@ -412,15 +413,19 @@ import torch
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from qbuild.backends.neuron.vl_runtime import NeuronVLRuntime
+from qbuild.core.errors import UserError
 runtime = NeuronVLRuntime.load(Path(sys.argv[1]))
 vocab = runtime.vl.text_model.config.vocab_size
 short = runtime.encode("Hello there")
-prompts = {"short": short, "fills 32": (short * 32)[:32]}
-out = {"vocab": vocab}
+prompts = {"short": short, "32": (short * 32)[:32], "128": (short * 128)[:128]}
+out = {"vocab": vocab, "max_prompt_tokens": runtime.max_prompt_tokens}
 for name, ids in prompts.items():
     port = runtime.vl.generate(input_ids=torch.tensor([ids]), max_new_tokens=1, temperature=0.0)
-    served = runtime.generate(ids, 1)
-    out[name] = {"ids": ids, "port": int(port[0, -1]), "served": served.token_ids[0]}
+    try:
+        served = runtime.generate(ids, 1).token_ids[0]
+    except UserError as e:
+        served = str(e)
+    out[name] = {"ids": ids, "port": int(port[0, -1]), "served": served}
 print(json.dumps(out))
 """
 
@@ -431,8 +436,9 @@ def test_a_text_chat_keeps_its_last_prompt_token_on_a_graph_traced_with_vision_i
     every slot is the unpadded prompt's last position (modeling_qwen35.py L7650, L7666-7675 @ 4bcdc54), so the
     graph's scatter zeroes that token's embedding (L5688): the double records it and the token adds nothing. qbuild's
     runtime gives the context encoding the image path's padding inputs instead, which land on the bucket's last,
-    padding, slot: nothing is overwritten and the first token is the whole prompt's. A prompt that fills its bucket
-    (32 tokens, the 32 bucket) has its last token in that slot: overwritten either way (docs/vision.md section 8)."""
+    padding, slot: nothing is overwritten and the first token is the whole prompt's. A prompt as long as the 32
+    bucket runs in the 128 one (NxDI's strict first fit), so it loses nothing; one as long as the largest bucket (128)
+    has its last token in that slot whatever the inputs, so the runtime refuses it (docs/vision.md section 8)."""
     build, bundle, _ = vl
     record = json.loads((bundle / "qbuild-neuron.json").read_text())
     log = tmp_path / "text.jsonl"
@@ -442,16 +448,18 @@ def test_a_text_chat_keeps_its_last_prompt_token_on_a_graph_traced_with_vision_i
                           text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    vocab, short, full = out["vocab"], out["short"], out["fills 32"]
+    vocab, short, at32, at128 = out["vocab"], out["short"], out["32"], out["128"]
     contexts = [c for c in read_log(log) if c["call"] == "context_inputs"]
     n = len(short["ids"])
-    assert n < 32 and len(full["ids"]) == 32
-    # The port's own text path, the runtime's, then both again for the prompt that fills its bucket.
+    assert n < 32 and len(at32["ids"]) == 32 and len(at128["ids"]) == 128 and out["max_prompt_tokens"] == 127
+    # Per prompt, the port's own text path, then the runtime's (none for the prompt it refuses).
     assert [(c["bucket"], c["image_tokens"], c["overwritten"]) for c in contexts] == [
-        (32, 0, [n - 1]), (32, 0, []), (32, 0, [31]), (32, 0, [31])]
-    assert short["port"] == (sum(short["ids"]) - short["ids"][-1]) % vocab
-    assert short["served"] == sum(short["ids"]) % vocab != short["port"]
-    assert full["port"] == full["served"] == (sum(full["ids"]) - full["ids"][-1]) % vocab
+        (32, 0, [n - 1]), (32, 0, []), (128, 0, [31]), (128, 0, []), (128, 0, [127])]
+    for prompt, last in ((short, n - 1), (at32, 31)):
+        assert prompt["port"] == (sum(prompt["ids"]) - prompt["ids"][last]) % vocab
+        assert prompt["served"] == sum(prompt["ids"]) % vocab != prompt["port"]
+    assert at128["port"] == (sum(at128["ids"]) - at128["ids"][127]) % vocab
+    assert at128["served"].startswith("the prompt has 128 tokens, as many as the largest context-encoding bucket")
     assert contexts[1]["inputs"] == {"vision_embeddings": {"shape": [1, 32, 64], "dtype": "bfloat16"},
                                      "vision_mask": {"shape": [1, 32, 1], "dtype": "int32"},
                                      "mrope_position_ids": {"shape": [3, 1, 32], "dtype": "int32"}}
@@ -526,9 +534,29 @@ def test_a_config_rebuilt_otherwise_than_compiled_is_refused_before_load(vl, tmp
     was = saved["neuron_config"].get(field.split(".")[-1]) if field.startswith("neuron_config.") else saved[field]
     assert line == (f"UserError: {copy / 'neuron_config.json'}: {field} is {json.dumps(was)} there, and "
                     f"{rebuilt} in the config this qbuild builds from qbuild-neuron.json: the bundle was compiled by "
-                    "a qbuild that builds it otherwise; serve it with that qbuild, or build it again"), line
+                    "a qbuild or Neuron SDK that builds it otherwise; serve it with those, or build it again"), line
     assert compiled is None or json.dumps(was) == compiled
     assert not [c for c in read_log(log) if c["call"] == "load"]
+
+
+@pytest.mark.slow
+def test_a_field_the_saved_sampling_config_lacks_is_not_a_difference(vl, tmp_path):
+    """A bundle compiled where NxDI's OnDeviceSamplingConfig had fewer fields (sampling_dp_degree came with SDK 2.28)
+    and served where it has more loads: the fields both configs hold are compared, and they agree."""
+    build, bundle, _ = vl
+    copy = Path(shutil.copytree(bundle, tmp_path / "copy"))
+    saved = json.loads((copy / "neuron_config.json").read_text())
+    sampling = saved["neuron_config"]["on_device_sampling_config"]
+    del sampling["sampling_dp_degree"]
+    (copy / "neuron_config.json").unlink()
+    (copy / "neuron_config.json").write_text(json.dumps(saved))
+    record = json.loads((copy / "qbuild-neuron.json").read_text())
+    env = dict(os.environ, **build.env(log=tmp_path / "load.jsonl"), **record["config"]["env"])
+    env["PYTHONPATH"] = os.pathsep.join((env["PYTHONPATH"], str(REPO)))
+    proc = subprocess.run([sys.executable, "-c", _LOAD, str(copy), str(copy / "port")], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "loaded", proc.stdout
 
 
 # --- on a Trainium host ----------------------------------------------------------------------------------------

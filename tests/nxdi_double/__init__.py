@@ -92,14 +92,15 @@ def port_repository(dest: Path) -> PortRepository:
 
 
 def replicated_deltanet_port(dest: Path) -> Path:
-    """A fake of the Qwen3.5-27B port (PR 128 @ 550e2ab) at `dest`: the main port with its DeltaNet replicated."""
-    return _main_port_with(dest, "modeling_qwen35.py", "TENSOR_PARALLEL_DELTANET")
+    """A fake of the Qwen3.5-27B port (PR 128 @ 550e2ab) at `dest`: the main port with its DeltaNet replicated and
+    no use_text_only_cte_inputs (its context encoding always takes vision inputs)."""
+    return _main_port_with(dest, "modeling_qwen35.py", TENSOR_PARALLEL_DELTANET=False, TEXT_ONLY_CTE_SWITCH=False)
 
 
 def pr173_port(dest: Path) -> Path:
     """A fake of the Qwen3.6-27B port (PR 173 @ 03db3ef) at `dest`: the main port importing the functions of NxDI's
     modules/async_execution.py that only that PR's tree has (modeling_qwen35.py L47-52)."""
-    return _main_port_with(dest, "modeling_qwen35.py", "IMPORTS_PR173_NXDI", True)
+    return _main_port_with(dest, "modeling_qwen35.py", IMPORTS_PR173_NXDI=True)
 
 
 def nxdi_tree(dest: Path) -> Path:
@@ -115,16 +116,18 @@ def nxdi_tree(dest: Path) -> Path:
 def vision_tp_port(dest: Path) -> Path:
     """A fake of the Qwen3.5-2B port (NxDI main @ 4bcdc54) at `dest`: the main port whose vision wrapper also loads
     TP-sharded encoders (modeling_qwen35_vision.py:75-92, 455-485), which the 35B-A3B port's does not."""
-    return _main_port_with(dest, "modeling_qwen35_vision.py", "TP_VISION_BUCKETS", True)
+    return _main_port_with(dest, "modeling_qwen35_vision.py", TP_VISION_BUCKETS=True)
 
 
-def _main_port_with(dest: Path, module_file: str, flag: str, value: bool = False) -> Path:
-    """A copy of the fake main port at `dest` with the module-level `flag` of src/`module_file` set to `value`."""
+def _main_port_with(dest: Path, module_file: str, **flags: bool) -> Path:
+    """A copy of the fake main port at `dest` with each module-level flag of src/`module_file` set to its value."""
     shutil.copytree(MAIN_PORT, dest, ignore=shutil.ignore_patterns("__pycache__"))
     module = dest / "src" / module_file
     source = module.read_text()
-    assert f"{flag} = {not value}" in source
-    module.write_text(source.replace(f"{flag} = {not value}", f"{flag} = {value}"))
+    for flag, value in flags.items():
+        assert f"\n{flag} = {not value}\n" in source
+        source = source.replace(f"\n{flag} = {not value}\n", f"\n{flag} = {value}\n")
+    module.write_text(source)
     return dest
 
 

@@ -207,7 +207,8 @@ def verify_request(params: NeuronTextCompile, bundle: Path, port: Path, prompts:
     lineage = LINEAGES[params.lineage]
     return {"port": str(lineage.module_dir(port)), "module": lineage.text_module, "app_class": lineage.app_class,
             "bundle": str(bundle), "prompts": prompts, "new_tokens": new_tokens,
-            "pad_token_id": params.pad_token_id or 0, "logits": str(logits)}
+            "pad_token_id": params.pad_token_id or 0, "logits": str(logits),
+            "text_prompt_dummy": lineage.text_prompt_dummy}
 
 
 def write_record(out: Path, doc: dict, name: str = QBUILD_RECORD) -> None:

@@ -44,6 +44,13 @@ class Lineage:
     import_root: str                 # "." (the port directory) or "src" (the port's src/ directory)
     compiler_args: tuple[str, ...]
     shard_layout: str                # the shard layout (qbuild.backends.shard_layout) of the files NxD writes for it
+    # When the port's text model, handed no llava_args for a prompt's context encoding, writes a zero row at the
+    # unpadded prompt's last token (docs/vision.md section 8): "switch" where use_text_only_cte_inputs is False (the
+    # main ports: 2B modeling_qwen35.py L7650, L7666-7675 @ 4bcdc54, the graph traced with vision inputs only then,
+    # L7055), "always" (the Qwen3.5-27B port has no such switch: input_generator L2040-2085 traces them, and
+    # _get_model_outputs L2317-2328 builds the dummy, which pad_inputs keeps, L2162-2182 @ 550e2ab), "never" (the
+    # Coder-Next port's pad_inputs moves a zero dummy's every slot to the bucket's last, L3019-3075 @ 753c7f5).
+    text_prompt_dummy: str
 
     def module_dir(self, port_dir: Path) -> Path:
         """The directory that goes on sys.path so that `text_module` imports as the port expects."""
@@ -59,12 +66,12 @@ class Lineage:
 # imports, so the port's src/ goes on sys.path. No aws-neuron ref has a `modeling_qwen3_next` module.
 LINEAGES: dict[LineageName, Lineage] = {
     "main": Lineage("main", "src.modeling_qwen35", "NeuronQwen35ForCausalLM", "Qwen35InferenceConfig",
-                    "src.modeling_qwen35_vision", ".", _MAIN_ARGS, "nxd-main"),
+                    "src.modeling_qwen35_vision", ".", _MAIN_ARGS, "nxd-main", "switch"),
     "main-replicated": Lineage("main-replicated", "src.modeling_qwen35", "NeuronQwen35ForCausalLM",
                                "Qwen35InferenceConfig", "src.modeling_qwen35_vision", ".", _MAIN_ARGS,
-                               "nxd-main-replicated"),
+                               "nxd-main-replicated", "always"),
     "moe": Lineage("moe", "modeling_qwen35_moe", "NeuronQwen35MoeForCausalLM", "Qwen35MoeInferenceConfig",
-                   None, "src", _MOE_ARGS, "nxd-moe"),
+                   None, "src", _MOE_ARGS, "nxd-moe", "never"),
 }
 
 # The lineages whose public port serves each family (models.md), the default first: the moe lineage's module is

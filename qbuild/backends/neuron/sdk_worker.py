@@ -68,9 +68,10 @@ def text_config(module, cfg: dict, kwargs: dict):
     return getattr(module, cfg["config_class"])(neuron_config=nc, **kwargs)
 
 
-def padding_slot_vision_inputs(config, batch: int) -> list | None:
-    """The llava_args of a text-only prompt's context encoding where the graph was traced with vision inputs
-    (`use_text_only_cte_inputs` False: the VL compiles), else None (the graph takes empty ones).
+def padding_slot_vision_inputs(config, batch: int, text_prompt_dummy: str) -> list | None:
+    """The llava_args of a text-only prompt's context encoding where the port would otherwise zero the prompt's last
+    token (`text_prompt_dummy`, ports.Lineage: "always", or "switch" with `use_text_only_cte_inputs` False, the main
+    ports' VL compiles), else None (the graph takes empty ones, or the port moves its dummy to a padding slot itself).
 
     Passed no llava_args, the port's `_get_model_outputs` builds zero embeddings and a mask whose every slot is
     `seq_len - 1` of the unpadded prompt (2B modeling_qwen35.py L7650, L7666-7675 @ 4bcdc54: NxDI pads later, in the
@@ -84,7 +85,7 @@ def padding_slot_vision_inputs(config, batch: int) -> list | None:
     bucket, whose last token is then overwritten whatever the mask (docs/vision.md section 8)."""
     import torch
 
-    if getattr(config, "use_text_only_cte_inputs", True):
+    if text_prompt_dummy == "never" or (text_prompt_dummy == "switch" and config.use_text_only_cte_inputs):
         return None
     nc = config.neuron_config
     return [torch.zeros((batch, nc.seq_len, config.hidden_size), dtype=nc.torch_dtype),
@@ -97,20 +98,20 @@ def is_prefill(input_ids, position_ids) -> bool:
     return input_ids.shape[-1] > 1 or int(position_ids.min()) == 0
 
 
-def prefill_text_at_padding_slot(app) -> None:
+def prefill_text_at_padding_slot(app, text_prompt_dummy: str) -> None:
     """Make `app`'s forward give a text-only context encoding the vision inputs of padding_slot_vision_inputs, where
     its graph takes vision inputs. NxDI's generation adapter calls the model's forward with `llava_args` None
     (get_required_kwargs, hf_adapter.py L329-332 @ ef2731e), and passing them to generate would hand them to every
     decode as well, whose graph takes empty ones; the adapter binds `forward` when it is built (L131), so this runs
     before it is."""
-    if padding_slot_vision_inputs(app.config, 1) is None:
+    if padding_slot_vision_inputs(app.config, 1, text_prompt_dummy) is None:
         return
     forward = app.forward
 
     def forward_with_vision_inputs(*args, **kwargs):
         ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
         if not kwargs.get("llava_args") and ids is not None and positions is not None and is_prefill(ids, positions):
-            kwargs["llava_args"] = padding_slot_vision_inputs(app.config, ids.shape[0])
+            kwargs["llava_args"] = padding_slot_vision_inputs(app.config, ids.shape[0], text_prompt_dummy)
         return forward(*args, **kwargs)
 
     app.forward = forward_with_vision_inputs
@@ -232,8 +233,9 @@ def verify(req: dict) -> dict:
     check reads them (utils/accuracy.py @ 4bcdc54), and are written beside the result. With it the compiled graphs
     return the chosen token and no logits, so generate's scores stay empty (utils/hf_adapter.py L202-230 @ ef2731e:
     outputs.logits is None, the token is outputs.tokens) and only the tokens come back (docs/nxdi.md section 21).
-    A VL bundle's text model takes vision inputs at context encoding; the prompts, which have no image, are given the
-    padding ones (prefill_text_at_padding_slot), so that the port does not zero their last token.
+    Where the port's text model would zero a text prompt's last token (a VL bundle of the main ports, any bundle of
+    the Qwen3.5-27B port: ports.Lineage.text_prompt_dummy), the prompts are given the image path's padding inputs
+    (prefill_text_at_padding_slot), so that verify checks the compiled model on the whole prompt.
     """
     import torch
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter
@@ -244,7 +246,7 @@ def verify(req: dict) -> dict:
     app = getattr(module, req["app_class"])(req["bundle"])
     app.load(req["bundle"])
     on_device = app.neuron_config.on_device_sampling_config is not None
-    prefill_text_at_padding_slot(app)
+    prefill_text_at_padding_slot(app, req["text_prompt_dummy"])
     adapter = HuggingFaceGenerationAdapter(app)
     n = req["new_tokens"]
     # top_k 1 is what the ports' scripts generate with; it reaches the compiled sampler as its sampling params

@@ -111,9 +111,11 @@ class Images:
 
 
 class NeuronVLRuntime(PromptRules):
-    def __init__(self, root: Path, config: dict, tokenizer, arch, cte: list[int], tkg: list[int], vl, images: Images):
+    def __init__(self, root: Path, config: dict, tokenizer, arch, cte: list[int], tkg: list[int], vl, images: Images,
+                 text_prompt_dummy: str):
         self.root, self.config, self.tokenizer, self.arch = root, config, tokenizer, arch
         self.cte, self.tkg, self.vl, self.vision = cte, tkg, vl, images
+        self.text_prompt_dummy = text_prompt_dummy
 
     @classmethod
     def load(cls, bundle: Path) -> "NeuronVLRuntime":
@@ -147,10 +149,25 @@ class NeuronVLRuntime(PromptRules):
         check_host_weights(bundle, vl.vision_model_wrapper)
         return cls(bundle, config, AutoTokenizer.from_pretrained(str(bundle)), arch_from_config(config),
                    sorted(params.cte_buckets), sorted(params.tkg_buckets), vl,
-                   Images(bundle, config["vision_config"], vision["buckets"]))
+                   Images(bundle, config["vision_config"], vision["buckets"]),
+                   LINEAGES[cfg["lineage"]].text_prompt_dummy)
 
     def prepare_image(self, image, label: str | None = None):
         return self.vision.prepare(image, label)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The largest context-encoding bucket less one token: a prompt of its whole length has its last token in the
+        slot every padding row of the vision inputs is written to, and loses its embedding, with or without an image
+        (docs/vision.md section 8)."""
+        return self.cte[-1] - 1
+
+    def check_prompt(self, n: int) -> int:
+        if n == self.cte[-1]:
+            raise UserError(f"the prompt has {n} tokens, as many as the largest context-encoding bucket of this "
+                            f"bundle, where the port's text model overwrites the last one's embedding (docs/vision.md "
+                            f"section 8); send at most {n - 1}")
+        return super().check_prompt(n)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, *, prepared=None,
                  on_token: Callable[[int], bool | None] | None = None) -> VLGeneration:
@@ -167,7 +184,8 @@ class NeuronVLRuntime(PromptRules):
         # last token on a graph traced with vision inputs; the image path's padding convention sends that scatter
         # to a padding slot (sdk_worker.padding_slot_vision_inputs, docs/vision.md section 8).
         watch = TokenWatch(self.vl.text_model, on_token,
-                           padding_slot_vision_inputs(self.vl.text_model.config, 1) if prepared is None else None)
+                           padding_slot_vision_inputs(self.vl.text_model.config, 1, self.text_prompt_dummy)
+                           if prepared is None else None)
         self.vl.text_model = watch
         try:
             out = self.vl.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
@@ -210,10 +228,13 @@ def check_compiled_config(bundle: Path, text) -> None:
         for key in keys:
             was = was.get(key) if isinstance(was, dict) else None
             now = now.get(key) if isinstance(now, dict) else None
+        if isinstance(was, dict) and isinstance(now, dict):
+            # SDK releases add fields (OnDeviceSamplingConfig.sampling_dp_degree from 2.28): those both know decide.
+            was, now = ({k: d[k] for k in sorted(was.keys() & now.keys())} for d in (was, now))
         if was != now:
             raise UserError(f"{path}: {'.'.join(keys)} is {json.dumps(was)} there, and {json.dumps(now)} in the config "
-                            f"this qbuild builds from {QBUILD_RECORD}: the bundle was compiled by a qbuild that builds "
-                            "it otherwise; serve it with that qbuild, or build it again")
+                            f"this qbuild builds from {QBUILD_RECORD}: the bundle was compiled by a qbuild or Neuron "
+                            "SDK that builds it otherwise; serve it with those, or build it again")
 
 
 def vl_config(vl_module, text, config: dict):

@@ -50,6 +50,14 @@ if IMPORTS_PR173_NXDI:
 # nn.Parameter whole on every rank (L258-281) and a dense MLP in every layer (L1427);
 # tests.nxdi_double.replicated_deltanet_port() writes that copy.
 TENSOR_PARALLEL_DELTANET = True
+# Nor has that port use_text_only_cte_inputs: every context encoding is traced with vision inputs (input_generator
+# L2040-2085 @ 550e2ab) and a text-only prompt gets the dummy at its last token (_get_model_outputs L2317-2328).
+TEXT_ONLY_CTE_SWITCH = True
+
+
+def _text_only_cte(config) -> bool:
+    """Whether the context encoding was traced without vision inputs (empty tensors in their place)."""
+    return TEXT_ONLY_CTE_SWITCH and config.use_text_only_cte_inputs
 
 
 class Qwen35InferenceConfig(InferenceConfig):
@@ -62,7 +70,8 @@ class Qwen35InferenceConfig(InferenceConfig):
             kwargs.setdefault("num_local_experts", kwargs.get("num_experts"))
             kwargs.setdefault("n_shared_experts", 1)
             kwargs.setdefault("intermediate_size", kwargs.get("moe_intermediate_size"))
-        kwargs.setdefault("use_text_only_cte_inputs", True)   # l.2324
+        if TEXT_ONLY_CTE_SWITCH:
+            kwargs.setdefault("use_text_only_cte_inputs", True)   # l.2324
         _hybrid_defaults(kwargs)
         super().__init__(neuron_config, fused_spec_config=fused_spec_config, load_config=load_config,
                          metadata=metadata, **kwargs)
@@ -252,12 +261,13 @@ class NeuronQwen35Model:
             raise ValueError(f"QWEN36_DELTANET_CHUNK_SIZE={chunk} with QWEN36_DELTANET_CTE_IMPL={cte_impl}")
         cte = tag == CONTEXT_ENCODING_MODEL_TAG
         multihead = os.environ.get("QWEN36_DELTANET_MULTIHEAD_CTE", "1") != "0"   # l.1223
-        vision = cte and not config.use_text_only_cte_inputs
+        vision = cte and not _text_only_cte(config)
         # The double is stricter than the port here: the port traces the fused multi-head DeltaNet prefill for image
         # features too, and the bundle then answers images with degenerate text (2B README "Vision": "numerically
         # unstable on real vision embeddings"; run_vl_smoke.py:37-42 sets both switches for that). The double cannot
         # compute, so it refuses the trace.
-        if vision and (cte_impl not in ("legacy", "legacy_direct", "direct") or multihead):
+        # (The Qwen3.5-27B port has neither these switches nor the fused prefill: its vision inputs need none.)
+        if vision and TEXT_ONLY_CTE_SWITCH and (cte_impl not in ("legacy", "legacy_direct", "direct") or multihead):
             multihead_env = os.environ.get("QWEN36_DELTANET_MULTIHEAD_CTE")
             raise ValueError(f"context encoding traced with vision inputs and QWEN36_DELTANET_CTE_IMPL={cte_impl}, "
                              f"QWEN36_DELTANET_MULTIHEAD_CTE={multihead_env}: the fused DeltaNet prefill degenerates "
@@ -405,7 +415,7 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):   # l.7491
         from neuronx_distributed_inference._double import record
 
         n, ids = input_ids.shape[1], input_ids[0].tolist()
-        if not llava_args and self.config.use_text_only_cte_inputs:
+        if not llava_args and _text_only_cte(self.config):
             record("context_inputs", bucket=bucket, image_tokens=0, overwritten=[])
             return 0, int(position_ids.max()) + 1
         if not llava_args:
@@ -413,7 +423,7 @@ class NeuronQwen35ForCausalLM(NeuronBaseForCausalLM):   # l.7491
             overwritten = sorted({n - 1} | ({bucket - 1} if bucket - 1 < n else set()))
             record("context_inputs", bucket=bucket, image_tokens=0, overwritten=overwritten, dummy=True)
             return -sum(ids[p] for p in overwritten), int(position_ids.max()) + 1
-        if self.config.use_text_only_cte_inputs:
+        if _text_only_cte(self.config):
             raise RuntimeError("image features for a context encoding traced without them "
                                "(use_text_only_cte_inputs=True): its graph takes empty vision inputs")
         if len(llava_args) not in (2, 3):

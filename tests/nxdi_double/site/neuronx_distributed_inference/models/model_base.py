@@ -143,7 +143,10 @@ class NeuronBaseForCausalLM(NeuronApplicationBase):
         buckets = next(s.buckets for s in self.submodels if s.tag == CONTEXT_ENCODING_MODEL_TAG)
         if n > max(buckets):
             raise ValueError(f"forward: a {n}-token prompt exceeds the largest context-encoding bucket {max(buckets)}")
-        bucket = min(b for b in buckets if b >= n)
+        # NxDI's first fit is strict: the first bucket longer than the prompt, the largest only for a prompt of its
+        # length (model_wrapper.py _get_seq_bucket L911, L916 @ ef2731e): a prompt of a smaller bucket's length runs
+        # in the next one.
+        bucket = next((b for b in sorted(buckets) if n < b), max(buckets))
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise ValueError("forward: attention_mask must have input_ids' shape")
         features, next_position = self.context_inputs(input_ids, position_ids, llava_args, bucket)
