@@ -397,12 +397,13 @@ def test_dry_run_of_a_cpu_bundle_names_the_server_and_its_limits(tmp_path):
     text = qbuild("serve", str(bundle), "--dry-run", check=True).stdout
     assert "# server: qbuild" in text and "# url: http://127.0.0.1:8000/v1" in text
     # Arguments after `--` are for a server another program runs (vLLM); qbuild's own takes none, and says so.
+    # The refusal names the options, never their values (a key among them).
     for dry in (["--dry-run"], []):
-        proc = qbuild("serve", str(bundle), *dry, "--", "--chat-template", "t.jinja")
+        proc = qbuild("serve", str(bundle), *dry, "--", "--chat-template", "t.jinja", "--api-key=sekrit-1")
         assert proc.returncode == 2 and proc.stdout == "", proc
         assert proc.stderr.strip().splitlines() == [
             f"error: {bundle}: the inductor bundle is served by qbuild's own server, which takes no arguments after "
-            "`--` (given: --chat-template t.jinja)"], proc.stderr
+            "`--` (given: --chat-template, --api-key)"], proc.stderr
     # vLLM runs neuron bundles only.
     proc = qbuild("serve", str(bundle), "--dry-run", "--server", "vllm")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [

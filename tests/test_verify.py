@@ -55,8 +55,21 @@ def test_a_bundle_of_tokens_only_is_held_to_its_tokens_and_its_first_token():
     assert _line(right).endswith("tokens 3/3, logit gate not applied (tokens only)")
     wrong = compare(0, _record(greedy=(7, 2, 3)), None, ref, [6, 2, 3])
     assert wrong.top1 == 0.0 and wrong.first_mismatch == 0
-    assert [m.split(" <")[0] for m in failures([wrong], THRESHOLDS)] == ["top-1 agreement 0.0000",
+    assert [m.split(" <")[0] for m in failures([wrong], THRESHOLDS)] == ["first-token top-1 agreement 0.0000",
                                                                           "greedy token match 0.6667"]
+    assert _line(wrong).startswith("[0] 'prompt': first-token top1 0, tokens 2/3, first mismatch at token 0")
+
+
+def test_a_tokens_only_bundles_first_tokens_count_one_per_prompt():
+    """A tokens-only bundle's top-1 is one comparison per prompt, its first token: a long prompt counts as one, so
+    four short prompts whose first token is wrong fail the gate beside one long prompt that is right (weighted by
+    prompt length, 400 right positions of 440 would pass 0.9)."""
+    ref = torch.zeros(1, 10)
+    ref[0, 7] = 1.0
+    right = compare(0, _record(n=400, greedy=(7, 2, 3, 4, 5)), None, ref, [7, 2, 3, 4, 5])
+    wrong = [compare(i, _record(n=10, greedy=(7, 2, 3, 4, 5)), None, ref, [6, 2, 3, 4, 5]) for i in range(1, 5)]
+    msgs = failures([right, *wrong], VerifyParams(top1_min=0.9, token_match_min=0.6, max_logit_err=1e-3))
+    assert msgs == ["first-token top-1 agreement 0.2000 < top1_min 0.9"]
 
 
 def test_shipped_golden_prompts_are_pinned():
@@ -185,7 +198,7 @@ def test_the_report_says_the_logit_gate_was_not_applied_to_a_bundle_of_tokens_on
         assert report["ok"] is True and report["logit_gate"] == "not applied (tokens only)"
         assert logged[-1] == "1 prompt passed; logit gate not applied (tokens only)"
         greedy[0] = [1, 5]
-        with pytest.raises(BuildError, match=r"^verify failed: greedy token match 0.5000 < token_match_min 1.0; "
+        with pytest.raises(BuildError, match=r"^verify failed: greedy token match 0.5000 < token_match_min 1.0 \| "
                                              r"logit gate not applied \(tokens only\) \| per prompt: "):
             Verify.run(Context(VerifyParams(top1_min=0.0, token_match_min=1.0, max_logit_err=0.0),
                                {"bundle": bundle, "reference": ref, "port": tmp_path}, tmp_path / "out2",

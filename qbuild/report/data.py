@@ -235,14 +235,19 @@ def _read_blob(store: Store, entry: dict, remote: bool) -> dict | None:
 
 def summarize(report: dict) -> dict:
     """metric -> (value over every prompt, its threshold, whether it passes), as the verify step's gate computes them
-    (qbuild/steps/verify.py `failures`): top-1 weighted by prompt positions, token match averaged over
-    prompts, the largest logit error (None where the bundle returned tokens only: no logits, nothing checked)."""
+    (qbuild/steps/verify.py `failures`, whose functions it calls): top-1 weighted by the positions each prompt was
+    measured at, token match averaged over prompts, the largest logit error (None where the bundle returned tokens
+    only: no logits, nothing checked)."""
+    from dataclasses import fields
+
+    from qbuild.steps.verify import PromptReport, token_match, top1_agreement
+
     prompts, thresholds = report["prompts"], report.get("thresholds") or {}
     if not prompts:
         return {}
-    positions = sum(p["tokens"] for p in prompts)
-    top1 = sum(p["top1"] * p["tokens"] for p in prompts) / positions
-    match = sum(p["token_match"] for p in prompts) / len(prompts)
+    names = {f.name for f in fields(PromptReport)}
+    reports = [PromptReport(**{k: v for k, v in p.items() if k in names}) for p in prompts]
+    top1, match = top1_agreement(reports), token_match(reports)
     errs = [p["max_logit_err"] for p in prompts if p.get("max_logit_err") is not None]
     err = max(errs) if errs else None
     return {"top1": (top1, thresholds.get("top1_min"), _at_least(top1, thresholds.get("top1_min"))),

@@ -71,10 +71,25 @@ def compare(index: int, record: dict, logits, ref_logits, greedy: list[int]) -> 
                         sum(same) / len(ref), first, greedy, ref, nonfinite, ref_nonfinite)
 
 
+def _positions(r: PromptReport) -> int:
+    """How many positions a prompt's top-1 was measured at: each of its logits' rows, or, for a bundle that returns
+    tokens only, its first token alone."""
+    return 1 if r.max_logit_err is None else r.tokens
+
+
+def top1_agreement(reports: list[PromptReport]) -> float:
+    """Top-1 agreement over every prompt, each counted at the positions it was measured at: what top1_min gates."""
+    return sum(r.top1 * _positions(r) for r in reports) / sum(_positions(r) for r in reports)
+
+
+def token_match(reports: list[PromptReport]) -> float:
+    """Greedy token match averaged over the prompts: what token_match_min gates."""
+    return sum(r.token_match for r in reports) / len(reports)
+
+
 def failures(reports: list[PromptReport], thresholds: VerifyParams) -> list[str]:
-    positions = sum(r.tokens for r in reports)
-    top1 = sum(r.top1 * r.tokens for r in reports) / positions
-    match = sum(r.token_match for r in reports) / len(reports)
+    top1, match = top1_agreement(reports), token_match(reports)
+    what = "top-1 agreement" if any(r.max_logit_err is not None for r in reports) else "first-token top-1 agreement"
     errs = [r.max_logit_err for r in reports if r.max_logit_err is not None]
     out = []
     ref_bad = sum(r.ref_nonfinite for r in reports)
@@ -85,7 +100,7 @@ def failures(reports: list[PromptReport], thresholds: VerifyParams) -> list[str]
         out.append(f"{bad} of the bundle's prefill logits are NaN or infinite")
     # Written as `not (value within bound)` so that a NaN metric fails instead of passing every comparison.
     if not top1 >= thresholds.top1_min:
-        out.append(f"top-1 agreement {top1:.4f} < top1_min {thresholds.top1_min}")
+        out.append(f"{what} {top1:.4f} < top1_min {thresholds.top1_min}")
     if not match >= thresholds.token_match_min:
         out.append(f"greedy token match {match:.4f} < token_match_min {thresholds.token_match_min}")
     err = max(errs) if errs else None
@@ -104,7 +119,8 @@ def logit_gate(reports: list[PromptReport]) -> str:
 
 def _line(r: PromptReport) -> str:
     where = "" if r.first_mismatch is None else f", first mismatch at token {r.first_mismatch}"
-    return (f"[{r.index}] {r.text[:32]!r}{' +image' if r.image else ''}: top1 {r.top1:.3f}, tokens "
+    top1 = f"top1 {r.top1:.3f}" if r.max_logit_err is not None else f"first-token top1 {r.top1:.0f}"
+    return (f"[{r.index}] {r.text[:32]!r}{' +image' if r.image else ''}: {top1}, tokens "
             f"{round(r.token_match * len(r.reference))}/{len(r.reference)}{where}, "
             + (f"logit gate {NO_LOGITS}" if r.max_logit_err is None else f"max err {r.max_logit_err:.3g}"))
 
@@ -162,7 +178,7 @@ def _run(ctx: Context) -> None:
     doc = {"ok": not failed, "thresholds": asdict(thresholds), "failures": failed, "logit_gate": gate,
            "prompts": [asdict(r) for r in reports]}
     if failed:
-        raise BuildError("verify failed: " + "; ".join(failed + ([f"logit gate {gate}"] if gate == NO_LOGITS else []))
+        raise BuildError("verify failed: " + "; ".join(failed) + (f" | logit gate {gate}" if gate == NO_LOGITS else "")
                          + " | per prompt: " + " | ".join(map(_line, reports)))
     (ctx.out / "report.json").write_text(jsonio.dumps(doc, indent=1, sort_keys=True))
     for r in reports:

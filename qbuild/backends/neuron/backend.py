@@ -125,7 +125,9 @@ def ep_refusal(lineage: str, batch_size: int, arch: Arch) -> str:
     threshold model_utils.py L93 @ fbac349): below 1 it takes selective loading, which raises under an expert-parallel
     group; at 1 or more it takes forward_all_experts_EP. There, context encoding is what stays: the Coder-Next README
     says NxD's ExpertMLPsV2.forward must be patched to take its blockwise path for it under EP (L155 @ 753c7f5, for SDK
-    2.30), a patch no public port holds. The Coder-Next port's other decode path, NxD's fused TKG module, is built only
+    2.30, whose NxD source is unpublished), a patch no public port holds; NxD 2.28 and 2.29 take that EP-aware path
+    unpatched for a bucket of tokens x top_k >= max(experts, block size) (expert_mlps_v2.py L1484-1497 @ fbac349 and
+    73ab227), which no port ran, so the refusal stays a precaution there. The Coder-Next port's other decode path, NxD's fused TKG module, is built only
     where `moe_fused_nki_kernel_enabled` is set (its enable_moe_fused_nki_kernel, modeling_qwen35_moe.py L1105-1116
     @ 753c7f5), which neither qbuild nor the port's scripts set; NxD refuses that path's selective kernel under EP
     where it picks the kernel itself (moe_fused_tkg.py L228-231 @ 73ab227), and where the flag forces it, calls it
@@ -133,9 +135,11 @@ def ep_refusal(lineage: str, batch_size: int, arch: Arch) -> str:
     load = batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
     if load >= 1:
         return (f"no public code runs expert parallelism here: at batch_size x top_k / experts = {load:.3g} >= 1 "
-                "NxD decodes with its all-experts EP path, but context encoding under EP needs NxD's "
-                "ExpertMLPsV2.forward patched to its blockwise path (the Coder-Next README, L155), which no public "
-                "port holds (docs/nxdi.md section 14); use ep: 1")
+                "NxD decodes with its all-experts EP path, but no public port ran EP at such a batch, and the "
+                "Coder-Next README says context encoding under EP needs NxD's ExpertMLPsV2.forward patched to its "
+                "blockwise path (L155, for SDK 2.30, whose NxD is unpublished); NxD 2.28 and 2.29 take that path for "
+                "a bucket of tokens x top_k >= max(experts, block size), which nobody ran (docs/nxdi.md section 14); "
+                "use ep: 1")
     fused = (", and the port's fused TKG path is off (moe_fused_nki_kernel_enabled, which neither qbuild nor the "
              "port's scripts set) and has no EP selective kernel either") if lineage == "moe" else ""
     return (f"no public code decodes with expert parallelism here: at batch_size x top_k / experts = {load:.3g} < 1 "

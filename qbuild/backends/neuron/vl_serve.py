@@ -7,7 +7,8 @@ NxDI is imported, the port on PYTHONPATH; `--dry-run` prints that command and en
     python -m qbuild.backends.neuron.vl_serve BUNDLE --name NAME --host HOST --port PORT [--allow-image-urls]
 
 is the child: the API key, where one is set, reaches it as QBUILD_API_KEY, never on its command line, and the child
-removes it from its environment once read.
+removes it from the environment its own children inherit once read (its initial environment block, which
+/proc/<pid>/environ shows to the same user and root, keeps it for the child's life).
 """
 
 from __future__ import annotations

@@ -37,7 +37,10 @@ def images_served(buckets: list[int], allow_urls: bool) -> dict:
 def no_server_args(bundle: Path, what: str, server_args: tuple[str, ...], way_out: str = "") -> None:
     """Arguments after `--` are for a server another program runs; qbuild's own server takes none, and ignoring them
     would serve something other than what the user asked for. `what` names the bundle ("the export bundle");
-    `way_out`, where the bundle has another server that takes them, says how to ask for it."""
+    `way_out`, where the bundle has another server that takes them, says how to ask for it. The refusal names the
+    options given, never a value: vLLM's arguments carry its API key."""
     if server_args:
+        options = [a.split("=", 1)[0] for a in server_args if a.startswith("-")]
+        given = ", ".join(options) if options else f"{len(server_args)} arguments"
         raise UserError(f"{bundle}: {what} is served by qbuild's own server, which takes no arguments after `--` "
-                        f"(given: {' '.join(server_args)}){'; ' + way_out if way_out else ''}")
+                        f"(given: {given}){'; ' + way_out if way_out else ''}")
