@@ -82,7 +82,7 @@ def test_dry_run_shows_qbuilds_server_over_the_ports_vl_classes(vl):
     assert {k: doc["env"][k] for k in record["config"]["env"]} == record["config"]["env"]
     assert doc["env"]["PYTHONPATH"] == str(bundle / "port") and doc["env"]["QBUILD_API_KEY"] == "***"
     assert "sekrit" not in json.dumps(doc)
-    assert (doc["max_prompt_tokens"], doc["max_model_len"]) == (128, 256)
+    assert (doc["max_prompt_tokens"], doc["max_model_len"]) == (127, 256)
     assert doc["images"]["buckets"] == [16, 64] and doc["images"]["tiled_above"] == 64
     runtime = doc["runtime"]
     assert runtime["classes"].startswith("src.modeling_qwen35_vl.NeuronQwen35VLForCausalLM over "
@@ -284,7 +284,8 @@ def _shipped_vl_bundle(name: str, tmp_path: Path) -> tuple[Path, dict]:
 def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_classes(name, tp, tmp_path):
     """`qbuild serve --dry-run` of each shipped VL recipe's bundle layout: qbuild's server in a child process with the
     compile's environment, over the port's NeuronQwen35VLForCausalLM with the bundle's encoders (the 2B's over 4
-    ranks), prompts up to 8192 tokens, images tiled past 4096 patches, decode sampled on the device."""
+    ranks), prompts up to 8191 tokens (a prompt of the largest bucket's length would lose its last token), images
+    tiled past 4096 patches, decode sampled on the device."""
     bundle, text = _shipped_vl_bundle(name, tmp_path)
     proc = qbuild("serve", str(bundle), "--dry-run", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -292,7 +293,7 @@ def test_the_shipped_vl_recipes_are_served_by_qbuilds_server_over_the_ports_vl_c
     assert doc["server"] == "qbuild" and doc["command"][1:3] == ["-m", "qbuild.backends.neuron.vl_serve"]
     assert doc["env"].items() >= text["neuron_config"]["env"].items() and doc["env"]["PYTHONPATH"] == str(
         bundle / "port")
-    assert (doc["max_prompt_tokens"], doc["max_model_len"]) == (8192, 8192)
+    assert (doc["max_prompt_tokens"], doc["max_model_len"]) == (8191, 8192)
     assert doc["images"]["buckets"] == [1024, 4096] and doc["images"]["max_patches"] == 16384
     folder = "bucket_{}" if tp > 1 else "vision_encoder_{}.pt"
     assert doc["runtime"]["vision_encoders"] == {str(b): folder.format(b) for b in (1024, 4096)}

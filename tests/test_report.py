@@ -401,3 +401,24 @@ def test_an_unreadable_record_is_shown_as_absent_with_the_reason(tmp_path, conte
     record_path(lock).write_text(content)
     record, note = read_record(lock)
     assert record is None and note.startswith(f"{record_path(lock)}: ")
+
+
+def test_a_tokens_only_verify_is_summarized_by_its_first_tokens():
+    """A bundle that returns tokens only (on-device sampling): the report's top-1 counts each prompt's first token
+    once, as the verify gate does, so one long prompt that is right does not outweigh four short ones that are wrong,
+    and the page names the metric and the logit gate that was not applied."""
+    from qbuild.report.data import VerifyTable, summarize
+
+    def prompt(i: int, tokens: int, right: bool) -> dict:
+        return {"index": i, "text": "p", "image": False, "tokens": tokens, "top1": float(right), "max_logit_err": None,
+                "token_match": 1.0 if right else 0.6, "first_mismatch": None if right else 0,
+                "greedy": [7 if right else 6], "reference": [7]}
+
+    report = {"ok": False, "thresholds": {"top1_min": 0.9, "token_match_min": 0.6, "max_logit_err": 1e-3},
+              "prompts": [prompt(0, 400, True), *(prompt(i, 10, False) for i in range(1, 5))],
+              "logit_gate": "not applied (tokens only)"}
+    summary = summarize(report)
+    assert summary["top1"] == (pytest.approx(0.2), 0.9, False) and summary["max_logit_err"] == (None, 1e-3, None)
+    assert VerifyTable("r", "n", "verify r", report, "store").tokens_only
+    report["prompts"][0]["max_logit_err"] = 0.0
+    assert not VerifyTable("r", "n", "verify r", report, "store").tokens_only

@@ -399,11 +399,12 @@ def test_dry_run_of_a_cpu_bundle_names_the_server_and_its_limits(tmp_path):
     # Arguments after `--` are for a server another program runs (vLLM); qbuild's own takes none, and says so.
     # The refusal names the options, never their values (a key among them).
     for dry in (["--dry-run"], []):
-        proc = qbuild("serve", str(bundle), *dry, "--", "--chat-template", "t.jinja", "--api-key=sekrit-1")
+        proc = qbuild("serve", str(bundle), *dry, "--", "--chat-template", "t.jinja", "--api-key=sekrit-1",
+                      "--api-key", "--sekrit-2", "-k3y")
         assert proc.returncode == 2 and proc.stdout == "", proc
         assert proc.stderr.strip().splitlines() == [
             f"error: {bundle}: the inductor bundle is served by qbuild's own server, which takes no arguments after "
-            "`--` (given: --chat-template, --api-key)"], proc.stderr
+            "`--` (given: --chat-template, --api-key, --api-key)"], proc.stderr
     # vLLM runs neuron bundles only.
     proc = qbuild("serve", str(bundle), "--dry-run", "--server", "vllm")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [

@@ -54,6 +54,12 @@ class VerifyTable:
     problem: str | None = None     # why there is no report (the verify failed, or was not built)
     verdict: str = "not verified"  # "passed", "failed", or "not verified"
 
+    @property
+    def tokens_only(self) -> bool:
+        """The bundle returned tokens and no logits: its top-1 is its first token's, and no logit error gated it."""
+        return bool(self.report) and bool(self.report["prompts"]) and \
+            all(p.get("max_logit_err") is None for p in self.report["prompts"])
+
 
 @dataclass
 class BenchDoc:

@@ -127,11 +127,12 @@ def ep_refusal(lineage: str, batch_size: int, arch: Arch) -> str:
     says NxD's ExpertMLPsV2.forward must be patched to take its blockwise path for it under EP (L155 @ 753c7f5, for SDK
     2.30, whose NxD source is unpublished), a patch no public port holds; NxD 2.28 and 2.29 take that EP-aware path
     unpatched for a bucket of tokens x top_k >= max(experts, block size) (expert_mlps_v2.py L1484-1497 @ fbac349 and
-    73ab227), which no port ran, so the refusal stays a precaution there. The Coder-Next port's other decode path, NxD's fused TKG module, is built only
-    where `moe_fused_nki_kernel_enabled` is set (its enable_moe_fused_nki_kernel, modeling_qwen35_moe.py L1105-1116
-    @ 753c7f5), which neither qbuild nor the port's scripts set; NxD refuses that path's selective kernel under EP
-    where it picks the kernel itself (moe_fused_tkg.py L228-231 @ 73ab227), and where the flag forces it, calls it
-    without the rank's expert-parallel index (L477-483, L503-504 @ 73ab227; L336-363 @ fbac349)."""
+    73ab227), which no port ran, so the refusal stays a precaution there. The Coder-Next port's other decode path, NxD's
+    fused TKG module, is built only where `moe_fused_nki_kernel_enabled` is set (its enable_moe_fused_nki_kernel,
+    modeling_qwen35_moe.py L1105-1116 @ 753c7f5), which neither qbuild nor the port's scripts set; NxD refuses that
+    path's selective kernel under EP where it picks the kernel itself (moe_fused_tkg.py L228-231 @ 73ab227), and where
+    the flag forces it, calls it without the rank's expert-parallel index (L477-483, L503-504 @ 73ab227; L336-363 @
+    fbac349)."""
     load = batch_size * (arch.num_experts_per_tok or 0) / (arch.num_experts or 1)
     if load >= 1:
         return (f"no public code runs expert parallelism here: at batch_size x top_k / experts = {load:.3g} >= 1 "

@@ -46,8 +46,10 @@ class Lineage:
     shard_layout: str                # the shard layout (qbuild.backends.shard_layout) of the files NxD writes for it
     # When the port's text model, handed no llava_args for a prompt's context encoding, writes a zero row at the
     # unpadded prompt's last token (docs/vision.md section 8): "switch" where use_text_only_cte_inputs is False (the
-    # main ports: 2B modeling_qwen35.py L7650, L7666-7675 @ 4bcdc54, the graph traced with vision inputs only then,
-    # L7055), "always" (the Qwen3.5-27B port has no such switch: input_generator L2040-2085 traces them, and
+    # 4bcdc54 ports: 2B modeling_qwen35.py L7650, L7666-7675, the graph traced with vision inputs only then, 2B L6825,
+    # 35B-A3B L7055; the Qwen3.6-27B port of this lineage scatters them only where their length differs from the
+    # prompt's, L5724-5739 @ 03db3ef, and so never zeroes the token: the padding inputs, cut to the bucket, change
+    # nothing there), "always" (the Qwen3.5-27B port has no such switch: input_generator L2040-2085 traces them, and
     # _get_model_outputs L2317-2328 builds the dummy, which pad_inputs keeps, L2162-2182 @ 550e2ab), "never" (the
     # Coder-Next port's pad_inputs moves a zero dummy's every slot to the bucket's last, L3019-3075 @ 753c7f5).
     text_prompt_dummy: str

@@ -235,7 +235,9 @@ def verify(req: dict) -> dict:
     outputs.logits is None, the token is outputs.tokens) and only the tokens come back (docs/nxdi.md section 21).
     Where the port's text model would zero a text prompt's last token (a VL bundle of the main ports, any bundle of
     the Qwen3.5-27B port: ports.Lineage.text_prompt_dummy), the prompts are given the image path's padding inputs
-    (prefill_text_at_padding_slot), so that verify checks the compiled model on the whole prompt.
+    (prefill_text_at_padding_slot), so that verify checks the compiled model on the whole prompt (at batch 1: the
+    Qwen3.5-27B port's padding of a short batch zeroes row 0's last token whatever it is given, docs/vision.md
+    section 7).
     """
     import torch
     from neuronx_distributed_inference.utils.hf_adapter import HuggingFaceGenerationAdapter

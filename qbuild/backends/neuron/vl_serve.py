@@ -72,7 +72,9 @@ def serve_command(bundle: Path, manifest: dict, options: ServeOptions, python: s
     command = [python, "-m", ENTRY, str(bundle), "--name", options.name, "--host", options.host, "--port", str(port),
                *(["--allow-image-urls"] if options.allow_image_urls else [])]
     vision = json.loads((bundle / VISION_RECORD).read_text())
-    doc = server_doc(manifest["backend"], bundle, options.name, options.host, port, serve["max_prompt_length"],
+    # The largest context-encoding bucket less one token, as the runtime holds prompts to it
+    # (vl_runtime.NeuronVLRuntime.max_prompt_tokens; a VL bundle has no chunked prefill).
+    doc = server_doc(manifest["backend"], bundle, options.name, options.host, port, serve["max_prompt_length"] - 1,
                      serve["max_model_len"], vision["buckets"], options.allow_image_urls)
     doc["runtime"] = {"classes": f"{VL_MODULE}.{VL_CLASS} over {plugin['module']}.{plugin['app_class']} and "
                                  "src.modeling_qwen35_vision.NeuronQwen35VisionModelWrapper (the port's own)",

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from qbuild.backends.base import ServeOptions
 from qbuild.backends.neuron import long_context, nxdi_tree
-from qbuild.backends.neuron.package import VISION_RECORD, VLLM_DIR, VLLM_PLUGIN, VLLM_SERVE
+from qbuild.backends.neuron.package import VLLM_DIR, VLLM_PLUGIN, VLLM_SERVE
 from qbuild.backends.neuron.ports import LINEAGES
 from qbuild.backends.neuron.releases import GLUE_STACK, stack_matches
 from qbuild.backends.neuron.server_process import child_env, free_ports, run_children
@@ -36,13 +36,14 @@ _ALIASES = {"--tensor-parallel-size": ("-tp",), "--no-enable-prefix-caching": ("
             "--enable-prefix-caching": ("--no-enable-prefix-caching",),
             "--enable-chunked-prefill": ("--no-enable-chunked-prefill",)}
 _SECRET_FLAGS = ("--api-key",)
+# docs/vllm.md section 13: vLLM hands the port no image inputs for a text prompt, and a port whose every context
+# encoding takes them (ports.Lineage.text_prompt_dummy "always") then zeroes the prompt's last token's embedding.
+TEXT_PROMPT_NOTE = ("the port's text model zeroes the embedding of each prompt's last token under vLLM, which passes "
+                    "it no image inputs (docs/vllm.md section 13); qbuild's verify gave its prompts the padding "
+                    "inputs")
 # A bundle compiled with on-device sampling (do_sample off): vllm-neuron hands each request's sampling parameters to the
 # compiled sampler (model runner L1715-1750 @ 3afb0a9), whose argmax ignores them (NxDI modules/generation/sampling.py
 # L459-464 @ ef2731e), and its sampler output holds no logprobs (loader L542-552); docs/vllm.md section 12.
-# docs/vllm.md section 13: vLLM hands the port no image inputs for a text prompt, and these ports then zero the
-# prompt's last token's embedding at its context encoding.
-TEXT_PROMPT_NOTE = ("the port's text model zeroes the embedding of each prompt's last token under vLLM, which passes it "
-                    "no image inputs (docs/vllm.md section 13); qbuild's verify gave its prompts the padding inputs")
 ON_DEVICE_NOTE = ("the compiled graphs pick every token by argmax (do_sample off): a request's temperature, top_p and "
                   "top_k do not change the tokens, and vllm-neuron's sampler output holds no logprobs")
 
@@ -192,8 +193,7 @@ def serve_command(bundle: Path, manifest: dict, name: str, host: str, port: int,
                             "on_path": str(src) if src else None}
     if (serve.get("sampling") or {}).get("on_device"):
         doc["sampling"] = {**serve["sampling"], "note": ON_DEVICE_NOTE}
-    dummy = LINEAGES[serve["lineage"]].text_prompt_dummy
-    if dummy == "always" or (dummy == "switch" and (bundle / VISION_RECORD).exists()):
+    if LINEAGES[serve["lineage"]].text_prompt_dummy == "always":
         doc["text_prompts"] = TEXT_PROMPT_NOTE
     return doc
 

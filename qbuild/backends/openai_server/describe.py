@@ -3,6 +3,8 @@ serves), and the one refusal every such server makes before it starts."""
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 from qbuild.core.errors import UserError
@@ -40,7 +42,10 @@ def no_server_args(bundle: Path, what: str, server_args: tuple[str, ...], way_ou
     `way_out`, where the bundle has another server that takes them, says how to ask for it. The refusal names the
     options given, never a value: vLLM's arguments carry its API key."""
     if server_args:
-        options = [a.split("=", 1)[0] for a in server_args if a.startswith("-")]
+        names = [a.split("=", 1)[0] for a in server_args]
+        # An option's name only: not a value, nor the word after --api-key, whatever it looks like.
+        options = [n for before, n in zip([None, *server_args], names)
+                   if before != "--api-key" and re.fullmatch(r"--[A-Za-z][\w-]*", n)]
         given = ", ".join(options) if options else f"{len(server_args)} arguments"
         raise UserError(f"{bundle}: {what} is served by qbuild's own server, which takes no arguments after `--` "
                         f"(given: {given}){'; ' + way_out if way_out else ''}")
