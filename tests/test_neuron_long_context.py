@@ -10,6 +10,7 @@ refuses it as NxDI, the port, vLLM or vllm-neuron would.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
@@ -226,7 +227,7 @@ def _serve_printed(build: Build, doc: dict, log: Path) -> subprocess.Popen:
             return True
         try:
             return _get(_vllm_url(doc) + "/models") == 200
-        except OSError:
+        except (OSError, http.client.HTTPException):   # not listening yet (a poll may even connect to itself)
             return False
 
     wait_until(up, 240, "the printed vLLM command to answer or exit")

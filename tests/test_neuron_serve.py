@@ -719,3 +719,42 @@ def test_serve_a_tiny_neuron_bundle_with_vllm(small_checkpoints, tmp_path):
         out, err = server.communicate(timeout=300)
     assert server.returncode == 0, err[-4000:]
     _unchanged(bundle)
+
+
+_ECHO_THEN_ANSWER = """
+import pathlib, socket, sys
+sock = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+sock.settimeout(60)                     # a poller that never comes back: exit, failing the test
+pathlib.Path(sys.argv[2]).write_text("")
+conn, _ = sock.accept()                 # what a poll that connected to itself reads: its own request
+conn.sendall(conn.recv(65536))
+conn.close()
+conn, _ = sock.accept()                 # then the server answers
+conn.recv(65536)
+conn.sendall(b"HTTP/1.1 200 OK\\r\\nContent-Length: 2\\r\\nConnection: close\\r\\n\\r\\n{}")
+conn.close()
+"""
+
+
+def test_a_readiness_poll_that_reads_no_http_answer_polls_again(tmp_path):
+    """qbuild announces a server once its URL answers. A poll of a port nobody listens on yet, in the ephemeral range,
+    can be given that port as its own source port and connect to itself (Linux's TCP self-connect), reading back its
+    own request; here a listener plays that by echoing the first poll. The poll counts it as no answer and polls again,
+    and the server is announced once it answers. Before, the announcing thread died of the BadStatusLine and the
+    server was never announced."""
+    from qbuild.backends.base import ServeOptions
+    from qbuild.backends.neuron.server_process import _wait, free_ports
+
+    port = free_ports("127.0.0.1", 1)[0]
+    child = subprocess.Popen([sys.executable, "-c", _ECHO_THEN_ANSWER, str(port), str(tmp_path / "listening")])
+    try:
+        url = f"http://127.0.0.1:{port}/v1"
+        wait_until(lambda: child.poll() is not None or (tmp_path / "listening").exists(), 60, "the listener")
+        ready = []
+        _wait([child], [url], ServeOptions(name="m", host="127.0.0.1", port=port, log=lambda s: None,
+                                           on_ready=ready.append))
+        assert ready == [url] and child.returncode == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+

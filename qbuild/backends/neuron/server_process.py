@@ -4,6 +4,7 @@ and SIGTERM handed on, its URL announced once it answers, and the bundle checked
 
 from __future__ import annotations
 
+import http.client
 import os
 import subprocess
 from pathlib import Path
@@ -86,7 +87,9 @@ def _wait(children: list, urls: list[str], options: ServeOptions) -> bool:
                 return True
         except urllib.error.HTTPError:
             return True     # it answers (401 where an API key is set): the server listens once its model is loaded
-        except OSError:
+        except (OSError, http.client.HTTPException):
+            # Nobody listens yet; or, the port being in the ephemeral range, the poll's own socket was given it as its
+            # source port and connected to itself (Linux's TCP self-connect), so it read its own request back.
             return False
 
     def announce() -> None:
