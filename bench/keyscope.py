@@ -89,14 +89,33 @@ def table(pairs: dict[str, tuple]) -> dict[str, list[str]]:
         return out
 
 
+def default_recipes(root: Path, checkpoints: dict[str, Path] | None = None) -> list[Path]:
+    """The tiny and shipped recipes. The tiny ones name checkpoints under .qbuild/tiny, which `make demo` makes: they
+    are copied under `root`, whose .qbuild/tiny holds `checkpoints` (family -> directory), or tiny checkpoints made
+    there, so that a fresh clone plans them."""
+    from qbuild.model.families import FAMILIES
+    from qbuild.model.tinymodel import install_tiny_checkpoint
+
+    for folder in ("tiny", "bases"):
+        shutil.copytree(REPO / "recipes" / folder, root / "recipes" / folder)
+    (root / ".qbuild" / "tiny").mkdir(parents=True)
+    for family in FAMILIES:
+        where = root / ".qbuild" / "tiny" / family
+        if checkpoints is not None:
+            where.symlink_to(checkpoints[family])
+        else:
+            install_tiny_checkpoint(where, family)
+    return sorted((root / "recipes" / "tiny").glob("*.yaml")) + sorted((REPO / "recipes").glob("*.yaml"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="*", default=None, help="recipes to plan (default: the tiny and shipped ones)")
     ap.add_argument("--json", action="store_true", help="the table as JSON")
     args = ap.parse_args()
-    recipes = [Path(r) for r in args.recipes] if args.recipes else \
-        sorted((REPO / "recipes" / "tiny").glob("*.yaml")) + sorted((REPO / "recipes").glob("*.yaml"))
-    rekeyed = table(planned_pairs(recipes))
+    with tempfile.TemporaryDirectory() as tmp:
+        recipes = [Path(r) for r in args.recipes] if args.recipes else default_recipes(Path(tmp))
+        rekeyed = table(planned_pairs(recipes))
     if args.json:
         print(json.dumps(rekeyed, indent=1))
         return

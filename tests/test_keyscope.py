@@ -26,9 +26,10 @@ def _keyscope():
 
 
 @pytest.fixture(scope="module")
-def scope():
+def scope(tmp_path_factory, tiny_checkpoints):
+    """The tiny recipes planned over the suite's own tiny checkpoints (a fresh clone has no .qbuild/tiny)."""
     keyscope = _keyscope()
-    recipes = sorted((REPO / "recipes" / "tiny").glob("*.yaml")) + sorted((REPO / "recipes").glob("*.yaml"))
+    recipes = keyscope.default_recipes(tmp_path_factory.mktemp("keyscope"), tiny_checkpoints)
     pairs = keyscope.planned_pairs(recipes)
     return set(pairs), keyscope.table(pairs)
 
