@@ -293,11 +293,11 @@ def _with_serve(bundle: Path, dest: Path, **long_context) -> Path:
 
 
 def _free_port() -> int:
-    import socket
+    """A port as qbuild picks one for --port 0: below the ephemeral range, so that polling it before the server listens
+    cannot connect to itself (server_process.free_ports)."""
+    from qbuild.backends.neuron.server_process import free_ports
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports("127.0.0.1", 1)[0]
 
 
 # --- the NxDI tree the port imports from -----------------------------------------------------------------------

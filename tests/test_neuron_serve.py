@@ -758,3 +758,15 @@ def test_a_readiness_poll_that_reads_no_http_answer_polls_again(tmp_path):
         if child.poll() is None:
             child.kill()
 
+
+
+def test_ports_picked_for_a_server_lie_below_the_ephemeral_range():
+    """qbuild polls a port it picked before the server listens on it; below the kernel's ephemeral range no outgoing
+    connection is given that port as its source, so the poll cannot connect to itself and hold it."""
+    from qbuild.backends.neuron.server_process import EPHEMERAL_RANGE, LOWEST_PORT, free_ports
+
+    if not EPHEMERAL_RANGE.exists():
+        pytest.skip("no Linux ephemeral port range to stay below")
+    low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    ports = free_ports("127.0.0.1", 3)
+    assert len(set(ports)) == 3 and all(LOWEST_PORT <= p < low for p in ports), (ports, low)

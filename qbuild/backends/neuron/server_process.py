@@ -15,12 +15,27 @@ from qbuild.core.errors import InfraError, UserError
 READY_POLL_S = 1.0
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10000
+
+
 def free_ports(host: str, count: int) -> list[int]:
     """`count` distinct ports nothing listens on now, on `host` (the first) and loopback (the others), for --port 0:
     the server is told its port, so one is chosen before it starts. Each socket is held until all are chosen, so two
-    choices cannot meet."""
+    choices cannot meet.
+
+    They are taken below the kernel's ephemeral range where it is known (Linux), because qbuild polls the port before
+    the server listens: a connect() to a port of that range nobody listens on can be given that very port as its
+    source port and connect to itself (TCP self-connect), reading its own request back and holding the port, which the
+    server then cannot bind."""
+    import random
     import socket
 
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    candidates = random.sample(range(LOWEST_PORT, low), min(256, low - LOWEST_PORT)) if low > LOWEST_PORT else []
     sockets = []
     try:
         for i in range(count):
@@ -28,7 +43,14 @@ def free_ports(host: str, count: int) -> list[int]:
             family = socket.getaddrinfo(where, 0, type=socket.SOCK_STREAM)[0][0]
             sock = socket.socket(family, socket.SOCK_STREAM)
             sockets.append(sock)
-            sock.bind((where, 0))
+            while candidates:
+                try:
+                    sock.bind((where, candidates.pop()))
+                    break
+                except OSError:   # taken: try another
+                    continue
+            else:
+                sock.bind((where, 0))
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
