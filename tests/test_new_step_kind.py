@@ -124,3 +124,19 @@ def test_a_toy_step_kind_is_one_module_and_one_registry_line(project):
     toy.write_text(toy.read_text().replace('lines = [', 'lines = [] + ['))
     edited = _toy_node(root)
     assert {role for role, n in edited.items() if n["key"] != again[role]["key"]} == {"checksums"}
+
+
+def test_a_step_kind_without_run_kind_or_params_is_refused_where_it_is_defined():
+    """The base Step defines no run: a kind that forgets one (or its kind, or its params) is a TypeError as its module
+    is imported, naming what it lacks, not a failure when a node of it first runs."""
+    from qbuild.planning.step import Step
+
+    with pytest.raises(TypeError, match=r"^step kind .*NoRun does not set run$"):
+        class NoRun(Step):
+            kind = "no-run"
+            params = dict
+    with pytest.raises(TypeError, match=r"does not set kind, params$"):
+        class Bare(Step):
+            @classmethod
+            def run(cls, ctx) -> None:
+                pass

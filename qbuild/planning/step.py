@@ -91,7 +91,7 @@ class PlannedNode:
 
 
 class Step:
-    """A kind of build step (see the module docstring). Subclasses set the class attributes and override `run`, and
+    """A kind of build step (see the module docstring). Subclasses set the class attributes and define `run`, and
     `plan` where the step plans its own nodes rather than take those its recipe's backend plans."""
 
     kind: ClassVar[str]
@@ -117,7 +117,10 @@ class Step:
         planned (a compile per graph, a port)."""
         recipe.add_backend_nodes(cls)
 
-    @classmethod
-    def run(cls, ctx: Context) -> None:
-        """Build one node into ctx.out from its params and inputs."""
-        raise NotImplementedError(f"step kind {cls.kind} has no run")
+    # run(cls, ctx: Context) -> None, a classmethod every kind defines: build one node into ctx.out from its params
+    # and inputs. A kind without one, or without its kind and params, is refused where its class is defined.
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in ("kind", "params", "run") if not hasattr(cls, name)]
+        if missing:
+            raise TypeError(f"step kind {cls.__qualname__} does not set {', '.join(missing)}")
