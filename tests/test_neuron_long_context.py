@@ -220,7 +220,7 @@ def _vllm_url(doc: dict) -> str:
 def _serve_printed(build: Build, doc: dict, log: Path) -> subprocess.Popen:
     """The vLLM command `qbuild serve --dry-run` printed, started as printed; answered once it listens."""
     proc = subprocess.Popen(doc["command"], env=_double_env(build, doc, log), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=build.root)
+                            stderr=subprocess.PIPE, text=True, cwd=build.root, start_new_session=True)
 
     def up() -> bool:
         if proc.poll() is not None:
@@ -230,7 +230,11 @@ def _serve_printed(build: Build, doc: dict, log: Path) -> subprocess.Popen:
         except (OSError, http.client.HTTPException):   # not listening yet (a poll may even connect to itself)
             return False
 
-    wait_until(up, 240, "the printed vLLM command to answer or exit")
+    try:
+        wait_until(up, 240, "the printed vLLM command to answer or exit")
+    except AssertionError:   # a server that neither answers nor exits is not left behind, nor its engine process
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"the printed vLLM command did not answer in 240 s:\n{proc.communicate()[1][-3000:]}")
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     return proc
 

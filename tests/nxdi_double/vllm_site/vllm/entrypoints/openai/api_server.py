@@ -238,7 +238,11 @@ def serve_http(args, config, engine: Engine) -> None:
                 return self.reply(404, {"error": "not found"})
             self.reply(*prompt_answer(len(tokenizer(body.get("prompt", ""))["input_ids"]), config, engine))
 
-    server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), Handler)
+    try:
+        server = ThreadingHTTPServer((args.host or "0.0.0.0", args.port), Handler)
+    except OSError:   # the port is taken: exit as vLLM does, the engine process with it (else exit waits on it)
+        engine.stop()
+        raise
 
     def stop(signum, frame) -> None:
         raise KeyboardInterrupt
