@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.keyscope import modules as package_modules
 from qbuild import backends
 from qbuild.planning.closures import MACHINERY, Sources
 from qbuild.planning.keys import closure, code_hash
@@ -28,15 +29,6 @@ CODES = [(), *sorted({(backends.implementation_module(name),) for name in backen
          *sorted({(backends.layout_module(name),) for name in backends.LAYOUTS})]
 # (step, code): every step kind with every such code.
 PAIRS = [(step, code) for step in STEPS for code in CODES]
-
-
-def _modules(root: Path) -> dict[str, Path]:
-    out = {}
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root.parent).with_suffix("")
-        parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-        out[".".join(parts)] = path
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +69,7 @@ def test_every_module_edit_changes_exactly_the_keys_whose_closure_holds_it(tree)
     base = Sources({"qbuild": tree}, _facts=facts)
     before = _hashes(base)
     closures = {pair: {name for name, _ in closure(pair[0], pair[1], base).modules} for pair in PAIRS}
-    modules = _modules(tree)
+    modules = package_modules(tree)
     assert len(modules) > 80, "the walk found the package"
     for name, path in modules.items():
         original = path.read_text()
@@ -132,10 +124,10 @@ def test_the_closure_is_what_modulefinder_reads_from_the_bytecode(step, code):
     sources = Sources({"qbuild": PACKAGE})
     ours = {name for name, _ in closure(step, code, sources).modules}
     typing_only = set()
-    for name, path in _modules(PACKAGE).items():
+    for name, path in package_modules(PACKAGE).items():
         if name in ours:
             typing_only |= _type_checking_imports(path)
-    machinery = {name for name in _modules(PACKAGE) if any(name == m or name.startswith(m + ".") for m in MACHINERY)}
+    machinery = {name for name in package_modules(PACKAGE) if any(name == m or name.startswith(m + ".") for m in MACHINERY)}
     finder = modulefinder.ModuleFinder(path=[str(REPO)], excludes=sorted((typing_only - ours) | machinery))
     for module in (step.module(), *code):
         finder.import_hook(module)
@@ -157,7 +149,7 @@ ALLOWED_DYNAMIC_IMPORTS = {
 def test_no_import_is_hidden_from_the_walk():
     """An import the static walk cannot see is a key that misses code: each dynamic import is accounted for."""
     found = set()
-    for name, path in _modules(PACKAGE).items():
+    for name, path in package_modules(PACKAGE).items():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call):
                 func = ast.unparse(node.func)

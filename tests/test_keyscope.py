@@ -7,31 +7,21 @@ as bench/keyscope.py prints it."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
+from bench.keyscope import default_recipes, planned_pairs, table
 from qbuild.model.families import FAMILIES
 from qbuild.planning.closures import MACHINERY
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _keyscope():
-    spec = importlib.util.spec_from_file_location("keyscope", REPO / "bench" / "keyscope.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def scope(tmp_path_factory, tiny_checkpoints):
     """The tiny recipes planned over the suite's own tiny checkpoints (a fresh clone has no .qbuild/tiny)."""
-    keyscope = _keyscope()
-    recipes = keyscope.default_recipes(tmp_path_factory.mktemp("keyscope"), tiny_checkpoints)
-    pairs = keyscope.planned_pairs(recipes)
-    return set(pairs), keyscope.table(pairs)
+    recipes = default_recipes(tmp_path_factory.mktemp("keyscope"), tiny_checkpoints)
+    pairs = planned_pairs(recipes)
+    return set(pairs), table(pairs)
 
 
 def kind(label: str) -> str:
