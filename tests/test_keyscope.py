@@ -7,7 +7,6 @@ as bench/keyscope.py prints it."""
 
 from __future__ import annotations
 
-
 import pytest
 
 from bench.keyscope import default_recipes, planned_pairs, table
