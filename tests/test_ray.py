@@ -126,7 +126,8 @@ def test_a_worker_reads_its_code_afresh_for_each_task(tmp_path, monkeypatch):
     module = tmp_path / "probestep" / "act.py"
     module.write_text("def run(ctx):\n    return None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    probe = type("Probe", (Step,), {"kind": "probe", "params": dict, "__module__": "probestep.act"})
+    probe = type("Probe", (Step,), {"kind": "probe", "params": dict, "__module__": "probestep.act",
+                                   "run": classmethod(lambda cls, ctx: None)})
     pre = {"action": "probe", "code_hash": code_hash(probe), "params": {}, "inputs": {},
            "toolchain": toolchain_versions(probe)}
     rayexec._check_same_code(_job(probe, pre))
